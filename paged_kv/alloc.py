@@ -35,11 +35,13 @@ def grant_prefix(need: jax.Array, ok: jax.Array, num_free: jax.Array, *,
     atomic: grant nothing unless every valid request can be granted.
 
   Returns:
-    `bool[B]` granted. A request is granted iff it and every earlier granted
-    request fit in `num_free` (prefix-greedy, O(B), fair to batch order).
+    `bool[B]` granted. A request needing no block is always granted; one
+    needing blocks is granted iff it and every earlier valid request fit in
+    `num_free` together (prefix-greedy: O(B), first come first served, so a
+    large early request that does not fit also stops later ones).
   """
   need = jnp.where(ok, need, 0)
-  granted = ok & (jnp.cumsum(need) <= num_free)
+  granted = ok & ((need == 0) | (jnp.cumsum(need) <= num_free))
   if atomic:
     granted = granted & jnp.all(granted == ok)
   return granted
@@ -105,7 +107,11 @@ def change_refs(state: PoolState, block_ids: jax.Array, deltas: jax.Array, *,
     return dataclasses.replace(state, meta=dataclasses.replace(meta, ref_count=new_ref))
   freed = (new_ref == 0) & (meta.ref_count > 0)
   slots = jnp.where(freed[:, None], jnp.zeros_like(meta.slots), meta.slots)
-  free_list, num_free = rebuild_free_list(new_ref, meta.region)
+  rebuilt, rebuilt_num = rebuild_free_list(new_ref, meta.region)
+  # Keep the list bit-identical when nothing was freed (a refused call changes nothing).
+  any_freed = jnp.any(freed)
+  free_list = jnp.where(any_freed, rebuilt, meta.free_list)
+  num_free = jnp.where(any_freed, rebuilt_num, meta.num_free)
   pages = state.pages
   if config.scrub_freed_blocks:
     # Only the blocks this call touched can have been freed: scrub those.
@@ -176,7 +182,9 @@ def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks
   ids = jnp.where(used, meta.free_list[jnp.clip(run_pos + k, 0, n - 1)], -1)
   flat = jnp.where(used, ids, n)
   ref_count = meta.ref_count.at[flat].set(1, mode="drop")
-  free_list, num_free = rebuild_free_list(ref_count, meta.region)
+  rebuilt, rebuilt_num = rebuild_free_list(ref_count, meta.region)
+  free_list = jnp.where(ok, rebuilt, meta.free_list)  # a refused call changes nothing
+  num_free = jnp.where(ok, rebuilt_num, meta.num_free)
   meta = dataclasses.replace(meta, ref_count=ref_count,
                              last_use=meta.last_use.at[flat].set(state.step, mode="drop"),
                              free_list=free_list, num_free=num_free)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_kv import alloc, kv, segments
+from paged_kv import alloc, compact, kv, regions, segments, slots
 from paged_kv.config import PoolConfig
 from paged_kv.errors import (OOM_REASONS, InvalidArgument, InvalidBlock, InvalidSegment,
                              InvalidSequence, PoolExhausted, RefCountUnderflow, Status)
@@ -244,6 +244,101 @@ class BlockPool:
     self.state, status = alloc.apply_ref_deltas(self.state, _pad(ids, b, -1), _pad(d, b, 0),
                                                 config=self.config)
     raise_for_status(np.asarray(status)[:ids.size], "apply_ref_deltas")
+
+  # -- fragmentation (issue B): COW, packing, compaction, regions ---------------
+  def cow_split(self, seq_ids) -> np.ndarray:
+    """Copies shared/slotted tails into exclusive blocks; returns `bool[B]` split."""
+    ids = _as_int_array(seq_ids, "seq_ids")
+    self._check_ids(ids, active=True)
+    self.state, (split, status) = slots.cow_split(self.state, _pad(ids, _bucket(ids.size), -1),
+                                                  config=self.config, atomic=True)
+    raise_for_status(np.asarray(status)[:ids.size], "cow_split")
+    return np.asarray(split)[:ids.size]
+
+  def pack_slots(self, table_segments=(), extra_segments=()) -> "PackResult":
+    """Packs short segments into slotted blocks (see `paged_kv.slots`).
+
+    Args:
+      table_segments: `(row, col)` pairs naming segments of live sequences.
+      extra_segments: `(block, start, length)` rows held outside the pool (one
+        reference each, e.g. a prefix-cache node's segment).
+
+    Returns:
+      A `PackResult`; the references were already transferred by the pool.
+    """
+    tab = np.asarray(table_segments, np.int64).reshape(-1, 2)
+    ext = np.asarray(extra_segments, np.int64).reshape(-1, 3)
+    t = jax.tree.map(np.asarray, self.state.table)
+    if tab.size:
+      self._check_ids(np.unique(tab[:, 0]), active=True)
+      if (tab[:, 1] < 0).any() or (tab[:, 1] >= t.num_segments[tab[:, 0]]).any():
+        raise InvalidSegment(f"segment columns {tab[:, 1].tolist()} outside the rows' segments")
+    if ext.size and (ext[:, 0].min() < 0 or ext[:, 0].max() >= self.config.num_blocks):
+      raise InvalidBlock(f"extra segment blocks outside [0, {self.config.num_blocks})")
+    k = len(tab) + len(ext)
+    owner = np.concatenate([tab[:, 0], np.full(len(ext), slots.OWNER_EXTERNAL)])
+    col = np.concatenate([tab[:, 1], np.zeros(len(ext), np.int64)])
+    blk = np.concatenate([t.block[tab[:, 0], tab[:, 1]], ext[:, 0]])
+    start = np.concatenate([t.start[tab[:, 0], tab[:, 1]], ext[:, 1]])
+    length = np.concatenate([t.length[tab[:, 0], tab[:, 1]], ext[:, 2]])
+    b = _bucket(k)
+    self.state, (new_block, new_start, status) = slots.pack_slots(
+        self.state, _pad(owner, b, -1), _pad(col, b, 0), _pad(blk, b, -1), _pad(start, b, 0),
+        _pad(length, b, 0), config=self.config, atomic=True)
+    raise_for_status(np.asarray(status)[:k], "pack_slots")
+    nb, ns = np.asarray(new_block)[:k], np.asarray(new_start)[:k]
+    new = np.stack([nb, ns, length], axis=1).astype(np.int32)
+    ids = np.concatenate([nb, blk]).astype(np.int64)
+    deltas = np.concatenate([np.ones(k, np.int64), -np.ones(k, np.int64)])
+    uniq, inv = np.unique(ids, return_inverse=True)
+    summed = np.bincount(inv, weights=deltas, minlength=uniq.size).astype(np.int32)
+    keep = summed != 0
+    return PackResult(table_segments=np.concatenate([tab.astype(np.int32), new[:len(tab)]],
+                                                    axis=1),
+                      extra_segments=new[len(tab):],
+                      ref_deltas=(uniq[keep].astype(np.int32), summed[keep]))
+
+  def compact(self, budget: int = 32, impl: str = "xla") -> np.ndarray:
+    """One compaction step of up to `budget` moves; returns `remap i32[num_blocks]`."""
+    if not isinstance(budget, (int, np.integer)) or budget < 1:
+      raise InvalidArgument(f"budget must be a positive int, got {budget!r}")
+    src, dst = compact.plan_compaction(self.state.meta, budget=int(budget))
+    self.state, (remap, status) = compact.compact_permute(self.state, src, dst,
+                                                          config=self.config, impl=impl)
+    raise_for_status(np.asarray(status), "compact")
+    return np.asarray(remap)
+
+  def promote(self, min_readers: int, max_moves: int = 8) -> np.ndarray:
+    """Moves blocks with >= `min_readers` references into the base pool; returns remap."""
+    src, dst = regions.plan_promotion(self.state.meta, int(min_readers), max_moves=max_moves)
+    self.state, (remap, status) = regions.promote_blocks(self.state, src, dst,
+                                                         config=self.config)
+    raise_for_status(np.asarray(status), "promote")
+    return np.asarray(remap)
+
+  def resize(self, num_blocks: int) -> None:
+    """Shrinks (the cut tail must be free: compact first) or grows the pool."""
+    new_config = regions.resized_config(self.config, num_blocks)
+    self.state = regions.resize_pool(self.state, config=self.config, new_config=new_config)
+    self.config = new_config
+
+
+@dataclasses.dataclass(frozen=True)
+class PackResult:
+  """Outcome of `BlockPool.pack_slots`.
+
+  Attributes:
+    table_segments: `i32[T, 5]` rows `(row, col, new_block, new_start, length)`.
+    extra_segments: `i32[E, 3]` new `(block, start, length)` of each outside
+      segment, in the order given: the holder rewrites its record to it.
+    ref_deltas: `(block_ids, deltas)` the pool already applied (+1 new block,
+      -1 old block per moved reference, aggregated); an outside holder's own
+      rebind deltas must equal these and must not be applied again.
+  """
+
+  table_segments: np.ndarray
+  extra_segments: np.ndarray
+  ref_deltas: tuple[np.ndarray, np.ndarray]
 
 
 def segments_open(state: PoolState, seq_id: int, blk: np.ndarray, start: np.ndarray,

@@ -229,7 +229,9 @@ def reserve_tokens(state: PoolState, seq_ids: jax.Array, num_new: jax.Array, *,
       num_segments=table.num_segments.at[rows].add(need, mode="drop"),
       seq_len=table.seq_len.at[rows].add(n_tok, mode="drop"),
   )
-  state = dataclasses.replace(state, meta=meta, table=table, step=state.step + 1)
+  # The clock advances only when something was reserved: a refused call changes nothing.
+  step = state.step + jnp.any(granted & (n_tok > 0)).astype(jnp.int32)
+  state = dataclasses.replace(state, meta=meta, table=table, step=step)
   return state, (slot_idx, finish_status(status, granted | ~real))
 
 

@@ -102,7 +102,7 @@ class PoolState:
     pages: the K/V data.
     meta: per-block bookkeeping and the free list.
     table: the segment tables of live sequences.
-    step: `i32[]` logical clock, advanced by every `reserve_tokens` call.
+    step: `i32[]` logical clock, advanced by every `reserve_tokens` call that reserves a token.
   """
 
   pages: KVPages
