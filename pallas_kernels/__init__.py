@@ -1,0 +1,10 @@
+"""Pallas kernels of paged_kv: segment-table attention and in-place block copies.
+
+Modules (each: kernel, public wrapper with keyword-only static args, `ref_*`):
+  pallas_kernels.paged_attention    decode attention over segment tables
+  pallas_kernels.prefill_attention  extend/prefill attention with a cached prefix
+  pallas_kernels.permute_blocks     in-place block permutation and slot copies
+Functions are not re-exported here, because `paged_attention` and
+`permute_blocks` would shadow their own modules. This package imports nothing
+from the rest of paged_kv.
+"""

@@ -1,0 +1,441 @@
+"""Decode attention over segment tables (one query token per sequence).
+
+A sequence's KV lives in *segments* `(block, start, length)`: logical token t of
+batch row b is at slot `seg_start[b, s] + (t - sum(seg_length[b, :s]))` of block
+`seg_block[b, s]`, for the segment s whose cumulative length covers t. Entries at
+`s >= num_segments[b]` are padding and may hold garbage; they are never read.
+Several segments (of one or several sequences) may share a block ("slotted blocks",
+shared prefixes), so every kernel masks slots outside `[start, start + length)`.
+
+Implementations (`impl=`):
+  * "xla":    gathers whole blocks with `jnp.take` and runs a masked softmax. The
+              library's CPU default; cost is O(batch * max_segments * block_size).
+  * "pallas": grid-based generic Pallas kernel, grid (batch, kv_head, split). One
+              program holds the GQA group of query heads of one kv head, walks its
+              split's segments `pages_per_step` blocks at a time with an online
+              softmax, and writes an unnormalised partial result; a small jnp pass
+              merges the splits (flash decoding). Runs on CPU with `interpret=True`
+              and lowers through the Triton backend on GPUs.
+  * "mosaic": not implemented for attention (see `_SUPPORTED_IMPLS`); the wrapper
+              raises a ValueError naming the supported choices.
+
+`ref_paged_attention` is the float reference: it rebuilds every sequence's logical
+K/V token by token and runs a plain softmax. It is written independently of the
+block-level paths above so that it can check them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+# Constants ------------------------------------------------------------------
+
+DEFAULT_PAGES_PER_STEP = 4  # segments (hence blocks) loaded per online-softmax step
+_SUPPORTED_IMPLS = ("xla", "pallas")
+_KNOWN_IMPLS = ("xla", "pallas", "mosaic")
+_NEG_INF = float("-inf")
+
+
+# Reference --------------------------------------------------------------------
+
+
+def logical_token_slots(
+    seg_block: jax.Array,  # i32[B, S]
+    seg_start: jax.Array,  # i32[B, S]
+    seg_length: jax.Array,  # i32[B, S]
+    num_segments: jax.Array,  # i32[B]
+    *,
+    max_tokens: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Physical (block, slot) of logical tokens 0..max_tokens-1 of every row.
+
+  Returns `(block i32[B, max_tokens], slot i32[B, max_tokens], seq_lens i32[B])`;
+  tokens at `t >= seq_lens[b]` point at block 0, slot 0 and must be masked.
+  """
+  num_seg_slots = seg_block.shape[1]
+  seg_idx = jnp.arange(num_seg_slots)[None, :]
+  valid = seg_idx < num_segments[:, None]
+  lengths = jnp.where(valid, seg_length, 0)
+  cum_end = jnp.cumsum(lengths, axis=1)  # [B, S]
+  seq_lens = cum_end[:, -1]
+  t = jnp.arange(max_tokens)[None, :]
+  # Segment covering t: number of segments that end at or before t.
+  s_of_t = jnp.sum(cum_end[:, None, :] <= t[:, :, None], axis=-1)  # [B, T]
+  s_of_t = jnp.minimum(s_of_t, num_seg_slots - 1)
+  in_seq = t < seq_lens[:, None]
+  take = lambda a: jnp.take_along_axis(a, s_of_t, axis=1)
+  cum_before = take(cum_end) - take(lengths)
+  block = jnp.where(in_seq, take(seg_block), 0)
+  slot = jnp.where(in_seq, take(seg_start) + (t - cum_before), 0)
+  return block, slot, seq_lens
+
+
+def _apply_soft_cap(logits, soft_cap):
+  if soft_cap is None:
+    return logits
+  return soft_cap * jnp.tanh(logits / soft_cap)
+
+
+def ref_paged_attention(
+    q: jax.Array,  # [B, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    seg_block: jax.Array,  # i32[B, S]
+    seg_start: jax.Array,  # i32[B, S]
+    seg_length: jax.Array,  # i32[B, S]
+    num_segments: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
+  """Plain reference: gather logical K/V per token, then a masked softmax.
+
+  Computes in the promoted dtype of the inputs (pass float64 for a float64 ref).
+  """
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads, _, block_size, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  max_tokens = seg_block.shape[1] * block_size
+  block, slot, seq_lens = logical_token_slots(
+      seg_block, seg_start, seg_length, num_segments, max_tokens=max_tokens)
+  k = k_pages[:, block, slot]  # [KVH, B, T, D]
+  v = v_pages[:, block, slot]
+  mask = jnp.arange(max_tokens)[None, :] < seq_lens[:, None]  # [B, T]
+  k = jnp.where(mask[None, :, :, None], k, 0)
+  v = jnp.where(mask[None, :, :, None], v, 0)
+  qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  logits = jnp.einsum("bhgd,hbtd->bhgt", qg, k) * sm_scale
+  logits = _apply_soft_cap(logits, soft_cap)
+  logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0)
+  p = jnp.exp(logits - m)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  out = jnp.einsum("bhgt,hbtd->bhgd", p, v)
+  # `denom == 0` (not `> 0`) so that a NaN that slipped in still propagates.
+  out = jnp.where(denom == 0, 0, out / jnp.where(denom == 0, 1, denom))
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# Validators --------------------------------------------------------------------
+
+
+def static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length,
+                           num_segments, *, sm_scale, soft_cap, num_splits, impl,
+                           pages_per_step):
+  """Checks shapes, dtypes and static arguments; raises ValueError."""
+  if q.ndim != 3:
+    raise ValueError(f"q must be [batch, num_q_heads, head_dim], got {q.shape}")
+  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+    raise ValueError(
+        "k_pages and v_pages must both be [num_kv_heads, num_blocks, block_size,"
+        f" head_dim], got {k_pages.shape} and {v_pages.shape}")
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads = k_pages.shape[0]
+  if k_pages.shape[3] != head_dim:
+    raise ValueError(f"head_dim mismatch: q {head_dim}, pages {k_pages.shape[3]}")
+  if num_q_heads % num_kv_heads:
+    raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
+                     f"num_kv_heads={num_kv_heads}")
+  if k_pages.dtype != v_pages.dtype:
+    raise ValueError(f"k/v dtype mismatch: {k_pages.dtype} vs {v_pages.dtype}")
+  for name, a in (("seg_block", seg_block), ("seg_start", seg_start),
+                  ("seg_length", seg_length)):
+    if a.ndim != 2 or a.shape[0] != batch:
+      raise ValueError(f"{name} must be i32[{batch}, S], got {a.shape}")
+    if a.shape != seg_block.shape:
+      raise ValueError(f"{name} shape {a.shape} != seg_block {seg_block.shape}")
+    if a.dtype != jnp.int32:
+      raise ValueError(f"{name} must be int32, got {a.dtype}")
+  if num_segments.shape != (batch,) or num_segments.dtype != jnp.int32:
+    raise ValueError(f"num_segments must be i32[{batch}], got "
+                     f"{num_segments.dtype}{list(num_segments.shape)}")
+  if impl not in _KNOWN_IMPLS:
+    raise ValueError(f"impl must be one of {_KNOWN_IMPLS}, got {impl!r}")
+  if impl not in _SUPPORTED_IMPLS:
+    raise ValueError(
+        f"impl={impl!r} is not implemented for attention; use one of "
+        f"{_SUPPORTED_IMPLS} (the Mosaic GPU path exists for permute_blocks only)")
+  if not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+  if not isinstance(pages_per_step, int) or pages_per_step < 1:
+    raise ValueError(f"pages_per_step must be an int >= 1, got {pages_per_step!r}")
+  if soft_cap is not None and not soft_cap > 0:
+    raise ValueError(f"soft_cap must be None or > 0, got {soft_cap!r}")
+  if sm_scale is not None and not sm_scale > 0:
+    raise ValueError(f"sm_scale must be None or > 0, got {sm_scale!r}")
+
+
+def dynamic_validate_inputs(
+    seg_block, seg_start, seg_length, num_segments, *, num_blocks: int,
+    block_size: int):
+  """Host-side check of a concrete segment table (debug/tests); raises ValueError.
+
+  Valid entries (`s < num_segments[b]`) need `0 <= block < num_blocks`,
+  `length >= 1`, `start >= 0` and `start + length <= block_size`. Padding entries
+  are not inspected.
+  """
+  blk, st, ln, ns = (np.asarray(a) for a in (seg_block, seg_start, seg_length,
+                                             num_segments))
+  num_seg_slots = blk.shape[1]
+  if np.any(ns < 0) or np.any(ns > num_seg_slots):
+    raise ValueError(f"num_segments must lie in [0, {num_seg_slots}], got {ns}")
+  valid = np.arange(num_seg_slots)[None, :] < ns[:, None]
+  bad = valid & ((blk < 0) | (blk >= num_blocks) | (ln < 1) | (st < 0) |
+                 (st + ln > block_size))
+  if np.any(bad):
+    b, s = np.argwhere(bad)[0]
+    raise ValueError(
+        f"invalid segment (row {b}, entry {s}): block={blk[b, s]} start={st[b, s]}"
+        f" length={ln[b, s]} (num_blocks={num_blocks}, block_size={block_size})")
+
+
+# XLA gather path ---------------------------------------------------------------
+
+
+def _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_length,
+                         num_segments, *, sm_scale, soft_cap):
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  num_seg_slots = seg_block.shape[1]
+  valid = jnp.arange(num_seg_slots)[None, :] < num_segments[:, None]  # [B, S]
+  blocks = jnp.clip(jnp.where(valid, seg_block, 0), 0, num_blocks - 1)
+  j = jnp.arange(block_size)[None, None, :]
+  mask = (valid[:, :, None] & (j >= seg_start[:, :, None]) &
+          (j < (seg_start + seg_length)[:, :, None]))  # [B, S, bs]
+  mask = mask.reshape(batch, num_seg_slots * block_size)
+  k = k_pages[:, blocks].reshape(num_kv_heads, batch, -1, head_dim)
+  v = v_pages[:, blocks].reshape(num_kv_heads, batch, -1, head_dim)
+  v = jnp.where(mask[None, :, :, None], v, jnp.zeros((), v.dtype))
+  qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  logits = jnp.einsum("bhgd,hbtd->bhgt", qg, k,
+                      preferred_element_type=jnp.float32) * sm_scale
+  logits = _apply_soft_cap(logits, soft_cap)
+  logits = jnp.where(mask[:, None, None, :], logits, _NEG_INF)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  m = jnp.where(m == _NEG_INF, 0.0, m)
+  p = jnp.exp(logits - m)
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  out = jnp.einsum("bhgt,hbtd->bhgd", p, v.astype(jnp.float32))
+  out = jnp.where(denom == 0, 0.0, out / jnp.where(denom == 0, 1.0, denom))
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# Pallas kernel -------------------------------------------------------------------
+
+
+def load_segment_pages(k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_ref,
+                       *, row, head, first, end, pages_per_step,
+                       cum_before_ref=None):
+  """Loads `pages_per_step` segments starting at `first` (entries < `end` valid).
+
+  Returns `(k f32[P*bs, D], v f32[P*bs, D] with masked slots zeroed,
+  mask bool[P*bs], key_pos i32[P*bs])`. `key_pos` is the logical token position
+  of each slot when `cum_before_ref` (i32[B, S], tokens before each segment) is
+  given, else the slot index. Padding entries are never dereferenced: their block
+  index is replaced by 0 before the load and every slot they cover is masked.
+  """
+  num_seg_slots = seg_block_ref.shape[1]
+  num_blocks, block_size = k_ref.shape[1], k_ref.shape[2]
+  ks, vs, masks, key_pos = [], [], [], []
+  j = jax.lax.broadcasted_iota(jnp.int32, (block_size,), 0)
+  for p in range(pages_per_step):
+    idx = first + p
+    valid = idx < end
+    safe_idx = jnp.minimum(idx, num_seg_slots - 1)
+    blk = jnp.where(valid, seg_block_ref[row, safe_idx], 0)
+    blk = jnp.clip(blk, 0, num_blocks - 1)
+    start = seg_start_ref[row, safe_idx]
+    length = seg_length_ref[row, safe_idx]
+    mask = valid & (j >= start) & (j < start + length)
+    k = k_ref[head, blk].astype(jnp.float32)
+    v = v_ref[head, blk].astype(jnp.float32)
+    ks.append(k)
+    vs.append(jnp.where(mask[:, None], v, 0.0))
+    masks.append(mask)
+    if cum_before_ref is None:
+      key_pos.append(j)
+    else:
+      key_pos.append(cum_before_ref[row, safe_idx] + (j - start))
+  cat = lambda xs: jnp.concatenate(xs, axis=0)
+  return cat(ks), cat(vs), cat(masks), cat(key_pos)
+
+
+def online_softmax_update(carry, logits, v):
+  """One flash step. carry = (m f32[R], l f32[R], acc f32[R, D]); logits f32[R, N]
+  already masked with -inf; v f32[N, D] with masked rows zero."""
+  m_prev, l_prev, acc_prev = carry
+  m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1))
+  m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+  p = jnp.exp(logits - m_safe[:, None])
+  alpha = jnp.exp(m_prev - m_safe)
+  l_new = alpha * l_prev + jnp.sum(p, axis=1)
+  acc_new = alpha[:, None] * acc_prev + jnp.dot(
+      p, v, preferred_element_type=jnp.float32)
+  return m_new, l_new, acc_new
+
+
+def paged_attention_kernel(
+    num_segments_ref,  # i32[B]
+    seg_block_ref,  # i32[B, S]
+    seg_start_ref,  # i32[B, S]
+    seg_length_ref,  # i32[B, S]
+    q_ref,  # [G, D] (this row, this kv head)
+    k_ref,  # [KVH, num_blocks, bs, D] (whole array)
+    v_ref,  # [KVH, num_blocks, bs, D]
+    acc_ref,  # f32[G, D] unnormalised output of this split
+    m_ref,  # f32[G] running max of this split
+    l_ref,  # f32[G] softmax denominator of this split
+    *, sm_scale, soft_cap, segments_per_split, pages_per_step):
+  """Program (b, h, s): segments [s*per, min((s+1)*per, num_segments[b]))."""
+  row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  group, head_dim = q_ref.shape
+  first = split * segments_per_split
+  end = jnp.minimum(first + segments_per_split, num_segments_ref[row])
+  num_steps = jnp.maximum(0, pl.cdiv(end - first, pages_per_step))
+  q = q_ref[...].astype(jnp.float32) * sm_scale
+
+  def body(step, carry):
+    k, v, mask, _ = load_segment_pages(
+        k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_ref, row=row,
+        head=head, first=first + step * pages_per_step, end=end,
+        pages_per_step=pages_per_step)
+    logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    logits = _apply_soft_cap(logits, soft_cap)
+    logits = jnp.where(mask[None, :], logits, _NEG_INF)
+    return online_softmax_update(carry, logits, v)
+
+  init = (jnp.full((group,), _NEG_INF, jnp.float32),
+          jnp.zeros((group,), jnp.float32),
+          jnp.zeros((group, head_dim), jnp.float32))
+  m, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
+  acc_ref[...] = acc
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+def merge_splits(acc, m, l, axis):
+  """Stable merge of split partials: acc [..., NS, R, D], m/l [..., NS, R].
+
+  Splits that saw no token have m = -inf and l = 0 and get weight 0; rows with no
+  token at all return 0.
+  """
+  m_max = jnp.max(m, axis=axis, keepdims=True)
+  m_max = jnp.where(m_max == _NEG_INF, 0.0, m_max)
+  w = jnp.exp(m - m_max)  # exp(-inf) = 0 for empty splits
+  l_tot = jnp.sum(w * l, axis=axis)
+  o = jnp.sum(w[..., None] * acc, axis=axis)
+  # Test `== 0` rather than `> 0`: a NaN (a stray read) must propagate, not vanish.
+  safe = jnp.where(l_tot == 0, 1.0, l_tot)
+  return jnp.where(l_tot[..., None] == 0, 0.0, o / safe[..., None])
+
+
+def _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_length,
+                            num_segments, *, sm_scale, soft_cap, num_splits,
+                            pages_per_step, interpret):
+  batch, num_q_heads, head_dim = q.shape
+  num_kv_heads = k_pages.shape[0]
+  group = num_q_heads // num_kv_heads
+  num_seg_slots = seg_block.shape[1]
+  num_splits = min(num_splits, num_seg_slots)
+  per_split = pl.cdiv(num_seg_slots, num_splits)
+  qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  kernel = functools.partial(
+      paged_attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+      segments_per_split=per_split, pages_per_step=pages_per_step)
+  whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+  acc, m, l = pl.pallas_call(
+      kernel,
+      grid=(batch, num_kv_heads, num_splits),
+      in_specs=[
+          whole(num_segments), whole(seg_block), whole(seg_start),
+          whole(seg_length),
+          pl.BlockSpec((None, None, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
+          whole(k_pages), whole(v_pages),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, group, head_dim),
+                       lambda b, h, s: (b, h, s, 0, 0)),
+          pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
+          pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim),
+                               jnp.float32),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group),
+                               jnp.float32),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group),
+                               jnp.float32),
+      ],
+      interpret=interpret,
+      name="paged_attention",
+  )(num_segments, seg_block, seg_start, seg_length, qg, k_pages, v_pages)
+  out = merge_splits(acc, m, l, axis=2)  # [B, KVH, G, D]
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+# Public wrapper -----------------------------------------------------------------
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "soft_cap", "num_splits", "impl", "interpret",
+                     "pages_per_step"))
+def paged_attention(
+    q: jax.Array,  # [B, num_q_heads, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    seg_block: jax.Array,  # i32[B, S]
+    seg_start: jax.Array,  # i32[B, S]
+    seg_length: jax.Array,  # i32[B, S]
+    num_segments: jax.Array,  # i32[B]
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    num_splits: int = 1,
+    impl: str = "xla",
+    interpret: bool = False,
+    pages_per_step: int = DEFAULT_PAGES_PER_STEP,
+) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
+  """Decode attention of one query token per row over its segment table.
+
+  Args:
+    q: queries, `num_q_heads` a multiple of `num_kv_heads` (GQA).
+    k_pages, v_pages: one layer's pages.
+    seg_block, seg_start, seg_length: segment table padded to S entries per row;
+      only entries `s < num_segments[b]` are read.
+    num_segments: number of valid segments per row; 0 gives a zero output row.
+    sm_scale: logits scale, default `1/sqrt(head_dim)`.
+    soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)` (after
+      scaling).
+    num_splits: split-K factor over segment entries ("pallas"; flash decoding).
+      The "xla" path computes the exact softmax in one pass and ignores it.
+    impl: "xla" (CPU default) or "pallas"; "mosaic" raises (not implemented).
+    interpret: run the Pallas kernel in interpret mode (CPU).
+    pages_per_step: segments loaded per online-softmax step ("pallas").
+
+  Accumulation is float32 for every input dtype.
+  """
+  static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length,
+                         num_segments, sm_scale=sm_scale, soft_cap=soft_cap,
+                         num_splits=num_splits, impl=impl,
+                         pages_per_step=pages_per_step)
+  sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+  if impl == "xla":
+    return _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
+                                seg_length, num_segments, sm_scale=sm_scale,
+                                soft_cap=soft_cap)
+  return _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
+                                 seg_length, num_segments, sm_scale=sm_scale,
+                                 soft_cap=soft_cap, num_splits=num_splits,
+                                 pages_per_step=pages_per_step,
+                                 interpret=interpret)

@@ -1,0 +1,365 @@
+"""In-place block moves (compaction) and slot-range copies (COW, slot packing).
+
+`permute_blocks(pages, src, dst)` copies whole blocks `pages[:, :, src[i]]` to
+`pages[:, :, dst[i]]` (all layers, all kv heads) of a pool
+`[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`, in place: the pages
+are donated and aliased to the output. Moves with `src == -1` or `dst == -1` are
+padding and ignored. The planner guarantees that the set of sources and the set of
+destinations are disjoint (and destinations distinct), so every
+(move, layer, head) chunk is an independent copy and the order of copies does not
+matter; `dynamic_validate_moves` checks that on the host.
+
+`copy_slots(pages, src_block, src_start, dst_block, dst_start, length)` copies, for
+each entry e, slots `[src_start, src_start+length)` of block `src_block` to slots
+`[dst_start, dst_start+length)` of block `dst_block` (all layers, heads); entries
+with `length == 0` are padding. Destination slots must be distinct and disjoint
+from source slots (`dynamic_validate_slot_copies`).
+
+Implementations (`impl=`):
+  * "xla":    gather + scatter on the donated pages (`.at[].set(mode="drop")`);
+              XLA updates the buffer in place. The CPU default.
+  * "pallas": generic grid Pallas kernel, grid (move, layer); pages stay in place
+              through `input_output_aliases`. Runs in interpret mode on CPU.
+  * "mosaic": `permute_blocks` only. Mosaic GPU kernel, one program per move: the
+              move's (src, dst) come from GMEM to SMEM by TMA (barrier-waited before
+              any scalar read), then per layer the `[num_kv_heads, bs, head_dim]`
+              chunk goes GMEM -> SMEM (TMA, barrier) -> GMEM (TMA store) through a
+              two-slot SMEM ring; a slot is reused only after `wait_smem_to_gmem`
+              confirms the store that read it. Runs on CPU under
+              `plgpu.InterpretGPUParams(detect_races=True)`.
+
+`ref_permute_blocks` / `ref_copy_slots` are numpy-free `jnp` references that apply
+the moves one by one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+# Constants ------------------------------------------------------------------
+
+_PERMUTE_IMPLS = ("xla", "pallas", "mosaic")
+_COPY_IMPLS = ("xla", "pallas")
+_MOSAIC_RING = 2  # SMEM slots of the Mosaic GPU copy ring
+_MOSAIC_INDEX_ALIGN = 4  # i32 move arrays padded to 16 bytes for TMA
+
+
+# References -------------------------------------------------------------------
+
+
+def ref_permute_blocks(
+    pages: jax.Array,  # [L, KVH, num_blocks, bs, D]
+    src: jax.Array,  # i32[M], -1 = padding
+    dst: jax.Array,  # i32[M], -1 = padding
+) -> jax.Array:
+  """Applies the moves one at a time (reads the *original* source blocks)."""
+  out = pages
+  for i in range(src.shape[0]):
+    s, d = int(src[i]), int(dst[i])
+    if s >= 0 and d >= 0:
+      out = out.at[:, :, d].set(pages[:, :, s])
+  return out
+
+
+def ref_copy_slots(
+    pages: jax.Array,  # [L, KVH, num_blocks, bs, D]
+    src_block: jax.Array,  # i32[E]
+    src_start: jax.Array,  # i32[E]
+    dst_block: jax.Array,  # i32[E]
+    dst_start: jax.Array,  # i32[E]
+    length: jax.Array,  # i32[E], 0 = padding
+) -> jax.Array:
+  """Copies the slot ranges one entry at a time from the original pages."""
+  out = pages
+  for e in range(length.shape[0]):
+    n = int(length[e])
+    if n > 0:
+      sb, ss, db, ds = (int(a[e]) for a in (src_block, src_start, dst_block,
+                                            dst_start))
+      out = out.at[:, :, db, ds:ds + n].set(pages[:, :, sb, ss:ss + n])
+  return out
+
+
+# Validators --------------------------------------------------------------------
+
+
+def static_validate_pages(pages, *index_arrays, names, impl, impls):
+  if pages.ndim != 5:
+    raise ValueError("pages must be [num_layers, num_kv_heads, num_blocks, "
+                     f"block_size, head_dim], got {pages.shape}")
+  n = index_arrays[0].shape
+  for name, a in zip(names, index_arrays):
+    if a.ndim != 1 or a.shape != n or a.dtype != jnp.int32:
+      raise ValueError(f"{name} must be a 1-D int32 array shaped like "
+                       f"{names[0]} {list(n)}, got {a.dtype}{list(a.shape)}")
+  if impl not in impls:
+    raise ValueError(f"impl must be one of {impls}, got {impl!r}")
+
+
+def dynamic_validate_moves(src, dst, *, num_blocks: int):
+  """Host check: indices in range or -1, destinations distinct, and the set of
+  (non-padding) sources disjoint from the set of destinations."""
+  src, dst = np.asarray(src), np.asarray(dst)
+  live = (src >= 0) & (dst >= 0)
+  for name, a in (("src", src), ("dst", dst)):
+    if np.any((a < -1) | (a >= num_blocks)):
+      raise ValueError(f"{name} entries must be -1 or in [0, {num_blocks}): {a}")
+  s, d = src[live], dst[live]
+  if len(np.unique(d)) != len(d):
+    raise ValueError(f"destination blocks are not distinct: {d}")
+  both = np.intersect1d(s, d)
+  if both.size:
+    raise ValueError(f"blocks {both} are both a source and a destination; the "
+                     "in-place permutation needs disjoint sets")
+
+
+def dynamic_validate_slot_copies(src_block, src_start, dst_block, dst_start,
+                                 length, *, num_blocks: int, block_size: int):
+  """Host check: ranges inside their blocks, destination slots distinct and
+  disjoint from source slots."""
+  sb, ss, db, ds, ln = (np.asarray(a) for a in (src_block, src_start, dst_block,
+                                                dst_start, length))
+  live = ln > 0
+  if np.any(ln < 0):
+    raise ValueError(f"length must be >= 0: {ln}")
+  for name, blk, st in (("src", sb, ss), ("dst", db, ds)):
+    bad = live & ((blk < 0) | (blk >= num_blocks) | (st < 0) |
+                  (st + ln > block_size))
+    if np.any(bad):
+      e = int(np.argmax(bad))
+      raise ValueError(f"{name} range of entry {e} is outside its block: block="
+                       f"{blk[e]} start={st[e]} length={ln[e]}")
+  slots = lambda blk, st: {(int(blk[e]), int(st[e]) + j)
+                           for e in np.flatnonzero(live) for j in range(ln[e])}
+  dst_slots = slots(db, ds)
+  if len(dst_slots) != int(ln[live].sum()):
+    raise ValueError("two copies write the same destination slot")
+  if dst_slots & slots(sb, ss):
+    raise ValueError("a destination slot is also a source slot")
+
+
+# XLA paths ---------------------------------------------------------------------
+
+
+def _xla_permute_blocks(pages, src, dst):
+  num_blocks = pages.shape[2]
+  live = (src >= 0) & (dst >= 0)
+  safe_src = jnp.where(live, src, 0)
+  safe_dst = jnp.where(live, dst, num_blocks)  # out of bounds -> dropped
+  return pages.at[:, :, safe_dst].set(pages[:, :, safe_src], mode="drop",
+                                      unique_indices=True)
+
+
+def _xla_copy_slots(pages, src_block, src_start, dst_block, dst_start, length):
+  num_layers, num_kv_heads, num_blocks, block_size, head_dim = pages.shape
+  j = jnp.arange(block_size)[None, :]
+  live = j < length[:, None]  # [E, bs]
+  src = jnp.where(live, src_block[:, None] * block_size + src_start[:, None] + j, 0)
+  dst = jnp.where(live, dst_block[:, None] * block_size + dst_start[:, None] + j,
+                  num_blocks * block_size)
+  flat = pages.reshape(num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+  flat = flat.at[:, :, dst.reshape(-1)].set(flat[:, :, src.reshape(-1)],
+                                             mode="drop")
+  return flat.reshape(pages.shape)
+
+
+# Generic Pallas kernels -------------------------------------------------------
+
+
+def permute_blocks_kernel(src_ref, dst_ref, pages_ref, out_ref):
+  """Program (move i, layer l): out[l, :, dst[i]] = pages[l, :, src[i]].
+
+  `out_ref` aliases `pages_ref`; sources and destinations are disjoint, so no
+  program reads a block another program writes.
+  """
+  i, layer = pl.program_id(0), pl.program_id(1)
+  s, d = src_ref[i], dst_ref[i]
+
+  @pl.when((s >= 0) & (d >= 0))
+  def _():
+    out_ref[layer, :, d] = pages_ref[layer, :, s]
+
+
+def copy_slots_kernel(src_block_ref, src_start_ref, dst_block_ref, dst_start_ref,
+                      length_ref, pages_ref, out_ref):
+  """Program (entry e, layer l): copies `length[e]` slots one at a time, so two
+  entries that fill different slot ranges of one block never overwrite each
+  other (no read-modify-write of whole blocks)."""
+  e, layer = pl.program_id(0), pl.program_id(1)
+  sb, ss = src_block_ref[e], src_start_ref[e]
+  db, ds = dst_block_ref[e], dst_start_ref[e]
+
+  def body(j, carry):
+    out_ref[layer, :, db, ds + j] = pages_ref[layer, :, sb, ss + j]
+    return carry
+
+  jax.lax.fori_loop(0, length_ref[e], body, 0)
+
+
+def _pallas_permute_blocks(pages, src, dst, *, interpret):
+  num_layers = pages.shape[0]
+  smem_like = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,))
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      permute_blocks_kernel,
+      grid=(src.shape[0], num_layers),
+      in_specs=[smem_like(src), smem_like(dst), any_spec],
+      out_specs=any_spec,
+      out_shape=jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+      input_output_aliases={2: 0},
+      interpret=interpret,
+      name="permute_blocks",
+  )(src, dst, pages)
+
+
+def _pallas_copy_slots(pages, src_block, src_start, dst_block, dst_start, length,
+                       *, interpret):
+  num_layers = pages.shape[0]
+  vec = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,))
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  return pl.pallas_call(
+      copy_slots_kernel,
+      grid=(length.shape[0], num_layers),
+      in_specs=[vec(src_block), vec(src_start), vec(dst_block), vec(dst_start),
+                vec(length), any_spec],
+      out_specs=any_spec,
+      out_shape=jax.ShapeDtypeStruct(pages.shape, pages.dtype),
+      input_output_aliases={5: 0},
+      interpret=interpret,
+      name="copy_slots",
+  )(src_block, src_start, dst_block, dst_start, jnp.maximum(length, 0), pages)
+
+
+# Mosaic GPU kernel ------------------------------------------------------------
+
+
+def mosaic_permute_blocks_kernel(moves_gmem, pages_gmem, moves_smem, ring_smem,
+                                 moves_barrier, ring_barriers):
+  """Program i (one move). moves_gmem i32[2, M] (row 0 src, row 1 dst).
+
+  Synchronisation, in the order the Mosaic GPU interpreter checks it:
+    1. TMA-load the move table into SMEM and wait on its barrier before reading
+       any scalar of it;
+    2. per layer, pick ring slot `l % 2`; before loading into it, wait until at
+       most one SMEM->GMEM store is in flight (`wait_smem_to_gmem(1)`), i.e. the
+       store issued two layers ago from this slot has finished reading it;
+    3. TMA-load the chunk, wait on the slot's barrier, TMA-store it to the
+       destination; finally wait for all stores (`wait_smem_to_gmem(0)`).
+  """
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
+
+  num_layers = pages_gmem.shape[0]
+  # NOTE: `pl.program_id` is always 0 in the Mosaic GPU interpreter (JAX 0.12);
+  # a named grid axis read with `lax.axis_index` is what it simulates.
+  i = jax.lax.axis_index("move")
+  plgpu.copy_gmem_to_smem(moves_gmem, moves_smem, moves_barrier)
+  plgpu.barrier_wait(moves_barrier)
+  s, d = moves_smem[0, i], moves_smem[1, i]
+
+  @pl.when((s >= 0) & (d >= 0))
+  def _():
+    for layer in range(num_layers):  # static: num_layers is small (<= ~128)
+      slot = layer % _MOSAIC_RING
+      if layer >= _MOSAIC_RING:
+        plgpu.wait_smem_to_gmem(_MOSAIC_RING - 1, wait_read_only=True)
+      plgpu.copy_gmem_to_smem(pages_gmem.at[layer, :, s], ring_smem.at[slot],
+                              ring_barriers.at[slot])
+      plgpu.barrier_wait(ring_barriers.at[slot])
+      plgpu.copy_smem_to_gmem(ring_smem.at[slot], pages_gmem.at[layer, :, d])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _mosaic_permute_blocks(pages, src, dst, *, interpret):
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
+
+  num_layers, num_kv_heads, _, block_size, head_dim = pages.shape
+  num_moves = src.shape[0]
+  padded = pl.cdiv(max(num_moves, 1), _MOSAIC_INDEX_ALIGN) * _MOSAIC_INDEX_ALIGN
+  pad = lambda a: jnp.pad(a, (0, padded - num_moves), constant_values=-1)
+  moves = jnp.stack([pad(src), pad(dst)])  # i32[2, padded]
+  if interpret is True:
+    interpret = plgpu.InterpretGPUParams()
+  # In place: the pages travel as a mutable Ref that the kernel updates through
+  # TMA stores (`plgpu.kernel` has no `input_output_aliases`).
+  pages_ref = jax.new_ref(pages)
+  plgpu.kernel(
+      mosaic_permute_blocks_kernel,
+      out_type=(),
+      grid=(padded,),
+      grid_names=("move",),
+      scratch_types=[
+          plgpu.SMEM((2, padded), jnp.int32),
+          plgpu.SMEM((_MOSAIC_RING, num_kv_heads, block_size, head_dim),
+                     pages.dtype),
+          plgpu.Barrier(num_arrivals=1),
+          plgpu.Barrier(num_arrivals=1, num_barriers=_MOSAIC_RING),
+      ],
+      interpret=interpret or None,
+  )(moves, pages_ref)
+  return jax.freeze(pages_ref)
+
+
+# Public wrappers -----------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "interpret"),
+                   donate_argnames=("pages",))
+def permute_blocks(
+    pages: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    src: jax.Array,  # i32[num_moves], -1 = padding
+    dst: jax.Array,  # i32[num_moves], -1 = padding
+    *,
+    impl: str = "xla",
+    interpret=False,
+) -> jax.Array:  # pages with the moves applied (aliases the donated input)
+  """Moves whole blocks (all layers, heads) in place: `pages[..., dst[i], :, :] =
+  pages[..., src[i], :, :]`. Sources and destinations must be disjoint (see
+  `dynamic_validate_moves`); padding moves are ignored.
+
+  Args:
+    impl: "xla" (CPU default), "pallas" (generic grid kernel) or "mosaic"
+      (Mosaic GPU kernel).
+    interpret: False, True (interpret mode on CPU) or, for "mosaic", a
+      `plgpu.InterpretGPUParams` (e.g. with `detect_races=True`).
+  """
+  static_validate_pages(pages, src, dst, names=("src", "dst"), impl=impl,
+                        impls=_PERMUTE_IMPLS)
+  if impl == "xla":
+    return _xla_permute_blocks(pages, src, dst)
+  if impl == "pallas":
+    return _pallas_permute_blocks(pages, src, dst, interpret=bool(interpret))
+  return _mosaic_permute_blocks(pages, src, dst, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "interpret"),
+                   donate_argnames=("pages",))
+def copy_slots(
+    pages: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    src_block: jax.Array,  # i32[E]
+    src_start: jax.Array,  # i32[E]
+    dst_block: jax.Array,  # i32[E]
+    dst_start: jax.Array,  # i32[E]
+    length: jax.Array,  # i32[E], 0 = padding entry
+    *,
+    impl: str = "xla",
+    interpret: bool = False,
+) -> jax.Array:  # pages with the slot ranges copied (aliases the donated input)
+  """Copies slot ranges between blocks (all layers, heads), in place.
+
+  Used by copy-on-write (`cow_split`) and slot packing (`pack_slots`).
+  Destination slots must be distinct and disjoint from source slots (see
+  `dynamic_validate_slot_copies`). `impl`: "xla" (CPU default) or "pallas".
+  """
+  static_validate_pages(pages, src_block, src_start, dst_block, dst_start, length,
+                        names=("src_block", "src_start", "dst_block", "dst_start",
+                               "length"), impl=impl, impls=_COPY_IMPLS)
+  if impl == "xla":
+    return _xla_copy_slots(pages, src_block, src_start, dst_block, dst_start,
+                           length)
+  return _pallas_copy_slots(pages, src_block, src_start, dst_block, dst_start,
+                            length, interpret=interpret)
