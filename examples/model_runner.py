@@ -654,3 +654,35 @@ def dense_mismatches(model: tiny_llama.TinyLlama,
         if want != r.tokens[p]:
           out.append((i, p, r.tokens[p], want))
   return out
+
+
+class ModelExecutor:
+  """The tiny model as a `paged_kv.scheduler.Executor` (greedy sampling).
+
+  Example:
+    sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
+  """
+
+  def __init__(self, model: tiny_llama.TinyLlama, pool_config: paged_kv.PoolConfig, *,
+               impl: str = "xla", interpret: bool = False):
+    c = model.config
+    if (pool_config.num_layers, pool_config.num_kv_heads, pool_config.head_dim) != (
+        c.num_layers, c.num_kv_heads, c.head_dim):
+      raise ValueError(f"pool config {pool_config} does not match model config {c}")
+    self.graphdef, self.params = nnx.split(model)
+    self.config = pool_config
+    self.kernel_args = dict(impl=impl, interpret=interpret)
+
+  def prefill(self, state: PoolState, seq_ids: np.ndarray, tokens: np.ndarray,
+              num_new: np.ndarray) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    state, (nxt, _, status) = prefill(self.params, state, seq_ids, tokens, num_new,
+                                      graphdef=self.graphdef, config=self.config,
+                                      **self.kernel_args)
+    return state, np.asarray(nxt), np.asarray(status)
+
+  def decode(self, state: PoolState, seq_ids: np.ndarray,
+             last_tokens: np.ndarray) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    state, (nxt, _, status) = decode_step(self.params, state, seq_ids, last_tokens,
+                                          graphdef=self.graphdef, config=self.config,
+                                          **self.kernel_args)
+    return state, np.asarray(nxt), np.asarray(status)
