@@ -1,0 +1,20 @@
+"""Host-side radix prefix cache (numpy only; imports neither JAX nor paged_kv).
+
+``radix.tree`` is the pure radix tree over token ids; ``radix.cache`` binds its nodes
+to block-pool segments and returns the reference deltas the caller applies to the pool.
+"""
+
+from radix.cache import (CacheCounters, EvictableReport, Eviction, GcMark, InsertOutcome,
+                         InvalidSegmentsError, MatchResult, PackCandidate, POLICIES,
+                         PrefixCache, RefCountMismatchError, RefDeltas, as_segments)
+from radix.tree import (HitStats, InsertResult, InvalidTokensError, LockError, Node,
+                        NodeId, PrefixMatch, RadixTree, RadixTreeError, Split,
+                        StaleNodeError, as_tokens)
+
+__all__ = [
+    "CacheCounters", "EvictableReport", "Eviction", "GcMark", "HitStats",
+    "InsertOutcome", "InsertResult", "InvalidSegmentsError", "InvalidTokensError",
+    "LockError", "MatchResult", "Node", "NodeId", "POLICIES", "PackCandidate",
+    "PrefixCache", "PrefixMatch", "RadixTree", "RadixTreeError", "RefCountMismatchError",
+    "RefDeltas", "Split", "StaleNodeError", "as_segments", "as_tokens",
+]
