@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/serve.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) tests
