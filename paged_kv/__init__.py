@@ -15,3 +15,5 @@ from paged_kv.compact import (CompactionPolicy, compact_permute, compact_step,
                               fragmentation_ratio, plan_compaction, region_fragmentation)
 from paged_kv.regions import (WatermarkQuota, plan_promotion, promote_blocks, resize_pool,
                               resized_config)
+from paged_kv.sharding import (init_sharded_pool, make_tp_mesh, shard_pool,
+                               sharded_paged_attention, sharded_write_kv)
