@@ -243,7 +243,7 @@ class Scheduler:
     self.cache = cache
     if cache is None and config.enable_prefix_cache:
       self.cache = PrefixCache(block_size=pool.config.block_size, policy=config.evict_policy,
-                               clock=clock)
+                               pack_tails=config.pack_tails, clock=clock)
     self.waiting: collections.deque[Request] = collections.deque()
     self.swapped: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order
@@ -493,13 +493,33 @@ class Scheduler:
 
   # ------------------------------------------------------------------ 4. finish
   def _store_and_release(self, req: Request) -> None:
-    """Inserts the sequence's cached tokens into the cache, then releases it."""
+    """Inserts the sequence's cached tokens into the cache, then releases it.
+
+    With `pack_tails`, the new cache leaf's short segments (partial tail blocks)
+    are then packed into slotted blocks, and the cache rebinds to their new place.
+    """
+    pack = ()
     if self.cache is not None and req.num_cached > 0:
       blk, start, length = self.pool.segments(req.seq_id)
       segs = np.stack([blk, start, length], axis=1)
       outcome = self.cache.insert(req.namespace, req.tokens[:req.num_cached], segs)
       self._apply(outcome.ref_deltas)
+      pack = outcome.pack
     self.pool.release([req.seq_id])
+    if pack:
+      self._pack(pack)
+
+  def _pack(self, candidates) -> None:
+    old = np.array([c.segment for c in candidates], np.int32)
+    try:
+      result = self.pool.pack_slots(extra_segments=old)
+    except PoolExhausted:
+      return  # nowhere to pack now (atomic: nothing changed); the tails stay as they are
+    for cand, seg_old, seg_new in zip(candidates, old, result.extra_segments):
+      if tuple(seg_old) != tuple(seg_new):
+        # The pool already moved the reference; the cache only rewrites its record.
+        self.cache.rebind_segment(cand.node, seg_old, seg_new)
+        self.counters.pack_moves += 1
 
   def _finish(self) -> None:
     done = [r for r in self.running if r.output and self._is_finished(r)]

@@ -104,3 +104,25 @@ class SchedulerTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class PackTailsTest(absltest.TestCase):
+
+  def test_pack_tails_lowers_internal_fragmentation(self):
+    cfg = paged_kv.PoolConfig(num_blocks=256, block_size=8, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=8, max_segments=40)
+    frag = {}
+    for pack in (False, True):
+      pool = paged_kv.BlockPool(cfg)
+      sched = Scheduler(pool, DryExecutor(cfg),
+                        SchedulerConfig(max_batch=8, prefill_chunk=16, pack_tails=pack,
+                                        compaction=None))
+      rng = np.random.default_rng(5)
+      reqs = [Request(i, rng.integers(0, 50, int(rng.integers(1, 6))), int(rng.integers(1, 4)))
+              for i in range(20)]  # short turns: every sequence is one partial block
+      _run(sched, reqs)
+      snap = paged_kv.metrics.snapshot(pool.state, cfg, extra_segments=sched.extra_segments())
+      frag[pack] = snap.internal_fragmentation
+      if pack:
+        self.assertGreater(sched.counters.pack_moves, 0)
+    self.assertLess(frag[True], frag[False] / 2)
