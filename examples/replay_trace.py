@@ -5,6 +5,7 @@ Usage:
       --trace=../shared/traces/conversation_trace.jsonl \
       --capacity_tokens=1000000,3000000,10000000,0
   .venv/bin/python examples/replay_trace.py --max_requests=500   # smoke run
+  .venv/bin/python examples/replay_trace.py --engine --max_requests=300 --pool_tokens=32768
   .venv/bin/python examples/replay_trace.py --capacity_tokens=1000000 \
       --trace=../shared/traces/AzureLLMInferenceTrace_conv.csv,../shared/traces/AzureLLMInferenceTrace_code.csv
 
@@ -77,6 +78,17 @@ _INSERT_OUTPUT = flags.DEFINE_bool("insert_output", False,
 _MODE = flags.DEFINE_enum("mode", "sim", ["sim"], "Replay mode (sim: host simulation).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar (needs tqdm).")
 _NAMESPACE = flags.DEFINE_string("namespace", "default", "Cache namespace of all requests.")
+_ENGINE = flags.DEFINE_bool(
+    "engine", False, "Replay through the real scheduler and JAX block pool in dry mode (memory "
+    "dynamics with arrival times and output lengths, no model math); see replay_engine.")
+_POOL_TOKENS = flags.DEFINE_integer("pool_tokens", 65536, "Engine mode: pool size in tokens "
+                                    "(after --token_scale).")
+_TOKEN_SCALE = flags.DEFINE_integer("token_scale", 16, "Engine mode: divide every length by "
+                                    "this (a 512-token hash block becomes 512/scale tokens).")
+_STEP_MS = flags.DEFINE_float("step_ms", 50.0, "Engine mode: trace time per scheduler step.")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Engine mode: sequences per step.")
+_VARIANTS = flags.DEFINE_list("variants", ["flat", "slotted", "compaction", "swap", "all"],
+                              "Engine mode: configurations to compare (see ENGINE_VARIANTS).")
 
 
 # ----------------------------------------------------------------------------- traces
@@ -476,9 +488,169 @@ def run_trace(path: str, capacities: list[int], flags_config: dict) -> list[tupl
     return rows
 
 
+# ----------------------------------------------------------------------------- engine mode
+# Each variant: (pack_tails, compaction on, preemption mode).
+ENGINE_VARIANTS = {
+    "flat": (False, False, "recompute"),
+    "slotted": (True, False, "recompute"),
+    "compaction": (False, True, "recompute"),
+    "swap": (False, False, "swap"),
+    "all": (True, True, "swap"),
+}
+
+
+@dataclasses.dataclass
+class EngineResult:
+    """Outcome of one engine-mode replay."""
+
+    label: str
+    variant: str
+    submitted: int = 0
+    rejected: int = 0
+    finished: int = 0
+    steps: int = 0
+    max_running: int = 0
+    preemptions: int = 0
+    swap_bytes: int = 0
+    hit_rate: float = 0.0
+    oom: dict = dataclasses.field(default_factory=dict)
+    frag_mean: float = 0.0
+    frag_p99: float = 0.0
+    internal_frag_mean: float = 0.0
+    utilization_mean: float = 0.0
+    compaction_moves: int = 0
+    pack_moves: int = 0
+    wall_s: float = 0.0
+
+
+def scaled_prompt(request: Request, tokens: TokenSource, scale: int) -> np.ndarray:
+    """Prompt token ids with every length divided by ``scale`` (prefix structure kept)."""
+    n = max(1, -(-request.input_length // scale))
+    if request.hash_ids is None:
+        return tokens.unique(n)
+    per_block = MOONCAKE_BLOCK_TOKENS // scale
+    ids = (request.hash_ids[:, None] * per_block
+           + np.arange(per_block, dtype=np.int64)[None, :]).reshape(-1)
+    return ids[:n].astype(np.int32)
+
+
+def replay_engine(requests: list[Request], *, variant: str, label: str, pool_tokens: int,
+                  block_size: int, token_scale: int, step_ms: float, max_batch: int,
+                  policy: str = "lru", progress: bool = True) -> EngineResult:
+    """Replays a trace through ``paged_kv.scheduler.Scheduler`` with a ``DryExecutor``.
+
+    Requests arrive at their trace times; each scheduler step advances the clock by
+    ``step_ms``. Lengths are divided by ``token_scale`` so an hour-long trace fits a
+    CPU run. A request that could never fit the pool is rejected at submission.
+    """
+    import paged_kv  # the engine mode needs the JAX pool; sim mode does not
+    from paged_kv import compact
+    from paged_kv.scheduler import DryExecutor
+    from paged_kv.scheduler import Request as EngineRequest
+    from paged_kv.scheduler import Scheduler, SchedulerConfig
+
+    pack, compaction, preemption = ENGINE_VARIANTS[variant]
+    tokens = TokenSource(requests)
+    prompts = [scaled_prompt(r, tokens, token_scale) for r in requests]
+    outputs = [max(1, -(-r.output_length // token_scale)) for r in requests]
+    longest = max(p.size + o for p, o in zip(prompts, outputs))
+    config = paged_kv.PoolConfig(num_blocks=pool_tokens // block_size, block_size=block_size,
+                                 num_layers=1, num_kv_heads=1, head_dim=2, dtype="bfloat16",
+                                 max_seqs=max_batch, max_segments=longest // block_size + 8)
+    pool = paged_kv.BlockPool(config)
+    clock = {"now": 0.0}
+    sched = Scheduler(pool, DryExecutor(config), SchedulerConfig(
+        max_batch=max_batch, prefill_token_budget=4096, prefill_chunk=512,
+        preemption=preemption, pack_tails=pack, evict_policy=policy,
+        compaction=compact.CompactionPolicy() if compaction else None, snapshot_every=5),
+        clock=lambda: clock["now"])
+    result = EngineResult(label, variant)
+    nxt = 0
+    bar = _tqdm.tqdm(total=len(requests), desc=f"{label} {variant}", unit="req",
+                     mininterval=1.0, leave=False) if progress and _tqdm else None
+
+    def before_step(s):
+        nonlocal nxt
+        clock["now"] += step_ms / 1000.0
+        while nxt < len(requests) and requests[nxt].arrival_s <= clock["now"]:
+            req = EngineRequest(nxt, prompts[nxt], outputs[nxt],
+                                forced_output=tokens.unique(outputs[nxt]),
+                                arrival=requests[nxt].arrival_s)
+            result.submitted += 1
+            try:
+                s.submit(req)
+            except paged_kv.PoolExhausted:
+                result.rejected += 1
+            nxt += 1
+        if s.idle and nxt < len(requests):  # jump over idle gaps in the trace
+            clock["now"] = max(clock["now"], requests[nxt].arrival_s - step_ms / 1000.0)
+        if bar is not None:
+            bar.n = s.stats.finished
+            bar.refresh()
+
+    t0 = time.perf_counter()
+    while nxt < len(requests) or not sched.idle:
+        sched.run(before_step=before_step, max_steps=256)
+    result.wall_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    sched.check_invariants()
+    st, snaps = sched.stats, sched.snapshots
+    frag = np.array([x.fragmentation_ratio for x in snaps] or [0.0])
+    result.finished, result.steps, result.max_running = st.finished, st.steps, st.max_running
+    result.preemptions, result.swap_bytes = st.preemptions, st.swap_to_host_bytes
+    result.hit_rate = st.prefix_cache_hit_rate
+    result.oom = dict(sched.counters.oom_by_reason)
+    result.frag_mean, result.frag_p99 = float(frag.mean()), float(np.percentile(frag, 99))
+    result.internal_frag_mean = float(np.mean([x.internal_fragmentation for x in snaps] or [0]))
+    result.utilization_mean = float(np.mean([x.block_pool_utilization for x in snaps] or [0]))
+    result.compaction_moves = sched.counters.compaction_moves
+    result.pack_moves = sched.counters.pack_moves
+    return result
+
+
+def format_engine_table(results: list[EngineResult]) -> str:
+    head = ("| trace | variant | finished / submitted | rejected | max concurrent | preemptions | "
+            "swap MB | OOMs by reason | hit rate | frag ratio mean / p99 | internal frag | "
+            "utilization | compaction moves | packed tails | steps | wall (s) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        lines.append(
+            f"| {r.label} | {r.variant} | {r.finished} / {r.submitted} | {r.rejected} | "
+            f"{r.max_running} | {r.preemptions} | {r.swap_bytes / 1e6:.1f} | "
+            f"{r.oom or 'none'} | {r.hit_rate:.3f} | {r.frag_mean:.3f} / {r.frag_p99:.3f} | "
+            f"{r.internal_frag_mean:.1%} | {r.utilization_mean:.1%} | {r.compaction_moves} | "
+            f"{r.pack_moves} | {r.steps} | {r.wall_s:.0f} |")
+    return "\n".join(lines)
+
+
+def run_engine() -> None:
+    results = []
+    for path in _TRACE.value:
+        requests = load_trace(path, _MAX_REQUESTS.value)
+        for variant in _VARIANTS.value:
+            if variant not in ENGINE_VARIANTS:
+                raise app.UsageError(f"unknown variant {variant!r}; "
+                                     f"choose from {sorted(ENGINE_VARIANTS)}")
+            r = replay_engine(requests, variant=variant, label=os.path.basename(path),
+                              pool_tokens=_POOL_TOKENS.value, block_size=_BLOCK_SIZE.value,
+                              token_scale=_TOKEN_SCALE.value, step_ms=_STEP_MS.value,
+                              max_batch=_MAX_BATCH.value, policy=_POLICY.value,
+                              progress=_PROGRESS.value)
+            print(f"{r.label} {variant}: {r.finished}/{r.submitted} finished, "
+                  f"{r.preemptions} preemptions, hit rate {r.hit_rate:.3f}, {r.wall_s:.0f} s",
+                  flush=True)
+            results.append(r)
+    print()
+    print(format_engine_table(results))
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _ENGINE.value:
+        run_engine()
+        return
     try:
         capacities = [int(c) for c in _CAPACITY.value]
     except ValueError as e:
