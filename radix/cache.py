@@ -356,6 +356,10 @@ class PrefixCache:
     def _now(self) -> float:
         return float(self._clock())
 
+    def now(self) -> float:
+        """The cache's clock (the unit TTLs and access times use)."""
+        return self._now()
+
     def _node(self, node_id: NodeId) -> Node:
         return self.tree.node(node_id)
 
