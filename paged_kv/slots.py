@@ -38,7 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from paged_kv.alloc import change_refs, grant_prefix, take_blocks
+from paged_kv.alloc import change_refs, grant_prefix, rebuild_free_list, take_blocks
 from paged_kv.config import PoolConfig
 from paged_kv.errors import Status
 from paged_kv.page_copy import copy_slot_ranges
@@ -303,5 +303,14 @@ def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: ja
   ids = jnp.concatenate([jnp.where(applied, new_block, n), jnp.where(applied, seg_block, n)])
   deltas = jnp.concatenate([jnp.ones((k,), jnp.int32), -jnp.ones((k,), jnp.int32)])
   state = change_refs(state, ids, deltas, config=config)
+  # Fresh destination blocks went from free to referenced: change_refs only rebuilds the
+  # free list when a block frees, so rebuild it here (O(num_blocks), like the placement).
+  # A refused call keeps the list bit-identical.
+  took_fresh = jnp.any(copy_lead & (meta.ref_count[jnp.clip(new_block, 0, n - 1)] == 0))
+  free_list, num_free = rebuild_free_list(state.meta.ref_count, state.meta.region)
+  free_list = jnp.where(took_fresh, free_list, state.meta.free_list)
+  num_free = jnp.where(took_fresh, num_free, state.meta.num_free)
+  state = dataclasses.replace(state, meta=dataclasses.replace(state.meta, free_list=free_list,
+                                                               num_free=num_free))
   return state, (new_block, new_start, finish_status(status, applied | pad))
 
