@@ -87,7 +87,8 @@ _TOKEN_SCALE = flags.DEFINE_integer("token_scale", 16, "Engine mode: divide ever
                                     "this (a 512-token hash block becomes 512/scale tokens).")
 _STEP_MS = flags.DEFINE_float("step_ms", 50.0, "Engine mode: trace time per scheduler step.")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Engine mode: sequences per step.")
-_VARIANTS = flags.DEFINE_list("variants", ["flat", "slotted", "compaction", "swap", "all"],
+_VARIANTS = flags.DEFINE_list("variants", ["no_reserve", "flat", "full_reserve", "slotted",
+                                           "compaction", "swap", "all"],
                               "Engine mode: configurations to compare (see ENGINE_VARIANTS).")
 
 
@@ -489,13 +490,15 @@ def run_trace(path: str, capacities: list[int], flags_config: dict) -> list[tupl
 
 
 # ----------------------------------------------------------------------------- engine mode
-# Each variant: (pack_tails, compaction on, preemption mode).
+# Each variant: (pack_tails, compaction on, preemption mode, output_reserve_ratio).
 ENGINE_VARIANTS = {
-    "flat": (False, False, "recompute"),
-    "slotted": (True, False, "recompute"),
-    "compaction": (False, True, "recompute"),
-    "swap": (False, False, "swap"),
-    "all": (True, True, "swap"),
+    "flat": (False, False, "recompute", 0.5),
+    "slotted": (True, False, "recompute", 0.5),
+    "compaction": (False, True, "recompute", 0.5),
+    "swap": (False, False, "swap", 0.5),
+    "all": (True, True, "swap", 0.5),
+    "no_reserve": (False, False, "recompute", 0.0),
+    "full_reserve": (False, False, "recompute", 1.0),
 }
 
 
@@ -549,7 +552,7 @@ def replay_engine(requests: list[Request], *, variant: str, label: str, pool_tok
     from paged_kv.scheduler import Request as EngineRequest
     from paged_kv.scheduler import Scheduler, SchedulerConfig
 
-    pack, compaction, preemption = ENGINE_VARIANTS[variant]
+    pack, compaction, preemption, reserve = ENGINE_VARIANTS[variant]
     tokens = TokenSource(requests)
     prompts = [scaled_prompt(r, tokens, token_scale) for r in requests]
     outputs = [max(1, -(-r.output_length // token_scale)) for r in requests]
@@ -562,6 +565,7 @@ def replay_engine(requests: list[Request], *, variant: str, label: str, pool_tok
     sched = Scheduler(pool, DryExecutor(config), SchedulerConfig(
         max_batch=max_batch, prefill_token_budget=4096, prefill_chunk=512,
         preemption=preemption, pack_tails=pack, evict_policy=policy,
+        output_reserve_ratio=reserve,
         compaction=compact.CompactionPolicy() if compaction else None, snapshot_every=5),
         clock=lambda: clock["now"])
     result = EngineResult(label, variant)

@@ -160,7 +160,13 @@ class SchedulerConfig:
     evict_policy: `"lru"` or `"cost"`.
     pack_tails: pack a finished sequence's short tail segments into slotted blocks.
     compaction: when/how much to compact between steps (None: never).
-    watermark_blocks: free blocks admission leaves for running sequences' growth.
+    output_reserve_ratio: admission keeps free this fraction of the blocks that
+      every running sequence and the new one may still need for their output
+      (`max_new_tokens` minus tokens generated). 0 admits on the prompt alone
+      (more concurrency, preemption storms under pressure); 1 never preempts when
+      `max_new_tokens` is exact. Blocks held only by the cache count as free (they
+      are evicted to make room).
+    watermark_blocks: free blocks admission leaves beyond that.
     stop_token: end-of-sequence token (-1: none).
     snapshot_every: take a metrics snapshot every this many steps (0: never).
   """
@@ -173,6 +179,7 @@ class SchedulerConfig:
   evict_policy: str = "lru"
   pack_tails: bool = False
   compaction: compact.CompactionPolicy | None = compact.CompactionPolicy()
+  output_reserve_ratio: float = 0.5
   watermark_blocks: int = 0
   stop_token: int = -1
   snapshot_every: int = 1
@@ -183,6 +190,8 @@ class SchedulerConfig:
     for name in ("max_batch", "prefill_token_budget", "prefill_chunk"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1")
+    if not 0.0 <= self.output_reserve_ratio <= 1.0:
+      raise ValueError(f"output_reserve_ratio must be in [0, 1], got {self.output_reserve_ratio}")
 
 
 @dataclasses.dataclass
@@ -363,7 +372,7 @@ class Scheduler:
       m = self.cache.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
     need = _cdiv(context.size - matched, self._bs) + 1
-    if not self._ensure_free(need + self.config.watermark_blocks):
+    if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
       if node is not None:
         self.cache.unlock(node)
       return False
@@ -378,6 +387,15 @@ class Scheduler:
       self.stats.prompt_tokens += int(req.prompt.size)
       self.stats.hit_tokens += matched
     return True
+
+  def _output_reserve(self, new: Request) -> int:
+    """Blocks kept free for the output still to come of the running sequences and `new`."""
+    ratio = self.config.output_reserve_ratio
+    if ratio == 0.0:
+      return 0
+    left = sum(max(r.max_new_tokens - len(r.output), 0) for r in self.running)
+    left += max(new.max_new_tokens - len(new.output), 0)
+    return _cdiv(int(ratio * left), self._bs)
 
   # ------------------------------------------------------------------ 2. prefill
   def _prefill(self) -> None:

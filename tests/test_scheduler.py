@@ -42,7 +42,7 @@ class SchedulerTest(parameterized.TestCase):
     pool = paged_kv.BlockPool(CFG)
     sched = Scheduler(pool, DryExecutor(CFG),
                       SchedulerConfig(max_batch=8, prefill_chunk=16, prefill_token_budget=32,
-                                      preemption=mode))
+                                      preemption=mode, output_reserve_ratio=0.0))
     reqs = _workload(0)
     _run(sched, reqs)
     self.assertEqual(sched.stats.finished, len(reqs))
@@ -58,6 +58,16 @@ class SchedulerTest(parameterized.TestCase):
     self.assertEqual(len(pool.active_sequences()), 0)
     sched._evict(CFG.num_blocks)
     self.assertEqual(pool.num_free_blocks, CFG.num_blocks)
+
+  def test_full_output_reserve_never_preempts(self):
+    pool = paged_kv.BlockPool(CFG)
+    sched = Scheduler(pool, DryExecutor(CFG),
+                      SchedulerConfig(max_batch=8, prefill_chunk=16, prefill_token_budget=32,
+                                      output_reserve_ratio=1.0))
+    reqs = _workload(0)
+    _run(sched, reqs)
+    self.assertEqual(sched.stats.finished, len(reqs))
+    self.assertEqual(sched.stats.preemptions, 0)
 
   def test_unlimited_pool_hits_exact_prefix_bound(self):
     cfg = paged_kv.PoolConfig(num_blocks=2048, block_size=4, num_layers=1, num_kv_heads=1,

@@ -51,7 +51,8 @@ def _serve(model, prompts, *, num_blocks, preemption, compaction=None, max_batch
   sched = Scheduler(pool, mr.ModelExecutor(model, pool_config),
                     SchedulerConfig(max_batch=max_batch, prefill_chunk=8,
                                     prefill_token_budget=16, preemption=preemption,
-                                    compaction=compaction, pack_tails=pack_tails))
+                                    compaction=compaction, pack_tails=pack_tails,
+                                    output_reserve_ratio=0.0))
   reqs = [Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
   for r in reqs:
     sched.submit(r)
