@@ -346,7 +346,7 @@ class Scheduler:
     while self.swapped and self._free_rows() > 0:
       req = self.swapped[0]
       need = _cdiv(req.swapped.length, self._bs) + 1
-      if not self._ensure_free(need + self.config.watermark_blocks):
+      if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
         return  # swapped requests go first: wait for room
       req.seq_id = swap_in(self.pool, req.swapped)
       self.stats.swap_in_bytes += req.swapped.nbytes
@@ -389,13 +389,22 @@ class Scheduler:
     return True
 
   def _output_reserve(self, new: Request) -> int:
-    """Blocks kept free for the output still to come of the running sequences and `new`."""
+    """Blocks to keep free for what admitted sequences will still need.
+
+    Every running sequence's uncomputed prompt (admission is by full input
+    length, so a prompt admitted earlier keeps its room), plus
+    `output_reserve_ratio` of the output still to come of the running sequences
+    and of `new`, counted per sequence (one more block for a partial tail).
+    """
     ratio = self.config.output_reserve_ratio
-    if ratio == 0.0:
-      return 0
-    left = sum(max(r.max_new_tokens - len(r.output), 0) for r in self.running)
-    left += max(new.max_new_tokens - len(new.output), 0)
-    return _cdiv(int(ratio * left), self._bs)
+
+    def blocks(prompt_left: int, out_left: int) -> int:
+      tokens = max(prompt_left, 0) + int(ratio * max(out_left, 0))
+      return _cdiv(tokens, self._bs) + 1 if tokens else 0
+
+    total = sum(blocks(r.prefill_target - r.num_cached, r.max_new_tokens - len(r.output))
+                for r in self.running)
+    return total + blocks(0, new.max_new_tokens - len(new.output))
 
   # ------------------------------------------------------------------ 2. prefill
   def _prefill(self) -> None:
