@@ -295,6 +295,16 @@ def run_mix(policy: str, reqs, steps: int, *, budget: int, threshold: float, per
       maps["before"] = _block_map(state, longs)
     if policy == "periodic_full" and step % period == 0:
       compact_full()
+    elif policy.startswith("merge"):
+      ratio = float(compact.fragmentation_ratio(state.meta))
+      if online.should_compact(ratio, contiguous_failed):
+        t0 = time.perf_counter()
+        src, dst = online.plan(state.meta)
+        moves = int((src >= 0).sum())
+        if moves:
+          state, (remap, _) = compact.compact_permute(state, src, dst, config=config)
+          apply_remap(np.asarray(remap))
+        counters.record_compaction(moves, time.perf_counter() - t0)
     elif policy.startswith("online"):
       ratio = float(compact.fragmentation_ratio(state.meta))
       if online.should_compact(ratio, contiguous_failed):
@@ -513,7 +523,8 @@ def main(argv):
   ideal_peak, ideal_mean = ideal_concurrency(reqs, _STEPS.value, cap_tokens)
   mix = {}
   runs = [("none", {}), ("periodic_full", {}), ("online", {}),
-          ("online_every_step", dict(threshold=0.0))]
+          ("online_every_step", dict(threshold=0.0)), ("merge", {}),
+          ("merge_every_step", dict(threshold=0.0))]
   map_step = _STEPS.value // 2
   for name, over in runs:
     kw = dict(budget=_BUDGET.value, threshold=_THRESHOLD.value, period=_PERIOD.value)
@@ -527,7 +538,7 @@ def main(argv):
         f"{'max conc.':>10}{'ideal':>7}{'ratio':>7}{'mean conc./ideal':>18}{'moves':>8}"
         f"{'comp. s':>9}")
   for name, r in mix.items():
-    field = {"none": f"{FIELD['external'][0]:.1%}", "online": f"{FIELD['external'][1]:.1%}"}.get(
+    field = {"none": f"{FIELD['external'][0]:.1%}", "online": f"{FIELD['external'][1]:.1%}", "merge": f"{FIELD['external'][1]:.1%}"}.get(
         name, "")
     print(f"{name:<19}{r['ratios'].mean():>10.2%}{np.percentile(r['ratios'], 99):>8.2%}"
           f"{field:>8}{r['internal'].mean():>10.2%}{_fmt_oom(r['oom']):>42}{r['peak']:>10}"

@@ -65,6 +65,8 @@ except ImportError:  # progress bars are optional
 
 MOONCAKE_BLOCK_TOKENS = 512
 _DEFAULT_TRACE = "../shared/traces/conversation_trace.jsonl"
+ENGINE_VARIANTS_ORDER = ("recompute_no_reserve", "swap_no_reserve", "flat", "full_reserve",
+                         "slotted", "compaction", "all")
 
 _TRACE = flags.DEFINE_list("trace", [_DEFAULT_TRACE],
                            "Trace files (comma-separated): Mooncake .jsonl or Azure .csv.")
@@ -87,8 +89,7 @@ _TOKEN_SCALE = flags.DEFINE_integer("token_scale", 16, "Engine mode: divide ever
                                     "this (a 512-token hash block becomes 512/scale tokens).")
 _STEP_MS = flags.DEFINE_float("step_ms", 50.0, "Engine mode: trace time per scheduler step.")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Engine mode: sequences per step.")
-_VARIANTS = flags.DEFINE_list("variants", ["no_reserve", "flat", "full_reserve", "slotted",
-                                           "compaction", "swap", "all"],
+_VARIANTS = flags.DEFINE_list("variants", list(ENGINE_VARIANTS_ORDER),
                               "Engine mode: configurations to compare (see ENGINE_VARIANTS).")
 
 
@@ -492,13 +493,13 @@ def run_trace(path: str, capacities: list[int], flags_config: dict) -> list[tupl
 # ----------------------------------------------------------------------------- engine mode
 # Each variant: (pack_tails, compaction on, preemption mode, output_reserve_ratio).
 ENGINE_VARIANTS = {
+    "recompute_no_reserve": (False, False, "recompute", 0.0),
+    "swap_no_reserve": (False, False, "swap", 0.0),
     "flat": (False, False, "recompute", 0.5),
+    "full_reserve": (False, False, "recompute", 1.0),
     "slotted": (True, False, "recompute", 0.5),
     "compaction": (False, True, "recompute", 0.5),
-    "swap": (False, False, "swap", 0.5),
-    "all": (True, True, "swap", 0.5),
-    "no_reserve": (False, False, "recompute", 0.0),
-    "full_reserve": (False, False, "recompute", 1.0),
+    "all": (True, True, "recompute", 0.5),
 }
 
 

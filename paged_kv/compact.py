@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_kv.alloc import rebuild_free_list
 from paged_kv.config import PoolConfig
@@ -81,6 +82,98 @@ def plan_compaction(meta: BlockMeta, *, budget: int) -> tuple[jax.Array, jax.Arr
   dst = meta.free_list[jnp.clip(n - meta.num_free + k, 0, n - 1)]
   ok = (k < num_live) & (k < meta.num_free) & (src > dst)
   return jnp.where(ok, src, -1), jnp.where(ok, dst, -1)
+
+
+def _free_runs(free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Starts and ends (exclusive) of the runs of True in `free`."""
+  padded = np.concatenate([[False], free, [False]])
+  edges = np.flatnonzero(padded[1:] != padded[:-1])
+  return edges[::2], edges[1::2]
+
+
+def plan_defrag(ref_count, region, *, budget: int) -> tuple[np.ndarray, np.ndarray]:
+  """Up to `budget` moves that lower the fragmentation ratio fastest (host, numpy).
+
+  `plan_compaction` slides live blocks from the top into the lowest holes, which
+  closes a large hole in the middle of the pool only after as many moves as the
+  hole is long. This planner instead grows the largest free run: each step takes
+  the live block next to that run (from the side whose live island is shorter,
+  so neighbouring free runs merge soonest) and puts it into a free block of the
+  *smallest* other free run. Every step lengthens the largest run by one and
+  shortens the free space outside it by one, so the ratio
+  `1 - largest run / free blocks` never rises and reaches 0 once no free block
+  lies outside the largest run (unless base-region blocks split the pool).
+
+  A block that received data earlier in the plan may need to move again; its
+  move is then retargeted (the data goes straight to the new place, no extra
+  move). Sources and destinations stay disjoint: a vacated source is never a
+  destination. Only dynamic blocks move.
+
+  Args:
+    ref_count: `i32[num_blocks]` (host or device array).
+    region: `i8[num_blocks]`.
+    budget: maximum number of moves.
+
+  Returns:
+    `(src, dst)`: `i32[budget]` each, valid moves first, `-1` padding (the
+    format `compact_permute` takes).
+  """
+  ref = np.asarray(ref_count)
+  dyn = np.asarray(region) == REGION_DYNAMIC
+  n = ref.shape[0]
+  free = (ref == 0) & dyn
+  movable = (ref > 0) & dyn
+  vacated = np.zeros(n, bool)
+  src = np.full(budget, -1, np.int32)
+  dst = np.full(budget, -1, np.int32)
+  move_into: dict[int, int] = {}  # destination block -> index of the move filling it
+  num_moves = 0
+  for _ in range(2 * n):
+    starts, ends = _free_runs(free)
+    if starts.size <= 1:
+      break
+    lengths = ends - starts
+    main = int(np.argmax(lengths))
+    s, e = int(starts[main]), int(ends[main])
+    best = None  # (island length, -gap beyond, block)
+    for block, step in ((e, 1), (s - 1, -1)):
+      if not 0 <= block < n or not movable[block]:
+        continue
+      j = block
+      while 0 <= j < n and movable[j]:
+        j += step
+      island = abs(j - block)
+      gap = 0
+      while 0 <= j < n and free[j]:
+        gap, j = gap + 1, j + step
+      cand = (island, -gap, block)
+      best = cand if best is None or cand < best else best
+    if best is None:
+      break
+    block = best[2]
+    target = None
+    for i in np.argsort(lengths, kind="stable"):
+      if i == main:
+        continue
+      cands = np.flatnonzero(~vacated[starts[i]:ends[i]])
+      if cands.size:
+        target = int(starts[i] + cands[0])
+        break
+    if target is None:
+      break
+    if block in move_into:  # data placed earlier in this plan: retarget that move
+      k = move_into.pop(block)
+    elif num_moves < budget:
+      k, num_moves = num_moves, num_moves + 1
+      src[k] = block
+      vacated[block] = True
+    else:
+      break
+    dst[k] = target
+    move_into[target] = k
+    free[block], movable[block] = True, False
+    free[target], movable[target] = False, True
+  return src, dst
 
 
 def move_blocks(state: PoolState, src: jax.Array, dst: jax.Array, *, config: PoolConfig,
@@ -161,11 +254,17 @@ def compact_permute(state: PoolState, src: jax.Array, dst: jax.Array, *, config:
                      interpret=interpret)
 
 
+STRATEGIES = ("merge", "top_down")
+
+
 @dataclasses.dataclass(frozen=True)
 class CompactionPolicy:
   """When and how much to compact.
 
   Attributes:
+    strategy: `"merge"` (`plan_defrag`, host planner: grow the largest free
+      run, lowest ratio per move) or `"top_down"` (`plan_compaction`, on device:
+      highest live blocks into the lowest holes; used by `compact_step`).
     threshold: compact when the dynamic region's fragmentation ratio exceeds it.
     budget: maximum block moves per step (so no step stalls).
     on_contiguous_failure: also compact after a request failed with
@@ -175,12 +274,22 @@ class CompactionPolicy:
   threshold: float = 0.35
   budget: int = 32
   on_contiguous_failure: bool = True
+  strategy: str = "merge"
 
   def __post_init__(self):
     if not 0.0 <= self.threshold <= 1.0:
       raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
     if not isinstance(self.budget, int) or self.budget < 1:
       raise ValueError(f"budget must be a positive int, got {self.budget!r}")
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+
+  def plan(self, meta: BlockMeta) -> tuple[np.ndarray, np.ndarray]:
+    """`(src, dst)` of up to `budget` moves by this policy's strategy (host arrays)."""
+    if self.strategy == "merge":
+      return plan_defrag(meta.ref_count, meta.region, budget=self.budget)
+    src, dst = plan_compaction(meta, budget=self.budget)
+    return np.asarray(src), np.asarray(dst)
 
   def should_compact(self, ratio: float, contiguous_failed: bool = False) -> bool:
     """Host-side trigger: ratio above the threshold, or a failed contiguous request."""
@@ -194,7 +303,9 @@ def compact_step(state: PoolState, force: jax.Array | bool = False, *, config: P
                  interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
   """One budgeted compaction step, entirely on device.
 
-  Plans `policy.budget` moves and applies them when the dynamic region's
+  Uses the on-device `plan_compaction` (the `"top_down"` strategy) whatever
+  `policy.strategy` says; the `"merge"` planner runs on the host
+  (`CompactionPolicy.plan`, then `compact_permute`). Plans `policy.budget` moves and applies them when the dynamic region's
   fragmentation ratio exceeds `policy.threshold` or `force` is set (the host
   sets it after a `NO_CONTIGUOUS_RUN` failure); otherwise moves nothing.
 
@@ -218,5 +329,6 @@ def compact_step(state: PoolState, force: jax.Array | bool = False, *, config: P
   return state, (remap, jnp.sum(src >= 0, dtype=jnp.int32))
 
 
-__all__ = ["CompactionPolicy", "compact_permute", "compact_step", "fragmentation_ratio",
-           "largest_run", "move_blocks", "plan_compaction", "region_fragmentation"]
+__all__ = ["CompactionPolicy", "STRATEGIES", "compact_permute", "compact_step",
+           "fragmentation_ratio", "largest_run", "move_blocks", "plan_compaction", "plan_defrag",
+           "region_fragmentation"]

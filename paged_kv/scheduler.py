@@ -572,8 +572,8 @@ class Scheduler:
     if not policy.should_compact(ratio):
       return
     t0 = time.perf_counter()
-    src, dst = compact.plan_compaction(self.pool.state.meta, budget=policy.budget)
-    num_moves = int(jnp.sum(src >= 0))
+    src, dst = policy.plan(self.pool.state.meta)
+    num_moves = int(np.sum(src >= 0))
     if num_moves == 0:
       return
     self.pool.state, (remap, status) = compact.compact_permute(
