@@ -66,8 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from radix.tree import (HitStats, Node, NodeId, RadixTree, RadixTreeError,
-                        as_tokens)
+from radix.tree import (HitStats, Node, NodeId, RadixTree, RadixTreeError, as_tokens)
 
 __all__ = [
     "CacheCounters",
@@ -93,724 +92,775 @@ _EMPTY_IDS = np.zeros((0,), np.int32)
 
 
 class InvalidSegmentsError(RadixTreeError, ValueError):
-    """Segments are malformed or do not cover the tokens they are given with."""
+  """Segments are malformed or do not cover the tokens they are given with."""
 
 
 class RefCountMismatchError(RadixTreeError, ValueError):
-    """A ref_count / remap array disagrees with the references the tree holds."""
+  """A ref_count / remap array disagrees with the references the tree holds."""
 
 
 def as_segments(segments: Any, *, block_size: int) -> np.ndarray:
-    """Validates segments and returns them as a C-contiguous ``int32[n, 3]`` array.
+  """Validates segments and returns them as a C-contiguous ``int32[n, 3]`` array.
 
-    Args:
-      segments: array-like of shape [n, 3], rows ``(block, start, length)``; an empty
-        sequence is allowed.
-      block_size: tokens per block.
+  Args:
+    segments: array-like of shape [n, 3], rows ``(block, start, length)``; an empty
+      sequence is allowed.
+    block_size: tokens per block.
 
-    Raises:
-      InvalidSegmentsError: wrong shape/dtype, negative block or start, length < 1,
-        or ``start + length > block_size``.
-    """
-    try:
-        arr = np.asarray(segments)
-    except (TypeError, ValueError) as e:
-        raise InvalidSegmentsError(f"segments are not an array: {e}") from e
-    if arr.size == 0:
-        return _EMPTY_SEGMENTS.copy()
-    if arr.ndim != 2 or arr.shape[1] != 3:
-        raise InvalidSegmentsError(f"segments must have shape [n, 3], got {arr.shape}")
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidSegmentsError(f"segments must be integers, got {arr.dtype}")
-    blocks, starts, lens = arr[:, 0], arr[:, 1], arr[:, 2]
-    if (blocks < 0).any() or (blocks > np.iinfo(np.int32).max).any():
-        raise InvalidSegmentsError("segment block ids must be in [0, 2**31)")
-    if (starts < 0).any() or (lens < 1).any() or (starts + lens > block_size).any():
-        raise InvalidSegmentsError(
-            f"every segment needs start >= 0, length >= 1, start + length <= "
-            f"block_size={block_size}")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+  Raises:
+    InvalidSegmentsError: wrong shape/dtype, negative block or start, length < 1,
+      or ``start + length > block_size``.
+  """
+  try:
+    arr = np.asarray(segments)
+  except (TypeError, ValueError) as e:
+    raise InvalidSegmentsError(f"segments are not an array: {e}") from e
+  if arr.size == 0:
+    return _EMPTY_SEGMENTS.copy()
+  if arr.ndim != 2 or arr.shape[1] != 3:
+    raise InvalidSegmentsError(f"segments must have shape [n, 3], got {arr.shape}")
+  if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    raise InvalidSegmentsError(f"segments must be integers, got {arr.dtype}")
+  blocks, starts, lens = arr[:, 0], arr[:, 1], arr[:, 2]
+  if (blocks < 0).any() or (blocks > np.iinfo(np.int32).max).any():
+    raise InvalidSegmentsError("segment block ids must be in [0, 2**31)")
+  if (starts < 0).any() or (lens < 1).any() or (starts + lens > block_size).any():
+    raise InvalidSegmentsError(
+        f"every segment needs start >= 0, length >= 1, start + length <= "
+        f"block_size={block_size}"
+    )
+  return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def _cut(segs: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Splits ``segs`` (int32[n, 3]) after ``offset`` tokens: (head, tail, cut_made)."""
-    ends = np.cumsum(segs[:, 2], dtype=np.int64)
-    i = int(np.searchsorted(ends, offset, side="right"))
-    begin = int(ends[i - 1]) if i > 0 else 0
-    if begin == offset:
-        return segs[:i], segs[i:], False
-    k = offset - begin
-    b, s, l = (int(x) for x in segs[i])
-    head = np.concatenate([segs[:i], np.array([[b, s, k]], np.int32)])
-    tail = np.concatenate([np.array([[b, s + k, l - k]], np.int32), segs[i + 1:]])
-    return head, tail, True
+  """Splits ``segs`` (int32[n, 3]) after ``offset`` tokens: (head, tail, cut_made)."""
+  ends = np.cumsum(segs[:, 2], dtype=np.int64)
+  i = int(np.searchsorted(ends, offset, side="right"))
+  begin = int(ends[i - 1]) if i > 0 else 0
+  if begin == offset:
+    return segs[:i], segs[i:], False
+  k = offset - begin
+  b, s, l = (int(x) for x in segs[i])
+  head = np.concatenate([segs[:i], np.array([[b, s, k]], np.int32)])
+  tail = np.concatenate([np.array([[b, s + k, l - k]], np.int32), segs[i + 1 :]])
+  return head, tail, True
 
 
 @dataclasses.dataclass(frozen=True)
 class RefDeltas:
-    """Reference-count changes for the pool, aggregated per block.
+  """Reference-count changes for the pool, aggregated per block.
 
-    Attributes:
-      block_ids: int32[k], unique and ascending.
-      deltas: int32[k], nonzero; apply as ``ref_count[block_ids] += deltas``.
-    """
+  Attributes:
+    block_ids: int32[k], unique and ascending.
+    deltas: int32[k], nonzero; apply as ``ref_count[block_ids] += deltas``.
+  """
 
-    block_ids: np.ndarray
-    deltas: np.ndarray
+  block_ids: np.ndarray
+  deltas: np.ndarray
 
-    @staticmethod
-    def empty() -> RefDeltas:
-        return RefDeltas(_EMPTY_IDS.copy(), _EMPTY_IDS.copy())
+  @staticmethod
+  def empty() -> RefDeltas:
+    return RefDeltas(_EMPTY_IDS.copy(), _EMPTY_IDS.copy())
 
-    @staticmethod
-    def from_pairs(block_ids: Any, deltas: Any) -> RefDeltas:
-        """Aggregates (possibly repeated) block ids with their deltas."""
-        block_ids = np.asarray(block_ids, np.int64).reshape(-1)
-        deltas = np.broadcast_to(np.asarray(deltas, np.int64), block_ids.shape)
-        if block_ids.size == 0:
-            return RefDeltas.empty()
-        uniq, inv = np.unique(block_ids, return_inverse=True)
-        summed = np.bincount(inv, weights=deltas, minlength=uniq.size).astype(np.int64)
-        keep = summed != 0
-        return RefDeltas(uniq[keep].astype(np.int32), summed[keep].astype(np.int32))
+  @staticmethod
+  def from_pairs(block_ids: Any, deltas: Any) -> RefDeltas:
+    """Aggregates (possibly repeated) block ids with their deltas."""
+    block_ids = np.asarray(block_ids, np.int64).reshape(-1)
+    deltas = np.broadcast_to(np.asarray(deltas, np.int64), block_ids.shape)
+    if block_ids.size == 0:
+      return RefDeltas.empty()
+    uniq, inv = np.unique(block_ids, return_inverse=True)
+    summed = np.bincount(inv, weights=deltas, minlength=uniq.size).astype(np.int64)
+    keep = summed != 0
+    return RefDeltas(uniq[keep].astype(np.int32), summed[keep].astype(np.int32))
 
-    def __add__(self, other: RefDeltas) -> RefDeltas:
-        return RefDeltas.from_pairs(np.concatenate([self.block_ids, other.block_ids]),
-                                    np.concatenate([self.deltas, other.deltas]))
+  def __add__(self, other: RefDeltas) -> RefDeltas:
+    return RefDeltas.from_pairs(
+        np.concatenate([self.block_ids, other.block_ids]),
+        np.concatenate([self.deltas, other.deltas]),
+    )
 
-    def __len__(self) -> int:
-        return int(self.block_ids.shape[0])
+  def __len__(self) -> int:
+    return int(self.block_ids.shape[0])
 
-    @property
-    def total(self) -> int:
-        """Net change in the number of references (sum of deltas)."""
-        return int(self.deltas.sum(dtype=np.int64))
+  @property
+  def total(self) -> int:
+    """Net change in the number of references (sum of deltas)."""
+    return int(self.deltas.sum(dtype=np.int64))
 
-    def apply_to(self, ref_count: np.ndarray) -> None:
-        """Applies the deltas in place to a host ``ref_count`` array (for simulators)."""
-        np.add.at(ref_count, self.block_ids, self.deltas)
+  def apply_to(self, ref_count: np.ndarray) -> None:
+    """Applies the deltas in place to a host ``ref_count`` array (for simulators)."""
+    np.add.at(ref_count, self.block_ids, self.deltas)
 
 
 @dataclasses.dataclass(frozen=True)
 class MatchResult:
-    """Result of ``PrefixCache.match``.
+  """Result of ``PrefixCache.match``.
 
-    Attributes:
-      length: matched tokens.
-      segments: int32[n, 3], the KV of tokens ``[:length]``, to put into the new
-        sequence's table (``open_sequence`` increfs them).
-      node: locked node handle (pass to ``unlock``), or None when nothing was
-        matched or ``lock=False``.
-      ref_deltas: tree reference changes; always empty (a match never splits).
-    """
+  Attributes:
+    length: matched tokens.
+    segments: int32[n, 3], the KV of tokens ``[:length]``, to put into the new
+      sequence's table (``open_sequence`` increfs them).
+    node: locked node handle (pass to ``unlock``), or None when nothing was
+      matched or ``lock=False``.
+    ref_deltas: tree reference changes; always empty (a match never splits).
+  """
 
-    length: int
-    segments: np.ndarray
-    node: NodeId | None
-    ref_deltas: RefDeltas
+  length: int
+  segments: np.ndarray
+  node: NodeId | None
+  ref_deltas: RefDeltas
 
 
 @dataclasses.dataclass(frozen=True)
 class PackCandidate:
-    """A short segment (< block_size tokens) held by the tree, worth packing (issue B).
+  """A short segment (< block_size tokens) held by the tree, worth packing (issue B).
 
-    After the pool copies ``segment``'s slots elsewhere, call
-    ``rebind_segment(node, segment, new_segment)``. Its deltas (+1 new block, -1 old
-    block) describe the tree's reference moving. Apply them only if the packing did
-    not move the reference itself: ``paged_kv`` ``pack_slots`` with an external owner
-    already transfers it, so there the deltas are for checking only (compare them with
-    the pack result's deltas; applying them again would double-count).
-    """
+  After the pool copies ``segment``'s slots elsewhere, call
+  ``rebind_segment(node, segment, new_segment)``. Its deltas (+1 new block, -1 old
+  block) describe the tree's reference moving. Apply them only if the packing did
+  not move the reference itself: ``paged_kv`` ``pack_slots`` with an external owner
+  already transfers it, so there the deltas are for checking only (compare them with
+  the pack result's deltas; applying them again would double-count).
+  """
 
-    node: NodeId
-    segment: tuple[int, int, int]
+  node: NodeId
+  segment: tuple[int, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
 class InsertOutcome:
-    """Result of ``PrefixCache.insert``.
+  """Result of ``PrefixCache.insert``.
 
-    Attributes:
-      prefix_len: leading tokens the cache already held (their segments stay the
-        tree's own; the sequence's copies are not referenced by the tree).
-      num_new_tokens: tokens the tree took references for.
-      node: the new leaf, or None when nothing new was stored.
-      ref_deltas: tree increfs: +1 per new segment, +1 per segment cut by a split.
-      pack: short segments of the new leaf to pack (empty unless ``pack_tails``).
-    """
+  Attributes:
+    prefix_len: leading tokens the cache already held (their segments stay the
+      tree's own; the sequence's copies are not referenced by the tree).
+    num_new_tokens: tokens the tree took references for.
+    node: the new leaf, or None when nothing new was stored.
+    ref_deltas: tree increfs: +1 per new segment, +1 per segment cut by a split.
+    pack: short segments of the new leaf to pack (empty unless ``pack_tails``).
+  """
 
-    prefix_len: int
-    num_new_tokens: int
-    node: NodeId | None
-    ref_deltas: RefDeltas
-    pack: tuple[PackCandidate, ...]
+  prefix_len: int
+  num_new_tokens: int
+  node: NodeId | None
+  ref_deltas: RefDeltas
+  pack: tuple[PackCandidate, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Eviction:
-    """Result of ``evict`` / ``gc_evict``.
+  """Result of ``evict`` / ``gc_evict``.
 
-    Attributes:
-      ref_deltas: tree decrefs (-1 per evicted segment) to apply to the pool.
-      nodes: evicted node ids, children before parents.
-      num_tokens: tokens evicted.
-      num_segments: segment references dropped.
-      num_freed_blocks: blocks whose ref_count would reach 0 given the ``ref_count``
-        passed in; None when none was passed.
-    """
+  Attributes:
+    ref_deltas: tree decrefs (-1 per evicted segment) to apply to the pool.
+    nodes: evicted node ids, children before parents.
+    num_tokens: tokens evicted.
+    num_segments: segment references dropped.
+    num_freed_blocks: blocks whose ref_count would reach 0 given the ``ref_count``
+      passed in; None when none was passed.
+  """
 
-    ref_deltas: RefDeltas
-    nodes: tuple[NodeId, ...]
-    num_tokens: int
-    num_segments: int
-    num_freed_blocks: int | None
+  ref_deltas: RefDeltas
+  nodes: tuple[NodeId, ...]
+  num_tokens: int
+  num_segments: int
+  num_freed_blocks: int | None
 
 
 @dataclasses.dataclass(frozen=True)
 class GcMark:
-    """Result of ``gc_mark``: nodes (and their tokens) marked as GC candidates."""
+  """Result of ``gc_mark``: nodes (and their tokens) marked as GC candidates."""
 
-    num_nodes: int
-    num_tokens: int
+  num_nodes: int
+  num_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
 class EvictableReport:
-    """What eviction could reclaim now (unlocked, unpinned nodes).
+  """What eviction could reclaim now (unlocked, unpinned nodes).
 
-    Attributes:
-      num_nodes, num_tokens, num_segments: evictable nodes, their tokens and segments.
-      num_bytes: ``num_tokens * bytes_per_token``.
-      num_blocks: blocks that would become free if all of it were evicted (given
-        ``ref_count``; None without it).
-      num_gc_marked_tokens: tokens currently marked by the GC's phase 1.
-    """
+  Attributes:
+    num_nodes, num_tokens, num_segments: evictable nodes, their tokens and segments.
+    num_bytes: ``num_tokens * bytes_per_token``.
+    num_blocks: blocks that would become free if all of it were evicted (given
+      ``ref_count``; None without it).
+    num_gc_marked_tokens: tokens currently marked by the GC's phase 1.
+  """
 
-    num_nodes: int
-    num_tokens: int
-    num_segments: int
-    num_bytes: int
-    num_blocks: int | None
-    num_gc_marked_tokens: int
+  num_nodes: int
+  num_tokens: int
+  num_segments: int
+  num_bytes: int
+  num_blocks: int | None
+  num_gc_marked_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheCounters:
-    """Running totals since construction."""
+  """Running totals since construction."""
 
-    num_nodes: int
-    num_tokens: int
-    num_segments: int
-    inserted_tokens: int
-    evicted_nodes: int
-    evicted_tokens: int
-    evictions: int
+  num_nodes: int
+  num_tokens: int
+  num_segments: int
+  inserted_tokens: int
+  evicted_nodes: int
+  evicted_tokens: int
+  evictions: int
 
 
 def _lru_key(node: Node) -> tuple:
-    return (node.last_access, node.access_seq)
+  return (node.last_access, node.access_seq)
 
 
 def _cost_key(node: Node) -> tuple:
-    return (node.hit_tokens / max(node.num_tokens, 1), node.last_access, node.access_seq)
+  return (node.hit_tokens / max(node.num_tokens, 1), node.last_access, node.access_seq)
 
 
 class PrefixCache:
-    """Radix prefix cache whose nodes hold segments of a block pool.
+  """Radix prefix cache whose nodes hold segments of a block pool.
+
+  Args:
+    block_size: tokens per pool block (validates segments).
+    policy: default eviction policy, one of ``POLICIES``.
+    pack_tails: when True, ``insert`` names the new leaf's short segments to pack.
+    clock: returns the current time (float, any monotone unit: TTLs use the same
+      unit). Default ``time.monotonic``; simulators pass trace time.
+  """
+
+  def __init__(
+      self,
+      *,
+      block_size: int,
+      policy: str = "lru",
+      pack_tails: bool = False,
+      clock: Callable[[], float] = time.monotonic,
+  ):
+    if not isinstance(block_size, (int, np.integer)) or block_size < 1:
+      raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if policy not in POLICIES:
+      raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    self.block_size = int(block_size)
+    self.policy = policy
+    self.pack_tails = bool(pack_tails)
+    self._clock = clock
+    self._pending_cuts: list[int] = []
+    self.tree = RadixTree(split_value=self._split_segments)
+    self._num_segments = 0
+    self._inserted_tokens = 0
+    self._evicted_nodes = 0
+    self._evicted_tokens = 0
+    self._evictions = 0
+    self._scratch = np.zeros((0,), np.int64)
+
+  # ------------------------------------------------------------------ internals
+  def _split_segments(self, segs: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    head, tail, cut = _cut(segs, offset)
+    if cut:
+      self._pending_cuts.append(int(tail[0, 0]))
+      self._num_segments += 1
+    return head, tail
+
+  def _now(self) -> float:
+    return float(self._clock())
+
+  def now(self) -> float:
+    """The cache's clock (the unit TTLs and access times use)."""
+    return self._now()
+
+  def _node(self, node_id: NodeId) -> Node:
+    return self.tree.node(node_id)
+
+  # ------------------------------------------------------------------ queries
+  def match(
+      self, namespace: Hashable, tokens: Any, *, lock: bool = True, record: bool = True
+  ) -> MatchResult:
+    """Longest cached prefix of ``tokens`` in ``namespace``.
+
+    Match all the tokens you have: to keep at least one token to compute (for the
+    logits), pass ``tokens[:-1]``.
 
     Args:
-      block_size: tokens per pool block (validates segments).
-      policy: default eviction policy, one of ``POLICIES``.
-      pack_tails: when True, ``insert`` names the new leaf's short segments to pack.
-      clock: returns the current time (float, any monotone unit: TTLs use the same
-        unit). Default ``time.monotonic``; simulators pass trace time.
+      namespace: hashable namespace; never matches another namespace's entries.
+      tokens: int32-compatible token ids, shape [n].
+      lock: lock the deepest matched node until ``unlock(result.node)``.
+      record: update hit statistics and access times (False: read-only probe).
+
+    Raises:
+      InvalidTokensError: bad tokens.
     """
+    m = self.tree.match_prefix(namespace, tokens, now=self._now(), record=record)
+    if m.length == 0:
+      return MatchResult(0, _EMPTY_SEGMENTS.copy(), None, RefDeltas.empty())
+    parts = [self._node(i).value for i in m.path]
+    last = self._node(m.path[-1])
+    if m.last_offset < last.num_tokens:
+      parts[-1] = _cut(parts[-1], m.last_offset)[0]
+    segments = np.concatenate(parts).astype(np.int32, copy=True)
+    node = None
+    if lock:
+      self.tree.lock(last.node_id)
+      node = last.node_id
+    return MatchResult(m.length, segments, node, RefDeltas.empty())
 
-    def __init__(self, *, block_size: int, policy: str = "lru", pack_tails: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
-        if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.block_size = int(block_size)
-        self.policy = policy
-        self.pack_tails = bool(pack_tails)
-        self._clock = clock
-        self._pending_cuts: list[int] = []
-        self.tree = RadixTree(split_value=self._split_segments)
-        self._num_segments = 0
-        self._inserted_tokens = 0
-        self._evicted_nodes = 0
-        self._evicted_tokens = 0
-        self._evictions = 0
-        self._scratch = np.zeros((0,), np.int64)
+  def unlock(self, node: NodeId) -> None:
+    """Releases a lock taken by ``match``.
 
-    # ------------------------------------------------------------------ internals
-    def _split_segments(self, segs: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
-        head, tail, cut = _cut(segs, offset)
-        if cut:
-            self._pending_cuts.append(int(tail[0, 0]))
-            self._num_segments += 1
-        return head, tail
+    Raises:
+      StaleNodeError / LockError: unknown or unlocked node.
+    """
+    self.tree.unlock(node)
 
-    def _now(self) -> float:
-        return float(self._clock())
+  # ------------------------------------------------------------------ updates
+  def insert(
+      self, namespace: Hashable, tokens: Any, segments: Any, *, pin_ttl: float | None = None
+  ) -> InsertOutcome:
+    """Stores a finished sequence: tokens and the segments holding their KV.
 
-    def now(self) -> float:
-        """The cache's clock (the unit TTLs and access times use)."""
-        return self._now()
+    The tree takes one reference per segment for the tokens it did not hold
+    (``[prefix_len:]``; a segment straddling ``prefix_len`` is cut and only its
+    tail is referenced). Tokens already held keep the tree's own segments.
 
-    def _node(self, node_id: NodeId) -> Node:
-        return self.tree.node(node_id)
+    Args:
+      namespace: hashable namespace.
+      tokens: int32-compatible token ids, shape [n].
+      segments: int32[m, 3] segments of the sequence, covering exactly n tokens
+        in order (e.g. the pool's ``segments(seq_id)``).
+      pin_ttl: if given, pin the whole inserted path for this long.
 
-    # ------------------------------------------------------------------ queries
-    def match(self, namespace: Hashable, tokens: Any, *, lock: bool = True,
-              record: bool = True) -> MatchResult:
-        """Longest cached prefix of ``tokens`` in ``namespace``.
+    Returns:
+      InsertOutcome whose ``ref_deltas`` (increfs) the caller applies to the pool
+      before releasing the sequence.
 
-        Match all the tokens you have: to keep at least one token to compute (for the
-        logits), pass ``tokens[:-1]``.
-
-        Args:
-          namespace: hashable namespace; never matches another namespace's entries.
-          tokens: int32-compatible token ids, shape [n].
-          lock: lock the deepest matched node until ``unlock(result.node)``.
-          record: update hit statistics and access times (False: read-only probe).
-
-        Raises:
-          InvalidTokensError: bad tokens.
-        """
-        m = self.tree.match_prefix(namespace, tokens, now=self._now(), record=record)
-        if m.length == 0:
-            return MatchResult(0, _EMPTY_SEGMENTS.copy(), None, RefDeltas.empty())
-        parts = [self._node(i).value for i in m.path]
-        last = self._node(m.path[-1])
-        if m.last_offset < last.num_tokens:
-            parts[-1] = _cut(parts[-1], m.last_offset)[0]
-        segments = np.concatenate(parts).astype(np.int32, copy=True)
-        node = None
-        if lock:
-            self.tree.lock(last.node_id)
-            node = last.node_id
-        return MatchResult(m.length, segments, node, RefDeltas.empty())
-
-    def unlock(self, node: NodeId) -> None:
-        """Releases a lock taken by ``match``.
-
-        Raises:
-          StaleNodeError / LockError: unknown or unlocked node.
-        """
-        self.tree.unlock(node)
-
-    # ------------------------------------------------------------------ updates
-    def insert(self, namespace: Hashable, tokens: Any, segments: Any, *,
-               pin_ttl: float | None = None) -> InsertOutcome:
-        """Stores a finished sequence: tokens and the segments holding their KV.
-
-        The tree takes one reference per segment for the tokens it did not hold
-        (``[prefix_len:]``; a segment straddling ``prefix_len`` is cut and only its
-        tail is referenced). Tokens already held keep the tree's own segments.
-
-        Args:
-          namespace: hashable namespace.
-          tokens: int32-compatible token ids, shape [n].
-          segments: int32[m, 3] segments of the sequence, covering exactly n tokens
-            in order (e.g. the pool's ``segments(seq_id)``).
-          pin_ttl: if given, pin the whole inserted path for this long.
-
-        Returns:
-          InsertOutcome whose ``ref_deltas`` (increfs) the caller applies to the pool
-          before releasing the sequence.
-
-        Raises:
-          InvalidTokensError / InvalidSegmentsError: bad input; nothing changes.
-        """
-        tokens = as_tokens(tokens)
-        segs = as_segments(segments, block_size=self.block_size)
-        covered = int(segs[:, 2].sum(dtype=np.int64))
-        if covered != tokens.shape[0]:
-            raise InvalidSegmentsError(
-                f"segments cover {covered} tokens but {tokens.shape[0]} tokens given")
-        if pin_ttl is not None and not pin_ttl >= 0:
-            raise ValueError(f"pin_ttl must be >= 0, got {pin_ttl!r}")
-        now = self._now()
-        self._pending_cuts.clear()
-        res = self.tree.insert(namespace, tokens,
-                               lambda prefix_len: _cut(segs, prefix_len)[1].copy(),
-                               now=now)
-        blocks = list(self._pending_cuts)
-        self._pending_cuts.clear()
-        pack: tuple[PackCandidate, ...] = ()
-        num_new = 0
-        if res.leaf is not None:
-            leaf = self._node(res.leaf)
-            num_new = leaf.num_tokens
-            self._num_segments += leaf.value.shape[0]
-            self._inserted_tokens += num_new
-            deltas = RefDeltas.from_pairs(np.concatenate([leaf.value[:, 0],
-                                                          np.asarray(blocks, np.int32)]), 1)
-            if self.pack_tails:
-                short = leaf.value[leaf.value[:, 2] < self.block_size]
-                pack = tuple(PackCandidate(res.leaf, tuple(int(x) for x in row))
-                             for row in short)
-        else:
-            deltas = RefDeltas.from_pairs(np.asarray(blocks, np.int32), 1)
-        if pin_ttl is not None:
-            deepest = res.leaf
-            if deepest is None:
-                m = self.tree.match_prefix(namespace, tokens, now=now, record=False)
-                deepest = m.node
-            if deepest is not None:
-                self.tree.pin(deepest, now + pin_ttl)
-        return InsertOutcome(res.prefix_len, num_new, res.leaf, deltas, pack)
-
-    def split(self, node: NodeId, offset: int) -> tuple[NodeId, RefDeltas]:
-        """Splits a node after ``offset`` tokens (any token, no KV copy).
-
-        Use this rather than ``cache.tree.split``: the tree attribute is for reading;
-        splitting it directly would skip the incref of a cut segment.
-
-        Returns:
-          (head node id, RefDeltas): +1 on the block of a segment cut in two, else empty.
-
-        Raises:
-          StaleNodeError: unknown node. ValueError: offset outside [1, num_tokens - 1].
-        """
-        self._pending_cuts.clear()
-        head = self.tree.split(node, offset)
-        deltas = RefDeltas.from_pairs(np.asarray(self._pending_cuts, np.int32), 1)
-        self._pending_cuts.clear()
-        return head, deltas
-
-    def rebind_segments(self, node: NodeId, new_segments: Any) -> RefDeltas:
-        """Replaces all segments of a node (e.g. after the pool moved or packed them).
-
-        The caller must already have copied the KV so that ``new_segments`` hold the
-        node's tokens in order.
-
-        Returns:
-          RefDeltas: +1 per new segment, -1 per old segment (aggregated). Apply them
-          unless the pool already transferred these references (see PackCandidate).
-
-        Raises:
-          StaleNodeError: unknown node. InvalidSegmentsError: bad segments or a
-          different token count. Nothing changes on error.
-        """
-        n = self._node(node)
-        segs = as_segments(new_segments, block_size=self.block_size)
-        if int(segs[:, 2].sum(dtype=np.int64)) != n.num_tokens:
-            raise InvalidSegmentsError(
-                f"node {node} holds {n.num_tokens} tokens; new segments cover "
-                f"{int(segs[:, 2].sum())}")
-        old = n.value
-        n.value = segs.copy()
-        self._num_segments += segs.shape[0] - old.shape[0]
-        return RefDeltas.from_pairs(np.concatenate([segs[:, 0], old[:, 0]]),
-                                    np.concatenate([np.ones(segs.shape[0], np.int64),
-                                                    -np.ones(old.shape[0], np.int64)]))
-
-    def rebind_segment(self, node: NodeId, old_segment: Iterable[int],
-                       new_segment: Iterable[int]) -> RefDeltas:
-        """Replaces one segment of a node by another of the same length (packing).
-
-        Raises:
-          StaleNodeError: unknown node (e.g. evicted since the PackCandidate).
-          InvalidSegmentsError: ``old_segment`` not in the node (e.g. cut by a split
-            since), or lengths differ, or ``new_segment`` malformed.
-        """
-        n = self._node(node)
-        old = tuple(int(x) for x in old_segment)
-        new = as_segments([list(new_segment)], block_size=self.block_size)[0]
-        if len(old) != 3 or old[2] != int(new[2]):
-            raise InvalidSegmentsError(f"segment lengths differ: {old} vs {tuple(new)}")
-        rows = np.flatnonzero((n.value == np.asarray(old, np.int32)).all(axis=1))
-        if rows.size == 0:
-            raise InvalidSegmentsError(f"node {node} holds no segment {old}")
-        segs = n.value.copy()
-        segs[rows[0]] = new
-        return self.rebind_segments(node, segs)
-
-    def pin(self, namespace: Hashable, tokens: Any, ttl: float) -> int:
-        """Pins the cached prefix of ``tokens`` for ``ttl`` time units.
-
-        Returns the number of tokens pinned (the matched prefix; a node matched in part
-        is pinned whole). Pinned nodes and their ancestors are not evictable until
-        the TTL expires.
-        """
-        if not ttl >= 0:
-            raise ValueError(f"ttl must be >= 0, got {ttl!r}")
-        now = self._now()
+    Raises:
+      InvalidTokensError / InvalidSegmentsError: bad input; nothing changes.
+    """
+    tokens = as_tokens(tokens)
+    segs = as_segments(segments, block_size=self.block_size)
+    covered = int(segs[:, 2].sum(dtype=np.int64))
+    if covered != tokens.shape[0]:
+      raise InvalidSegmentsError(
+          f"segments cover {covered} tokens but {tokens.shape[0]} tokens given"
+      )
+    if pin_ttl is not None and not pin_ttl >= 0:
+      raise ValueError(f"pin_ttl must be >= 0, got {pin_ttl!r}")
+    now = self._now()
+    self._pending_cuts.clear()
+    res = self.tree.insert(
+        namespace, tokens, lambda prefix_len: _cut(segs, prefix_len)[1].copy(), now=now
+    )
+    blocks = list(self._pending_cuts)
+    self._pending_cuts.clear()
+    pack: tuple[PackCandidate, ...] = ()
+    num_new = 0
+    if res.leaf is not None:
+      leaf = self._node(res.leaf)
+      num_new = leaf.num_tokens
+      self._num_segments += leaf.value.shape[0]
+      self._inserted_tokens += num_new
+      deltas = RefDeltas.from_pairs(
+          np.concatenate([leaf.value[:, 0], np.asarray(blocks, np.int32)]), 1
+      )
+      if self.pack_tails:
+        short = leaf.value[leaf.value[:, 2] < self.block_size]
+        pack = tuple(PackCandidate(res.leaf, tuple(int(x) for x in row)) for row in short)
+    else:
+      deltas = RefDeltas.from_pairs(np.asarray(blocks, np.int32), 1)
+    if pin_ttl is not None:
+      deepest = res.leaf
+      if deepest is None:
         m = self.tree.match_prefix(namespace, tokens, now=now, record=False)
-        if m.node is not None:
-            self.tree.pin(m.node, now + ttl)
-        return m.length
+        deepest = m.node
+      if deepest is not None:
+        self.tree.pin(deepest, now + pin_ttl)
+    return InsertOutcome(res.prefix_len, num_new, res.leaf, deltas, pack)
 
-    def unpin(self, namespace: Hashable, tokens: Any) -> None:
-        """Removes pins from the nodes below the prefix of ``tokens`` (inclusive)."""
-        m = self.tree.match_prefix(namespace, tokens, now=self._now(), record=False)
-        if m.path:
-            self.tree.unpin(m.path[0])
+  def split(self, node: NodeId, offset: int) -> tuple[NodeId, RefDeltas]:
+    """Splits a node after ``offset`` tokens (any token, no KV copy).
 
-    # ------------------------------------------------------------------ eviction
-    def _check_ref_count(self, ref_count: Any) -> np.ndarray:
-        rc = np.asarray(ref_count)
-        if rc.ndim != 1 or not np.issubdtype(rc.dtype, np.integer):
-            raise RefCountMismatchError(f"ref_count must be a 1-D integer array, got "
-                                        f"{rc.dtype}{rc.shape}")
-        if self._scratch.shape[0] < rc.shape[0]:
-            self._scratch = np.zeros((rc.shape[0],), np.int64)
-        return rc
+    Use this rather than ``cache.tree.split``: the tree attribute is for reading;
+    splitting it directly would skip the incref of a cut segment.
 
-    def _select(self, eligible: Callable[[Node], bool], key: Callable[[Node], tuple],
-                num_blocks: int | None, ref_count: np.ndarray | None,
-                num_tokens: int | None) -> tuple[list[Node], int | None]:
-        """Picks leaves to evict (children first) without changing anything."""
-        heap = [(key(n), n.node_id, n) for n in self.tree.leaves() if eligible(n)]
-        heapq.heapify(heap)
-        remaining: dict[int, int] = {}
-        chosen: list[Node] = []
-        tokens = 0
-        freed = 0 if ref_count is not None else None
-        touched: list[np.ndarray] = []
-        scratch = self._scratch
-        try:
-            while heap:
-                if num_tokens is not None and tokens >= num_tokens:
-                    break
-                if num_blocks is not None and freed is not None and freed >= num_blocks:
-                    break
-                _, _, node = heapq.heappop(heap)
-                chosen.append(node)
-                tokens += node.num_tokens
-                if ref_count is not None:
-                    blocks = node.value[:, 0]
-                    if blocks.size and int(blocks.max()) >= ref_count.shape[0]:
-                        raise RefCountMismatchError(
-                            f"tree references block {int(blocks.max())} but ref_count "
-                            f"has {ref_count.shape[0]} entries")
-                    u, c = np.unique(blocks, return_counts=True)
-                    touched.append(u)
-                    scratch[u] += c
-                    left = ref_count[u].astype(np.int64) - scratch[u]
-                    if (left < 0).any():
-                        b = int(u[np.argmax(left < 0)])
-                        raise RefCountMismatchError(
-                            f"ref_count[{b}]={int(ref_count[b])} is below the tree's "
-                            f"references on it")
-                    freed += int(np.count_nonzero(left == 0))
-                parent = node.parent
-                if parent is not None and parent.parent is not None:
-                    pid = parent.node_id
-                    left_children = remaining.get(pid, len(parent.children)) - 1
-                    remaining[pid] = left_children
-                    if left_children == 0 and eligible(parent):
-                        heapq.heappush(heap, (key(parent), pid, parent))
-        finally:
-            for u in touched:
-                scratch[u] = 0
-        return chosen, freed
+    Returns:
+      (head node id, RefDeltas): +1 on the block of a segment cut in two, else empty.
 
-    def _commit(self, chosen: list[Node], freed: int | None) -> Eviction:
-        blocks = []
-        num_tokens = 0
-        ids = []
-        for node in chosen:
-            segs = self.tree.remove_leaf(node.node_id)
-            blocks.append(segs[:, 0])
-            num_tokens += node.num_tokens
-            ids.append(node.node_id)
-        all_blocks = np.concatenate(blocks) if blocks else _EMPTY_IDS
-        self._num_segments -= int(all_blocks.shape[0])
-        self._evicted_nodes += len(ids)
-        self._evicted_tokens += num_tokens
-        self._evictions += int(bool(ids))
-        return Eviction(RefDeltas.from_pairs(all_blocks, -1), tuple(ids), num_tokens,
-                        int(all_blocks.shape[0]), freed)
+    Raises:
+      StaleNodeError: unknown node. ValueError: offset outside [1, num_tokens - 1].
+    """
+    self._pending_cuts.clear()
+    head = self.tree.split(node, offset)
+    deltas = RefDeltas.from_pairs(np.asarray(self._pending_cuts, np.int32), 1)
+    self._pending_cuts.clear()
+    return head, deltas
 
-    def _validate_targets(self, num_blocks: int | None, ref_count: Any,
-                          num_tokens: int | None) -> np.ndarray | None:
-        if (num_blocks is None) == (num_tokens is None):
-            raise ValueError("give exactly one of num_blocks (with ref_count) or "
-                             "num_tokens")
-        if num_blocks is not None:
-            if ref_count is None:
-                raise ValueError("num_blocks needs the pool's ref_count to know which "
-                                 "decrefs free a block")
-            if num_blocks < 0:
-                raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_tokens is not None and num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return self._check_ref_count(ref_count) if ref_count is not None else None
+  def rebind_segments(self, node: NodeId, new_segments: Any) -> RefDeltas:
+    """Replaces all segments of a node (e.g. after the pool moved or packed them).
 
-    def evict(self, *, num_blocks: int | None = None, ref_count: Any = None,
-              num_tokens: int | None = None, policy: str | None = None) -> Eviction:
-        """Evicts unlocked, unpinned leaves by policy until a target is reached.
+    The caller must already have copied the KV so that ``new_segments`` hold the
+    node's tokens in order.
 
-        Args:
-          num_blocks: stop once the decrefs would free this many blocks given
-            ``ref_count`` (int[num_blocks_in_pool], the pool's host mirror, unchanged).
-          ref_count: required with ``num_blocks``; optional with ``num_tokens`` (then
-            only used for the ``num_freed_blocks`` estimate).
-          num_tokens: alternatively, stop once this many tokens are evicted.
-          policy: ``"lru"`` or ``"cost"``; default the cache's policy.
+    Returns:
+      RefDeltas: +1 per new segment, -1 per old segment (aggregated). Apply them
+      unless the pool already transferred these references (see PackCandidate).
 
-        Returns:
-          Eviction; may fall short of the target when nothing else is evictable.
+    Raises:
+      StaleNodeError: unknown node. InvalidSegmentsError: bad segments or a
+      different token count. Nothing changes on error.
+    """
+    n = self._node(node)
+    segs = as_segments(new_segments, block_size=self.block_size)
+    if int(segs[:, 2].sum(dtype=np.int64)) != n.num_tokens:
+      raise InvalidSegmentsError(
+          f"node {node} holds {n.num_tokens} tokens; new segments cover " f"{int(segs[:, 2].sum())}"
+      )
+    old = n.value
+    n.value = segs.copy()
+    self._num_segments += segs.shape[0] - old.shape[0]
+    return RefDeltas.from_pairs(
+        np.concatenate([segs[:, 0], old[:, 0]]),
+        np.concatenate([np.ones(segs.shape[0], np.int64), -np.ones(old.shape[0], np.int64)]),
+    )
 
-        Raises:
-          ValueError / RefCountMismatchError: bad arguments; nothing changes.
-        """
-        policy = self.policy if policy is None else policy
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        rc = self._validate_targets(num_blocks, ref_count, num_tokens)
-        now = self._now()
-        key = _lru_key if policy == "lru" else _cost_key
-        chosen, freed = self._select(
-            lambda n: n.lock_ref == 0 and not n.is_pinned(now), key,
-            num_blocks, rc, num_tokens)
-        return self._commit(chosen, freed)
+  def rebind_segment(
+      self, node: NodeId, old_segment: Iterable[int], new_segment: Iterable[int]
+  ) -> RefDeltas:
+    """Replaces one segment of a node by another of the same length (packing).
 
-    def gc_mark(self, ttl: float) -> GcMark:
-        """GC phase 1: marks unlocked, unpinned nodes idle for at least ``ttl``.
+    Raises:
+      StaleNodeError: unknown node (e.g. evicted since the PackCandidate).
+      InvalidSegmentsError: ``old_segment`` not in the node (e.g. cut by a split
+        since), or lengths differ, or ``new_segment`` malformed.
+    """
+    n = self._node(node)
+    old = tuple(int(x) for x in old_segment)
+    new = as_segments([list(new_segment)], block_size=self.block_size)[0]
+    if len(old) != 3 or old[2] != int(new[2]):
+      raise InvalidSegmentsError(f"segment lengths differ: {old} vs {tuple(new)}")
+    rows = np.flatnonzero((n.value == np.asarray(old, np.int32)).all(axis=1))
+    if rows.size == 0:
+      raise InvalidSegmentsError(f"node {node} holds no segment {old}")
+    segs = n.value.copy()
+    segs[rows[0]] = new
+    return self.rebind_segments(node, segs)
 
-        Clears earlier marks first. A node touched after marking loses its mark.
-        """
-        if not ttl >= 0:
-            raise ValueError(f"ttl must be >= 0, got {ttl!r}")
-        now = self._now()
-        count = tokens = 0
-        for node in self.tree.nodes():
-            mark = (node.lock_ref == 0 and not node.is_pinned(now)
-                    and now - node.last_access >= ttl)
-            node.gc_marked = mark
-            if mark:
-                count += 1
-                tokens += node.num_tokens
-        return GcMark(count, tokens)
+  def pin(self, namespace: Hashable, tokens: Any, ttl: float) -> int:
+    """Pins the cached prefix of ``tokens`` for ``ttl`` time units.
 
-    def gc_evict(self, *, num_blocks: int | None = None, ref_count: Any = None,
-                 num_tokens: int | None = None, order: str = "high_first") -> Eviction:
-        """GC phase 2: evicts marked nodes, in block-address order, up to a target.
+    Returns the number of tokens pinned (the matched prefix; a node matched in part
+    is pinned whole). Pinned nodes and their ancestors are not evictable until
+    the TTL expires.
+    """
+    if not ttl >= 0:
+      raise ValueError(f"ttl must be >= 0, got {ttl!r}")
+    now = self._now()
+    m = self.tree.match_prefix(namespace, tokens, now=now, record=False)
+    if m.node is not None:
+      self.tree.pin(m.node, now + ttl)
+    return m.length
 
-        Only leaves can go, so a marked parent goes after its marked children.
-        ``order="high_first"`` evicts the node holding the highest block address first
-        (allocation is lowest-first, so this frees the top of the pool and leaves less
-        to compact); ``"low_first"`` the opposite. Targets as in ``evict``.
-        """
-        if order not in GC_ORDERS:
-            raise ValueError(f"order must be one of {GC_ORDERS}, got {order!r}")
-        rc = self._validate_targets(num_blocks, ref_count, num_tokens)
-        now = self._now()
-        sign = -1 if order == "high_first" else 1
+  def unpin(self, namespace: Hashable, tokens: Any) -> None:
+    """Removes pins from the nodes below the prefix of ``tokens`` (inclusive)."""
+    m = self.tree.match_prefix(namespace, tokens, now=self._now(), record=False)
+    if m.path:
+      self.tree.unpin(m.path[0])
 
-        def key(n: Node) -> tuple:
-            blocks = n.value[:, 0]
-            addr = int(blocks.max() if sign < 0 else blocks.min()) if blocks.size else 0
-            return (sign * addr, n.last_access, n.access_seq)
+  # ------------------------------------------------------------------ eviction
+  def _check_ref_count(self, ref_count: Any) -> np.ndarray:
+    rc = np.asarray(ref_count)
+    if rc.ndim != 1 or not np.issubdtype(rc.dtype, np.integer):
+      raise RefCountMismatchError(
+          f"ref_count must be a 1-D integer array, got " f"{rc.dtype}{rc.shape}"
+      )
+    if self._scratch.shape[0] < rc.shape[0]:
+      self._scratch = np.zeros((rc.shape[0],), np.int64)
+    return rc
 
-        chosen, freed = self._select(
-            lambda n: n.gc_marked and n.lock_ref == 0 and not n.is_pinned(now), key,
-            num_blocks, rc, num_tokens)
-        return self._commit(chosen, freed)
-
-    def evictable(self, *, bytes_per_token: int = 0,
-                  ref_count: Any = None) -> EvictableReport:
-        """Reports what could be evicted now (unlocked and unpinned nodes).
-
-        Args:
-          bytes_per_token: KV bytes per token (2 * layers * kv_heads * head_dim *
-            itemsize) for ``num_bytes``.
-          ref_count: optional pool ref_count mirror, for ``num_blocks``.
-        """
-        now = self._now()
-        nodes = tokens = segments = marked = 0
-        blocks = []
-        for node in self.tree.nodes():
-            if node.gc_marked:
-                marked += node.num_tokens
-            if node.lock_ref == 0 and not node.is_pinned(now):
-                nodes += 1
-                tokens += node.num_tokens
-                segments += node.value.shape[0]
-                blocks.append(node.value[:, 0])
-        num_blocks = None
+  def _select(
+      self,
+      eligible: Callable[[Node], bool],
+      key: Callable[[Node], tuple],
+      num_blocks: int | None,
+      ref_count: np.ndarray | None,
+      num_tokens: int | None,
+  ) -> tuple[list[Node], int | None]:
+    """Picks leaves to evict (children first) without changing anything."""
+    heap = [(key(n), n.node_id, n) for n in self.tree.leaves() if eligible(n)]
+    heapq.heapify(heap)
+    remaining: dict[int, int] = {}
+    chosen: list[Node] = []
+    tokens = 0
+    freed = 0 if ref_count is not None else None
+    touched: list[np.ndarray] = []
+    scratch = self._scratch
+    try:
+      while heap:
+        if num_tokens is not None and tokens >= num_tokens:
+          break
+        if num_blocks is not None and freed is not None and freed >= num_blocks:
+          break
+        _, _, node = heapq.heappop(heap)
+        chosen.append(node)
+        tokens += node.num_tokens
         if ref_count is not None:
-            rc = self._check_ref_count(ref_count)
-            d = RefDeltas.from_pairs(np.concatenate(blocks) if blocks else _EMPTY_IDS, 1)
-            if d.block_ids.size and int(d.block_ids.max()) >= rc.shape[0]:
-                raise RefCountMismatchError("tree references a block beyond ref_count")
-            num_blocks = int(np.count_nonzero(rc[d.block_ids] == d.deltas))
-        return EvictableReport(nodes, tokens, segments, tokens * int(bytes_per_token),
-                               num_blocks, marked)
+          blocks = node.value[:, 0]
+          if blocks.size and int(blocks.max()) >= ref_count.shape[0]:
+            raise RefCountMismatchError(
+                f"tree references block {int(blocks.max())} but ref_count "
+                f"has {ref_count.shape[0]} entries"
+            )
+          u, c = np.unique(blocks, return_counts=True)
+          touched.append(u)
+          scratch[u] += c
+          left = ref_count[u].astype(np.int64) - scratch[u]
+          if (left < 0).any():
+            b = int(u[np.argmax(left < 0)])
+            raise RefCountMismatchError(
+                f"ref_count[{b}]={int(ref_count[b])} is below the tree's " f"references on it"
+            )
+          freed += int(np.count_nonzero(left == 0))
+        parent = node.parent
+        if parent is not None and parent.parent is not None:
+          pid = parent.node_id
+          left_children = remaining.get(pid, len(parent.children)) - 1
+          remaining[pid] = left_children
+          if left_children == 0 and eligible(parent):
+            heapq.heappush(heap, (key(parent), pid, parent))
+    finally:
+      for u in touched:
+        scratch[u] = 0
+    return chosen, freed
 
-    # ------------------------------------------------------------------ compaction
-    def apply_remap(self, remap: Any) -> None:
-        """Follows compaction: every block id ``b`` the tree holds becomes ``remap[b]``.
+  def _commit(self, chosen: list[Node], freed: int | None) -> Eviction:
+    blocks = []
+    num_tokens = 0
+    ids = []
+    for node in chosen:
+      segs = self.tree.remove_leaf(node.node_id)
+      blocks.append(segs[:, 0])
+      num_tokens += node.num_tokens
+      ids.append(node.node_id)
+    all_blocks = np.concatenate(blocks) if blocks else _EMPTY_IDS
+    self._num_segments -= int(all_blocks.shape[0])
+    self._evicted_nodes += len(ids)
+    self._evicted_tokens += num_tokens
+    self._evictions += int(bool(ids))
+    return Eviction(
+        RefDeltas.from_pairs(all_blocks, -1),
+        tuple(ids),
+        num_tokens,
+        int(all_blocks.shape[0]),
+        freed,
+    )
 
-        Args:
-          remap: int[num_blocks], ``remap[old] = new`` (identity for unmoved blocks).
+  def _validate_targets(
+      self, num_blocks: int | None, ref_count: Any, num_tokens: int | None
+  ) -> np.ndarray | None:
+    if (num_blocks is None) == (num_tokens is None):
+      raise ValueError("give exactly one of num_blocks (with ref_count) or " "num_tokens")
+    if num_blocks is not None:
+      if ref_count is None:
+        raise ValueError(
+            "num_blocks needs the pool's ref_count to know which " "decrefs free a block"
+        )
+      if num_blocks < 0:
+        raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+    if num_tokens is not None and num_tokens < 0:
+      raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return self._check_ref_count(ref_count) if ref_count is not None else None
 
-        Raises:
-          RefCountMismatchError: not 1-D integer, too short for a held block, values
-            out of range, or two held blocks mapped to one. Nothing changes on error.
-        """
-        rm = np.asarray(remap)
-        if rm.ndim != 1 or rm.dtype == np.bool_ or not np.issubdtype(rm.dtype, np.integer):
-            raise RefCountMismatchError(f"remap must be a 1-D integer array, got "
-                                        f"{rm.dtype}{rm.shape}")
-        nodes = [n for n in self.tree.nodes() if n.value.shape[0]]
-        if not nodes:
-            return
-        used = np.unique(np.concatenate([n.value[:, 0] for n in nodes]))
-        if int(used[-1]) >= rm.shape[0]:
-            raise RefCountMismatchError(f"tree references block {int(used[-1])} but "
-                                        f"remap has {rm.shape[0]} entries")
-        new = rm[used]
-        if (new < 0).any() or (new >= rm.shape[0]).any():
-            raise RefCountMismatchError("remap values must lie in [0, num_blocks)")
-        if np.unique(new).shape[0] != used.shape[0]:
-            raise RefCountMismatchError("remap sends two referenced blocks to one block")
-        rm32 = rm.astype(np.int32)
-        updated = []
-        for n in nodes:
-            segs = n.value.copy()
-            segs[:, 0] = rm32[segs[:, 0]]
-            updated.append(segs)
-        for n, segs in zip(nodes, updated):
-            n.value = segs
+  def evict(
+      self,
+      *,
+      num_blocks: int | None = None,
+      ref_count: Any = None,
+      num_tokens: int | None = None,
+      policy: str | None = None,
+  ) -> Eviction:
+    """Evicts unlocked, unpinned leaves by policy until a target is reached.
 
-    # ------------------------------------------------------------------ reporting
-    def node_segments(self, node: NodeId) -> np.ndarray:
-        """int32[n, 3]: a copy of a node's segments."""
-        return self._node(node).value.copy()
+    Args:
+      num_blocks: stop once the decrefs would free this many blocks given
+        ``ref_count`` (int[num_blocks_in_pool], the pool's host mirror, unchanged).
+      ref_count: required with ``num_blocks``; optional with ``num_tokens`` (then
+        only used for the ``num_freed_blocks`` estimate).
+      num_tokens: alternatively, stop once this many tokens are evicted.
+      policy: ``"lru"`` or ``"cost"``; default the cache's policy.
 
-    def segment_refs(self) -> np.ndarray:
-        """int32[n, 3]: every segment the tree holds (one pool reference each)."""
-        parts = [n.value for n in self.tree.nodes() if n.value.shape[0]]
-        return np.concatenate(parts).astype(np.int32) if parts else _EMPTY_SEGMENTS.copy()
+    Returns:
+      Eviction; may fall short of the target when nothing else is evictable.
 
-    def tree_ref_counts(self, num_blocks: int) -> np.ndarray:
-        """int32[num_blocks]: the tree's references per block."""
-        refs = self.segment_refs()[:, 0]
-        if refs.size and int(refs.max()) >= num_blocks:
-            raise RefCountMismatchError(f"tree references block {int(refs.max())} >= "
-                                        f"num_blocks={num_blocks}")
-        return np.bincount(refs, minlength=num_blocks).astype(np.int32)
+    Raises:
+      ValueError / RefCountMismatchError: bad arguments; nothing changes.
+    """
+    policy = self.policy if policy is None else policy
+    if policy not in POLICIES:
+      raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    rc = self._validate_targets(num_blocks, ref_count, num_tokens)
+    now = self._now()
+    key = _lru_key if policy == "lru" else _cost_key
+    chosen, freed = self._select(
+        lambda n: n.lock_ref == 0 and not n.is_pinned(now), key, num_blocks, rc, num_tokens
+    )
+    return self._commit(chosen, freed)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.tree.num_tokens
+  def gc_mark(self, ttl: float) -> GcMark:
+    """GC phase 1: marks unlocked, unpinned nodes idle for at least ``ttl``.
 
-    @property
-    def num_segments(self) -> int:
-        return self._num_segments
+    Clears earlier marks first. A node touched after marking loses its mark.
+    """
+    if not ttl >= 0:
+      raise ValueError(f"ttl must be >= 0, got {ttl!r}")
+    now = self._now()
+    count = tokens = 0
+    for node in self.tree.nodes():
+      mark = node.lock_ref == 0 and not node.is_pinned(now) and now - node.last_access >= ttl
+      node.gc_marked = mark
+      if mark:
+        count += 1
+        tokens += node.num_tokens
+    return GcMark(count, tokens)
 
-    def stats(self, namespace: Hashable | None = None) -> HitStats:
-        """Hit statistics of one namespace, or of all namespaces when None."""
-        return self.tree.stats(namespace)
+  def gc_evict(
+      self,
+      *,
+      num_blocks: int | None = None,
+      ref_count: Any = None,
+      num_tokens: int | None = None,
+      order: str = "high_first",
+  ) -> Eviction:
+    """GC phase 2: evicts marked nodes, in block-address order, up to a target.
 
-    def counters(self) -> CacheCounters:
-        return CacheCounters(len(self.tree), self.tree.num_tokens, self._num_segments,
-                             self._inserted_tokens, self._evicted_nodes,
-                             self._evicted_tokens, self._evictions)
+    Only leaves can go, so a marked parent goes after its marked children.
+    ``order="high_first"`` evicts the node holding the highest block address first
+    (allocation is lowest-first, so this frees the top of the pool and leaves less
+    to compact); ``"low_first"`` the opposite. Targets as in ``evict``.
+    """
+    if order not in GC_ORDERS:
+      raise ValueError(f"order must be one of {GC_ORDERS}, got {order!r}")
+    rc = self._validate_targets(num_blocks, ref_count, num_tokens)
+    now = self._now()
+    sign = -1 if order == "high_first" else 1
+
+    def key(n: Node) -> tuple:
+      blocks = n.value[:, 0]
+      addr = int(blocks.max() if sign < 0 else blocks.min()) if blocks.size else 0
+      return (sign * addr, n.last_access, n.access_seq)
+
+    chosen, freed = self._select(
+        lambda n: n.gc_marked and n.lock_ref == 0 and not n.is_pinned(now),
+        key,
+        num_blocks,
+        rc,
+        num_tokens,
+    )
+    return self._commit(chosen, freed)
+
+  def evictable(self, *, bytes_per_token: int = 0, ref_count: Any = None) -> EvictableReport:
+    """Reports what could be evicted now (unlocked and unpinned nodes).
+
+    Args:
+      bytes_per_token: KV bytes per token (2 * layers * kv_heads * head_dim *
+        itemsize) for ``num_bytes``.
+      ref_count: optional pool ref_count mirror, for ``num_blocks``.
+    """
+    now = self._now()
+    nodes = tokens = segments = marked = 0
+    blocks = []
+    for node in self.tree.nodes():
+      if node.gc_marked:
+        marked += node.num_tokens
+      if node.lock_ref == 0 and not node.is_pinned(now):
+        nodes += 1
+        tokens += node.num_tokens
+        segments += node.value.shape[0]
+        blocks.append(node.value[:, 0])
+    num_blocks = None
+    if ref_count is not None:
+      rc = self._check_ref_count(ref_count)
+      d = RefDeltas.from_pairs(np.concatenate(blocks) if blocks else _EMPTY_IDS, 1)
+      if d.block_ids.size and int(d.block_ids.max()) >= rc.shape[0]:
+        raise RefCountMismatchError("tree references a block beyond ref_count")
+      num_blocks = int(np.count_nonzero(rc[d.block_ids] == d.deltas))
+    return EvictableReport(
+        nodes, tokens, segments, tokens * int(bytes_per_token), num_blocks, marked
+    )
+
+  # ------------------------------------------------------------------ compaction
+  def apply_remap(self, remap: Any) -> None:
+    """Follows compaction: every block id ``b`` the tree holds becomes ``remap[b]``.
+
+    Args:
+      remap: int[num_blocks], ``remap[old] = new`` (identity for unmoved blocks).
+
+    Raises:
+      RefCountMismatchError: not 1-D integer, too short for a held block, values
+        out of range, or two held blocks mapped to one. Nothing changes on error.
+    """
+    rm = np.asarray(remap)
+    if rm.ndim != 1 or rm.dtype == np.bool_ or not np.issubdtype(rm.dtype, np.integer):
+      raise RefCountMismatchError(
+          f"remap must be a 1-D integer array, got " f"{rm.dtype}{rm.shape}"
+      )
+    nodes = [n for n in self.tree.nodes() if n.value.shape[0]]
+    if not nodes:
+      return
+    used = np.unique(np.concatenate([n.value[:, 0] for n in nodes]))
+    if int(used[-1]) >= rm.shape[0]:
+      raise RefCountMismatchError(
+          f"tree references block {int(used[-1])} but " f"remap has {rm.shape[0]} entries"
+      )
+    new = rm[used]
+    if (new < 0).any() or (new >= rm.shape[0]).any():
+      raise RefCountMismatchError("remap values must lie in [0, num_blocks)")
+    if np.unique(new).shape[0] != used.shape[0]:
+      raise RefCountMismatchError("remap sends two referenced blocks to one block")
+    rm32 = rm.astype(np.int32)
+    updated = []
+    for n in nodes:
+      segs = n.value.copy()
+      segs[:, 0] = rm32[segs[:, 0]]
+      updated.append(segs)
+    for n, segs in zip(nodes, updated):
+      n.value = segs
+
+  # ------------------------------------------------------------------ reporting
+  def node_segments(self, node: NodeId) -> np.ndarray:
+    """int32[n, 3]: a copy of a node's segments."""
+    return self._node(node).value.copy()
+
+  def segment_refs(self) -> np.ndarray:
+    """int32[n, 3]: every segment the tree holds (one pool reference each)."""
+    parts = [n.value for n in self.tree.nodes() if n.value.shape[0]]
+    return np.concatenate(parts).astype(np.int32) if parts else _EMPTY_SEGMENTS.copy()
+
+  def tree_ref_counts(self, num_blocks: int) -> np.ndarray:
+    """int32[num_blocks]: the tree's references per block."""
+    refs = self.segment_refs()[:, 0]
+    if refs.size and int(refs.max()) >= num_blocks:
+      raise RefCountMismatchError(
+          f"tree references block {int(refs.max())} >= " f"num_blocks={num_blocks}"
+      )
+    return np.bincount(refs, minlength=num_blocks).astype(np.int32)
+
+  @property
+  def num_tokens(self) -> int:
+    return self.tree.num_tokens
+
+  @property
+  def num_segments(self) -> int:
+    return self._num_segments
+
+  def stats(self, namespace: Hashable | None = None) -> HitStats:
+    """Hit statistics of one namespace, or of all namespaces when None."""
+    return self.tree.stats(namespace)
+
+  def counters(self) -> CacheCounters:
+    return CacheCounters(
+        len(self.tree),
+        self.tree.num_tokens,
+        self._num_segments,
+        self._inserted_tokens,
+        self._evicted_nodes,
+        self._evicted_tokens,
+        self._evictions,
+    )

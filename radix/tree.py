@@ -59,494 +59,512 @@ _INT32_MAX = np.iinfo(np.int32).max
 
 
 class RadixTreeError(Exception):
-    """Base class of the errors raised by the radix tree and the prefix cache."""
+  """Base class of the errors raised by the radix tree and the prefix cache."""
 
 
 class InvalidTokensError(RadixTreeError, ValueError):
-    """Token ids are not a 1-D sequence of integers representable as int32."""
+  """Token ids are not a 1-D sequence of integers representable as int32."""
 
 
 class StaleNodeError(RadixTreeError, KeyError):
-    """A node id names no live node (never existed, or removed since)."""
+  """A node id names no live node (never existed, or removed since)."""
 
 
 class LockError(RadixTreeError):
-    """A lock/unlock/remove request conflicts with the node's lock state."""
+  """A lock/unlock/remove request conflicts with the node's lock state."""
 
 
 def as_tokens(tokens: Any) -> np.ndarray:
-    """Validates token ids and returns them as a C-contiguous ``int32[n]`` array.
+  """Validates token ids and returns them as a C-contiguous ``int32[n]`` array.
 
-    Args:
-      tokens: a 1-D array-like of integers (list, tuple, numpy array), each in the
-        int32 range. An already valid ``int32[n]`` array is returned without a copy.
+  Args:
+    tokens: a 1-D array-like of integers (list, tuple, numpy array), each in the
+      int32 range. An already valid ``int32[n]`` array is returned without a copy.
 
-    Raises:
-      InvalidTokensError: not 1-D, not integers, or out of the int32 range.
-    """
-    if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
-        return np.ascontiguousarray(tokens)
-    try:
-        arr = np.asarray(tokens)
-    except (TypeError, ValueError) as e:  # ragged input and the like
-        raise InvalidTokensError(f"token ids are not an array: {e}") from e
-    if arr.ndim != 1:
-        raise InvalidTokensError(f"token ids must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros((0,), np.int32)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidTokensError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.min() < _INT32_MIN or arr.max() > _INT32_MAX:
-        raise InvalidTokensError("token ids must fit in int32")
-    return np.ascontiguousarray(arr, dtype=np.int32)
+  Raises:
+    InvalidTokensError: not 1-D, not integers, or out of the int32 range.
+  """
+  if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
+    return np.ascontiguousarray(tokens)
+  try:
+    arr = np.asarray(tokens)
+  except (TypeError, ValueError) as e:  # ragged input and the like
+    raise InvalidTokensError(f"token ids are not an array: {e}") from e
+  if arr.ndim != 1:
+    raise InvalidTokensError(f"token ids must be 1-D, got shape {arr.shape}")
+  if arr.size == 0:
+    return np.zeros((0,), np.int32)
+  if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    raise InvalidTokensError(f"token ids must be integers, got dtype {arr.dtype}")
+  if arr.min() < _INT32_MIN or arr.max() > _INT32_MAX:
+    raise InvalidTokensError("token ids must fit in int32")
+  return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two int32 arrays."""
-    n = min(a.shape[0], b.shape[0])
-    if n == 0:
-        return 0
-    neq = np.flatnonzero(a[:n] != b[:n])
-    return int(neq[0]) if neq.size else n
+  """Length of the longest common prefix of two int32 arrays."""
+  n = min(a.shape[0], b.shape[0])
+  if n == 0:
+    return 0
+  neq = np.flatnonzero(a[:n] != b[:n])
+  return int(neq[0]) if neq.size else n
 
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Node:
-    """One edge of the radix tree (identity semantics: two nodes are never equal).
+  """One edge of the radix tree (identity semantics: two nodes are never equal).
 
-    Attributes:
-      node_id: handle, unique for the tree's lifetime.
-      namespace: the namespace whose tree holds this node.
-      key: int32[num_tokens], the tokens of this edge (empty only for a root).
-      depth: number of tokens from the root to the first token of ``key``.
-      parent: parent node; None for a root.
-      children: first token id -> child node.
-      value: opaque payload describing ``key`` (split by ``split_value``).
-      lock_ref: number of outstanding locks on this node or a descendant.
-      last_access: ``now`` of the last match/insert that touched the node.
-      access_seq: strictly increasing tie-breaker for ``last_access``.
-      hit_count: number of matches that covered at least one token of the node.
-      hit_tokens: total tokens of this node matched, over all matches (a split
-        shares it between head and tail in proportion, approximately).
-      pinned_until: the node is pinned (not evictable) while ``now < pinned_until``.
-      gc_marked: set by a GC mark phase; cleared when the node is touched again.
-    """
+  Attributes:
+    node_id: handle, unique for the tree's lifetime.
+    namespace: the namespace whose tree holds this node.
+    key: int32[num_tokens], the tokens of this edge (empty only for a root).
+    depth: number of tokens from the root to the first token of ``key``.
+    parent: parent node; None for a root.
+    children: first token id -> child node.
+    value: opaque payload describing ``key`` (split by ``split_value``).
+    lock_ref: number of outstanding locks on this node or a descendant.
+    last_access: ``now`` of the last match/insert that touched the node.
+    access_seq: strictly increasing tie-breaker for ``last_access``.
+    hit_count: number of matches that covered at least one token of the node.
+    hit_tokens: total tokens of this node matched, over all matches (a split
+      shares it between head and tail in proportion, approximately).
+    pinned_until: the node is pinned (not evictable) while ``now < pinned_until``.
+    gc_marked: set by a GC mark phase; cleared when the node is touched again.
+  """
 
-    node_id: NodeId
-    namespace: Hashable
-    key: np.ndarray
-    depth: int
-    parent: Node | None
-    children: dict[int, Node] = dataclasses.field(default_factory=dict)
-    value: Any = None
-    lock_ref: int = 0
-    last_access: float = 0.0
-    access_seq: int = 0
-    hit_count: int = 0
-    hit_tokens: int = 0
-    pinned_until: float = float("-inf")
-    gc_marked: bool = False
+  node_id: NodeId
+  namespace: Hashable
+  key: np.ndarray
+  depth: int
+  parent: Node | None
+  children: dict[int, Node] = dataclasses.field(default_factory=dict)
+  value: Any = None
+  lock_ref: int = 0
+  last_access: float = 0.0
+  access_seq: int = 0
+  hit_count: int = 0
+  hit_tokens: int = 0
+  pinned_until: float = float("-inf")
+  gc_marked: bool = False
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.key.shape[0])
+  @property
+  def num_tokens(self) -> int:
+    return int(self.key.shape[0])
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
+  @property
+  def is_root(self) -> bool:
+    return self.parent is None
 
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children and self.parent is not None
+  @property
+  def is_leaf(self) -> bool:
+    return not self.children and self.parent is not None
 
-    def is_pinned(self, now: float) -> bool:
-        return now < self.pinned_until
+  def is_pinned(self, now: float) -> bool:
+    return now < self.pinned_until
 
 
 @dataclasses.dataclass(frozen=True)
 class HitStats:
-    """Prefix-hit statistics (global or for one namespace).
+  """Prefix-hit statistics (global or for one namespace).
 
-    Attributes:
-      num_queries: number of recorded ``match_prefix`` calls.
-      num_hit_queries: queries that matched at least one token.
-      query_tokens: tokens asked for, summed over queries.
-      hit_tokens: tokens matched, summed over queries.
-    """
+  Attributes:
+    num_queries: number of recorded ``match_prefix`` calls.
+    num_hit_queries: queries that matched at least one token.
+    query_tokens: tokens asked for, summed over queries.
+    hit_tokens: tokens matched, summed over queries.
+  """
 
-    num_queries: int = 0
-    num_hit_queries: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
+  num_queries: int = 0
+  num_hit_queries: int = 0
+  query_tokens: int = 0
+  hit_tokens: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        """Token hit rate ``hit_tokens / query_tokens`` (0.0 before any query)."""
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+  @property
+  def hit_rate(self) -> float:
+    """Token hit rate ``hit_tokens / query_tokens`` (0.0 before any query)."""
+    return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
-    def __add__(self, other: HitStats) -> HitStats:
-        return HitStats(*(a + b for a, b in zip(dataclasses.astuple(self),
-                                                 dataclasses.astuple(other))))
+  def __add__(self, other: HitStats) -> HitStats:
+    return HitStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefixMatch:
-    """Result of ``RadixTree.match_prefix``.
+  """Result of ``RadixTree.match_prefix``.
 
-    Attributes:
-      length: number of leading query tokens found in the tree.
-      path: ids of the nodes covering the matched tokens, root side first (roots
-        excluded). Every node but the last is matched in full.
-      last_offset: tokens matched within the last node of ``path`` (equal to its
-        length when fully matched; 0 when ``path`` is empty).
-    """
+  Attributes:
+    length: number of leading query tokens found in the tree.
+    path: ids of the nodes covering the matched tokens, root side first (roots
+      excluded). Every node but the last is matched in full.
+    last_offset: tokens matched within the last node of ``path`` (equal to its
+      length when fully matched; 0 when ``path`` is empty).
+  """
 
-    length: int
-    path: tuple[NodeId, ...]
-    last_offset: int
+  length: int
+  path: tuple[NodeId, ...]
+  last_offset: int
 
-    @property
-    def node(self) -> NodeId | None:
-        """The deepest node touched by the match (the one to lock), or None."""
-        return self.path[-1] if self.path else None
+  @property
+  def node(self) -> NodeId | None:
+    """The deepest node touched by the match (the one to lock), or None."""
+    return self.path[-1] if self.path else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """One node split: ``head`` (new id) took the first ``offset`` tokens of ``tail``."""
+  """One node split: ``head`` (new id) took the first ``offset`` tokens of ``tail``."""
 
-    head: NodeId
-    tail: NodeId
-    offset: int
+  head: NodeId
+  tail: NodeId
+  offset: int
 
 
 @dataclasses.dataclass(frozen=True)
 class InsertResult:
-    """Result of ``RadixTree.insert``.
+  """Result of ``RadixTree.insert``.
 
-    Attributes:
-      prefix_len: leading tokens the tree already held before the insert.
-      leaf: id of the new leaf holding tokens ``[prefix_len:]``; None when nothing new.
-      splits: the node splits the insert performed (at most one).
-    """
+  Attributes:
+    prefix_len: leading tokens the tree already held before the insert.
+    leaf: id of the new leaf holding tokens ``[prefix_len:]``; None when nothing new.
+    splits: the node splits the insert performed (at most one).
+  """
 
-    prefix_len: int
-    leaf: NodeId | None
-    splits: tuple[Split, ...]
+  prefix_len: int
+  leaf: NodeId | None
+  splits: tuple[Split, ...]
 
 
 def _no_value_split(value: Any, offset: int) -> tuple[Any, Any]:
-    if value is not None:
-        raise TypeError("this RadixTree was built without split_value; node values "
-                        "must be None")
-    return None, None
+  if value is not None:
+    raise TypeError("this RadixTree was built without split_value; node values " "must be None")
+  return None, None
 
 
 class RadixTree:
-    """Radix tree over int32 token ids, one root per namespace.
+  """Radix tree over int32 token ids, one root per namespace.
+
+  Args:
+    split_value: ``f(value, offset) -> (head_value, tail_value)``: cuts a node's value
+      when the node is split at ``offset`` tokens (``0 < offset < num_tokens``). The
+      default accepts only ``None`` values.
+  """
+
+  def __init__(self, split_value: Callable[[Any, int], tuple[Any, Any]] | None = None):
+    self._split_value = split_value or _no_value_split
+    self._ids = itertools.count(1)
+    self._access = itertools.count(1)
+    self._roots: dict[Hashable, Node] = {}
+    self._nodes: dict[NodeId, Node] = {}
+    self._leaves: set[Node] = set()
+    self._stats: dict[Hashable, HitStats] = {}
+    self._num_tokens = 0
+
+  # ------------------------------------------------------------------ access
+  def node(self, node_id: NodeId) -> Node:
+    """Returns the live node ``node_id`` (read it, do not mutate it).
+
+    Raises:
+      StaleNodeError: no live node has this id.
+    """
+    try:
+      return self._nodes[node_id]
+    except (KeyError, TypeError):
+      raise StaleNodeError(f"no live radix node with id {node_id!r}") from None
+
+  def __contains__(self, node_id: object) -> bool:
+    return node_id in self._nodes
+
+  def __len__(self) -> int:
+    """Number of live non-root nodes."""
+    return len(self._nodes)
+
+  @property
+  def num_tokens(self) -> int:
+    """Total tokens stored on all edges (every namespace)."""
+    return self._num_tokens
+
+  def namespaces(self) -> list[Hashable]:
+    return list(self._roots)
+
+  def nodes(self) -> Iterator[Node]:
+    """All live non-root nodes, in no particular order."""
+    return iter(list(self._nodes.values()))
+
+  def leaves(self) -> Iterator[Node]:
+    """All live leaves (non-root nodes without children)."""
+    return iter(list(self._leaves))
+
+  def path_tokens(self, node_id: NodeId) -> np.ndarray:
+    """int32[depth + num_tokens]: all tokens from the root to the end of the node."""
+    node = self.node(node_id)
+    parts = []
+    while node is not None and node.parent is not None:
+      parts.append(node.key)
+      node = node.parent
+    return np.concatenate(parts[::-1]) if parts else np.zeros((0,), np.int32)
+
+  def sequences(self, namespace: Hashable) -> list[np.ndarray]:
+    """Token arrays of every root-to-leaf path of a namespace (for checks/tests)."""
+    root = self._roots.get(namespace)
+    if root is None:
+      return []
+    return [
+        self.path_tokens(leaf.node_id) for leaf in list(self._leaves) if leaf.namespace == namespace
+    ]
+
+  def stats(self, namespace: Hashable | None = None) -> HitStats:
+    """Hit statistics of one namespace, or summed over all when None."""
+    if namespace is None:
+      total = HitStats()
+      for s in self._stats.values():
+        total = total + s
+      return total
+    return self._stats.get(namespace, HitStats())
+
+  # ------------------------------------------------------------------ helpers
+  def _root(self, namespace: Hashable, create: bool) -> Node | None:
+    root = self._roots.get(namespace)
+    if root is None and create:
+      try:
+        hash(namespace)
+      except TypeError:
+        raise TypeError(f"namespace must be hashable, got {namespace!r}") from None
+      root = Node(
+          node_id=0, namespace=namespace, key=np.zeros((0,), np.int32), depth=0, parent=None
+      )
+      self._roots[namespace] = root
+    return root
+
+  def _touch(self, node: Node, now: float) -> None:
+    node.last_access = now
+    node.access_seq = next(self._access)
+    node.gc_marked = False
+
+  def _walk(self, root: Node, tokens: np.ndarray) -> tuple[list[Node], int, int]:
+    """Longest match: (path nodes, matched length, tokens matched in last node)."""
+    path: list[Node] = []
+    node, pos, off = root, 0, 0
+    n = tokens.shape[0]
+    while pos < n:
+      child = node.children.get(int(tokens[pos]))
+      if child is None:
+        break
+      m = _common_prefix_len(child.key, tokens[pos:])
+      path.append(child)
+      pos += m
+      off = m
+      if m < child.num_tokens:
+        break
+      node = child
+    return path, pos, off
+
+  # ------------------------------------------------------------------ queries
+  def match_prefix(
+      self, namespace: Hashable, tokens: Any, *, now: float, record: bool = True
+  ) -> PrefixMatch:
+    """Finds the longest prefix of ``tokens`` held in ``namespace``'s tree.
+
+    Never modifies the shape of the tree (no split): a match may end inside a node,
+    reported by ``last_offset``.
 
     Args:
-      split_value: ``f(value, offset) -> (head_value, tail_value)``: cuts a node's value
-        when the node is split at ``offset`` tokens (``0 < offset < num_tokens``). The
-        default accepts only ``None`` values.
+      namespace: the namespace to search (an unknown namespace matches nothing).
+      tokens: int32-compatible token ids, shape [n].
+      now: current time; stamps ``last_access`` of every node on the path.
+      record: when True, update hit statistics (global, per namespace, per node)
+        and access times; when False the tree is not modified at all.
+
+    Raises:
+      InvalidTokensError: bad ``tokens``.
     """
+    tokens = as_tokens(tokens)
+    root = self._roots.get(namespace)
+    if root is None:
+      path, length, off = [], 0, 0
+    else:
+      path, length, off = self._walk(root, tokens)
+    if record:
+      try:
+        hash(namespace)
+      except TypeError:
+        raise TypeError(f"namespace must be hashable, got {namespace!r}") from None
+      for i, node in enumerate(path):
+        self._touch(node, now)
+        node.hit_count += 1
+        node.hit_tokens += node.num_tokens if i + 1 < len(path) else off
+      prev = self._stats.get(namespace, HitStats())
+      self._stats[namespace] = prev + HitStats(1, int(length > 0), int(tokens.shape[0]), length)
+    return PrefixMatch(length=length, path=tuple(n.node_id for n in path), last_offset=off)
 
-    def __init__(self, split_value: Callable[[Any, int], tuple[Any, Any]] | None = None):
-        self._split_value = split_value or _no_value_split
-        self._ids = itertools.count(1)
-        self._access = itertools.count(1)
-        self._roots: dict[Hashable, Node] = {}
-        self._nodes: dict[NodeId, Node] = {}
-        self._leaves: set[Node] = set()
-        self._stats: dict[Hashable, HitStats] = {}
-        self._num_tokens = 0
+  # ------------------------------------------------------------------ updates
+  def split(self, node_id: NodeId, offset: int) -> NodeId:
+    """Splits a node after ``offset`` tokens; returns the id of the new head node.
 
-    # ------------------------------------------------------------------ access
-    def node(self, node_id: NodeId) -> Node:
-        """Returns the live node ``node_id`` (read it, do not mutate it).
+    The node keeps its id, its tail tokens ``[offset:]``, children and leaf-ness;
+    the new head (tokens ``[:offset]``) becomes its parent and copies its lock
+    count, access time, hit counts, pin and GC mark.
 
-        Raises:
-          StaleNodeError: no live node has this id.
-        """
-        try:
-            return self._nodes[node_id]
-        except (KeyError, TypeError):
-            raise StaleNodeError(f"no live radix node with id {node_id!r}") from None
+    Raises:
+      StaleNodeError: unknown node.
+      ValueError: ``offset`` not in ``[1, num_tokens - 1]``.
+    """
+    node = self.node(node_id)
+    if not 0 < offset < node.num_tokens:
+      raise ValueError(f"split offset {offset} outside [1, {node.num_tokens - 1}]")
+    head_value, tail_value = self._split_value(node.value, offset)
+    parent = node.parent
+    assert parent is not None
+    head = Node(
+        node_id=next(self._ids),
+        namespace=node.namespace,
+        key=node.key[:offset],
+        depth=node.depth,
+        parent=parent,
+        value=head_value,
+        lock_ref=node.lock_ref,
+        last_access=node.last_access,
+        access_seq=node.access_seq,
+        hit_count=node.hit_count,
+        hit_tokens=min(node.hit_tokens, node.hit_count * offset),
+        pinned_until=node.pinned_until,
+        gc_marked=node.gc_marked,
+    )
+    node.hit_tokens -= head.hit_tokens
+    first = int(node.key[0])
+    node.key = node.key[offset:]
+    node.depth += offset
+    node.value = tail_value
+    node.parent = head
+    head.children[int(node.key[0])] = node
+    parent.children[first] = head
+    self._nodes[head.node_id] = head
+    return head.node_id
 
-    def __contains__(self, node_id: object) -> bool:
-        return node_id in self._nodes
+  def insert(
+      self,
+      namespace: Hashable,
+      tokens: Any,
+      make_value: Callable[[int], Any] | None = None,
+      *,
+      now: float,
+  ) -> InsertResult:
+    """Inserts ``tokens`` into ``namespace``'s tree.
 
-    def __len__(self) -> int:
-        """Number of live non-root nodes."""
-        return len(self._nodes)
+    Tokens already held are left alone (the tree keeps its own value for them).
+    If the sequence diverges inside a node, that node is split at the divergence;
+    the new tokens ``[prefix_len:]`` go into one new leaf.
 
-    @property
-    def num_tokens(self) -> int:
-        """Total tokens stored on all edges (every namespace)."""
-        return self._num_tokens
+    Args:
+      namespace: hashable namespace (created on first insert).
+      tokens: int32-compatible token ids, shape [n].
+      make_value: ``f(prefix_len) -> value`` for the new leaf (tokens
+        ``[prefix_len:]``); called at most once, before any change to the tree,
+        so it may raise to abort the insert. Default: value None.
+      now: current time; stamps every node on the path.
 
-    def namespaces(self) -> list[Hashable]:
-        return list(self._roots)
+    Raises:
+      InvalidTokensError: bad ``tokens``. Nothing changes on error.
+    """
+    tokens = as_tokens(tokens)
+    root = self._root(namespace, create=True)
+    path, length, off = self._walk(root, tokens)
+    n = int(tokens.shape[0])
+    if length == n:
+      for node in path:
+        self._touch(node, now)
+      return InsertResult(prefix_len=length, leaf=None, splits=())
+    value = make_value(length) if make_value is not None else None
+    splits: tuple[Split, ...] = ()
+    if path and off < path[-1].num_tokens:
+      tail = path[-1]
+      head_id = self.split(tail.node_id, off)
+      splits = (Split(head=head_id, tail=tail.node_id, offset=off),)
+      path[-1] = self._nodes[head_id]
+    parent = path[-1] if path else root
+    leaf = Node(
+        node_id=next(self._ids),
+        namespace=namespace,
+        key=tokens[length:].copy(),
+        depth=length,
+        parent=parent,
+        value=value,
+    )
+    parent.children[int(leaf.key[0])] = leaf
+    self._leaves.discard(parent)
+    self._leaves.add(leaf)
+    self._nodes[leaf.node_id] = leaf
+    self._num_tokens += leaf.num_tokens
+    for node in path:
+      self._touch(node, now)
+    self._touch(leaf, now)
+    return InsertResult(prefix_len=length, leaf=leaf.node_id, splits=splits)
 
-    def nodes(self) -> Iterator[Node]:
-        """All live non-root nodes, in no particular order."""
-        return iter(list(self._nodes.values()))
+  def remove_leaf(self, node_id: NodeId) -> Any:
+    """Removes an unlocked leaf and returns its value.
 
-    def leaves(self) -> Iterator[Node]:
-        """All live leaves (non-root nodes without children)."""
-        return iter(list(self._leaves))
+    Raises:
+      StaleNodeError: unknown node.
+      LockError: the node has children or is locked.
+    """
+    node = self.node(node_id)
+    if node.children:
+      raise LockError(f"node {node_id} is not a leaf")
+    if node.lock_ref:
+      raise LockError(f"node {node_id} is locked (lock_ref={node.lock_ref})")
+    parent = node.parent
+    assert parent is not None
+    del parent.children[int(node.key[0])]
+    del self._nodes[node_id]
+    self._leaves.discard(node)
+    self._num_tokens -= node.num_tokens
+    if parent.parent is not None and not parent.children:
+      self._leaves.add(parent)
+    if parent.parent is None and not parent.children:
+      del self._roots[parent.namespace]
+    node.parent = None
+    return node.value
 
-    def path_tokens(self, node_id: NodeId) -> np.ndarray:
-        """int32[depth + num_tokens]: all tokens from the root to the end of the node."""
-        node = self.node(node_id)
-        parts = []
-        while node is not None and node.parent is not None:
-            parts.append(node.key)
-            node = node.parent
-        return np.concatenate(parts[::-1]) if parts else np.zeros((0,), np.int32)
+  def _path_to_root(self, node: Node) -> Iterator[Node]:
+    while node.parent is not None:
+      yield node
+      node = node.parent
 
-    def sequences(self, namespace: Hashable) -> list[np.ndarray]:
-        """Token arrays of every root-to-leaf path of a namespace (for checks/tests)."""
-        root = self._roots.get(namespace)
-        if root is None:
-            return []
-        return [self.path_tokens(leaf.node_id) for leaf in list(self._leaves)
-                if leaf.namespace == namespace]
+  def lock(self, node_id: NodeId) -> None:
+    """Adds one lock on the node and each of its ancestors."""
+    for node in self._path_to_root(self.node(node_id)):
+      node.lock_ref += 1
 
-    def stats(self, namespace: Hashable | None = None) -> HitStats:
-        """Hit statistics of one namespace, or summed over all when None."""
-        if namespace is None:
-            total = HitStats()
-            for s in self._stats.values():
-                total = total + s
-            return total
-        return self._stats.get(namespace, HitStats())
+  def unlock(self, node_id: NodeId) -> None:
+    """Removes one lock from the node and each of its ancestors.
 
-    # ------------------------------------------------------------------ helpers
-    def _root(self, namespace: Hashable, create: bool) -> Node | None:
-        root = self._roots.get(namespace)
-        if root is None and create:
-            try:
-                hash(namespace)
-            except TypeError:
-                raise TypeError(f"namespace must be hashable, got {namespace!r}") from None
-            root = Node(node_id=0, namespace=namespace, key=np.zeros((0,), np.int32),
-                        depth=0, parent=None)
-            self._roots[namespace] = root
-        return root
+    Raises:
+      StaleNodeError: unknown node.
+      LockError: the node is not locked (nothing changes).
+    """
+    node = self.node(node_id)
+    if node.lock_ref <= 0:
+      raise LockError(f"node {node_id} is not locked")
+    for n in self._path_to_root(node):
+      n.lock_ref -= 1
 
-    def _touch(self, node: Node, now: float) -> None:
-        node.last_access = now
-        node.access_seq = next(self._access)
-        node.gc_marked = False
+  def pin(self, node_id: NodeId, until: float) -> None:
+    """Pins the node and its ancestors until time ``until`` (extends, never shortens)."""
+    for node in self._path_to_root(self.node(node_id)):
+      node.pinned_until = max(node.pinned_until, until)
 
-    def _walk(self, root: Node, tokens: np.ndarray) -> tuple[list[Node], int, int]:
-        """Longest match: (path nodes, matched length, tokens matched in last node)."""
-        path: list[Node] = []
-        node, pos, off = root, 0, 0
-        n = tokens.shape[0]
-        while pos < n:
-            child = node.children.get(int(tokens[pos]))
-            if child is None:
-                break
-            m = _common_prefix_len(child.key, tokens[pos:])
-            path.append(child)
-            pos += m
-            off = m
-            if m < child.num_tokens:
-                break
-            node = child
-        return path, pos, off
+  def unpin(self, node_id: NodeId) -> None:
+    """Clears the pin of the node and of its descendants (ancestors keep theirs)."""
+    stack = [self.node(node_id)]
+    while stack:
+      node = stack.pop()
+      node.pinned_until = float("-inf")
+      stack.extend(node.children.values())
 
-    # ------------------------------------------------------------------ queries
-    def match_prefix(self, namespace: Hashable, tokens: Any, *, now: float,
-                     record: bool = True) -> PrefixMatch:
-        """Finds the longest prefix of ``tokens`` held in ``namespace``'s tree.
-
-        Never modifies the shape of the tree (no split): a match may end inside a node,
-        reported by ``last_offset``.
-
-        Args:
-          namespace: the namespace to search (an unknown namespace matches nothing).
-          tokens: int32-compatible token ids, shape [n].
-          now: current time; stamps ``last_access`` of every node on the path.
-          record: when True, update hit statistics (global, per namespace, per node)
-            and access times; when False the tree is not modified at all.
-
-        Raises:
-          InvalidTokensError: bad ``tokens``.
-        """
-        tokens = as_tokens(tokens)
-        root = self._roots.get(namespace)
-        if root is None:
-            path, length, off = [], 0, 0
-        else:
-            path, length, off = self._walk(root, tokens)
-        if record:
-            try:
-                hash(namespace)
-            except TypeError:
-                raise TypeError(f"namespace must be hashable, got {namespace!r}") from None
-            for i, node in enumerate(path):
-                self._touch(node, now)
-                node.hit_count += 1
-                node.hit_tokens += node.num_tokens if i + 1 < len(path) else off
-            prev = self._stats.get(namespace, HitStats())
-            self._stats[namespace] = prev + HitStats(1, int(length > 0),
-                                                     int(tokens.shape[0]), length)
-        return PrefixMatch(length=length, path=tuple(n.node_id for n in path),
-                           last_offset=off)
-
-    # ------------------------------------------------------------------ updates
-    def split(self, node_id: NodeId, offset: int) -> NodeId:
-        """Splits a node after ``offset`` tokens; returns the id of the new head node.
-
-        The node keeps its id, its tail tokens ``[offset:]``, children and leaf-ness;
-        the new head (tokens ``[:offset]``) becomes its parent and copies its lock
-        count, access time, hit counts, pin and GC mark.
-
-        Raises:
-          StaleNodeError: unknown node.
-          ValueError: ``offset`` not in ``[1, num_tokens - 1]``.
-        """
-        node = self.node(node_id)
-        if not 0 < offset < node.num_tokens:
-            raise ValueError(f"split offset {offset} outside [1, {node.num_tokens - 1}]")
-        head_value, tail_value = self._split_value(node.value, offset)
-        parent = node.parent
-        assert parent is not None
-        head = Node(node_id=next(self._ids), namespace=node.namespace,
-                    key=node.key[:offset], depth=node.depth, parent=parent,
-                    value=head_value, lock_ref=node.lock_ref,
-                    last_access=node.last_access, access_seq=node.access_seq,
-                    hit_count=node.hit_count,
-                    hit_tokens=min(node.hit_tokens, node.hit_count * offset),
-                    pinned_until=node.pinned_until, gc_marked=node.gc_marked)
-        node.hit_tokens -= head.hit_tokens
-        first = int(node.key[0])
-        node.key = node.key[offset:]
-        node.depth += offset
-        node.value = tail_value
-        node.parent = head
-        head.children[int(node.key[0])] = node
-        parent.children[first] = head
-        self._nodes[head.node_id] = head
-        return head.node_id
-
-    def insert(self, namespace: Hashable, tokens: Any,
-               make_value: Callable[[int], Any] | None = None, *,
-               now: float) -> InsertResult:
-        """Inserts ``tokens`` into ``namespace``'s tree.
-
-        Tokens already held are left alone (the tree keeps its own value for them).
-        If the sequence diverges inside a node, that node is split at the divergence;
-        the new tokens ``[prefix_len:]`` go into one new leaf.
-
-        Args:
-          namespace: hashable namespace (created on first insert).
-          tokens: int32-compatible token ids, shape [n].
-          make_value: ``f(prefix_len) -> value`` for the new leaf (tokens
-            ``[prefix_len:]``); called at most once, before any change to the tree,
-            so it may raise to abort the insert. Default: value None.
-          now: current time; stamps every node on the path.
-
-        Raises:
-          InvalidTokensError: bad ``tokens``. Nothing changes on error.
-        """
-        tokens = as_tokens(tokens)
-        root = self._root(namespace, create=True)
-        path, length, off = self._walk(root, tokens)
-        n = int(tokens.shape[0])
-        if length == n:
-            for node in path:
-                self._touch(node, now)
-            return InsertResult(prefix_len=length, leaf=None, splits=())
-        value = make_value(length) if make_value is not None else None
-        splits: tuple[Split, ...] = ()
-        if path and off < path[-1].num_tokens:
-            tail = path[-1]
-            head_id = self.split(tail.node_id, off)
-            splits = (Split(head=head_id, tail=tail.node_id, offset=off),)
-            path[-1] = self._nodes[head_id]
-        parent = path[-1] if path else root
-        leaf = Node(node_id=next(self._ids), namespace=namespace,
-                    key=tokens[length:].copy(), depth=length, parent=parent, value=value)
-        parent.children[int(leaf.key[0])] = leaf
-        self._leaves.discard(parent)
-        self._leaves.add(leaf)
-        self._nodes[leaf.node_id] = leaf
-        self._num_tokens += leaf.num_tokens
-        for node in path:
-            self._touch(node, now)
-        self._touch(leaf, now)
-        return InsertResult(prefix_len=length, leaf=leaf.node_id, splits=splits)
-
-    def remove_leaf(self, node_id: NodeId) -> Any:
-        """Removes an unlocked leaf and returns its value.
-
-        Raises:
-          StaleNodeError: unknown node.
-          LockError: the node has children or is locked.
-        """
-        node = self.node(node_id)
-        if node.children:
-            raise LockError(f"node {node_id} is not a leaf")
-        if node.lock_ref:
-            raise LockError(f"node {node_id} is locked (lock_ref={node.lock_ref})")
-        parent = node.parent
-        assert parent is not None
-        del parent.children[int(node.key[0])]
-        del self._nodes[node_id]
-        self._leaves.discard(node)
-        self._num_tokens -= node.num_tokens
-        if parent.parent is not None and not parent.children:
-            self._leaves.add(parent)
-        if parent.parent is None and not parent.children:
-            del self._roots[parent.namespace]
-        node.parent = None
-        return node.value
-
-    def _path_to_root(self, node: Node) -> Iterator[Node]:
-        while node.parent is not None:
-            yield node
-            node = node.parent
-
-    def lock(self, node_id: NodeId) -> None:
-        """Adds one lock on the node and each of its ancestors."""
-        for node in self._path_to_root(self.node(node_id)):
-            node.lock_ref += 1
-
-    def unlock(self, node_id: NodeId) -> None:
-        """Removes one lock from the node and each of its ancestors.
-
-        Raises:
-          StaleNodeError: unknown node.
-          LockError: the node is not locked (nothing changes).
-        """
-        node = self.node(node_id)
-        if node.lock_ref <= 0:
-            raise LockError(f"node {node_id} is not locked")
-        for n in self._path_to_root(node):
-            n.lock_ref -= 1
-
-    def pin(self, node_id: NodeId, until: float) -> None:
-        """Pins the node and its ancestors until time ``until`` (extends, never shortens)."""
-        for node in self._path_to_root(self.node(node_id)):
-            node.pinned_until = max(node.pinned_until, until)
-
-    def unpin(self, node_id: NodeId) -> None:
-        """Clears the pin of the node and of its descendants (ancestors keep theirs)."""
-        stack = [self.node(node_id)]
-        while stack:
-            node = stack.pop()
-            node.pinned_until = float("-inf")
-            stack.extend(node.children.values())
-
-    def subtree(self, node_id: NodeId) -> list[Node]:
-        """The node and all its descendants (preorder)."""
-        out, stack = [], [self.node(node_id)]
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
+  def subtree(self, node_id: NodeId) -> list[Node]:
+    """The node and all its descendants (preorder)."""
+    out, stack = [], [self.node(node_id)]
+    while stack:
+      node = stack.pop()
+      out.append(node)
+      stack.extend(node.children.values())
+    return out
