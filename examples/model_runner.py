@@ -67,6 +67,14 @@ def pool_config_for(model_config: tiny_llama.LlamaConfig, **pool_kwargs) -> page
                              **pool_kwargs)
 
 
+def check_pool_matches_model(pool_config: paged_kv.PoolConfig,
+                             model_config: tiny_llama.LlamaConfig) -> None:
+  """Raises ValueError unless the pool holds this model's layers, kv heads and head_dim."""
+  if (pool_config.num_layers, pool_config.num_kv_heads, pool_config.head_dim) != (
+      model_config.num_layers, model_config.num_kv_heads, model_config.head_dim):
+    raise ValueError(f"pool config {pool_config} does not match model config {model_config}")
+
+
 # Ragged layout of prefill_attention -----------------------------------------------
 
 
@@ -332,10 +340,7 @@ class PagedRunner:
   def __init__(self, model: tiny_llama.TinyLlama, pool_config: paged_kv.PoolConfig,
                state: PoolState | None = None, *, prefill_chunk: int = 64,
                stop_token: int = NO_STOP_TOKEN, impl: str = "xla", interpret: bool = False):
-    c = model.config
-    if (pool_config.num_layers, pool_config.num_kv_heads, pool_config.head_dim) != (
-        c.num_layers, c.num_kv_heads, c.head_dim):
-      raise ValueError(f"pool config {pool_config} does not match model config {c}")
+    check_pool_matches_model(pool_config, model.config)
     self.graphdef, self.params = nnx.split(model)
     self.config = pool_config
     self.state = paged_kv.init_pool(pool_config) if state is None else state
@@ -665,10 +670,7 @@ class ModelExecutor:
 
   def __init__(self, model: tiny_llama.TinyLlama, pool_config: paged_kv.PoolConfig, *,
                impl: str = "xla", interpret: bool = False):
-    c = model.config
-    if (pool_config.num_layers, pool_config.num_kv_heads, pool_config.head_dim) != (
-        c.num_layers, c.num_kv_heads, c.head_dim):
-      raise ValueError(f"pool config {pool_config} does not match model config {c}")
+    check_pool_matches_model(pool_config, model.config)
     self.graphdef, self.params = nnx.split(model)
     self.config = pool_config
     self.kernel_args = dict(impl=impl, interpret=interpret)

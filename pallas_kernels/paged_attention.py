@@ -108,20 +108,36 @@ def ref_paged_attention(
   k = k_pages[:, block, slot]  # [KVH, B, T, D]
   v = v_pages[:, block, slot]
   mask = jnp.arange(max_tokens)[None, :] < seq_lens[:, None]  # [B, T]
+  out = masked_attention(q.reshape(batch, num_kv_heads, group, head_dim), k, v, mask,
+                         sm_scale=sm_scale, soft_cap=soft_cap)
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+def masked_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                     sm_scale: float, soft_cap: float | None) -> jax.Array:
+  """Softmax attention of query rows over gathered keys, masked (shared by the references).
+
+  Args:
+    qg: `[R, num_kv_heads, group, head_dim]` query rows grouped by kv head.
+    k, v: `[num_kv_heads, R, L, head_dim]` the keys/values each row may see.
+    mask: `bool[R, L]` which of them it attends to.
+    sm_scale: logit scale; soft_cap: optional tanh cap after scaling.
+
+  Returns:
+    `[R, num_kv_heads, group, head_dim]`; rows with nothing to attend to are 0.
+  """
   k = jnp.where(mask[None, :, :, None], k, 0)
   v = jnp.where(mask[None, :, :, None], v, 0)
-  qg = q.reshape(batch, num_kv_heads, group, head_dim)
-  logits = jnp.einsum("bhgd,hbtd->bhgt", qg, k) * sm_scale
+  logits = jnp.einsum("rhgd,hrld->rhgl", qg, k) * sm_scale
   logits = _apply_soft_cap(logits, soft_cap)
   logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0)
   p = jnp.exp(logits - m)
   denom = jnp.sum(p, axis=-1, keepdims=True)
-  out = jnp.einsum("bhgt,hbtd->bhgd", p, v)
+  out = jnp.einsum("rhgl,hrld->rhgd", p, v)
   # `denom == 0` (not `> 0`) so that a NaN that slipped in still propagates.
-  out = jnp.where(denom == 0, 0, out / jnp.where(denom == 0, 1, denom))
-  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+  return jnp.where(denom == 0, 0, out / jnp.where(denom == 0, 1, denom))
 
 
 # Validators --------------------------------------------------------------------

@@ -95,18 +95,8 @@ def ref_prefill_attention(
   v = v_pages[:, block[safe_row], slot[safe_row]]
   j = jnp.arange(max_tokens)[None, :]
   mask = (j <= pos[:, None]) & (j < seq_lens[safe_row][:, None])  # [T, L]
-  k = jnp.where(mask[None, :, :, None], k, 0)
-  v = jnp.where(mask[None, :, :, None], v, 0)
-  qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-  logits = jnp.einsum("thgd,htjd->thgj", qg, k) * sm_scale
-  logits = _pa._apply_soft_cap(logits, soft_cap)
-  logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  m = jnp.where(jnp.isfinite(m), m, 0)
-  p = jnp.exp(logits - m)
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  out = jnp.einsum("thgj,htjd->thgd", p, v)
-  out = jnp.where(denom == 0, 0, out / jnp.where(denom == 0, 1, denom))
+  out = _pa.masked_attention(q.reshape(num_tokens, num_kv_heads, group, head_dim), k, v, mask,
+                             sm_scale=sm_scale, soft_cap=soft_cap)
   return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
