@@ -696,14 +696,14 @@ def replay_engine(
 def format_engine_table(results: list[EngineResult]) -> str:
   head = (
       "| trace | variant | finished / submitted | rejected | max concurrent | preemptions | "
-      "swap MB | OOMs by reason | hit rate | frag ratio mean / p99 | internal frag | "
+      "swap KB | OOMs by reason | hit rate | frag ratio mean / p99 | internal frag | "
       "utilization | compaction moves | packed tails | steps | wall (s) |"
   )
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in results:
     lines.append(
         f"| {r.label} | {r.variant} | {r.finished} / {r.submitted} | {r.rejected} | "
-        f"{r.max_running} | {r.preemptions} | {r.swap_bytes / 1e6:.1f} | "
+        f"{r.max_running} | {r.preemptions} | {r.swap_bytes / 1e3:.1f} | "
         f"{r.oom or 'none'} | {r.hit_rate:.3f} | {r.frag_mean:.3f} / {r.frag_p99:.3f} | "
         f"{r.internal_frag_mean:.1%} | {r.utilization_mean:.1%} | {r.compaction_moves} | "
         f"{r.pack_moves} | {r.steps} | {r.wall_s:.0f} |"
