@@ -47,6 +47,12 @@ _COMPACT_THRESHOLD = flags.DEFINE_float("compact_threshold", 0.35,
                                         "Compact when the fragmentation ratio exceeds this.")
 _COMPACT_BUDGET = flags.DEFINE_integer("compact_budget", 32, "Block moves per step (0: off).")
 _NO_CACHE = flags.DEFINE_bool("no_prefix_cache", False, "Disable the prefix cache.")
+_BASE_POOL = flags.DEFINE_float("base_pool_fraction", 0.15,
+                                "Low-address share of the pool for widely shared prefixes.")
+_PROMOTE = flags.DEFINE_integer("promote_readers", 3, "Promote blocks with this many readers "
+                                "into the base pool (0: off).")
+_PACK = flags.DEFINE_bool("pack_tails", True, "Pack finished sequences' tails into slotted "
+                          "blocks.")
 _PROMETHEUS_PORT = flags.DEFINE_integer("prometheus_port", -1,
                                         "Serve /metrics on this port (0: any free port; "
                                         "-1: no exporter).")
@@ -169,7 +175,7 @@ def main(argv):
   model = tiny_llama.TinyLlama(model_config, rngs=nnx.Rngs(_SEED.value))
   pool_config = mr.pool_config_for(model_config, num_blocks=_NUM_BLOCKS.value,
                                    block_size=_BLOCK_SIZE.value, max_seqs=_MAX_BATCH.value,
-                                   max_segments=64)
+                                   max_segments=64, base_pool_fraction=_BASE_POOL.value)
   pool = paged_kv.BlockPool(pool_config)
   policy = (compact.CompactionPolicy(threshold=_COMPACT_THRESHOLD.value,
                                      budget=_COMPACT_BUDGET.value)
@@ -178,7 +184,8 @@ def main(argv):
                            prefill_token_budget=_PREFILL_BUDGET.value,
                            prefill_chunk=_PREFILL_CHUNK.value, preemption=_PREEMPTION.value,
                            enable_prefix_cache=not _NO_CACHE.value,
-                           evict_policy=_EVICT.value, compaction=policy)
+                           evict_policy=_EVICT.value, compaction=policy,
+                           pack_tails=_PACK.value, promote_readers=_PROMOTE.value)
   exporter = None
   if _PROMETHEUS_PORT.value >= 0:
     exporter = MetricsExporter(port=_PROMETHEUS_PORT.value).start()
@@ -243,6 +250,8 @@ def main(argv):
                                          f" / {np.percentile([s.fragmentation_ratio for s in snaps], 99):.3f}"),
       ("internal fragmentation mean", f"{np.mean([s.internal_fragmentation for s in snaps]):.1%}"),
       ("compactions / block moves", f"{st.compactions} / {sched.counters.compaction_moves}"),
+      ("packed tails / base-pool promotions", f"{sched.counters.pack_moves} / "
+                                              f"{sched.counters.promotions}"),
       ("preemptions (recompute / swap)", f"{st.preemptions} ({st.preemptions_recompute} / "
                                          f"{st.preemptions_swap})"),
       ("swap to host bytes", st.swap_to_host_bytes),

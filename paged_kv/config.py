@@ -30,7 +30,8 @@ class PoolConfig:
     max_segments: segments per sequence row.
     base_pool_fraction: fraction of blocks, at the lowest addresses, reserved for
       pinned shared prefixes (region 1). Ordinary allocation never takes them.
-      The library default is 0 (a plain pool); the serving scheduler uses 0.15.
+      The library default is 0 (a plain pool); `examples/serve.py` uses 0.15 with
+      `SchedulerConfig.promote_readers` moving widely shared blocks there.
     scrub_freed_blocks: zero the K/V of a block when it becomes free (for
       deployments that must not leave one tenant's data in memory). Off by default.
   """

@@ -160,6 +160,11 @@ class SchedulerConfig:
     evict_policy: `"lru"` or `"cost"`.
     pack_tails: pack a finished sequence's short tail segments into slotted blocks.
     compaction: when/how much to compact between steps (None: never).
+    promote_readers: every `promote_every` steps, blocks read by at least this
+      many references (sequences + cache nodes) move into the base pool
+      (`PoolConfig.base_pool_fraction`), where compaction never moves them
+      (0: off).
+    promote_every: steps between promotion passes.
     output_reserve_ratio: admission keeps free this fraction of the blocks that
       every running sequence and the new one may still need for their output
       (`max_new_tokens` minus tokens generated). 0 admits on the prompt alone
@@ -179,6 +184,8 @@ class SchedulerConfig:
   evict_policy: str = "lru"
   pack_tails: bool = False
   compaction: compact.CompactionPolicy | None = compact.CompactionPolicy()
+  promote_readers: int = 0
+  promote_every: int = 16
   output_reserve_ratio: float = 0.5
   watermark_blocks: int = 0
   stop_token: int = -1
@@ -302,6 +309,7 @@ class Scheduler:
     self._decode()
     self._finish()
     self._maybe_compact()
+    self._maybe_promote()
     self.stats.steps += 1
     self.stats.max_running = max(self.stats.max_running, len(self.running))
     every = self.config.snapshot_every
@@ -583,6 +591,19 @@ class Scheduler:
       self.cache.apply_remap(remap)
     self.counters.record_compaction(num_moves, time.perf_counter() - t0)
     self.stats.compactions += 1
+
+  def _maybe_promote(self) -> None:
+    """Moves widely shared blocks (system prompts) into the base pool."""
+    cfg = self.config
+    if (not cfg.promote_readers or not self.pool.config.num_base_blocks
+        or self._step % cfg.promote_every):
+      return
+    remap = self.pool.promote(cfg.promote_readers)
+    moved = int(np.sum(remap != np.arange(remap.shape[0])))
+    if moved:
+      if self.cache is not None:
+        self.cache.apply_remap(remap)
+      self.counters.promotions += moved
 
   # ------------------------------------------------------------------ 6. metrics
   def extra_segments(self) -> np.ndarray | None:

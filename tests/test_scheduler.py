@@ -136,3 +136,20 @@ class PackTailsTest(absltest.TestCase):
       if pack:
         self.assertGreater(sched.counters.pack_moves, 0)
     self.assertLess(frag[True], frag[False] / 2)
+
+
+class PromotionTest(absltest.TestCase):
+
+  def test_shared_prefix_blocks_move_to_the_base_pool(self):
+    cfg = paged_kv.PoolConfig(num_blocks=128, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=8, max_segments=40, base_pool_fraction=0.25)
+    pool = paged_kv.BlockPool(cfg)
+    sched = Scheduler(pool, DryExecutor(cfg),
+                      SchedulerConfig(max_batch=8, prefill_chunk=16, promote_readers=3,
+                                      promote_every=1))
+    _run(sched, _workload(4, n=16))  # invariants after every step
+    self.assertGreater(sched.counters.promotions, 0)
+    refs = np.asarray(pool.state.meta.ref_count)
+    self.assertTrue((refs[:cfg.num_base_blocks] > 0).any())
+    # The cache now points into the base pool for the shared system prompt.
+    self.assertTrue((sched.cache.segment_refs()[:, 0] < cfg.num_base_blocks).any())

@@ -44,15 +44,17 @@ def workload(model):
 
 
 def _serve(model, prompts, *, num_blocks, preemption, compaction=None, max_batch=4,
-           pack_tails=False):
+           pack_tails=False, base_pool_fraction=0.0, promote_readers=0):
   pool_config = mr.pool_config_for(MODEL_CONFIG, num_blocks=num_blocks, block_size=4,
-                                   max_seqs=4, max_segments=24)
+                                   max_seqs=4, max_segments=24,
+                                   base_pool_fraction=base_pool_fraction)
   pool = paged_kv.BlockPool(pool_config)
   sched = Scheduler(pool, mr.ModelExecutor(model, pool_config),
                     SchedulerConfig(max_batch=max_batch, prefill_chunk=8,
                                     prefill_token_budget=16, preemption=preemption,
                                     compaction=compaction, pack_tails=pack_tails,
-                                    output_reserve_ratio=0.0))
+                                    output_reserve_ratio=0.0,
+                                    promote_readers=promote_readers, promote_every=1))
   reqs = [Request(i, p, NEW_TOKENS) for i, p in enumerate(prompts)]
   for r in reqs:
     sched.submit(r)
@@ -77,14 +79,15 @@ def test_pressure_and_preemption_change_no_token(model, workload, preemption):
     assert st.preemptions_swap > 0 and st.swap_to_host_bytes > 0
 
 
-def test_forced_compaction_changes_no_token(model, workload):
+def test_forced_compaction_and_promotion_change_no_token(model, workload):
   prompts, dense = workload
   policy = compact.CompactionPolicy(threshold=0.0, budget=3)
-  sched, reqs = _serve(model, prompts, num_blocks=40, preemption="recompute",
-                       compaction=policy)
+  sched, reqs = _serve(model, prompts, num_blocks=48, preemption="recompute",
+                       compaction=policy, base_pool_fraction=0.2, promote_readers=3)
   for r, want in zip(reqs, dense):
     assert r.tokens.tolist() == want, r.request_id
   assert sched.counters.compaction_moves > 0
+  assert sched.counters.promotions > 0
   assert sched.stats.hit_tokens > 0
 
 
