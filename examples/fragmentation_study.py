@@ -89,7 +89,12 @@ def chat_workload(seed: int, steps: int):
 
 
 def run_chat(mode: str, families, convs, steps: int):
-  """Returns per-step internal fragmentation, OOMs, peak resident conversations."""
+  """Returns per-step internal fragmentation, OOMs, peak resident conversations.
+
+  Modes: `flat` (one segment per block), `slotted` (short segments packed), and
+  `slotted+reclaim` (also frees the slots of segments that left slotted blocks).
+  """
+  reclaim = mode == "slotted+reclaim"
   config = _config(max_seqs=128, max_segments=256)
   bs = config.block_size
   state = paged_kv.init_pool(config)
@@ -117,6 +122,13 @@ def run_chat(mode: str, families, convs, steps: int):
     ext = [(k, i, s) for k in keys for i, s in enumerate(cache[k]) if s[2] < bs]
     if not ext:
       return
+    if reclaim:
+      held = np.array([s for v in cache.values() for s in v], np.int32).reshape(-1, 3)
+      b = _bucket(len(held))
+      state, (status, _) = slots.reclaim_slots(state, _pad(held[:, 0], b, 0),
+                                               _pad(held[:, 1], b, 0), _pad(held[:, 2], b, 0),
+                                               config=config)
+      assert int(status) == 0
     for lo in range(0, len(ext), 64):
       chunk = ext[lo:lo + 64]
       b = _bucket(len(chunk))
@@ -144,7 +156,7 @@ def run_chat(mode: str, families, convs, steps: int):
                          for s in range(int(t.num_segments[f]))]
   take_refs([s for f in range(len(families)) for s in cache[("sys", f)]])
   state, _ = segments.release(state, rows, config=config)
-  if mode == "slotted":
+  if mode != "flat":
     pack([("sys", f) for f in range(len(families))])
 
   active: dict[int, dict] = {}
@@ -193,7 +205,7 @@ def run_chat(mode: str, families, convs, steps: int):
         new_nodes.append(node)
       take_refs([s for nd in new_nodes for s in cache[nd]])
       state, _ = segments.release(state, _pad(rows, b, -1), config=config)
-      if mode == "slotted":
+      if mode != "flat":
         pack(new_nodes)
       for r, i in enumerate(batch):
         if st_res[r] != 0:  # OOM: the conversation is dropped
@@ -506,16 +518,16 @@ def main(argv):
   # (a) chat.
   families, convs = chat_workload(_SEED.value, _CHAT_STEPS.value)
   chat = {}
-  for mode in ("flat", "slotted"):
+  for mode in ("flat", "slotted", "slotted+reclaim"):
     chat[mode] = run_chat(mode, families, [dict(c) for c in convs], _CHAT_STEPS.value)
   cap_tokens = nblk * bs
   print(f"\n(a) multi-turn chat: {len(convs)} conversations, turns 5-200 tokens (log-uniform), "
         f"{len(families)} shared system prompts, pool {nblk} x {bs}-token blocks")
-  print(f"{'mode':<10}{'internal frag mean':>20}{'final':>8}{'field report':>14}{'OOMs':>22}"
+  print(f"{'mode':<16}{'internal frag mean':>20}{'final':>8}{'field report':>14}{'OOMs':>22}"
         f"{'peak resident conv.':>21}{'segments':>10}{'packs':>8}")
   for mode, r in chat.items():
     field = FIELD["internal"][0 if mode == "flat" else 1]
-    print(f"{mode:<10}{r['internal'].mean():>20.2%}{r['internal'][-1]:>8.2%}{field:>14.1%}"
+    print(f"{mode:<16}{r['internal'].mean():>20.2%}{r['internal'][-1]:>8.2%}{field:>14.1%}"
           f"{_fmt_oom(r['oom']):>22}{r['peak']:>21}{r['segments']:>10}{r['packs']:>8}")
 
   # (b) long/short mix.

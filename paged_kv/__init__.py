@@ -10,7 +10,7 @@ from paged_kv.segments import fork, open_sequence, release, reserve_tokens
 from paged_kv.state import BlockMeta, KVPages, PoolState, SegmentTable, init_pool
 from paged_kv.invariants import check_invariants
 from paged_kv.pool import BlockPool
-from paged_kv.slots import OWNER_EXTERNAL, cow_split, pack_slots
+from paged_kv.slots import OWNER_EXTERNAL, cow_split, pack_slots, reclaim_slots
 from paged_kv.compact import (CompactionPolicy, compact_permute, compact_step,
                               fragmentation_ratio, plan_compaction, region_fragmentation)
 from paged_kv.regions import (WatermarkQuota, plan_promotion, promote_blocks, resize_pool,

@@ -298,6 +298,23 @@ class BlockPool:
                       extra_segments=new[len(tab):],
                       ref_deltas=(uniq[keep].astype(np.int32), summed[keep]))
 
+  def reclaim_slots(self, extra_segments=()) -> int:
+    """Frees slots no live segment covers (see `paged_kv.slots.reclaim_slots`).
+
+    `extra_segments` must be *every* `(block, start, length)` held outside the
+    tables; if they do not account for `ref_count`, nothing changes and
+    `InvalidSegment` is raised. Returns the number of slots reclaimed.
+    """
+    ext = np.asarray(extra_segments, np.int64).reshape(-1, 3)
+    b = _bucket(len(ext))
+    self.state, (status, reclaimed) = slots.reclaim_slots(
+        self.state, _pad(ext[:, 0], b, 0), _pad(ext[:, 1], b, 0), _pad(ext[:, 2], b, 0),
+        config=self.config)
+    if int(status) != Status.OK:
+      raise InvalidSegment("reclaim_slots: the segments given plus the tables do not account "
+                           "for every block's ref_count; nothing was changed")
+    return int(reclaimed)
+
   def compact(self, budget: int = 32, impl: str = "xla") -> np.ndarray:
     """One compaction step of up to `budget` moves; returns `remap i32[num_blocks]`."""
     if not isinstance(budget, (int, np.integer)) or budget < 1:

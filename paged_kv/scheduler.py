@@ -49,6 +49,7 @@ from paged_kv.swap import SwappedKV, swap_in, swap_out
 from radix.cache import PrefixCache, RefDeltas
 
 PREEMPTION_MODES = ("recompute", "swap")
+RECLAIM_EVERY = 8  # steps between reclaims of dead slots, when packing tails
 
 
 class Phase(enum.Enum):
@@ -271,6 +272,7 @@ class Scheduler:
     self._monitor = metrics.AlertMonitor()
     self._on_snapshot = on_snapshot
     self._step = 0
+    self._last_reclaim = -RECLAIM_EVERY
 
   # ------------------------------------------------------------------ public
   def submit(self, request: Request) -> None:
@@ -545,6 +547,11 @@ class Scheduler:
       self._pack(pack)
 
   def _pack(self, candidates) -> None:
+    if self._step - self._last_reclaim >= RECLAIM_EVERY:
+      # Slots of segments that left slotted blocks become reusable (checked
+      # against ref_count: every holder, tables and cache, is accounted for).
+      self.pool.reclaim_slots(self.cache.segment_refs())
+      self._last_reclaim = self._step
     old = np.array([c.segment for c in candidates], np.int32)
     try:
       result = self.pool.pack_slots(extra_segments=old)

@@ -314,3 +314,58 @@ def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: ja
                                                                num_free=num_free))
   return state, (new_block, new_start, finish_status(status, applied | pad))
 
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def reclaim_slots(state: PoolState, ext_block: jax.Array, ext_start: jax.Array,
+                  ext_length: jax.Array, *,
+                  config: PoolConfig) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """Clears the slot bits no live segment covers, so packing can reuse them.
+
+  A slot's bit stays set after the segment that used it leaves a block that
+  other segments keep alive (the pool alone cannot tell whether another
+  reference still covers it). Given every reference held outside the segment
+  tables, this recomputes each block's bits as the union of the slots its
+  segments cover. It is safe only if no holder is missing, so it first checks
+  that the references counted (tables + `ext_*`) equal `ref_count` for every
+  block, and otherwise changes nothing. O(num_blocks * block_size) work:
+  between steps.
+
+  Args:
+    state: the pool (donated).
+    ext_block, ext_start, ext_length: `i32[E]` every segment held outside the
+      tables (e.g. `PrefixCache.segment_refs()`), `length == 0` = padding.
+    config: static pool config.
+
+  Returns:
+    `(state, (status, reclaimed))`: `status: i32[]` (`INVALID_SEGMENT` when the
+    references do not account for `ref_count`, nothing changed) and
+    `reclaimed: i32[]` slots whose bit was cleared.
+  """
+  n, bs, m = config.num_blocks, config.block_size, config.max_segments
+  t = state.table
+  used = t.active[:, None] & (jnp.arange(m)[None, :] < t.num_segments[:, None])
+  blk = jnp.concatenate([jnp.where(used, t.block, 0).reshape(-1), ext_block])
+  start = jnp.concatenate([jnp.where(used, t.start, 0).reshape(-1), ext_start])
+  length = jnp.concatenate([jnp.where(used, t.length, 0).reshape(-1), ext_length])
+  real = length > 0
+  ok_shape = ~real | ((blk >= 0) & (blk < n) & (start >= 0) & (start + length <= bs))
+  safe_blk = jnp.where(real & ok_shape, blk, n)
+  refs = jnp.zeros((n,), jnp.int32).at[safe_blk].add(1, mode="drop")
+  consistent = jnp.all(ok_shape) & jnp.all(refs == state.meta.ref_count)
+  first = jnp.where(real & ok_shape, blk * bs + start, n * bs)
+  diff = (jnp.zeros((n * bs + 1,), jnp.int32).at[first].add(1, mode="drop")
+          .at[first + jnp.where(real & ok_shape, length, 0)].add(-1, mode="drop"))
+  covered = (jnp.cumsum(diff[:-1]) > 0).reshape(n, bs)
+  words = config.slot_words
+  pad = words * 32 - bs
+  bits = jnp.pad(covered, ((0, 0), (0, pad))).reshape(n, words, 32).astype(jnp.uint32)
+  new_slots = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+  # Never set a bit that was clear: covered slots are always marked (invariant 3).
+  new_slots = new_slots & state.meta.slots
+  before = jnp.sum(slot_bits(state.meta.slots, bs), dtype=jnp.int32)
+  after = jnp.sum(slot_bits(new_slots, bs), dtype=jnp.int32)
+  slots_out = jnp.where(consistent, new_slots, state.meta.slots)
+  meta = dataclasses.replace(state.meta, slots=slots_out)
+  status = jnp.where(consistent, Status.OK, Status.INVALID_SEGMENT).astype(jnp.int32)
+  return dataclasses.replace(state, meta=meta), (status, jnp.where(consistent, before - after, 0))

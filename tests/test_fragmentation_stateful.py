@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -120,6 +122,19 @@ class FragmentationMachine(RuleBasedStateMachine):
     for i, new in zip(pick_e, res.extra_segments):
       _, k, v = self.cache[i]
       self.cache[i] = (tuple(int(x) for x in new), k, v)
+
+  @rule(omit_one=st.booleans())
+  def reclaim_slots(self, omit_one):
+    """Dead slots become reusable; with a holder left out, nothing may change."""
+    held = [seg for seg, _, _ in self.cache]
+    if omit_one and held:
+      before = jax.tree.map(np.asarray, self.pool.state)
+      with pytest.raises(paged_kv.InvalidSegment):
+        self.pool.reclaim_slots(held[1:])
+      jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray,
+                                                                       self.pool.state))
+      return
+    self.pool.reclaim_slots(held)
 
   @precondition(lambda self: self.model.kv)
   @rule(data=st.data())

@@ -278,3 +278,69 @@ def test_unknown_impl_is_rejected():
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class ReclaimSlotsTest(chex.TestCase):
+  """Dead slots of a slotted block become reusable once no segment covers them."""
+
+  def _pool_with_dead_slots(self):
+    cfg = paged_kv.PoolConfig(num_blocks=8, block_size=8, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=8)
+    pool = paged_kv.BlockPool(cfg)
+    a, b = pool.open_sequence(), pool.open_sequence()
+    slots_ = pool.reserve_tokens([a, b], [3, 2])
+    kv = jnp.arange(slots_.size * 2, dtype=jnp.float32).reshape(slots_.shape + (1, 2))
+    pool.write_kv(0, slots_, kv, -kv)
+    # Cache-like outside holders take both short segments; pack them into one block.
+    ext = [tuple(int(x[0]) for x in pool.segments(s)) for s in (a, b)]
+    pool.apply_ref_deltas([e[0] for e in ext], [1, 1])
+    pool.release([a, b])
+    packed = pool.pack_slots(extra_segments=ext).extra_segments
+    held = [tuple(int(v) for v in row) for row in packed]
+    self.assertEqual(held[0][0], held[1][0])  # one slotted block holds both
+    # The first holder lets go: its slots are dead but still marked.
+    pool.apply_ref_deltas([held[0][0]], [-1])
+    return pool, held[1:], held[0]
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_reclaims_dead_slots_only(self):
+    pool, live, dead = self._pool_with_dead_slots()
+    fn = self.variant(slots.reclaim_slots.__wrapped__, static_argnames=("config",))
+    ext = np.array(live, np.int32)
+    k_live = np.asarray(pool.state.pages.k)[0, 0, live[0][0], live[0][1]:live[0][1] + live[0][2]]
+    state, (status, reclaimed) = fn(pool.state, ext[:, 0], ext[:, 1], ext[:, 2],
+                                    config=pool.config)
+    self.assertEqual(int(status), 0)
+    self.assertEqual(int(reclaimed), dead[2])
+    pool.state = state
+    pool.check_invariants(extra_segments=live)
+    bits = slots.slot_bits(state.meta.slots[dead[0]], pool.config.block_size)
+    self.assertFalse(bool(bits[dead[1]:dead[1] + dead[2]].any()))
+    np.testing.assert_array_equal(
+        np.asarray(state.pages.k)[0, 0, live[0][0], live[0][1]:live[0][1] + live[0][2]], k_live)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_missing_holder_refused_and_nothing_changes(self):
+    pool, live, dead = self._pool_with_dead_slots()
+    fn = self.variant(slots.reclaim_slots.__wrapped__, static_argnames=("config",))
+    before = jax.tree.map(np.asarray, pool.state)
+    z = np.zeros((1,), np.int32)
+    state, (status, reclaimed) = fn(pool.state, z, z, z, config=pool.config)  # holder omitted
+    self.assertEqual(int(status), Status.INVALID_SEGMENT)
+    self.assertEqual(int(reclaimed), 0)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, state))
+
+  def test_host_api_and_reuse_by_pack(self):
+    pool, live, dead = self._pool_with_dead_slots()
+    with self.assertRaises(paged_kv.InvalidSegment):
+      pool.reclaim_slots([])
+    self.assertEqual(pool.reclaim_slots(live), dead[2])
+    # A new short segment now fits into the reclaimed slots of the slotted block.
+    c = pool.open_sequence()
+    pool.reserve_tokens([c], [dead[2]])
+    seg = tuple(int(x[0]) for x in pool.segments(c))
+    pool.apply_ref_deltas([seg[0]], [1])
+    pool.release([c])
+    moved = pool.pack_slots(extra_segments=[seg]).extra_segments[0]
+    self.assertEqual(int(moved[0]), dead[0])
+    pool.check_invariants(extra_segments=live + [tuple(int(v) for v in moved)])
