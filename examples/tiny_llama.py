@@ -124,14 +124,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array
   return out.astype(x.dtype)
 
 
+def _linear(config: "LlamaConfig", fan_in: int, fan_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+  """A bias-free projection in the model's dtype."""
+  return nnx.Linear(fan_in, fan_out, use_bias=False, kernel_init=_dense_init(fan_in),
+                    dtype=config.jnp_dtype, param_dtype=config.jnp_dtype, rngs=rngs)
+
+
 class Attention(nnx.Module):
   """GQA projections and RoPE; the attention core itself is the `attend` function."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     c = config
-    dt = c.jnp_dtype
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, kernel_init=_dense_init(i),
-                                  dtype=dt, param_dtype=dt, rngs=rngs)
+    lin = lambda i, o: _linear(c, i, o, rngs)
     self.config = c
     self.wq = lin(c.d_model, c.num_q_heads * c.head_dim)
     self.wk = lin(c.d_model, c.num_kv_heads * c.head_dim)
@@ -156,9 +160,7 @@ class SwiGLU(nnx.Module):
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     c = config
-    dt = c.jnp_dtype
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, kernel_init=_dense_init(i),
-                                  dtype=dt, param_dtype=dt, rngs=rngs)
+    lin = lambda i, o: _linear(c, i, o, rngs)
     self.gate = lin(c.d_model, c.ffn_dim)
     self.up = lin(c.d_model, c.ffn_dim)
     self.down = lin(c.ffn_dim, c.d_model)
