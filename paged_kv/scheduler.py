@@ -277,15 +277,19 @@ class Scheduler:
   # ------------------------------------------------------------------ public
   def submit(self, request: Request) -> None:
     """Queues a request (FCFS)."""
-    bs = self.pool.config.block_size
-    need = _cdiv(request.prompt.size + request.max_new_tokens, bs) + 1
-    if need > self.pool.config.num_blocks - self.pool.config.num_base_blocks:
-      raise PoolExhausted(f"request {request.request_id} needs {need} blocks; the pool has "
-                          f"{self.pool.config.num_blocks}", reason="no_free_block")
-    if _cdiv(request.prompt.size + request.max_new_tokens, 1) > (
-        self.pool.config.max_segments * bs):
-      raise PoolExhausted(f"request {request.request_id} may need more than max_segments "
-                          f"segments", reason="table_full")
+    bs, pc = self._bs, self.pool.config
+    # The most admission can ask for, alone in the pool: its whole prompt and output
+    # (+1 block each for partial tails) and the watermark. Refusing anything larger
+    # here guarantees the queue's head is always admitted once the pool drains.
+    need = (_cdiv(request.prompt.size, bs) + _cdiv(request.max_new_tokens, bs) + 2
+            + self.config.watermark_blocks)
+    if need > pc.num_blocks - pc.num_base_blocks:
+      raise PoolExhausted(f"request {request.request_id} needs up to {need} blocks; the pool "
+                          f"has {pc.num_blocks - pc.num_base_blocks} dynamic blocks",
+                          reason="no_free_block")
+    if request.prompt.size + request.max_new_tokens > pc.max_segments * bs:
+      raise PoolExhausted(f"request {request.request_id} may need more than "
+                          f"max_segments={pc.max_segments} segments", reason="table_full")
     self.waiting.append(request)
 
   @property
@@ -307,6 +311,10 @@ class Scheduler:
   def step(self) -> None:
     """One scheduling step (see the module docstring)."""
     self._admit()
+    if not self.running and (self.waiting or self.swapped):
+      # `submit` refuses what cannot fit an empty pool, so this is a bug, not load.
+      raise RuntimeError(f"scheduler stalled: nothing running, {len(self.waiting)} waiting, "
+                         f"{len(self.swapped)} swapped, {self.pool.num_free_blocks} free blocks")
     self._prefill()
     self._decode()
     self._finish()
