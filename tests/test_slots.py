@@ -241,15 +241,6 @@ class HostWrapperTest(absltest.TestCase):
     model.check()
 
 
-def _pallas_available() -> bool:
-  try:
-    from pallas_kernels import permute_blocks  # noqa: F401
-    return True
-  except Exception:  # pylint: disable=broad-except
-    return False
-
-
-@pytest.mark.skipif(not _pallas_available(), reason="pallas_kernels.permute_blocks missing")
 def test_pallas_slot_copy_and_block_move_match_xla():
   rng = np.random.default_rng(1)
   shape = (2, 2, 6, 4, 8)
