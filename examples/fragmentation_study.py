@@ -44,6 +44,8 @@ _BUDGET = flags.DEFINE_integer("budget", 32, "Compaction moves per step (online)
 _THRESHOLD = flags.DEFINE_float("threshold", 0.35, "Compaction trigger ratio.")
 _PERIOD = flags.DEFINE_integer("period", 50, "Steps between periodic full compactions.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_FIT = flags.DEFINE_enum("fit", "first", ["first", "best"], "Which free run a long request's "
+                         "contiguous allocation takes.")
 _TIMING_REPS = flags.DEFINE_integer("timing_reps", 20, "Repetitions of the timing (median).")
 
 FIELD = {"internal": (0.386, 0.038), "external": (0.482, 0.064)}
@@ -342,7 +344,7 @@ def run_mix(policy: str, reqs, steps: int, *, budget: int, threshold: float, per
       need = -(-r["tokens"] // bs)
       if r["long"]:
         state, (ids, status) = alloc.allocate(state, need, config=config, max_blocks=_bucket(need),
-                                              contiguous="require")
+                                              contiguous="require", fit=_FIT.value)
         status = int(status)
         if status != 0:
           counters.record_status(np.array([status]))

@@ -130,18 +130,21 @@ def change_refs(state: PoolState, block_ids: jax.Array, deltas: jax.Array, *,
 # ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_blocks", "contiguous"),
+@functools.partial(jax.jit, static_argnames=("config", "max_blocks", "contiguous", "fit"),
                    donate_argnames=("state",))
 def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks: int,
-             contiguous: str = "prefer") -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+             contiguous: str = "prefer",
+             fit: str = "first") -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
   """Allocates `num` blocks (ref_count 1 each, owned by the caller).
 
-  Lowest address first. For `num > 1` a contiguous run is preferred: the
-  lowest-addressed run of `num` consecutive free blocks is taken when one
-  exists (`contiguous="prefer"`); with `contiguous="require"` the call fails
-  with `NO_CONTIGUOUS_RUN` otherwise; with `"never"` the `num` lowest free
-  blocks are taken. Searching for a run scans the free list (O(num_blocks));
-  the decode path (`reserve_tokens`) does not use this function.
+  Lowest address first. For `num > 1` a contiguous run is preferred: a run of
+  `num` consecutive free blocks is taken when one exists
+  (`contiguous="prefer"`) — the lowest-addressed one (`fit="first"`) or the
+  start of the shortest free run that is long enough (`fit="best"`, which keeps
+  long runs whole for later contiguous requests); with `contiguous="require"`
+  the call fails with `NO_CONTIGUOUS_RUN` otherwise; with `"never"` the `num`
+  lowest free blocks are taken. Searching for a run scans the free list
+  (O(num_blocks)); the decode path (`reserve_tokens`) does not use this function.
 
   Args:
     state: the pool (donated).
@@ -149,6 +152,7 @@ def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks
     config: the pool's static config.
     max_blocks: static width of the result.
     contiguous: `"prefer"`, `"require"` or `"never"`.
+    fit: `"first"` or `"best"` (which run, when several are long enough).
 
   Returns:
     `(state, (ids, status))`: `ids: i32[max_blocks]` ascending, `-1` padded;
@@ -156,6 +160,8 @@ def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks
   """
   if contiguous not in ("prefer", "require", "never"):
     raise ValueError(f"contiguous must be 'prefer', 'require' or 'never', got {contiguous!r}")
+  if fit not in ("first", "best"):
+    raise ValueError(f"fit must be 'first' or 'best', got {fit!r}")
   meta = state.meta
   n = config.num_blocks
   num = jnp.asarray(num, jnp.int32)
@@ -171,7 +177,17 @@ def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks
     is_run = (j >= window) & (j + num - 1 < n) & (
         meta.free_list[last] - meta.free_list[j] == num - 1)
     has_run = jnp.any(is_run) | (num == 0)
-    run_pos = jnp.where(jnp.any(is_run), jnp.argmax(is_run), window).astype(jnp.int32)
+    if fit == "first":
+      run_pos = jnp.where(jnp.any(is_run), jnp.argmax(is_run), window).astype(jnp.int32)
+    else:
+      # Runs of consecutive ids in the free-list window: start positions and lengths.
+      prev = meta.free_list[jnp.clip(j - 1, 0, n - 1)]
+      starts = (j >= window) & ((j == window) | (meta.free_list != prev + 1))
+      next_start = jax.lax.cummin(jnp.where(starts, j, n)[::-1])[::-1]  # first start >= j
+      end = jnp.concatenate([next_start[1:], jnp.full((1,), n, next_start.dtype)])
+      fits = starts & (end - j >= num)
+      score = jnp.where(fits, (end - j) * n + j, jnp.iinfo(jnp.int32).max)
+      run_pos = jnp.where(jnp.any(fits), jnp.argmin(score), window).astype(jnp.int32)
   status = jnp.where(~count_ok, Status.INVALID_COUNT,
                      jnp.where(~enough, Status.NO_FREE_BLOCK,
                                jnp.where((contiguous == "require") & ~has_run,

@@ -245,3 +245,26 @@ class ConfigTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class BestFitTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_best_fit_takes_the_shortest_run_that_fits(self):
+    fn = self.variant(alloc.allocate.__wrapped__,
+                      static_argnames=("config", "max_blocks", "contiguous", "fit"))
+    state = paged_kv.init_pool(CFG)
+    state, _ = fn(state, 16, config=CFG, max_blocks=16)
+    # Free runs: [1, 5) (4 blocks), [7, 9) (2 blocks), [11, 16) (5 blocks).
+    free = jnp.array([1, 2, 3, 4, 7, 8, 11, 12, 13, 14, 15])
+    state, st = alloc.apply_ref_deltas(state, free, -jnp.ones_like(free), config=CFG)
+    np.testing.assert_array_equal(st, 0)
+    for fit, want in (("first", [1, 2]), ("best", [7, 8])):
+      s2, (ids, status) = fn(jax.tree.map(jnp.copy, state), 2, config=CFG, max_blocks=2,
+                             contiguous="require", fit=fit)
+      np.testing.assert_array_equal(ids, want)
+      self.assertEqual(int(status), Status.OK)
+    s3, (ids, status) = fn(state, 5, config=CFG, max_blocks=8, contiguous="require", fit="best")
+    np.testing.assert_array_equal(ids[:5], [11, 12, 13, 14, 15])
+    s4, (ids, status) = fn(s3, 6, config=CFG, max_blocks=8, contiguous="require", fit="best")
+    self.assertEqual(int(status), Status.NO_CONTIGUOUS_RUN)
