@@ -16,8 +16,11 @@ Implementations (`impl=`):
               softmax, and writes an unnormalised partial result; a small jnp pass
               merges the splits (flash decoding). Runs on CPU with `interpret=True`
               and lowers through the Triton backend on GPUs.
-  * "mosaic": not implemented for attention (see `_SUPPORTED_IMPLS`); the wrapper
-              raises a ValueError naming the supported choices.
+  * "mosaic": Mosaic GPU (Hopper) kernel in `paged_attention_mosaic.py`: a program
+              per (row, kv head) streams the row's pages through a TMA/barrier
+              SMEM ring with an online softmax (no split-K). Needs a GPU, or
+              `interpret=True` / a `plgpu.InterpretGPUParams` on CPU; without
+              either the wrapper raises a ValueError.
 
 `ref_paged_attention` is the float reference: it rebuilds every sequence's logical
 K/V token by token and runs a plain softmax. It is written independently of the
@@ -37,7 +40,10 @@ from jax.experimental import pallas as pl
 # Constants ------------------------------------------------------------------
 
 DEFAULT_PAGES_PER_STEP = 4  # segments (hence blocks) loaded per online-softmax step
+# Shared default of `static_validate_inputs` (prefill_attention validates through it
+# and has no Mosaic GPU kernel); decode attention passes `_DECODE_IMPLS`.
 _SUPPORTED_IMPLS = ("xla", "pallas")
+_DECODE_IMPLS = ("xla", "pallas", "mosaic")
 _KNOWN_IMPLS = ("xla", "pallas", "mosaic")
 _NEG_INF = float("-inf")
 
@@ -145,8 +151,13 @@ def masked_attention(qg: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 def static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length,
                            num_segments, *, sm_scale, soft_cap, num_splits, impl,
-                           pages_per_step):
-  """Checks shapes, dtypes and static arguments; raises ValueError."""
+                           pages_per_step, interpret=False,
+                           supported_impls=_SUPPORTED_IMPLS):
+  """Checks shapes, dtypes and static arguments; raises ValueError.
+
+  `supported_impls`: the implementations the calling op has ("mosaic" only for
+  decode attention, which passes `_DECODE_IMPLS`).
+  """
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, num_q_heads, head_dim], got {q.shape}")
   if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
@@ -175,10 +186,15 @@ def static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length
                      f"{num_segments.dtype}{list(num_segments.shape)}")
   if impl not in _KNOWN_IMPLS:
     raise ValueError(f"impl must be one of {_KNOWN_IMPLS}, got {impl!r}")
-  if impl not in _SUPPORTED_IMPLS:
+  if impl not in supported_impls:
     raise ValueError(
-        f"impl={impl!r} is not implemented for attention; use one of "
-        f"{_SUPPORTED_IMPLS} (the Mosaic GPU path exists for permute_blocks only)")
+        f"impl={impl!r} is not implemented for this attention op; use one of "
+        f"{supported_impls} (decode attention also has \"mosaic\")")
+  if impl == "mosaic" and not interpret and jax.default_backend() != "gpu":
+    raise ValueError(
+        f"impl='mosaic' is not implemented on the {jax.default_backend()!r} backend"
+        " (Mosaic GPU needs a GPU); pass interpret=True or a"
+        " plgpu.InterpretGPUParams to run it in the GPU interpreter")
   if not isinstance(num_splits, int) or num_splits < 1:
     raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
   if not isinstance(pages_per_step, int) or pages_per_step < 1:
@@ -419,7 +435,7 @@ def paged_attention(
     soft_cap: float | None = None,
     num_splits: int = 1,
     impl: str = "xla",
-    interpret: bool = False,
+    interpret=False,
     pages_per_step: int = DEFAULT_PAGES_PER_STEP,
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
   """Decode attention of one query token per row over its segment table.
@@ -434,22 +450,34 @@ def paged_attention(
     soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)` (after
       scaling).
     num_splits: split-K factor over segment entries ("pallas"; flash decoding).
-      The "xla" path computes the exact softmax in one pass and ignores it.
-    impl: "xla" (CPU default) or "pallas"; "mosaic" raises (not implemented).
-    interpret: run the Pallas kernel in interpret mode (CPU).
-    pages_per_step: segments loaded per online-softmax step ("pallas").
+      The "xla" path computes the exact softmax in one pass and the "mosaic"
+      kernel walks all segments of a row in one program; both ignore it.
+    impl: "xla" (CPU default), "pallas" or "mosaic" (Mosaic GPU, Hopper).
+    interpret: run the kernel in interpret mode (CPU): a bool for "pallas"; for
+      "mosaic", True (= `plgpu.InterpretGPUParams(detect_races=True)`) or a
+      `plgpu.InterpretGPUParams`.
+    pages_per_step: segments loaded per online-softmax step ("pallas") or per
+      SMEM ring stage ("mosaic").
 
   Accumulation is float32 for every input dtype.
   """
   static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length,
                          num_segments, sm_scale=sm_scale, soft_cap=soft_cap,
                          num_splits=num_splits, impl=impl,
-                         pages_per_step=pages_per_step)
+                         pages_per_step=pages_per_step, interpret=interpret,
+                         supported_impls=_DECODE_IMPLS)
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
   if impl == "xla":
     return _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
                                 seg_length, num_segments, sm_scale=sm_scale,
                                 soft_cap=soft_cap)
+  if impl == "mosaic":
+    # Imported here so that CPU users never import Mosaic GPU.
+    from pallas_kernels.paged_attention_mosaic import mosaic_paged_attention
+    return mosaic_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
+                                  seg_length, num_segments, sm_scale=sm_scale,
+                                  soft_cap=soft_cap, interpret=interpret or None,
+                                  pages_per_step=pages_per_step)
   return _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
                                  seg_length, num_segments, sm_scale=sm_scale,
                                  soft_cap=soft_cap, num_splits=num_splits,

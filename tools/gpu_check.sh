@@ -44,12 +44,17 @@ for impl in ("xla", "pallas", "mosaic"):
     print("permute", impl, "FAILED", type(e).__name__, str(e)[:2000])
 PYEOF
 
-timeout 900 "$PY" -m pytest -q -x tests/test_kernels_paged_attention.py \
+timeout 900 "$PY" -m pytest -q tests/test_kernels_paged_attention.py \
   tests/test_kernels_prefill_attention.py tests/test_kernels_permute_blocks.py \
+  tests/test_kernels_mosaic_attention.py \
   > "$OUT/pytest.txt" 2>&1
 
 timeout 1200 "$PY" examples/bench_kernels.py --out="$OUT/bench_table.md" \
   > "$OUT/bench_stdout.txt" 2>&1
 rc=$?
+# The Mosaic GPU decode kernel separately: it is verified only in interpret mode so far,
+# and a lowering failure must not cost the table above.
+timeout 600 "$PY" examples/bench_kernels.py --decode_impls=mosaic --permute_impls=mosaic \
+  --out="$OUT/bench_table_mosaic.md" > "$OUT/bench_stdout_mosaic.txt" 2>&1 || true
 tail -n 60 "$OUT/bench_stdout.txt"
 exit $rc
