@@ -185,9 +185,11 @@ def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks
       starts = (j >= window) & ((j == window) | (meta.free_list != prev + 1))
       next_start = jax.lax.cummin(jnp.where(starts, j, n)[::-1])[::-1]  # first start >= j
       end = jnp.concatenate([next_start[1:], jnp.full((1,), n, next_start.dtype)])
-      fits = starts & (end - j >= num)
-      score = jnp.where(fits, (end - j) * n + j, jnp.iinfo(jnp.int32).max)
-      run_pos = jnp.where(jnp.any(fits), jnp.argmin(score), window).astype(jnp.int32)
+      run_len = end - j
+      fits = starts & (run_len >= num)
+      shortest = jnp.min(jnp.where(fits, run_len, n + 1))
+      best = fits & (run_len == shortest)  # the lowest of the shortest runs that fit
+      run_pos = jnp.where(jnp.any(fits), jnp.argmax(best), window).astype(jnp.int32)
   status = jnp.where(~count_ok, Status.INVALID_COUNT,
                      jnp.where(~enough, Status.NO_FREE_BLOCK,
                                jnp.where((contiguous == "require") & ~has_run,

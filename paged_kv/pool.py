@@ -37,13 +37,20 @@ def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
   return out
 
 
+_I32 = np.iinfo(np.int32)
+
+
 def _as_int_array(x, name: str) -> np.ndarray:
+  """A 1-D int64 copy of `x`; refuses non-integers and values outside int32."""
   a = np.asarray(x)
   if a.ndim == 0:
     a = a[None]
   if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
     raise InvalidArgument(f"{name} must be a 1-D array of ints, got {a.dtype} {a.shape}")
-  return a.astype(np.int64)
+  a = a.astype(np.int64)
+  if a.size and (a.min() < _I32.min or a.max() > _I32.max):
+    raise InvalidArgument(f"{name} has values outside int32: {a.min()}..{a.max()}")
+  return a
 
 
 def raise_for_status(status: np.ndarray, what: str) -> None:
@@ -266,8 +273,8 @@ class BlockPool:
     Returns:
       A `PackResult`; the references were already transferred by the pool.
     """
-    tab = np.asarray(table_segments, np.int64).reshape(-1, 2)
-    ext = np.asarray(extra_segments, np.int64).reshape(-1, 3)
+    tab = _as_int_array(np.asarray(table_segments).reshape(-1), "table_segments").reshape(-1, 2)
+    ext = _as_int_array(np.asarray(extra_segments).reshape(-1), "extra_segments").reshape(-1, 3)
     t = jax.tree.map(np.asarray, self.state.table)
     if tab.size:
       self._check_ids(np.unique(tab[:, 0]), active=True)
@@ -305,7 +312,7 @@ class BlockPool:
     tables; if they do not account for `ref_count`, nothing changes and
     `InvalidSegment` is raised. Returns the number of slots reclaimed.
     """
-    ext = np.asarray(extra_segments, np.int64).reshape(-1, 3)
+    ext = _as_int_array(np.asarray(extra_segments).reshape(-1), "extra_segments").reshape(-1, 3)
     b = _bucket(len(ext))
     self.state, (status, reclaimed) = slots.reclaim_slots(
         self.state, _pad(ext[:, 0], b, 0), _pad(ext[:, 1], b, 0), _pad(ext[:, 2], b, 0),

@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_kv import compact, metrics, segments
-from paged_kv.errors import OOM_REASONS, PoolExhausted, Status
+from paged_kv.errors import PagedKVError, PoolExhausted, Status
 from paged_kv.pool import BlockPool
-from paged_kv.state import PoolState
+from paged_kv.state import REGION_DYNAMIC, PoolState
 from paged_kv.swap import SwappedKV, swap_in, swap_out
 from radix.cache import PrefixCache, RefDeltas
 
@@ -89,6 +89,7 @@ class Request:
   swapped: SwappedKV | None = None
   hit_tokens: int = 0
   num_preemptions: int = 0
+  stop_reason: str = ""  # "length", "stop_token", or "table_full" (the row had no room left)
   admit_step: int = -1
   first_token_step: int = -1
   finish_step: int = -1
@@ -287,7 +288,7 @@ class Scheduler:
       raise PoolExhausted(f"request {request.request_id} needs up to {need} blocks; the pool "
                           f"has {pc.num_blocks - pc.num_base_blocks} dynamic blocks",
                           reason="no_free_block")
-    if request.prompt.size + request.max_new_tokens > pc.max_segments * bs:
+    if _cdiv(request.prompt.size + request.max_new_tokens, bs) > pc.max_segments:
       raise PoolExhausted(f"request {request.request_id} may need more than "
                           f"max_segments={pc.max_segments} segments", reason="table_full")
     self.waiting.append(request)
@@ -389,12 +390,27 @@ class Scheduler:
     if self.cache is not None and probe.size:
       m = self.cache.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
+    # Keep the segment table from overflowing: a matched prefix may hold more segments
+    # than its tokens need (nodes split mid-block), and the tokens still to come take
+    # one segment per fresh block (they start at slot 0 after a shared tail and then
+    # fill in place). Share fewer segments (compute more) when it would not fit; with
+    # no shared segment it fits, by `submit`'s check.
+    out_left = req.max_new_tokens - len(req.output)
+    while len(segs) and len(segs) + _cdiv(context.size - matched + out_left, self._bs) > (
+        self.pool.config.max_segments):
+      segs = segs[:-1]
+      matched = int(segs[:, 2].sum())
     need = _cdiv(context.size - matched, self._bs) + 1
     if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
       if node is not None:
         self.cache.unlock(node)
       return False
-    seq = self.pool.open_sequence((segs[:, 0], segs[:, 1], segs[:, 2]) if len(segs) else None)
+    try:
+      seq = self.pool.open_sequence((segs[:, 0], segs[:, 1], segs[:, 2]) if len(segs) else None)
+    except PagedKVError:
+      if node is not None:
+        self.cache.unlock(node)
+      raise
     req.seq_id, req.lock_node, req.num_cached = seq, node, matched
     req.prefill_target = int(context.size)
     req.phase = Phase.RUNNING
@@ -449,7 +465,7 @@ class Scheduler:
     failed = []
     for i, req in enumerate(batch):
       if status[i] != Status.OK:
-        self.counters.record_status(status[i:i + 1], [req.num_cached + counts[i]])
+        self._record_failure(req, int(status[i]), req.num_cached + counts[i])
         failed.append(req)
         continue
       req.num_cached += counts[i]
@@ -485,7 +501,7 @@ class Scheduler:
     failed = 0
     for i, req in enumerate(batch):
       if status[i] != Status.OK:
-        self.counters.record_status(status[i:i + 1], [req.num_cached + 1])
+        self._record_failure(req, int(status[i]), req.num_cached + 1)
         failed += 1
         continue
       req.num_cached += 1
@@ -493,6 +509,12 @@ class Scheduler:
       self._emit(req, int(nxt[i]))
     if failed:
       self._relieve_pressure(failed)
+
+  def _record_failure(self, req: Request, status: int, seq_len: int) -> None:
+    """Counts a failed reservation; a full segment table ends the request (no retry helps)."""
+    self.counters.record_status(np.array([status]), [seq_len])
+    if status == Status.TABLE_FULL:
+      req.stop_reason = "table_full"
 
   def _emit(self, req: Request, token: int) -> None:
     if req.forced_output is not None:
@@ -503,9 +525,12 @@ class Scheduler:
       req.first_token_time = self.clock()
 
   def _is_finished(self, req: Request) -> bool:
-    return (len(req.output) >= req.max_new_tokens
-            or (self.config.stop_token >= 0 and req.output and
-                req.output[-1] == self.config.stop_token))
+    if not req.stop_reason:
+      if len(req.output) >= req.max_new_tokens:
+        req.stop_reason = "length"
+      elif self.config.stop_token >= 0 and req.output and req.output[-1] == self.config.stop_token:
+        req.stop_reason = "stop_token"
+    return bool(req.stop_reason)
 
   def _relieve_pressure(self, blocks: int) -> None:
     """Evict cached blocks, then preempt the most recently admitted sequences."""
@@ -514,6 +539,8 @@ class Scheduler:
       return
     while self.pool.num_free_blocks < blocks and len(self.running) > 1:
       self._preempt(self.running[-1])
+      # A recomputed victim's blocks went into the cache: evict them, unlocked now.
+      self._evict(blocks - self.pool.num_free_blocks)
 
   def _preempt(self, req: Request) -> None:
     self.running.remove(req)
@@ -560,6 +587,10 @@ class Scheduler:
       # against ref_count: every holder, tables and cache, is accounted for).
       self.pool.reclaim_slots(self.cache.segment_refs())
       self._last_reclaim = self._step
+    region = np.asarray(self.pool.state.meta.region)
+    candidates = [c for c in candidates if region[c.segment[0]] == REGION_DYNAMIC]
+    if not candidates:
+      return  # a promoted (base-region) block is shared and pinned: nothing to pack
     old = np.array([c.segment for c in candidates], np.int32)
     try:
       result = self.pool.pack_slots(extra_segments=old)
@@ -572,7 +603,7 @@ class Scheduler:
         self.counters.pack_moves += 1
 
   def _finish(self) -> None:
-    done = [r for r in self.running if r.output and self._is_finished(r)]
+    done = [r for r in self.running if self._is_finished(r)]
     for req in done:
       self.running.remove(req)
       self._store_and_release(req)
@@ -601,6 +632,8 @@ class Scheduler:
       return
     self.pool.state, (remap, status) = compact.compact_permute(
         self.pool.state, src, dst, config=self.pool.config)
+    if (np.asarray(status) != Status.OK).any():
+      raise RuntimeError(f"compaction plan refused: {np.asarray(status).tolist()}")
     remap = np.asarray(remap)
     if self.cache is not None:
       self.cache.apply_remap(remap)

@@ -100,7 +100,9 @@ def open_sequence(state: PoolState, seq_ids: jax.Array, seg_block: jax.Array,
   blk_ok = (seg_block >= 0) & (seg_block < n)
   cb = jnp.clip(seg_block, 0, n - 1)
   live = meta.ref_count[cb] > 0
-  shape_ok = (seg_start >= 0) & (seg_length >= 1) & (seg_start + seg_length <= bs)
+  # No `start + length` (it could wrap around int32): compare against `bs - start`.
+  shape_ok = (seg_start >= 0) & (seg_start < bs) & (seg_length >= 1) & (
+      seg_length <= bs - seg_start)
   mask = range_mask(seg_start, seg_length, config.slot_words)
   written = jnp.all((meta.slots[cb] & mask) == mask, axis=-1)
   bad_block = jnp.any(used & ~(blk_ok & live), axis=1)
