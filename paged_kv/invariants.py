@@ -87,6 +87,9 @@ def check_invariants(state: PoolState,
   if bits[free].any():
     errors.append(f"free blocks with slot bits set: {np.nonzero(free & bits.any(1))[0][:10]}")
   nf = int(meta.num_free)
+  if not 0 <= nf <= n:
+    errors.append(f"num_free {nf} outside [0, {n}]")
+    nf = min(max(nf, 0), n)
   window = meta.free_list[n - nf:] if nf else np.zeros(0, np.int64)
   want = np.nonzero(free & (meta.region == REGION_DYNAMIC))[0]
   if not np.array_equal(window, want):

@@ -22,7 +22,9 @@ def write_kv(pages: KVPages, layer: int | jax.Array, slot_idx: jax.Array, k: jax
 
   Args:
     pages: the pool's pages.
-    layer: layer index (Python int or traced scalar).
+    layer: layer index (Python int or traced scalar) in `[0, num_layers)`; not
+      checked inside jit (a negative index counts from the end, as in numpy):
+      `BlockPool.write_kv` validates it.
     slot_idx: `i32[...]` flat physical slots from `reserve_tokens`; `-1` = skip.
     k: `[..., num_kv_heads, head_dim]` with the leading shape of `slot_idx`.
     v: same shape as `k`.
@@ -62,7 +64,7 @@ def token_slots(table: SegmentTable, seq_id: jax.Array, *, max_len: int,
 
   Args:
     table: segment tables.
-    seq_id: `i32[]` row.
+    seq_id: `i32[]` row, in range (not checked inside jit; `BlockPool` validates).
     max_len: static number of positions returned.
     block_size: tokens per block.
 
