@@ -284,12 +284,7 @@ def main(argv: list[str]) -> None:
   fl = flags.FLAGS
   if len(fl.trace) != 1:
     raise app.UsageError(f"--trace takes exactly one trace here, got {fl.trace}")
-  try:
-    capacities = [int(c) for c in fl.capacity_tokens]
-  except ValueError as e:
-    raise app.UsageError(f"--capacity_tokens must be integers: {e}") from None
-  if any(c < 0 for c in capacities):
-    raise app.UsageError("--capacity_tokens must be >= 0 (0 = unlimited)")
+  capacities = replay_trace.parse_capacities(fl.capacity_tokens)
   if _NUM_REPLICAS.value < 1:
     raise app.UsageError("--num_replicas must be >= 1")
   unknown = [r for r in _ROUTERS.value if r not in ROUTERS]

@@ -742,18 +742,24 @@ def run_engine() -> None:
   print(format_engine_table(results))
 
 
+def parse_capacities(values: list[str]) -> list[int]:
+  """`--capacity_tokens` as ints >= 0 (0 = unlimited); a usage error otherwise."""
+  try:
+    capacities = [int(c) for c in values]
+  except ValueError as e:
+    raise app.UsageError(f"--capacity_tokens must be integers: {e}") from None
+  if any(c < 0 for c in capacities):
+    raise app.UsageError("--capacity_tokens must be >= 0 (0 = unlimited)")
+  return capacities
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if _ENGINE.value:
     run_engine()
     return
-  try:
-    capacities = [int(c) for c in _CAPACITY.value]
-  except ValueError as e:
-    raise app.UsageError(f"--capacity_tokens must be integers: {e}") from None
-  if any(c < 0 for c in capacities):
-    raise app.UsageError("--capacity_tokens must be >= 0")
+  capacities = parse_capacities(_CAPACITY.value)
   if _BLOCK_SIZE.value < 1:
     raise app.UsageError("--block_size must be >= 1")
   flags_config = dict(
