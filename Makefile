@@ -3,7 +3,7 @@
 VENV    := .venv
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
-EXTRAS  := test,metrics,plots,progress
+EXTRAS  := all
 # Parallel test workers (pytest-xdist); CI machines have 2 cores.
 WORKERS ?= 2
 

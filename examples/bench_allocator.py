@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv
-from paged_kv import kv, segments
+from paged_kv.core import kv, segments
 
 _BATCH = flags.DEFINE_integer("batch", 256, "Sequences decoding together.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")

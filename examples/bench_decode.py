@@ -22,8 +22,8 @@ from absl import app, flags
 import numpy as np
 from flax import nnx
 
-import model_runner as mr  # siblings: run this file as a script from anywhere
-import tiny_llama
+from paged_kv.model import runner as mr
+from paged_kv.model import llama as tiny_llama
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per sequence.")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import paged_kv
-from paged_kv import metrics
+from paged_kv.telemetry import metrics
 
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 256, "Blocks in the pool.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv
-from paged_kv import alloc, compact, metrics, segments, slots
+from paged_kv.core import alloc, compact, segments, slots
+from paged_kv.telemetry import metrics
 
 _OUT_DIR = flags.DEFINE_string("out_dir", "out/", "Where the PNGs go.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Simulated steps per run of study (b).")

@@ -10,7 +10,7 @@ Usage:
 Every replica is ``examples/replay_trace.py``'s simulation (``SimState`` +
 ``serve_request``: a prefix cache over a capacity-limited ``HostBlockPool`` of
 ``--capacity_tokens`` tokens, LRU eviction, the trace's clock). The routers and the
-load model are ``paged_kv.routing``; see its docstring for the routing rule. For each
+load model are ``paged_kv.serving.routing``; see its docstring for the routing rule. For each
 per-replica capacity the script runs:
 
 * ``global_cache``: one cache of ``N x capacity`` tokens that every request sees (its
@@ -56,7 +56,7 @@ from replay_trace import (
     serve_request,
 )
 
-from paged_kv.routing import (
+from paged_kv.serving.routing import (
     CacheAwareRouter,
     ClusterStats,
     GlobalCache,  # noqa: E402
@@ -98,7 +98,7 @@ flags.FLAGS.set_default("capacity_tokens", _DEFAULT_CAPACITIES)
 
 
 class SimReplica:
-  """A ``paged_kv.routing.ReplicaBackend`` over ``replay_trace``'s simulation.
+  """A ``paged_kv.serving.routing.ReplicaBackend`` over ``replay_trace``'s simulation.
 
   ``serve`` runs ``replay_trace.serve_request`` on the request's trace row
   (``RoutedRequest.payload``) and reports what changed in its ``ReplayResult``.

@@ -594,17 +594,17 @@ def replay_engine(
     policy: str = "lru",
     progress: bool = True,
 ) -> EngineResult:
-  """Replays a trace through ``paged_kv.scheduler.Scheduler`` with a ``DryExecutor``.
+  """Replays a trace through ``paged_kv.serving.scheduler.Scheduler`` with a ``DryExecutor``.
 
   Requests arrive at their trace times; each scheduler step advances the clock by
   ``step_ms``. Lengths are divided by ``token_scale`` so an hour-long trace fits a
   CPU run. A request that could never fit the pool is rejected at submission.
   """
   import paged_kv  # the engine mode needs the JAX pool; sim mode does not
-  from paged_kv import compact
-  from paged_kv.scheduler import DryExecutor
-  from paged_kv.scheduler import Request as EngineRequest
-  from paged_kv.scheduler import Scheduler, SchedulerConfig
+  from paged_kv.core import compact
+  from paged_kv.serving.scheduler import DryExecutor
+  from paged_kv.serving.scheduler import Request as EngineRequest
+  from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
 
   pack, compaction, preemption, reserve = ENGINE_VARIANTS[variant]
   tokens = TokenSource(requests)

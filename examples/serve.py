@@ -25,11 +25,12 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import paged_kv  # noqa: E402
-from paged_kv import compact, metrics  # noqa: E402
-from paged_kv.export import JsonlLogger, MetricsExporter  # noqa: E402
-from paged_kv.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
-import model_runner as mr  # noqa: E402
-import tiny_llama  # noqa: E402
+from paged_kv.core import compact  # noqa: E402
+from paged_kv.telemetry import metrics  # noqa: E402
+from paged_kv.telemetry.export import JsonlLogger, MetricsExporter  # noqa: E402
+from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
+from paged_kv.model import runner as mr
+from paged_kv.model import llama as tiny_llama
 
 _CONVERSATIONS = flags.DEFINE_integer("conversations", 16, "Concurrent chat conversations.")
 _TURNS = flags.DEFINE_integer("turns", 3, "Turns per conversation.")

@@ -24,8 +24,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-import model_runner as mr  # siblings: run this file as a script from anywhere
-import tiny_llama
+from paged_kv.model import runner as mr
+from paged_kv.model import llama as tiny_llama
 
 _STEPS = flags.DEFINE_integer("steps", 300, "Optimizer steps.")
 _BATCH = flags.DEFINE_integer("batch", 32, "Sequences per step.")

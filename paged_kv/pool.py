@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_kv import alloc, compact, kv, regions, segments, slots
-from paged_kv.config import PoolConfig
-from paged_kv.errors import (OOM_REASONS, InvalidArgument, InvalidBlock, InvalidSegment,
+from paged_kv.core import alloc, compact, kv, regions, segments, slots
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import (OOM_REASONS, InvalidArgument, InvalidBlock, InvalidSegment,
                              InvalidSequence, PoolExhausted, RefCountUnderflow, Status)
-from paged_kv.invariants import check_invariants
-from paged_kv.state import PoolState, init_pool
+from paged_kv.core.invariants import check_invariants
+from paged_kv.core.state import PoolState, init_pool
 
 SegmentsLike = tuple[Sequence[int], Sequence[int], Sequence[int]]
 
@@ -263,7 +263,7 @@ class BlockPool:
     return np.asarray(split)[:ids.size]
 
   def pack_slots(self, table_segments=(), extra_segments=()) -> "PackResult":
-    """Packs short segments into slotted blocks (see `paged_kv.slots`).
+    """Packs short segments into slotted blocks (see `paged_kv.core.slots`).
 
     Args:
       table_segments: `(row, col)` pairs naming segments of live sequences.
@@ -306,7 +306,7 @@ class BlockPool:
                       ref_deltas=(uniq[keep].astype(np.int32), summed[keep]))
 
   def reclaim_slots(self, extra_segments=()) -> int:
-    """Frees slots no live segment covers (see `paged_kv.slots.reclaim_slots`).
+    """Frees slots no live segment covers (see `paged_kv.core.slots.reclaim_slots`).
 
     `extra_segments` must be *every* `(block, start, length)` held outside the
     tables; if they do not account for `ref_count`, nothing changes and

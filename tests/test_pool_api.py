@@ -7,7 +7,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import paged_kv
-from paged_kv import kv, segments
+from paged_kv.core import kv, segments
 
 CFG = paged_kv.PoolConfig(num_blocks=8, block_size=4, num_layers=2, num_kv_heads=2,
                           head_dim=4, max_seqs=4, max_segments=8)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import paged_kv
-from paged_kv.kv import token_slots
+from paged_kv.core.kv import token_slots
 
 EXAMPLES = int(os.environ.get("PAGED_KV_HYPOTHESIS_EXAMPLES", "200"))
 CONFIG = paged_kv.PoolConfig(num_blocks=24, block_size=4, num_layers=2, num_kv_heads=1,

@@ -20,7 +20,7 @@ export PYTHONPATH=.
 "$PY" - > "$OUT/compiled_check.txt" 2>&1 <<'PYEOF'
 import numpy as np, jax, jax.numpy as jnp, sys
 sys.path.insert(0, "tests")
-from test_kernels_paged_attention import _case, _SEQ_LENS, ref64
+from tests.kernels.test_paged_attention import _case, _SEQ_LENS, ref64
 from pallas_kernels import paged_attention as pa, permute_blocks as pb
 q, k, v, t = _case(0, dtype=jnp.bfloat16, group=4, seq_lens=_SEQ_LENS, head_dim=128,
                    block_size=16)

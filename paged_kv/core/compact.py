@@ -1,0 +1,334 @@
+"""Online compaction: fragmentation ratio, a budgeted move plan, the in-place permutation.
+
+`plan_compaction` picks up to `budget` live blocks of the dynamic region from
+the highest addresses and pairs them with the lowest free dynamic blocks below
+them; `compact_permute` copies the blocks (through `page_copy.move_pages`,
+`impl="xla"` or the Pallas kernels), moves `ref_count`, `slots` and `last_use`
+with them, rebuilds the free list, rewrites every segment table and returns
+`remap i32[num_blocks]` (`remap[old] = new`, identity elsewhere) for the
+structures outside the pool (the radix cache's `apply_remap`).
+
+Sources are live and destinations free, so the two sets are disjoint and the
+copies are order-independent. Base-region blocks (region 1) are never moved.
+Compaction runs between steps, `budget` moves at a time (`CompactionPolicy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_kv.core.alloc import rebuild_free_list
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import Status
+from paged_kv.core.page_copy import move_pages
+from paged_kv.core.segments import first_occurrence
+from paged_kv.core.state import REGION_DYNAMIC, BlockMeta, KVPages, PoolState
+
+NUM_REGIONS = 2
+
+
+def largest_run(mask: jax.Array) -> jax.Array:
+  """`i32[]`: length of the longest run of consecutive True entries of `bool[N]` `mask`."""
+  n = mask.shape[0]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  last_break = jax.lax.cummax(jnp.where(mask, -1, idx), axis=0)
+  return jnp.max(jnp.where(mask, idx - last_break, 0), initial=0).astype(jnp.int32)
+
+
+def fragmentation_ratio(meta: BlockMeta, *, region: int = REGION_DYNAMIC) -> jax.Array:
+  """`f32[]`: 1 - largest contiguous free run / free blocks, within one region.
+
+  0 when the region has no free block. Runs are counted in address order among
+  the region's blocks only (a base-region block breaks a dynamic run).
+  """
+  free = (meta.ref_count == 0) & (meta.region == region)
+  total = jnp.sum(free, dtype=jnp.int32)
+  run = largest_run(free)
+  return jnp.where(total > 0, 1.0 - run / jnp.maximum(total, 1), 0.0).astype(jnp.float32)
+
+
+def region_fragmentation(meta: BlockMeta) -> jax.Array:
+  """`f32[NUM_REGIONS]`: `fragmentation_ratio` of the dynamic (0) and base (1) regions."""
+  return jnp.stack([fragmentation_ratio(meta, region=r) for r in range(NUM_REGIONS)])
+
+
+@functools.partial(jax.jit, static_argnames=("budget",))
+def plan_compaction(meta: BlockMeta, *, budget: int) -> tuple[jax.Array, jax.Array]:
+  """Up to `budget` moves of live dynamic blocks from high to low addresses.
+
+  The k-th highest live dynamic block moves to the k-th lowest free dynamic
+  block while the source lies above the destination; the plan stops there (or
+  at `budget`). Repeated plans end with every live dynamic block below every
+  free one (fragmentation ratio 0).
+
+  Args:
+    meta: block metadata.
+    budget: static maximum number of moves.
+
+  Returns:
+    `(src, dst)`: `i32[budget]` each, valid moves first, `-1` padding.
+  """
+  n = meta.ref_count.shape[0]
+  live = (meta.ref_count > 0) & (meta.region == REGION_DYNAMIC)
+  num_live = jnp.sum(live, dtype=jnp.int32)
+  (rev_idx,) = jnp.nonzero(live[::-1], size=n, fill_value=0)
+  k = jnp.arange(budget, dtype=jnp.int32)
+  src = (n - 1 - rev_idx[jnp.clip(k, 0, n - 1)]).astype(jnp.int32)
+  dst = meta.free_list[jnp.clip(n - meta.num_free + k, 0, n - 1)]
+  ok = (k < num_live) & (k < meta.num_free) & (src > dst)
+  return jnp.where(ok, src, -1), jnp.where(ok, dst, -1)
+
+
+def _free_runs(free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Starts and ends (exclusive) of the runs of True in `free`."""
+  padded = np.concatenate([[False], free, [False]])
+  edges = np.flatnonzero(padded[1:] != padded[:-1])
+  return edges[::2], edges[1::2]
+
+
+def plan_defrag(ref_count, region, *, budget: int) -> tuple[np.ndarray, np.ndarray]:
+  """Up to `budget` moves that lower the fragmentation ratio fastest (host, numpy).
+
+  `plan_compaction` slides live blocks from the top into the lowest holes, which
+  closes a large hole in the middle of the pool only after as many moves as the
+  hole is long. This planner instead grows the largest free run: each step takes
+  the live block next to that run (from the side whose live island is shorter,
+  so neighbouring free runs merge soonest) and puts it into a free block of the
+  *smallest* other free run. Every step lengthens the largest run by one and
+  shortens the free space outside it by one, so the ratio
+  `1 - largest run / free blocks` never rises and reaches 0 once no free block
+  lies outside the largest run (unless base-region blocks split the pool).
+
+  A block that received data earlier in the plan may need to move again; its
+  move is then retargeted (the data goes straight to the new place, no extra
+  move). Sources and destinations stay disjoint: a vacated source is never a
+  destination. Only dynamic blocks move.
+
+  Args:
+    ref_count: `i32[num_blocks]` (host or device array).
+    region: `i8[num_blocks]`.
+    budget: maximum number of moves.
+
+  Returns:
+    `(src, dst)`: `i32[budget]` each, valid moves first, `-1` padding (the
+    format `compact_permute` takes).
+  """
+  ref = np.asarray(ref_count)
+  dyn = np.asarray(region) == REGION_DYNAMIC
+  n = ref.shape[0]
+  free = (ref == 0) & dyn
+  movable = (ref > 0) & dyn
+  vacated = np.zeros(n, bool)
+  src = np.full(budget, -1, np.int32)
+  dst = np.full(budget, -1, np.int32)
+  move_into: dict[int, int] = {}  # destination block -> index of the move filling it
+  num_moves = 0
+  for _ in range(2 * n):
+    starts, ends = _free_runs(free)
+    if starts.size <= 1:
+      break
+    lengths = ends - starts
+    main = int(np.argmax(lengths))
+    s, e = int(starts[main]), int(ends[main])
+    best = None  # (island length, -gap beyond, block)
+    for block, step in ((e, 1), (s - 1, -1)):
+      if not 0 <= block < n or not movable[block]:
+        continue
+      j = block
+      while 0 <= j < n and movable[j]:
+        j += step
+      island = abs(j - block)
+      gap = 0
+      while 0 <= j < n and free[j]:
+        gap, j = gap + 1, j + step
+      cand = (island, -gap, block)
+      best = cand if best is None or cand < best else best
+    if best is None:
+      break
+    block = best[2]
+    target = None
+    for i in np.argsort(lengths, kind="stable"):
+      if i == main:
+        continue
+      cands = np.flatnonzero(~vacated[starts[i]:ends[i]])
+      if cands.size:
+        target = int(starts[i] + cands[0])
+        break
+    if target is None:
+      break
+    if block in move_into:  # data placed earlier in this plan: retarget that move
+      k = move_into.pop(block)
+    elif num_moves < budget:
+      k, num_moves = num_moves, num_moves + 1
+      src[k] = block
+      vacated[block] = True
+    else:
+      break
+    dst[k] = target
+    move_into[target] = k
+    free[block], movable[block] = True, False
+    free[target], movable[target] = False, True
+  return src, dst
+
+
+def move_blocks(state: PoolState, src: jax.Array, dst: jax.Array, *, config: PoolConfig,
+                dst_region: int, impl: str, interpret: bool) -> tuple[PoolState, tuple[jax.Array,
+                                                                                      jax.Array]]:
+  """Moves live dynamic blocks to free blocks of `dst_region` (traced helper).
+
+  Validates every move (`INVALID_BLOCK`: out of range, source not a live
+  dynamic block, destination not free or not in `dst_region`, a block named
+  twice); a single bad move refuses the whole call (the others `ABORTED`).
+  Used by `compact_permute` (region 0) and `regions.promote_blocks` (region 1).
+
+  Returns:
+    `(state, (remap, status))`: `remap: i32[num_blocks]`, `status: i32[M]`.
+  """
+  n = config.num_blocks
+  meta, table = state.meta, state.table
+  src = jnp.asarray(src, jnp.int32)
+  dst = jnp.asarray(dst, jnp.int32)
+  pad = (src == -1) & (dst == -1)
+  in_range = (src >= 0) & (src < n) & (dst >= 0) & (dst < n)
+  cs, cd = jnp.clip(src, 0, n - 1), jnp.clip(dst, 0, n - 1)
+  src_ok = (meta.ref_count[cs] > 0) & (meta.region[cs] == REGION_DYNAMIC)
+  dst_ok = (meta.ref_count[cd] == 0) & (meta.region[cd] == dst_region)
+  unique = first_occurrence(jnp.where(pad, -1 - jnp.arange(src.shape[0]), src)) & \
+      first_occurrence(jnp.where(pad, -1 - jnp.arange(dst.shape[0]), dst))
+  good = pad | (in_range & src_ok & dst_ok & unique)
+  status = jnp.where(good, Status.OK, Status.INVALID_BLOCK)
+  all_ok = jnp.all(good)
+  status = jnp.where(~all_ok & good & ~pad, Status.ABORTED, status).astype(jnp.int32)
+  move = all_ok & ~pad
+  s = jnp.where(move, src, -1)
+  d = jnp.where(move, dst, -1)
+  ds = jnp.where(move, dst, n)  # scatter index, out of range = dropped
+  ss = jnp.where(move, src, n)
+
+  pages = move_pages(state.pages, s, d, impl=impl, interpret=interpret)
+  if config.scrub_freed_blocks:
+    pages = KVPages(k=pages.k.at[:, :, ss].set(0, mode="drop"),
+                    v=pages.v.at[:, :, ss].set(0, mode="drop"))
+  def carry(x, empty):
+    return x.at[ds].set(x[cs], mode="drop").at[ss].set(empty, mode="drop")
+  ref_count = carry(meta.ref_count, 0)
+  slots = carry(meta.slots, jnp.zeros((config.slot_words,), jnp.uint32))
+  last_use = carry(meta.last_use, 0)
+  free_list, num_free = rebuild_free_list(ref_count, meta.region)
+  meta = dataclasses.replace(meta, ref_count=ref_count, slots=slots, last_use=last_use,
+                             free_list=free_list, num_free=num_free)
+  remap = jnp.arange(n, dtype=jnp.int32).at[ss].set(dst, mode="drop")
+  used = table.active[:, None] & (jnp.arange(config.max_segments)[None, :]
+                                  < table.num_segments[:, None])
+  block = jnp.where(used, remap[jnp.clip(table.block, 0, n - 1)], table.block)
+  table = dataclasses.replace(table, block=block)
+  return dataclasses.replace(state, pages=pages, meta=meta, table=table), (remap, status)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl", "interpret"),
+                   donate_argnames=("state",))
+def compact_permute(state: PoolState, src: jax.Array, dst: jax.Array, *, config: PoolConfig,
+                    impl: str = "xla",
+                    interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """Applies compaction moves to the pages, the metadata and every segment table.
+
+  Args:
+    state: the pool (donated; the XLA path updates the pages in place).
+    src: `i32[M]` live dynamic blocks to move (`-1` = padding).
+    dst: `i32[M]` free dynamic blocks receiving them (`-1` = padding).
+    config: static pool config.
+    impl: block-move implementation, `"xla"`, `"pallas"` or `"mosaic"`.
+    interpret: interpret mode for the kernels (CPU).
+
+  Returns:
+    `(state, (remap, status))`: `remap: i32[num_blocks]` with `remap[old] = new`
+    for moved blocks and identity elsewhere (for holders outside the pool);
+    `status: i32[M]` per move. One invalid move refuses the whole plan.
+  """
+  return move_blocks(state, src, dst, config=config, dst_region=REGION_DYNAMIC, impl=impl,
+                     interpret=interpret)
+
+
+STRATEGIES = ("merge", "top_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactionPolicy:
+  """When and how much to compact.
+
+  Attributes:
+    strategy: `"merge"` (`plan_defrag`, host planner: grow the largest free
+      run, lowest ratio per move) or `"top_down"` (`plan_compaction`, on device:
+      highest live blocks into the lowest holes; used by `compact_step`).
+    threshold: compact when the dynamic region's fragmentation ratio exceeds it.
+    budget: maximum block moves per step (so no step stalls).
+    on_contiguous_failure: also compact after a request failed with
+      `NO_CONTIGUOUS_RUN`.
+  """
+
+  threshold: float = 0.35
+  budget: int = 32
+  on_contiguous_failure: bool = True
+  strategy: str = "merge"
+
+  def __post_init__(self):
+    if not 0.0 <= self.threshold <= 1.0:
+      raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
+    if not isinstance(self.budget, int) or self.budget < 1:
+      raise ValueError(f"budget must be a positive int, got {self.budget!r}")
+    if self.strategy not in STRATEGIES:
+      raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+
+  def plan(self, meta: BlockMeta) -> tuple[np.ndarray, np.ndarray]:
+    """`(src, dst)` of up to `budget` moves by this policy's strategy (host arrays)."""
+    if self.strategy == "merge":
+      return plan_defrag(meta.ref_count, meta.region, budget=self.budget)
+    src, dst = plan_compaction(meta, budget=self.budget)
+    return np.asarray(src), np.asarray(dst)
+
+  def should_compact(self, ratio: float, contiguous_failed: bool = False) -> bool:
+    """Host-side trigger: ratio above the threshold, or a failed contiguous request."""
+    return bool(ratio > self.threshold or (self.on_contiguous_failure and contiguous_failed))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "policy", "impl", "interpret"),
+                   donate_argnames=("state",))
+def compact_step(state: PoolState, force: jax.Array | bool = False, *, config: PoolConfig,
+                 policy: CompactionPolicy = CompactionPolicy(), impl: str = "xla",
+                 interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """One budgeted compaction step, entirely on device.
+
+  Uses the on-device `plan_compaction` (the `"top_down"` strategy) whatever
+  `policy.strategy` says; the `"merge"` planner runs on the host
+  (`CompactionPolicy.plan`, then `compact_permute`). Plans `policy.budget` moves and applies them when the dynamic region's
+  fragmentation ratio exceeds `policy.threshold` or `force` is set (the host
+  sets it after a `NO_CONTIGUOUS_RUN` failure); otherwise moves nothing.
+
+  Args:
+    state: the pool (donated).
+    force: `bool[]` compact regardless of the ratio.
+    config: static pool config.
+    policy: static thresholds and budget.
+    impl, interpret: block-move implementation (see `compact_permute`).
+
+  Returns:
+    `(state, (remap, num_moves))`: `remap: i32[num_blocks]`, `num_moves: i32[]`.
+  """
+  ratio = fragmentation_ratio(state.meta)
+  go = (ratio > policy.threshold) | jnp.asarray(force, bool)
+  src, dst = plan_compaction(state.meta, budget=policy.budget)
+  src = jnp.where(go, src, -1)
+  dst = jnp.where(go, dst, -1)
+  state, (remap, _) = move_blocks(state, src, dst, config=config, dst_region=REGION_DYNAMIC,
+                                  impl=impl, interpret=interpret)
+  return state, (remap, jnp.sum(src >= 0, dtype=jnp.int32))
+
+
+__all__ = ["CompactionPolicy", "STRATEGIES", "compact_permute", "compact_step",
+           "fragmentation_ratio", "largest_run", "move_blocks", "plan_compaction", "plan_defrag",
+           "region_fragmentation"]

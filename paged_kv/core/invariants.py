@@ -1,0 +1,100 @@
+"""The one invariant checker (host side, numpy), used by every test and soak run.
+
+Checks DESIGN.md's invariants on a pool state plus any segment references held
+outside the tables (prefix-cache nodes): reference counts, free list, slot
+bitmaps, segment bounds and sequence lengths. Invariants about data (no slot
+written by two sequences, bit-identical K/V across moves) are checked by the
+stateful tests, which compare every live sequence's logical K/V to a model.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import jax
+import numpy as np
+
+from paged_kv.core.errors import InvariantViolation
+from paged_kv.core.state import REGION_DYNAMIC, PoolState
+
+
+def _slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
+  i = np.arange(block_size)
+  return ((words[..., i // 32] >> (i % 32).astype(np.uint32)) & 1).astype(bool)
+
+
+def check_invariants(state: PoolState,
+                     extra_segments: Iterable[tuple[int, int, int]] | np.ndarray | None = None,
+                     *, raise_on_error: bool = True) -> list[str]:
+  """Checks the pool's invariants; returns the violations (raises if any, by default).
+
+  Args:
+    state: the pool state.
+    extra_segments: `(block, start, length)` references held outside the
+      segment tables (e.g. the prefix cache's), each counting one reference.
+    raise_on_error: raise `InvariantViolation` listing every violation.
+
+  Returns:
+    A list of human-readable violations (empty when consistent).
+  """
+  meta = jax.tree.map(np.asarray, state.meta)
+  table = jax.tree.map(np.asarray, state.table)
+  n, bs = meta.ref_count.shape[0], state.pages.k.shape[3]
+  errors: list[str] = []
+
+  segs = []  # (block, start, length, owner)
+  m = table.block.shape[1]
+  for i in range(table.active.shape[0]):
+    ns = int(table.num_segments[i])
+    if not table.active[i]:
+      if ns or table.seq_len[i] or table.length[i].any():
+        errors.append(f"inactive row {i} has segments or length")
+      continue
+    if not 0 <= ns <= m:
+      errors.append(f"row {i}: num_segments {ns} out of [0, {m}]")
+      continue
+    if table.length[i, ns:].any():
+      errors.append(f"row {i}: non-zero length beyond num_segments")
+    if int(table.length[i, :ns].sum()) != int(table.seq_len[i]):
+      errors.append(f"row {i}: seq_len {table.seq_len[i]} != sum of lengths "
+                    f"{table.length[i, :ns].sum()}")
+    for s in range(ns):
+      segs.append((int(table.block[i, s]), int(table.start[i, s]), int(table.length[i, s]),
+                   f"seq {i} seg {s}"))
+  if extra_segments is not None:
+    for j, (b, st, ln) in enumerate(np.asarray(extra_segments, np.int64).reshape(-1, 3)):
+      segs.append((int(b), int(st), int(ln), f"extra {j}"))
+
+  expected = np.zeros(n, np.int64)
+  bits = _slot_bits(meta.slots, bs)
+  for b, st, ln, owner in segs:
+    if not 0 <= b < n:
+      errors.append(f"{owner}: block {b} out of range")
+      continue
+    expected[b] += 1
+    if ln < 1 or st < 0 or st + ln > bs:
+      errors.append(f"{owner}: segment ({b}, {st}, {ln}) outside its block")
+      continue
+    if not bits[b, st:st + ln].all():
+      errors.append(f"{owner}: slots [{st}, {st + ln}) of block {b} not marked used")
+
+  bad = np.nonzero(expected != meta.ref_count)[0]
+  for b in bad[:10]:
+    errors.append(f"block {b}: ref_count {meta.ref_count[b]} != references {expected[b]}")
+  if (meta.ref_count < 0).any():
+    errors.append("negative ref_count")
+  free = meta.ref_count == 0
+  if bits[free].any():
+    errors.append(f"free blocks with slot bits set: {np.nonzero(free & bits.any(1))[0][:10]}")
+  nf = int(meta.num_free)
+  if not 0 <= nf <= n:
+    errors.append(f"num_free {nf} outside [0, {n}]")
+    nf = min(max(nf, 0), n)
+  window = meta.free_list[n - nf:] if nf else np.zeros(0, np.int64)
+  want = np.nonzero(free & (meta.region == REGION_DYNAMIC))[0]
+  if not np.array_equal(window, want):
+    errors.append(f"free list ({nf} entries) != free dynamic blocks ({len(want)}): "
+                  "a ghost or double-booked block")
+  if errors and raise_on_error:
+    raise InvariantViolation("; ".join(errors[:20]))
+  return errors

@@ -1,0 +1,253 @@
+"""Pool regions: base-pool promotion, live/cached quotas with watermarks, shrink/grow.
+
+* Base pool (region 1): blocks `[0, config.num_base_blocks)`. Ordinary
+  allocation (`allocate`, `reserve_tokens`) never hands them out and compaction
+  never moves them. `plan_promotion` / `promote_blocks` move a dynamic block
+  whose reader count (`ref_count`: every table row and cache node holding a
+  segment on it) reached a threshold into a free base block: one block copy plus
+  a `remap`, exactly like a compaction move. The unit is the block: all the
+  segments on it move together and keep their `(start, length)`.
+* Quotas (host policy): dynamic blocks are split between live sequences and
+  cached-only blocks (held only by the prefix cache). `WatermarkQuota` lets live
+  demand borrow from the cached quota above a high watermark and gives blocks
+  back below a low one, at most `max_step` blocks per step.
+* Shrink/grow: `resize_pool` cuts off a free tail (after compaction) or appends
+  free blocks; `resized_config` is the config of the new size, with the same
+  base region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_kv.core.alloc import rebuild_free_list
+from paged_kv.core.compact import move_blocks
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import InvalidArgument, InvalidBlock
+from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, BlockMeta, KVPages, PoolState
+
+
+# ---------------------------------------------------------------------------
+# Base pool promotion.
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("max_moves",))
+def plan_promotion(meta: BlockMeta, min_readers: jax.Array | int, *,
+                   max_moves: int) -> tuple[jax.Array, jax.Array]:
+  """Dynamic blocks with at least `min_readers` references, to move into the base pool.
+
+  Most-read blocks first (ties: lowest address), each paired with the lowest
+  free base block.
+
+  Args:
+    meta: block metadata.
+    min_readers: `i32[]` promotion threshold on `ref_count`.
+    max_moves: static maximum number of promotions.
+
+  Returns:
+    `(src, dst)`: `i32[max_moves]` each, valid pairs first, `-1` padding.
+  """
+  n = meta.ref_count.shape[0]
+  cand = (meta.region == REGION_DYNAMIC) & (meta.ref_count >= jnp.maximum(min_readers, 1))
+  # Candidates first, then more readers, then lower address (last key = primary).
+  order = jnp.lexsort((jnp.arange(n), -meta.ref_count, ~cand))
+  num_cand = jnp.sum(cand, dtype=jnp.int32)
+  free_base = (meta.region == REGION_BASE) & (meta.ref_count == 0)
+  (base_idx,) = jnp.nonzero(free_base, size=n, fill_value=0)
+  num_base = jnp.sum(free_base, dtype=jnp.int32)
+  k = jnp.arange(max_moves, dtype=jnp.int32)
+  ok = (k < num_cand) & (k < num_base)
+  kk = jnp.clip(k, 0, n - 1)
+  return (jnp.where(ok, order[kk], -1).astype(jnp.int32),
+          jnp.where(ok, base_idx[kk], -1).astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "impl", "interpret"),
+                   donate_argnames=("state",))
+def promote_blocks(state: PoolState, src: jax.Array, dst: jax.Array, *, config: PoolConfig,
+                   impl: str = "xla",
+                   interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """Moves live dynamic blocks into free base-pool blocks (copy + remap).
+
+  Args:
+    state: the pool (donated).
+    src: `i32[M]` live dynamic blocks (`-1` = padding).
+    dst: `i32[M]` free base-region blocks (`-1` = padding).
+    config: static pool config.
+    impl, interpret: block-move implementation (see `compact.compact_permute`).
+
+  Returns:
+    `(state, (remap, status))` as `compact_permute`: tables are rewritten,
+    `remap` is for holders outside the pool; one bad move refuses all.
+  """
+  return move_blocks(state, src, dst, config=config, dst_region=REGION_BASE, impl=impl,
+                     interpret=interpret)
+
+
+# ---------------------------------------------------------------------------
+# Live vs cached-only quotas.
+# ---------------------------------------------------------------------------
+
+
+def block_usage(state: PoolState) -> tuple[int, int]:
+  """`(live_blocks, cached_only_blocks)` of the dynamic region, on the host.
+
+  A live block is referenced by a segment of an active table row; a cached-only
+  block is referenced (`ref_count > 0`) but by no table row (only holders
+  outside the pool, such as the prefix cache).
+  """
+  t = jax.tree.map(np.asarray, state.table)
+  meta = jax.tree.map(np.asarray, state.meta)
+  n = meta.ref_count.shape[0]
+  used = t.active[:, None] & (np.arange(t.block.shape[1])[None, :] < t.num_segments[:, None])
+  in_table = np.zeros(n, bool)
+  in_table[t.block[used]] = True
+  dyn = meta.region == REGION_DYNAMIC
+  live = in_table & dyn
+  cached = (meta.ref_count > 0) & ~in_table & dyn
+  return int(live.sum()), int(cached.sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class QuotaDecision:
+  """What `WatermarkQuota.update` decided for one step.
+
+  Attributes:
+    live_limit: blocks live sequences may hold now (own quota + borrowed).
+    cached_limit: blocks cached-only data may hold now.
+    borrowed: blocks currently lent by the cached quota to live sequences.
+    change: blocks borrowed (> 0) or given back (< 0) at this step.
+    evict_cached: cached-only blocks above `cached_limit`, to evict (radix GC).
+  """
+
+  live_limit: int
+  cached_limit: int
+  borrowed: int
+  change: int
+  evict_cached: int
+
+
+@dataclasses.dataclass
+class WatermarkQuota:
+  """Two quotas over the dynamic blocks, live sequences vs cached-only, with borrowing.
+
+  Live sequences own `live_fraction` of the dynamic blocks, cached-only blocks
+  the rest. When live usage exceeds `high_watermark` of the live limit, live
+  borrows up to `max_step` blocks per step from the cached quota (which evicts
+  to make room); when it falls below `low_watermark`, borrowed blocks are given
+  back, at most `max_step` per step. Host-side policy; the scheduler admits and
+  evicts by the returned `QuotaDecision`.
+  """
+
+  total_blocks: int
+  live_fraction: float = 0.7
+  high_watermark: float = 0.85
+  low_watermark: float = 0.5
+  max_step: int = 32
+  borrowed: int = 0
+
+  def __post_init__(self):
+    if self.total_blocks < 1:
+      raise InvalidArgument(f"total_blocks must be >= 1, got {self.total_blocks}")
+    if not 0.0 < self.live_fraction <= 1.0:
+      raise InvalidArgument(f"live_fraction must be in (0, 1], got {self.live_fraction}")
+    if not 0.0 <= self.low_watermark < self.high_watermark <= 1.0:
+      raise InvalidArgument("need 0 <= low_watermark < high_watermark <= 1, got "
+                            f"{self.low_watermark}, {self.high_watermark}")
+    if self.max_step < 1:
+      raise InvalidArgument(f"max_step must be >= 1, got {self.max_step}")
+
+  @property
+  def live_quota(self) -> int:
+    return int(math.floor(self.total_blocks * self.live_fraction))
+
+  @property
+  def cached_quota(self) -> int:
+    return self.total_blocks - self.live_quota
+
+  def update(self, live_blocks: int, cached_blocks: int) -> QuotaDecision:
+    """Borrows or gives back (rate-limited) for the current usage; returns the limits."""
+    limit = self.live_quota + self.borrowed
+    usage = live_blocks / max(limit, 1)
+    change = 0
+    if usage > self.high_watermark and self.borrowed < self.cached_quota:
+      change = min(self.max_step, self.cached_quota - self.borrowed)
+    elif usage < self.low_watermark and self.borrowed > 0:
+      change = -min(self.max_step, self.borrowed)
+    self.borrowed += change
+    live_limit = self.live_quota + self.borrowed
+    cached_limit = self.cached_quota - self.borrowed
+    return QuotaDecision(live_limit=live_limit, cached_limit=cached_limit,
+                         borrowed=self.borrowed, change=change,
+                         evict_cached=max(0, cached_blocks - cached_limit))
+
+
+# ---------------------------------------------------------------------------
+# Shrink / grow.
+# ---------------------------------------------------------------------------
+
+
+def resized_config(config: PoolConfig, num_blocks: int) -> PoolConfig:
+  """`config` with `num_blocks` blocks and the same number of base-pool blocks."""
+  nb = config.num_base_blocks
+  if not isinstance(num_blocks, (int, np.integer)) or num_blocks <= nb:
+    raise InvalidArgument(f"num_blocks must be an int > {nb} (the base pool), got {num_blocks!r}")
+  # int(num_blocks * f) == nb exactly: f sits half a block above nb / num_blocks.
+  fraction = 0.0 if nb == 0 else (nb + 0.5) / num_blocks
+  new = dataclasses.replace(config, num_blocks=int(num_blocks), base_pool_fraction=fraction)
+  assert new.num_base_blocks == nb
+  return new
+
+
+def resize_pool(state: PoolState, *, config: PoolConfig, new_config: PoolConfig) -> PoolState:
+  """A pool of `new_config.num_blocks` blocks holding the same data (host call).
+
+  Shrinking cuts blocks `[new_n, n)` off; they must all be free (run
+  compaction first; `plan_compaction` moves live blocks to low addresses).
+  Growing appends free dynamic blocks (zero pages). Block ids, segment tables
+  and the base region are unchanged, so no remap is needed. Shapes change, so
+  the result is a new pytree (jitted transitions recompile for it).
+
+  Raises:
+    InvalidArgument: `new_config` differs from `config` in more than the size,
+      or the base region would change.
+    InvalidBlock: a block to cut off is still referenced.
+  """
+  if new_config.num_base_blocks != config.num_base_blocks:
+    raise InvalidArgument("resize_pool keeps the base region; build new_config with "
+                          "resized_config()")
+  same = dataclasses.replace(new_config, num_blocks=config.num_blocks,
+                             base_pool_fraction=config.base_pool_fraction)
+  if same != config:
+    raise InvalidArgument("new_config may differ from config only in num_blocks")
+  n, new_n = config.num_blocks, new_config.num_blocks
+  meta = state.meta
+  if new_n < n:
+    tail_refs = np.asarray(meta.ref_count[new_n:])
+    if tail_refs.any():
+      live = np.flatnonzero(tail_refs) + new_n
+      raise InvalidBlock(f"cannot cut blocks [{new_n}, {n}): {live.size} still referenced "
+                         f"(e.g. {live[:8].tolist()}); compact first")
+    cut = lambda x: x[:new_n]
+    pages = KVPages(k=state.pages.k[:, :, :new_n], v=state.pages.v[:, :, :new_n])
+    ref_count, slots, last_use, region = (cut(meta.ref_count), cut(meta.slots),
+                                          cut(meta.last_use), cut(meta.region))
+  else:
+    extra = new_n - n
+    grow = lambda x: jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
+    pad_pages = lambda p: jnp.concatenate(
+        [p, jnp.zeros(p.shape[:2] + (extra,) + p.shape[3:], p.dtype)], axis=2)
+    pages = KVPages(k=pad_pages(state.pages.k), v=pad_pages(state.pages.v))
+    ref_count, slots, last_use, region = (grow(meta.ref_count), grow(meta.slots),
+                                          grow(meta.last_use), grow(meta.region))
+  free_list, num_free = rebuild_free_list(ref_count, region)
+  meta = BlockMeta(ref_count=ref_count, slots=slots, last_use=last_use, region=region,
+                   free_list=free_list, num_free=num_free)
+  return dataclasses.replace(state, pages=pages, meta=meta)

@@ -1,0 +1,326 @@
+"""Sequence transitions over segment tables: open, reserve, fork, release.
+
+All are pure and jitted with the state donated; each takes a batch of sequence
+rows and returns an `i32` status per row. A row id of `-1` is padding: status
+OK, nothing done. Failed rows leave the state untouched; with `atomic=True` a
+single failure leaves the whole state untouched (the others report ABORTED).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_kv.core.alloc import change_refs, grant_prefix, take_blocks
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import Status
+from paged_kv.core.state import REGION_DYNAMIC, PoolState, SegmentTable
+
+
+def _cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def first_occurrence(ids: jax.Array) -> jax.Array:
+  """`bool[B]`: True at the first occurrence of each value of `ids` (O(B log B))."""
+  order = jnp.argsort(ids, stable=True)
+  sorted_ids = ids[order]
+  is_first_sorted = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+  return jnp.zeros_like(is_first_sorted).at[order].set(is_first_sorted)
+
+
+def row_status(table: SegmentTable, seq_ids: jax.Array, *, want_active: bool) -> jax.Array:
+  """Validates sequence rows: in range, (in)active as wanted, not repeated."""
+  max_seqs = table.active.shape[0]
+  in_range = (seq_ids >= 0) & (seq_ids < max_seqs)
+  active = table.active[jnp.clip(seq_ids, 0, max_seqs - 1)]
+  good = in_range & (active == want_active) & first_occurrence(seq_ids)
+  return jnp.where(seq_ids == -1, Status.OK, jnp.where(good, Status.OK, Status.INVALID_SEQUENCE))
+
+
+def finish_status(status: jax.Array, applied: jax.Array) -> jax.Array:
+  """Marks valid rows that were not applied (atomic refusal) as ABORTED."""
+  return jnp.where((status == Status.OK) & ~applied, Status.ABORTED, status).astype(jnp.int32)
+
+
+def slot_bits(words: jax.Array, block_size: int) -> jax.Array:
+  """Unpacks `u32[..., W]` slot words into `bool[..., block_size]`."""
+  i = jnp.arange(block_size)
+  w = words[..., i // 32]
+  return ((w >> (i % 32).astype(jnp.uint32)) & 1).astype(bool)
+
+
+def range_mask(start: jax.Array, length: jax.Array, words: int) -> jax.Array:
+  """`u32[..., words]` with bits `[start, start + length)` set."""
+  base = 32 * jnp.arange(words)
+  lo = jnp.clip(start[..., None] - base, 0, 32).astype(jnp.uint32)
+  hi = jnp.clip(start[..., None] + length[..., None] - base, 0, 32).astype(jnp.uint32)
+  full = jnp.uint32(0xFFFFFFFF)
+  ones = lambda k: jnp.where(k >= 32, full, (jnp.uint32(1) << jnp.minimum(k, 31)) - 1)
+  return ones(hi) & ~ones(lo)
+
+
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("config", "atomic"), donate_argnames=("state",))
+def open_sequence(state: PoolState, seq_ids: jax.Array, seg_block: jax.Array,
+                  seg_start: jax.Array, seg_length: jax.Array, num_segments: jax.Array, *,
+                  config: PoolConfig, atomic: bool = False) -> tuple[PoolState, jax.Array]:
+  """Activates free rows, each optionally starting from shared segments (a cached prefix).
+
+  Every given segment gains one reference (incref of its block). The segments
+  must lie on live blocks and on slots already written (`slots` bits set).
+
+  Args:
+    state: the pool (donated).
+    seq_ids: `i32[B]` inactive rows to open (`-1` = padding).
+    seg_block: `i32[B, P]` blocks of the starting segments.
+    seg_start: `i32[B, P]` first slots.
+    seg_length: `i32[B, P]` lengths (>= 1 for the first `num_segments`).
+    num_segments: `i32[B]` starting segments per row, `0 <= . <= min(P, max_segments)`.
+    config: static pool config.
+    atomic: apply nothing if any row fails.
+
+  Returns:
+    `(state, status: i32[B])`.
+  """
+  n, bs = config.num_blocks, config.block_size
+  table, meta = state.table, state.meta
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  b, p = seg_block.shape
+  status = row_status(table, seq_ids, want_active=False)
+  count_bad = (num_segments < 0) | (num_segments > min(p, config.max_segments))
+  status = jnp.where((status == Status.OK) & count_bad & (seq_ids != -1), Status.INVALID_COUNT,
+                     status)
+  used = jnp.arange(p)[None, :] < num_segments[:, None]
+  blk_ok = (seg_block >= 0) & (seg_block < n)
+  cb = jnp.clip(seg_block, 0, n - 1)
+  live = meta.ref_count[cb] > 0
+  # No `start + length` (it could wrap around int32): compare against `bs - start`.
+  shape_ok = (seg_start >= 0) & (seg_start < bs) & (seg_length >= 1) & (
+      seg_length <= bs - seg_start)
+  mask = range_mask(seg_start, seg_length, config.slot_words)
+  written = jnp.all((meta.slots[cb] & mask) == mask, axis=-1)
+  bad_block = jnp.any(used & ~(blk_ok & live), axis=1)
+  bad_seg = jnp.any(used & ~(shape_ok & written), axis=1)
+  real = seq_ids != -1
+  status = jnp.where((status == Status.OK) & real & bad_block, Status.INVALID_BLOCK, status)
+  status = jnp.where((status == Status.OK) & real & bad_seg, Status.INVALID_SEGMENT, status)
+  ok = (status == Status.OK) & real
+  if atomic:
+    ok = ok & jnp.all((status == Status.OK))
+  rows = jnp.where(ok, seq_ids, config.max_seqs)
+  m = config.max_segments
+  width = min(p, m)
+  used_w = used[:, :width] & ok[:, None]
+  pad = lambda x: jnp.where(used_w, x[:, :width], 0)
+  seg_len_total = jnp.sum(jnp.where(used_w, seg_length[:, :width], 0), axis=1)
+  table = dataclasses.replace(
+      table,
+      block=table.block.at[rows, :width].set(pad(seg_block), mode="drop"),
+      start=table.start.at[rows, :width].set(pad(seg_start), mode="drop"),
+      length=table.length.at[rows, :width].set(pad(seg_length), mode="drop"),
+      num_segments=table.num_segments.at[rows].set(num_segments, mode="drop"),
+      seq_len=table.seq_len.at[rows].set(seg_len_total, mode="drop"),
+      active=table.active.at[rows].set(True, mode="drop"),
+  )
+  inc_ids = jnp.where(used_w, seg_block[:, :width], n)
+  state = change_refs(dataclasses.replace(state, table=table), inc_ids,
+                      jnp.ones_like(inc_ids), config=config, may_free=False)
+  meta = dataclasses.replace(state.meta,
+                             last_use=state.meta.last_use.at[inc_ids].set(state.step, mode="drop"))
+  return dataclasses.replace(state, meta=meta), finish_status(status, ok | ~real)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "atomic"),
+                   donate_argnames=("state",))
+def reserve_tokens(state: PoolState, seq_ids: jax.Array, num_new: jax.Array, *,
+                   config: PoolConfig, max_new_tokens: int,
+                   atomic: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """Makes room for the next `num_new[i]` tokens of each sequence in a batch.
+
+  Tokens go in place, after the tail segment, while the sequence owns its tail
+  block exclusively (ref_count 1, dynamic region) and the following slots are
+  unused; the rest go to fresh blocks (lowest address first), one new segment
+  per block. A tail shared with another sequence or a cache node (after
+  `fork`, or a prefix opened from the cache) is never appended to.
+
+  Work is O(B * (max_new_tokens + block_size)): no scan of the pool.
+
+  Args:
+    state: the pool (donated).
+    seq_ids: `i32[B]` active rows (`-1` = padding). No repeats.
+    num_new: `i32[B]` tokens to add, `0 <= num_new <= max_new_tokens`.
+    config: static pool config.
+    max_new_tokens: static width of `slot_idx`.
+    atomic: apply nothing if any row fails.
+
+  Returns:
+    `(state, (slot_idx, status))`: `slot_idx: i32[B, max_new_tokens]` the flat
+    physical slot (`block * block_size + offset`) of each new token in order,
+    `-1` beyond `num_new[i]` and for failed rows; `status: i32[B]`. Blocks are
+    granted first come first served in batch order.
+  """
+  n, bs, m = config.num_blocks, config.block_size, config.max_segments
+  table, meta = state.table, state.meta
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  num_new = jnp.asarray(num_new, jnp.int32)
+  real = seq_ids != -1
+  status = row_status(table, seq_ids, want_active=True)
+  count_bad = (num_new < 0) | (num_new > max_new_tokens)
+  status = jnp.where((status == Status.OK) & real & count_bad, Status.INVALID_COUNT, status)
+  row = jnp.clip(seq_ids, 0, config.max_seqs - 1)
+  ns = table.num_segments[row]
+  tail = jnp.clip(ns - 1, 0, m - 1)
+  tb = table.block[row, tail]
+  pos = table.start[row, tail] + table.length[row, tail]
+  exclusive = (ns > 0) & (meta.ref_count[tb] == 1) & (meta.region[tb] == REGION_DYNAMIC)
+  busy = slot_bits(meta.slots[tb], bs) | (jnp.arange(bs)[None, :] < pos[:, None])
+  first_busy_after = jnp.min(jnp.where(busy & (jnp.arange(bs)[None, :] >= pos[:, None]),
+                                       jnp.arange(bs)[None, :], bs), axis=1)
+  room = jnp.where(exclusive, first_busy_after - pos, 0)
+  n_tok = jnp.clip(num_new, 0, max_new_tokens)
+  in_place = jnp.minimum(n_tok, room)
+  rest = n_tok - in_place
+  need = _cdiv(rest, bs)
+  status = jnp.where((status == Status.OK) & real & (ns + need > m), Status.TABLE_FULL, status)
+  valid = (status == Status.OK) & real
+  if atomic:
+    valid = valid & jnp.all(status == Status.OK)
+  max_blocks = _cdiv(max_new_tokens, bs)
+  granted = grant_prefix(need, valid, meta.num_free, atomic=atomic)
+  status = jnp.where(valid & ~granted, Status.NO_FREE_BLOCK, status)
+  meta, new_ids = take_blocks(meta, need, granted, max_per_request=max_blocks, step=state.step)
+
+  # Slot index of every new token.
+  j = jnp.arange(max_new_tokens, dtype=jnp.int32)[None, :]
+  k = j - in_place[:, None]
+  blk_new = jnp.take_along_axis(new_ids, jnp.clip(k // bs, 0, max_blocks - 1), axis=1)
+  slot_in_place = tb[:, None] * bs + pos[:, None] + j
+  slot_new = blk_new * bs + k % bs
+  tok_ok = granted[:, None] & (j < n_tok[:, None])
+  slot_idx = jnp.where(tok_ok, jnp.where(j < in_place[:, None], slot_in_place, slot_new), -1)
+
+  # Mark the slots used (each was free, so adding its bit sets it).
+  flat = slot_idx.reshape(-1)
+  blk = jnp.where(flat >= 0, flat // bs, n)
+  off = flat % bs
+  slots = meta.slots.at[blk, off // 32].add(jnp.uint32(1) << (off % 32).astype(jnp.uint32),
+                                            mode="drop")
+  touched_tail = jnp.where(granted & (in_place > 0), tb, n)
+  meta = dataclasses.replace(meta, slots=slots,
+                             last_use=meta.last_use.at[touched_tail].set(state.step, mode="drop"))
+
+  # Segment table: extend the tail, then one new segment per new block.
+  rows = jnp.where(granted, row, config.max_seqs)
+  q = jnp.arange(max_blocks, dtype=jnp.int32)[None, :]
+  q_used = granted[:, None] & (q < need[:, None])
+  seg_col = jnp.where(q_used, ns[:, None] + q, m)
+  seg_len = jnp.minimum(bs, rest[:, None] - q * bs)
+  rows2 = jnp.broadcast_to(rows[:, None], seg_col.shape)
+  table = dataclasses.replace(
+      table,
+      length=table.length.at[rows, tail].add(jnp.where(granted, in_place, 0), mode="drop")
+      .at[rows2, seg_col].set(seg_len, mode="drop"),
+      block=table.block.at[rows2, seg_col].set(new_ids, mode="drop"),
+      start=table.start.at[rows2, seg_col].set(0, mode="drop"),
+      num_segments=table.num_segments.at[rows].add(need, mode="drop"),
+      seq_len=table.seq_len.at[rows].add(n_tok, mode="drop"),
+  )
+  # The clock advances only when something was reserved: a refused call changes nothing.
+  step = state.step + jnp.any(granted & (n_tok > 0)).astype(jnp.int32)
+  state = dataclasses.replace(state, meta=meta, table=table, step=step)
+  return state, (slot_idx, finish_status(status, granted | ~real))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "atomic"), donate_argnames=("state",))
+def release(state: PoolState, seq_ids: jax.Array, *, config: PoolConfig,
+            atomic: bool = False) -> tuple[PoolState, jax.Array]:
+  """Ends sequences: every segment drops its reference; blocks reaching zero are freed.
+
+  Args:
+    state: the pool (donated).
+    seq_ids: `i32[B]` active rows (`-1` = padding). No repeats.
+    config: static pool config.
+    atomic: apply nothing if any row fails.
+
+  Returns:
+    `(state, status: i32[B])`. Releasing an inactive row is `INVALID_SEQUENCE`.
+  """
+  n, m = config.num_blocks, config.max_segments
+  table = state.table
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  real = seq_ids != -1
+  status = row_status(table, seq_ids, want_active=True)
+  ok = (status == Status.OK) & real
+  if atomic:
+    ok = ok & jnp.all(status == Status.OK)
+  row = jnp.clip(seq_ids, 0, config.max_seqs - 1)
+  used = ok[:, None] & (jnp.arange(m)[None, :] < table.num_segments[row][:, None])
+  dec_ids = jnp.where(used, table.block[row], n)
+  state = change_refs(state, dec_ids, -jnp.ones_like(dec_ids), config=config)
+  rows = jnp.where(ok, row, config.max_seqs)
+  t = state.table
+  table = dataclasses.replace(
+      t,
+      block=t.block.at[rows].set(0, mode="drop"),
+      start=t.start.at[rows].set(0, mode="drop"),
+      length=t.length.at[rows].set(0, mode="drop"),
+      num_segments=t.num_segments.at[rows].set(0, mode="drop"),
+      seq_len=t.seq_len.at[rows].set(0, mode="drop"),
+      active=t.active.at[rows].set(False, mode="drop"),
+  )
+  return dataclasses.replace(state, table=table), finish_status(status, ok | ~real)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "atomic"), donate_argnames=("state",))
+def fork(state: PoolState, src_ids: jax.Array, dst_ids: jax.Array, *, config: PoolConfig,
+         atomic: bool = False) -> tuple[PoolState, jax.Array]:
+  """Starts each `dst` row as a copy of `src`, sharing (increfing) all its segments.
+
+  Used for parallel sampling and beam search. The shared tail block then has
+  `ref_count >= 2`, so the next append of either sequence starts a new segment
+  in a fresh block (or `cow_split` copies the tail first).
+
+  Args:
+    state: the pool (donated).
+    src_ids: `i32[B]` active rows (may repeat: several children of one parent).
+    dst_ids: `i32[B]` inactive rows, no repeats (`-1` = padding, with any src).
+    config: static pool config.
+    atomic: apply nothing if any row fails.
+
+  Returns:
+    `(state, status: i32[B])`.
+  """
+  n, m = config.num_blocks, config.max_segments
+  table = state.table
+  src_ids = jnp.asarray(src_ids, jnp.int32)
+  dst_ids = jnp.asarray(dst_ids, jnp.int32)
+  real = dst_ids != -1
+  max_seqs = config.max_seqs
+  src_ok = (src_ids >= 0) & (src_ids < max_seqs) & table.active[jnp.clip(src_ids, 0, max_seqs - 1)]
+  status = row_status(table, dst_ids, want_active=False)
+  status = jnp.where(real & ~src_ok, Status.INVALID_SEQUENCE, status)
+  ok = (status == Status.OK) & real
+  if atomic:
+    ok = ok & jnp.all(status == Status.OK)
+  src = jnp.clip(src_ids, 0, max_seqs - 1)
+  rows = jnp.where(ok, dst_ids, max_seqs)
+  used = ok[:, None] & (jnp.arange(m)[None, :] < table.num_segments[src][:, None])
+  table = dataclasses.replace(
+      table,
+      block=table.block.at[rows].set(table.block[src], mode="drop"),
+      start=table.start.at[rows].set(table.start[src], mode="drop"),
+      length=table.length.at[rows].set(table.length[src], mode="drop"),
+      num_segments=table.num_segments.at[rows].set(table.num_segments[src], mode="drop"),
+      seq_len=table.seq_len.at[rows].set(table.seq_len[src], mode="drop"),
+      active=table.active.at[rows].set(True, mode="drop"),
+  )
+  inc_ids = jnp.where(used, table.block[src], n)
+  state = change_refs(dataclasses.replace(state, table=table), inc_ids, jnp.ones_like(inc_ids),
+                      config=config, may_free=False)
+  return state, finish_status(status, ok | ~real)

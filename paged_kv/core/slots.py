@@ -1,0 +1,371 @@
+"""Slotted blocks: `cow_split` (copy-on-write of a tail) and `pack_slots` (packing).
+
+A block holds several short segments ("slotted block") when `pack_slots` copies
+segments shorter than a block into free slot ranges of partly used blocks, or
+several of them into one fresh block. Addressing stays `(block, start, length)`.
+
+Holders. A segment reference is held either by a row of the segment table or by
+a holder outside the pool (the radix prefix cache, a swap buffer). `pack_slots`
+names each reference it moves by an *owner*:
+
+* `owner >= 0`: the table row; `col` is the segment's column in that row.
+* `owner == OWNER_EXTERNAL` (-2): an outside holder; `(block, start, length)`
+  is the segment it holds, and the caller vouches that it holds one reference.
+* `owner == -1`: padding.
+
+The pool transfers the reference of every moved segment itself (incref the
+destination block, decref the source block, one atomic device call) and
+returns each segment's new `(block, start)`; the length never changes. An
+outside holder then only rewrites its record, without touching reference
+counts: for the radix cache, `rebind_segment(node, old, new)` returns deltas
+(+1 new block, -1 old block) that are *exactly the ones the pool already
+applied*, so the scheduler must not apply them again (it may assert they equal
+`PackResult.ref_deltas` of the host wrapper). Identical triples named in one
+call (e.g. one segment held by a sequence and by a cache node) move together to
+one destination: one copy, each reference transferred.
+
+Slot bits (`BlockMeta.slots`) are set when a slot is handed out and cleared only
+when the block frees, so a moved segment's old slots stay marked until its old
+block frees; destinations are only slots whose bit is clear (never handed out
+since the block was last free), hence never referenced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_kv.core.alloc import change_refs, grant_prefix, rebuild_free_list, take_blocks
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import Status
+from paged_kv.core.page_copy import copy_slot_ranges
+from paged_kv.core.segments import (finish_status, first_occurrence, range_mask, row_status,
+                               slot_bits)
+from paged_kv.core.state import REGION_DYNAMIC, PoolState
+
+OWNER_EXTERNAL = -2  # `pack_slots` owner id of a holder outside the segment tables
+OWNER_PADDING = -1
+
+
+def _tail_blocks_mask(state: PoolState, n: int) -> jax.Array:
+  """`bool[n]`: blocks holding the tail segment of an active row (may still grow)."""
+  t = state.table
+  m = t.block.shape[1]
+  tail = jnp.clip(t.num_segments - 1, 0, m - 1)
+  tb = jnp.take_along_axis(t.block, tail[:, None], axis=1)[:, 0]
+  has = t.active & (t.num_segments > 0)
+  return jnp.zeros((n,), bool).at[jnp.where(has, tb, n)].set(True, mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("config", "atomic", "impl", "interpret"),
+                   donate_argnames=("state",))
+def cow_split(state: PoolState, seq_ids: jax.Array, *, config: PoolConfig, atomic: bool = False,
+              impl: str = "xla",
+              interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """Copies each sequence's tail segment into an exclusive fresh block, when needed.
+
+  A tail segment `(b, s, l)` with `l < block_size` is split off when appending
+  to it in place is impossible or limited: `b` is shared (`ref_count > 1`), in
+  the base region, the segment does not start at slot 0, or some slot after it
+  was handed out (a slotted block). Its `l` tokens are copied (all layers,
+  heads) to slots `[0, l)` of the lowest free block, which the row then owns
+  exclusively, so `reserve_tokens` appends up to `block_size - l` tokens in
+  place. The old block loses the row's reference (and frees at zero). Rows
+  whose tail is already exclusive, at slot 0 and followed by free slots, full,
+  or empty, are left as they are (`split = False`).
+
+  Args:
+    state: the pool (donated).
+    seq_ids: `i32[B]` active rows (`-1` = padding). No repeats.
+    config: static pool config.
+    atomic: apply nothing if any row fails.
+    impl: slot-copy implementation (`"xla"` or `"pallas"`), see `page_copy`.
+    interpret: interpret mode for the Pallas kernel.
+
+  Returns:
+    `(state, (split, status))`: `split: bool[B]` rows whose tail was copied;
+    `status: i32[B]` (`NO_FREE_BLOCK` when no block was free for the copy).
+  """
+  n, bs, m = config.num_blocks, config.block_size, config.max_segments
+  table, meta = state.table, state.meta
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  real = seq_ids != -1
+  status = row_status(table, seq_ids, want_active=True)
+  row = jnp.clip(seq_ids, 0, config.max_seqs - 1)
+  ns = table.num_segments[row]
+  tail = jnp.clip(ns - 1, 0, m - 1)
+  tb = table.block[row, tail]
+  ts = table.start[row, tail]
+  tl = table.length[row, tail]
+  pos = ts + tl
+  i = jnp.arange(bs)[None, :]
+  after_busy = jnp.any(slot_bits(meta.slots[tb], bs) & (i >= pos[:, None]), axis=1)
+  blocked = (meta.ref_count[tb] > 1) | (meta.region[tb] != REGION_DYNAMIC) | (ts > 0) | after_busy
+  wants = (status == Status.OK) & real & (ns > 0) & (tl < bs) & blocked
+  valid = (status == Status.OK) & real
+  if atomic:
+    valid = valid & jnp.all(status == Status.OK)
+  need = jnp.where(wants & valid, 1, 0)
+  granted = grant_prefix(need, valid, meta.num_free, atomic=atomic)
+  status = jnp.where(valid & ~granted, Status.NO_FREE_BLOCK, status)
+  split = granted & (need > 0)
+  meta, new_ids = take_blocks(meta, need, granted, max_per_request=1, step=state.step)
+  fresh = jnp.where(split, new_ids[:, 0], -1)
+
+  pages = copy_slot_ranges(state.pages, jnp.where(split, tb, -1), ts, fresh,
+                           jnp.zeros_like(ts), jnp.where(split, tl, 0), impl=impl,
+                           interpret=interpret)
+  safe_fresh = jnp.where(split, fresh, n)
+  meta = dataclasses.replace(
+      meta, slots=meta.slots.at[safe_fresh].set(range_mask(jnp.zeros_like(tl), tl,
+                                                           config.slot_words), mode="drop"))
+  rows = jnp.where(split, row, config.max_seqs)
+  table = dataclasses.replace(
+      table,
+      block=table.block.at[rows, tail].set(fresh, mode="drop"),
+      start=table.start.at[rows, tail].set(0, mode="drop"),
+  )
+  state = dataclasses.replace(state, pages=pages, meta=meta, table=table)
+  state = change_refs(state, jnp.where(split, tb, n), -jnp.ones_like(tb), config=config)
+  return state, (split, finish_status(status, granted | ~real))
+
+
+def _place_segments(occ: jax.Array, eligible: jax.Array, lengths: jax.Array, leader: jax.Array,
+                    free_list: jax.Array, num_free: jax.Array, *,
+                    block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Sequential best-fit placement of short segments into free slot ranges.
+
+  Args:
+    occ: `bool[N, bs]` slots already handed out.
+    eligible: `bool[N]` partly used blocks that may receive segments.
+    lengths: `i32[K]` tokens per segment.
+    leader: `bool[K]` entries to place (others are skipped, `-1`).
+    free_list, num_free: the free list; fresh blocks are taken from its front.
+    block_size: static slots per block.
+
+  Returns:
+    `(dest_block, dest_start, occ)`: `i32[K]` each (`-1` = not placed) and the
+    updated occupancy. Each segment goes to the fullest eligible block (or fresh
+    block taken in this call) with a free run long enough, at the first such
+    run; if none fits, to slot 0 of the next fresh block; else it fails.
+  """
+  n, bs = occ.shape
+  s_idx = jnp.arange(bs + 1, dtype=jnp.int32)
+
+  def body(carry, x):
+    occ, elig, used_fresh = carry
+    length, go = x
+    cum = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), jnp.cumsum(occ, axis=1,
+                                                                      dtype=jnp.int32)], axis=1)
+    end = jnp.clip(s_idx[:bs] + length, 0, bs)
+    clear = (cum[:, end] - cum[:, :bs] == 0) & (s_idx[None, :bs] + length <= bs)
+    fits = elig & jnp.any(clear, axis=1)
+    free_slots = bs - cum[:, bs]
+    score = jnp.where(fits, free_slots * n + jnp.arange(n, dtype=jnp.int32), jnp.iinfo(jnp.int32).max)
+    best = jnp.argmin(score).astype(jnp.int32)
+    have_partial = jnp.any(fits)
+    start_partial = jnp.argmax(clear[best]).astype(jnp.int32)
+    has_fresh = used_fresh < num_free
+    fresh = free_list[jnp.clip(free_list.shape[0] - num_free + used_fresh, 0, n - 1)]
+    blk = jnp.where(have_partial, best, jnp.where(has_fresh, fresh, -1))
+    start = jnp.where(have_partial, start_partial, 0)
+    placed = go & (blk >= 0)
+    blk = jnp.where(placed, blk, -1)
+    start = jnp.where(placed, start, -1)
+    took_fresh = placed & ~have_partial
+    row_mask = (jnp.arange(bs) >= start) & (jnp.arange(bs) < start + length)
+    safe = jnp.where(placed, blk, n)
+    occ = occ.at[safe].set(occ[jnp.clip(safe, 0, n - 1)] | row_mask, mode="drop")
+    elig = elig.at[jnp.where(took_fresh, blk, n)].set(True, mode="drop")
+    return (occ, elig, used_fresh + took_fresh.astype(jnp.int32)), (blk, start)
+
+  (occ, _, _), (dest_block, dest_start) = jax.lax.scan(
+      body, (occ, eligible, jnp.zeros((), jnp.int32)), (lengths, leader))
+  return dest_block, dest_start, occ
+
+
+@functools.partial(jax.jit, static_argnames=("config", "atomic", "impl", "interpret"),
+                   donate_argnames=("state",))
+def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: jax.Array,
+               seg_start: jax.Array, seg_length: jax.Array, *, config: PoolConfig,
+               atomic: bool = False, impl: str = "xla",
+               interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array, jax.Array]]:
+  """Copies short segments into free slot ranges of partly used blocks (or fresh ones).
+
+  Each named segment (`length < block_size`, dynamic region) is placed, in
+  order, best fit: into the fullest eligible block with a long enough run of
+  never-handed-out slots, else at slot 0 of the lowest free block (which then
+  takes the following segments too, so several short segments share one fresh
+  block). Eligible blocks are live dynamic blocks with some slot handed out,
+  that are neither the tail block of an active row (it may still grow in
+  place) nor the source block of a segment of this call. The K/V of the
+  segment is copied (all layers, heads), the reference moves from the old
+  block to the new one (old blocks reaching zero are freed) and table rows are
+  rewritten; see the module docstring for outside holders.
+
+  Args:
+    state: the pool (donated).
+    owner: `i32[K]` table row, `OWNER_EXTERNAL`, or `-1` (padding).
+    col: `i32[K]` segment column of table-owned entries (ignored otherwise).
+    seg_block, seg_start, seg_length: `i32[K]` the segment; for a table entry
+      it must equal the row's segment at `col`. A table entry may appear once.
+    config: static pool config.
+    atomic: apply nothing if any entry fails.
+    impl: slot-copy implementation (`"xla"` or `"pallas"`).
+    interpret: interpret mode for the Pallas kernel.
+
+  Returns:
+    `(state, (new_block, new_start, status))`, each `i32[K]`: the segment's new
+    block and first slot (`-1` where not moved; its length is unchanged), and
+    the status (`INVALID_SEQUENCE`, `INVALID_SEGMENT` (bad, full-length, or a
+    mismatch with the table), `INVALID_BLOCK` (free or base-region block),
+    `NO_FREE_BLOCK` (nowhere to go), `ABORTED`).
+  """
+  n, bs, m = config.num_blocks, config.block_size, config.max_segments
+  table, meta = state.table, state.meta
+  owner, col, seg_block, seg_start, seg_length = (
+      jnp.asarray(a, jnp.int32) for a in (owner, col, seg_block, seg_start, seg_length))
+  k = owner.shape[0]
+  pad = owner == OWNER_PADDING
+  ext = owner == OWNER_EXTERNAL
+  in_tab = owner >= 0
+  row = jnp.clip(owner, 0, config.max_seqs - 1)
+  c = jnp.clip(col, 0, m - 1)
+  row_ok = (owner < config.max_seqs) & table.active[row] & (col >= 0) & (
+      col < table.num_segments[row])
+  # A table entry named twice: every occurrence after the first is refused.
+  key = jnp.where(in_tab, row * m + c, -1 - jnp.arange(k))
+  dup_entry = in_tab & ~first_occurrence(key)
+  matches = ((table.block[row, c] == seg_block) & (table.start[row, c] == seg_start)
+             & (table.length[row, c] == seg_length))
+  blk_ok = (seg_block >= 0) & (seg_block < n)
+  cb = jnp.clip(seg_block, 0, n - 1)
+  live = meta.ref_count[cb] > 0
+  dynamic = meta.region[cb] == REGION_DYNAMIC
+  shape_ok = (seg_start >= 0) & (seg_length >= 1) & (seg_length < bs) & (
+      seg_start + seg_length <= bs)
+  mask = range_mask(seg_start, seg_length, config.slot_words)
+  written = jnp.all((meta.slots[cb] & mask) == mask, axis=-1)
+  status = jnp.full((k,), Status.OK, jnp.int32)
+  status = jnp.where(~pad & ~ext & ~in_tab, Status.INVALID_SEQUENCE, status)
+  status = jnp.where(in_tab & ~row_ok, Status.INVALID_SEQUENCE, status)
+  status = jnp.where((status == Status.OK) & in_tab & (dup_entry | ~matches),
+                     Status.INVALID_SEGMENT, status)
+  status = jnp.where((status == Status.OK) & ~pad & ~(blk_ok & live & dynamic),
+                     Status.INVALID_BLOCK, status)
+  status = jnp.where((status == Status.OK) & ~pad & ~(shape_ok & written),
+                     Status.INVALID_SEGMENT, status)
+  valid = (status == Status.OK) & ~pad
+  if atomic:
+    valid = valid & jnp.all(status == Status.OK)
+
+  # Identical triples move together: the first valid one is the leader.
+  same = ((seg_block[:, None] == seg_block[None, :]) & (seg_start[:, None] == seg_start[None, :])
+          & (seg_length[:, None] == seg_length[None, :]) & valid[None, :])
+  lead_idx = jnp.argmax(same, axis=1).astype(jnp.int32)  # first valid equal entry
+  leader = valid & (lead_idx == jnp.arange(k))
+
+  occ = slot_bits(meta.slots, bs)
+  sources = jnp.zeros((n,), bool).at[jnp.where(valid, seg_block, n)].set(True, mode="drop")
+  eligible = ((meta.ref_count > 0) & (meta.region == REGION_DYNAMIC) & jnp.any(occ, axis=1)
+              & ~_tail_blocks_mask(state, n) & ~sources)
+  dest_block, dest_start, _ = _place_segments(occ, eligible, seg_length, leader, meta.free_list,
+                                              meta.num_free, block_size=bs)
+  new_block = jnp.where(valid, dest_block[lead_idx], -1)
+  new_start = jnp.where(valid, dest_start[lead_idx], -1)
+  placed = valid & (new_block >= 0)
+  status = jnp.where(valid & ~placed, Status.NO_FREE_BLOCK, status)
+  applied = placed
+  if atomic:
+    applied = applied & jnp.all(placed == valid)
+  new_block = jnp.where(applied, new_block, -1)
+  new_start = jnp.where(applied, new_start, -1)
+  copy_lead = applied & leader
+
+  pages = copy_slot_ranges(state.pages, jnp.where(copy_lead, seg_block, -1), seg_start,
+                           jnp.where(copy_lead, new_block, -1), new_start,
+                           jnp.where(copy_lead, seg_length, 0), impl=impl, interpret=interpret)
+  dst_safe = jnp.where(copy_lead, new_block, n)
+  dmask = range_mask(jnp.maximum(new_start, 0), seg_length, config.slot_words)
+  slots = meta.slots.at[dst_safe].add(jnp.where(copy_lead[:, None], dmask, 0), mode="drop")
+  last_use = meta.last_use.at[dst_safe].max(meta.last_use[cb], mode="drop")
+  meta = dataclasses.replace(meta, slots=slots, last_use=last_use)
+  tab_rows = jnp.where(applied & in_tab, row, config.max_seqs)
+  table = dataclasses.replace(
+      table,
+      block=table.block.at[tab_rows, c].set(new_block, mode="drop"),
+      start=table.start.at[tab_rows, c].set(new_start, mode="drop"),
+  )
+  state = dataclasses.replace(state, pages=pages, meta=meta, table=table)
+  ids = jnp.concatenate([jnp.where(applied, new_block, n), jnp.where(applied, seg_block, n)])
+  deltas = jnp.concatenate([jnp.ones((k,), jnp.int32), -jnp.ones((k,), jnp.int32)])
+  state = change_refs(state, ids, deltas, config=config)
+  # Fresh destination blocks went from free to referenced: change_refs only rebuilds the
+  # free list when a block frees, so rebuild it here (O(num_blocks), like the placement).
+  # A refused call keeps the list bit-identical.
+  took_fresh = jnp.any(copy_lead & (meta.ref_count[jnp.clip(new_block, 0, n - 1)] == 0))
+  free_list, num_free = rebuild_free_list(state.meta.ref_count, state.meta.region)
+  free_list = jnp.where(took_fresh, free_list, state.meta.free_list)
+  num_free = jnp.where(took_fresh, num_free, state.meta.num_free)
+  state = dataclasses.replace(state, meta=dataclasses.replace(state.meta, free_list=free_list,
+                                                               num_free=num_free))
+  return state, (new_block, new_start, finish_status(status, applied | pad))
+
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def reclaim_slots(state: PoolState, ext_block: jax.Array, ext_start: jax.Array,
+                  ext_length: jax.Array, *,
+                  config: PoolConfig) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """Clears the slot bits no live segment covers, so packing can reuse them.
+
+  A slot's bit stays set after the segment that used it leaves a block that
+  other segments keep alive (the pool alone cannot tell whether another
+  reference still covers it). Given every reference held outside the segment
+  tables, this recomputes each block's bits as the union of the slots its
+  segments cover. It is safe only if no holder is missing, so it first checks
+  that the references counted (tables + `ext_*`) equal `ref_count` for every
+  block, and otherwise changes nothing. O(num_blocks * block_size) work:
+  between steps.
+
+  Args:
+    state: the pool (donated).
+    ext_block, ext_start, ext_length: `i32[E]` every segment held outside the
+      tables (e.g. `PrefixCache.segment_refs()`), `length == 0` = padding.
+    config: static pool config.
+
+  Returns:
+    `(state, (status, reclaimed))`: `status: i32[]` (`INVALID_SEGMENT` when the
+    references do not account for `ref_count`, nothing changed) and
+    `reclaimed: i32[]` slots whose bit was cleared.
+  """
+  n, bs, m = config.num_blocks, config.block_size, config.max_segments
+  t = state.table
+  used = t.active[:, None] & (jnp.arange(m)[None, :] < t.num_segments[:, None])
+  blk = jnp.concatenate([jnp.where(used, t.block, 0).reshape(-1), ext_block])
+  start = jnp.concatenate([jnp.where(used, t.start, 0).reshape(-1), ext_start])
+  length = jnp.concatenate([jnp.where(used, t.length, 0).reshape(-1), ext_length])
+  real = length > 0
+  ok_shape = ~real | ((blk >= 0) & (blk < n) & (start >= 0) & (start + length <= bs))
+  safe_blk = jnp.where(real & ok_shape, blk, n)
+  refs = jnp.zeros((n,), jnp.int32).at[safe_blk].add(1, mode="drop")
+  consistent = jnp.all(ok_shape) & jnp.all(refs == state.meta.ref_count)
+  first = jnp.where(real & ok_shape, blk * bs + start, n * bs)
+  diff = (jnp.zeros((n * bs + 1,), jnp.int32).at[first].add(1, mode="drop")
+          .at[first + jnp.where(real & ok_shape, length, 0)].add(-1, mode="drop"))
+  covered = (jnp.cumsum(diff[:-1]) > 0).reshape(n, bs)
+  words = config.slot_words
+  pad = words * 32 - bs
+  bits = jnp.pad(covered, ((0, 0), (0, pad))).reshape(n, words, 32).astype(jnp.uint32)
+  new_slots = jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32)
+  # Never set a bit that was clear: covered slots are always marked (invariant 3).
+  new_slots = new_slots & state.meta.slots
+  before = jnp.sum(slot_bits(state.meta.slots, bs), dtype=jnp.int32)
+  after = jnp.sum(slot_bits(new_slots, bs), dtype=jnp.int32)
+  slots_out = jnp.where(consistent, new_slots, state.meta.slots)
+  meta = dataclasses.replace(state.meta, slots=slots_out)
+  status = jnp.where(consistent, Status.OK, Status.INVALID_SEGMENT).astype(jnp.int32)
+  return dataclasses.replace(state, meta=meta), (status, jnp.where(consistent, before - after, 0))

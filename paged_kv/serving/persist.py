@@ -1,0 +1,612 @@
+"""Persistent prefix cache: save a `PrefixCache` and its K/V to disk, restore it into a pool.
+
+`save_prefix_cache(path, pool, cache)` writes the radix tree (namespaces, node token
+spans, parent structure, pins, LRU order) and the K/V of every token the tree holds,
+bit-exact, to one file. `load_prefix_cache(path, pool, cache=None)` validates the whole
+file, then writes the K/V compactly into the lowest free blocks of `pool` (a fresh
+allocation: the loaded cache is compacted on load), rebuilds the tree on the new
+segments and applies the tree's references to the pool, so that
+`pool.check_invariants(extra_segments=cache.segment_refs())` holds.
+
+File format (version 1)
+-----------------------
+An uncompressed numpy ``.npz`` archive (a zip of ``.npy`` members; read with
+``allow_pickle=False``, so loading a file never runs code). Members:
+
+* ``header``: ``uint8[n]`` UTF-8 JSON object:
+  ``format`` = ``"paged_kv.prefix_cache"``; ``version`` = 1;
+  ``pool``: ``{num_layers, num_kv_heads, head_dim, dtype, block_size}`` of the saving
+  pool (``block_size`` is informative: K/V are stored per token, so a pool of another
+  block size can load the file); ``namespaces``: list of ``{"type": "str" | "int",
+  "value": ...}``; ``num_nodes``, ``num_tokens``; ``checksum``: ``"sha256:<hex>"``.
+* ``node_namespace``: ``i32[N]`` index into ``namespaces``.
+* ``node_parent``: ``i64[N]`` index of the parent node, ``-1`` for a child of the
+  namespace root. Parents come before their children (``node_parent[i] < i``).
+* ``cu_tokens``: ``i64[N + 1]`` node ``i``'s tokens are ``tokens[cu[i]:cu[i+1]]``
+  (its edge, not the full path); every node has at least one token.
+* ``tokens``: ``i32[T]`` the edges' token ids, concatenated in node order.
+* ``node_recency``: ``i64[N]`` rank of the node in LRU order (0 = least recently used),
+  from the saving cache's ``(last_access, access_seq)``.
+* ``node_pin_ttl``: ``f64[N]`` remaining pin time in the cache clock's units at save
+  time (0 = not pinned; ``inf`` allowed). Absolute clock values are not stored: a
+  monotonic clock means nothing in another process.
+* ``k``, ``v``: ``uint{8,16,32}[num_layers, num_kv_heads, T, head_dim]`` the raw bits
+  of the K/V of token ``t`` of the stream (the pool dtype's bit pattern, viewed as the
+  unsigned integer of the same width, so no numpy extension dtype is needed to read it).
+
+``checksum`` is SHA-256 over the header JSON without its ``checksum`` key (canonical:
+sorted keys, compact separators) followed by every other member in name order, each as
+``name``, ``dtype.str``, ``shape`` and its raw C-order bytes. The zip's own CRC-32
+catches most damage first; the SHA-256 catches the rest (and any edit that rewrote
+the zip consistently).
+
+Not persisted: lock refs (they belong to the sequences of the old process), GC marks,
+and hit statistics (``PrefixCache`` has no public way to restore them; they restart at
+zero, so the ``"cost"`` eviction policy starts from scratch).
+
+Loading
+-------
+Everything is validated before the pool is touched: the archive and its members, the
+format name and version (checked before the checksum: an unknown version may use
+another checksum scheme), the checksum, the tree structure (by building it on host
+with placeholder blocks), the pool geometry (layers, kv heads, head_dim, dtype), an
+empty target cache with the pool's block size, and room in the pool. A pool too small
+for the whole saved cache is refused (`PoolExhausted`); no subset is loaded.
+
+Layout on load: each node of ``L`` tokens gets ``L // block_size`` whole blocks plus,
+for the ``L % block_size`` tail, a slot range in a partly filled block (best fit,
+lowest block first), so short nodes share ("slotted") blocks, every node has the
+minimum ``ceil(L / block_size)`` segments, and the whole cache takes the fewest
+blocks this scheme allows. Blocks come from the pool's ordinary allocator
+(`reserve_tokens` on temporary sequences, lowest address first), so in a fresh pool
+the cache occupies the lowest dynamic blocks. The temporary sequences are released
+once the tree's references are applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import io
+import json
+import os
+import zipfile
+import zlib
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
+from paged_kv.pool import BlockPool
+from radix.cache import PrefixCache, RadixTreeError, RefDeltas
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "ConfigMismatchError",
+    "CorruptFileError",
+    "PersistError",
+    "UnsupportedNamespaceError",
+    "UnsupportedVersionError",
+    "load_prefix_cache",
+    "save_prefix_cache",
+]
+
+FORMAT_NAME = "paged_kv.prefix_cache"
+FORMAT_VERSION = 1
+
+_GEOMETRY = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+_ARRAYS = ("node_namespace", "node_parent", "cu_tokens", "tokens", "node_recency",
+           "node_pin_ttl", "k", "v")
+_BITS_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+# Temporary sequences opened per reserve_tokens call while loading.
+_MAX_LOAD_BATCH = 32
+
+
+class PersistError(PagedKVError):
+  """Base class of the errors raised while saving or loading a prefix cache."""
+
+
+class CorruptFileError(PersistError):
+  """The file is truncated, not an archive of this format, or fails its checksum."""
+
+
+class UnsupportedVersionError(PersistError):
+  """The file's format name or version is not one this library reads."""
+
+
+class ConfigMismatchError(PersistError, ValueError):
+  """The file's pool geometry (layers, kv heads, head_dim, dtype) differs from the pool's."""
+
+
+class UnsupportedNamespaceError(PersistError, TypeError):
+  """A namespace is neither a str nor an int, so it cannot be written portably."""
+
+
+# ----------------------------------------------------------------------------- encoding
+def _encode_namespace(namespace: Hashable) -> dict[str, Any]:
+  if isinstance(namespace, str):
+    return {"type": "str", "value": namespace}
+  if isinstance(namespace, (int, np.integer)) and not isinstance(namespace, (bool, np.bool_)):
+    return {"type": "int", "value": int(namespace)}
+  raise UnsupportedNamespaceError(
+      f"cannot persist namespace {namespace!r} of type {type(namespace).__name__}: "
+      f"only str and int namespaces are supported")
+
+
+def _decode_namespace(entry: Any) -> Hashable:
+  if isinstance(entry, dict) and entry.get("type") == "str" and isinstance(entry.get("value"),
+                                                                           str):
+    return entry["value"]
+  if (isinstance(entry, dict) and entry.get("type") == "int"
+      and isinstance(entry.get("value"), int) and not isinstance(entry.get("value"), bool)):
+    return entry["value"]
+  raise CorruptFileError(f"bad namespace entry {entry!r} in the header")
+
+
+def _checksum(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
+  """`"sha256:<hex>"` over the header (without `checksum`) and every array."""
+  h = hashlib.sha256()
+  body = {key: val for key, val in header.items() if key != "checksum"}
+  h.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+  for name in sorted(arrays):
+    a = np.ascontiguousarray(arrays[name])
+    h.update(f"\0{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+    h.update(a.data)
+  return "sha256:" + h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- save
+def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCache) -> None:
+  """Writes `cache`'s tree and the K/V of its segments (read from `pool`) to `path`.
+
+  The file is written to a temporary name beside `path`, flushed to disk and renamed
+  over `path`, so a crash never leaves a half-written file under `path`.
+
+  Args:
+    path: destination file (any name; the format is documented in the module docstring).
+    pool: the pool holding the cache's segments.
+    cache: the prefix cache; not modified (no hit or access is recorded).
+
+  Raises:
+    UnsupportedNamespaceError: a namespace is neither str nor int (nothing is written).
+    InvalidArgument: the cache's block size differs from the pool's, or a segment lies
+      outside the pool.
+  """
+  config = pool.config
+  bs = config.block_size
+  if cache.block_size != bs:
+    raise InvalidArgument(f"cache block_size {cache.block_size} != pool block_size {bs}")
+  namespaces = cache.tree.namespaces()
+  ns_entries = [_encode_namespace(ns) for ns in namespaces]
+  ns_index = {ns: i for i, ns in enumerate(namespaces)}
+
+  # Parents before children: a parent is shallower than its children.
+  nodes = sorted(cache.tree.nodes(), key=lambda n: (ns_index[n.namespace], n.depth, n.node_id))
+  position = {n.node_id: i for i, n in enumerate(nodes)}
+  num_nodes = len(nodes)
+  parent = np.array([-1 if n.parent is None or n.parent.parent is None
+                     else position[n.parent.node_id] for n in nodes], np.int64)
+  node_ns = np.array([ns_index[n.namespace] for n in nodes], np.int32)
+  lengths = np.array([n.num_tokens for n in nodes], np.int64)
+  cu_tokens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+  tokens = (np.concatenate([n.key for n in nodes]).astype(np.int32) if num_nodes
+            else np.zeros((0,), np.int32))
+  order = sorted(range(num_nodes), key=lambda i: (nodes[i].last_access, nodes[i].access_seq))
+  recency = np.empty((num_nodes,), np.int64)
+  recency[order] = np.arange(num_nodes)
+  # PrefixCache has no public clock accessor; its private `_now` is the clock pins use.
+  now = cache.now()  # pylint: disable=protected-access
+  pin_ttl = np.array([max(n.pinned_until - now, 0.0) for n in nodes], np.float64)
+
+  # Flat physical slot of every token of the stream, node by node, in token order.
+  segs = [n.value for n in nodes if n.value.shape[0]]
+  if segs:
+    all_segs = np.concatenate(segs).astype(np.int64)
+    if all_segs[:, 0].max() >= config.num_blocks:
+      raise InvalidArgument(f"the cache references block {int(all_segs[:, 0].max())}; the "
+                            f"pool has {config.num_blocks}")
+    first = all_segs[:, 0] * bs + all_segs[:, 1]
+    before = np.cumsum(all_segs[:, 2]) - all_segs[:, 2]  # tokens before each segment
+    slots = np.repeat(first - before, all_segs[:, 2]) + np.arange(int(all_segs[:, 2].sum()))
+  else:
+    slots = np.zeros((0,), np.int64)
+  if slots.shape[0] != cu_tokens[-1]:
+    raise InvalidArgument(f"the cache's segments cover {slots.shape[0]} tokens, its nodes "
+                          f"{int(cu_tokens[-1])}")
+  bits = _BITS_DTYPES[config.jnp_dtype.itemsize]
+  k, v = _gather_slots(pool.state.pages.k, pool.state.pages.v, jnp.asarray(slots, jnp.int32))
+  arrays = {
+      "node_namespace": node_ns, "node_parent": parent, "cu_tokens": cu_tokens,
+      "tokens": tokens, "node_recency": recency, "node_pin_ttl": pin_ttl,
+      "k": np.asarray(jax.device_get(k)).view(bits),
+      "v": np.asarray(jax.device_get(v)).view(bits),
+  }
+  header = {
+      "format": FORMAT_NAME, "version": FORMAT_VERSION,
+      "pool": {"num_layers": config.num_layers, "num_kv_heads": config.num_kv_heads,
+               "head_dim": config.head_dim, "dtype": config.dtype, "block_size": bs},
+      "namespaces": ns_entries, "num_nodes": num_nodes, "num_tokens": int(cu_tokens[-1]),
+  }
+  header["checksum"] = _checksum(header, arrays)
+  header_bytes = np.frombuffer(json.dumps(header, sort_keys=True).encode(), np.uint8)
+
+  path = os.fspath(path)
+  tmp = f"{path}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "wb") as f:
+      np.savez(f, header=header_bytes, **arrays)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+@jax.jit
+def _gather_slots(k: jax.Array, v: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """K/V of flat slots: pages `[L, H, N, bs, D]`, `slots: i32[T]` -> `[L, H, T, D]`."""
+  l, h, n, bs, d = k.shape
+  return (k.reshape(l, h, n * bs, d)[:, :, slots], v.reshape(l, h, n * bs, d)[:, :, slots])
+
+
+# ----------------------------------------------------------------------------- read
+@dataclasses.dataclass(frozen=True)
+class _SavedCache:
+  """A validated file: the tree (host arrays) and K/V as the pool dtype."""
+
+  pool: dict[str, Any]
+  namespaces: list[Hashable]
+  node_namespace: np.ndarray  # i32[N]
+  node_parent: np.ndarray     # i64[N]
+  cu_tokens: np.ndarray       # i64[N + 1]
+  tokens: np.ndarray          # i32[T]
+  node_recency: np.ndarray    # i64[N]
+  node_pin_ttl: np.ndarray    # f64[N]
+  k: np.ndarray               # [L, H, T, D] bits (unsigned int of the dtype's width)
+  v: np.ndarray
+
+  @property
+  def num_nodes(self) -> int:
+    return int(self.node_parent.shape[0])
+
+
+def _read(path: str | os.PathLike) -> _SavedCache:
+  """Reads and fully validates the file (format, version, checksum, array shapes)."""
+  with open(path, "rb") as f:
+    raw = f.read()
+  try:
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+      names = set(z.files)
+      missing = {"header", *_ARRAYS} - names
+      if missing:
+        raise CorruptFileError(f"{os.fspath(path)!r}: missing members {sorted(missing)}")
+      header_bytes = z["header"]
+      arrays = {name: z[name] for name in _ARRAYS}
+  except PersistError:
+    raise
+  except (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, KeyError,
+          UnicodeDecodeError) as e:
+    raise CorruptFileError(f"{os.fspath(path)!r} is not a readable prefix-cache archive "
+                           f"(truncated or corrupted): {e}") from e
+  try:
+    if header_bytes.dtype != np.uint8 or header_bytes.ndim != 1:
+      raise ValueError("header is not a uint8 vector")
+    header = json.loads(header_bytes.tobytes().decode())
+    if not isinstance(header, dict):
+      raise ValueError("header is not a JSON object")
+  except ValueError as e:
+    raise CorruptFileError(f"{os.fspath(path)!r}: unreadable header: {e}") from e
+  if header.get("format") != FORMAT_NAME:
+    raise UnsupportedVersionError(f"{os.fspath(path)!r}: format {header.get('format')!r} is "
+                                  f"not {FORMAT_NAME!r}")
+  if header.get("version") != FORMAT_VERSION:
+    raise UnsupportedVersionError(f"{os.fspath(path)!r}: format version "
+                                  f"{header.get('version')!r}; this library reads version "
+                                  f"{FORMAT_VERSION}")
+  if header.get("checksum") != _checksum(header, arrays):
+    raise CorruptFileError(f"{os.fspath(path)!r}: checksum mismatch (the file was modified "
+                           f"or damaged)")
+  return _validate(header, arrays, os.fspath(path))
+
+
+def _validate(header: dict[str, Any], a: dict[str, np.ndarray], where: str) -> _SavedCache:
+  """Shapes, dtypes and tree structure of a checksummed file."""
+  def bad(msg: str) -> CorruptFileError:
+    return CorruptFileError(f"{where}: {msg}")
+
+  pool = header.get("pool")
+  if not isinstance(pool, dict) or any(key not in pool for key in (*_GEOMETRY, "block_size")):
+    raise bad("header lacks the pool geometry")
+  ns_entries = header.get("namespaces")
+  if not isinstance(ns_entries, list):
+    raise bad("header lacks the namespace list")
+  namespaces = [_decode_namespace(e) for e in ns_entries]
+  if len(set(namespaces)) != len(namespaces):
+    raise bad("repeated namespaces")
+  n, t = header.get("num_nodes"), header.get("num_tokens")
+  want = {"node_namespace": (np.int32, (n,)), "node_parent": (np.int64, (n,)),
+          "cu_tokens": (np.int64, (n + 1,) if isinstance(n, int) else None),
+          "tokens": (np.int32, (t,)), "node_recency": (np.int64, (n,)),
+          "node_pin_ttl": (np.float64, (n,))}
+  for name, (dtype, shape) in want.items():
+    if a[name].dtype != dtype or a[name].shape != shape:
+      raise bad(f"member {name} is {a[name].dtype}{a[name].shape}, expected "
+                f"{np.dtype(dtype)}{shape}")
+  try:
+    itemsize = jnp.dtype(pool["dtype"]).itemsize
+    kv_shape = (int(pool["num_layers"]), int(pool["num_kv_heads"]), t, int(pool["head_dim"]))
+  except (TypeError, ValueError) as e:
+    raise bad(f"bad pool geometry {pool!r}: {e}") from e
+  for name in ("k", "v"):
+    if a[name].dtype != _BITS_DTYPES.get(itemsize) or a[name].shape != kv_shape:
+      raise bad(f"member {name} is {a[name].dtype}{a[name].shape}, expected "
+                f"{np.dtype(_BITS_DTYPES.get(itemsize, np.uint8))}{kv_shape}")
+  parent, node_ns, cu = a["node_parent"], a["node_namespace"], a["cu_tokens"]
+  idx = np.arange(n)
+  if ((parent < -1) | (parent >= idx)).any():
+    raise bad("a node's parent does not precede it")
+  if ((node_ns < 0) | (node_ns >= len(namespaces))).any():
+    raise bad("a node names an unknown namespace")
+  has_parent = parent >= 0
+  if (node_ns[has_parent] != node_ns[parent[has_parent]]).any():
+    raise bad("a node's namespace differs from its parent's")
+  if n and (cu[0] != 0 or cu[-1] != t or (np.diff(cu) < 1).any()):
+    raise bad("node token spans are not consecutive non-empty ranges of the stream")
+  first = a["tokens"][cu[:-1]] if n else np.zeros((0,), np.int32)
+  keys = set(zip(parent.tolist(), node_ns.tolist(), first.tolist()))
+  if len(keys) != n:
+    raise bad("two children of one node start with the same token")
+  if np.isnan(a["node_pin_ttl"]).any() or (a["node_pin_ttl"] < 0).any():
+    raise bad("pin TTLs must be >= 0")
+  if n and sorted(a["node_recency"].tolist()) != list(range(n)):
+    raise bad("node_recency is not a permutation")
+  return _SavedCache(pool=pool, namespaces=namespaces, **a)
+
+
+# ----------------------------------------------------------------------------- layout
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Where each token of the stream goes, in placeholder ("virtual") blocks 0..B-1.
+
+  Attributes:
+    node_segments: per node, `i32[s, 3]` segments `(virtual block, start, length)`.
+    fill: `i64[B]` used slots of each virtual block (slots `[0, fill)`).
+    block_tokens: per virtual block, `i64[fill]` stream index of the token in each slot.
+    tree_refs: `i64[B]` segments of the tree on each virtual block.
+  """
+
+  node_segments: list[np.ndarray]
+  fill: np.ndarray
+  block_tokens: list[np.ndarray]
+  tree_refs: np.ndarray
+
+  @property
+  def num_blocks(self) -> int:
+    return int(self.fill.shape[0])
+
+
+def _plan_layout(cu_tokens: np.ndarray, block_size: int) -> _Layout:
+  """Whole blocks per node plus best-fit placement of each node's short tail."""
+  bs = block_size
+  fill: list[int] = []
+  block_tokens: list[list[np.ndarray]] = []
+  open_by_room: list[list[int]] = [[] for _ in range(bs)]  # room -> heap of block ids
+  node_segments = []
+  for i in range(cu_tokens.shape[0] - 1):
+    begin, end = int(cu_tokens[i]), int(cu_tokens[i + 1])
+    q, r = divmod(end - begin, bs)
+    segs = []
+    for c in range(q):
+      fill.append(bs)
+      block_tokens.append([np.arange(begin + c * bs, begin + (c + 1) * bs)])
+      segs.append((len(fill) - 1, 0, bs))
+    if r:
+      room = next((m for m in range(r, bs) if open_by_room[m]), None)
+      if room is None:
+        fill.append(0)
+        block_tokens.append([])
+        j = len(fill) - 1
+      else:
+        j = heapq.heappop(open_by_room[room])
+      segs.append((j, fill[j], r))
+      block_tokens[j].append(np.arange(begin + q * bs, end))
+      fill[j] += r
+      if fill[j] < bs:
+        heapq.heappush(open_by_room[bs - fill[j]], j)
+    node_segments.append(np.asarray(segs, np.int32).reshape(-1, 3))
+  all_blocks = (np.concatenate([s[:, 0] for s in node_segments]) if node_segments
+                else np.zeros((0,), np.int32))
+  return _Layout(node_segments=node_segments, fill=np.asarray(fill, np.int64),
+                 block_tokens=[np.concatenate(p).astype(np.int64) for p in block_tokens],
+                 tree_refs=np.bincount(all_blocks, minlength=len(fill)).astype(np.int64))
+
+
+def _build_tree(cache: PrefixCache, saved: _SavedCache,
+                node_segments: list[np.ndarray]) -> RefDeltas:
+  """Inserts the saved tree into `cache` on the given segments; returns the tree's refs.
+
+  Leaves are inserted least recently used first (so LRU order among leaves is
+  preserved), each with its full path; node boundaries that are not branch points are
+  then recreated by splits (always on segment boundaries, so no segment is cut).
+  """
+  n = saved.num_nodes
+  parent, cu = saved.node_parent, saved.cu_tokens
+  paths: list[np.ndarray] = []
+  path_segs: list[np.ndarray] = []
+  for i in range(n):
+    key = saved.tokens[cu[i]:cu[i + 1]]
+    p = int(parent[i])
+    paths.append(key if p < 0 else np.concatenate([paths[p], key]))
+    path_segs.append(node_segments[i] if p < 0 else
+                     np.concatenate([path_segs[p], node_segments[i]]))
+  is_parent = np.zeros((n,), bool)
+  is_parent[parent[parent >= 0]] = True
+  deltas = RefDeltas.empty()
+  for i in sorted(np.flatnonzero(~is_parent).tolist(), key=lambda i: saved.node_recency[i]):
+    ns = saved.namespaces[saved.node_namespace[i]]
+    deltas = deltas + cache.insert(ns, paths[i], path_segs[i]).ref_deltas
+  for i in np.flatnonzero(is_parent).tolist():
+    ns = saved.namespaces[saved.node_namespace[i]]
+    m = cache.tree.match_prefix(ns, paths[i], now=0.0, record=False)
+    if m.length != paths[i].shape[0]:
+      raise CorruptFileError(f"node {i}'s path is not in the rebuilt tree")
+    if m.last_offset < cache.tree.node(m.path[-1]).num_tokens:
+      deltas = deltas + cache.split(m.path[-1], m.last_offset)[1]
+  for i in np.flatnonzero(saved.node_pin_ttl > 0).tolist():
+    cache.pin(saved.namespaces[saved.node_namespace[i]], paths[i],
+              float(saved.node_pin_ttl[i]))
+  return deltas
+
+
+# ----------------------------------------------------------------------------- load
+def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
+                      cache: PrefixCache | None = None) -> PrefixCache:
+  """Restores a saved prefix cache into `pool`; returns the cache.
+
+  The pool may differ from the saving one in `num_blocks`, `max_seqs`, `max_segments`,
+  `block_size` and regions; layers, kv heads, head_dim and dtype must match. The K/V go
+  into newly allocated blocks, laid out compactly (see the module docstring), and the
+  tree's references are applied to the pool.
+
+  Args:
+    path: a file written by `save_prefix_cache`.
+    pool: the pool to load into; needs as many free dynamic blocks as the layout takes
+      and one free sequence row (used temporarily).
+    cache: an empty `PrefixCache` with the pool's block size to fill (to choose its
+      policy or clock); default a new `PrefixCache(block_size=pool.config.block_size)`.
+
+  Returns:
+    The cache holding the loaded tree; `pool.check_invariants(
+    extra_segments=cache.segment_refs())` holds.
+
+  Raises:
+    FileNotFoundError: no file at `path`.
+    CorruptFileError: truncated or damaged file, checksum mismatch, malformed tree.
+    UnsupportedVersionError: another format or version.
+    ConfigMismatchError: layers, kv heads, head_dim or dtype differ from the pool's.
+    InvalidArgument: `cache` is not empty or has another block size.
+    PoolExhausted: too few free blocks for the whole saved cache (`reason="no_free_block"`)
+      or no free sequence row (`reason="no_free_row"`); nothing is loaded.
+    On every error, the pool and `cache` are unchanged.
+  """
+  config = pool.config
+  bs = config.block_size
+  saved = _read(path)
+  theirs = {key: saved.pool[key] for key in _GEOMETRY}
+  ours = {key: getattr(config, key) for key in _GEOMETRY}
+  if theirs != ours:
+    diff = ", ".join(f"{key} {theirs[key]!r} (file) != {ours[key]!r} (pool)"
+                     for key in _GEOMETRY if theirs[key] != ours[key])
+    raise ConfigMismatchError(f"{os.fspath(path)!r} does not fit this pool: {diff}")
+  if cache is not None:
+    if cache.block_size != bs:
+      raise InvalidArgument(f"cache block_size {cache.block_size} != pool block_size {bs}")
+    if len(cache.tree):
+      raise InvalidArgument(f"load_prefix_cache needs an empty cache; it holds "
+                            f"{len(cache.tree)} nodes")
+
+  layout = _plan_layout(saved.cu_tokens, bs)
+  # Dry run on host with the virtual block ids: validates the tree before the pool moves.
+  staging = PrefixCache(block_size=bs)
+  try:
+    staged_refs = _build_tree(staging, saved, layout.node_segments)
+  except (RadixTreeError, ValueError) as e:
+    raise CorruptFileError(f"{os.fspath(path)!r}: the saved tree cannot be rebuilt: {e}") from e
+  expected = RefDeltas.from_pairs(np.arange(layout.num_blocks), layout.tree_refs)
+  if (len(staging.tree) != saved.num_nodes
+      or not np.array_equal(staged_refs.block_ids, expected.block_ids)
+      or not np.array_equal(staged_refs.deltas, expected.deltas)):
+    raise CorruptFileError(f"{os.fspath(path)!r}: the rebuilt tree differs from the saved one")
+
+  if layout.num_blocks > pool.num_free_blocks:
+    raise PoolExhausted(f"the saved cache needs {layout.num_blocks} blocks of "
+                        f"{bs} tokens; the pool has {pool.num_free_blocks} free",
+                        reason="no_free_block")
+  num_free_rows = config.max_seqs - int(np.asarray(pool.state.table.active).sum())
+  if layout.num_blocks and num_free_rows < 1:
+    raise PoolExhausted("loading needs one free sequence row", reason="no_free_row")
+
+  physical = _write_blocks(pool, saved, layout, min(num_free_rows, _MAX_LOAD_BATCH))
+  if cache is None:
+    remap = np.arange(max(config.num_blocks, layout.num_blocks), dtype=np.int64)
+    remap[:layout.num_blocks] = physical
+    staging.apply_remap(remap)
+    return staging
+  _build_tree(cache, saved, [np.column_stack([physical[s[:, 0]], s[:, 1:]]).astype(np.int32)
+                             for s in layout.node_segments])
+  return cache
+
+
+def _write_blocks(pool: BlockPool, saved: _SavedCache, layout: _Layout,
+                  max_batch: int) -> np.ndarray:
+  """Allocates the layout's blocks, writes their K/V and applies the tree's references.
+
+  Blocks are reserved by temporary sequences (one per run of whole blocks ended by a
+  partly filled one, at most `max_segments` blocks each), so the allocator marks exactly
+  the used slots. Each batch's tree references are applied before its sequences are
+  released. If anything fails half-way, the references taken so far are dropped again
+  (the blocks return to the free list) and the error propagates.
+
+  Returns:
+    `i64[B]` physical block of each virtual block.
+  """
+  config = pool.config
+  bs = config.block_size
+  groups: list[list[int]] = []
+  current: list[int] = []
+  for j in range(layout.num_blocks):
+    current.append(j)
+    if layout.fill[j] < bs or len(current) == config.max_segments:
+      groups.append(current)
+      current = []
+  if current:
+    groups.append(current)
+  if not groups:
+    return np.zeros((0,), np.int64)
+  dtype = config.jnp_dtype
+  k_all, v_all = saved.k.view(dtype), saved.v.view(dtype)
+  physical = np.full((layout.num_blocks,), -1, np.int64)
+  max_batch = min(max_batch, len(groups))
+  most = max(int(layout.fill[g].sum()) for g in groups)
+  width = 1 << max(most - 1, 0).bit_length()  # what reserve_tokens pads to, at most
+  open_seqs: list[int] = []
+  applied: list[tuple[np.ndarray, np.ndarray]] = []
+  try:
+    for g0 in range(0, len(groups), max_batch):
+      batch = groups[g0:g0 + max_batch]
+      src = [np.concatenate([layout.block_tokens[j] for j in g]) for g in batch]
+      for _ in batch:
+        open_seqs.append(pool.open_sequence())
+      reserved = np.asarray(pool.reserve_tokens(open_seqs, [s.shape[0] for s in src]))
+      # Writes padded to one shape for the whole load (slot -1 is skipped): one compile.
+      slot_idx = np.full((max_batch, width), -1, np.int32)
+      slot_idx[:len(batch), :reserved.shape[1]] = reserved
+      src_idx = np.zeros((max_batch, width), np.int64)
+      for r, (g, s) in enumerate(zip(batch, src)):
+        src_idx[r, :s.shape[0]] = s
+        physical[g] = slot_idx[r, np.arange(len(g)) * bs] // bs
+      for layer in range(config.num_layers):
+        # [H, B, W, D] -> [B, W, H, D], the layout write_kv takes.
+        k = np.ascontiguousarray(k_all[layer][:, src_idx].transpose(1, 2, 0, 3))
+        v = np.ascontiguousarray(v_all[layer][:, src_idx].transpose(1, 2, 0, 3))
+        pool.write_kv(layer, slot_idx, k, v)
+      blocks = np.concatenate([np.asarray(g) for g in batch])
+      ids, refs = physical[blocks], layout.tree_refs[blocks]
+      pool.apply_ref_deltas(ids, refs)
+      applied.append((ids, refs))
+      pool.release(open_seqs)
+      open_seqs = []
+  except BaseException:
+    if open_seqs:
+      live = set(pool.active_sequences().tolist())
+      pool.release([s for s in open_seqs if s in live])
+    for ids, refs in applied:
+      pool.apply_ref_deltas(ids, -refs)
+    raise
+  return physical

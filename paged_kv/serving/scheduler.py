@@ -1,0 +1,672 @@
+"""A continuous-batching scheduler that carries the memory manager end to end.
+
+Per `step()`:
+
+1. **Admission** (FCFS; swapped-out requests first). The prompt's longest cached
+   prefix is matched in the radix cache (and locked); the request is admitted
+   only if the *whole* uncached prompt fits now (admission by full input
+   length, so an admitted request is not preempted at once in a loop), after
+   evicting cached blocks if needed. The sequence opens on the matched
+   segments (shared, no copy).
+2. **Chunked prefill** of admitted prompts under a per-step token budget.
+3. **Decode** of one token for every running sequence whose prompt is done.
+   Under pressure, cached blocks are evicted first; then the most recently
+   admitted sequence is preempted, by recompute (its computed tokens go into
+   the cache, it re-queues and re-matches them) or by swap (its K/V is copied
+   to host, restored bit-exactly later).
+4. **Finish**: a finished sequence's cached tokens are inserted into the radix
+   cache (the tree takes references), optionally its short tail is packed into a
+   slotted block, then the sequence is released.
+5. **Compaction** between steps when the fragmentation ratio crosses the
+   policy's threshold, at most `budget` block moves; the cache follows `remap`.
+6. A metrics snapshot (`snapshot_every` steps).
+
+The model is behind an `Executor` (prefill / decode on the pool state); the
+`DryExecutor` only reserves slots (memory dynamics, no math) for trace replay.
+Tokens: after a sequence's prompt is prefilled, its first output token is
+*pending* (sampled, not yet in the cache); each decode step caches the pending
+token and samples the next, so a running sequence caches
+`len(prompt) + len(output) - 1` tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+from typing import Callable, Hashable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_kv.core import compact, segments
+from paged_kv.telemetry import metrics
+from paged_kv.core.errors import PagedKVError, PoolExhausted, Status
+from paged_kv.pool import BlockPool
+from paged_kv.core.state import REGION_DYNAMIC, PoolState
+from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
+from radix.cache import PrefixCache, RefDeltas
+
+PREEMPTION_MODES = ("recompute", "swap")
+RECLAIM_EVERY = 8  # steps between reclaims of dead slots, when packing tails
+
+
+class Phase(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  SWAPPED = "swapped"
+  FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request and its progress.
+
+  Attributes:
+    request_id: caller's id.
+    prompt: `i32[n]` prompt tokens (n >= 1).
+    max_new_tokens: tokens to generate (>= 1).
+    namespace: prefix-cache namespace (tenant / adapter); never matches others.
+    arrival: arrival time (caller's unit), for latency reports.
+    forced_output: optional `i32[max_new_tokens]` tokens to emit instead of the
+      executor's samples (trace replay, where only lengths are known).
+  """
+
+  request_id: Hashable
+  prompt: np.ndarray
+  max_new_tokens: int
+  namespace: Hashable = "default"
+  arrival: float = 0.0
+  forced_output: np.ndarray | None = None
+  # Progress (set by the scheduler).
+  phase: Phase = Phase.WAITING
+  output: list = dataclasses.field(default_factory=list)
+  seq_id: int | None = None
+  num_cached: int = 0
+  prefill_target: int = 0
+  lock_node: object = None
+  swapped: SwappedKV | None = None
+  hit_tokens: int = 0
+  num_preemptions: int = 0
+  stop_reason: str = ""  # "length", "stop_token", or "table_full" (the row had no room left)
+  admit_step: int = -1
+  first_token_step: int = -1
+  finish_step: int = -1
+  first_token_time: float = -1.0
+  finish_time: float = -1.0
+
+  def __post_init__(self):
+    self.prompt = np.asarray(self.prompt, np.int32).reshape(-1)
+    if self.prompt.size < 1:
+      raise ValueError(f"request {self.request_id}: empty prompt")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1")
+    if self.forced_output is not None:
+      self.forced_output = np.asarray(self.forced_output, np.int32).reshape(-1)
+      if self.forced_output.size < self.max_new_tokens:
+        raise ValueError(f"request {self.request_id}: forced_output shorter than max_new_tokens")
+
+  @property
+  def tokens(self) -> np.ndarray:
+    """Prompt followed by the output so far."""
+    return np.concatenate([self.prompt, np.asarray(self.output, np.int32)])
+
+  @property
+  def done(self) -> bool:
+    return self.phase == Phase.FINISHED
+
+
+class Executor(Protocol):
+  """The model work of a step, on the pool state (donated in, returned out)."""
+
+  def prefill(self, state: PoolState, seq_ids: np.ndarray, tokens: np.ndarray,
+              num_new: np.ndarray) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    """Reserves and computes `num_new[i]` tokens `tokens[i, :num_new[i]]` per row.
+
+    Returns `(state, next_tokens i32[B], status i32[B])`; a failed row is untouched.
+    """
+
+  def decode(self, state: PoolState, seq_ids: np.ndarray,
+             last_tokens: np.ndarray) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    """Caches each row's pending token and samples the next one."""
+
+
+class DryExecutor:
+  """Memory dynamics only: reserves the slots, computes nothing, samples token 0."""
+
+  def __init__(self, config):
+    self.config = config
+
+  def prefill(self, state, seq_ids, tokens, num_new):
+    state, (_, status) = segments.reserve_tokens(state, seq_ids, num_new, config=self.config,
+                                                 max_new_tokens=tokens.shape[1])
+    return state, np.zeros(seq_ids.shape, np.int32), np.asarray(status)
+
+  def decode(self, state, seq_ids, last_tokens):
+    state, (_, status) = segments.reserve_tokens(state, seq_ids, (seq_ids >= 0).astype(np.int32),
+                                                 config=self.config, max_new_tokens=1)
+    return state, np.zeros(seq_ids.shape, np.int32), np.asarray(status)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """Scheduling and memory policies.
+
+  Attributes:
+    max_batch: sequences per step (<= the pool's max_seqs).
+    prefill_token_budget: prompt tokens computed per step, all sequences together.
+    prefill_chunk: prompt tokens per sequence per step (static width of a call).
+    preemption: `"recompute"` or `"swap"`.
+    enable_prefix_cache: match prompts in, and insert finished sequences into, the cache.
+    evict_policy: `"lru"` or `"cost"`.
+    pack_tails: pack a finished sequence's short tail segments into slotted blocks.
+    compaction: when/how much to compact between steps (None: never).
+    promote_readers: every `promote_every` steps, blocks read by at least this
+      many references (sequences + cache nodes) move into the base pool
+      (`PoolConfig.base_pool_fraction`), where compaction never moves them
+      (0: off).
+    promote_every: steps between promotion passes.
+    output_reserve_ratio: admission keeps free this fraction of the blocks that
+      every running sequence and the new one may still need for their output
+      (`max_new_tokens` minus tokens generated). 0 admits on the prompt alone
+      (more concurrency, preemption storms under pressure); 1 never preempts when
+      `max_new_tokens` is exact. Blocks held only by the cache count as free (they
+      are evicted to make room).
+    watermark_blocks: free blocks admission leaves beyond that.
+    stop_token: end-of-sequence token (-1: none).
+    snapshot_every: take a metrics snapshot every this many steps (0: never).
+  """
+
+  max_batch: int = 32
+  prefill_token_budget: int = 512
+  prefill_chunk: int = 128
+  preemption: str = "recompute"
+  enable_prefix_cache: bool = True
+  evict_policy: str = "lru"
+  pack_tails: bool = False
+  compaction: compact.CompactionPolicy | None = compact.CompactionPolicy()
+  promote_readers: int = 0
+  promote_every: int = 16
+  output_reserve_ratio: float = 0.5
+  watermark_blocks: int = 0
+  stop_token: int = -1
+  snapshot_every: int = 1
+
+  def __post_init__(self):
+    if self.preemption not in PREEMPTION_MODES:
+      raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+    for name in ("max_batch", "prefill_token_budget", "prefill_chunk"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1")
+    if not 0.0 <= self.output_reserve_ratio <= 1.0:
+      raise ValueError(f"output_reserve_ratio must be in [0, 1], got {self.output_reserve_ratio}")
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+  """Cumulative counters of a scheduler run."""
+
+  steps: int = 0
+  admitted: int = 0
+  finished: int = 0
+  prompt_tokens: int = 0
+  hit_tokens: int = 0
+  prefill_tokens: int = 0
+  decode_tokens: int = 0
+  preemptions: int = 0
+  preemptions_recompute: int = 0
+  preemptions_swap: int = 0
+  swap_to_host_bytes: int = 0
+  swap_in_bytes: int = 0
+  evicted_tokens: int = 0
+  evictions: int = 0
+  compactions: int = 0
+  max_running: int = 0
+
+  @property
+  def prefix_cache_hit_rate(self) -> float:
+    return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+  @property
+  def preemption_rate(self) -> float:
+    """Preemptions per admitted request."""
+    return self.preemptions / self.admitted if self.admitted else 0.0
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+class Scheduler:
+  """Continuous batching over a `BlockPool` and a `PrefixCache`.
+
+  Example:
+    pool = BlockPool(PoolConfig(num_blocks=4096, block_size=16, max_seqs=64, ...))
+    sched = Scheduler(pool, DryExecutor(pool.config), SchedulerConfig(max_batch=32))
+    sched.submit(Request(0, prompt_tokens, max_new_tokens=64))
+    sched.run()                      # until every submitted request finished
+    sched.stats, sched.snapshots
+  """
+
+  def __init__(self, pool: BlockPool, executor: Executor, config: SchedulerConfig = SchedulerConfig(),
+               *, cache: PrefixCache | None = None, clock: Callable[[], float] = time.monotonic,
+               on_snapshot: Callable[[int, metrics.PoolSnapshot, "SchedulerStats"], None] | None = None):
+    if config.max_batch > pool.config.max_seqs:
+      raise ValueError(f"max_batch {config.max_batch} > pool max_seqs {pool.config.max_seqs}")
+    self.pool = pool
+    self.executor = executor
+    self.config = config
+    self.clock = clock
+    self.cache = cache
+    if cache is None and config.enable_prefix_cache:
+      self.cache = PrefixCache(block_size=pool.config.block_size, policy=config.evict_policy,
+                               pack_tails=config.pack_tails, clock=clock)
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.swapped: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []  # admission order
+    self.finished: list[Request] = []
+    self.stats = SchedulerStats()
+    self.counters = metrics.PoolCounters()
+    self.snapshots: list[metrics.PoolSnapshot] = []
+    self.alerts: list[metrics.Alert] = []
+    self._monitor = metrics.AlertMonitor()
+    self._on_snapshot = on_snapshot
+    self._step = 0
+    self._last_reclaim = -RECLAIM_EVERY
+
+  # ------------------------------------------------------------------ public
+  def submit(self, request: Request) -> None:
+    """Queues a request (FCFS)."""
+    bs, pc = self._bs, self.pool.config
+    # The most admission can ask for, alone in the pool: its whole prompt and output
+    # (+1 block each for partial tails) and the watermark. Refusing anything larger
+    # here guarantees the queue's head is always admitted once the pool drains.
+    need = (_cdiv(request.prompt.size, bs) + _cdiv(request.max_new_tokens, bs) + 2
+            + self.config.watermark_blocks)
+    if need > pc.num_blocks - pc.num_base_blocks:
+      raise PoolExhausted(f"request {request.request_id} needs up to {need} blocks; the pool "
+                          f"has {pc.num_blocks - pc.num_base_blocks} dynamic blocks",
+                          reason="no_free_block")
+    if _cdiv(request.prompt.size + request.max_new_tokens, bs) > pc.max_segments:
+      raise PoolExhausted(f"request {request.request_id} may need more than "
+                          f"max_segments={pc.max_segments} segments", reason="table_full")
+    self.waiting.append(request)
+
+  @property
+  def idle(self) -> bool:
+    return not (self.waiting or self.swapped or self.running)
+
+  def run(self, *, max_steps: int | None = None,
+          before_step: Callable[["Scheduler"], None] | None = None) -> None:
+    """Steps until idle (or `max_steps`); `before_step(self)` may submit arrivals."""
+    n = 0
+    while max_steps is None or n < max_steps:
+      if before_step is not None:
+        before_step(self)
+      if self.idle:
+        break
+      self.step()
+      n += 1
+
+  def step(self) -> None:
+    """One scheduling step (see the module docstring)."""
+    self._admit()
+    if not self.running and (self.waiting or self.swapped):
+      # `submit` refuses what cannot fit an empty pool, so this is a bug, not load.
+      raise RuntimeError(f"scheduler stalled: nothing running, {len(self.waiting)} waiting, "
+                         f"{len(self.swapped)} swapped, {self.pool.num_free_blocks} free blocks")
+    self._prefill()
+    self._decode()
+    self._finish()
+    self._maybe_compact()
+    self._maybe_promote()
+    self.stats.steps += 1
+    self.stats.max_running = max(self.stats.max_running, len(self.running))
+    every = self.config.snapshot_every
+    if every and self._step % every == 0:
+      self._snapshot()
+    self._step += 1
+
+  # ------------------------------------------------------------------ helpers
+  @property
+  def _bs(self) -> int:
+    return self.pool.config.block_size
+
+  def _free_rows(self) -> int:
+    used = len(self.running)
+    return min(self.config.max_batch, self.pool.config.max_seqs) - used
+
+  def _apply(self, deltas: RefDeltas) -> None:
+    if len(deltas):
+      self.pool.apply_ref_deltas(deltas.block_ids, deltas.deltas)
+
+  def _evict(self, num_blocks: int) -> int:
+    """Evicts cached-only blocks; returns how many blocks it freed."""
+    if self.cache is None or num_blocks <= 0:
+      return 0
+    before = self.pool.num_free_blocks
+    ev = self.cache.evict(num_blocks=num_blocks,
+                          ref_count=np.asarray(self.pool.state.meta.ref_count))
+    if ev.num_segments:
+      self._apply(ev.ref_deltas)
+      self.stats.evictions += 1
+      self.stats.evicted_tokens += ev.num_tokens
+    return self.pool.num_free_blocks - before
+
+  def _ensure_free(self, need: int) -> bool:
+    short = need - self.pool.num_free_blocks
+    if short > 0:
+      self._evict(short)
+    return self.pool.num_free_blocks >= need
+
+  # ------------------------------------------------------------------ 1. admission
+  def _admit(self) -> None:
+    while self.swapped and self._free_rows() > 0:
+      req = self.swapped[0]
+      need = _cdiv(req.swapped.length, self._bs) + 1
+      if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
+        return  # swapped requests go first: wait for room
+      req.seq_id = swap_in(self.pool, req.swapped)
+      self.stats.swap_in_bytes += req.swapped.nbytes
+      req.swapped = None
+      req.phase = Phase.RUNNING
+      self.swapped.popleft()
+      self.running.append(req)
+    while self.waiting and self._free_rows() > 0:
+      req = self.waiting[0]
+      if not self._try_admit(req):
+        return
+      self.waiting.popleft()
+      self.running.append(req)
+
+  def _try_admit(self, req: Request) -> bool:
+    resumed = bool(req.output)
+    # A resumed request recomputes everything but its pending token; a fresh one
+    # keeps at least one prompt token to compute (for the first token's logits).
+    context = req.tokens[:-1] if resumed else req.prompt
+    probe = context if resumed else context[:-1]
+    matched, segs, node = 0, np.zeros((0, 3), np.int32), None
+    if self.cache is not None and probe.size:
+      m = self.cache.match(req.namespace, probe, lock=True, record=not resumed)
+      matched, segs, node = m.length, m.segments, m.node
+    # Keep the segment table from overflowing: a matched prefix may hold more segments
+    # than its tokens need (nodes split mid-block), and the tokens still to come take
+    # one segment per fresh block (they start at slot 0 after a shared tail and then
+    # fill in place). Share fewer segments (compute more) when it would not fit; with
+    # no shared segment it fits, by `submit`'s check.
+    out_left = req.max_new_tokens - len(req.output)
+    while len(segs) and len(segs) + _cdiv(context.size - matched + out_left, self._bs) > (
+        self.pool.config.max_segments):
+      segs = segs[:-1]
+      matched = int(segs[:, 2].sum())
+    need = _cdiv(context.size - matched, self._bs) + 1
+    if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
+      if node is not None:
+        self.cache.unlock(node)
+      return False
+    try:
+      seq = self.pool.open_sequence((segs[:, 0], segs[:, 1], segs[:, 2]) if len(segs) else None)
+    except PagedKVError:
+      if node is not None:
+        self.cache.unlock(node)
+      raise
+    req.seq_id, req.lock_node, req.num_cached = seq, node, matched
+    req.prefill_target = int(context.size)
+    req.phase = Phase.RUNNING
+    if req.admit_step < 0:
+      req.admit_step = self._step
+      req.hit_tokens = matched
+      self.stats.admitted += 1
+      self.stats.prompt_tokens += int(req.prompt.size)
+      self.stats.hit_tokens += matched
+    return True
+
+  def _output_reserve(self, new: Request) -> int:
+    """Blocks to keep free for what admitted sequences will still need.
+
+    Every running sequence's uncomputed prompt (admission is by full input
+    length, so a prompt admitted earlier keeps its room), plus
+    `output_reserve_ratio` of the output still to come of the running sequences
+    and of `new`, counted per sequence (one more block for a partial tail).
+    """
+    ratio = self.config.output_reserve_ratio
+
+    def blocks(prompt_left: int, out_left: int) -> int:
+      tokens = max(prompt_left, 0) + int(ratio * max(out_left, 0))
+      return _cdiv(tokens, self._bs) + 1 if tokens else 0
+
+    total = sum(blocks(r.prefill_target - r.num_cached, r.max_new_tokens - len(r.output))
+                for r in self.running)
+    return total + blocks(0, new.max_new_tokens - len(new.output))
+
+  # ------------------------------------------------------------------ 2. prefill
+  def _prefill(self) -> None:
+    budget = self.config.prefill_token_budget
+    chunk = self.config.prefill_chunk
+    batch, counts = [], []
+    for req in self.running:
+      left = req.prefill_target - req.num_cached
+      if left > 0 and budget > 0:
+        n = min(left, chunk, budget)
+        batch.append(req)
+        counts.append(n)
+        budget -= n
+    if not batch:
+      return
+    b = self.config.max_batch
+    ids = np.full((b,), -1, np.int32)
+    toks = np.zeros((b, chunk), np.int32)
+    num = np.zeros((b,), np.int32)
+    for i, (req, n) in enumerate(zip(batch, counts)):
+      ids[i], num[i] = req.seq_id, n
+      toks[i, :n] = req.tokens[req.num_cached:req.num_cached + n]
+    self.pool.state, nxt, status = self.executor.prefill(self.pool.state, ids, toks, num)
+    failed = []
+    for i, req in enumerate(batch):
+      if status[i] != Status.OK:
+        self._record_failure(req, int(status[i]), req.num_cached + counts[i])
+        failed.append(req)
+        continue
+      req.num_cached += counts[i]
+      self.stats.prefill_tokens += counts[i]
+      if req.num_cached == req.prefill_target and not req.output:
+        self._emit(req, int(nxt[i]))
+    if failed:
+      self._relieve_pressure(len(failed))
+
+  # ------------------------------------------------------------------ 3. decode
+  def _decode_batch(self) -> list[Request]:
+    return [r for r in self.running if r.num_cached >= r.prefill_target and r.output
+            and not self._is_finished(r)]
+
+  def _decode(self) -> None:
+    batch = self._decode_batch()
+    if not batch:
+      return
+    # Blocks this step may need: sequences whose tail block is full (an upper
+    # bound for shared tails is handled by the retry below).
+    need = sum(1 for r in batch if r.num_cached % self._bs == 0)
+    if not self._ensure_free(need):
+      self._relieve_pressure(need - self.pool.num_free_blocks)
+      batch = self._decode_batch()
+      if not batch:
+        return
+    b = self.config.max_batch
+    ids = np.full((b,), -1, np.int32)
+    last = np.zeros((b,), np.int32)
+    for i, req in enumerate(batch):
+      ids[i], last[i] = req.seq_id, req.output[-1]
+    self.pool.state, nxt, status = self.executor.decode(self.pool.state, ids, last)
+    failed = 0
+    for i, req in enumerate(batch):
+      if status[i] != Status.OK:
+        self._record_failure(req, int(status[i]), req.num_cached + 1)
+        failed += 1
+        continue
+      req.num_cached += 1
+      self.stats.decode_tokens += 1
+      self._emit(req, int(nxt[i]))
+    if failed:
+      self._relieve_pressure(failed)
+
+  def _record_failure(self, req: Request, status: int, seq_len: int) -> None:
+    """Counts a failed reservation; a full segment table ends the request (no retry helps)."""
+    self.counters.record_status(np.array([status]), [seq_len])
+    if status == Status.TABLE_FULL:
+      req.stop_reason = "table_full"
+
+  def _emit(self, req: Request, token: int) -> None:
+    if req.forced_output is not None:
+      token = int(req.forced_output[len(req.output)])
+    req.output.append(token)
+    if req.first_token_step < 0:
+      req.first_token_step = self._step
+      req.first_token_time = self.clock()
+
+  def _is_finished(self, req: Request) -> bool:
+    if not req.stop_reason:
+      if len(req.output) >= req.max_new_tokens:
+        req.stop_reason = "length"
+      elif self.config.stop_token >= 0 and req.output and req.output[-1] == self.config.stop_token:
+        req.stop_reason = "stop_token"
+    return bool(req.stop_reason)
+
+  def _relieve_pressure(self, blocks: int) -> None:
+    """Evict cached blocks, then preempt the most recently admitted sequences."""
+    blocks = max(blocks, 1)
+    if self._evict(blocks) >= blocks:
+      return
+    while self.pool.num_free_blocks < blocks and len(self.running) > 1:
+      self._preempt(self.running[-1])
+      # A recomputed victim's blocks went into the cache: evict them, unlocked now.
+      self._evict(blocks - self.pool.num_free_blocks)
+
+  def _preempt(self, req: Request) -> None:
+    self.running.remove(req)
+    self.stats.preemptions += 1
+    req.num_preemptions += 1
+    if self.config.preemption == "swap" and req.output:
+      req.swapped = swap_out(self.pool, req.seq_id)
+      self.stats.preemptions_swap += 1
+      self.stats.swap_to_host_bytes += req.swapped.nbytes
+      req.phase = Phase.SWAPPED
+      self.swapped.append(req)
+    else:
+      self._store_and_release(req)
+      self.stats.preemptions_recompute += 1
+      req.num_cached = 0
+      req.phase = Phase.WAITING
+      self.waiting.appendleft(req)
+    if req.lock_node is not None:
+      self.cache.unlock(req.lock_node)
+      req.lock_node = None
+    req.seq_id = None
+
+  # ------------------------------------------------------------------ 4. finish
+  def _store_and_release(self, req: Request) -> None:
+    """Inserts the sequence's cached tokens into the cache, then releases it.
+
+    With `pack_tails`, the new cache leaf's short segments (partial tail blocks)
+    are then packed into slotted blocks, and the cache rebinds to their new place.
+    """
+    pack = ()
+    if self.cache is not None and req.num_cached > 0:
+      blk, start, length = self.pool.segments(req.seq_id)
+      segs = np.stack([blk, start, length], axis=1)
+      outcome = self.cache.insert(req.namespace, req.tokens[:req.num_cached], segs)
+      self._apply(outcome.ref_deltas)
+      pack = outcome.pack
+    self.pool.release([req.seq_id])
+    if pack:
+      self._pack(pack)
+
+  def _pack(self, candidates) -> None:
+    if self._step - self._last_reclaim >= RECLAIM_EVERY:
+      # Slots of segments that left slotted blocks become reusable (checked
+      # against ref_count: every holder, tables and cache, is accounted for).
+      self.pool.reclaim_slots(self.cache.segment_refs())
+      self._last_reclaim = self._step
+    region = np.asarray(self.pool.state.meta.region)
+    candidates = [c for c in candidates if region[c.segment[0]] == REGION_DYNAMIC]
+    if not candidates:
+      return  # a promoted (base-region) block is shared and pinned: nothing to pack
+    old = np.array([c.segment for c in candidates], np.int32)
+    try:
+      result = self.pool.pack_slots(extra_segments=old)
+    except PoolExhausted:
+      return  # nowhere to pack now (atomic: nothing changed); the tails stay as they are
+    for cand, seg_old, seg_new in zip(candidates, old, result.extra_segments):
+      if tuple(seg_old) != tuple(seg_new):
+        # The pool already moved the reference; the cache only rewrites its record.
+        self.cache.rebind_segment(cand.node, seg_old, seg_new)
+        self.counters.pack_moves += 1
+
+  def _finish(self) -> None:
+    done = [r for r in self.running if self._is_finished(r)]
+    for req in done:
+      self.running.remove(req)
+      self._store_and_release(req)
+      if req.lock_node is not None:
+        self.cache.unlock(req.lock_node)
+        req.lock_node = None
+      req.phase = Phase.FINISHED
+      req.seq_id = None
+      req.finish_step = self._step
+      req.finish_time = self.clock()
+      self.finished.append(req)
+      self.stats.finished += 1
+
+  # ------------------------------------------------------------------ 5. compaction
+  def _maybe_compact(self) -> None:
+    policy = self.config.compaction
+    if policy is None:
+      return
+    ratio = float(compact.fragmentation_ratio(self.pool.state.meta))
+    if not policy.should_compact(ratio):
+      return
+    t0 = time.perf_counter()
+    src, dst = policy.plan(self.pool.state.meta)
+    num_moves = int(np.sum(src >= 0))
+    if num_moves == 0:
+      return
+    self.pool.state, (remap, status) = compact.compact_permute(
+        self.pool.state, src, dst, config=self.pool.config)
+    if (np.asarray(status) != Status.OK).any():
+      raise RuntimeError(f"compaction plan refused: {np.asarray(status).tolist()}")
+    remap = np.asarray(remap)
+    if self.cache is not None:
+      self.cache.apply_remap(remap)
+    self.counters.record_compaction(num_moves, time.perf_counter() - t0)
+    self.stats.compactions += 1
+
+  def _maybe_promote(self) -> None:
+    """Moves widely shared blocks (system prompts) into the base pool."""
+    cfg = self.config
+    if (not cfg.promote_readers or not self.pool.config.num_base_blocks
+        or self._step % cfg.promote_every):
+      return
+    remap = self.pool.promote(cfg.promote_readers)
+    moved = int(np.sum(remap != np.arange(remap.shape[0])))
+    if moved:
+      if self.cache is not None:
+        self.cache.apply_remap(remap)
+      self.counters.promotions += moved
+
+  # ------------------------------------------------------------------ 6. metrics
+  def extra_segments(self) -> np.ndarray | None:
+    """References the cache holds (for the invariant checker and metrics)."""
+    return None if self.cache is None else self.cache.segment_refs()
+
+  def _snapshot(self) -> None:
+    snap = metrics.snapshot(self.pool.state, self.pool.config,
+                            extra_segments=self.extra_segments(), counters=self.counters)
+    self.snapshots.append(snap)
+    self.alerts.extend(self._monitor.observe(snap))
+    if self._on_snapshot is not None:
+      self._on_snapshot(self._step, snap, self.stats)
+
+  def check_invariants(self) -> None:
+    """The pool's invariants with the cache's references included."""
+    self.pool.check_invariants(extra_segments=self.extra_segments())

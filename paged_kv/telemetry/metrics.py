@@ -1,0 +1,357 @@
+"""Pool metrics: one snapshot dataclass, host counters, and threshold alerts.
+
+Everything in `PoolSnapshot` is derived from `PoolState` (plus the segments held
+outside the pool, and the counters the caller keeps in `PoolCounters`: OOMs by
+reason, compaction moves and seconds); nothing is stored twice. `check_alerts`
+turns a snapshot into structured `Alert` events, each with a likely cause and a
+suggested action; `AlertMonitor` emits an alert once when its metric crosses
+the threshold (and again only after it went back below).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Iterable
+
+import jax
+import numpy as np
+
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import OOM_REASONS, Status
+from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
+
+REGION_NAMES = {REGION_DYNAMIC: "dynamic", REGION_BASE: "base"}
+
+
+def largest_free_run(free: np.ndarray) -> int:
+  """Length of the longest run of consecutive True entries of `free`."""
+  if not free.any():
+    return 0
+  padded = np.concatenate([[False], free, [False]])
+  edges = np.flatnonzero(padded[1:] != padded[:-1])
+  return int((edges[1::2] - edges[::2]).max())
+
+
+def fragmentation_ratio(free: np.ndarray) -> float:
+  """1 - largest contiguous free run / total free blocks (0 when nothing is free)."""
+  total = int(free.sum())
+  return 0.0 if total == 0 else 1.0 - largest_free_run(free) / total
+
+
+def region_free_masks(ref_count: np.ndarray, region: np.ndarray) -> dict[str, np.ndarray]:
+  """Free-block masks per region name; a block of another region breaks a run."""
+  return {name: (ref_count == 0) & (region == r) for r, name in REGION_NAMES.items()}
+
+
+def live_slot_mask(state: PoolState, extra_segments=None) -> np.ndarray:
+  """`bool[num_blocks, block_size]`: slots covered by a live segment.
+
+  Live segments are those of active table rows plus `extra_segments`
+  (`(block, start, length)` rows held outside the pool, e.g. the prefix cache's).
+  """
+  t = jax.tree.map(np.asarray, state.table)
+  n, bs = state.pages.k.shape[2], state.pages.k.shape[3]
+  used = t.active[:, None] & (np.arange(t.block.shape[1])[None, :] < t.num_segments[:, None])
+  segs = np.stack([t.block[used], t.start[used], t.length[used]], axis=1).astype(np.int64)
+  if extra_segments is not None:
+    extra = np.asarray(extra_segments, np.int64).reshape(-1, 3)
+    segs = np.concatenate([segs, extra])
+  # Difference array over the flat slot space: +1 at start, -1 at end.
+  diff = np.zeros(n * bs + 1, np.int64)
+  flat = segs[:, 0] * bs + segs[:, 1]
+  np.add.at(diff, flat, 1)
+  np.add.at(diff, flat + segs[:, 2], -1)
+  return (np.cumsum(diff[:-1]) > 0).reshape(n, bs)
+
+
+@dataclasses.dataclass
+class PoolCounters:
+  """Event counters the host keeps beside the state (cumulative).
+
+  Attributes:
+    oom_by_reason: failed allocations by reason (`OOM_REASONS` values).
+    oom_by_seq_len: failed allocations by power-of-two bucket of the sequence length.
+    compaction_steps / compaction_moves / compaction_seconds: compaction work.
+    pack_moves: segments moved by `pack_slots`; cow_splits: tails copied.
+    promotions: blocks moved into the base pool.
+  """
+
+  oom_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  oom_by_seq_len: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  compaction_steps: int = 0
+  compaction_moves: int = 0
+  compaction_seconds: float = 0.0
+  pack_moves: int = 0
+  cow_splits: int = 0
+  promotions: int = 0
+
+  def record_status(self, status, seq_lens=None) -> int:
+    """Counts the OOM statuses of a transition's output; returns how many."""
+    status = np.asarray(status).reshape(-1)
+    count = 0
+    for code, reason in OOM_REASONS.items():
+      hit = status == int(code)
+      if hit.any():
+        self.oom_by_reason[reason] += int(hit.sum())
+        count += int(hit.sum())
+        if seq_lens is not None:
+          for ln in np.asarray(seq_lens).reshape(-1)[hit]:
+            self.oom_by_seq_len[1 << max(int(ln) - 1, 0).bit_length()] += 1
+    return count
+
+  def record_oom(self, reason: str | Status, seq_len: int | None = None) -> None:
+    """Counts one OOM (a reason name or a `Status`)."""
+    if isinstance(reason, Status):
+      reason = OOM_REASONS[reason]
+    self.oom_by_reason[reason] += 1
+    if seq_len is not None:
+      self.oom_by_seq_len[1 << max(int(seq_len) - 1, 0).bit_length()] += 1
+
+  def record_compaction(self, moves: int, seconds: float) -> None:
+    self.compaction_steps += 1
+    self.compaction_moves += int(moves)
+    self.compaction_seconds += float(seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSnapshot:
+  """Memory metrics of a pool at one instant (names as in DESIGN.md).
+
+  Attributes:
+    num_blocks, num_free_blocks: pool size and free blocks (both regions).
+    block_pool_utilization: used blocks / all blocks.
+    internal_fragmentation: 1 - live slots / slots of used blocks, where a live
+      slot is covered by a segment of an active table row or of an outside
+      holder passed to `snapshot` (dead slots left by moved or released
+      segments count as waste).
+    handed_out_internal_fragmentation: 1 - slots handed out (slot bits) / slots
+      of used blocks (what the bitmap alone says; <= internal_fragmentation).
+    fragmentation_ratio: dynamic region, 1 - largest free run / free blocks.
+    fragmentation_by_region: the same per region name (`dynamic`, `base`).
+    largest_contiguous_free_bytes: bytes of the largest free dynamic run.
+    segments_per_sequence: mean over live sequences.
+    live_sequences, live_tokens: active rows and their tokens.
+    live_blocks, cached_only_blocks: blocks used by table rows / only by outside holders.
+    ghost_block_bytes: free dynamic blocks missing from the free list (0 by construction).
+    oom_by_reason, oom_by_seq_len: from the counters.
+    compaction_moves, compaction_seconds: from the counters.
+  """
+
+  num_blocks: int
+  num_free_blocks: int
+  block_pool_utilization: float
+  internal_fragmentation: float
+  handed_out_internal_fragmentation: float
+  fragmentation_ratio: float
+  fragmentation_by_region: dict
+  largest_contiguous_free_bytes: int
+  segments_per_sequence: float
+  live_sequences: int
+  live_tokens: int
+  live_blocks: int
+  cached_only_blocks: int
+  ghost_block_bytes: int
+  oom_by_reason: dict
+  oom_by_seq_len: dict
+  compaction_moves: int
+  compaction_seconds: float
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def snapshot(state: PoolState, config: PoolConfig, *, extra_segments=None,
+             counters: PoolCounters | None = None,
+             assert_no_ghosts: bool = True) -> PoolSnapshot:
+  """Computes a `PoolSnapshot` on the host from the device state.
+
+  Args:
+    state: the pool state.
+    config: its config.
+    extra_segments: `(block, start, length)` rows held outside the tables
+      (e.g. `PrefixCache.segment_refs()`), counted as live slots.
+    counters: host counters (OOMs, compaction); zeros when None.
+    assert_no_ghosts: raise if a ghost block exists (the default; pass False in
+      a monitoring loop that should report it as an alert instead).
+
+  Raises:
+    AssertionError: ghost blocks exist (a bookkeeping bug; never expected).
+  """
+  meta = jax.tree.map(np.asarray, state.meta)
+  table = jax.tree.map(np.asarray, state.table)
+  n, bs = config.num_blocks, config.block_size
+  used = meta.ref_count > 0
+  i = np.arange(bs)
+  bits = (meta.slots[:, i // 32] >> (i % 32).astype(np.uint32)) & 1
+  handed_out = int(bits[used].sum())
+  live = live_slot_mask(state, extra_segments)
+  live_slots = int(live[used].sum())
+  used_slots_total = int(used.sum()) * bs
+  masks = region_free_masks(meta.ref_count, meta.region)
+  dyn_free = masks["dynamic"]
+  in_list = np.zeros(n, bool)
+  nf = int(meta.num_free)
+  if nf:
+    in_list[meta.free_list[n - nf:]] = True
+  ghosts = int(np.sum(dyn_free & ~in_list))
+  if assert_no_ghosts:
+    assert ghosts == 0, f"{ghosts} ghost blocks: free list and ref_count disagree"
+  active = table.active
+  num_live = int(active.sum())
+  seg_used = active[:, None] & (np.arange(table.block.shape[1])[None, :]
+                                < table.num_segments[:, None])
+  in_table = np.zeros(n, bool)
+  in_table[table.block[seg_used]] = True
+  counters = counters or PoolCounters()
+  return PoolSnapshot(
+      num_blocks=n,
+      num_free_blocks=int((~used).sum()),
+      block_pool_utilization=float(used.mean()),
+      internal_fragmentation=0.0 if not used.any() else 1.0 - live_slots / used_slots_total,
+      handed_out_internal_fragmentation=(0.0 if not used.any()
+                                         else 1.0 - handed_out / used_slots_total),
+      fragmentation_ratio=fragmentation_ratio(dyn_free),
+      fragmentation_by_region={name: fragmentation_ratio(m) for name, m in masks.items()},
+      largest_contiguous_free_bytes=largest_free_run(dyn_free) * config.block_bytes,
+      segments_per_sequence=float(table.num_segments[active].mean()) if num_live else 0.0,
+      live_sequences=num_live,
+      live_tokens=int(table.seq_len[active].sum()),
+      live_blocks=int((in_table & used).sum()),
+      cached_only_blocks=int((used & ~in_table).sum()),
+      ghost_block_bytes=ghosts * config.block_bytes,
+      oom_by_reason=dict(counters.oom_by_reason),
+      oom_by_seq_len=dict(counters.oom_by_seq_len),
+      compaction_moves=counters.compaction_moves,
+      compaction_seconds=counters.compaction_seconds,
+  )
+
+
+# ---------------------------------------------------------------------------
+# Alerts.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertThresholds:
+  """Levels above which `check_alerts` raises an alert (fractions unless noted)."""
+
+  fragmentation_ratio: float = 0.35
+  internal_fragmentation: float = 0.10
+  block_pool_utilization: float = 0.95
+  segments_per_sequence: float = 32.0
+  oom_no_free_block: int = 0          # count; any OOM of this kind alerts
+  oom_no_contiguous_run: int = 0
+  oom_table_full: int = 0
+  ghost_block_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Alert:
+  """A structured alert event.
+
+  Attributes:
+    metric: snapshot field (or `oom_by_reason.<reason>`).
+    value, threshold: the observed value and the level it crossed.
+    severity: `"warning"` or `"critical"`.
+    likely_cause: what usually produces this.
+    suggested_action: what to do about it.
+  """
+
+  metric: str
+  value: float
+  threshold: float
+  severity: str
+  likely_cause: str
+  suggested_action: str
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+_RULES = (
+    ("fragmentation_ratio", "warning",
+     "live blocks scattered among free holes (long and short requests arriving and leaving)",
+     "run budgeted compaction (compact_step) or raise CompactionPolicy.budget"),
+    ("internal_fragmentation", "warning",
+     "short segments (short radix nodes, finished tails, shared tails) each own a mostly "
+     "empty block",
+     "pack short segments (pack_slots; PrefixCache(pack_tails=True)) and cow_split shared "
+     "tails before appending"),
+    ("block_pool_utilization", "warning",
+     "demand (live + cached) close to the pool size",
+     "evict cold prefix-cache entries (gc_evict), lower the cached quota, or grow the pool"),
+    ("segments_per_sequence", "warning",
+     "appends start new segments because tails are shared or slotted",
+     "cow_split tails before appending; pack less aggressively for live sequences"),
+    ("oom_by_reason.no_free_block", "critical",
+     "the pool is exhausted (too small, or the prefix cache holds too much)",
+     "evict cached-only blocks, preempt (swap or recompute), or grow the pool"),
+    ("oom_by_reason.no_contiguous_run", "warning",
+     "external fragmentation: enough free blocks but no contiguous run",
+     "compact now (the failed request is a trigger) or raise the per-step budget"),
+    ("oom_by_reason.table_full", "warning",
+     "sequences need more segments than max_segments (many short appends or packing)",
+     "raise PoolConfig.max_segments or cow_split tails so appends stay in place"),
+    ("ghost_block_bytes", "critical",
+     "free-list and ref_count bookkeeping disagree: a bug",
+     "run check_invariants, dump the state, and report it"),
+)
+
+
+def _metric_value(snap: PoolSnapshot, metric: str) -> float:
+  if metric.startswith("oom_by_reason."):
+    return float(snap.oom_by_reason.get(metric.split(".", 1)[1], 0))
+  return float(getattr(snap, metric))
+
+
+def _threshold(thresholds: AlertThresholds, metric: str) -> float:
+  name = metric.replace("oom_by_reason.", "oom_")
+  return float(getattr(thresholds, name))
+
+
+def check_alerts(snap: PoolSnapshot,
+                 thresholds: AlertThresholds = AlertThresholds()) -> list[Alert]:
+  """Alerts for every metric of `snap` above its threshold (level-triggered)."""
+  alerts = []
+  for metric, severity, cause, action in _RULES:
+    value, level = _metric_value(snap, metric), _threshold(thresholds, metric)
+    if value > level:
+      alerts.append(Alert(metric, value, level, severity, cause, action))
+  return alerts
+
+
+@dataclasses.dataclass
+class AlertMonitor:
+  """Edge-triggered alerts: one event when a metric crosses its threshold upwards.
+
+  A metric alerts again only after a snapshot where it was back at or below
+  its threshold. For OOM counters (cumulative) the value compared is the
+  increase since the previous snapshot.
+  """
+
+  thresholds: AlertThresholds = AlertThresholds()
+  _firing: set = dataclasses.field(default_factory=set)
+  _last_oom: dict = dataclasses.field(default_factory=dict)
+
+  def observe(self, snap: PoolSnapshot) -> list[Alert]:
+    events = []
+    for metric, severity, cause, action in _RULES:
+      value = _metric_value(snap, metric)
+      if metric.startswith("oom_by_reason."):
+        value, self._last_oom[metric] = value - self._last_oom.get(metric, 0.0), value
+      level = _threshold(self.thresholds, metric)
+      if value > level:
+        if metric not in self._firing:
+          self._firing.add(metric)
+          events.append(Alert(metric, value, level, severity, cause, action))
+      else:
+        self._firing.discard(metric)
+    return events
+
+
+def alerts_from(snapshots: Iterable[PoolSnapshot],
+                thresholds: AlertThresholds = AlertThresholds()) -> list[Alert]:
+  """Runs an `AlertMonitor` over a series of snapshots; returns all events."""
+  mon = AlertMonitor(thresholds)
+  return [a for s in snapshots for a in mon.observe(s)]

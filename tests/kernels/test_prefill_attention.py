@@ -1,0 +1,95 @@
+"""Prefill/extend attention with a cached prefix: xla and Pallas (interpret) vs ref."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_attention as pa
+from pallas_kernels import prefill_attention as pf
+from tests.kernels.test_paged_attention import (_TOL, assert_table_coverage,
+                                          make_segment_tables, poisoned_pages,
+                                          ref64)
+
+# Rows: (seq_len, q_len). Full prefill, extend after a cached prefix, a single new
+# token, a row with no new token, lengths that are multiples of block_size (8).
+_ROWS = ((13, 13), (16, 3), (24, 1), (9, 0), (11, 5), (8, 8))
+
+
+def _case(seed, *, dtype, group, num_kv_heads=2, head_dim=16, block_size=8,
+          num_blocks=48, max_segments=8, pad_tokens=3):
+  rng = np.random.default_rng(seed)
+  seq_lens = [s for s, _ in _ROWS]
+  *table, used = make_segment_tables(rng, seq_lens, num_blocks=num_blocks,
+                                     block_size=block_size,
+                                     max_segments=max_segments)
+  assert_table_coverage(*table)
+  cu = np.concatenate([[0], np.cumsum([q for _, q in _ROWS])]).astype(np.int32)
+  num_tokens = int(cu[-1]) + pad_tokens
+  pf.dynamic_validate_inputs(cu, *table, num_tokens=num_tokens,
+                             num_blocks=num_blocks, block_size=block_size)
+  k, v = poisoned_pages(rng, used, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        dtype=dtype)
+  q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim))
+  q[cu[-1]:] = np.nan  # padding tokens must not matter (their output is 0)
+  return (jnp.asarray(q, dtype), k, v, jnp.asarray(cu),
+          [jnp.asarray(t) for t in table])
+
+
+def _check(out, want, q, cu, dtype):
+  got = np.asarray(out.astype(jnp.float32))
+  real = int(cu[-1])
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert np.all(np.isfinite(got[:real])), "a poisoned slot reached the output"
+  np.testing.assert_allclose(got[:real], want[:real], **_TOL[dtype])
+  np.testing.assert_array_equal(got[real:], 0.0)
+
+
+@pytest.mark.parametrize("dtype,group,soft_cap,block_q,pages_per_step", [
+    (jnp.float32, 1, None, 4, 2),
+    (jnp.float32, 4, 5.0, 8, 1),
+    (jnp.bfloat16, 8, None, 8, 3),
+])
+def test_pallas_matches_reference(dtype, group, soft_cap, block_q, pages_per_step):
+  q, k, v, cu, table = _case(group + block_q, dtype=dtype, group=group)
+  out = pf.prefill_attention(q, k, v, cu, *table, soft_cap=soft_cap,
+                             impl="pallas", interpret=True, block_q=block_q,
+                             pages_per_step=pages_per_step)
+  want = ref64(pf.ref_prefill_attention, q, k, v, cu, *table, soft_cap=soft_cap)
+  _check(out, want, q, cu, dtype)
+
+
+@pytest.mark.parametrize("dtype,group,soft_cap", [
+    (jnp.float32, 1, 2.0), (jnp.float32, 8, None), (jnp.bfloat16, 4, None),
+    (jnp.bfloat16, 4, 3.0)])
+def test_xla_matches_reference(dtype, group, soft_cap):
+  q, k, v, cu, table = _case(group * 3 + 1, dtype=dtype, group=group)
+  out = pf.prefill_attention(q, k, v, cu, *table, soft_cap=soft_cap, impl="xla")
+  want = ref64(pf.ref_prefill_attention, q, k, v, cu, *table, soft_cap=soft_cap)
+  _check(out, want, q, cu, dtype)
+
+
+def test_last_token_equals_decode():
+  """The last new token of each row attends to the whole row, like decode."""
+  q, k, v, cu, table = _case(5, dtype=jnp.float32, group=4)
+  out = np.asarray(pf.prefill_attention(q, k, v, cu, *table, impl="xla"))
+  cu_np = np.asarray(cu)
+  rows = np.array([b for b in range(len(_ROWS)) if cu_np[b + 1] > cu_np[b]])
+  last = cu_np[1:][rows] - 1
+  dec = np.asarray(pa.paged_attention(q[last], k, v, *[t[rows] for t in table]))
+  np.testing.assert_allclose(out[last], dec, rtol=1e-5, atol=1e-5)
+
+
+def test_validation_errors():
+  q, k, v, cu, table = _case(1, dtype=jnp.float32, group=2)
+  with pytest.raises(ValueError, match="cu_q_lens"):
+    pf.prefill_attention(q, k, v, cu[:-1], *table)
+  with pytest.raises(ValueError, match="block_q"):
+    pf.prefill_attention(q, k, v, cu, *table, impl="pallas", block_q=0)
+  bad = np.asarray(cu).copy()
+  bad[1] = 40  # more new tokens than row 0's table covers
+  with pytest.raises(ValueError, match="more new tokens|non-decreasing"):
+    pf.dynamic_validate_inputs(bad, *table, num_tokens=q.shape[0],
+                               num_blocks=48, block_size=8)

@@ -1,0 +1,329 @@
+"""Persistent prefix cache: round trips into pools of other sizes, and damaged files.
+
+A cache is built with the real `BlockPool` and `PrefixCache` (requests matched,
+extended with random K/V, inserted, released: shared prefixes, splits inside a
+segment, a single-child interior node, two namespaces, a pin), saved, and loaded into a
+fresh pool of another size and block size. Every node's path must match the same
+tokens and the K/V gathered through the matched segments must be bit-identical.
+Each damaged or unfit file must raise its typed error with pool and cache unchanged.
+"""
+
+import json
+import os
+import tempfile
+
+import jax
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import paged_kv
+from paged_kv.serving import persist
+from radix.cache import PrefixCache
+
+_GEOMETRY = dict(num_layers=2, num_kv_heads=2, head_dim=4)
+# One source config per dtype, shared by the tests, so jitted transitions compile once.
+_SRC = dict(num_blocks=64, block_size=8, max_seqs=4, max_segments=32, **_GEOMETRY)
+
+
+def _bits(x) -> np.ndarray:
+  a = np.asarray(jax.device_get(x))
+  return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _requests(rng: np.random.Generator) -> list[tuple[object, np.ndarray]]:
+  """Prompts with shared prefixes, in a str and an int namespace."""
+  system = rng.integers(0, 1000, 13)
+  out = []
+  for ns in ("tenant-a", 7):
+    out.append((ns, system))                                         # becomes an interior node
+    for _ in range(4):
+      out.append((ns, np.concatenate([system, rng.integers(0, 1000, rng.integers(1, 20))])))
+    doc = np.concatenate([system, rng.integers(0, 1000, 9)])
+    out.append((ns, doc))
+    out.append((ns, np.concatenate([doc[:17], rng.integers(1000, 2000, 6)])))  # cut mid-block
+  return out
+
+
+def build_cache(config: paged_kv.PoolConfig, seed: int):
+  """A pool and a prefix cache filled by running `_requests` through them."""
+  rng = np.random.default_rng(seed)
+  pool = paged_kv.BlockPool(config)
+  clock = [0.0]
+  cache = PrefixCache(block_size=config.block_size, clock=lambda: clock[0])
+  for i, (ns, tokens) in enumerate(_requests(rng)):
+    clock[0] = float(i)
+    m = cache.match(ns, tokens[:-1], lock=False)
+    seq = pool.open_sequence(tuple(m.segments.T) if m.length else None)
+    # One token per call: every call has the same shapes, so each compiles once.
+    for _ in range(tokens.shape[0] - m.length):
+      slot = pool.reserve_tokens([seq], [1])
+      for layer in range(config.num_layers):
+        shape = (1, 1, config.num_kv_heads, config.head_dim)
+        k = rng.standard_normal(shape).astype(config.jnp_dtype)
+        v = rng.standard_normal(shape).astype(config.jnp_dtype)
+        pool.write_kv(layer, slot, k, v)
+    outcome = cache.insert(ns, tokens, np.stack(pool.segments(seq), axis=1),
+                           pin_ttl=100.0 if i == 0 else None)
+    if len(outcome.ref_deltas):
+      pool.apply_ref_deltas(outcome.ref_deltas.block_ids, outcome.ref_deltas.deltas)
+    pool.release([seq])
+  pool.check_invariants(extra_segments=cache.segment_refs())
+  return pool, cache
+
+
+def cached_paths(cache: PrefixCache) -> dict:
+  """(namespace, path tokens) of every node -> node."""
+  return {(n.namespace, tuple(cache.tree.path_tokens(n.node_id).tolist())): n
+          for n in cache.tree.nodes()}
+
+
+def gather_prefix(pool: paged_kv.BlockPool, cache: PrefixCache, ns, tokens):
+  """Matched length and the K/V bits of the matched segments, read from the pages."""
+  m = cache.match(ns, np.asarray(tokens), lock=False, record=False)
+  bs = pool.config.block_size
+  slots = np.concatenate([np.arange(b * bs + s, b * bs + s + l) for b, s, l in m.segments])
+  def take(pages):
+    l, h, n, _, d = pages.shape
+    return _bits(pages).reshape(l, h, n * bs, d)[:, :, slots]
+  return m.length, take(pool.state.pages.k), take(pool.state.pages.v)
+
+
+def _tempdir(test: absltest.TestCase) -> str:
+  """A directory removed after the test (works under pytest and absltest alike)."""
+  tmp = tempfile.TemporaryDirectory()
+  test.addCleanup(tmp.cleanup)
+  return tmp.name
+
+
+def snapshot(pool: paged_kv.BlockPool) -> list[np.ndarray]:
+  return [np.asarray(x) for x in jax.tree.leaves(pool.state)]
+
+
+class RoundTripTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      # Another pool size, block size, max_seqs and max_segments.
+      ("f32_other_pool", "float32", dict(num_blocks=96, block_size=4, max_seqs=2,
+                                         max_segments=48)),
+      # A fresh pool of the saving pool's config (a new config would cost compile time).
+      ("bf16_same_config", "bfloat16", {}),
+  )
+  def test_round_trip_is_bit_exact(self, dtype, dst_change):
+    src = paged_kv.PoolConfig(dtype=dtype, **_SRC)
+    pool, cache = build_cache(src, seed=1)
+    path = os.path.join(_tempdir(self), "cache.pkv")
+    persist.save_prefix_cache(path, pool, cache)
+
+    dst = paged_kv.PoolConfig(dtype=dtype, **{**_SRC, **dst_change})
+    dst_block_size = dst.block_size
+    new_pool = paged_kv.BlockPool(dst)
+    clock = [1000.0]
+    loaded = persist.load_prefix_cache(
+        path, new_pool, PrefixCache(block_size=dst_block_size, clock=lambda: clock[0]))
+    new_pool.check_invariants(extra_segments=loaded.segment_refs())
+
+    old_nodes, new_nodes = cached_paths(cache), cached_paths(loaded)
+    self.assertEqual(set(old_nodes), set(new_nodes))
+    self.assertLen(new_nodes, len(cache.tree))
+    for (ns, tokens), node in old_nodes.items():
+      length, k, v = gather_prefix(pool, cache, ns, tokens)
+      new_length, new_k, new_v = gather_prefix(new_pool, loaded, ns, tokens)
+      self.assertEqual((length, new_length), (len(tokens), len(tokens)))
+      np.testing.assert_array_equal(k, new_k)
+      np.testing.assert_array_equal(v, new_v)
+      # Pins survive as remaining TTL; the loaded clock differs from the saved one.
+      self.assertEqual(node.is_pinned(cache._now()),
+                       new_nodes[(ns, tokens)].is_pinned(clock[0]))
+    self.assertTrue(any(n.is_pinned(clock[0]) for n in loaded.tree.nodes()))
+    # LRU order of the leaves is preserved.
+    lru = lambda c: [(n.namespace, tuple(c.tree.path_tokens(n.node_id).tolist()))
+                     for n in sorted(c.tree.leaves(), key=lambda n: (n.last_access,
+                                                                     n.access_seq))]
+    self.assertEqual(lru(cache), lru(loaded))
+    # Compacted on load: the cache occupies exactly the lowest blocks, each node has
+    # the minimum number of segments.
+    used = np.flatnonzero(np.asarray(new_pool.state.meta.ref_count))
+    np.testing.assert_array_equal(used, np.arange(used.size))
+    self.assertLessEqual(used.size, -(-loaded.num_tokens // dst_block_size)
+                         + len(loaded.tree))
+    for n in loaded.tree.nodes():
+      self.assertLen(n.value, -(-n.num_tokens // dst_block_size))
+
+  def test_default_cache_and_empty_cache(self):
+    config = paged_kv.PoolConfig(**_SRC)
+    pool, cache = build_cache(config, seed=2)
+    tmp = _tempdir(self)
+    persist.save_prefix_cache(os.path.join(tmp, "full"), pool, cache)
+    new_pool = paged_kv.BlockPool(config)
+    loaded = persist.load_prefix_cache(os.path.join(tmp, "full"), new_pool)
+    new_pool.check_invariants(extra_segments=loaded.segment_refs())
+    self.assertEqual(set(cached_paths(cache)), set(cached_paths(loaded)))
+
+    empty_pool = paged_kv.BlockPool(config)
+    persist.save_prefix_cache(os.path.join(tmp, "empty"), empty_pool,
+                              PrefixCache(block_size=8))
+    target = paged_kv.BlockPool(config)
+    before = snapshot(target)
+    loaded = persist.load_prefix_cache(os.path.join(tmp, "empty"), target)
+    self.assertEqual(len(loaded.tree), 0)
+    for a, b in zip(before, snapshot(target)):
+      np.testing.assert_array_equal(a, b)
+
+  def test_unsupported_namespace_writes_nothing(self):
+    pool = paged_kv.BlockPool(paged_kv.PoolConfig(**_SRC))
+    cache = PrefixCache(block_size=8)
+    seq = pool.open_sequence()
+    pool.reserve_tokens([seq], [3])
+    cache.insert(("tenant", 1), [1, 2, 3], np.stack(pool.segments(seq), axis=1))
+    path = os.path.join(_tempdir(self), "x")
+    with self.assertRaisesRegex(persist.UnsupportedNamespaceError, "tuple"):
+      persist.save_prefix_cache(path, pool, cache)
+    self.assertFalse(os.path.exists(path))
+
+
+class DamagedFileTest(absltest.TestCase):
+  """Every failure: a typed error, and the pool and the given cache are unchanged."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.config = paged_kv.PoolConfig(**_SRC)
+    pool, cache = build_cache(cls.config, seed=3)
+    cls._tmp = tempfile.TemporaryDirectory()
+    cls.tmp = cls._tmp.name
+    cls.path = os.path.join(cls.tmp, "good.pkv")
+    persist.save_prefix_cache(cls.path, pool, cache)
+    with open(cls.path, "rb") as f:
+      cls.raw = f.read()
+
+  @classmethod
+  def tearDownClass(cls):
+    cls._tmp.cleanup()
+    super().tearDownClass()
+
+  def write(self, name: str, data: bytes) -> str:
+    path = os.path.join(self.tmp, name)
+    with open(path, "wb") as f:
+      f.write(data)
+    return path
+
+  def rewrite(self, name: str, edit) -> str:
+    """A well-formed archive whose members were changed by `edit(header, arrays)`."""
+    with np.load(self.path, allow_pickle=False) as z:
+      arrays = {n: z[n] for n in z.files}
+    header = json.loads(arrays.pop("header").tobytes())
+    edit(header, arrays)
+    path = os.path.join(self.tmp, name)
+    with open(path, "wb") as f:
+      np.savez(f, header=np.frombuffer(json.dumps(header).encode(), np.uint8), **arrays)
+    return path
+
+  def assert_refused(self, path: str, error: type, regex: str, config=None):
+    pool = paged_kv.BlockPool(config or self.config)
+    c = pool.config
+    if config is None:  # something live, so "unchanged" means something
+      seq = pool.open_sequence()
+      slots = pool.reserve_tokens([seq], [5])[:, :5]
+      kv = np.ones((1, 5, c.num_kv_heads, c.head_dim), c.jnp_dtype)
+      pool.write_kv(0, slots, kv, kv)
+    before = snapshot(pool)
+    cache = PrefixCache(block_size=c.block_size)
+    with self.assertRaisesRegex(error, regex):
+      persist.load_prefix_cache(path, pool, cache)
+    for a, b in zip(before, snapshot(pool)):
+      np.testing.assert_array_equal(a, b)
+    self.assertEqual(len(cache.tree), 0)
+    pool.check_invariants()
+
+  def test_good_file_loads(self):
+    pool = paged_kv.BlockPool(self.config)
+    cache = persist.load_prefix_cache(self.path, pool)
+    pool.check_invariants(extra_segments=cache.segment_refs())
+
+  def test_truncated(self):
+    for cut in (0, 100, len(self.raw) // 2, len(self.raw) - 1):
+      self.assert_refused(self.write(f"cut{cut}", self.raw[:cut]), persist.CorruptFileError,
+                          "truncated or corrupted")
+
+  def test_flipped_byte(self):
+    for pos in (len(self.raw) // 3, len(self.raw) // 2, len(self.raw) - 30):
+      data = bytearray(self.raw)
+      data[pos] ^= 0x40
+      self.assert_refused(self.write(f"flip{pos}", bytes(data)), persist.CorruptFileError, "")
+
+  def test_checksum_mismatch_in_consistent_archive(self):
+    def edit(header, arrays):
+      arrays["k"] = arrays["k"].copy()
+      arrays["k"].flat[7] ^= 1
+    self.assert_refused(self.rewrite("sha", edit), persist.CorruptFileError, "checksum")
+
+    def edit_tokens(header, arrays):
+      arrays["tokens"] = arrays["tokens"] + 1
+    self.assert_refused(self.rewrite("tok", edit_tokens), persist.CorruptFileError,
+                        "checksum")
+
+  def test_missing_member(self):
+    self.assert_refused(self.rewrite("miss", lambda h, a: a.pop("node_pin_ttl")),
+                        persist.CorruptFileError, "missing members")
+
+  def test_wrong_version(self):
+    def edit(header, arrays):
+      header["version"] = 2
+    self.assert_refused(self.rewrite("v2", edit), persist.UnsupportedVersionError,
+                        "version 2")
+
+    def edit_format(header, arrays):
+      header["format"] = "something.else"
+    self.assert_refused(self.rewrite("fmt", edit_format), persist.UnsupportedVersionError,
+                        "format")
+
+  def test_mismatched_config(self):
+    for change, word in ((dict(num_layers=3), "num_layers"),
+                         (dict(num_kv_heads=1), "num_kv_heads"),
+                         (dict(head_dim=8), "head_dim"),
+                         (dict(dtype="bfloat16"), "dtype")):
+      self.assert_refused(self.path, persist.ConfigMismatchError, word,
+                          config=paged_kv.PoolConfig(**{**_SRC, **change}))
+
+  def test_pool_too_small(self):
+    config = paged_kv.PoolConfig(**{**_SRC, "num_blocks": 8})
+    self.assert_refused(self.path, paged_kv.PoolExhausted, "no_free_block", config=config)
+
+  def test_failure_half_way_rolls_back_references(self):
+    """An unexpected error while writing (after validation) leaves no block allocated."""
+    pool = paged_kv.BlockPool(self.config)
+    meta_before = [np.asarray(x) for x in (pool.state.meta.ref_count, pool.state.meta.slots,
+                                           pool.state.meta.free_list)]
+    write_kv, calls = pool.write_kv, []
+    def failing_write_kv(*args):
+      calls.append(1)
+      if len(calls) > self.config.num_layers:  # the second batch of the load
+        raise RuntimeError("device lost")
+      write_kv(*args)
+    pool.write_kv = failing_write_kv
+    cache = PrefixCache(block_size=8)
+    with self.assertRaisesRegex(RuntimeError, "device lost"):
+      persist.load_prefix_cache(self.path, pool, cache)
+    self.assertGreater(len(calls), self.config.num_layers)  # it did fail half-way
+    meta_after = [np.asarray(x) for x in (pool.state.meta.ref_count, pool.state.meta.slots,
+                                          pool.state.meta.free_list)]
+    for a, b in zip(meta_before, meta_after):
+      np.testing.assert_array_equal(a, b)
+    self.assertEqual(len(pool.active_sequences()), 0)
+    self.assertEqual(len(cache.tree), 0)
+    pool.check_invariants()
+
+  def test_non_empty_cache_refused(self):
+    pool = paged_kv.BlockPool(self.config)
+    cache = PrefixCache(block_size=8)
+    cache.insert("x", [1], np.zeros((1, 3), np.int32) + [0, 0, 1])
+    before = snapshot(pool)
+    with self.assertRaisesRegex(paged_kv.InvalidArgument, "empty cache"):
+      persist.load_prefix_cache(self.path, pool, cache)
+    for a, b in zip(before, snapshot(pool)):
+      np.testing.assert_array_equal(a, b)
+    self.assertEqual(len(cache.tree), 1)
+
+
+if __name__ == "__main__":
+  absltest.main()
