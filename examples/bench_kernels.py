@@ -1,5 +1,8 @@
 """Benchmark of the paged_kv kernels against the device's copy bandwidth.
 
+The GPU session's check is `tools/gpu_check.sh` (rows flushed one by one,
+deadline, dry mode); this script is the longer sweep over placements.
+
 Usage:
   PYTHONPATH=. python3 examples/bench_kernels.py                      # GPU, full
   PYTHONPATH=. python3 examples/bench_kernels.py --interpret --small  # CPU smoke
@@ -44,9 +47,10 @@ _DECODE_IMPLS = flags.DEFINE_list("decode_impls", ["pallas", "xla"],
                                   "paged_attention impls to time.")
 _PERMUTE_IMPLS = flags.DEFINE_list("permute_impls", ["xla", "pallas", "mosaic"],
                                    "permute_blocks impls to time.")
-_NUM_SPLITS = flags.DEFINE_integer("num_splits", 0,
-                                   "Split-K factor; 0 = pick from batch size.")
-_PAGES_PER_STEP = flags.DEFINE_integer("pages_per_step", 8, "Pages per step.")
+_NUM_SPLITS = flags.DEFINE_integer(
+    "num_splits", 0, "Split-K factor; 0 = the wrapper's choice (num_splits=None).")
+_PAGES_PER_STEP = flags.DEFINE_integer(
+    "pages_per_step", 0, "Pages per step; 0 = the wrapper's default (None).")
 _RUNS = flags.DEFINE_integer("runs", 10, "Timed runs (median reported).")
 _OUT = flags.DEFINE_string("out", "", "Also write the final table to this file.")
 
@@ -105,7 +109,7 @@ def bench_decode(rows, bw, *, q_heads, kv_heads, head_dim, batches, contexts,
   dtype = jnp.bfloat16
   for batch in batches:
     for context in contexts:
-      splits = _NUM_SPLITS.value or max(1, min(16, 128 // batch))
+      splits = _NUM_SPLITS.value or None
       for placement in _PLACEMENTS.value:
         blk, st, ln, ns, num_blocks = decode_tables(rng, batch, context, placement)
         key = jax.random.key(batch * 7 + context)
@@ -121,7 +125,7 @@ def bench_decode(rows, bw, *, q_heads, kv_heads, head_dim, batches, contexts,
         for impl in _DECODE_IMPLS.value:
           fn = jax.jit(lambda q, k, v, *t, impl=impl: pa.paged_attention(
               q, k, v, *t, impl=impl, interpret=interpret, num_splits=splits,
-              pages_per_step=_PAGES_PER_STEP.value))
+              pages_per_step=_PAGES_PER_STEP.value or None))
           out = fn(q, k, v, *table)
           _check(f"decode {impl} {placement} b{batch} c{context}", out[:2], want,
                  0.05)
@@ -163,8 +167,8 @@ def bench_permute(rows, bw, *, shape, num_moves, runs, interpret):
   for impl in _PERMUTE_IMPLS.value:
     itp = interpret
     if impl == "mosaic" and interpret:
-      from jax.experimental.pallas import mosaic_gpu as plgpu
-      itp = plgpu.InterpretGPUParams()
+      from pallas_kernels import lowering
+      itp = lowering.gpu_interpret_params()
     work = jnp.array(pages)
     work = pb.permute_blocks(work, src, dst, impl=impl, interpret=itp)
     _check(f"permute {impl}", work[:, :, dst], want, 0.0)

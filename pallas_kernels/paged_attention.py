@@ -16,11 +16,20 @@ Implementations (`impl=`):
               softmax, and writes an unnormalised partial result; a small jnp pass
               merges the splits (flash decoding). Runs on CPU with `interpret=True`
               and lowers through the Triton backend on GPUs.
-  * "mosaic": Mosaic GPU (Hopper) kernel in `paged_attention_mosaic.py`: a program
-              per (row, kv head) streams the row's pages through a TMA/barrier
-              SMEM ring with an online softmax (no split-K). Needs a GPU, or
-              `interpret=True` / a `plgpu.InterpretGPUParams` on CPU; without
-              either the wrapper raises a ValueError.
+  * "mosaic": Mosaic GPU (Hopper) kernel in `paged_attention_mosaic.py`, grid
+              (row, kv head, split): 64-key stages of pages stream through a
+              TMA/barrier SMEM ring (filled by a producer warpgroup for
+              head_dim <= 128), wgmma on SMEM operands against the group
+              padded to 64 rows, online softmax in exp2, split-K merged by LSE.
+              bf16/f16 only. Needs a GPU, or `interpret=True` / a
+              `plgpu.InterpretGPUParams` on CPU; without either the wrapper
+              raises a ValueError.
+
+On a GPU target (a GPU backend, or `lowering.abstract_gpu_mesh()` entered for the
+lowering tier) the wrapper refuses at trace time, with a ValueError naming the
+impls that do build, any shape whose kernel cannot lower there;
+`lowerable_decode_impls(...)` answers the same question ahead of time (fastest
+first), `decode_impl_problem(impl, ...)` says why one is refused.
 
 `ref_paged_attention` is the float reference: it rebuilds every sequence's logical
 K/V token by token and runs a plain softmax. It is written independently of the
@@ -39,12 +48,20 @@ from jax.experimental import pallas as pl
 
 # Constants ------------------------------------------------------------------
 
-DEFAULT_PAGES_PER_STEP = 4  # segments (hence blocks) loaded per online-softmax step
+DEFAULT_PAGES_PER_STEP = 4  # segments per online-softmax step at block_size 16
+KEYS_PER_STEP = 64  # `pages_per_step=None` loads this many slots per step
+# Largest K tile (slots x head_dim elements) of a "pallas" step on a GPU: Triton
+# keeps the tile in registers/shared memory, which the lowering tier does not
+# check (it stops before Triton's compile), so this bound is conservative.
+MAX_TRITON_TILE = 128 * 256
 # Shared default of `static_validate_inputs` (prefill_attention validates through it
 # and has no Mosaic GPU kernel); decode attention passes `_DECODE_IMPLS`.
 _SUPPORTED_IMPLS = ("xla", "pallas")
 _DECODE_IMPLS = ("xla", "pallas", "mosaic")
 _KNOWN_IMPLS = ("xla", "pallas", "mosaic")
+# Preference order on a GPU (fastest verified first); `lowerable_decode_impls`
+# filters it by shape.
+GPU_DECODE_PREFERENCE = ("pallas", "mosaic", "xla")
 _NEG_INF = float("-inf")
 
 
@@ -190,15 +207,33 @@ def static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length
     raise ValueError(
         f"impl={impl!r} is not implemented for this attention op; use one of "
         f"{supported_impls} (decode attention also has \"mosaic\")")
-  if impl == "mosaic" and not interpret and jax.default_backend() != "gpu":
+  from pallas_kernels import lowering
+
+  platform = lowering.target_platform()
+  if impl == "mosaic" and not interpret and platform not in ("cuda", "rocm"):
     raise ValueError(
-        f"impl='mosaic' is not implemented on the {jax.default_backend()!r} backend"
+        f"impl='mosaic' is not implemented on the {platform!r} backend"
         " (Mosaic GPU needs a GPU); pass interpret=True or a"
         " plgpu.InterpretGPUParams to run it in the GPU interpreter")
-  if not isinstance(num_splits, int) or num_splits < 1:
-    raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
-  if not isinstance(pages_per_step, int) or pages_per_step < 1:
-    raise ValueError(f"pages_per_step must be an int >= 1, got {pages_per_step!r}")
+  if num_splits is not None and (not isinstance(num_splits, int) or
+                                 num_splits < 1):
+    raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+  if pages_per_step is not None and (not isinstance(pages_per_step, int) or
+                                     pages_per_step < 1):
+    raise ValueError(
+        f"pages_per_step must be None or an int >= 1, got {pages_per_step!r}")
+  if not interpret and platform in ("cuda", "rocm"):
+    problem = decode_impl_problem(
+        impl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=k_pages.shape[2], dtype=k_pages.dtype,
+        pages_per_step=pages_per_step, platform=platform)
+    if problem is not None:
+      ok = lowerable_decode_impls(
+          num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+          block_size=k_pages.shape[2], dtype=k_pages.dtype,
+          pages_per_step=pages_per_step, platform=platform)
+      raise ValueError(f"cannot build on {platform}: {problem}; impls that build "
+                       f"for this shape: {ok}")
   if soft_cap is not None and not soft_cap > 0:
     raise ValueError(f"soft_cap must be None or > 0, got {soft_cap!r}")
   if sm_scale is not None and not sm_scale > 0:
@@ -227,6 +262,88 @@ def dynamic_validate_inputs(
     raise ValueError(
         f"invalid segment (row {b}, entry {s}): block={blk[b, s]} start={st[b, s]}"
         f" length={ln[b, s]} (num_blocks={num_blocks}, block_size={block_size})")
+
+
+# Which impl builds where (asked by the wrappers and the model layer) ----------
+
+
+def default_pages_per_step(block_size: int) -> int:
+  """Pages per step for `pages_per_step=None`: `KEYS_PER_STEP` slots, >= 1 page."""
+  return max(1, KEYS_PER_STEP // block_size)
+
+
+def default_num_splits(*, batch: int, num_kv_heads: int, num_seg_slots: int,
+                       pages_per_step: int, num_cores: int = 132) -> int:
+  """Split-K factor for `num_splits=None`: enough programs to fill `num_cores`
+  SMs twice over, at least one step of segments per split."""
+  programs = max(1, batch * num_kv_heads)
+  want = max(1, -(-2 * num_cores // programs))
+  return max(1, min(want, -(-num_seg_slots // pages_per_step), 256))
+
+
+def _is_pow2(n: int) -> bool:
+  return n >= 1 and n & (n - 1) == 0
+
+
+def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
+                        head_dim: int, block_size: int, dtype,
+                        pages_per_step: int | None = None,
+                        platform: str | None = None) -> str | None:
+  """Why `paged_attention(impl=impl)` cannot be built for this shape on
+  `platform` (default: the trace's target, `lowering.target_platform()`), or
+  None if it can. What it says matches the lowering tier
+  (`tests/kernels/test_lowering.py`): every shape it accepts lowers for an
+  abstract H100/H200 with JAX 0.11.2 and 0.12. On CPU every impl is accepted
+  ("mosaic" then needs `interpret=`; the wrapper says so).
+  """
+  from pallas_kernels import lowering
+
+  platform = platform or lowering.target_platform()
+  if impl not in _DECODE_IMPLS:
+    return f"impl must be one of {_DECODE_IMPLS}, got {impl!r}"
+  if platform not in ("cuda", "rocm") or impl == "xla":
+    return None
+  pps = (default_pages_per_step(block_size) if pages_per_step is None
+         else pages_per_step)
+  shape = (f"{num_q_heads}/{num_kv_heads} heads, head_dim {head_dim}, block "
+           f"{block_size}, {jnp.dtype(dtype).name}, pages_per_step {pps}")
+  if impl == "pallas":
+    for name, n in (("head_dim", head_dim), ("block_size", block_size),
+                    ("pages_per_step", pps)):
+      if not _is_pow2(n):
+        return (f"impl='pallas' (Triton) needs a power-of-two {name}, got {n} "
+                f"({shape})")
+    if head_dim < 16:
+      return f"impl='pallas' (Triton) needs head_dim >= 16 ({shape})"
+    if pps * block_size * head_dim > MAX_TRITON_TILE:
+      return (f"impl='pallas' (Triton): a step's K tile of {pps * block_size} "
+              f"slots x {head_dim} exceeds {MAX_TRITON_TILE} elements; lower "
+              f"pages_per_step ({shape})")
+    return None
+  if platform != "cuda":
+    return "impl='mosaic' needs an NVIDIA (cuda) GPU"
+  from pallas_kernels import paged_attention_mosaic as pm
+  return pm.mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, block_size=block_size, dtype=dtype,
+                           pages_per_step=pages_per_step)
+
+
+def lowerable_decode_impls(*, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                           block_size: int, dtype,
+                           pages_per_step: int | None = None,
+                           platform: str | None = None) -> tuple[str, ...]:
+  """The decode impls that build for this shape on `platform` (default: the
+  trace's target), fastest first on a GPU (`GPU_DECODE_PREFERENCE`), "xla" first
+  elsewhere. "xla" is always in it; `[0]` is the one to use."""
+  from pallas_kernels import lowering
+
+  platform = platform or lowering.target_platform()
+  order = (GPU_DECODE_PREFERENCE if platform in ("cuda", "rocm")
+           else ("xla", "pallas", "mosaic"))
+  kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, block_size=block_size, dtype=dtype,
+            pages_per_step=pages_per_step, platform=platform)
+  return tuple(i for i in order if decode_impl_problem(i, **kw) is None)
 
 
 # XLA gather path ---------------------------------------------------------------
@@ -265,45 +382,47 @@ def _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_length,
 
 
 def load_segment_pages(k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_ref,
-                       *, row, head, first, end, pages_per_step,
-                       cum_before_ref=None):
-  """Loads `pages_per_step` segments starting at `first` (entries < `end` valid).
+                       *, row, first, end, pages_per_step, cum_before_ref=None):
+  """Loads segments `first .. first+pages_per_step-1` (entries < `end` valid).
 
-  Returns `(k f32[P*bs, D], v f32[P*bs, D] with masked slots zeroed,
-  mask bool[P*bs], key_pos i32[P*bs])`. `key_pos` is the logical token position
-  of each slot when `cum_before_ref` (i32[B, S], tokens before each segment) is
-  given, else the slot index. Padding entries are never dereferenced: their block
-  index is replaced by 0 before the load and every slot they cover is masked.
+  `k_ref`, `v_ref`: one kv head's pages `[num_blocks, bs, D]`. The table refs
+  must have at least `first + pages_per_step` entries per row (the wrappers pad
+  them to a multiple of `pages_per_step`), so the table slice is always in
+  bounds. The step's blocks come in one indexed (gather) load each for K and V
+  (one Triton load of `[P, bs, D]`, no concatenate).
+
+  Returns `(k [P*bs, D], v [P*bs, D] with masked slots zeroed, both in the pages'
+  dtype, mask bool[P*bs], key_pos i32[P*bs])`. `key_pos` is the logical token
+  position of each slot when `cum_before_ref` (i32[B, S], tokens before each
+  segment) is given, else the slot index. Padding entries are never
+  dereferenced: their block index is replaced by 0 before the load and every slot
+  they cover is masked.
   """
-  num_seg_slots = seg_block_ref.shape[1]
-  num_blocks, block_size = k_ref.shape[1], k_ref.shape[2]
-  ks, vs, masks, key_pos = [], [], [], []
-  j = jax.lax.broadcasted_iota(jnp.int32, (block_size,), 0)
-  for p in range(pages_per_step):
-    idx = first + p
-    valid = idx < end
-    safe_idx = jnp.minimum(idx, num_seg_slots - 1)
-    blk = jnp.where(valid, seg_block_ref[row, safe_idx], 0)
-    blk = jnp.clip(blk, 0, num_blocks - 1)
-    start = seg_start_ref[row, safe_idx]
-    length = seg_length_ref[row, safe_idx]
-    mask = valid & (j >= start) & (j < start + length)
-    k = k_ref[head, blk].astype(jnp.float32)
-    v = v_ref[head, blk].astype(jnp.float32)
-    ks.append(k)
-    vs.append(jnp.where(mask[:, None], v, 0.0))
-    masks.append(mask)
-    if cum_before_ref is None:
-      key_pos.append(j)
-    else:
-      key_pos.append(cum_before_ref[row, safe_idx] + (j - start))
-  cat = lambda xs: jnp.concatenate(xs, axis=0)
-  return cat(ks), cat(vs), cat(masks), cat(key_pos)
+  num_blocks, block_size, head_dim = k_ref.shape
+  num_pages = pages_per_step
+  sl = pl.ds(first, num_pages)
+  valid = (first + jax.lax.broadcasted_iota(jnp.int32, (num_pages,), 0)) < end
+  blk = jnp.clip(jnp.where(valid, seg_block_ref[row, sl], 0), 0, num_blocks - 1)
+  start = seg_start_ref[row, sl][:, None]  # [P, 1]
+  length = seg_length_ref[row, sl][:, None]
+  j = jax.lax.broadcasted_iota(jnp.int32, (num_pages, block_size), 1)
+  mask = valid[:, None] & (j >= start) & (j < start + length)  # [P, bs]
+  k = k_ref[blk]  # [P, bs, D]
+  v = v_ref[blk]
+  v = jnp.where(mask[:, :, None], v, jnp.zeros((), v.dtype))
+  if cum_before_ref is None:
+    key_pos = j
+  else:
+    key_pos = cum_before_ref[row, sl][:, None] + (j - start)
+  flat = num_pages * block_size
+  return (k.reshape(flat, head_dim), v.reshape(flat, head_dim),
+          mask.reshape(flat), key_pos.reshape(flat))
 
 
 def online_softmax_update(carry, logits, v):
   """One flash step. carry = (m f32[R], l f32[R], acc f32[R, D]); logits f32[R, N]
-  already masked with -inf; v f32[N, D] with masked rows zero."""
+  already masked with -inf; v [N, D] (pages' dtype) with masked rows zero. The
+  probabilities go into the dot in v's dtype (bf16 stays bf16, f32 accumulate)."""
   m_prev, l_prev, acc_prev = carry
   m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1))
   m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
@@ -311,37 +430,37 @@ def online_softmax_update(carry, logits, v):
   alpha = jnp.exp(m_prev - m_safe)
   l_new = alpha * l_prev + jnp.sum(p, axis=1)
   acc_new = alpha[:, None] * acc_prev + jnp.dot(
-      p, v, preferred_element_type=jnp.float32)
+      p.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return m_new, l_new, acc_new
 
 
 def paged_attention_kernel(
     num_segments_ref,  # i32[B]
-    seg_block_ref,  # i32[B, S]
-    seg_start_ref,  # i32[B, S]
-    seg_length_ref,  # i32[B, S]
-    q_ref,  # [G, D] (this row, this kv head)
-    k_ref,  # [KVH, num_blocks, bs, D] (whole array)
-    v_ref,  # [KVH, num_blocks, bs, D]
-    acc_ref,  # f32[G, D] unnormalised output of this split
-    m_ref,  # f32[G] running max of this split
-    l_ref,  # f32[G] softmax denominator of this split
+    seg_block_ref,  # i32[B, S_pad]
+    seg_start_ref,  # i32[B, S_pad]
+    seg_length_ref,  # i32[B, S_pad]
+    q_ref,  # [G_pad, D] (this row, this kv head; rows >= G are zero padding)
+    k_ref,  # [num_blocks, bs, D] (this kv head)
+    v_ref,  # [num_blocks, bs, D]
+    acc_ref,  # f32[G_pad, D] unnormalised output of this split
+    m_ref,  # f32[G_pad] running max of this split
+    l_ref,  # f32[G_pad] softmax denominator of this split
     *, sm_scale, soft_cap, segments_per_split, pages_per_step):
   """Program (b, h, s): segments [s*per, min((s+1)*per, num_segments[b]))."""
-  row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  row, split = pl.program_id(0), pl.program_id(2)
   group, head_dim = q_ref.shape
   first = split * segments_per_split
   end = jnp.minimum(first + segments_per_split, num_segments_ref[row])
   num_steps = jnp.maximum(0, pl.cdiv(end - first, pages_per_step))
-  q = q_ref[...].astype(jnp.float32) * sm_scale
+  q = q_ref[...]
 
   def body(step, carry):
     k, v, mask, _ = load_segment_pages(
         k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_ref, row=row,
-        head=head, first=first + step * pages_per_step, end=end,
+        first=first + step * pages_per_step, end=end,
         pages_per_step=pages_per_step)
-    logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+    logits = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * sm_scale
     logits = _apply_soft_cap(logits, soft_cap)
     logits = jnp.where(mask[None, :], logits, _NEG_INF)
     return online_softmax_update(carry, logits, v)
@@ -371,47 +490,73 @@ def merge_splits(acc, m, l, axis):
   return jnp.where(l_tot[..., None] == 0, 0.0, o / safe[..., None])
 
 
+def pad_segment_table(*tables, multiple):
+  """Pads the entry axis of `i32[B, S]` tables to a multiple of `multiple`
+  (padding entries lie past every row's `num_segments`, so they are masked and
+  never dereferenced)."""
+  num_seg_slots = tables[0].shape[1]
+  padded = pl.cdiv(num_seg_slots, multiple) * multiple
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, padded - num_seg_slots)))
+  return tuple(pad(a) for a in tables)
+
+
+def padded_group(group: int) -> int:
+  """GQA group padded to a power of two (Triton needs power-of-two shapes)."""
+  return 1 << max(0, (group - 1).bit_length())
+
+
 def _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_length,
                             num_segments, *, sm_scale, soft_cap, num_splits,
                             pages_per_step, interpret):
   batch, num_q_heads, head_dim = q.shape
-  num_kv_heads = k_pages.shape[0]
+  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
+  group_pad = padded_group(group)
   num_seg_slots = seg_block.shape[1]
-  num_splits = min(num_splits, num_seg_slots)
-  per_split = pl.cdiv(num_seg_slots, num_splits)
+  num_splits = min(num_splits, pl.cdiv(num_seg_slots, pages_per_step))
+  per_split = pl.cdiv(pl.cdiv(num_seg_slots, num_splits), pages_per_step)
+  per_split *= pages_per_step  # whole steps per split: table slices in bounds
+  seg_block, seg_start, seg_length = pad_segment_table(
+      seg_block, seg_start, seg_length, multiple=per_split * num_splits)
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
   kernel = functools.partial(
       paged_attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
       segments_per_split=per_split, pages_per_step=pages_per_step)
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+  head_pages = pl.BlockSpec((None, num_blocks, block_size, head_dim),
+                            lambda b, h, s: (h, 0, 0, 0))
   acc, m, l = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, num_splits),
       in_specs=[
           whole(num_segments), whole(seg_block), whole(seg_start),
           whole(seg_length),
-          pl.BlockSpec((None, None, group, head_dim), lambda b, h, s: (b, h, 0, 0)),
-          whole(k_pages), whole(v_pages),
+          pl.BlockSpec((None, None, group_pad, head_dim),
+                       lambda b, h, s: (b, h, 0, 0)),
+          head_pages, head_pages,
       ],
       out_specs=[
-          pl.BlockSpec((None, None, None, group, head_dim),
+          pl.BlockSpec((None, None, None, group_pad, head_dim),
                        lambda b, h, s: (b, h, s, 0, 0)),
-          pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
-          pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0)),
+          pl.BlockSpec((None, None, None, group_pad),
+                       lambda b, h, s: (b, h, s, 0)),
+          pl.BlockSpec((None, None, None, group_pad),
+                       lambda b, h, s: (b, h, s, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group, head_dim),
+          jax.ShapeDtypeStruct(
+              (batch, num_kv_heads, num_splits, group_pad, head_dim),
+              jnp.float32),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group_pad),
                                jnp.float32),
-          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group),
-                               jnp.float32),
-          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group),
+          jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, group_pad),
                                jnp.float32),
       ],
       interpret=interpret,
       name="paged_attention",
   )(num_segments, seg_block, seg_start, seg_length, qg, k_pages, v_pages)
-  out = merge_splits(acc, m, l, axis=2)  # [B, KVH, G, D]
+  out = merge_splits(acc, m, l, axis=2)[:, :, :group]  # [B, KVH, G, D]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -433,10 +578,10 @@ def paged_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = 1,
     impl: str = "xla",
     interpret=False,
-    pages_per_step: int = DEFAULT_PAGES_PER_STEP,
+    pages_per_step: int | None = None,
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
   """Decode attention of one query token per row over its segment table.
 
@@ -449,15 +594,20 @@ def paged_attention(
     sm_scale: logits scale, default `1/sqrt(head_dim)`.
     soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)` (after
       scaling).
-    num_splits: split-K factor over segment entries ("pallas"; flash decoding).
-      The "xla" path computes the exact softmax in one pass and the "mosaic"
-      kernel walks all segments of a row in one program; both ignore it.
-    impl: "xla" (CPU default), "pallas" or "mosaic" (Mosaic GPU, Hopper).
+    num_splits: split-K factor over segment entries ("pallas", "mosaic"; flash
+      decoding); None picks one that fills the GPU (`default_num_splits`).
+      "mosaic" raises it so no split holds more than 1,024 entries. The "xla"
+      path computes the exact softmax in one pass and ignores it.
+    impl: "xla" (CPU default), "pallas" or "mosaic" (Mosaic GPU, Hopper). On a
+      GPU target the wrapper refuses, at trace time, a shape the impl cannot
+      build for (ValueError naming the impls that can);
+      `lowerable_decode_impls(...)` asks the same question ahead of time.
     interpret: run the kernel in interpret mode (CPU): a bool for "pallas"; for
       "mosaic", True (= `plgpu.InterpretGPUParams(detect_races=True)`) or a
       `plgpu.InterpretGPUParams`.
     pages_per_step: segments loaded per online-softmax step ("pallas") or per
-      SMEM ring stage ("mosaic").
+      SMEM ring stage ("mosaic"); None = `default_pages_per_step(block_size)`
+      (64 slots per step).
 
   Accumulation is float32 for every input dtype.
   """
@@ -467,6 +617,12 @@ def paged_attention(
                          pages_per_step=pages_per_step, interpret=interpret,
                          supported_impls=_DECODE_IMPLS)
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+  if pages_per_step is None:
+    pages_per_step = default_pages_per_step(k_pages.shape[2])
+  if num_splits is None:
+    num_splits = default_num_splits(
+        batch=q.shape[0], num_kv_heads=k_pages.shape[0],
+        num_seg_slots=seg_block.shape[1], pages_per_step=pages_per_step)
   if impl == "xla":
     return _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
                                 seg_length, num_segments, sm_scale=sm_scale,
@@ -477,7 +633,8 @@ def paged_attention(
     return mosaic_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
                                   seg_length, num_segments, sm_scale=sm_scale,
                                   soft_cap=soft_cap, interpret=interpret or None,
-                                  pages_per_step=pages_per_step)
+                                  pages_per_step=pages_per_step,
+                                  num_splits=num_splits)
   return _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
                                  seg_length, num_segments, sm_scale=sm_scale,
                                  soft_cap=soft_cap, num_splits=num_splits,

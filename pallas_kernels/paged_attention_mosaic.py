@@ -2,55 +2,59 @@
 
 Same contract as `paged_attention.paged_attention` (see that module for the segment
 table format); `paged_attention.ref_paged_attention` is the reference it is tested
-against.
+against. Written in the idioms of JAX's own `ops/gpu/attention_mgpu.py`, which
+lower for Hopper:
 
-Kernel layout (`plgpu.kernel`, grid (row, kv_head), named ("row", "head")):
-  * one program per (sequence row, kv head); it holds the GQA group of query heads
-    (`num_q_heads / num_kv_heads` rows) of that kv head;
-  * the row's segment table (block, start, length, plus num_segments) is TMA-copied
-    GMEM -> SMEM together with the program's queries, and waited on before any
-    scalar is read;
-  * the row's valid segments are walked `pages_per_step` at a time ("a stage"): each
-    stage's pages of K and V (`[pages_per_step, block_size, head_dim]`) stream through
-    a `_NUM_STAGES`-deep SMEM ring filled by TMA copies, one barrier per (slot, page,
-    K|V). Stages `0.._NUM_STAGES-1` are issued up front; after computing on stage i
-    the program refills its slot with stage `i + _NUM_STAGES`, so the copies of the
-    next stages overlap the math of the current one. Before a refill,
-    `plgpu.commit_smem()` (proxy fence) orders the kernel's generic-proxy reads of
-    the slot before the TMA (async-proxy) write; without it the race detector
-    reports a race (see the negative-control test). A copy is issued and its
-    barrier waited under the same condition (stage < number of stages), so barrier
-    phases stay in step;
-  * padding entries of a partly filled last stage load block 0 (never a garbage
-    index) and are masked; slots outside `[start, start + length)` are masked; V
-    rows of masked slots are replaced by 0 with `where` (not a multiply) so a NaN
-    in an unused slot cannot leak through `p @ v`;
-  * online softmax in float32 (running max, denominator, accumulator); a row with
-    no segment writes zeros; the normalised result goes registers -> SMEM -> GMEM
-    by a TMA store (`commit_smem` before it, `wait_smem_to_gmem(0)` at the end).
+  * grid (row, kv head, split), named ("row", "head", "split"): split-K over the
+    row's segment entries, so a single 128k-token row keeps every SM busy; a
+    small jnp pass merges the splits (log2-domain LSE weights);
+  * the GQA group's queries (1-64 rows) are padded to the 64-row wgmma M tile
+    (`BLOCK_ROWS`); decode stays memory-bound with the padding (64 FLOP per K/V
+    byte against Hopper's ~200-300 ridge);
+  * a ring stage holds `BLOCK_KV` = 64 keys (`64 / block_size` pages, each its
+    own TMA copy and barrier); `num_stages` stages (2-4, as many as fit shared
+    memory) are in flight, refilled as soon as a stage's math is done;
+  * S = Q K^T by `plgpu.wgmma` on SMEM operands (tiling (8, 64) + 128-byte
+    swizzle) into a `plgpu.ACC`; masks from `plgpu.broadcasted_iota` in the
+    WGMMA layout; row max/sum in `Layout.WGMMA.reduce(1)`, broadcast back with
+    `lax.broadcast_in_dim`; `exp2` with log2(e) folded into the scale;
+  * P goes registers -> SMEM (bf16) and P V is a second wgmma with both operands
+    in SMEM (an A operand from registers lowers too, but the GPU interpreter
+    only runs SMEM operands, and one path is verified, not two);
+  * masked slots of V may hold anything (NaN): a stage that is not made of
+    whole valid pages has its masked V rows zeroed in SMEM (load in the WGMMA
+    layout, `where`, store, proxy fence) before the P V wgmma, since 0 * NaN
+    would leak;
+  * the split's segment table is one TMA copy of `[4, chunks, 128]` i32 (rows
+    block, start, length, count), every box dimension <= 256; at most
+    `MAX_TABLE_CHUNKS * 128` entries per split (the wrapper raises the split
+    count to fit);
+  * head_dim <= 128 (`kernel_config`): warp specialized, as upstream's
+    attention: a producer warpgroup (40 registers) issues every TMA copy and
+    refills a ring slot as soon as the consumer warpgroup (232 registers)
+    arrives on that slot's `k_free` / `v_free` barrier; 4 stages = 256 keys in
+    flight per program;
+  * head_dim 256: one warpgroup (2 stages), whose ring and P buffer live in one
+    `pl.run_scoped` region and the f32 output tile in another, so they share
+    shared memory.
+Not done: a Mosaic prefill (extend) kernel; a persistent grid.
 
-Not done here (compared with the "pallas" path): no split-K (`num_splits` is
-ignored, one program walks all segments of its row), so a single very long row is
-walked by `num_kv_heads` programs only.
+Shapes it builds for (`mosaic_problem`): bf16/f16, head_dim a multiple of 64 up
+to 256, block_size 8-64 dividing 64, GQA group <= 64; lowered in the lowering
+tier for H100/H200 with JAX 0.11.2 and 0.12. Verified numerically in the GPU
+interpreter (`plgpu.InterpretGPUParams(detect_races=True)`, race-free) against
+the float64 reference with NaN in every unused slot (tests/kernels/
+test_mosaic_attention.py). Not yet compiled (ptxas) or timed on a GPU.
 
-Interpreter notes (JAX 0.12, `plgpu.InterpretGPUParams(detect_races=True)` on CPU):
-  * `pl.program_id` is always 0 there, so the program reads its coordinates with
-    `lax.axis_index` on the named grid axes;
-  * TMA copies, barrier waits, the proxy fence, dynamic ring-slot indexing and the
-    TMA store all run and are race-checked (the interpreter tracks generic and
-    async-proxy SMEM clocks separately); the tests assert zero races;
-  * nothing was faked or replaced by plain copies: every K/V page goes through the
-    TMA/barrier ring;
-  * the math (a `[group, head_dim] x [head_dim, pages*block_size]` dot, exp,
-    reductions) is evaluated as plain jnp on values loaded from SMEM. The interpreter
-    does not check that these ops lower on Hopper: a real Mosaic GPU compile may
-    reject the small dots (WGMMA wants 64-row tiles) or the layouts of the
-    reductions; that, and real-hardware timing, is what a GPU run must check.
+Interpreter notes (JAX 0.11.2 and 0.12 on CPU): `pl.program_id` is always 0
+there, so programs read their coordinates with `lax.axis_index`; its wgmma reads
+both operands from SMEM.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -58,143 +62,339 @@ from jax.experimental import pallas as pl
 
 # Constants ------------------------------------------------------------------
 
-DEFAULT_PAGES_PER_STEP = 2  # segments (hence pages) per ring stage
-_NUM_STAGES = 2  # SMEM ring depth (stages in flight)
-_TABLE_ALIGN = 4  # i32 table rows padded to 16 bytes for TMA
-_TABLE_ROWS = 4  # block, start, length, [num_segments, 0, ...]
+BLOCK_ROWS = 64  # wgmma M tile: the GQA group's queries padded to 64 rows
+BLOCK_KV = 64  # keys per ring stage
+TABLE_LANES = 128  # segment-table entries per TMA row (box dims <= 256)
+MAX_TABLE_CHUNKS = 8  # table rows per split: <= 1,024 segment entries
+MAX_STAGES = 4
+SMEM_BUDGET = 220 * 1024  # of Hopper's 227 KiB per block (barriers, slack)
+DEFAULT_PAGES_PER_STEP = 4  # = BLOCK_KV / 16
+_DTYPES = (jnp.bfloat16, jnp.float16)
+_LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
+
+
+def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized):
+  table = 4 * MAX_TABLE_CHUNKS * TABLE_LANES * 4
+  q = BLOCK_ROWS * head_dim * itemsize
+  ring = 2 * num_stages * BLOCK_KV * head_dim * itemsize
+  probs = BLOCK_ROWS * BLOCK_KV * itemsize
+  out = BLOCK_ROWS * head_dim * 4
+  if warp_specialized:  # one collective scope: nothing shares memory
+    return table + q + BLOCK_ROWS * 4 + ring + probs + out
+  return table + q + BLOCK_ROWS * 4 + max(ring + probs, out)
+
+
+def kernel_config(head_dim: int, dtype) -> tuple[bool, int]:
+  """(warp specialized, ring stages) for this head_dim: a producer warpgroup
+  with the deepest ring (<= `MAX_STAGES`, >= 2) that fits `SMEM_BUDGET` when
+  one does (head_dim <= 128), else one warpgroup whose ring and output tile
+  share memory (head_dim 256). (False, 0) if nothing fits."""
+  itemsize = jnp.dtype(dtype).itemsize
+  for ws in (True, False):
+    for stages in range(MAX_STAGES, 1, -1):
+      if _smem_bytes(head_dim, itemsize, stages,
+                     warp_specialized=ws) <= SMEM_BUDGET:
+        return ws, stages
+  return False, 0
+
+
+def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                   pages_per_step=None) -> str | None:
+  """Why this kernel cannot be built for Hopper at this shape (None if it can);
+  `paged_attention.decode_impl_problem` asks it for impl="mosaic", and the
+  wrapper raises it (on every platform: interpret mode runs only what lowers)."""
+  shape = (f"{num_q_heads}/{num_kv_heads} heads, head_dim {head_dim}, block "
+           f"{block_size}, {jnp.dtype(dtype).name}")
+  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _DTYPES]:
+    return (f"impl='mosaic' takes bf16/f16 pages only (wgmma), got "
+            f"{jnp.dtype(dtype).name}; use impl='pallas' or 'xla' ({shape})")
+  if head_dim % 64 or head_dim > 256:
+    return (f"impl='mosaic' needs head_dim a multiple of 64 up to 256 (128-byte "
+            f"swizzled wgmma tiles) ({shape})")
+  if block_size > BLOCK_KV or BLOCK_KV % block_size or block_size % 8:
+    return (f"impl='mosaic' needs block_size in (8, 16, 32, 64) ({shape})")
+  if pages_per_step is not None and pages_per_step * block_size != BLOCK_KV:
+    return (f"impl='mosaic' stages {BLOCK_KV} keys: pages_per_step must be None "
+            f"or {BLOCK_KV // block_size}, got {pages_per_step} ({shape})")
+  if num_q_heads // num_kv_heads > BLOCK_ROWS:
+    return (f"impl='mosaic' holds a GQA group of <= {BLOCK_ROWS} query heads "
+            f"({shape})")
+  if not kernel_config(head_dim, dtype)[1]:
+    return f"impl='mosaic': the ring does not fit shared memory ({shape})"
+  return None
 
 
 # Kernel -------------------------------------------------------------------------
 
 
-def _soft_cap(logits, soft_cap):
-  if soft_cap is None:
-    return logits
-  return soft_cap * jnp.tanh(logits / soft_cap)
-
-
 def mosaic_paged_attention_kernel(
-    table_gmem,  # i32[B, 4, S_pad]: rows block, start, length; [b, 3, 0] = count
-    q_gmem,  # [B, KVH, G, D]
+    table_gmem,  # i32[B, NS, 4, C, 128]: block, start, length; [.., 3, 0, 0] count
+    q_gmem,  # [B, KVH, 64, D] (group rows, zero padded)
     k_gmem,  # [KVH, num_blocks, bs, D]
     v_gmem,  # [KVH, num_blocks, bs, D]
-    out_gmem,  # [B, KVH, G, D] (q dtype)
-    table_smem,  # i32[4, S_pad]
-    q_smem,  # [G, D]
-    k_ring,  # [stages, P, bs, D]
-    v_ring,  # [stages, P, bs, D]
-    out_smem,  # [G, D]
-    in_barriers,  # 2 barriers: table, q
-    k_barriers,  # stages * P barriers
-    v_barriers,  # stages * P barriers
-    *, sm_scale, soft_cap, pages_per_step):
-  """Program (row b, kv head h): out[b, h] = softmax(q[b, h] K^T) V over b's segments."""
+    o_gmem,  # f32[B, KVH, NS, 64, D] normalised output of each split
+    lse_gmem,  # f32[B, KVH, NS, 64] log2-sum-exp2 of each split (-inf: empty)
+    *, sm_scale, soft_cap, pages_per_step, num_stages, chunks,
+    warp_specialized):
+  """Program (row, kv head, split): attention of the padded group over the
+  split's segments, written as a normalised tile plus its LSE.
+
+  `warp_specialized`: warpgroup 1 (the producer, few registers) issues the
+  table/query copies and every K/V page copy, refilling a ring slot once the
+  consumer has arrived on that slot's `k_free` / `v_free` barrier; warpgroup 0
+  (the consumer) waits on the page barriers and does the math. Otherwise one
+  warpgroup does both, refilling a slot right after its P V product.
+  """
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
   row = jax.lax.axis_index("row")
   head = jax.lax.axis_index("head")
-  num_blocks = k_gmem.shape[1]
-  num_stages, _, block_size, head_dim = k_ring.shape
-  group = q_smem.shape[0]
-  num_seg_slots = table_smem.shape[1]
-  num_pages = pages_per_step
+  split = jax.lax.axis_index("split")
+  num_blocks, block_size, head_dim = k_gmem.shape[1:]
+  num_pages, rows, lanes = pages_per_step, BLOCK_ROWS, TABLE_LANES
+  dtype = k_gmem.dtype
+  wgmma = plgpu.Layout.WGMMA
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  if warp_specialized:
+    wg = jax.lax.axis_index("wg")
+    as_producer, as_consumer = pl.when(wg == 1), pl.when(wg == 0)
+  else:  # one warpgroup plays both parts
+    as_producer = as_consumer = lambda f: f()
 
-  plgpu.copy_gmem_to_smem(table_gmem.at[row], table_smem, in_barriers.at[0])
-  plgpu.copy_gmem_to_smem(q_gmem.at[row, head], q_smem, in_barriers.at[1])
-  plgpu.barrier_wait(in_barriers.at[0])
-  plgpu.barrier_wait(in_barriers.at[1])
-  num_segments = jnp.clip(table_smem[3, 0], 0, num_seg_slots)
-  num_steps = (num_segments + num_pages - 1) // num_pages
+  def store_output(o_smem, lse_smem, acc, m_i, l_i):
+    """Normalised tile and its LSE, registers -> SMEM -> GMEM (TMA)."""
+    empty = l_i == 0  # a split with no segment
+    safe_l = jnp.where(empty, 1.0, l_i)
+    o_smem[...] = acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0])
+    lse_smem[...] = jnp.where(empty, _NEG_INF, m_i + jnp.log2(safe_l))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[row, head, split])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
+    plgpu.wait_smem_to_gmem(0)
 
-  def segment_block(idx):
-    """Block of segment `idx` (block 0 for padding entries, clamped in range)."""
-    safe = jnp.minimum(idx, num_seg_slots - 1)
-    blk = jnp.where(idx < num_segments, table_smem[0, safe], 0)
-    return jnp.clip(blk, 0, num_blocks - 1)
-
-  def issue_stage(step, slot):
-    """TMA-loads the pages of stage `step` into ring slot `slot`."""
-    for p in range(num_pages):
-      blk = segment_block(step * num_pages + p)
-      plgpu.copy_gmem_to_smem(k_gmem.at[head, blk], k_ring.at[slot, p],
-                              k_barriers.at[slot * num_pages + p])
-      plgpu.copy_gmem_to_smem(v_gmem.at[head, blk], v_ring.at[slot, p],
-                              v_barriers.at[slot * num_pages + p])
-
-  for s in range(num_stages):  # prologue: fill the ring
-    @pl.when(s < num_steps)
+  def program(table_smem, q_smem, lse_smem, in_barriers, k_barriers, v_barriers,
+              k_free, v_free, k_ring, v_ring, p_smem, o_smem):
+    """The whole program over its buffers (`o_smem` None: allocated at the end,
+    sharing memory with the ring)."""
+    @as_producer
     def _():
-      issue_stage(s, s)
+      plgpu.copy_gmem_to_smem(table_gmem.at[row, split], table_smem,
+                              in_barriers.at[0])
+      plgpu.copy_gmem_to_smem(q_gmem.at[row, head], q_smem, in_barriers.at[1])
 
-  q = q_smem[...].astype(jnp.float32) * sm_scale  # [G, D]
-  j = jax.lax.broadcasted_iota(jnp.int32, (block_size,), 0)
+    plgpu.barrier_wait(in_barriers.at[0])
+    count = table_smem[3, 0, 0]  # valid entries of this split
+    num_steps = (count + num_pages - 1) // num_pages
 
-  def body(step, carry):
-    m_prev, l_prev, acc_prev = carry
-    slot = step % num_stages
-    masks = []
-    for p in range(num_pages):
-      idx = step * num_pages + p
-      safe = jnp.minimum(idx, num_seg_slots - 1)
-      start, length = table_smem[1, safe], table_smem[2, safe]
-      masks.append((idx < num_segments) & (j >= start) & (j < start + length))
-      plgpu.barrier_wait(k_barriers.at[slot * num_pages + p])
-      plgpu.barrier_wait(v_barriers.at[slot * num_pages + p])
-    mask = jnp.concatenate(masks)  # [P*bs]
-    k = k_ring[slot].astype(jnp.float32).reshape(num_pages * block_size, head_dim)
-    v = v_ring[slot].astype(jnp.float32).reshape(num_pages * block_size, head_dim)
-    v = jnp.where(mask[:, None], v, 0.0)
-    logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # [G, P*bs]
-    logits = _soft_cap(logits, soft_cap)
-    logits = jnp.where(mask[None, :], logits, _NEG_INF)
-    m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1))
-    m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-    probs = jnp.exp(logits - m_safe[:, None])
-    alpha = jnp.exp(m_prev - m_safe)
-    l_new = alpha * l_prev + jnp.sum(probs, axis=1)
-    acc_new = alpha[:, None] * acc_prev + jnp.dot(
-        probs, v, preferred_element_type=jnp.float32)
+    def entry(r, idx):
+      return table_smem[r, idx // lanes, idx % lanes]
 
-    # The slot's contents are in registers now: refill it with a later stage.
-    # `commit_smem` (a proxy fence) orders this thread's generic-proxy reads of
-    # the slot before the TMA (async-proxy) write that overwrites it.
-    @pl.when(step + num_stages < num_steps)
+    def issue(step, slot, gmem, ring, barriers):
+      """TMA-loads the pages of stage `step` (block 0 for padding entries)."""
+      for p in range(num_pages):
+        idx = step * num_pages + p
+        blk = jnp.clip(jnp.where(idx < count, entry(0, idx), 0), 0,
+                       num_blocks - 1)
+        plgpu.copy_gmem_to_smem(gmem.at[head, blk],
+                                ring.at[slot, pl.ds(p * block_size, block_size)],
+                                barriers.at[slot * num_pages + p])
+
+    def issue_stage(step, slot):
+      issue(step, slot, k_gmem, k_ring, k_barriers)
+      issue(step, slot, v_gmem, v_ring, v_barriers)
+
+    def page_mask(step, shape, dim):
+      """bool[shape] in the WGMMA layout: is key `iota(dim)` of stage `step` a
+      live slot; and whether the stage is made of whole valid pages."""
+      key = plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma)
+      page = key // block_size
+      slot = key - page * block_size
+      mask, full = None, True
+      for p in range(num_pages):
+        idx = step * num_pages + p
+        live = idx < count
+        start = entry(1, idx)
+        end = start + entry(2, idx)
+        m = (page == p) & (slot >= start) & (slot < end) & live
+        mask = m if mask is None else mask | m
+        full = full & live & (start == 0) & (end == block_size)
+      return mask, full
+
+    @as_producer
     def _():
-      plgpu.commit_smem()
-      issue_stage(step + num_stages, slot)
+      if warp_specialized:
+        plgpu.set_max_registers(40, action="decrease")
+      for s in range(num_stages):  # prologue: fill the ring
+        @pl.when(s < num_steps)
+        def _():
+          issue_stage(s, s)
 
-    return m_new, l_new, acc_new
+      if warp_specialized:
+        def refill(step, carry):
+          slot = jax.lax.rem(step, num_stages)
+          plgpu.barrier_wait(k_free.at[slot])
+          issue(step, slot, k_gmem, k_ring, k_barriers)
+          plgpu.barrier_wait(v_free.at[slot])
+          issue(step, slot, v_gmem, v_ring, v_barriers)
+          return carry
 
-  init = (jnp.full((group,), _NEG_INF, jnp.float32),
-          jnp.zeros((group,), jnp.float32),
-          jnp.zeros((group, head_dim), jnp.float32))
-  _, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
-  # `l == 0` (not `> 0`): a NaN that slipped in must propagate, not vanish.
-  safe_l = jnp.where(l == 0, 1.0, l)
-  out = jnp.where(l[:, None] == 0, 0.0, acc / safe_l[:, None])
-  out_smem[...] = out.astype(out_smem.dtype)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, head])
-  plgpu.wait_smem_to_gmem(0)
+        jax.lax.fori_loop(num_stages, jnp.maximum(num_steps, num_stages),
+                          refill, 0)
+
+        # Observe every phase of the barriers this warpgroup shares (the GPU
+        # interpreter of JAX 0.11.2 checks it when they are deallocated): the
+        # query copy, and the last consumptions no refill waited for.
+        def drain(step, carry):
+          slot = jax.lax.rem(step, num_stages)
+          plgpu.barrier_wait(k_free.at[slot])
+          plgpu.barrier_wait(v_free.at[slot])
+          return carry
+
+        plgpu.barrier_wait(in_barriers.at[1])
+        jax.lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps,
+                          drain, 0)
+
+    def body(step, carry):
+      acc, m_i, l_i = carry
+      slot = jax.lax.rem(step, num_stages)
+      for p in range(num_pages):
+        plgpu.barrier_wait(k_barriers.at[slot * num_pages + p])
+
+      def compute_qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_ring.at[slot].T)
+        return acc_ref[...]
+
+      s = pl.run_scoped(compute_qk, plgpu.ACC((rows, BLOCK_KV), jnp.float32))
+      if warp_specialized:
+        plgpu.barrier_arrive(k_free.at[slot])
+      if soft_cap is None:
+        s = s * (sm_scale * _LOG2E)
+      else:
+        s = (soft_cap * _LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
+      mask, full = page_mask(step, (rows, BLOCK_KV), 1)
+      s = jnp.where(mask, s, _NEG_INF)
+      # Every stage has a live key (entries < count have length >= 1), so
+      # m_new is finite and exp2(-inf - m_new) = 0.
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      probs = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
+      l_new = l_i * alpha + probs.sum(axis=1)
+      acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p_smem[...] = probs.astype(dtype)
+      for p in range(num_pages):
+        plgpu.barrier_wait(v_barriers.at[slot * num_pages + p])
+
+      @pl.when(jnp.logical_not(full))
+      def _():
+        # Masked V rows may hold NaN; 0 * NaN would leak through P V.
+        vmask, _ = page_mask(step, (BLOCK_KV, head_dim), 0)
+        v = plgpu.load(v_ring.at[slot], layout=wgmma)
+        v_ring.at[slot][...] = jnp.where(vmask, v, jnp.zeros((), v.dtype))
+
+      plgpu.commit_smem()  # generic-proxy SMEM writes before the wgmma reads
+
+      def compute_pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_ring.at[slot])
+        return acc_ref[...]
+
+      acc = acc + pl.run_scoped(compute_pv,
+                                plgpu.ACC((rows, head_dim), jnp.float32))
+      if warp_specialized:
+        plgpu.barrier_arrive(v_free.at[slot])
+      else:
+        # The slot is consumed: refill it with a later stage. The fence orders
+        # this thread's generic-proxy accesses before the TMA write.
+        @pl.when(step + num_stages < num_steps)
+        def _():
+          plgpu.commit_smem()
+          issue_stage(step + num_stages, slot)
+
+      return acc, m_new, l_new
+
+    def consume():
+      if warp_specialized:
+        plgpu.set_max_registers(232, action="increase")
+      plgpu.barrier_wait(in_barriers.at[1])
+      init = (
+          plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), wgmma),
+          plgpu.layout_cast(jnp.full((rows,), _NEG_INF, jnp.float32),
+                            wgmma.reduce(1)),
+          plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), wgmma.reduce(1)))
+      return jax.lax.fori_loop(0, num_steps, body, init)
+
+    if warp_specialized:
+      @as_consumer
+      def _():
+        store_output(o_smem, lse_smem, *consume())
+      return None
+    return consume()
+
+  smem = lambda shape, dt=dtype, **kw: plgpu.SMEM(shape, dt, **kw)
+  fixed = [smem((4, chunks, lanes), jnp.int32),
+           smem((rows, head_dim), transforms=tiled),
+           smem((rows,), jnp.float32),
+           plgpu.Barrier(num_arrivals=1, num_barriers=2),
+           plgpu.Barrier(num_arrivals=1, num_barriers=num_stages * num_pages),
+           plgpu.Barrier(num_arrivals=1, num_barriers=num_stages * num_pages)]
+  ring = [smem((num_stages, BLOCK_KV, head_dim), transforms=tiled),
+          smem((num_stages, BLOCK_KV, head_dim), transforms=tiled),
+          smem((rows, BLOCK_KV), transforms=tiled)]
+  if warp_specialized:
+    pl.run_scoped(
+        program, *fixed,
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
+        *ring, smem((rows, head_dim), jnp.float32), collective_axes="wg")
+    return
+
+  def single(table_smem, q_smem, lse_smem, in_barriers, k_barriers, v_barriers):
+    acc, m_i, l_i = pl.run_scoped(
+        lambda *r: program(table_smem, q_smem, lse_smem, in_barriers,
+                           k_barriers, v_barriers, None, None, *r, None),
+        *ring)
+    # The output tile shares memory with the ring, released above.
+    pl.run_scoped(lambda o_smem: store_output(o_smem, lse_smem, acc, m_i, l_i),
+                  smem((rows, head_dim), jnp.float32))
+
+  pl.run_scoped(single, *fixed)
 
 
 # Wrapper --------------------------------------------------------------------------
 
 
-def pack_segment_table(seg_block, seg_start, seg_length, num_segments):
-  """`i32[B, 4, S_pad]` table (rows block, start, length; `[b, 3, 0]` = count),
-  `S_pad` = S rounded up to 16 bytes so each row is one TMA copy."""
+def pack_segment_table(seg_block, seg_start, seg_length, num_segments, *,
+                       num_splits):
+  """`i32[B, NS, 4, C, 128]`: split s holds entries `[s*C*128, (s+1)*C*128)` as
+  rows block, start, length, and its count of valid entries at `[3, 0, 0]`."""
   batch, num_seg_slots = seg_block.shape
-  padded = pl.cdiv(num_seg_slots, _TABLE_ALIGN) * _TABLE_ALIGN
-  pad = lambda a: jnp.pad(a, ((0, 0), (0, padded - num_seg_slots)))
-  count = jnp.zeros((batch, padded), jnp.int32).at[:, 0].set(num_segments)
-  return jnp.stack([pad(seg_block), pad(seg_start), pad(seg_length), count], axis=1)
+  per = pl.cdiv(pl.cdiv(num_seg_slots, num_splits), TABLE_LANES) * TABLE_LANES
+  chunks = per // TABLE_LANES
+  shape = (batch, num_splits, 1, chunks, TABLE_LANES)
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, per * num_splits - num_seg_slots))
+                          ).reshape(shape)
+  count = jnp.clip(num_segments[:, None] - jnp.arange(num_splits)[None] * per,
+                   0, per)
+  count = jnp.zeros(shape, jnp.int32).at[:, :, 0, 0, 0].set(count)
+  return jnp.concatenate([pad(seg_block), pad(seg_start), pad(seg_length), count],
+                         axis=2)
+
+
+def merge_splits_log2(o, lse, axis):
+  """Merges normalised split tiles `o [..., NS, R, D]` by their log2-sum-exp2
+  `lse [..., NS, R]` (-inf = empty split; all empty gives 0)."""
+  mx = jnp.max(lse, axis=axis, keepdims=True)
+  mx = jnp.where(mx == _NEG_INF, 0.0, mx)
+  w = jnp.exp2(lse - mx)
+  den = jnp.sum(w, axis=axis)
+  out = jnp.sum(w[..., None] * o, axis=axis)
+  # `den == 0` (not `> 0`): a NaN that slipped in must propagate, not vanish.
+  return jnp.where(den[..., None] == 0, 0.0,
+                   out / jnp.where(den == 0, 1.0, den)[..., None])
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret",
-                                             "pages_per_step"))
+                                             "pages_per_step", "num_splits"))
 def mosaic_paged_attention(
     q: jax.Array,  # [B, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
@@ -207,51 +407,64 @@ def mosaic_paged_attention(
     sm_scale: float,
     soft_cap: float | None,
     interpret=None,
-    pages_per_step: int = DEFAULT_PAGES_PER_STEP,
+    pages_per_step: int | None = None,
+    num_splits: int = 1,
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
   """Decode attention with the Mosaic GPU kernel (inputs validated by the caller,
-  `paged_attention.static_validate_inputs`).
+  `paged_attention.static_validate_inputs`; shape limits by `mosaic_problem`).
 
   Args:
     sm_scale: logits scale (already resolved, not None).
     soft_cap: optional tanh cap applied after scaling.
     interpret: None (compile for Hopper), True (`InterpretGPUParams(
       detect_races=True)`) or a `plgpu.InterpretGPUParams`.
-    pages_per_step: segments (pages) per ring stage.
+    pages_per_step: None or `BLOCK_KV // block_size`.
+    num_splits: split-K factor; raised so that no split has more than
+      `MAX_TABLE_CHUNKS * 128` segment entries.
   """
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
+
+  from pallas_kernels import lowering
 
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
+  problem = mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, block_size=block_size,
+                           dtype=k_pages.dtype, pages_per_step=pages_per_step)
+  if problem is None and q.dtype != k_pages.dtype:
+    problem = f"impl='mosaic' needs q in the pages' dtype, got {q.dtype}"
+  if problem is not None:
+    raise ValueError(problem)
   if interpret is True:
-    interpret = plgpu.InterpretGPUParams(detect_races=True)
+    interpret = lowering.gpu_interpret_params(detect_races=True)
   elif interpret is False:
     interpret = None
-  if not isinstance(pages_per_step, int) or pages_per_step < 1:
-    raise ValueError(f"pages_per_step must be an int >= 1, got {pages_per_step!r}")
-  table = pack_segment_table(seg_block, seg_start, seg_length, num_segments)
+  pages_per_step = BLOCK_KV // block_size
+  warp_specialized, num_stages = kernel_config(head_dim, k_pages.dtype)
+  num_seg_slots = seg_block.shape[1]
+  max_per_split = MAX_TABLE_CHUNKS * TABLE_LANES
+  num_splits = max(1, min(num_splits, pl.cdiv(num_seg_slots, pages_per_step)),
+                   pl.cdiv(num_seg_slots, max_per_split))
+  table = pack_segment_table(seg_block, seg_start, seg_length, num_segments,
+                             num_splits=num_splits)
+  num_splits, chunks = table.shape[1], table.shape[3]
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
-  ring = (_NUM_STAGES, pages_per_step, block_size, head_dim)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, BLOCK_ROWS - group), (0, 0)))
   kernel = functools.partial(mosaic_paged_attention_kernel, sm_scale=sm_scale,
-                             soft_cap=soft_cap, pages_per_step=pages_per_step)
-  out = plgpu.kernel(
+                             soft_cap=soft_cap, pages_per_step=pages_per_step,
+                             num_stages=num_stages, chunks=chunks,
+                             warp_specialized=warp_specialized)
+  tile = (batch, num_kv_heads, num_splits, BLOCK_ROWS)
+  threads = dict(num_threads=2, thread_name="wg") if warp_specialized else {}
+  o, lse = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-      grid=(batch, num_kv_heads),
-      grid_names=("row", "head"),
-      scratch_types=[
-          plgpu.SMEM(table.shape[1:], jnp.int32),
-          plgpu.SMEM((group, head_dim), q.dtype),
-          plgpu.SMEM(ring, k_pages.dtype),
-          plgpu.SMEM(ring, v_pages.dtype),
-          plgpu.SMEM((group, head_dim), q.dtype),
-          plgpu.Barrier(num_arrivals=1, num_barriers=2),
-          plgpu.Barrier(num_arrivals=1,
-                        num_barriers=_NUM_STAGES * pages_per_step),
-          plgpu.Barrier(num_arrivals=1,
-                        num_barriers=_NUM_STAGES * pages_per_step),
-      ],
+      out_type=(jax.ShapeDtypeStruct(tile + (head_dim,), jnp.float32),
+                jax.ShapeDtypeStruct(tile, jnp.float32)),
+      grid=(batch, num_kv_heads, num_splits),
+      grid_names=("row", "head", "split"),
       interpret=interpret,
+      **threads,
   )(table, qg, k_pages, v_pages)
-  return out.reshape(batch, num_q_heads, head_dim)
+  out = merge_splits_log2(o, lse, axis=2)[:, :, :group]  # [B, KVH, G, D]
+  return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

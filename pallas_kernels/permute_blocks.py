@@ -20,13 +20,16 @@ Implementations (`impl=`):
               XLA updates the buffer in place. The CPU default.
   * "pallas": generic grid Pallas kernel, grid (move, layer); pages stay in place
               through `input_output_aliases`. Runs in interpret mode on CPU.
-  * "mosaic": `permute_blocks` only. Mosaic GPU kernel, one program per move: the
-              move's (src, dst) come from GMEM to SMEM by TMA (barrier-waited before
-              any scalar read), then per layer the `[num_kv_heads, bs, head_dim]`
-              chunk goes GMEM -> SMEM (TMA, barrier) -> GMEM (TMA store) through a
-              two-slot SMEM ring; a slot is reused only after `wait_smem_to_gmem`
-              confirms the store that read it. Runs on CPU under
-              `plgpu.InterpretGPUParams(detect_races=True)`.
+  * "mosaic": `permute_blocks` only. Mosaic GPU kernel, grid (move chunk of 32,
+              layer, head chunk): a program TMA-loads its chunk of the move table
+              (barrier-waited before any scalar read), then streams its moves'
+              `[heads, bs, head_dim]` chunks GMEM -> SMEM (TMA, barrier) -> GMEM
+              (TMA store) through an R-slot ring (R-1 loads in flight; the head
+              chunk and R sized so the ring fits shared memory for any head
+              count, `mosaic_permute_config`); move tables of any length. Runs on
+              CPU under `plgpu.InterpretGPUParams(detect_races=True)`.
+On a GPU target the wrapper refuses, at trace time, a shape an impl cannot build
+for; `lowerable_permute_impls(...)` asks ahead of time.
 
 `ref_permute_blocks` / `ref_copy_slots` are numpy-free `jnp` references that apply
 the moves one by one.
@@ -45,8 +48,16 @@ from jax.experimental import pallas as pl
 
 _PERMUTE_IMPLS = ("xla", "pallas", "mosaic")
 _COPY_IMPLS = ("xla", "pallas")
-_MOSAIC_RING = 2  # SMEM slots of the Mosaic GPU copy ring
-_MOSAIC_INDEX_ALIGN = 4  # i32 move arrays padded to 16 bytes for TMA
+# Mosaic GPU permutation: moves per program (TMA boxes hold <= 256 per dimension;
+# a multiple of 4 keeps the i32 table rows 16-byte aligned), bytes per ring slot,
+# bytes of the whole ring (Hopper: 227 KiB of shared memory per block), and the
+# deepest ring.
+_MOSAIC_MOVES_PER_PROGRAM = 32
+_MOSAIC_SLOT_BYTES = 16 << 10
+_MOSAIC_RING_BYTES = 128 << 10
+_MOSAIC_MAX_RING = 8
+# Preference order on a GPU; not yet timed on one (see tools/gpu_check.py).
+GPU_PERMUTE_PREFERENCE = ("xla", "mosaic", "pallas")
 
 
 # References -------------------------------------------------------------------
@@ -238,70 +249,161 @@ def _pallas_copy_slots(pages, src_block, src_start, dst_block, dst_start, length
 # Mosaic GPU kernel ------------------------------------------------------------
 
 
-def mosaic_permute_blocks_kernel(moves_gmem, pages_gmem, moves_smem, ring_smem,
-                                 moves_barrier, ring_barriers):
-  """Program i (one move). moves_gmem i32[2, M] (row 0 src, row 1 dst).
+def mosaic_permute_config(*, num_kv_heads: int, block_size: int, head_dim: int,
+                          dtype) -> tuple[int, int]:
+  """(heads per program, ring slots) of the Mosaic GPU permutation.
 
-  Synchronisation, in the order the Mosaic GPU interpreter checks it:
-    1. TMA-load the move table into SMEM and wait on its barrier before reading
-       any scalar of it;
-    2. per layer, pick ring slot `l % 2`; before loading into it, wait until at
-       most one SMEM->GMEM store is in flight (`wait_smem_to_gmem(1)`), i.e. the
-       store issued two layers ago from this slot has finished reading it;
-    3. TMA-load the chunk, wait on the slot's barrier, TMA-store it to the
-       destination; finally wait for all stores (`wait_smem_to_gmem(0)`).
+  A ring slot holds `heads x block_size x head_dim` elements: as many kv heads
+  as fit `_MOSAIC_SLOT_BYTES` (at least one, a divisor of `num_kv_heads`), and as
+  many slots as fit `_MOSAIC_RING_BYTES` (2 to `_MOSAIC_MAX_RING`), so the ring
+  fits shared memory for any head count.
+  """
+  head_bytes = block_size * head_dim * jnp.dtype(dtype).itemsize
+  heads = max([h for h in range(1, num_kv_heads + 1)
+               if num_kv_heads % h == 0 and h * head_bytes <= _MOSAIC_SLOT_BYTES]
+              or [1])
+  slots = max(2, min(_MOSAIC_MAX_RING, _MOSAIC_RING_BYTES // (heads * head_bytes)))
+  return heads, slots
+
+
+def mosaic_permute_blocks_kernel(table_gmem, pages_gmem, table_smem, ring_smem,
+                                 table_barrier, ring_barriers):
+  """Program (move chunk c, layer l, head chunk h): copies
+  `pages[l, heads of h, src[i]] -> pages[l, heads of h, dst[i]]` for the live
+  moves i of chunk c.
+
+  table_gmem i32[num_chunks, 3, M]: rows src, dst and `[count, 0, ...]`; the
+  wrapper sorts live moves first, so a chunk's live moves are its first `count`
+  entries (padding moves are never dereferenced).
+
+  Pipeline (one program, R ring slots): loads of moves 0..R-2 are issued up
+  front; at move i the program waits on the slot's barrier, TMA-stores the slot
+  to the destination, then, once at most one store is still reading SMEM
+  (`wait_smem_to_gmem(1, wait_read_only=True)`: the store of move i-1 is done
+  with its slot), loads move i+R-1 into that slot. So R-1 loads and up to two
+  stores are in flight per program. Finally all stores are waited on.
   """
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
-  num_layers = pages_gmem.shape[0]
   # NOTE: `pl.program_id` is always 0 in the Mosaic GPU interpreter (JAX 0.12);
-  # a named grid axis read with `lax.axis_index` is what it simulates.
-  i = jax.lax.axis_index("move")
-  plgpu.copy_gmem_to_smem(moves_gmem, moves_smem, moves_barrier)
-  plgpu.barrier_wait(moves_barrier)
-  s, d = moves_smem[0, i], moves_smem[1, i]
+  # named grid axes read with `lax.axis_index` are what it simulates.
+  chunk = jax.lax.axis_index("chunk")
+  layer = jax.lax.axis_index("layer")
+  head_chunk = jax.lax.axis_index("heads")
+  num_slots, heads_per_chunk = ring_smem.shape[0], ring_smem.shape[1]
+  moves_per_chunk = table_smem.shape[1]
+  heads = pl.ds(head_chunk * heads_per_chunk, heads_per_chunk)
 
-  @pl.when((s >= 0) & (d >= 0))
-  def _():
-    for layer in range(num_layers):  # static: num_layers is small (<= ~128)
-      slot = layer % _MOSAIC_RING
-      if layer >= _MOSAIC_RING:
-        plgpu.wait_smem_to_gmem(_MOSAIC_RING - 1, wait_read_only=True)
-      plgpu.copy_gmem_to_smem(pages_gmem.at[layer, :, s], ring_smem.at[slot],
-                              ring_barriers.at[slot])
-      plgpu.barrier_wait(ring_barriers.at[slot])
-      plgpu.copy_smem_to_gmem(ring_smem.at[slot], pages_gmem.at[layer, :, d])
-    plgpu.wait_smem_to_gmem(0)
+  plgpu.copy_gmem_to_smem(table_gmem.at[chunk], table_smem, table_barrier)
+  plgpu.barrier_wait(table_barrier)
+  count = jnp.clip(table_smem[2, 0], 0, moves_per_chunk)
+
+  def load(i, slot):
+    plgpu.copy_gmem_to_smem(pages_gmem.at[layer, heads, table_smem[0, i]],
+                            ring_smem.at[slot], ring_barriers.at[slot])
+
+  for i in range(num_slots - 1):  # prologue
+    @pl.when(i < count)
+    def _():
+      load(i, i)
+
+  def body(i, carry):
+    slot = jax.lax.rem(i, num_slots)
+    plgpu.barrier_wait(ring_barriers.at[slot])
+    plgpu.copy_smem_to_gmem(ring_smem.at[slot],
+                            pages_gmem.at[layer, heads, table_smem[1, i]])
+    nxt = i + num_slots - 1
+
+    @pl.when(nxt < count)
+    def _():
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      load(nxt, jax.lax.rem(nxt, num_slots))
+
+    return carry
+
+  jax.lax.fori_loop(0, count, body, 0)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _mosaic_permute_blocks(pages, src, dst, *, interpret):
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
   num_layers, num_kv_heads, _, block_size, head_dim = pages.shape
+  heads, slots = mosaic_permute_config(num_kv_heads=num_kv_heads,
+                                       block_size=block_size, head_dim=head_dim,
+                                       dtype=pages.dtype)
   num_moves = src.shape[0]
-  padded = pl.cdiv(max(num_moves, 1), _MOSAIC_INDEX_ALIGN) * _MOSAIC_INDEX_ALIGN
-  pad = lambda a: jnp.pad(a, (0, padded - num_moves), constant_values=-1)
-  moves = jnp.stack([pad(src), pad(dst)])  # i32[2, padded]
+  per_chunk = _MOSAIC_MOVES_PER_PROGRAM
+  num_chunks = max(1, pl.cdiv(num_moves, per_chunk))
+  live = (src >= 0) & (dst >= 0)
+  order = jnp.argsort(~live, stable=True)  # live moves first
+  pad = lambda a: jnp.pad(a[order], (0, num_chunks * per_chunk - num_moves),
+                          constant_values=-1).reshape(num_chunks, per_chunk)
+  num_live = jnp.sum(live.astype(jnp.int32))
+  count = jnp.clip(num_live - jnp.arange(num_chunks) * per_chunk, 0, per_chunk)
+  count = jnp.zeros((num_chunks, per_chunk), jnp.int32).at[:, 0].set(count)
+  table = jnp.stack([pad(src), pad(dst), count], axis=1)  # [chunks, 3, M]
   if interpret is True:
-    interpret = plgpu.InterpretGPUParams()
+    from pallas_kernels import lowering
+    interpret = lowering.gpu_interpret_params()
   # In place: the pages travel as a mutable Ref that the kernel updates through
   # TMA stores (`plgpu.kernel` has no `input_output_aliases`).
   pages_ref = jax.new_ref(pages)
   plgpu.kernel(
       mosaic_permute_blocks_kernel,
       out_type=(),
-      grid=(padded,),
-      grid_names=("move",),
+      grid=(num_chunks, num_layers, num_kv_heads // heads),
+      grid_names=("chunk", "layer", "heads"),
       scratch_types=[
-          plgpu.SMEM((2, padded), jnp.int32),
-          plgpu.SMEM((_MOSAIC_RING, num_kv_heads, block_size, head_dim),
-                     pages.dtype),
+          plgpu.SMEM((3, per_chunk), jnp.int32),
+          plgpu.SMEM((slots, heads, block_size, head_dim), pages.dtype),
           plgpu.Barrier(num_arrivals=1),
-          plgpu.Barrier(num_arrivals=1, num_barriers=_MOSAIC_RING),
+          plgpu.Barrier(num_arrivals=1, num_barriers=slots),
       ],
       interpret=interpret or None,
-  )(moves, pages_ref)
+  )(table, pages_ref)
   return jax.freeze(pages_ref)
+
+
+def permute_impl_problem(impl: str, *, num_layers: int, num_kv_heads: int,
+                         block_size: int, head_dim: int, dtype, num_moves: int,
+                         platform: str | None = None) -> str | None:
+  """Why `permute_blocks(impl=impl)` cannot be built for this pool and move
+  count on `platform` (default: the trace's target), or None if it can. Matches
+  the lowering tier (`tests/kernels/test_lowering.py`)."""
+  from pallas_kernels import lowering
+
+  platform = platform or lowering.target_platform()
+  if impl not in _PERMUTE_IMPLS:
+    return f"impl must be one of {_PERMUTE_IMPLS}, got {impl!r}"
+  if platform not in ("cuda", "rocm") or impl in ("xla", "pallas"):
+    return None
+  if impl == "mosaic" and platform != "cuda":
+    return "impl='mosaic' needs an NVIDIA (cuda) GPU"
+  for name, n in (("block_size", block_size), ("head_dim", head_dim)):
+    if n > 256:
+      return f"impl='mosaic': TMA boxes hold <= 256 per dimension, {name}={n}"
+  if head_dim * jnp.dtype(dtype).itemsize % 16:
+    return (f"impl='mosaic': TMA rows must be 16-byte multiples, head_dim "
+            f"{head_dim} x {jnp.dtype(dtype).itemsize} bytes")
+  del num_layers, num_moves  # any number: grid over (move chunk, layer, heads)
+  return None
+
+
+def lowerable_permute_impls(*, num_layers: int, num_kv_heads: int,
+                            block_size: int, head_dim: int, dtype, num_moves: int,
+                            platform: str | None = None) -> tuple[str, ...]:
+  """The permutation impls that build here, in `GPU_PERMUTE_PREFERENCE` order on
+  a GPU, "xla" first elsewhere; "xla" is always in it."""
+  from pallas_kernels import lowering
+
+  platform = platform or lowering.target_platform()
+  order = (GPU_PERMUTE_PREFERENCE if platform in ("cuda", "rocm")
+           else ("xla", "pallas", "mosaic"))
+  kw = dict(num_layers=num_layers, num_kv_heads=num_kv_heads,
+            block_size=block_size, head_dim=head_dim, dtype=dtype,
+            num_moves=num_moves, platform=platform)
+  return tuple(i for i in order if permute_impl_problem(i, **kw) is None)
 
 
 # Public wrappers -----------------------------------------------------------------
@@ -329,6 +431,21 @@ def permute_blocks(
   """
   static_validate_pages(pages, src, dst, names=("src", "dst"), impl=impl,
                         impls=_PERMUTE_IMPLS)
+  from pallas_kernels import lowering
+
+  platform = lowering.target_platform()
+  if impl == "mosaic" and not interpret and platform != "cuda":
+    raise ValueError(
+        f"impl='mosaic' is not implemented on the {platform!r} backend (Mosaic "
+        "GPU needs a GPU); pass interpret=True or a plgpu.InterpretGPUParams")
+  if not interpret:
+    num_layers, num_kv_heads, _, block_size, head_dim = pages.shape
+    problem = permute_impl_problem(
+        impl, num_layers=num_layers, num_kv_heads=num_kv_heads,
+        block_size=block_size, head_dim=head_dim, dtype=pages.dtype,
+        num_moves=src.shape[0], platform=platform)
+    if problem is not None:
+      raise ValueError(f"cannot build on {platform}: {problem}")
   if impl == "xla":
     return _xla_permute_blocks(pages, src, dst)
   if impl == "pallas":

@@ -9,10 +9,10 @@ i of row b sits at logical position `seq_len_b - q_len_b + i` and attends causal
 to logical positions `<= ` its own. Tokens at `t >= cu_q_lens[B]` (padding) give 0.
 
 Implementations (`impl=`):
-  * "xla":    per row, gathers the row's blocks (`jnp.take`) and runs a masked
-              softmax for all T tokens, keeping the rows that belong to it
-              (`lax.scan` over rows: memory O(T * S * block_size), compute B times
-              that). The library's CPU default, sized for a tiny model.
+  * "xla":    the new tokens in tiles of one row each (`xla_tile_size`); a tile
+              gathers its row's blocks (`jnp.take`) and runs a masked softmax;
+              tiles go 8 at a time through `lax.map`. Cost O((T + B * tile) * S *
+              block_size): linear in the batch. The library's CPU default.
   * "pallas": grid (q tile, kv head). A program holds `block_q` consecutive tokens
               times the GQA group, loops over the rows its tokens belong to and,
               per row, over its segments `pages_per_step` blocks at a time with an
@@ -41,6 +41,8 @@ from pallas_kernels import paged_attention as _pa
 DEFAULT_BLOCK_Q = 8  # new tokens per program
 DEFAULT_PAGES_PER_STEP = _pa.DEFAULT_PAGES_PER_STEP
 _SUPPORTED_IMPLS = ("xla", "pallas")
+_XLA_MAX_TILE = 64  # new tokens per tile of the "xla" path
+_XLA_TILES_PER_STEP = 8  # tiles evaluated together (vectorised) by `lax.map`
 _KNOWN_IMPLS = ("xla", "pallas", "mosaic")
 _NEG_INF = float("-inf")
 
@@ -105,8 +107,14 @@ def ref_prefill_attention(
 
 def static_validate_inputs(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
                            seg_length, num_segments, *, sm_scale, soft_cap, impl,
-                           block_q, pages_per_step):
-  """Checks shapes, dtypes and static arguments; raises ValueError."""
+                           block_q, pages_per_step, interpret=False):
+  """Checks shapes, dtypes and static arguments; raises ValueError.
+
+  On a GPU target (`lowering.target_platform()`, not interpreting), "pallas"
+  must lower through Triton: the decode rules of
+  `paged_attention.decode_impl_problem` apply, and `block_q` must be a power of
+  two.
+  """
   if q.ndim != 3:
     raise ValueError(f"q must be [T, num_q_heads, head_dim], got {q.shape}")
   batch = seg_block.shape[0] if seg_block.ndim == 2 else -1
@@ -117,9 +125,16 @@ def static_validate_inputs(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
   _pa.static_validate_inputs(
       jax.ShapeDtypeStruct((batch, q.shape[1], q.shape[2]), q.dtype), k_pages,
       v_pages, seg_block, seg_start, seg_length, num_segments, sm_scale=sm_scale,
-      soft_cap=soft_cap, num_splits=1, impl=impl, pages_per_step=pages_per_step)
+      soft_cap=soft_cap, num_splits=1, impl=impl, pages_per_step=pages_per_step,
+      interpret=interpret)
   if not isinstance(block_q, int) or block_q < 1:
     raise ValueError(f"block_q must be an int >= 1, got {block_q!r}")
+  from pallas_kernels import lowering
+
+  if (impl == "pallas" and not interpret and lowering.is_gpu_target() and
+      block_q & (block_q - 1)):
+    raise ValueError(f"impl='pallas' (Triton) needs a power-of-two block_q, got "
+                     f"{block_q}")
 
 
 def dynamic_validate_inputs(cu_q_lens, seg_block, seg_start, seg_length,
@@ -143,18 +158,45 @@ def dynamic_validate_inputs(cu_q_lens, seg_block, seg_start, seg_length,
 # XLA path ------------------------------------------------------------------------
 
 
+def xla_tile_size(num_tokens: int, batch: int) -> int:
+  """Tokens per tile of the "xla" path: the mean new tokens per row rounded up
+  to a power of two, at most `_XLA_MAX_TILE` (decode-like batches get 1)."""
+  mean = max(1, -(-num_tokens // max(batch, 1)))
+  return min(_XLA_MAX_TILE, 1 << (mean - 1).bit_length())
+
+
 def _xla_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
                            seg_length, num_segments, *, sm_scale, soft_cap):
+  """Tiles of `tile` consecutive new tokens of one row each (at most
+  `cdiv(T, tile) + B` tiles); every tile attends to its own row's blocks only,
+  so the cost is O((T + B * tile) * S * block_size), linear in the batch. Tiles
+  run `_XLA_TILES_PER_STEP` at a time under `lax.map` to bound memory."""
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   batch, num_seg_slots = seg_block.shape
+  tile = xla_tile_size(num_tokens, batch)
+  num_tiles = pl.cdiv(num_tokens, tile) + batch
   seq_lens, cum_before = _seq_lens_and_cum(seg_length, num_segments)
-  tok_row, tok_pos = _token_rows(cu_q_lens, seq_lens, num_tokens)
+  q_lens = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)  # [B]
+  cu_tiles = jnp.concatenate(
+      [jnp.zeros(1, jnp.int32), jnp.cumsum((q_lens + tile - 1) // tile)])
+  tile_idx = jnp.arange(num_tiles, dtype=jnp.int32)
+  tile_row = jnp.clip(
+      jnp.searchsorted(cu_tiles, tile_idx, side="right").astype(jnp.int32) - 1,
+      0, batch - 1)  # [num_tiles]; tiles past cu_tiles[B] have no valid token
+  first = cu_q_lens[tile_row] + (tile_idx - cu_tiles[tile_row]) * tile
+  tok = first[:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]  # [NT, tile]
+  tok_ok = (tile_idx[:, None] < cu_tiles[batch]) & (
+      tok < cu_q_lens[tile_row + 1][:, None])
+  tok = jnp.where(tok_ok, tok, num_tokens)  # out of range: dropped on scatter
+  tok_pos = (seq_lens[tile_row] - q_lens[tile_row])[:, None] + (
+      tok - cu_q_lens[tile_row][:, None])  # [NT, tile] logical positions
   qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
   j = jnp.arange(block_size)[None, :]
 
-  def one_row(out, b):
+  def one_tile(args):
+    b, tok_t, ok_t, pos_t = args  # row, i32[tile], bool[tile], i32[tile]
     valid = jnp.arange(num_seg_slots) < num_segments[b]  # [S]
     blocks = jnp.clip(jnp.where(valid, seg_block[b], 0), 0, num_blocks - 1)
     start = seg_start[b][:, None]
@@ -164,9 +206,9 @@ def _xla_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
     k = k_pages[:, blocks].reshape(num_kv_heads, -1, head_dim)
     v = v_pages[:, blocks].reshape(num_kv_heads, -1, head_dim)
     v = jnp.where(in_seg[None, :, None], v, jnp.zeros((), v.dtype))
-    mine = tok_row == b  # [T]
-    mask = mine[:, None] & in_seg[None, :] & (key_pos[None, :] <= tok_pos[:, None])
-    logits = jnp.einsum("thgd,hjd->thgj", qg, k,
+    qt = qg[jnp.minimum(tok_t, num_tokens - 1)]  # [tile, KVH, G, D]
+    mask = ok_t[:, None] & in_seg[None, :] & (key_pos[None, :] <= pos_t[:, None])
+    logits = jnp.einsum("thgd,hjd->thgj", qt, k,
                         preferred_element_type=jnp.float32) * sm_scale
     logits = _pa._apply_soft_cap(logits, soft_cap)
     logits = jnp.where(mask[:, None, None, :], logits, _NEG_INF)
@@ -175,11 +217,13 @@ def _xla_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
     p = jnp.exp(logits - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("thgj,hjd->thgd", p, v.astype(jnp.float32))
-    o = jnp.where(denom == 0, 0.0, o / jnp.where(denom == 0, 1.0, denom))
-    return jnp.where(mine[:, None, None, None], o, out), None
+    return jnp.where(denom == 0, 0.0, o / jnp.where(denom == 0, 1.0, denom))
 
-  init = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
-  out, _ = jax.lax.scan(one_row, init, jnp.arange(batch))
+  out_tiles = jax.lax.map(one_tile, (tile_row, tok, tok_ok, tok_pos),
+                          batch_size=min(_XLA_TILES_PER_STEP, num_tiles))
+  out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
+  out = out.at[tok.reshape(-1)].set(
+      out_tiles.reshape(-1, num_kv_heads, group, head_dim), mode="drop")
   return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -194,17 +238,16 @@ def prefill_attention_kernel(
     cum_before_ref,  # i32[B, S] tokens before each segment
     tok_row_ref,  # i32[block_q] row of each token of this tile (B = padding)
     tok_pos_ref,  # i32[block_q] logical position of each token
-    q_ref,  # [block_q, G, D]
-    k_ref,  # [KVH, num_blocks, bs, D] (whole array)
-    v_ref,  # [KVH, num_blocks, bs, D]
-    o_ref,  # [block_q, G, D]
+    q_ref,  # [block_q, G_pad, D] (heads >= G are zero padding)
+    k_ref,  # [num_blocks, bs, D] (kv head h)
+    v_ref,  # [num_blocks, bs, D]
+    o_ref,  # [block_q, G_pad, D]
     *, sm_scale, soft_cap, pages_per_step):
   """Program (tile, h): tokens of the tile times the GQA group of kv head h."""
-  head = pl.program_id(1)
   block_q, group, head_dim = q_ref.shape
   batch = num_segments_ref.shape[0]
   rows = block_q * group
-  q = q_ref[...].astype(jnp.float32).reshape(rows, head_dim) * sm_scale
+  q = q_ref[...].reshape(rows, head_dim)
   tok_row = tok_row_ref[...]
   tok_pos = tok_pos_ref[...]
   row_of = jnp.repeat(tok_row, group)  # [rows]
@@ -221,10 +264,11 @@ def prefill_attention_kernel(
     def step(i, carry):
       k, v, mask, key_pos = _pa.load_segment_pages(
           k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_ref, row=b,
-          head=head, first=i * pages_per_step, end=end,
-          pages_per_step=pages_per_step, cum_before_ref=cum_before_ref)
-      logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+          first=i * pages_per_step, end=end, pages_per_step=pages_per_step,
+          cum_before_ref=cum_before_ref)
+      logits = jax.lax.dot_general(
+          q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
+          preferred_element_type=jnp.float32) * sm_scale
       logits = _pa._apply_soft_cap(logits, soft_cap)
       keep = (mine[:, None] & mask[None, :] &
               (key_pos[None, :] <= pos_of[:, None]))
@@ -246,25 +290,33 @@ def _pallas_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_sta
                               seg_length, num_segments, *, sm_scale, soft_cap,
                               block_q, pages_per_step, interpret):
   num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads = k_pages.shape[0]
+  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
+  group_pad = _pa.padded_group(group)
   num_tiles = pl.cdiv(num_tokens, block_q)
   padded = num_tiles * block_q
   seq_lens, cum_before = _seq_lens_and_cum(seg_length, num_segments)
   tok_row, tok_pos = _token_rows(cu_q_lens, seq_lens, padded)
+  seg_block, seg_start, seg_length = _pa.pad_segment_table(
+      seg_block, seg_start, seg_length, multiple=pages_per_step)
+  cum_before, = _pa.pad_segment_table(cum_before, multiple=pages_per_step)
   qg = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
   qg = qg.reshape(padded, num_kv_heads, group, head_dim)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
   kernel = functools.partial(prefill_attention_kernel, sm_scale=sm_scale,
                              soft_cap=soft_cap, pages_per_step=pages_per_step)
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   tile = pl.BlockSpec((None, block_q), lambda i, h: (i, 0))
-  qo_spec = pl.BlockSpec((block_q, None, group, head_dim), lambda i, h: (i, h, 0, 0))
+  qo_spec = pl.BlockSpec((block_q, None, group_pad, head_dim),
+                         lambda i, h: (i, h, 0, 0))
+  head_pages = pl.BlockSpec((None, num_blocks, block_size, head_dim),
+                            lambda i, h: (h, 0, 0, 0))
   out = pl.pallas_call(
       kernel,
       grid=(num_tiles, num_kv_heads),
       in_specs=[whole(num_segments), whole(seg_block), whole(seg_start),
                 whole(seg_length), whole(cum_before), tile, tile, qo_spec,
-                whole(k_pages), whole(v_pages)],
+                head_pages, head_pages],
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
       interpret=interpret,
@@ -272,7 +324,8 @@ def _pallas_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_sta
   )(num_segments, seg_block, seg_start, seg_length, cum_before,
     tok_row.reshape(num_tiles, block_q), tok_pos.reshape(num_tiles, block_q), qg,
     k_pages, v_pages)
-  return out[:num_tokens].reshape(num_tokens, num_q_heads, head_dim)
+  out = out[:num_tokens, :, :group]
+  return out.reshape(num_tokens, num_q_heads, head_dim)
 
 
 # Public wrapper -----------------------------------------------------------------
@@ -297,7 +350,7 @@ def prefill_attention(
     impl: str = "xla",
     interpret: bool = False,
     block_q: int = DEFAULT_BLOCK_Q,
-    pages_per_step: int = DEFAULT_PAGES_PER_STEP,
+    pages_per_step: int | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
   """Causal attention of ragged new tokens over their rows' segment tables.
 
@@ -312,13 +365,16 @@ def prefill_attention(
     impl: "xla" (CPU default) or "pallas"; "mosaic" raises (not implemented).
     interpret: run the Pallas kernel in interpret mode (CPU).
     block_q: new tokens per Pallas program.
-    pages_per_step: segments loaded per online-softmax step ("pallas").
+    pages_per_step: segments loaded per online-softmax step ("pallas"); None =
+      `paged_attention.default_pages_per_step(block_size)`.
   """
   static_validate_inputs(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
                          seg_length, num_segments, sm_scale=sm_scale,
                          soft_cap=soft_cap, impl=impl, block_q=block_q,
-                         pages_per_step=pages_per_step)
+                         pages_per_step=pages_per_step, interpret=interpret)
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+  if pages_per_step is None:
+    pages_per_step = _pa.default_pages_per_step(k_pages.shape[2])
   if impl == "xla":
     return _xla_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block,
                                   seg_start, seg_length, num_segments,

@@ -1,10 +1,12 @@
 """Decode attention, `impl="mosaic"`: the Mosaic GPU kernel run in JAX's GPU
 interpreter on CPU with race detection, against the float64 reference.
 
-Inputs come from the shared builders of `test_kernels_paged_attention.py`: fresh
-random tables mixing full, partial, slotted and shared segments, lengths 1, exact
-multiples of block_size (8), partial and 0 (an empty row), and NaN in every unused
-slot so a stray read poisons the output.
+Inputs come from the shared builders of `test_paged_attention.py`: fresh random
+tables mixing full, partial, slotted and shared segments, lengths 1, exact
+multiples of block_size (16), partial and 0 (an empty row), and NaN in every
+unused slot so a stray read poisons the output. Rows are long enough (up to 300
+tokens in up to 40 segments) that a row walks more stages than the ring holds,
+so ring-slot reuse is exercised, and split-K leaves some splits empty.
 """
 
 from __future__ import annotations
@@ -14,42 +16,50 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import lowering
 from pallas_kernels import paged_attention as pa
-from tests.kernels.test_paged_attention import _SEQ_LENS, _TOL, _case, ref64
+from tests.kernels.test_paged_attention import _TOL, _case, ref64
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
+# Lengths: 1, multiples of block_size, partial, an empty row, long rows.
+_SEQ_LENS = (13, 1, 300, 0, 64, 5, 170, 33)
+_CASE = dict(block_size=16, head_dim=64, num_blocks=160, max_segments=40)
+_TOL[jnp.float16] = _TOL[jnp.bfloat16]
+
 
 def _interpreter():
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mi
-  return mi
+  return lowering.interpreter_state()
 
 
 def _race_params():
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  return plgpu.InterpretGPUParams(detect_races=True, on_race="warn")
+  # `on_race` exists from JAX 0.12 on; 0.11.2 records races without it.
+  return lowering.gpu_interpret_params(detect_races=True, on_race="warn")
 
 
 _CASES = [
-    # (dtype, group, soft_cap, pages_per_step); pages_per_step 1 makes rows walk
-    # more stages than the ring holds, so slot reuse is exercised.
-    (jnp.float32, 1, None, 2),
-    (jnp.float32, 4, 5.0, 1),
-    (jnp.bfloat16, 4, None, 3),
-    (jnp.bfloat16, 1, 3.0, 2),
+    # (dtype, group, soft_cap, num_splits, head_dim). head_dim 64 runs the
+    # warp-specialized kernel (producer warpgroup), 256 the one-warpgroup one.
+    (jnp.bfloat16, 4, None, 1, 64),
+    (jnp.bfloat16, 1, 5.0, 3, 64),
+    (jnp.float16, 5, None, 2, 64),
+    (jnp.bfloat16, 8, 3.0, 1, 64),
+    (jnp.bfloat16, 2, None, 2, 256),
 ]
 
 
-@pytest.mark.parametrize("dtype,group,soft_cap,pages_per_step", _CASES)
+@pytest.mark.parametrize("dtype,group,soft_cap,num_splits,head_dim", _CASES)
 def test_mosaic_matches_reference_without_races(dtype, group, soft_cap,
-                                                pages_per_step):
-  q, k, v, table = _case(group * 11 + pages_per_step, dtype=dtype, group=group,
-                         seq_lens=_SEQ_LENS)
+                                                num_splits, head_dim):
+  from pallas_kernels import paged_attention_mosaic as pm
+
+  assert pm.kernel_config(head_dim, dtype)[0] == (head_dim <= 128)
+  q, k, v, table = _case(group * 11 + num_splits, dtype=dtype, group=group,
+                         seq_lens=_SEQ_LENS, **dict(_CASE, head_dim=head_dim))
   mi = _interpreter()
   mi.reset_gpu_interpret_mode_state()
   out = pa.paged_attention(q, k, v, *table, soft_cap=soft_cap, impl="mosaic",
-                           interpret=_race_params(),
-                           pages_per_step=pages_per_step)
+                           interpret=_race_params(), num_splits=num_splits)
   got = np.asarray(out.astype(jnp.float32))
   assert not mi.get_races().races_found
   want = ref64(pa.ref_paged_attention, q, k, v, *table, soft_cap=soft_cap)
@@ -60,45 +70,62 @@ def test_mosaic_matches_reference_without_races(dtype, group, soft_cap,
 
 
 def test_mosaic_interpret_true_means_race_checked():
-  """`interpret=True` maps to `InterpretGPUParams(detect_races=True)` (raising on a
-  race); custom sm_scale; a batch whose rows are all empty except a length-1 row."""
-  q, k, v, table = _case(5, dtype=jnp.float32, group=2, seq_lens=(0, 1, 0),
-                         check_coverage=False)
+  """`interpret=True` maps to `InterpretGPUParams(detect_races=True)`; custom
+  sm_scale; a batch whose rows are all empty except a length-1 row."""
+  q, k, v, table = _case(5, dtype=jnp.bfloat16, group=2, seq_lens=(0, 1, 0),
+                         check_coverage=False, **_CASE)
   _interpreter().reset_gpu_interpret_mode_state()
   out = pa.paged_attention(q, k, v, *table, sm_scale=0.3, impl="mosaic",
                            interpret=True)
   want = ref64(pa.ref_paged_attention, q, k, v, *table, sm_scale=0.3)
-  got = np.asarray(out)
-  np.testing.assert_allclose(got, want, **_TOL[jnp.float32])
+  got = np.asarray(out.astype(jnp.float32))
+  np.testing.assert_allclose(got, want, **_TOL[jnp.bfloat16])
   np.testing.assert_array_equal(got[[0, 2]], 0.0)
   assert not _interpreter().get_races().races_found
 
 
-def test_mosaic_race_detector_sees_missing_proxy_fence(monkeypatch):
-  """Negative control: without the `commit_smem` fence before a ring slot is
-  refilled, the TMA write races with the kernel's earlier reads of that slot, and
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_mosaic_race_detector_sees_missing_proxy_fence(monkeypatch, head_dim):
+  """Negative control: without the `commit_smem` fences, the TMA refill of a
+  ring slot races with the kernel's generic-proxy accesses of that slot, and
   the detector must say so; the clean runs above are not a detector that sees
-  nothing."""
+  nothing. Both kernels (warp-specialized at 64, one warpgroup at 256)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   monkeypatch.setattr(plgpu, "commit_smem", lambda: None)
-  q, k, v, table = _case(6, dtype=jnp.float32, group=1, seq_lens=(9, 17),
-                         check_coverage=False)
+  q, k, v, table = _case(6, dtype=jnp.bfloat16, group=1, seq_lens=(300, 17),
+                         check_coverage=False,
+                         **dict(_CASE, head_dim=head_dim))
   mi = _interpreter()
   mi.reset_gpu_interpret_mode_state()
   # sm_scale used nowhere else: forces a fresh trace with the patched fence.
   jax.block_until_ready(pa.paged_attention(
-      q, k, v, *table, sm_scale=0.123, impl="mosaic", interpret=_race_params(),
-      pages_per_step=1))
+      q, k, v, *table, sm_scale=0.123, impl="mosaic", interpret=_race_params()))
   assert mi.get_races().races_found
   mi.reset_gpu_interpret_mode_state()
+
+
+def test_mosaic_refuses_what_cannot_lower():
+  """f32 pages (no bf16 wgmma), head_dim 16, block 128: refused with the reason,
+  on every platform (interpret mode runs only what lowers)."""
+  q, k, v, table = _case(1, dtype=jnp.float32, group=2, seq_lens=(3, 4),
+                         check_coverage=False, block_size=16, head_dim=64)
+  with pytest.raises(ValueError, match="bf16/f16"):
+    pa.paged_attention(q, k, v, *table, impl="mosaic", interpret=True)
+  q, k, v, table = _case(1, dtype=jnp.bfloat16, group=2, seq_lens=(3, 4),
+                         check_coverage=False)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    pa.paged_attention(q, k, v, *table, impl="mosaic", interpret=True)
+  assert "block_size" in pa.decode_impl_problem(
+      "mosaic", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=128,
+      dtype=jnp.bfloat16, platform="cuda")
 
 
 def test_mosaic_needs_gpu_or_interpreter():
   if jax.default_backend() == "gpu":
     pytest.skip("runs compiled on a GPU")
-  q, k, v, table = _case(1, dtype=jnp.float32, group=2, seq_lens=(3, 4),
-                         check_coverage=False)
+  q, k, v, table = _case(1, dtype=jnp.bfloat16, group=2, seq_lens=(3, 4),
+                         check_coverage=False, **_CASE)
   with pytest.raises(ValueError, match="interpret=True"):
     pa.paged_attention(q, k, v, *table, impl="mosaic")
 

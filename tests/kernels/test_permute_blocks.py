@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import lowering
 from pallas_kernels import permute_blocks as pb
 
 _SHAPE = (3, 2, 16, 4, 8)  # layers, kv heads, blocks, block_size, head_dim
@@ -44,15 +45,31 @@ def test_permute_matches_reference(impl, dtype):
   np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
 
 
-def test_permute_mosaic_gpu_interpret_no_races():
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mi
-  from jax.experimental.pallas import mosaic_gpu as plgpu
+def _mosaic_case(seed, *, num_moves, num_pad, shape=(2, 4, 96, 4, 8)):
+  """A pool with more moves than one program's chunk (32) and its ring (<= 8
+  slots), so chunking and ring-slot reuse are exercised; 4 kv heads."""
+  rng = np.random.default_rng(seed)
+  pages = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  perm = rng.permutation(shape[2])
+  src = list(perm[:num_moves])
+  dst = list(perm[num_moves:2 * num_moves])
+  for p in range(num_pad):  # padding on either side; would clobber if read
+    src.append(-1 if p % 2 else int(perm[-1 - p]))
+    dst.append(int(perm[-1 - p]) if p % 2 else -1)
+  order = rng.permutation(len(src))
+  src = jnp.asarray(np.array(src)[order], jnp.int32)
+  dst = jnp.asarray(np.array(dst)[order], jnp.int32)
+  pb.dynamic_validate_moves(src, dst, num_blocks=shape[2])
+  return pages, src, dst
 
-  rng, pages = _pages(2, jnp.bfloat16)
-  src, dst = _moves(rng, 4, 2)
+
+@pytest.mark.parametrize("num_moves,num_pad", [(4, 2), (40, 5)])
+def test_permute_mosaic_gpu_interpret_no_races(num_moves, num_pad):
+  mi = lowering.interpreter_state()
+  pages, src, dst = _mosaic_case(2, num_moves=num_moves, num_pad=num_pad)
   want = np.asarray(pb.ref_permute_blocks(pages, src, dst).astype(jnp.float32))
   mi.reset_gpu_interpret_mode_state()
-  params = plgpu.InterpretGPUParams(detect_races=True, on_race="warn")
+  params = lowering.gpu_interpret_params(detect_races=True, on_race="warn")
   out = pb.permute_blocks(jnp.array(pages), src, dst, impl="mosaic",
                           interpret=params)
   np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), want)
@@ -62,7 +79,6 @@ def test_permute_mosaic_gpu_interpret_no_races():
 def test_mosaic_race_detector_sees_missing_wait(monkeypatch):
   """Negative control: dropping the ring-slot wait must be reported as a race,
   so the clean result above is not a detector that sees nothing."""
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as mi
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   real_wait = plgpu.wait_smem_to_gmem
@@ -70,14 +86,25 @@ def test_mosaic_race_detector_sees_missing_wait(monkeypatch):
       plgpu, "wait_smem_to_gmem",
       lambda n, wait_read_only=False: real_wait(n, wait_read_only) if n == 0
       else None)
-  rng, pages = _pages(3)
-  src, dst = _moves(rng, 2, 0)
+  mi = lowering.interpreter_state()
+  pages, src, dst = _mosaic_case(3, num_moves=20, num_pad=0,
+                                 shape=(1, 1, 48, 4, 8))
   mi.reset_gpu_interpret_mode_state()
-  params = plgpu.InterpretGPUParams(detect_races=True, on_race="warn")
+  params = lowering.gpu_interpret_params(detect_races=True, on_race="warn")
   jax.block_until_ready(pb.permute_blocks(jnp.array(pages), src, dst,
                                           impl="mosaic", interpret=params))
   assert mi.get_races().races_found
   mi.reset_gpu_interpret_mode_state()
+
+
+def test_mosaic_permute_config_fits_shared_memory():
+  for heads, bs, d, dtype in [(32, 16, 128, jnp.bfloat16),
+                              (16, 16, 128, jnp.float32),
+                              (8, 64, 256, jnp.float32), (1, 16, 64, jnp.bfloat16)]:
+    per, slots = pb.mosaic_permute_config(num_kv_heads=heads, block_size=bs,
+                                          head_dim=d, dtype=dtype)
+    assert heads % per == 0 and slots >= 2
+    assert slots * per * bs * d * jnp.dtype(dtype).itemsize <= 200 << 10
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
