@@ -22,8 +22,9 @@ from absl import app, flags
 import numpy as np
 from flax import nnx
 
-from paged_kv.model import runner as mr
-from paged_kv.model import llama as tiny_llama
+from paged_kv.model import llama, resolve_impl
+from paged_kv.model.reference import dense_mismatches
+from paged_kv.model.runner import PagedRunner, SequenceRecord
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per sequence.")
@@ -32,14 +33,15 @@ _STEPS = flags.DEFINE_list("steps", ["1", "8", "32"], "Decode steps per jit call
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per k (median reported).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Decoder layers of the tiny model.")
-_IMPL = flags.DEFINE_enum("impl", "xla", ["xla", "pallas"], "Attention kernel path.")
-_INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU).")
+_IMPL = flags.DEFINE_enum("impl", None, ["xla", "pallas", "mosaic"],
+                          "Attention path (default: per backend, paged_kv.model.default_impl).")
+_INTERPRET = flags.DEFINE_bool("interpret", None, "Pallas interpret mode (default: on CPU).")
 _SEED = flags.DEFINE_integer("seed", 0, "Weights and prompts seed.")
 
 
 def _run_once(model, pool_config, prompts, steps_per_call: int) -> tuple[float, list[list[int]]]:
   """Prefills, then times the decode; returns (seconds, token lists)."""
-  runner = mr.PagedRunner(model, pool_config, prefill_chunk=_PROMPT_LEN.value,
+  runner = PagedRunner(model, pool_config, prefill_chunk=_PROMPT_LEN.value,
                           impl=_IMPL.value, interpret=_INTERPRET.value)
   seqs = [runner.open(p, max_new_tokens=_NUM_TOKENS.value + 1) for p in prompts]
   runner.prefill(seqs)
@@ -53,11 +55,11 @@ def _run_once(model, pool_config, prompts, steps_per_call: int) -> tuple[float, 
 
 def main(argv):
   del argv
-  config = tiny_llama.LlamaConfig(num_layers=_NUM_LAYERS.value)
-  model = tiny_llama.TinyLlama(config, rngs=nnx.Rngs(_SEED.value))
+  config = llama.LlamaConfig(num_layers=_NUM_LAYERS.value)
+  model = llama.TinyLlama(config, rngs=nnx.Rngs(_SEED.value))
   bs = _BLOCK_SIZE.value
   per_seq = math.ceil((_PROMPT_LEN.value + _NUM_TOKENS.value + 1) / bs) + 1
-  pool_config = mr.pool_config_for(config, num_blocks=_BATCH.value * per_seq + 1, block_size=bs,
+  pool_config = llama.pool_config_for(config, num_blocks=_BATCH.value * per_seq + 1, block_size=bs,
                                    max_seqs=_BATCH.value, max_segments=per_seq + 1)
   rng = np.random.default_rng(_SEED.value)
   prompts = rng.integers(0, config.vocab_size, (_BATCH.value, _PROMPT_LEN.value)).tolist()
@@ -76,10 +78,10 @@ def main(argv):
       times.append(seconds)
       if reference is None:
         reference = tokens
-        records = [mr.SequenceRecord(tokens=t, sampled=[False] * _PROMPT_LEN.value
+        records = [SequenceRecord(tokens=t, sampled=[False] * _PROMPT_LEN.value
                                      + [True] * (len(t) - _PROMPT_LEN.value), remaining=0)
                    for t in tokens]
-        mismatches = mr.dense_mismatches(model, records)
+        mismatches = dense_mismatches(model, records)
         if mismatches:
           raise AssertionError(f"paged decode differs from the dense reference: {mismatches[:5]}")
       elif tokens != reference:
@@ -88,7 +90,7 @@ def main(argv):
 
   generated = _BATCH.value * _NUM_TOKENS.value
   print(f"batch={_BATCH.value} prompt={_PROMPT_LEN.value} decoded={_NUM_TOKENS.value}/seq "
-        f"block_size={bs} layers={_NUM_LAYERS.value} impl={_IMPL.value} "
+        f"block_size={bs} layers={_NUM_LAYERS.value} impl={resolve_impl(_IMPL.value)[0]} "
         f"repeats={_REPEATS.value} (median); outputs equal across k and to the dense reference")
   print(f"{'k':>4} {'median s':>10} {'tokens/s':>10} {'vs k=' + str(steps[0]):>9}")
   base = results[steps[0]]

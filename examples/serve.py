@@ -2,9 +2,10 @@
 
 Conversations share a system prompt; each turn's prompt is the whole
 conversation so far plus a new user message, so later turns hit the prefix
-cache. The scheduler runs continuous batching with chunked prefill, eviction,
-preemption and compaction; the final report, PNG plots and a metrics JSONL go
-to `--out_dir`. This is what `make demo` runs.
+cache. The scheduler runs continuous batching (one forward pass per step for the
+prefill chunks and decodes together, `paged_kv.serving.executor.ModelExecutor`)
+with chunked prefill, eviction, preemption and compaction; the final report, PNG
+plots and a metrics JSONL go to `--out_dir`. This is what `make demo` runs.
 
 Usage:
   python examples/serve.py                              # defaults, ~1-2 min on CPU
@@ -13,8 +14,6 @@ Usage:
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -22,15 +21,12 @@ from absl import app, flags
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import paged_kv  # noqa: E402
-from paged_kv.core import compact  # noqa: E402
-from paged_kv.telemetry import metrics  # noqa: E402
-from paged_kv.telemetry.export import JsonlLogger, MetricsExporter  # noqa: E402
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
-from paged_kv.model import runner as mr
-from paged_kv.model import llama as tiny_llama
+import paged_kv
+from paged_kv.core import compact
+from paged_kv.model import llama
+from paged_kv.serving.executor import ModelExecutor
+from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.telemetry.export import JsonlLogger, MetricsExporter
 
 _CONVERSATIONS = flags.DEFINE_integer("conversations", 16, "Concurrent chat conversations.")
 _TURNS = flags.DEFINE_integer("turns", 3, "Turns per conversation.")
@@ -57,6 +53,8 @@ _PACK = flags.DEFINE_bool("pack_tails", True, "Pack finished sequences' tails in
 _PROMETHEUS_PORT = flags.DEFINE_integer("prometheus_port", -1,
                                         "Serve /metrics on this port (0: any free port; "
                                         "-1: no exporter).")
+_IMPL = flags.DEFINE_enum("impl", None, ["xla", "pallas", "mosaic"],
+                          "Attention path (default: per backend, paged_kv.model.default_impl).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "out/serve", "Where plots and the JSONL go.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 
@@ -172,9 +170,9 @@ def main(argv):
   out_dir = Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   rng = np.random.default_rng(_SEED.value)
-  model_config = tiny_llama.LlamaConfig(num_layers=2)
-  model = tiny_llama.TinyLlama(model_config, rngs=nnx.Rngs(_SEED.value))
-  pool_config = mr.pool_config_for(model_config, num_blocks=_NUM_BLOCKS.value,
+  model_config = llama.LlamaConfig(num_layers=2)
+  model = llama.TinyLlama(model_config, rngs=nnx.Rngs(_SEED.value))
+  pool_config = llama.pool_config_for(model_config, num_blocks=_NUM_BLOCKS.value,
                                    block_size=_BLOCK_SIZE.value, max_seqs=_MAX_BATCH.value,
                                    max_segments=64, base_pool_fraction=_BASE_POOL.value)
   pool = paged_kv.BlockPool(pool_config)
@@ -209,7 +207,7 @@ def main(argv):
                       frag=f"{snap.fragmentation_ratio:.2f}", refresh=False)
       bar.refresh()
 
-  sched = Scheduler(pool, mr.ModelExecutor(model, pool_config), config,
+  sched = Scheduler(pool, ModelExecutor(model, pool_config, impl=_IMPL.value), config,
                     on_snapshot=on_snapshot, clock=time.perf_counter)
   maps = {}
   t0 = time.perf_counter()

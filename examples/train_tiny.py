@@ -2,15 +2,15 @@
 
 The corpus is byte-level English from a small seeded grammar (sentences about
 blocks, pools and caches, plus counting lines), so no download is needed. The
-model trains through the dense path (`tiny_llama.dense_attend`) with optax AdamW,
-then generates greedily through the paged pool (`model_runner.generate_paged`)
+model trains through the dense path (`TinyLlama.dense`, no cache) with optax AdamW,
+then generates greedily through the paged pool (`paged_kv.model.runner.generate_paged`)
 and checks the output equals the dense reference before saving the weights.
 
 The equivalence tests do not need trained weights (they use seeded random ones);
 a trained model only makes the demo's text readable.
 
 Usage:
-  python examples/train_tiny.py [--steps=300 --out=/tmp/tiny_llama.npz]
+  python examples/train_tiny.py [--steps=300 --out=/tmp/llama.npz]
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from paged_kv.model import runner as mr
-from paged_kv.model import llama as tiny_llama
+from paged_kv.model import llama
+from paged_kv.model.reference import generate_dense
+from paged_kv.model.runner import generate_paged
 
 _STEPS = flags.DEFINE_integer("steps", 300, "Optimizer steps.")
 _BATCH = flags.DEFINE_integer("batch", 32, "Sequences per step.")
@@ -53,13 +54,13 @@ def make_corpus(num_lines: int, seed: int) -> bytes:
   return ("\n".join(lines) + "\n").encode()
 
 
-def save_params(model: tiny_llama.TinyLlama, path: str) -> None:
+def save_params(model: llama.TinyLlama, path: str) -> None:
   """Saves the model's parameters as an .npz keyed by their paths."""
   flat = {"/".join(map(str, k)): np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model))}
   np.savez(path, **flat)
 
 
-def load_params(model: tiny_llama.TinyLlama, path: str) -> None:
+def load_params(model: llama.TinyLlama, path: str) -> None:
   """Loads parameters saved by `save_params` into `model` (same config)."""
   data = np.load(path)
   state = nnx.state(model)
@@ -74,8 +75,8 @@ def load_params(model: tiny_llama.TinyLlama, path: str) -> None:
 
 def main(argv):
   del argv
-  config = tiny_llama.LlamaConfig()
-  model = tiny_llama.TinyLlama(config, rngs=nnx.Rngs(_SEED.value))
+  config = llama.LlamaConfig()
+  model = llama.TinyLlama(config, rngs=nnx.Rngs(_SEED.value))
   corpus = np.frombuffer(make_corpus(4000, _SEED.value), np.uint8).astype(np.int32)
   graphdef, params = nnx.split(model)
   warmup = max(1, min(20, _STEPS.value // 10))
@@ -89,7 +90,7 @@ def main(argv):
     m = nnx.merge(graphdef, p)
     tokens = batch[:, :-1]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
-    logits, _ = m(tokens, positions, tiny_llama.dense_attend(positions, positions < t))
+    logits = m.dense(tokens, positions, positions < t)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
   @jax.jit
@@ -109,10 +110,10 @@ def main(argv):
   nnx.update(model, params)
 
   prompts = [list(b"the pool "), list(b"12 13 14"), list(b"a segment sh")]
-  pool_config = mr.pool_config_for(config, num_blocks=64, block_size=16, max_seqs=4,
+  pool_config = llama.pool_config_for(config, num_blocks=64, block_size=16, max_seqs=4,
                                    max_segments=8)
-  runner = mr.generate_paged(model, prompts, 40, pool_config=pool_config, prefill_chunk=16)
-  dense = mr.generate_dense(model, prompts, 40)
+  runner = generate_paged(model, prompts, 40, pool_config=pool_config, prefill_chunk=16)
+  dense = generate_dense(model, prompts, 40)
   for i, prompt in enumerate(prompts):
     text = bytes(runner.records[i].tokens).decode(errors="replace")
     print(f"{bytes(prompt).decode()!r} -> {text!r}")

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,9 +19,8 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import (OOM_REASONS, InvalidArgument, InvalidBlock, InvalidSegment,
                              InvalidSequence, PoolExhausted, RefCountUnderflow, Status)
 from paged_kv.core.invariants import check_invariants
-from paged_kv.core.state import PoolState, init_pool
-
-SegmentsLike = tuple[Sequence[int], Sequence[int], Sequence[int]]
+from paged_kv.core.segment_format import Segments, as_segments, empty_segments
+from paged_kv.core.state import PoolState, SegmentTable, init_pool
 
 
 def _bucket(x: int) -> int:
@@ -83,6 +80,12 @@ class BlockPool:
 
   The current `PoolState` is `pool.state`; it may also be passed to the jitted
   transitions directly (they donate it, so reassign `pool.state` afterwards).
+
+  Segments in and out (`segments`, `open_sequence(segments=)`,
+  `pack_slots(extra_segments=)`, `reclaim_slots`, `check_invariants`) are
+  `Segments`: `int32[n, 3]` rows `(block, start, length)`, the format of
+  `radix.PrefixCache` too. A pool shared with a prefix cache is driven through
+  `paged_kv.serving.cached_pool.CachedPool`, which applies the cache's references.
   """
 
   def __init__(self, config: PoolConfig, state: PoolState | None = None):
@@ -112,12 +115,15 @@ class BlockPool:
     self._check_ids(_as_int_array(seq_id, "seq_id"), active=True)
     return int(self.state.table.seq_len[seq_id])
 
-  def segments(self, seq_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(block, start, length)` int32 arrays of one live sequence's segments."""
+  def segments(self, seq_id: int) -> Segments:
+    """`i32[n, 3]` `(block, start, length)` rows of one live sequence, in token order.
+
+    The row is read at its fixed shape (one jitted gather, one device->host
+    transfer) and sliced on the host, so no segment count compiles anything new.
+    """
     self._check_ids(_as_int_array(seq_id, "seq_id"), active=True)
-    t = self.state.table
-    ns = int(t.num_segments[seq_id])
-    return tuple(np.asarray(a[seq_id, :ns]) for a in (t.block, t.start, t.length))
+    rows, ns = jax.device_get(_table_row(self.state.table, np.int32(seq_id)))
+    return np.ascontiguousarray(rows[:int(ns)])
 
   def gather_kv(self, seq_id: int) -> tuple[jax.Array, jax.Array]:
     """Logical `k, v: [num_layers, num_kv_heads, seq_len, head_dim]` of one sequence."""
@@ -125,16 +131,37 @@ class BlockPool:
     k, v, _ = kv.gather_kv(self.state, seq_id, max_len=_bucket(length))
     return k[:, :, :length], v[:, :, :length]
 
-  def check_invariants(self, extra_segments=None) -> None:
+  def check_invariants(self, extra_segments: Segments | None = None) -> None:
+    """Raises `InvariantViolation` unless the state is consistent.
+
+    Args:
+      extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
+        tables (one reference each, e.g. a prefix cache's); None: only the tables
+        hold references. A `CachedPool` passes its cache's by default.
+    """
     check_invariants(self.state, extra_segments)
 
   # -- transitions ---------------------------------------------------------
-  def open_sequence(self, segments: SegmentsLike | None = None,
+  def open_sequence(self, segments: Segments | None = None,
                     seq_id: int | None = None) -> int:
     """Activates a row (the lowest free one unless `seq_id` is given).
 
-    `segments` = `(block, start, length)` of a shared prefix; each gains a reference.
+    Args:
+      segments: `i32[n, 3]` `(block, start, length)` rows of a shared prefix (e.g. a
+        `PrefixCache.match`'s `segments`), each gaining a reference; they must lie
+        on live blocks and written slots. None or empty: an empty sequence.
+      seq_id: the row to open; default the lowest free one.
+
+    Returns:
+      The row.
+
+    Raises:
+      InvalidSegmentLayout: `segments` is not `i32[n, 3]`.
+      InvalidBlock / InvalidSegment: a segment off a live block or on unwritten slots.
+      PoolExhausted: no free row, or more than `max_segments` segments.
+      InvalidSequence: `seq_id` out of range or active.
     """
+    segs = empty_segments() if segments is None else as_segments(segments)
     active = np.asarray(self.state.table.active)
     if seq_id is None:
       free = np.nonzero(~active)[0]
@@ -143,12 +170,7 @@ class BlockPool:
                             reason="no_free_row")
       seq_id = int(free[0])
     self._check_ids(_as_int_array(seq_id, "seq_id"), active=False)
-    if segments is None:
-      blk = start = length = np.zeros((0,), np.int64)
-    else:
-      blk, start, length = (_as_int_array(a, "segments") for a in segments)
-      if not blk.shape == start.shape == length.shape:
-        raise InvalidArgument("segments: block, start and length must have one shape")
+    blk, start, length = segs[:, 0], segs[:, 1], segs[:, 2]
     p = len(blk)
     if p > self.config.max_segments:
       raise PoolExhausted(f"{p} segments > max_segments {self.config.max_segments}",
@@ -262,19 +284,20 @@ class BlockPool:
     raise_for_status(np.asarray(status)[:ids.size], "cow_split")
     return np.asarray(split)[:ids.size]
 
-  def pack_slots(self, table_segments=(), extra_segments=()) -> "PackResult":
+  def pack_slots(self, table_segments=(), extra_segments: Segments = ()) -> "PackResult":
     """Packs short segments into slotted blocks (see `paged_kv.core.slots`).
 
     Args:
-      table_segments: `(row, col)` pairs naming segments of live sequences.
-      extra_segments: `(block, start, length)` rows held outside the pool (one
-        reference each, e.g. a prefix-cache node's segment).
+      table_segments: `i32[T, 2]` `(row, col)` pairs naming segments of live
+        sequences (positions in the tables, not segments).
+      extra_segments: `i32[E, 3]` `(block, start, length)` rows held outside the
+        pool (one reference each, e.g. a prefix-cache node's segment).
 
     Returns:
       A `PackResult`; the references were already transferred by the pool.
     """
     tab = _as_int_array(np.asarray(table_segments).reshape(-1), "table_segments").reshape(-1, 2)
-    ext = _as_int_array(np.asarray(extra_segments).reshape(-1), "extra_segments").reshape(-1, 3)
+    ext = as_segments(extra_segments, name="extra_segments").astype(np.int64)
     t = jax.tree.map(np.asarray, self.state.table)
     if tab.size:
       self._check_ids(np.unique(tab[:, 0]), active=True)
@@ -305,14 +328,14 @@ class BlockPool:
                       extra_segments=new[len(tab):],
                       ref_deltas=(uniq[keep].astype(np.int32), summed[keep]))
 
-  def reclaim_slots(self, extra_segments=()) -> int:
+  def reclaim_slots(self, extra_segments: Segments = ()) -> int:
     """Frees slots no live segment covers (see `paged_kv.core.slots.reclaim_slots`).
 
-    `extra_segments` must be *every* `(block, start, length)` held outside the
-    tables; if they do not account for `ref_count`, nothing changes and
-    `InvalidSegment` is raised. Returns the number of slots reclaimed.
+    `extra_segments` (`i32[n, 3]` `(block, start, length)` rows) must be *every*
+    segment held outside the tables; if they do not account for `ref_count`,
+    nothing changes and `InvalidSegment` is raised. Returns the slots reclaimed.
     """
-    ext = _as_int_array(np.asarray(extra_segments).reshape(-1), "extra_segments").reshape(-1, 3)
+    ext = as_segments(extra_segments, name="extra_segments")
     b = _bucket(len(ext))
     self.state, (status, reclaimed) = slots.reclaim_slots(
         self.state, _pad(ext[:, 0], b, 0), _pad(ext[:, 1], b, 0), _pad(ext[:, 2], b, 0),
@@ -323,13 +346,30 @@ class BlockPool:
     return int(reclaimed)
 
   def compact(self, budget: int = 32, impl: str = "xla") -> np.ndarray:
-    """One compaction step of up to `budget` moves; returns `remap i32[num_blocks]`."""
+    """One compaction step of up to `budget` moves; returns `remap i32[num_blocks]`.
+
+    Block ids held outside the tables (a prefix cache's) must follow `remap`;
+    a `CachedPool` does that itself.
+    """
     if not isinstance(budget, (int, np.integer)) or budget < 1:
       raise InvalidArgument(f"budget must be a positive int, got {budget!r}")
     src, dst = compact.plan_compaction(self.state.meta, budget=int(budget))
+    return self.move_blocks(src, dst, impl=impl)
+
+  def move_blocks(self, src, dst, impl: str = "xla") -> np.ndarray:
+    """Applies a compaction plan (`compact_permute`); returns `remap i32[num_blocks]`.
+
+    Args:
+      src, dst: `i32[M]` a plan from `plan_compaction` / `CompactionPolicy.plan`
+        (live sources, free destinations, `-1` padding).
+      impl: page copy implementation (`"xla"`, `"pallas"`, `"mosaic"`).
+
+    Raises:
+      InvalidBlock: a move the pool refuses; nothing moved.
+    """
     self.state, (remap, status) = compact.compact_permute(self.state, src, dst,
                                                           config=self.config, impl=impl)
-    raise_for_status(np.asarray(status), "compact")
+    raise_for_status(np.asarray(status), "move_blocks")
     return np.asarray(remap)
 
   def promote(self, min_readers: int, max_moves: int = 8) -> np.ndarray:
@@ -353,8 +393,8 @@ class PackResult:
 
   Attributes:
     table_segments: `i32[T, 5]` rows `(row, col, new_block, new_start, length)`.
-    extra_segments: `i32[E, 3]` new `(block, start, length)` of each outside
-      segment, in the order given: the holder rewrites its record to it.
+    extra_segments: `Segments` (`i32[E, 3]`): the new `(block, start, length)` of
+      each outside segment, in the order given: the holder rewrites its record to it.
     ref_deltas: `(block_ids, deltas)` the pool already applied (+1 new block,
       -1 old block per moved reference, aggregated); an outside holder's own
       rebind deltas must equal these and must not be applied again.
@@ -363,6 +403,13 @@ class PackResult:
   table_segments: np.ndarray
   extra_segments: np.ndarray
   ref_deltas: tuple[np.ndarray, np.ndarray]
+
+
+@jax.jit
+def _table_row(table: SegmentTable, seq_id: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(i32[max_segments, 3] rows, i32 num_segments)` of one table row."""
+  rows = jnp.stack([table.block[seq_id], table.start[seq_id], table.length[seq_id]], axis=1)
+  return rows, table.num_segments[seq_id]
 
 
 def segments_open(state: PoolState, seq_id: int, blk: np.ndarray, start: np.ndarray,

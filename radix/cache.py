@@ -1,15 +1,20 @@
 """Prefix cache: radix-tree nodes bound to KV segments of the block pool.
 
 Host-only bookkeeping: numpy, no JAX, nothing from ``paged_kv``. The cache never
-touches the pool; every call returns what the caller (the scheduler, a thin adapter,
-or a simulator) must apply to it.
+touches the pool; every call returns what the caller must apply to it. With a
+``paged_kv.BlockPool`` that caller is ``paged_kv.serving.cached_pool.CachedPool``,
+which owns both and applies every delta itself; a simulator (host ``ref_count``
+mirror) applies them with ``RefDeltas.apply_to``.
 
 Segments
 --------
-A segment is one row ``(block, start, length)`` of an ``int32[n, 3]`` array: physical
-block id, first token slot in the block, number of tokens (``1 <= length`` and
-``start + length <= block_size``). A node's tokens are the concatenation of its
-segments, in order. Splitting a node at token ``t`` splits its segment list at ``t``;
+A segment is one row ``(block, start, length)`` of an ``int32[n, 3]`` array
+(``Segments``): physical block id, first token slot in the block, number of tokens
+(``1 <= length`` and ``start + length <= block_size``). It is the one segment format
+of the library: ``paged_kv``'s ``BlockPool.segments()`` returns it and
+``open_sequence(segments=)`` takes it, so a match's segments open a sequence and a
+sequence's segments are inserted as they are. A node's tokens are the concatenation
+of its segments, in order. Splitting a node at token ``t`` splits its segment list at ``t``;
 when ``t`` falls inside a segment ``(b, s, l)`` that segment is cut in two,
 ``(b, s, k)`` and ``(b, s + k, l - k)``, without copying any KV. The cut leaves one more
 segment on ``b`` held by the tree, hence a tree incref of +1 on ``b``.
@@ -65,6 +70,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from radix.tree import (HitStats, Node, NodeId, RadixTree, RadixTreeError, as_tokens)
 
@@ -81,6 +87,7 @@ __all__ = [
     "PrefixCache",
     "RefCountMismatchError",
     "RefDeltas",
+    "Segments",
     "as_segments",
 ]
 
@@ -89,41 +96,69 @@ GC_ORDERS = ("high_first", "low_first")
 
 _EMPTY_SEGMENTS = np.zeros((0, 3), np.int32)
 _EMPTY_IDS = np.zeros((0,), np.int32)
+_I32 = np.iinfo(np.int32)
+_EXPECTED = "an int32[n, 3] array of (block, start, length) rows"
+
+Segments = npt.NDArray[np.int32]
+"""``int32[n, 3]`` rows ``(block, start, length)`` (see the module docstring)."""
 
 
 class InvalidSegmentsError(RadixTreeError, ValueError):
-  """Segments are malformed or do not cover the tokens they are given with."""
+  """Segments are malformed or do not cover the tokens they are given with.
+
+  A wrong layout's message names the expected ``int32[n, 3]`` rows and what was given.
+  """
 
 
 class RefCountMismatchError(RadixTreeError, ValueError):
   """A ref_count / remap array disagrees with the references the tree holds."""
 
 
-def as_segments(segments: Any, *, block_size: int) -> np.ndarray:
+def as_segments(segments: Any, *, block_size: int, name: str = "segments") -> Segments:
   """Validates segments and returns them as a C-contiguous ``int32[n, 3]`` array.
+
+  The layout check is the same as ``paged_kv.core.segment_format.as_segments``
+  (radix cannot import ``paged_kv``; a test keeps the two in agreement), plus the
+  bounds a block of ``block_size`` tokens sets.
 
   Args:
     segments: array-like of shape [n, 3], rows ``(block, start, length)``; an empty
-      sequence is allowed.
+      array-like (``[]``, shape ``(0, 3)``) is no segment.
     block_size: tokens per block.
+    name: the argument's name, for the error message.
 
   Raises:
-    InvalidSegmentsError: wrong shape/dtype, negative block or start, length < 1,
-      or ``start + length > block_size``.
+    InvalidSegmentsError: not ``[n, 3]``, not integers, values outside int32, a
+      tuple of three 1-D arrays (the column layout), negative block or start,
+      length < 1, or ``start + length > block_size``.
   """
+  if isinstance(segments, tuple) and len(segments) == 3 and all(
+      getattr(x, "ndim", None) == 1 for x in segments):
+    shapes = ", ".join(str(tuple(x.shape)) for x in segments)
+    raise InvalidSegmentsError(
+        f"{name} must be {_EXPECTED}; got a tuple of three 1-D arrays ({shapes}), the "
+        f"column layout: pass np.stack([block, start, length], axis=1)")
   try:
     arr = np.asarray(segments)
   except (TypeError, ValueError) as e:
-    raise InvalidSegmentsError(f"segments are not an array: {e}") from e
-  if arr.size == 0:
+    raise InvalidSegmentsError(f"{name} must be {_EXPECTED}; got "
+                               f"{type(segments).__name__} ({e})") from e
+  if (arr.ndim == 1 and arr.size == 0) or arr.shape == (0, 3):
     return _EMPTY_SEGMENTS.copy()
   if arr.ndim != 2 or arr.shape[1] != 3:
-    raise InvalidSegmentsError(f"segments must have shape [n, 3], got {arr.shape}")
+    hint = (" (three columns? pass np.stack([block, start, length], axis=1))"
+            if arr.ndim == 2 and arr.shape[0] == 3 else "")
+    raise InvalidSegmentsError(f"{name} must be {_EXPECTED}; got shape {tuple(arr.shape)} "
+                               f"{arr.dtype}{hint}")
   if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-    raise InvalidSegmentsError(f"segments must be integers, got {arr.dtype}")
+    raise InvalidSegmentsError(f"{name} must be {_EXPECTED}; got shape {tuple(arr.shape)} "
+                               f"{arr.dtype}")
+  if arr.min() < _I32.min or arr.max() > _I32.max:
+    raise InvalidSegmentsError(f"{name} must be {_EXPECTED}; got values outside int32 "
+                               f"({arr.min()}..{arr.max()})")
   blocks, starts, lens = arr[:, 0], arr[:, 1], arr[:, 2]
-  if (blocks < 0).any() or (blocks > np.iinfo(np.int32).max).any():
-    raise InvalidSegmentsError("segment block ids must be in [0, 2**31)")
+  if (blocks < 0).any():
+    raise InvalidSegmentsError(f"{name}: segment block ids must be >= 0")
   if (starts < 0).any() or (lens < 1).any() or (starts + lens > block_size).any():
     raise InvalidSegmentsError(
         f"every segment needs start >= 0, length >= 1, start + length <= "
@@ -424,8 +459,9 @@ class PrefixCache:
     Args:
       namespace: hashable namespace.
       tokens: int32-compatible token ids, shape [n].
-      segments: int32[m, 3] segments of the sequence, covering exactly n tokens
-        in order (e.g. the pool's ``segments(seq_id)``).
+      segments: ``int32[m, 3]`` ``(block, start, length)`` rows of the sequence,
+        covering exactly n tokens in order (e.g. ``BlockPool.segments(seq_id)``;
+        ``paged_kv.serving.cached_pool.CachedPool.insert`` reads them itself).
       pin_ttl: if given, pin the whole inserted path for this long.
 
     Returns:
@@ -496,8 +532,8 @@ class PrefixCache:
   def rebind_segments(self, node: NodeId, new_segments: Any) -> RefDeltas:
     """Replaces all segments of a node (e.g. after the pool moved or packed them).
 
-    The caller must already have copied the KV so that ``new_segments`` hold the
-    node's tokens in order.
+    The caller must already have copied the KV so that ``new_segments``
+    (``int32[n, 3]`` ``(block, start, length)`` rows) hold the node's tokens in order.
 
     Returns:
       RefDeltas: +1 per new segment, -1 per old segment (aggregated). Apply them
@@ -525,6 +561,8 @@ class PrefixCache:
       self, node: NodeId, old_segment: Iterable[int], new_segment: Iterable[int]
   ) -> RefDeltas:
     """Replaces one segment of a node by another of the same length (packing).
+
+    Both segments are one ``(block, start, length)`` row.
 
     Raises:
       StaleNodeError: unknown node (e.g. evicted since the PackCandidate).

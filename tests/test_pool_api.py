@@ -8,6 +8,7 @@ from absl.testing import absltest, parameterized
 
 import paged_kv
 from paged_kv.core import kv, segments
+from paged_kv.core.errors import InvalidSegmentLayout
 
 CFG = paged_kv.PoolConfig(num_blocks=8, block_size=4, num_layers=2, num_kv_heads=2,
                           head_dim=4, max_seqs=4, max_segments=8)
@@ -71,13 +72,19 @@ class BadInputTest(parameterized.TestCase):
       ("write_bad_layer", lambda p, a, b, s: p.write_kv(2, s, jnp.zeros(s.shape + (2, 4)),
                                                          jnp.zeros(s.shape + (2, 4))),
        paged_kv.InvalidArgument),
-      ("open_block_out_of_range", lambda p, a, b, s: p.open_sequence(([9], [0], [1])),
+      ("open_block_out_of_range", lambda p, a, b, s: p.open_sequence([[9, 0, 1]]),
        paged_kv.InvalidBlock),
-      ("open_free_block", lambda p, a, b, s: p.open_sequence(([6], [0], [1])),
+      ("open_free_block", lambda p, a, b, s: p.open_sequence([[6, 0, 1]]),
        paged_kv.InvalidBlock),
-      ("open_segment_outside_block", lambda p, a, b, s: p.open_sequence(([0], [3], [2])),
+      ("open_segment_outside_block", lambda p, a, b, s: p.open_sequence([[0, 3, 2]]),
        paged_kv.InvalidSegment),
       ("open_active_row", lambda p, a, b, s: p.open_sequence(seq_id=a), paged_kv.InvalidSequence),
+      ("open_column_layout", lambda p, a, b, s: p.open_sequence(tuple(p.segments(a).T)),
+       InvalidSegmentLayout),
+      ("open_transposed", lambda p, a, b, s: p.open_sequence(p.segments(a)[:2].T),
+       InvalidSegmentLayout),
+      ("pack_bad_layout", lambda p, a, b, s: p.pack_slots(extra_segments=[[0, 0]]),
+       InvalidSegmentLayout),
       ("allocate_negative", lambda p, a, b, s: p.allocate(-2), paged_kv.InvalidArgument),
       ("allocate_too_many", lambda p, a, b, s: p.allocate(6), paged_kv.PoolExhausted),
       ("allocate_beyond_pool", lambda p, a, b, s: p.allocate(9), paged_kv.PoolExhausted),
@@ -115,7 +122,7 @@ class ScrubTest(parameterized.TestCase):
     cfg = paged_kv.PoolConfig(num_blocks=8, block_size=4, num_layers=2, num_kv_heads=2,
                               head_dim=4, max_seqs=4, max_segments=4, scrub_freed_blocks=scrub)
     pool, a, b, slots = _filled_pool(cfg)
-    blocks_a = pool.segments(a)[0]
+    blocks_a = pool.segments(a)[:, 0]
     pool.release([a])
     k = np.asarray(pool.state.pages.k)[:, :, blocks_a]
     self.assertEqual(bool((k == 0).all()), scrub)

@@ -61,10 +61,10 @@ class PoolMachine(RuleBasedStateMachine):
   @rule(data=st.data())
   def open_from_prefix(self, data):
     src = data.draw(st.sampled_from(sorted(s for s, v in self.model.items() if v)))
-    blk, start, length = self.pool.segments(src)
-    p = data.draw(st.integers(1, len(blk)))
-    seq = self.pool.open_sequence((blk[:p], start[:p], length[:p]))
-    self.model[seq] = self.model[src][:int(length[:p].sum())]
+    segs = self.pool.segments(src)
+    p = data.draw(st.integers(1, len(segs)))
+    seq = self.pool.open_sequence(segs[:p])
+    self.model[seq] = self.model[src][:int(segs[:p, 2].sum())]
 
   @precondition(lambda self: self.model)
   @rule(data=st.data())
@@ -109,7 +109,7 @@ class PoolMachine(RuleBasedStateMachine):
   def pin_segment(self, data):
     """An outside holder (like a cache node) takes a reference on a live segment."""
     src = data.draw(st.sampled_from(sorted(s for s, v in self.model.items() if v)))
-    blk, start, length = self.pool.segments(src)
+    blk, start, length = self.pool.segments(src).T
     i = data.draw(st.integers(0, len(blk) - 1))
     offset = int(length[:i].sum())
     self.pool.apply_ref_deltas([blk[i]], [1])

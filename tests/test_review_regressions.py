@@ -44,10 +44,10 @@ def test_open_sequence_rejects_int32_overflowing_segment():
   pool = BlockPool(_small())
   a = pool.open_sequence()
   pool.reserve_tokens([a], [3])
-  blk = int(pool.segments(a)[0][0])
+  blk = int(pool.segments(a)[0, 0])
   before = _snapshot(pool)
   with pytest.raises(paged_kv.PagedKVError):
-    pool.open_sequence(segments=([blk], [1], [2**31 - 1]))
+    pool.open_sequence(segments=[[blk, 1, 2**31 - 1]])
   _assert_same(before, pool)
   pool.check_invariants()
 
@@ -214,7 +214,7 @@ def test_guard_scrub_zeroes_every_free_block_after_moves_and_keeps_live_kv():
   pool.release([c]); del model[c]; check()
   pool.compact(); check()                            # sources freed by moves
   append(d, 3); check()
-  short = [(seq, i) for seq in (b, d) for i, n in enumerate(pool.segments(seq)[2]) if n < 4]
+  short = [(seq, i) for seq in (b, d) for i, n in enumerate(pool.segments(seq)[:, 2]) if n < 4]
   assert short
   pool.pack_slots(table_segments=short); check()     # packed sources freed
   pool.promote(1); check()                           # promoted sources freed

@@ -44,6 +44,7 @@ class KVModel:
     return z, z.copy()
 
   def open(self, segments=None, prefix_of: int | None = None, prefix_len: int = 0) -> int:
+    """Opens a sequence on `segments` (`int32[n, 3]` rows, a prefix of `prefix_of`)."""
     seq = self.pool.open_sequence(segments)
     if prefix_of is None:
       self.kv[seq] = self._empty()

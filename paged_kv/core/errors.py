@@ -63,5 +63,13 @@ class InvalidArgument(PagedKVError, ValueError):
   """A count, shape or dtype is not acceptable."""
 
 
+class InvalidSegmentLayout(InvalidArgument):
+  """A segments argument is not an `int32[n, 3]` array of `(block, start, length)` rows.
+
+  The message names the expected layout and what was given (its shape and dtype, or
+  "a tuple of three 1-D arrays" for the old column layout).
+  """
+
+
 class InvariantViolation(PagedKVError, AssertionError):
   """`check_invariants` found the state inconsistent."""

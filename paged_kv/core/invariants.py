@@ -9,12 +9,11 @@ stateful tests, which compare every live sequence's logical K/V to a model.
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import jax
 import numpy as np
 
 from paged_kv.core.errors import InvariantViolation
+from paged_kv.core.segment_format import Segments, as_segments
 from paged_kv.core.state import REGION_DYNAMIC, PoolState
 
 
@@ -23,20 +22,27 @@ def _slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
   return ((words[..., i // 32] >> (i % 32).astype(np.uint32)) & 1).astype(bool)
 
 
-def check_invariants(state: PoolState,
-                     extra_segments: Iterable[tuple[int, int, int]] | np.ndarray | None = None,
-                     *, raise_on_error: bool = True) -> list[str]:
+def check_invariants(state: PoolState, extra_segments: Segments | None = None, *,
+                     raise_on_error: bool = True) -> list[str]:
   """Checks the pool's invariants; returns the violations (raises if any, by default).
 
   Args:
     state: the pool state.
-    extra_segments: `(block, start, length)` references held outside the
-      segment tables (e.g. the prefix cache's), each counting one reference.
+    extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
+      segment tables (e.g. `PrefixCache.segment_refs()`), each counting one
+      reference; None: none.
     raise_on_error: raise `InvariantViolation` listing every violation.
 
   Returns:
     A list of human-readable violations (empty when consistent).
+
+  Raises:
+    InvalidSegmentLayout: `extra_segments` is not `i32[n, 3]` (a caller's error,
+      raised whatever `raise_on_error` says).
+    InvariantViolation: a violation, with `raise_on_error`.
   """
+  extra = None if extra_segments is None else as_segments(extra_segments,
+                                                          name="extra_segments")
   meta = jax.tree.map(np.asarray, state.meta)
   table = jax.tree.map(np.asarray, state.table)
   n, bs = meta.ref_count.shape[0], state.pages.k.shape[3]
@@ -61,8 +67,8 @@ def check_invariants(state: PoolState,
     for s in range(ns):
       segs.append((int(table.block[i, s]), int(table.start[i, s]), int(table.length[i, s]),
                    f"seq {i} seg {s}"))
-  if extra_segments is not None:
-    for j, (b, st, ln) in enumerate(np.asarray(extra_segments, np.int64).reshape(-1, 3)):
+  if extra is not None:
+    for j, (b, st, ln) in enumerate(extra.astype(np.int64)):
       segs.append((int(b), int(st), int(ln), f"extra {j}"))
 
   expected = np.zeros(n, np.int64)

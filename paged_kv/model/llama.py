@@ -1,41 +1,40 @@
-"""A tiny Llama-style decoder in Flax NNX, with a pluggable attention core.
+"""A Llama-family decoder in Flax NNX over a `paged_kv` pool: the reference model.
 
 RMSNorm, rotary position embeddings (RoPE) on *logical* token positions, grouped
-query attention (GQA), a SwiGLU MLP, tied or untied embeddings. Weights are
-seeded random (`TinyLlama(config, rngs=nnx.Rngs(seed))`) unless trained with
-`examples/train_tiny.py`; the equivalence tests need no training. With random
-weights the output head is untied by default: a tied random embedding makes the
-model copy its input token forever, which would hide attention bugs, while an
-untied one gives varied, context-dependent greedy text.
+query attention (GQA) through `paged_kv.model.PagedAttention`, a SwiGLU MLP, tied
+or untied embeddings. Weights are seeded random (`TinyLlama(config,
+rngs=nnx.Rngs(seed))`) unless trained (`examples/train_tiny.py`); the equivalence
+tests need no training. With random weights the output head is untied by default:
+a tied random embedding makes the model copy its input token forever, which would
+hide attention bugs, while an untied one gives varied, context-dependent greedy text.
 
-The model does not own a cache. `TinyLlama.__call__` takes an *attention
-function* `attend(layer, q, k, v, carry) -> (out, carry)`:
+Two ways to run the same weights:
 
-  * `dense_attend` (this file) is the reference: full causal attention over the
-    contiguous K/V of the chunk itself (the whole sequence, no cache);
-  * `examples/model_runner.py` passes a paged one that writes K/V into a
-    `paged_kv` pool with `write_kv` and attends over the pool's pages through
-    the segment table (the `carry` is the pool's `KVPages`).
+  * `model(tokens, pages, meta)`: a step's ragged tokens `i32[T]` (prefill chunks
+    and decode tokens together) through the pool; every layer writes its K/V and
+    attends through `paged_attention`. The jitted steps are in `paged_kv.model.steps`.
+  * `model.dense(tokens, positions, valid)` / `dense_forward(model, tokens, lengths)`:
+    the no-cache reference over padded `[B, T]` rows (tests, training).
 
-Usage (as a library; this file has no `main`):
-  sys.path.insert(0, "examples"); import tiny_llama
-  model = tiny_llama.TinyLlama(tiny_llama.LlamaConfig(), rngs=nnx.Rngs(0))
-  logits = tiny_llama.dense_forward(model, tokens, lengths)   # [B, T, vocab]
+Usage:
+  from paged_kv.model import llama
+  model = llama.TinyLlama(llama.LlamaConfig(), rngs=nnx.Rngs(0))
+  logits = llama.dense_forward(model, tokens, lengths)   # [B, T, vocab]
+  pool_config = llama.pool_config_for(model.config, num_blocks=256)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-# `attend(layer, q, k, v, carry) -> (out, carry)`: q `[B, T, num_q_heads, head_dim]`,
-# k, v `[B, T, num_kv_heads, head_dim]` (RoPE applied), out like q.
-AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.state import KVPages
+from paged_kv.model.layers import PagedAttention, fan_in_init
+from paged_kv.model.metadata import StepMetadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +84,17 @@ class LlamaConfig:
     return jnp.dtype(self.dtype)
 
 
-def _dense_init(fan_in: int) -> Callable:
-  return jax.nn.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
+def pool_config_for(model_config: LlamaConfig, **pool_kwargs) -> PoolConfig:
+  """A `PoolConfig` whose layers, kv heads, head_dim and dtype match the model."""
+  return PoolConfig(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                    head_dim=model_config.head_dim, dtype=model_config.dtype, **pool_kwargs)
+
+
+def check_pool_matches_model(pool_config: PoolConfig, model_config: LlamaConfig) -> None:
+  """Raises ValueError unless the pool holds this model's layers, kv heads and head_dim."""
+  if (pool_config.num_layers, pool_config.num_kv_heads, pool_config.head_dim) != (
+      model_config.num_layers, model_config.num_kv_heads, model_config.head_dim):
+    raise ValueError(f"pool config {pool_config} does not match model config {model_config}")
 
 
 class RMSNorm(nnx.Module):
@@ -102,65 +110,13 @@ class RMSNorm(nnx.Module):
     return (xf * inv).astype(x.dtype) * self.weight[...]
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
-  """Rotary embedding ("rotate half" layout).
-
-  Args:
-    x: `[B, T, heads, head_dim]`.
-    positions: `i32[B, T]` logical position of each token in its sequence.
-    theta: RoPE base.
-
-  Returns:
-    `x` rotated, same shape and dtype.
-  """
-  half = x.shape[-1] // 2
-  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
-  cos = jnp.cos(angle)[:, :, None, :]
-  sin = jnp.sin(angle)[:, :, None, :]
-  x1 = x[..., :half].astype(jnp.float32)
-  x2 = x[..., half:].astype(jnp.float32)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
-
-
-def _linear(config: "LlamaConfig", fan_in: int, fan_out: int, rngs: nnx.Rngs) -> nnx.Linear:
-  """A bias-free projection in the model's dtype."""
-  return nnx.Linear(fan_in, fan_out, use_bias=False, kernel_init=_dense_init(fan_in),
-                    dtype=config.jnp_dtype, param_dtype=config.jnp_dtype, rngs=rngs)
-
-
-class Attention(nnx.Module):
-  """GQA projections and RoPE; the attention core itself is the `attend` function."""
-
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-    c = config
-    lin = lambda i, o: _linear(c, i, o, rngs)
-    self.config = c
-    self.wq = lin(c.d_model, c.num_q_heads * c.head_dim)
-    self.wk = lin(c.d_model, c.num_kv_heads * c.head_dim)
-    self.wv = lin(c.d_model, c.num_kv_heads * c.head_dim)
-    self.wo = lin(c.num_q_heads * c.head_dim, c.d_model)
-
-  def __call__(self, x: jax.Array, positions: jax.Array, layer: int, attend: AttendFn,
-               carry: Any) -> tuple[jax.Array, Any]:
-    c = self.config
-    b, t, _ = x.shape
-    q = self.wq(x).reshape(b, t, c.num_q_heads, c.head_dim)
-    k = self.wk(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = self.wv(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-    q = apply_rope(q, positions, theta=c.rope_theta)
-    k = apply_rope(k, positions, theta=c.rope_theta)
-    o, carry = attend(layer, q, k, v, carry)
-    return self.wo(o.reshape(b, t, c.num_q_heads * c.head_dim)), carry
-
-
 class SwiGLU(nnx.Module):
   """`down(silu(gate(x)) * up(x))`."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-    c = config
-    lin = lambda i, o: _linear(c, i, o, rngs)
+    c, dt = config, config.jnp_dtype
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, kernel_init=fan_in_init(i), dtype=dt,
+                                  param_dtype=dt, rngs=rngs)
     self.gate = lin(c.d_model, c.ffn_dim)
     self.up = lin(c.d_model, c.ffn_dim)
     self.down = lin(c.ffn_dim, c.d_model)
@@ -170,100 +126,88 @@ class SwiGLU(nnx.Module):
 
 
 class DecoderBlock(nnx.Module):
-  """Pre-norm residual block: attention then SwiGLU."""
+  """Pre-norm residual block: `PagedAttention` then SwiGLU."""
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-    dt = config.jnp_dtype
-    self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps, dtype=dt)
-    self.attn = Attention(config, rngs=rngs)
-    self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps, dtype=dt)
-    self.mlp = SwiGLU(config, rngs=rngs)
+  def __init__(self, config: LlamaConfig, *, layer: int, rngs: nnx.Rngs):
+    c, dt = config, config.jnp_dtype
+    self.attn_norm = RMSNorm(c.d_model, eps=c.norm_eps, dtype=dt)
+    self.attn = PagedAttention(c.d_model, c.num_q_heads, c.num_kv_heads, c.head_dim, layer=layer,
+                               rope_theta=c.rope_theta, dtype=dt, rngs=rngs)
+    self.mlp_norm = RMSNorm(c.d_model, eps=c.norm_eps, dtype=dt)
+    self.mlp = SwiGLU(c, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, layer: int, attend: AttendFn,
-               carry: Any) -> tuple[jax.Array, Any]:
-    h, carry = self.attn(self.attn_norm(x), positions, layer, attend, carry)
-    x = x + h
-    return x + self.mlp(self.mlp_norm(x)), carry
+  def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *, impl: str | None = None,
+               interpret=None) -> tuple[jax.Array, KVPages]:
+    h, pages = self.attn(self.attn_norm(x), pages, meta, impl=impl, interpret=interpret)
+    return self._mlp(x + h), pages
+
+  def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+    return self._mlp(x + self.attn.dense(self.attn_norm(x), positions, valid))
+
+  def _mlp(self, x: jax.Array) -> jax.Array:
+    return x + self.mlp(self.mlp_norm(x))
 
 
 class TinyLlama(nnx.Module):
-  """The decoder. `__call__(tokens, positions, attend, carry) -> (logits, carry)`."""
+  """The decoder: `model(tokens, pages, meta) -> (logits, pages)`, or `model.dense(...)`."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     dt = config.jnp_dtype
     self.config = config
     self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dt, param_dtype=dt,
                            embedding_init=jax.nn.initializers.normal(stddev=1.0), rngs=rngs)
-    self.layers = nnx.List([DecoderBlock(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.layers = nnx.List([DecoderBlock(config, layer=i, rngs=rngs)
+                            for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps, dtype=dt)
     if config.tie_embeddings:
       self.lm_head = None
     else:
       self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
-                                kernel_init=_dense_init(config.d_model), dtype=dt,
+                                kernel_init=fan_in_init(config.d_model), dtype=dt,
                                 param_dtype=dt, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array, attend: AttendFn,
-               carry: Any = None) -> tuple[jax.Array, Any]:
-    """Runs the decoder on a chunk of tokens.
+  def __call__(self, tokens: jax.Array, pages: KVPages, meta: StepMetadata, *,
+               impl: str | None = None, interpret=None) -> tuple[jax.Array, KVPages]:
+    """One forward pass of a step's ragged tokens through the pool.
 
     Args:
-      tokens: `i32[B, T]` token ids (any value in `[0, vocab)` for padding).
-      positions: `i32[B, T]` logical position of each token in its sequence.
-      attend: the attention core, called once per layer in order.
-      carry: threaded through `attend` (the paged path's `KVPages`).
+      tokens: `i32[T]` the step's new tokens, ragged per `meta.cu_q_lens` (any
+        value in `[0, vocab)` for padding).
+      pages: the pool's pages; every layer writes its new K/V into them.
+      meta: the step's `StepMetadata`.
+      impl, interpret: attention kernel choice (see `paged_attention`).
 
     Returns:
-      `(logits f32[B, T, vocab], carry)`.
+      `(logits f32[T, vocab], pages)`.
     """
-    x = self.embed(jnp.clip(tokens, 0, self.config.vocab_size - 1))
-    for layer, block in enumerate(self.layers):
-      x, carry = block(x, positions, layer, attend, carry)
+    x = self._embed(tokens)
+    for block in self.layers:
+      x, pages = block(x, pages, meta, impl=impl, interpret=interpret)
+    return self._logits(x), pages
+
+  def dense(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """The no-cache reference: causal attention within each row.
+
+    Args:
+      tokens: `i32[B, T]` token ids.
+      positions: `i32[B, T]` logical position of each token.
+      valid: `bool[B, T]` tokens that exist (keys beyond are masked).
+
+    Returns:
+      `logits f32[B, T, vocab]`.
+    """
+    x = self._embed(tokens)
+    for block in self.layers:
+      x = block.dense(x, positions, valid)
+    return self._logits(x)
+
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    return self.embed(jnp.clip(tokens, 0, self.config.vocab_size - 1))
+
+  def _logits(self, x: jax.Array) -> jax.Array:
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
-    return logits.astype(jnp.float32), carry
-
-
-# Dense reference ------------------------------------------------------------------
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-                     k_pos: jax.Array, k_valid: jax.Array) -> jax.Array:
-  """Masked GQA softmax attention over explicit K/V, in float32.
-
-  Args:
-    q: `[B, T, num_q_heads, D]`.
-    k, v: `[B, L, num_kv_heads, D]`.
-    q_pos: `i32[B, T]` logical positions of the queries.
-    k_pos: `i32[B, L]` logical positions of the keys.
-    k_valid: `bool[B, L]` keys that exist.
-
-  Returns:
-    `[B, T, num_q_heads, D]` in `q.dtype`; a query that sees no key gets 0.
-    Key `j` is visible to query `i` iff `k_valid[j] and k_pos[j] <= q_pos[i]`.
-  """
-  b, t, hq, d = q.shape
-  hkv = k.shape[2]
-  qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)
-  logits = jnp.einsum("bthgd,blhd->bhgtl", qg, k.astype(jnp.float32)) / math.sqrt(d)
-  mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, L]
-  logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(denom == 0, 1.0, denom)
-  o = jnp.einsum("bhgtl,blhd->bthgd", p, v.astype(jnp.float32))
-  return o.reshape(b, t, hq, d).astype(q.dtype)
-
-
-def dense_attend(positions: jax.Array, valid: jax.Array) -> AttendFn:
-  """The reference attention core: causal attention within the chunk (no cache)."""
-
-  def attend(layer, q, k, v, carry):
-    del layer
-    return causal_attention(q, k, v, positions, positions, valid), carry
-
-  return attend
+    return logits.astype(jnp.float32)
 
 
 @nnx.jit
@@ -281,6 +225,4 @@ def dense_forward(model: TinyLlama, tokens: jax.Array, lengths: jax.Array) -> ja
   """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  valid = positions < lengths[:, None]
-  logits, _ = model(tokens, positions, dense_attend(positions, valid))
-  return logits
+  return model.dense(tokens, positions, positions < lengths[:, None])

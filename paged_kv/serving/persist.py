@@ -6,7 +6,10 @@ bit-exact, to one file. `load_prefix_cache(path, pool, cache=None)` validates th
 file, then writes the K/V compactly into the lowest free blocks of `pool` (a fresh
 allocation: the loaded cache is compacted on load), rebuilds the tree on the new
 segments and applies the tree's references to the pool, so that
-`pool.check_invariants(extra_segments=cache.segment_refs())` holds.
+`pool.check_invariants(extra_segments=cache.segment_refs())` holds (segments are
+`int32[n, 3]` `(block, start, length)` rows, as everywhere). A
+`paged_kv.serving.cached_pool.CachedPool` wraps both: `cp.save(path)`,
+`cp.restore(path)`.
 
 File format (version 1)
 -----------------------

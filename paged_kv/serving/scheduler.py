@@ -21,6 +21,9 @@ Per `step()`:
    policy's threshold, at most `budget` block moves; the cache follows `remap`.
 6. A metrics snapshot (`snapshot_every` steps).
 
+The pool and the radix cache are one `CachedPool`: it applies every reference
+delta of the cache (insert, evict, remap, packing) itself.
+
 The model is behind an `Executor` (prefill / decode on the pool state); the
 `DryExecutor` only reserves slots (memory dynamics, no math) for trace replay.
 Tokens: after a sequence's prompt is prefilled, its first output token is
@@ -35,19 +38,22 @@ import collections
 import dataclasses
 import enum
 import time
-from typing import Callable, Hashable, Protocol, Sequence
+from typing import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_kv.core import compact, segments
+from paged_kv.core import compact
 from paged_kv.telemetry import metrics
 from paged_kv.core.errors import PagedKVError, PoolExhausted, Status
 from paged_kv.pool import BlockPool
-from paged_kv.core.state import REGION_DYNAMIC, PoolState
+from paged_kv.core.segment_format import Segments
+from paged_kv.serving.cached_pool import CachedPool, CacheView
+from paged_kv.model.plan import StepPlan
+from paged_kv.serving.executor import DryExecutor, Executor
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
-from radix.cache import PrefixCache, RefDeltas
+from radix.cache import PrefixCache
 
 PREEMPTION_MODES = ("recompute", "swap")
 RECLAIM_EVERY = 8  # steps between reclaims of dead slots, when packing tails
@@ -116,38 +122,6 @@ class Request:
   @property
   def done(self) -> bool:
     return self.phase == Phase.FINISHED
-
-
-class Executor(Protocol):
-  """The model work of a step, on the pool state (donated in, returned out)."""
-
-  def prefill(self, state: PoolState, seq_ids: np.ndarray, tokens: np.ndarray,
-              num_new: np.ndarray) -> tuple[PoolState, np.ndarray, np.ndarray]:
-    """Reserves and computes `num_new[i]` tokens `tokens[i, :num_new[i]]` per row.
-
-    Returns `(state, next_tokens i32[B], status i32[B])`; a failed row is untouched.
-    """
-
-  def decode(self, state: PoolState, seq_ids: np.ndarray,
-             last_tokens: np.ndarray) -> tuple[PoolState, np.ndarray, np.ndarray]:
-    """Caches each row's pending token and samples the next one."""
-
-
-class DryExecutor:
-  """Memory dynamics only: reserves the slots, computes nothing, samples token 0."""
-
-  def __init__(self, config):
-    self.config = config
-
-  def prefill(self, state, seq_ids, tokens, num_new):
-    state, (_, status) = segments.reserve_tokens(state, seq_ids, num_new, config=self.config,
-                                                 max_new_tokens=tokens.shape[1])
-    return state, np.zeros(seq_ids.shape, np.int32), np.asarray(status)
-
-  def decode(self, state, seq_ids, last_tokens):
-    state, (_, status) = segments.reserve_tokens(state, seq_ids, (seq_ids >= 0).astype(np.int32),
-                                                 config=self.config, max_new_tokens=1)
-    return state, np.zeros(seq_ids.shape, np.int32), np.asarray(status)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +214,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class Scheduler:
-  """Continuous batching over a `BlockPool` and a `PrefixCache`.
+  """Continuous batching over a `CachedPool` (a `BlockPool` bound to its `PrefixCache`).
+
+  Every reference the cache takes or drops is applied by the `CachedPool`; the
+  scheduler never handles a `RefDeltas`. `pool` is the `BlockPool` (the executor
+  works on `pool.state`), `cached_pool` the bound pair, `cache` a read-only view
+  of the prefix cache (None when caching is off).
 
   Example:
     pool = BlockPool(PoolConfig(num_blocks=4096, block_size=16, max_seqs=64, ...))
@@ -250,19 +229,40 @@ class Scheduler:
     sched.stats, sched.snapshots
   """
 
-  def __init__(self, pool: BlockPool, executor: Executor, config: SchedulerConfig = SchedulerConfig(),
-               *, cache: PrefixCache | None = None, clock: Callable[[], float] = time.monotonic,
+  def __init__(self, pool: BlockPool | CachedPool, executor: Executor,
+               config: SchedulerConfig = SchedulerConfig(), *, cache: PrefixCache | None = None,
+               clock: Callable[[], float] = time.monotonic,
                on_snapshot: Callable[[int, metrics.PoolSnapshot, "SchedulerStats"], None] | None = None):
-    if config.max_batch > pool.config.max_seqs:
-      raise ValueError(f"max_batch {config.max_batch} > pool max_seqs {pool.config.max_seqs}")
-    self.pool = pool
+    """Builds a scheduler.
+
+    Args:
+      pool: a `BlockPool` (bound here to `cache` or to a new cache), or a
+        `CachedPool` whose cache is used.
+      executor: the model work of a step.
+      config: scheduling and memory policies.
+      cache: a prefix cache for a plain `pool` (its references must already be
+        in the pool: an empty cache, or one `load_prefix_cache` filled); default
+        a new one from `config` when `config.enable_prefix_cache`.
+      clock: time source for latencies and the new cache's LRU/TTL.
+      on_snapshot: called with `(step, snapshot, stats)` after each snapshot.
+    """
+    if isinstance(pool, CachedPool):
+      if cache is not None:
+        raise ValueError("pass the cache inside the CachedPool, not beside it")
+      cached_pool = pool
+    else:
+      cached_pool = CachedPool(pool, cache, policy=config.evict_policy,
+                               pack_tails=config.pack_tails, clock=clock)
+    if config.max_batch > cached_pool.config.max_seqs:
+      raise ValueError(f"max_batch {config.max_batch} > pool max_seqs "
+                       f"{cached_pool.config.max_seqs}")
+    self.cached_pool = cached_pool
+    self.pool = cached_pool.pool
     self.executor = executor
     self.config = config
     self.clock = clock
-    self.cache = cache
-    if cache is None and config.enable_prefix_cache:
-      self.cache = PrefixCache(block_size=pool.config.block_size, policy=config.evict_policy,
-                               pack_tails=config.pack_tails, clock=clock)
+    # Match prompts in and insert finished sequences into the cache.
+    self._caching = config.enable_prefix_cache or cache is not None
     self.waiting: collections.deque[Request] = collections.deque()
     self.swapped: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order
@@ -277,6 +277,11 @@ class Scheduler:
     self._last_reclaim = -RECLAIM_EVERY
 
   # ------------------------------------------------------------------ public
+  @property
+  def cache(self) -> CacheView | None:
+    """A read-only view of the prefix cache; None when caching is off."""
+    return self.cached_pool.cache if self._caching else None
+
   def submit(self, request: Request) -> None:
     """Queues a request (FCFS)."""
     bs, pc = self._bs, self.pool.config
@@ -317,8 +322,7 @@ class Scheduler:
       # `submit` refuses what cannot fit an empty pool, so this is a bug, not load.
       raise RuntimeError(f"scheduler stalled: nothing running, {len(self.waiting)} waiting, "
                          f"{len(self.swapped)} swapped, {self.pool.num_free_blocks} free blocks")
-    self._prefill()
-    self._decode()
+    self._forward()
     self._finish()
     self._maybe_compact()
     self._maybe_promote()
@@ -338,19 +342,13 @@ class Scheduler:
     used = len(self.running)
     return min(self.config.max_batch, self.pool.config.max_seqs) - used
 
-  def _apply(self, deltas: RefDeltas) -> None:
-    if len(deltas):
-      self.pool.apply_ref_deltas(deltas.block_ids, deltas.deltas)
-
   def _evict(self, num_blocks: int) -> int:
-    """Evicts cached-only blocks; returns how many blocks it freed."""
-    if self.cache is None or num_blocks <= 0:
+    """Evicts cached-only blocks (the `CachedPool` applies the decrefs); returns blocks freed."""
+    if num_blocks <= 0:
       return 0
     before = self.pool.num_free_blocks
-    ev = self.cache.evict(num_blocks=num_blocks,
-                          ref_count=np.asarray(self.pool.state.meta.ref_count))
+    ev = self.cached_pool.evict(num_blocks=num_blocks)
     if ev.num_segments:
-      self._apply(ev.ref_deltas)
       self.stats.evictions += 1
       self.stats.evicted_tokens += ev.num_tokens
     return self.pool.num_free_blocks - before
@@ -388,8 +386,8 @@ class Scheduler:
     context = req.tokens[:-1] if resumed else req.prompt
     probe = context if resumed else context[:-1]
     matched, segs, node = 0, np.zeros((0, 3), np.int32), None
-    if self.cache is not None and probe.size:
-      m = self.cache.match(req.namespace, probe, lock=True, record=not resumed)
+    if self._caching and probe.size:
+      m = self.cached_pool.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
     # Keep the segment table from overflowing: a matched prefix may hold more segments
     # than its tokens need (nodes split mid-block), and the tokens still to come take
@@ -404,13 +402,13 @@ class Scheduler:
     need = _cdiv(context.size - matched, self._bs) + 1
     if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
       if node is not None:
-        self.cache.unlock(node)
+        self.cached_pool.unlock(node)
       return False
     try:
-      seq = self.pool.open_sequence((segs[:, 0], segs[:, 1], segs[:, 2]) if len(segs) else None)
+      seq = self.cached_pool.open(segs)
     except PagedKVError:
       if node is not None:
-        self.cache.unlock(node)
+        self.cached_pool.unlock(node)
       raise
     req.seq_id, req.lock_node, req.num_cached = seq, node, matched
     req.prefill_target = int(context.size)
@@ -441,66 +439,48 @@ class Scheduler:
                 for r in self.running)
     return total + blocks(0, new.max_new_tokens - len(new.output))
 
-  # ------------------------------------------------------------------ 2. prefill
-  def _prefill(self) -> None:
+  # ------------------------------------------------------------------ 2-3. one forward pass
+  def _prefill_chunks(self) -> list[tuple[Request, int]]:
+    """This step's prompt chunks `(request, tokens)`: FCFS under the token budget."""
     budget = self.config.prefill_token_budget
     chunk = self.config.prefill_chunk
-    batch, counts = [], []
+    chunks = []
     for req in self.running:
       left = req.prefill_target - req.num_cached
       if left > 0 and budget > 0:
         n = min(left, chunk, budget)
-        batch.append(req)
-        counts.append(n)
+        chunks.append((req, n))
         budget -= n
-    if not batch:
-      return
-    b = self.config.max_batch
-    ids = np.full((b,), -1, np.int32)
-    toks = np.zeros((b, chunk), np.int32)
-    num = np.zeros((b,), np.int32)
-    for i, (req, n) in enumerate(zip(batch, counts)):
-      ids[i], num[i] = req.seq_id, n
-      toks[i, :n] = req.tokens[req.num_cached:req.num_cached + n]
-    self.pool.state, nxt, status = self.executor.prefill(self.pool.state, ids, toks, num)
-    failed = []
-    for i, req in enumerate(batch):
-      if status[i] != Status.OK:
-        self._record_failure(req, int(status[i]), req.num_cached + counts[i])
-        failed.append(req)
-        continue
-      req.num_cached += counts[i]
-      self.stats.prefill_tokens += counts[i]
-      if req.num_cached == req.prefill_target and not req.output:
-        self._emit(req, int(nxt[i]))
-    if failed:
-      self._relieve_pressure(len(failed))
+    return chunks
 
-  # ------------------------------------------------------------------ 3. decode
   def _decode_batch(self) -> list[Request]:
     return [r for r in self.running if r.num_cached >= r.prefill_target and r.output
             and not self._is_finished(r)]
 
-  def _decode(self) -> None:
-    batch = self._decode_batch()
-    if not batch:
+  def _forward(self) -> None:
+    """ONE forward pass: a decode token of every running sequence whose prompt is
+    done, and the next prompt chunks under the budget, in one mixed batch."""
+    decodes, chunks = self._decode_batch(), self._prefill_chunks()
+    if not decodes and not chunks:
       return
-    # Blocks this step may need: sequences whose tail block is full (an upper
-    # bound for shared tails is handled by the retry below).
-    need = sum(1 for r in batch if r.num_cached % self._bs == 0)
+    # Blocks this step may need: decodes whose tail block is full, and the blocks
+    # the chunks spill into (shared tails may need one more: the retry below).
+    bs = self._bs
+    need = (sum(1 for r in decodes if r.num_cached % bs == 0)
+            + sum(_cdiv(r.num_cached + n, bs) - _cdiv(r.num_cached, bs) for r, n in chunks))
     if not self._ensure_free(need):
       self._relieve_pressure(need - self.pool.num_free_blocks)
-      batch = self._decode_batch()
-      if not batch:
+      decodes, chunks = self._decode_batch(), self._prefill_chunks()
+      if not decodes and not chunks:
         return
-    b = self.config.max_batch
-    ids = np.full((b,), -1, np.int32)
-    last = np.zeros((b,), np.int32)
-    for i, req in enumerate(batch):
-      ids[i], last[i] = req.seq_id, req.output[-1]
-    self.pool.state, nxt, status = self.executor.decode(self.pool.state, ids, last)
+    # Decode rows first (tpu-inference's convention); blocks go to rows in this order.
+    rows = [(r.seq_id, [r.output[-1]]) for r in decodes]
+    rows += [(r.seq_id, r.tokens[r.num_cached:r.num_cached + n]) for r, n in chunks]
+    plan = StepPlan.build(rows, num_rows=self.config.max_batch,
+                          max_query_len=self.config.prefill_chunk if chunks else 1)
+    self.pool.state, nxt, status = self.executor.step(self.pool.state, plan)
     failed = 0
-    for i, req in enumerate(batch):
+    for i, req in enumerate(decodes):
       if status[i] != Status.OK:
         self._record_failure(req, int(status[i]), req.num_cached + 1)
         failed += 1
@@ -508,6 +488,15 @@ class Scheduler:
       req.num_cached += 1
       self.stats.decode_tokens += 1
       self._emit(req, int(nxt[i]))
+    for i, (req, n) in enumerate(chunks, start=len(decodes)):
+      if status[i] != Status.OK:
+        self._record_failure(req, int(status[i]), req.num_cached + n)
+        failed += 1
+        continue
+      req.num_cached += n
+      self.stats.prefill_tokens += n
+      if req.num_cached == req.prefill_target and not req.output:
+        self._emit(req, int(nxt[i]))
     if failed:
       self._relieve_pressure(failed)
 
@@ -560,7 +549,7 @@ class Scheduler:
       req.phase = Phase.WAITING
       self.waiting.appendleft(req)
     if req.lock_node is not None:
-      self.cache.unlock(req.lock_node)
+      self.cached_pool.unlock(req.lock_node)
       req.lock_node = None
     req.seq_id = None
 
@@ -572,13 +561,11 @@ class Scheduler:
     are then packed into slotted blocks, and the cache rebinds to their new place.
     """
     pack = ()
-    if self.cache is not None and req.num_cached > 0:
-      blk, start, length = self.pool.segments(req.seq_id)
-      segs = np.stack([blk, start, length], axis=1)
-      outcome = self.cache.insert(req.namespace, req.tokens[:req.num_cached], segs)
-      self._apply(outcome.ref_deltas)
+    if self._caching and req.num_cached > 0:
+      # The CachedPool reads the segments from the pool and applies the tree's increfs.
+      outcome = self.cached_pool.insert(req.namespace, req.tokens[:req.num_cached], req.seq_id)
       pack = outcome.pack
-    self.pool.release([req.seq_id])
+    self.cached_pool.release([req.seq_id])
     if pack:
       self._pack(pack)
 
@@ -586,22 +573,14 @@ class Scheduler:
     if self._step - self._last_reclaim >= RECLAIM_EVERY:
       # Slots of segments that left slotted blocks become reusable (checked
       # against ref_count: every holder, tables and cache, is accounted for).
-      self.pool.reclaim_slots(self.cache.segment_refs())
+      self.cached_pool.reclaim_slots()
       self._last_reclaim = self._step
-    region = np.asarray(self.pool.state.meta.region)
-    candidates = [c for c in candidates if region[c.segment[0]] == REGION_DYNAMIC]
-    if not candidates:
-      return  # a promoted (base-region) block is shared and pinned: nothing to pack
-    old = np.array([c.segment for c in candidates], np.int32)
     try:
-      result = self.pool.pack_slots(extra_segments=old)
+      # Base-region (promoted, shared) blocks are skipped; the pool moves the
+      # tree's references and the cache rewrites its records.
+      self.counters.pack_moves += self.cached_pool.pack(candidates)
     except PoolExhausted:
-      return  # nowhere to pack now (atomic: nothing changed); the tails stay as they are
-    for cand, seg_old, seg_new in zip(candidates, old, result.extra_segments):
-      if tuple(seg_old) != tuple(seg_new):
-        # The pool already moved the reference; the cache only rewrites its record.
-        self.cache.rebind_segment(cand.node, seg_old, seg_new)
-        self.counters.pack_moves += 1
+      pass  # nowhere to pack now (atomic: nothing changed); the tails stay as they are
 
   def _finish(self) -> None:
     done = [r for r in self.running if self._is_finished(r)]
@@ -609,7 +588,7 @@ class Scheduler:
       self.running.remove(req)
       self._store_and_release(req)
       if req.lock_node is not None:
-        self.cache.unlock(req.lock_node)
+        self.cached_pool.unlock(req.lock_node)
         req.lock_node = None
       req.phase = Phase.FINISHED
       req.seq_id = None
@@ -631,13 +610,7 @@ class Scheduler:
     num_moves = int(np.sum(src >= 0))
     if num_moves == 0:
       return
-    self.pool.state, (remap, status) = compact.compact_permute(
-        self.pool.state, src, dst, config=self.pool.config)
-    if (np.asarray(status) != Status.OK).any():
-      raise RuntimeError(f"compaction plan refused: {np.asarray(status).tolist()}")
-    remap = np.asarray(remap)
-    if self.cache is not None:
-      self.cache.apply_remap(remap)
+    self.cached_pool.move_blocks(src, dst)  # tables and the cache follow the remap
     self.counters.record_compaction(num_moves, time.perf_counter() - t0)
     self.stats.compactions += 1
 
@@ -647,17 +620,15 @@ class Scheduler:
     if (not cfg.promote_readers or not self.pool.config.num_base_blocks
         or self._step % cfg.promote_every):
       return
-    remap = self.pool.promote(cfg.promote_readers)
+    remap = self.cached_pool.promote(cfg.promote_readers)  # the cache follows the remap
     moved = int(np.sum(remap != np.arange(remap.shape[0])))
     if moved:
-      if self.cache is not None:
-        self.cache.apply_remap(remap)
       self.counters.promotions += moved
 
   # ------------------------------------------------------------------ 6. metrics
-  def extra_segments(self) -> np.ndarray | None:
-    """References the cache holds (for the invariant checker and metrics)."""
-    return None if self.cache is None else self.cache.segment_refs()
+  def extra_segments(self) -> Segments:
+    """`i32[n, 3]` `(block, start, length)` references the cache holds (for metrics)."""
+    return self.cached_pool.segment_refs()
 
   def _snapshot(self) -> None:
     snap = metrics.snapshot(self.pool.state, self.pool.config,
@@ -669,4 +640,4 @@ class Scheduler:
 
   def check_invariants(self) -> None:
     """The pool's invariants with the cache's references included."""
-    self.pool.check_invariants(extra_segments=self.extra_segments())
+    self.cached_pool.check_invariants()

@@ -19,6 +19,7 @@ import numpy as np
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import OOM_REASONS, Status
+from paged_kv.core.segment_format import Segments, as_segments
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
 
 REGION_NAMES = {REGION_DYNAMIC: "dynamic", REGION_BASE: "base"}
@@ -44,18 +45,22 @@ def region_free_masks(ref_count: np.ndarray, region: np.ndarray) -> dict[str, np
   return {name: (ref_count == 0) & (region == r) for r, name in REGION_NAMES.items()}
 
 
-def live_slot_mask(state: PoolState, extra_segments=None) -> np.ndarray:
+def live_slot_mask(state: PoolState, extra_segments: Segments | None = None) -> np.ndarray:
   """`bool[num_blocks, block_size]`: slots covered by a live segment.
 
   Live segments are those of active table rows plus `extra_segments`
-  (`(block, start, length)` rows held outside the pool, e.g. the prefix cache's).
+  (`i32[n, 3]` `(block, start, length)` rows held outside the pool, e.g. the
+  prefix cache's `segment_refs()`).
+
+  Raises:
+    InvalidSegmentLayout: `extra_segments` is not `i32[n, 3]`.
   """
   t = jax.tree.map(np.asarray, state.table)
   n, bs = state.pages.k.shape[2], state.pages.k.shape[3]
   used = t.active[:, None] & (np.arange(t.block.shape[1])[None, :] < t.num_segments[:, None])
   segs = np.stack([t.block[used], t.start[used], t.length[used]], axis=1).astype(np.int64)
   if extra_segments is not None:
-    extra = np.asarray(extra_segments, np.int64).reshape(-1, 3)
+    extra = as_segments(extra_segments, name="extra_segments").astype(np.int64)
     segs = np.concatenate([segs, extra])
   # Difference array over the flat slot space: +1 at start, -1 at end.
   diff = np.zeros(n * bs + 1, np.int64)
@@ -161,7 +166,7 @@ class PoolSnapshot:
     return dataclasses.asdict(self)
 
 
-def snapshot(state: PoolState, config: PoolConfig, *, extra_segments=None,
+def snapshot(state: PoolState, config: PoolConfig, *, extra_segments: Segments | None = None,
              counters: PoolCounters | None = None,
              assert_no_ghosts: bool = True) -> PoolSnapshot:
   """Computes a `PoolSnapshot` on the host from the device state.
@@ -169,8 +174,9 @@ def snapshot(state: PoolState, config: PoolConfig, *, extra_segments=None,
   Args:
     state: the pool state.
     config: its config.
-    extra_segments: `(block, start, length)` rows held outside the tables
-      (e.g. `PrefixCache.segment_refs()`), counted as live slots.
+    extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
+      tables (e.g. `PrefixCache.segment_refs()`, `CachedPool.segment_refs()`),
+      counted as live slots.
     counters: host counters (OOMs, compaction); zeros when None.
     assert_no_ghosts: raise if a ghost block exists (the default; pass False in
       a monitoring loop that should report it as an alert instead).

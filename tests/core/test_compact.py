@@ -72,7 +72,7 @@ class PermuteTest(chex.TestCase):
     pool, model = _fragmented_pool()
     # An outside holder of one live segment (a cache node), to follow via remap.
     live = sorted(model.kv)[0]
-    seg = [int(x[0]) for x in pool.segments(live)]
+    seg = pool.segments(live)[0].tolist()
     pool.apply_ref_deltas([seg[0]], [1])
     extra = np.array([seg])
     model.check(extra)

@@ -54,7 +54,7 @@ class FragmentationMachine(RuleBasedStateMachine):
     if from_cache and self.cache:
       i = data.draw(st.integers(0, len(self.cache) - 1))
       seg, k, v = self.cache[i]
-      seq = self.pool.open_sequence(tuple([x] for x in seg))
+      seq = self.pool.open_sequence([seg])
       self.model.kv[seq] = (k.copy(), v.copy())
     else:
       self.model.open()
@@ -83,7 +83,7 @@ class FragmentationMachine(RuleBasedStateMachine):
   @rule(data=st.data())
   def cache_insert(self, data):
     seq = data.draw(st.sampled_from(self._live()))
-    b, s, ln = self.pool.segments(seq)
+    b, s, ln = self.pool.segments(seq).T
     if len(b) == 0:
       return
     j = data.draw(st.integers(0, len(b) - 1))
@@ -106,7 +106,7 @@ class FragmentationMachine(RuleBasedStateMachine):
     region = np.asarray(self.pool.state.meta.region)
     dynamic = lambda b: region[b] == paged_kv.core.state.REGION_DYNAMIC  # base blocks are pinned
     for seq in self._live():
-      blk, _, ln = self.pool.segments(seq)
+      blk, _, ln = self.pool.segments(seq).T
       table += [(seq, c) for c in range(len(ln)) if ln[c] < bs and dynamic(blk[c])]
     extra_idx = [i for i, (seg, _, _) in enumerate(self.cache) if seg[2] < bs and dynamic(seg[0])]
     pick_t = data.draw(st.lists(st.sampled_from(table), unique=True, max_size=3)) if table else []

@@ -49,7 +49,7 @@ class PromotionTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_promote_most_read_blocks(self):
     pool, model, root = _shared_prefix_pool()
-    prefix_blocks = pool.segments(root)[0]
+    prefix_blocks = pool.segments(root)[:, 0]
     src, dst = regions.plan_promotion(pool.state.meta, 4, max_moves=4)
     src, dst = np.asarray(src), np.asarray(dst)
     np.testing.assert_array_equal(src[:2], prefix_blocks)  # ref_count 4 each
@@ -60,7 +60,7 @@ class PromotionTest(chex.TestCase):
     pool.state, (remap, status) = fn(pool.state, src, dst, config=CONFIG)
     self.assertTrue((np.asarray(status) == Status.OK).all())
     np.testing.assert_array_equal(np.asarray(remap)[prefix_blocks], [0, 1])
-    np.testing.assert_array_equal(pool.segments(root)[0], [0, 1])
+    np.testing.assert_array_equal(pool.segments(root)[:, 0], [0, 1])
     model.check()
     # Promoted blocks are pinned: compaction does not plan them.
     s, _ = compact.plan_compaction(pool.state.meta, budget=32)
@@ -71,7 +71,7 @@ class PromotionTest(chex.TestCase):
 
   def test_promotion_into_a_dynamic_block_is_refused(self):
     pool, model, root = _shared_prefix_pool()
-    b = int(pool.segments(root)[0][0])
+    b = int(pool.segments(root)[0, 0])
     free_dyn = int(np.flatnonzero(np.asarray(pool.state.meta.ref_count)[NB:] == 0)[0]) + NB
     pool.state, (_, status) = regions.promote_blocks(
         pool.state, np.array([b], np.int32), np.array([free_dyn], np.int32), config=CONFIG)
@@ -81,7 +81,7 @@ class PromotionTest(chex.TestCase):
   def test_block_pool_promote(self):
     pool, model, root = _shared_prefix_pool()
     remap = pool.promote(min_readers=4)
-    self.assertEqual(sorted(remap[pool.segments(root)[0]].tolist()), [0, 1])
+    self.assertEqual(sorted(remap[pool.segments(root)[:, 0]].tolist()), [0, 1])
     model.check()
 
 
@@ -115,7 +115,7 @@ class QuotaTest(absltest.TestCase):
 
   def test_block_usage(self):
     pool, model, root = _shared_prefix_pool()
-    seg = [int(x[-1]) for x in pool.segments(root)]
+    seg = pool.segments(root)[-1].tolist()
     pool.apply_ref_deltas([seg[0]], [1])
     live, cached = regions.block_usage(pool.state)
     self.assertEqual(cached, 0)

@@ -34,18 +34,18 @@ class CowSplitTest(chex.TestCase):
     a = model.open()
     model.append([a], [10])  # blocks: (b0, 0, 8), (b1, 0, 2)
     child = model.fork(a)
-    tail_before = pool.segments(child)[0][-1]
+    tail_before = pool.segments(child)[-1, 0]
     pool.state, (split, status) = self._cow(pool.state, [child, -1], config, variant=True)
     np.testing.assert_array_equal(np.asarray(status), [Status.OK, Status.OK])
     np.testing.assert_array_equal(np.asarray(split), [True, False])
-    blk, start, length = pool.segments(child)
+    blk, start, length = pool.segments(child).T
     self.assertNotEqual(blk[-1], tail_before)
     self.assertEqual((start[-1], length[-1]), (0, 2))
     self.assertEqual(int(pool.state.meta.ref_count[blk[-1]]), 1)
     model.check()
     # The child now appends in place: no new segment for 2 tokens.
     model.append([child], [2])
-    self.assertEqual(len(pool.segments(child)[0]), 2)
+    self.assertEqual(len(pool.segments(child)), 2)
     model.check()
 
   def test_no_split_when_tail_is_already_exclusive_or_full(self):
@@ -99,7 +99,7 @@ class PackSlotsTest(chex.TestCase):
     model.append(seqs, lengths)
     extras = []
     for s in seqs:
-      b, st, ln = pool.segments(s)
+      b, st, ln = pool.segments(s).T
       for seg in zip(b, st, ln):
         extras.append(tuple(int(x) for x in seg))
     pool.apply_ref_deltas([e[0] for e in extras], [1] * len(extras))
@@ -140,7 +140,7 @@ class PackSlotsTest(chex.TestCase):
     seg = pool.segments(other)
     # `other`'s only segment is also its tail; packing it is allowed (a finished tail).
     pool.state, (nb, ns, status) = self._pack(
-        pool.state, [(other, 0, int(seg[0][0]), int(seg[1][0]), int(seg[2][0]))], config)
+        pool.state, [(other, 0, *seg[0].tolist())], config)
     self.assertEqual(int(status[0]), Status.OK)
     # Best fit: the 2-slot hole of the 6-token block, not the 3-slot one, not `live`'s tail.
     self.assertEqual((int(nb[0]), int(ns[0])), (extras[1][0], 6))
@@ -153,7 +153,7 @@ class PackSlotsTest(chex.TestCase):
     model = KVModel(pool)
     s = model.open()
     model.append([s], [3])
-    seg = tuple(int(x[0]) for x in pool.segments(s))
+    seg = tuple(pool.segments(s)[0].tolist())
     pool.apply_ref_deltas([seg[0]], [1])  # a cache node holds the same segment
     ext = slots.OWNER_EXTERNAL
     pool.state, (nb, ns, status) = self._pack(pool.state, [(s, 0, *seg), (ext, 0, *seg)],
@@ -171,7 +171,7 @@ class PackSlotsTest(chex.TestCase):
     model = KVModel(pool)
     s = model.open()
     model.append([s], [10])
-    b, st, ln = (np.asarray(x) for x in pool.segments(s))
+    b, st, ln = pool.segments(s).T
     before = jax.tree.map(np.asarray, pool.state)
     ext = slots.OWNER_EXTERNAL
     rows = [(s, 1, int(b[1]), 0, 2),          # fine
@@ -199,7 +199,7 @@ class PackSlotsTest(chex.TestCase):
     a, b = model.open(), model.open()
     model.append([a, b], [7, 7])  # both tails of live rows: no destination
     taken = exhaust(pool)
-    segs = [tuple(int(x[0]) for x in pool.segments(r)) for r in (a, b)]
+    segs = [tuple(pool.segments(r)[0].tolist()) for r in (a, b)]
     pool.state, (nb, _, status) = self._pack(pool.state, [(a, 0, *segs[0])], config)
     self.assertEqual(int(status[0]), Status.NO_FREE_BLOCK)
     give_back(pool, taken)
@@ -283,7 +283,7 @@ class ReclaimSlotsTest(chex.TestCase):
     kv = jnp.arange(slots_.size * 2, dtype=jnp.float32).reshape(slots_.shape + (1, 2))
     pool.write_kv(0, slots_, kv, -kv)
     # Cache-like outside holders take both short segments; pack them into one block.
-    ext = [tuple(int(x[0]) for x in pool.segments(s)) for s in (a, b)]
+    ext = [tuple(pool.segments(s)[0].tolist()) for s in (a, b)]
     pool.apply_ref_deltas([e[0] for e in ext], [1, 1])
     pool.release([a, b])
     packed = pool.pack_slots(extra_segments=ext).extra_segments
@@ -329,7 +329,7 @@ class ReclaimSlotsTest(chex.TestCase):
     # A new short segment now fits into the reclaimed slots of the slotted block.
     c = pool.open_sequence()
     pool.reserve_tokens([c], [dead[2]])
-    seg = tuple(int(x[0]) for x in pool.segments(c))
+    seg = tuple(pool.segments(c)[0].tolist())
     pool.apply_ref_deltas([seg[0]], [1])
     pool.release([c])
     moved = pool.pack_slots(extra_segments=[seg]).extra_segments[0]

@@ -240,6 +240,9 @@ class PrefixCacheTest(parameterized.TestCase):
       ("negative_block", [[-1, 0, 3]]),
       ("bad_shape", [[0, 0]]),
       ("floats", [[0.0, 0.0, 3.0]]),
+      ("columns", (np.array([0]), np.array([0]), np.array([3]))),
+      ("columns_of_three", (np.array([0, 1, 2]), np.array([0, 0, 0]), np.array([1, 1, 1]))),
+      ("transposed", np.array([[0, 0, 2], [1, 0, 1]]).T),
   )
   def test_insert_rejects_bad_segments_atomically(self, segments):
     _fill(self.pool, self.cache, "ns", [5, 6])
@@ -250,6 +253,17 @@ class PrefixCacheTest(parameterized.TestCase):
     with self.assertRaises(InvalidTokensError):
       self.cache.insert("ns", [[5, 6, 7]], [[0, 0, 3]])
     self.pool.check(self.cache)
+
+  @parameterized.named_parameters(
+      ("columns", (np.array([0, 1]), np.array([0, 0]), np.array([2, 1])),
+       "a tuple of three 1-D arrays"),
+      ("transposed", np.array([[0, 0, 2], [1, 0, 1]]).T, r"got shape \(3, 2\)"),
+  )
+  def test_wrong_layout_message_names_the_expected_rows(self, segments, message):
+    with self.assertRaisesRegex(InvalidSegmentsError, message) as raised:
+      self.cache.insert("ns", [5, 6, 7], segments)
+    self.assertIn("must be an int32[n, 3] array of (block, start, length) rows",
+                  str(raised.exception))
 
   def test_namespaces_never_hit_each_other(self):
     tokens = [3, 1, 4, 1, 5, 9, 2]

@@ -53,7 +53,7 @@ def build_cache(config: paged_kv.PoolConfig, seed: int):
   for i, (ns, tokens) in enumerate(_requests(rng)):
     clock[0] = float(i)
     m = cache.match(ns, tokens[:-1], lock=False)
-    seq = pool.open_sequence(tuple(m.segments.T) if m.length else None)
+    seq = pool.open_sequence(m.segments)
     # One token per call: every call has the same shapes, so each compiles once.
     for _ in range(tokens.shape[0] - m.length):
       slot = pool.reserve_tokens([seq], [1])
@@ -62,7 +62,7 @@ def build_cache(config: paged_kv.PoolConfig, seed: int):
         k = rng.standard_normal(shape).astype(config.jnp_dtype)
         v = rng.standard_normal(shape).astype(config.jnp_dtype)
         pool.write_kv(layer, slot, k, v)
-    outcome = cache.insert(ns, tokens, np.stack(pool.segments(seq), axis=1),
+    outcome = cache.insert(ns, tokens, pool.segments(seq),
                            pin_ttl=100.0 if i == 0 else None)
     if len(outcome.ref_deltas):
       pool.apply_ref_deltas(outcome.ref_deltas.block_ids, outcome.ref_deltas.deltas)
@@ -174,7 +174,7 @@ class RoundTripTest(parameterized.TestCase):
     cache = PrefixCache(block_size=8)
     seq = pool.open_sequence()
     pool.reserve_tokens([seq], [3])
-    cache.insert(("tenant", 1), [1, 2, 3], np.stack(pool.segments(seq), axis=1))
+    cache.insert(("tenant", 1), [1, 2, 3], pool.segments(seq))
     path = os.path.join(_tempdir(self), "x")
     with self.assertRaisesRegex(persist.UnsupportedNamespaceError, "tuple"):
       persist.save_prefix_cache(path, pool, cache)

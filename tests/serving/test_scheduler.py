@@ -5,7 +5,9 @@ from absl.testing import absltest, parameterized
 
 import paged_kv
 from paged_kv.core import compact
+from paged_kv.serving.cached_pool import CachedPool, CacheView
 from paged_kv.serving.scheduler import DryExecutor, Phase, Request, Scheduler, SchedulerConfig
+from radix.cache import PrefixCache
 
 CFG = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=2, max_seqs=8, max_segments=40)
@@ -153,3 +155,39 @@ class PromotionTest(absltest.TestCase):
     self.assertTrue((refs[:cfg.num_base_blocks] > 0).any())
     # The cache now points into the base pool for the shared system prompt.
     self.assertTrue((sched.cache.segment_refs()[:, 0] < cfg.num_base_blocks).any())
+
+
+class CachedPoolSchedulerTest(absltest.TestCase):
+  """The scheduler over a `CachedPool`: it never applies a reference delta itself."""
+
+  def test_runs_on_a_cached_pool(self):
+    pool = paged_kv.BlockPool(CFG)
+    cp = CachedPool(pool, policy="cost")
+    sched = Scheduler(cp, DryExecutor(CFG),
+                      SchedulerConfig(max_batch=8, prefill_chunk=16, prefill_token_budget=32,
+                                      output_reserve_ratio=0.0))
+    self.assertIs(sched.cached_pool, cp)
+    self.assertIs(sched.pool, pool)
+    self.assertIsInstance(sched.cache, CacheView)
+    _run(sched, _workload(3, n=12))
+    self.assertGreater(sched.stats.hit_tokens, 0)
+    cp.check_invariants()
+    self.assertGreater(len(sched.extra_segments()), 0)
+    with self.assertRaises(paged_kv.InvariantViolation):  # the pool alone misses the tree's refs
+      pool.check_invariants()
+    self.assertFalse(hasattr(sched, "_apply"))
+
+  def test_cache_beside_a_cached_pool_is_refused(self):
+    cp = CachedPool(paged_kv.BlockPool(CFG))
+    with self.assertRaises(ValueError):
+      Scheduler(cp, DryExecutor(CFG), cache=PrefixCache(block_size=CFG.block_size))
+
+  def test_caching_off(self):
+    pool = paged_kv.BlockPool(CFG)
+    sched = Scheduler(pool, DryExecutor(CFG),
+                      SchedulerConfig(max_batch=8, prefill_chunk=16, enable_prefix_cache=False))
+    self.assertIsNone(sched.cache)
+    _run(sched, _workload(0, n=6))
+    self.assertEqual(sched.stats.hit_tokens, 0)
+    self.assertEqual(sched.extra_segments().shape, (0, 3))
+    self.assertEqual(pool.num_free_blocks, CFG.num_blocks)

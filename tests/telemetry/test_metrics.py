@@ -24,7 +24,7 @@ class SnapshotTest(absltest.TestCase):
     self.assertAlmostEqual(snap.internal_fragmentation, 1 - 15 / 24)
     self.assertAlmostEqual(snap.handed_out_internal_fragmentation, 1 - 15 / 24)
     # b's segment held by a cache node, then b released: still live through the holder.
-    seg = [int(x[0]) for x in pool.segments(b)]
+    seg = pool.segments(b)[0].tolist()
     pool.apply_ref_deltas([seg[0]], [1])
     model.release([b])
     snap = metrics.snapshot(pool.state, CONFIG, extra_segments=[seg])

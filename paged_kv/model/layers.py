@@ -1,0 +1,172 @@
+"""Flax NNX layers a model author builds on: `PagedAttention`, RoPE, the dense reference.
+
+`PagedAttention` is a Llama-style self-attention layer (bias-free q/k/v/o
+projections, grouped-query attention, rotary embeddings on the logical positions
+of `StepMetadata`) whose K/V live in a `paged_kv` pool:
+
+    attn = PagedAttention(d_model, num_q_heads, num_kv_heads, head_dim, layer=i, rngs=rngs)
+    y, pages = attn(x, pages, meta)          # x: [T, d_model] ragged tokens of the step
+
+`attn.dense(x, positions, valid)` runs the same weights without a cache (full
+causal attention within `[B, T]` rows): the reference for tests, and training.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_kv.core.state import KVPages
+from paged_kv.model.attention import paged_attention
+from paged_kv.model.metadata import StepMetadata
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
+  """Rotary embedding ("rotate half" layout).
+
+  Args:
+    x: `[..., heads, head_dim]`.
+    positions: `i32[...]` logical position of each token (the leading shape of `x`).
+    theta: RoPE base.
+
+  Returns:
+    `x` rotated, same shape and dtype.
+  """
+  half = x.shape[-1] // 2
+  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., half]
+  cos = jnp.cos(angle)[..., None, :]
+  sin = jnp.sin(angle)[..., None, :]
+  x1 = x[..., :half].astype(jnp.float32)
+  x2 = x[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                     k_pos: jax.Array, k_valid: jax.Array, *, sm_scale: float | None = None,
+                     soft_cap: float | None = None) -> jax.Array:
+  """Masked GQA softmax attention over explicit K/V, in float32 (the dense reference).
+
+  Args:
+    q: `[B, T, num_q_heads, D]`.
+    k, v: `[B, L, num_kv_heads, D]`.
+    q_pos: `i32[B, T]` logical positions of the queries.
+    k_pos: `i32[B, L]` logical positions of the keys.
+    k_valid: `bool[B, L]` keys that exist.
+    sm_scale: logit scale, default `1/sqrt(D)`; soft_cap: optional tanh cap.
+
+  Returns:
+    `[B, T, num_q_heads, D]` in `q.dtype`; a query that sees no key gets 0.
+    Key `j` is visible to query `i` iff `k_valid[j] and k_pos[j] <= q_pos[i]`.
+  """
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)
+  sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  logits = jnp.einsum("bthgd,blhd->bhgtl", qg, k.astype(jnp.float32)) * sm_scale
+  if soft_cap is not None:
+    logits = soft_cap * jnp.tanh(logits / soft_cap)
+  mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, L]
+  logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(denom == 0, 1.0, denom)
+  o = jnp.einsum("bhgtl,blhd->bthgd", p, v.astype(jnp.float32))
+  return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def fan_in_init(fan_in: int) -> Callable:
+  """Normal initialiser with standard deviation `1/sqrt(fan_in)`."""
+  return jax.nn.initializers.normal(stddev=1.0 / math.sqrt(fan_in))
+
+
+class PagedAttention(nnx.Module):
+  """GQA self-attention over a paged pool: project, RoPE, write K/V + attend, project out.
+
+  Attributes:
+    wq, wk, wv, wo: bias-free `nnx.Linear` projections (`d_model -> heads *
+      head_dim` and back).
+    layer: index of this layer's K/V in the pool (static).
+  """
+
+  def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
+               layer: int, rngs: nnx.Rngs, rope_theta: float = 10000.0,
+               dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype | None = None,
+               sm_scale: float | None = None, soft_cap: float | None = None):
+    """Builds the projections.
+
+    Args:
+      d_model: residual width.
+      num_q_heads: query heads, a multiple of `num_kv_heads` (GQA).
+      num_kv_heads: key/value heads (the pool's `num_kv_heads`).
+      head_dim: size of one head (even, for RoPE; the pool's `head_dim`).
+      layer: this layer's index in the pool, `[0, num_layers)`.
+      rngs: parameter initialisation.
+      rope_theta: RoPE base.
+      dtype: computation dtype; param_dtype: parameter dtype (default `dtype`).
+      sm_scale, soft_cap: as in `paged_attention`.
+    """
+    if num_q_heads % num_kv_heads:
+      raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
+                       f"num_kv_heads={num_kv_heads}")
+    if head_dim % 2:
+      raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    if not isinstance(layer, int) or layer < 0:
+      raise ValueError(f"layer must be an int >= 0, got {layer!r}")
+    param_dtype = dtype if param_dtype is None else param_dtype
+    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, kernel_init=fan_in_init(i),
+                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+    self.layer = layer
+    self.rope_theta = rope_theta
+    self.sm_scale, self.soft_cap = sm_scale, soft_cap
+    self.wq = lin(d_model, num_q_heads * head_dim)
+    self.wk = lin(d_model, num_kv_heads * head_dim)
+    self.wv = lin(d_model, num_kv_heads * head_dim)
+    self.wo = lin(num_q_heads * head_dim, d_model)
+
+  def project(self, x: jax.Array,
+              positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`x [..., d_model]` to `q [..., Hq, D]`, `k, v [..., Hkv, D]`, RoPE at `positions`."""
+    lead = x.shape[:-1]
+    q = self.wq(x).reshape(lead + (self.num_q_heads, self.head_dim))
+    k = self.wk(x).reshape(lead + (self.num_kv_heads, self.head_dim))
+    v = self.wv(x).reshape(lead + (self.num_kv_heads, self.head_dim))
+    q = apply_rope(q, positions, theta=self.rope_theta)
+    k = apply_rope(k, positions, theta=self.rope_theta)
+    return q, k, v
+
+  def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *,
+               impl: str | None = None, interpret=None) -> tuple[jax.Array, KVPages]:
+    """Attention of the step's ragged tokens through the pool.
+
+    Args:
+      x: `[T, d_model]` the step's tokens, ragged per `meta.cu_q_lens`.
+      pages: the pool's pages; this layer's new K/V are written into them.
+      meta: the step's `StepMetadata` (positions for RoPE, slots, segment tables).
+      impl, interpret: kernel choice, as in `paged_attention`.
+
+    Returns:
+      `(y [T, d_model], pages)`.
+    """
+    q, k, v = self.project(x, meta.positions)
+    pages, o = paged_attention(q, k, v, pages, self.layer, meta, impl=impl, interpret=interpret,
+                               sm_scale=self.sm_scale, soft_cap=self.soft_cap)
+    return self.wo(o.reshape(x.shape[0], -1)), pages
+
+  def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+    """Reference without a cache: causal attention within each row of `x [B, T, d_model]`.
+
+    `positions i32[B, T]` are the tokens' logical positions, `valid bool[B, T]` the
+    tokens that exist.
+    """
+    q, k, v = self.project(x, positions)
+    o = causal_attention(q, k, v, positions, positions, valid, sm_scale=self.sm_scale,
+                         soft_cap=self.soft_cap)
+    return self.wo(o.reshape(x.shape[:2] + (-1,)))

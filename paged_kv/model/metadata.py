@@ -1,0 +1,171 @@
+"""`StepMetadata`: everything attention needs about one forward pass, built once per step.
+
+The shape of tpu-inference's `AttentionMetadata` (positions, block tables, seq lens,
+query start locations, request distribution), over segment tables: one registered
+pytree handed to every layer's `paged_attention(q, k, v, pages, layer, meta)`.
+
+Two constructors, one computation:
+
+  * `StepMetadata.from_plan(plan, table, slot_idx)` on the host (numpy), after the
+    host reserved the slots (e.g. `BlockPool.reserve_tokens`): FlashInfer's
+    plan/run split, the metadata then goes into a jitted forward as an argument;
+  * `StepMetadata.from_reservation(plan, table, slot_idx, status)` inside jit,
+    from `reserve_tokens`' output, so allocation, the K/V write and attention run
+    in one jitted step with no host round trip (`paged_kv.model.steps.forward`).
+
+Both give equal arrays for equal inputs (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_kv.core.errors import InvalidArgument, Status
+from paged_kv.core.state import SegmentTable
+from paged_kv.model import ragged
+from paged_kv.model.plan import StepPlan
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+  """Per-step attention metadata of a ragged, mixed prefill/decode batch.
+
+  `B` rows, `T` tokens (the plan's shapes), `S = max_segments`. Rows whose
+  reservation failed and padding rows keep their place in the token layout but get
+  `num_segments = seq_lens = 0` and `slot_mapping = -1`: nothing of theirs is
+  written, their queries attend to nothing (output 0).
+
+  Attributes:
+    seq_ids: `i32[B]` pool rows in the batch; `-1` = padding.
+    positions: `i32[T]` logical position of each new token in its sequence (for
+      RoPE); `-1` for padding tokens and tokens of padding rows.
+    slot_mapping: `i32[T]` flat physical slot (`block * block_size + offset`) each
+      token's K/V goes to; `-1` = not written (padding, failed rows).
+    cu_q_lens: `i32[B+1]` row b's tokens are `cu_q_lens[b] : cu_q_lens[b+1]`.
+    seg_block: `i32[B, S]` the rows' segment tables after this step's reservation
+      (prefix plus new tokens); entries at `s >= num_segments[b]` are 0.
+    seg_start: `i32[B, S]` first slot of each segment in its block.
+    seg_length: `i32[B, S]` tokens of each segment.
+    num_segments: `i32[B]` valid segments per row (0: padding or failed row).
+    seq_lens: `i32[B]` tokens per row including this step's (0: padding, failed).
+    num_decodes: `i32[]` live rows with exactly one new token (decode rows; a
+      one-token prefill chunk counts here too: its attention is the same).
+    num_prefills: `i32[]` live rows with more than one new token.
+    max_query_len: static bound of tokens per row (the plan's); 1 = decode-only.
+  """
+
+  seq_ids: jax.Array
+  positions: jax.Array
+  slot_mapping: jax.Array
+  cu_q_lens: jax.Array
+  seg_block: jax.Array
+  seg_start: jax.Array
+  seg_length: jax.Array
+  num_segments: jax.Array
+  seq_lens: jax.Array
+  num_decodes: jax.Array
+  num_prefills: jax.Array
+  max_query_len: int = dataclasses.field(metadata=dict(static=True), default=1)
+
+  @property
+  def num_rows(self) -> int:
+    return self.seq_ids.shape[0]
+
+  @property
+  def num_tokens(self) -> int:
+    return self.slot_mapping.shape[0]
+
+  @property
+  def q_lens(self) -> jax.Array:
+    """`i32[B]` tokens of each row in the layout."""
+    return self.cu_q_lens[1:] - self.cu_q_lens[:-1]
+
+  @classmethod
+  def from_reservation(cls, plan: StepPlan, table: SegmentTable, slot_idx: jax.Array,
+                       status: jax.Array) -> "StepMetadata":
+    """Inside jit: the metadata of `plan` right after `reserve_tokens`.
+
+    Args:
+      plan: the step's rows and tokens.
+      table: the pool's segment table after the reservation.
+      slot_idx: `i32[B, W]` `reserve_tokens`' slots (`W >= max num_new`).
+      status: `i32[B]` `reserve_tokens`' status; failed rows attend to nothing.
+    """
+    return cls(**_build(jnp, plan, table, slot_idx, status), max_query_len=plan.max_query_len)
+
+  @classmethod
+  def from_plan(cls, plan: StepPlan, table: SegmentTable, slot_idx,
+                status=None) -> "StepMetadata":
+    """On the host (numpy): the metadata of `plan` after the host reserved its slots.
+
+    Args:
+      plan: the step's rows and tokens.
+      table: the pool's segment table after the reservation (device or numpy).
+      slot_idx: `i32[B, W]` each row's reserved slots in order (row b for
+        `plan.seq_ids[b]`; rows of padding are not read), `W >= num_new[b]`.
+      status: `i32[B]` per-row reservation status; default all OK.
+
+    Raises:
+      InvalidArgument: shapes disagree, a live row is not active in `table`, or
+        a row's slots are fewer than its tokens.
+    """
+    tab = jax.tree.map(np.asarray, table)
+    ids = np.asarray(plan.seq_ids, np.int32)
+    num_new = np.asarray(plan.num_new, np.int32)
+    slots = np.asarray(slot_idx, np.int32)
+    b = ids.shape[0]
+    status = np.zeros((b,), np.int32) if status is None else np.asarray(status, np.int32)
+    if num_new.shape != (b,) or status.shape != (b,) or slots.ndim != 2 or slots.shape[0] != b:
+      raise InvalidArgument(f"plan rows {ids.shape}, num_new {num_new.shape}, status "
+                            f"{status.shape} and slot_idx {slots.shape} must agree on B={b}")
+    live = (ids >= 0) & (status == Status.OK)
+    if ids.max(initial=-1) >= tab.active.shape[0] or not tab.active[ids[live]].all():
+      raise InvalidArgument(f"rows {ids[live].tolist()} are not all active in the table")
+    if (num_new[live] > slots.shape[1]).any() or (num_new[live] < 0).any():
+      raise InvalidArgument(f"num_new {num_new.tolist()} outside [0, {slots.shape[1]}] "
+                            "(the width of slot_idx)")
+    if int(num_new.sum()) > plan.tokens.shape[0]:
+      raise InvalidArgument(f"{int(num_new.sum())} tokens > the plan's T={plan.tokens.shape[0]}")
+    fields = _build(np, plan, tab, slots, status)
+    return cls(**fields, max_query_len=plan.max_query_len)
+
+
+def _build(xp, plan: StepPlan, table: SegmentTable, slot_idx, status) -> dict:
+  """The array fields, with numpy (`xp=np`) or inside jit (`xp=jnp`)."""
+  i32 = xp.int32
+  seq_ids = xp.asarray(plan.seq_ids, i32)
+  num_new = xp.asarray(plan.num_new, i32)
+  num_tokens = plan.tokens.shape[0]
+  b = seq_ids.shape[0]
+  real = seq_ids >= 0
+  ok = real & (xp.asarray(status, i32) == int(Status.OK))
+  row = xp.clip(seq_ids, 0, table.seq_len.shape[0] - 1)
+  cu = ragged.cu_lens(num_new, xp=xp)
+  tok_row = ragged.token_rows(cu, num_tokens, xp=xp)  # B for padding tokens
+  safe = xp.minimum(tok_row, b - 1)
+  in_row = (tok_row < b) & real[safe]
+  j = xp.arange(num_tokens, dtype=i32) - cu[safe]  # index of the token in its row
+  seq_len = xp.where(ok, table.seq_len[row], 0)
+  pos0 = table.seq_len[row] - xp.where(ok, num_new, 0)  # tokens before the step
+  width = slot_idx.shape[1]
+  slot = slot_idx[safe, xp.clip(j, 0, width - 1)]
+  ok_tok = in_row & ok[safe] & (j < width)
+  seg = lambda a: xp.where(ok[:, None], a[row], 0).astype(i32)
+  return dict(
+      seq_ids=xp.where(real, seq_ids, -1).astype(i32),
+      positions=xp.where(in_row, pos0[safe] + j, -1).astype(i32),
+      slot_mapping=xp.where(ok_tok, slot, -1).astype(i32),
+      cu_q_lens=cu,
+      seg_block=seg(table.block),
+      seg_start=seg(table.start),
+      seg_length=seg(table.length),
+      num_segments=xp.where(ok, table.num_segments[row], 0).astype(i32),
+      seq_lens=seq_len.astype(i32),
+      num_decodes=xp.sum(ok & (num_new == 1)).astype(i32),
+      num_prefills=xp.sum(ok & (num_new > 1)).astype(i32),
+  )

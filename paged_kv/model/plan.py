@@ -1,0 +1,90 @@
+"""`StepPlan`: what one forward pass computes, as the host (scheduler) decides it.
+
+A plan names the rows of the batch and the new tokens of each, in the ragged layout
+(`paged_kv.model.ragged`): prefill chunks and decode tokens side by side. It is a
+registered pytree, so it is passed to the jitted step as it is; `max_query_len` is
+static (part of the tree structure), every other field is an array.
+
+Rows may come in any order; by convention (tpu-inference's request distribution)
+`StepPlan.build` callers put decode rows first. Blocks are granted to rows in
+batch order when the pool runs short.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from paged_kv.core.errors import InvalidArgument
+from paged_kv.model import ragged
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """The rows and new tokens of one forward pass.
+
+  Attributes:
+    seq_ids: `i32[B]` the pool rows in the batch; `-1` = padding row.
+    num_new: `i32[B]` new tokens of each row: 1 for a decode, the chunk length
+      for a prefill chunk, 0 for a padding row. A padding row with tokens keeps
+      its place in the layout and is ignored (nothing written, output 0).
+    tokens: `i32[T]` the new tokens, ragged: row b's at `cu_q_lens[b] :
+      cu_q_lens[b+1]` with `cu_q_lens = [0, cumsum(num_new)]`; then padding.
+    max_query_len: static upper bound of `num_new` (the width of the step's
+      `reserve_tokens` call); 1 marks a decode-only batch, for which
+      `paged_attention` runs only the decode kernel.
+  """
+
+  seq_ids: jax.Array | np.ndarray
+  num_new: jax.Array | np.ndarray
+  tokens: jax.Array | np.ndarray
+  max_query_len: int = dataclasses.field(metadata=dict(static=True), default=1)
+
+  @property
+  def num_rows(self) -> int:
+    return self.seq_ids.shape[0]
+
+  @property
+  def num_tokens(self) -> int:
+    return self.tokens.shape[0]
+
+  @classmethod
+  def build(cls, rows: Sequence[tuple[int, Sequence[int]]], *, num_rows: int,
+            max_query_len: int, num_tokens: int | None = None) -> "StepPlan":
+    """Host: a plan from `(seq_id, new tokens)` pairs, in batch order.
+
+    Args:
+      rows: one `(seq_id, tokens)` per row (decode rows first, by convention);
+        each has `1 <= len(tokens) <= max_query_len`.
+      num_rows: static batch size B (`len(rows) <= num_rows`); the rest is padding.
+      max_query_len: static bound of tokens per row.
+      num_tokens: static T; default: the total rounded up to a power of two, so
+        that a serving loop compiles O(log) step variants.
+
+    Raises:
+      InvalidArgument: too many rows or tokens, a row id < 0, or a row with no
+        tokens or more than `max_query_len`.
+    """
+    if not isinstance(max_query_len, int) or max_query_len < 1:
+      raise InvalidArgument(f"max_query_len must be an int >= 1, got {max_query_len!r}")
+    if len(rows) > num_rows:
+      raise InvalidArgument(f"{len(rows)} rows > num_rows={num_rows}")
+    ids = np.full((num_rows,), -1, np.int32)
+    lists = []
+    for i, (seq_id, toks) in enumerate(rows):
+      n = len(toks)
+      if seq_id < 0 or not 1 <= n <= max_query_len:
+        raise InvalidArgument(f"row {i}: seq_id={seq_id} with {n} tokens (need seq_id >= 0 "
+                              f"and 1 <= tokens <= max_query_len={max_query_len})")
+      ids[i] = seq_id
+      lists.append(toks)
+    lists += [[]] * (num_rows - len(rows))
+    try:
+      tokens, num_new = ragged.pack_rows(lists, num_tokens=num_tokens)
+    except ValueError as e:
+      raise InvalidArgument(str(e)) from None
+    return cls(seq_ids=ids, num_new=num_new, tokens=tokens, max_query_len=max_query_len)

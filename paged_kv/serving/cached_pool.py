@@ -1,0 +1,422 @@
+"""`CachedPool`: a `BlockPool` and a `radix.PrefixCache` kept in sync by one object.
+
+The radix cache is host bookkeeping that never touches the pool: every call that
+changes the tree's references returns a `RefDeltas` for the pool. `CachedPool`
+owns both and applies each delta itself, so no caller can forget one:
+
+    cp = CachedPool(pool)                             # or CachedPool(pool, cache)
+    m = cp.match("tenant", prompt[:-1])               # longest cached prefix, locked
+    seq = cp.open(m.segments)                         # the sequence shares it (increfs)
+    ...                                               # cp.pool.reserve_tokens / write_kv
+    cp.insert("tenant", tokens, seq)                  # the tree takes its references
+    cp.release([seq]); cp.unlock(m.node)
+    cp.evict(num_blocks=8)                            # decrefs applied, blocks freed
+    cp.check_invariants()                             # counts the cache's references
+
+Who moves which reference:
+
+* the **sequence side** (`open`, `release`, and the pool's own `fork`,
+  `reserve_tokens`, `cow_split`) is the pool's: one reference per table segment;
+* the **tree side** (`insert`, `split`, `evict`, `gc_evict`) comes back from the
+  cache as `RefDeltas`, applied here with `BlockPool.apply_ref_deltas`;
+* **moves** (`compact`, `move_blocks`, `promote`) change block ids: the pool
+  remaps its tables and this object remaps the tree (`apply_remap`);
+* **packing** (`pack`) moves the tree's references inside the pool
+  (`pack_slots` with an outside owner); the cache only rewrites its records, and
+  its rebind deltas are checked against the pool's, not applied again;
+* **persistence** (`save`, `restore`) writes the tree and its K/V, and restores
+  them into fresh blocks with the tree's references applied.
+
+`cp.pool` is the `BlockPool` for the sequence-side work a model step does
+(`reserve_tokens`, `write_kv`, `gather_kv`, `fork`, `cow_split`, the executor's
+`state`); block moves and cache changes go through this object. `cp.cache` is a
+read-only `CacheView` (statistics, probes, enumeration).
+
+Segments are `Segments`, `int32[n, 3]` rows `(block, start, length)`, everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from paged_kv.core import compact
+from paged_kv.core.errors import InvalidArgument, InvariantViolation
+from paged_kv.core.segment_format import Segments, as_segments, take_tokens
+from paged_kv.core.state import REGION_DYNAMIC
+from paged_kv.pool import BlockPool
+from paged_kv.serving import persist
+from paged_kv.telemetry import metrics
+from radix.cache import (CacheCounters, EvictableReport, Eviction, GcMark, InsertOutcome,
+                         MatchResult, PackCandidate, PrefixCache, RefDeltas)
+from radix.tree import HitStats, NodeId, RadixTree, StaleNodeError
+
+__all__ = ["CacheView", "CachedPool"]
+
+
+class CacheView:
+  """Read-only view of a `CachedPool`'s prefix cache.
+
+  Everything here reads; nothing locks, records a hit or moves a reference.
+  `tree` is the radix tree itself, for enumeration (`tree.nodes()`, ...): change
+  it only through the `CachedPool`.
+  """
+
+  def __init__(self, cache: PrefixCache):
+    self._cache = cache
+
+  @property
+  def block_size(self) -> int:
+    return self._cache.block_size
+
+  @property
+  def policy(self) -> str:
+    return self._cache.policy
+
+  @property
+  def pack_tails(self) -> bool:
+    return self._cache.pack_tails
+
+  @property
+  def tree(self) -> RadixTree:
+    return self._cache.tree
+
+  @property
+  def num_tokens(self) -> int:
+    return self._cache.num_tokens
+
+  @property
+  def num_segments(self) -> int:
+    return self._cache.num_segments
+
+  def now(self) -> float:
+    return self._cache.now()
+
+  def match(self, namespace: Hashable, tokens: Any, *, lock: bool = False,
+            record: bool = False) -> MatchResult:
+    """A read-only probe: the longest cached prefix, neither locked nor recorded.
+
+    Raises:
+      InvalidArgument: `lock` or `record` is True (use `CachedPool.match`).
+    """
+    if lock or record:
+      raise InvalidArgument("CacheView.match only probes (lock=False, record=False); "
+                            "lock or record a match with CachedPool.match")
+    return self._cache.match(namespace, tokens, lock=False, record=False)
+
+  def stats(self, namespace: Hashable | None = None) -> HitStats:
+    return self._cache.stats(namespace)
+
+  def counters(self) -> CacheCounters:
+    return self._cache.counters()
+
+  def segment_refs(self) -> Segments:
+    """`i32[n, 3]`: every `(block, start, length)` the tree holds (one reference each)."""
+    return self._cache.segment_refs()
+
+  def node_segments(self, node: NodeId) -> Segments:
+    """`i32[n, 3]`: a copy of a node's segments."""
+    return self._cache.node_segments(node)
+
+  def tree_ref_counts(self, num_blocks: int) -> np.ndarray:
+    return self._cache.tree_ref_counts(num_blocks)
+
+  def evictable(self, *, bytes_per_token: int = 0, ref_count: Any = None) -> EvictableReport:
+    return self._cache.evictable(bytes_per_token=bytes_per_token, ref_count=ref_count)
+
+
+class CachedPool:
+  """A `BlockPool` and its `PrefixCache`, whose reference deltas it applies itself.
+
+  Args:
+    pool: the block pool (owned from now on: move blocks only through this object).
+    cache: an existing cache with the pool's block size; its references must
+      already be in the pool (an empty cache, or one `load_prefix_cache` filled
+      for this pool): checked with the invariant checker. Default: a new cache
+      built from `policy`, `pack_tails` and `clock`.
+    policy, pack_tails, clock: of the new cache (see `radix.PrefixCache`); ignored
+      when `cache` is given.
+
+  Raises:
+    InvalidArgument: the cache's block size differs from the pool's.
+    InvariantViolation: `cache` holds references the pool does not count.
+  """
+
+  def __init__(self, pool: BlockPool, cache: PrefixCache | None = None, *,
+               policy: str = "lru", pack_tails: bool = False,
+               clock: Callable[[], float] = time.monotonic):
+    if cache is None:
+      cache = PrefixCache(block_size=pool.config.block_size, policy=policy,
+                          pack_tails=pack_tails, clock=clock)
+    elif cache.block_size != pool.config.block_size:
+      raise InvalidArgument(f"cache block_size {cache.block_size} != pool block_size "
+                            f"{pool.config.block_size}")
+    elif len(cache.tree):
+      pool.check_invariants(extra_segments=cache.segment_refs())
+    self._pool = pool
+    self._cache = cache
+    self._view = CacheView(cache)
+
+  # ------------------------------------------------------------------ access
+  @property
+  def pool(self) -> BlockPool:
+    """The `BlockPool`, for sequence-side work (reserve, write, gather, fork)."""
+    return self._pool
+
+  @property
+  def cache(self) -> CacheView:
+    """A read-only view of the prefix cache."""
+    return self._view
+
+  @property
+  def config(self):
+    return self._pool.config
+
+  def _ref_count(self) -> np.ndarray:
+    return np.asarray(self._pool.state.meta.ref_count)
+
+  def _apply(self, deltas: RefDeltas) -> None:
+    if len(deltas):
+      self._pool.apply_ref_deltas(deltas.block_ids, deltas.deltas)
+
+  # ------------------------------------------------------------------ match / open
+  def match(self, namespace: Hashable, tokens: Any, *, lock: bool = True,
+            record: bool = True) -> MatchResult:
+    """Longest cached prefix of `tokens` (see `PrefixCache.match`); moves no reference.
+
+    To keep a token to compute (for the logits), match `tokens[:-1]`. The result's
+    `segments` (`i32[n, 3]`) go to `open`; a locked `node` to `unlock` once the
+    sequence is done with it.
+    """
+    return self._cache.match(namespace, tokens, lock=lock, record=record)
+
+  def unlock(self, node: NodeId) -> None:
+    """Releases a lock taken by `match`."""
+    self._cache.unlock(node)
+
+  def open(self, segments: Segments | None = None, *, seq_id: int | None = None) -> int:
+    """Opens a sequence on a cached prefix; returns its row.
+
+    Args:
+      segments: `i32[n, 3]` `(block, start, length)` rows, a `match`'s
+        `segments` or a leading part of them (each gains the sequence's
+        reference); None or empty: an empty sequence.
+      seq_id: the row; default the lowest free one.
+
+    Raises:
+      InvalidSegmentLayout, InvalidBlock, InvalidSegment, PoolExhausted,
+      InvalidSequence: as `BlockPool.open_sequence`; nothing changes.
+    """
+    return self._pool.open_sequence(segments, seq_id=seq_id)
+
+  def release(self, seq_ids: Sequence[int]) -> None:
+    """Ends live sequences (their table references go; the tree's stay)."""
+    self._pool.release(seq_ids)
+
+  # ------------------------------------------------------------------ insert / evict
+  def insert(self, namespace: Hashable, tokens: Any, seq_id: int, *,
+             pin_ttl: float | None = None) -> InsertOutcome:
+    """Stores the first `len(tokens)` tokens of live sequence `seq_id` in the cache.
+
+    The segments are read from the pool (`BlockPool.segments`), cut after
+    `len(tokens)` tokens; the tree takes one reference per new segment (and per
+    segment a node split cuts), applied to the pool here. The sequence stays
+    live: `release` it afterwards (or keep decoding). With `pack_tails`, pass the
+    outcome's `pack` to `pack` after the release.
+
+    Args:
+      namespace: cache namespace.
+      tokens: the sequence's token ids (its first `len(tokens)` cached tokens).
+      seq_id: a live sequence holding at least `len(tokens)` tokens.
+      pin_ttl: pin the inserted path for this long.
+
+    Returns:
+      The cache's `InsertOutcome`; its `ref_deltas` are already applied.
+
+    Raises:
+      InvalidSequence: `seq_id` not live. InvalidArgument: more tokens than the
+      sequence holds. InvalidTokensError / ValueError: bad tokens or TTL. Nothing
+      changes on error.
+    """
+    segs = self._pool.segments(seq_id)
+    held = int(segs[:, 2].sum(dtype=np.int64))
+    count = int(np.asarray(tokens).reshape(-1).shape[0])
+    if count > held:
+      raise InvalidArgument(f"insert: {count} tokens given; sequence {seq_id} holds {held}")
+    outcome = self._cache.insert(namespace, tokens, take_tokens(segs, count), pin_ttl=pin_ttl)
+    self._apply(outcome.ref_deltas)
+    return outcome
+
+  def split(self, node: NodeId, offset: int) -> NodeId:
+    """Splits a node after `offset` tokens (no KV copy); returns the head node."""
+    head, deltas = self._cache.split(node, offset)
+    self._apply(deltas)
+    return head
+
+  def pin(self, namespace: Hashable, tokens: Any, ttl: float) -> int:
+    """Pins the cached prefix of `tokens` for `ttl`; returns the tokens pinned."""
+    return self._cache.pin(namespace, tokens, ttl)
+
+  def unpin(self, namespace: Hashable, tokens: Any) -> None:
+    self._cache.unpin(namespace, tokens)
+
+  def evict(self, *, num_blocks: int | None = None, num_tokens: int | None = None,
+            policy: str | None = None) -> Eviction:
+    """Evicts unlocked, unpinned leaves until `num_blocks` blocks free (or `num_tokens` go).
+
+    The pool's `ref_count` is read here; the decrefs are applied, so the blocks
+    whose last reference was the tree's are free when this returns.
+
+    Returns:
+      The cache's `Eviction` (its `ref_deltas` already applied); it may fall short
+      when nothing else is evictable.
+    """
+    ev = self._cache.evict(num_blocks=num_blocks, num_tokens=num_tokens, policy=policy,
+                           ref_count=self._ref_count())
+    self._apply(ev.ref_deltas)
+    return ev
+
+  def ensure_free(self, num_blocks: int) -> bool:
+    """Evicts cached blocks until `num_blocks` are free; True when they are."""
+    short = num_blocks - self._pool.num_free_blocks
+    if short > 0:
+      self.evict(num_blocks=short)
+    return self._pool.num_free_blocks >= num_blocks
+
+  def gc_mark(self, ttl: float) -> GcMark:
+    """GC phase 1 (see `PrefixCache.gc_mark`); moves no reference."""
+    return self._cache.gc_mark(ttl)
+
+  def gc_evict(self, *, num_blocks: int | None = None, num_tokens: int | None = None,
+               order: str = "high_first") -> Eviction:
+    """GC phase 2 (see `PrefixCache.gc_evict`), decrefs applied."""
+    ev = self._cache.gc_evict(num_blocks=num_blocks, num_tokens=num_tokens, order=order,
+                              ref_count=self._ref_count())
+    self._apply(ev.ref_deltas)
+    return ev
+
+  def evictable(self) -> EvictableReport:
+    """What eviction could reclaim now, in tokens, bytes and blocks."""
+    c = self._pool.config
+    return self._cache.evictable(bytes_per_token=c.block_bytes // c.block_size,
+                                 ref_count=self._ref_count())
+
+  # ------------------------------------------------------------------ block moves
+  def move_blocks(self, src, dst, *, impl: str = "xla") -> np.ndarray:
+    """Applies a compaction plan to the pool and the tree; returns `remap i32[num_blocks]`."""
+    remap = self._pool.move_blocks(src, dst, impl=impl)
+    self._cache.apply_remap(remap)
+    return remap
+
+  def compact(self, *, budget: int = 32, policy: compact.CompactionPolicy | None = None,
+              impl: str = "xla") -> np.ndarray:
+    """One compaction step, tables and tree remapped; returns `remap i32[num_blocks]`.
+
+    Args:
+      budget: moves of the default `"top_down"` plan (`BlockPool.compact`).
+      policy: plan with this policy's strategy and budget instead.
+      impl: page copy implementation.
+    """
+    if policy is None:
+      remap = self._pool.compact(budget=budget, impl=impl)
+      self._cache.apply_remap(remap)
+      return remap
+    src, dst = policy.plan(self._pool.state.meta)
+    return self.move_blocks(src, dst, impl=impl)
+
+  def promote(self, min_readers: int, max_moves: int = 8) -> np.ndarray:
+    """Moves blocks with >= `min_readers` references into the base pool; returns remap."""
+    remap = self._pool.promote(min_readers, max_moves=max_moves)
+    self._cache.apply_remap(remap)
+    return remap
+
+  def resize(self, num_blocks: int) -> None:
+    """Shrinks or grows the pool (block ids are kept; see `BlockPool.resize`)."""
+    self._pool.resize(num_blocks)
+
+  # ------------------------------------------------------------------ packing
+  def pack(self, candidates: Iterable[PackCandidate]) -> int:
+    """Packs the cache's short segments into slotted blocks; returns how many moved.
+
+    Candidates (an `InsertOutcome.pack`) whose node or segment is gone since
+    (evicted, split) or whose block is in the base region are skipped. The pool
+    moves the tree's references (`pack_slots` with an outside owner); the cache
+    rewrites its records, and its rebind deltas must equal the pool's.
+
+    Raises:
+      PoolExhausted: nowhere to pack now; nothing changed.
+      InvariantViolation: the cache's and the pool's reference moves disagree.
+    """
+    region = np.asarray(self._pool.state.meta.region)
+    live: list[PackCandidate] = []
+    for cand in candidates:
+      try:
+        held = self._cache.node_segments(cand.node)
+      except StaleNodeError:
+        continue
+      if (region[cand.segment[0]] == REGION_DYNAMIC
+          and (held == np.asarray(cand.segment, np.int32)).all(axis=1).any()):
+        live.append(cand)
+    if not live:
+      return 0
+    old = np.array([c.segment for c in live], np.int32)
+    result = self._pool.pack_slots(extra_segments=old)
+    moved = RefDeltas.empty()
+    num_moved = 0
+    for cand, seg_old, seg_new in zip(live, old, result.extra_segments):
+      if tuple(seg_old) != tuple(seg_new):
+        moved = moved + self._cache.rebind_segment(cand.node, seg_old, seg_new)
+        num_moved += 1
+    ids, deltas = result.ref_deltas
+    if not (np.array_equal(moved.block_ids, ids) and np.array_equal(moved.deltas, deltas)):
+      raise InvariantViolation("pack: the cache's rebind deltas differ from the pool's moves")
+    return num_moved
+
+  def reclaim_slots(self) -> int:
+    """Frees slots no live segment (tables or tree) covers; returns how many."""
+    return self._pool.reclaim_slots(self._cache.segment_refs())
+
+  # ------------------------------------------------------------------ checks, metrics
+  def segment_refs(self) -> Segments:
+    """`i32[n, 3]`: every segment the tree holds (one pool reference each)."""
+    return self._cache.segment_refs()
+
+  def check_invariants(self, *, extra_segments: Segments | None = None) -> None:
+    """The pool's invariants, counting the cache's references.
+
+    Args:
+      extra_segments: `i32[n, 3]` references held by other outside holders, on
+        top of the cache's.
+
+    Raises:
+      InvariantViolation: a violation. InvalidSegmentLayout: bad `extra_segments`.
+    """
+    refs = self._cache.segment_refs()
+    if extra_segments is not None:
+      refs = np.concatenate([refs, as_segments(extra_segments, name="extra_segments")])
+    self._pool.check_invariants(extra_segments=refs)
+
+  def snapshot(self, *, counters: metrics.PoolCounters | None = None,
+               assert_no_ghosts: bool = True) -> metrics.PoolSnapshot:
+    """A metrics snapshot with the cache's segments counted as live slots."""
+    return metrics.snapshot(self._pool.state, self._pool.config,
+                            extra_segments=self._cache.segment_refs(), counters=counters,
+                            assert_no_ghosts=assert_no_ghosts)
+
+  # ------------------------------------------------------------------ persistence
+  def save(self, path: str | os.PathLike) -> None:
+    """Writes the cache and its K/V to `path` (see `paged_kv.serving.persist`)."""
+    persist.save_prefix_cache(path, self._pool, self._cache)
+
+  def restore(self, path: str | os.PathLike) -> None:
+    """Loads a saved cache into this (empty) cache, its references applied to the pool.
+
+    Raises:
+      InvalidArgument: the cache is not empty. The errors of
+      `persist.load_prefix_cache`; on every error the pool and cache are unchanged.
+    """
+    persist.load_prefix_cache(path, self._pool, self._cache)

@@ -1,0 +1,100 @@
+"""The model work of a scheduler step: ONE forward pass per step, on the pool state.
+
+  * `Executor` — the protocol the `Scheduler` calls: `step(state, plan) -> (state,
+    next_tokens, status)` for a `paged_kv.model.StepPlan` holding the step's
+    prefill chunks and decode tokens together.
+  * `DryExecutor` — memory dynamics only (reserves the slots, computes nothing),
+    for trace replay and scheduler tests.
+  * `ModelExecutor` — a Flax NNX model (e.g. `paged_kv.model.llama.TinyLlama`)
+    through the jitted mixed step `paged_kv.model.steps.forward`, greedy sampling.
+
+This module imports no flax: `ModelExecutor` loads the model steps when built.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from paged_kv.core import segments
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.state import PoolState
+from paged_kv.model.plan import StepPlan
+
+if TYPE_CHECKING:
+  from flax import nnx
+
+
+class Executor(Protocol):
+  """The model work of a step, on the pool state (donated in, returned out)."""
+
+  def step(self, state: PoolState,
+           plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    """Runs one forward pass over the plan's rows: prefill chunks and decodes together.
+
+    Reserves `plan.num_new[i]` slots for row i, caches its new tokens (a decode
+    row's one token is its pending token) and samples the token after its last one.
+
+    Returns:
+      `(state, next_tokens i32[B], status i32[B])`; a row whose reservation
+      failed (`status != OK`) is left untouched and its `next_tokens` entry is
+      meaningless.
+    """
+
+
+class DryExecutor:
+  """Memory dynamics only: reserves the slots, computes nothing, samples token 0."""
+
+  def __init__(self, config: PoolConfig):
+    self.config = config
+
+  def step(self, state: PoolState,
+           plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
+                                                 config=self.config,
+                                                 max_new_tokens=plan.max_query_len)
+    return state, np.zeros(plan.seq_ids.shape, np.int32), np.asarray(status)
+
+
+class ModelExecutor:
+  """A Flax NNX model as an `Executor`: one jitted mixed step per scheduler step.
+
+  The model is called as `model(tokens i32[T], pages, meta) -> (logits f32[T, vocab],
+  pages)` (the `paged_kv.model.llama.TinyLlama` interface); the next token is the
+  greedy choice after each row's last new token.
+
+  Example:
+    sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
+
+  Compilations: one per `(num_tokens, max_query_len)` of the plans it sees; the
+  scheduler rounds `num_tokens` up to a power of two and uses two values of
+  `max_query_len` (1 for decode-only steps, `prefill_chunk` otherwise).
+  """
+
+  def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
+               impl: str | None = None, interpret: bool | None = None):
+    """Splits the model for the jitted step.
+
+    Args:
+      model: the model; `model.config` is checked against the pool when it has
+        `num_layers`, `num_kv_heads` and `head_dim`.
+      pool_config: the pool the scheduler serves from.
+      impl: attention path (`None`: `paged_kv.model.default_impl()` for the backend).
+      interpret: Pallas interpret mode (`None`: on CPU only).
+    """
+    from flax import nnx
+    from paged_kv.model import llama, steps
+    model_config = getattr(model, "config", None)
+    if all(hasattr(model_config, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
+      llama.check_pool_matches_model(pool_config, model_config)
+    self._forward = steps.forward
+    self.graphdef, self.params = nnx.split(model)
+    self.config = pool_config
+    self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
+
+  def step(self, state: PoolState,
+           plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    state, (nxt, _, status) = self._forward(self.params, state, plan, graphdef=self.graphdef,
+                                            config=self.config, **self.kernel_args)
+    return state, np.asarray(nxt), np.asarray(status)

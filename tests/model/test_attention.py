@@ -1,0 +1,185 @@
+"""`paged_attention` on a mixed batch (prefill chunks + decodes) against a dense jnp reference.
+
+The pool's pages start as NaN, so a read of any slot outside a row's segments
+poisons the output; rows have cached prefixes, one shares another's prefix cut
+inside a block (a segment with `start > 0` on a shared block). The reference keeps
+every row's logical K/V itself and runs a float64 causal softmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import paged_kv
+from paged_kv.core import segments
+from paged_kv.core.errors import InvalidArgument
+from paged_kv.model import StepMetadata, StepPlan, default_impl, paged_attention
+
+CFG = paged_kv.PoolConfig(num_blocks=24, block_size=4, num_layers=2, num_kv_heads=2,
+                          head_dim=8, max_seqs=6, max_segments=8)
+NUM_Q_HEADS = 4
+LAYER = 1
+
+
+def _rand(rng, *shape):
+  return rng.standard_normal(shape).astype(np.float32)
+
+
+class _Pool:
+  """A pool plus every row's logical K/V of `LAYER` (numpy), kept in step."""
+
+  def __init__(self, rng):
+    self.rng = rng
+    state = paged_kv.init_pool(CFG)
+    nan = lambda: jnp.full(state.pages.k.shape, jnp.nan, jnp.float32)
+    self.state = dataclasses.replace(state, pages=paged_kv.KVPages(k=nan(), v=nan()))
+    self.kv = {}
+
+  def open(self, seq, src=None, num_shared=0):
+    if src is None:
+      blk = st = ln = np.zeros((1, 1), np.int32)
+      p = 0
+    else:
+      t = self.state.table
+      take, left = [], num_shared
+      for s in range(int(t.num_segments[src])):
+        n = min(int(t.length[src, s]), left)
+        if n:
+          take.append((int(t.block[src, s]), int(t.start[src, s]), n))
+        left -= n
+      blk, st, ln = (np.array([[x[i] for x in take]], np.int32) for i in range(3))
+      p = len(take)
+    self.state, status = segments.open_sequence(self.state, np.array([seq], np.int32), blk, st,
+                                                ln, np.array([p], np.int32), config=CFG)
+    assert int(status[0]) == 0
+    k, v = (self.kv[src][0][:num_shared], self.kv[src][1][:num_shared]) if src is not None else (
+        np.zeros((0, CFG.num_kv_heads, CFG.head_dim), np.float32),) * 2
+    self.kv[seq] = (k, v)
+
+  def append(self, seq, n):
+    """Caches `n` random tokens of K/V (every layer) for `seq`."""
+    self.state, (slots, status) = segments.reserve_tokens(
+        self.state, np.array([seq], np.int32), np.array([n], np.int32), config=CFG,
+        max_new_tokens=16)
+    assert int(status[0]) == 0
+    pages = self.state.pages
+    for layer in range(CFG.num_layers):
+      k = _rand(self.rng, 1, 16, CFG.num_kv_heads, CFG.head_dim)
+      v = _rand(self.rng, 1, 16, CFG.num_kv_heads, CFG.head_dim)
+      pages = paged_kv.write_kv(pages, layer, slots, jnp.asarray(k), jnp.asarray(v))
+      if layer == LAYER:
+        old_k, old_v = self.kv[seq]
+        self.kv[seq] = (np.concatenate([old_k, k[0, :n]]), np.concatenate([old_v, v[0, :n]]))
+    self.state = dataclasses.replace(self.state, pages=pages)
+
+
+def _mixed_step(rng, *, decode_only=False):
+  """A pool with history and a step plan over it; returns (pool, plan, meta, q, k, v)."""
+  pool = _Pool(rng)
+  pool.open(0)
+  pool.append(0, 9)
+  pool.open(1)
+  pool.append(1, 6)
+  pool.open(2, src=0, num_shared=6)  # shares row 0's first 6 tokens, cut inside a block
+  pool.open(3)
+  pool.append(3, 3)
+  pool.open(4)
+  if decode_only:
+    rows = [(0, [1]), (2, [1]), (3, [1])]
+    plan = StepPlan.build(rows, num_rows=5, max_query_len=1)
+  else:
+    # Decodes of rows 0 and 3; chunks on top of a cached prefix (1), on a shared
+    # prefix (2), and from nothing (4).
+    rows = [(0, [1]), (3, [1]), (1, [1] * 5), (2, [1] * 3), (4, [1] * 7)]
+    plan = StepPlan.build(rows, num_rows=6, max_query_len=8)
+  state, (slot_idx, status) = segments.reserve_tokens(
+      pool.state, plan.seq_ids, plan.num_new, config=CFG, max_new_tokens=plan.max_query_len)
+  np.testing.assert_array_equal(status, 0)
+  pool.state = state
+  meta = StepMetadata.from_plan(plan, state.table, np.asarray(slot_idx))
+  t = plan.num_tokens
+  q = _rand(rng, t, NUM_Q_HEADS, CFG.head_dim)
+  k = _rand(rng, t, CFG.num_kv_heads, CFG.head_dim)
+  v = _rand(rng, t, CFG.num_kv_heads, CFG.head_dim)
+  return pool, plan, meta, q, k, v
+
+
+def _reference(pool, plan, q, k, v):
+  """Float64 causal attention of every token over its row's logical K/V (+ the new ones)."""
+  out = np.zeros(q.shape, np.float64)
+  cu = np.concatenate([[0], np.cumsum(plan.num_new)])
+  group = NUM_Q_HEADS // CFG.num_kv_heads
+  for b, seq in enumerate(np.asarray(plan.seq_ids)):
+    if seq < 0:
+      continue
+    lo, hi = cu[b], cu[b + 1]
+    keys = np.concatenate([pool.kv[seq][0], k[lo:hi]]).astype(np.float64)
+    vals = np.concatenate([pool.kv[seq][1], v[lo:hi]]).astype(np.float64)
+    cached = len(pool.kv[seq][0])
+    for i, tok in enumerate(range(lo, hi)):
+      visible = cached + i + 1
+      for h in range(NUM_Q_HEADS):
+        kh = h // group
+        logits = keys[:visible, kh] @ q[tok, h].astype(np.float64) / np.sqrt(CFG.head_dim)
+        p = np.exp(logits - logits.max())
+        out[tok, h] = (p / p.sum()) @ vals[:visible, kh]
+  return out
+
+
+class PagedAttentionTest(chex.TestCase, parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(("xla", "xla"), ("pallas", "pallas"))
+  def test_mixed_batch_matches_dense_reference(self, impl):
+    pool, plan, meta, q, k, v = _mixed_step(np.random.default_rng(0))
+    fn = self.variant(lambda q, k, v, pages, meta: paged_attention(q, k, v, pages, LAYER, meta,
+                                                                   impl=impl))
+    pages, out = fn(q, k, v, pool.state.pages, meta)
+    want = _reference(pool, plan, q, k, v)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5)
+    # The new K/V were written where the metadata says, in LAYER only.
+    slots = np.asarray(meta.slot_mapping)
+    live = slots >= 0
+    bs = CFG.block_size
+    got_k = np.asarray(pages.k)[LAYER, :, slots[live] // bs, slots[live] % bs]
+    np.testing.assert_array_equal(got_k, k[live])
+    other = np.asarray(pages.k)[0, :, slots[live] // bs, slots[live] % bs]
+    self.assertTrue(np.isnan(other).all())
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_decode_only_step_matches_dense_reference(self):
+    pool, plan, meta, q, k, v = _mixed_step(np.random.default_rng(1), decode_only=True)
+    self.assertEqual(meta.max_query_len, 1)
+    fn = self.variant(lambda q, k, v, pages, meta: paged_attention(q, k, v, pages, LAYER, meta))
+    _, out = fn(q, k, v, pool.state.pages, meta)
+    np.testing.assert_allclose(np.asarray(out), _reference(pool, plan, q, k, v), rtol=2e-5,
+                               atol=2e-5)
+
+  def test_bad_inputs_raise_typed_errors(self):
+    pool, _, meta, q, k, v = _mixed_step(np.random.default_rng(2))
+    pages = pool.state.pages
+    with self.assertRaisesRegex(InvalidArgument, "k and v"):
+      paged_attention(q, k[:, :1], v[:, :1], pages, LAYER, meta)
+    with self.assertRaisesRegex(InvalidArgument, "q must be"):
+      paged_attention(q[:3], k, v, pages, LAYER, meta)
+    with self.assertRaisesRegex(InvalidArgument, "layer"):
+      paged_attention(q, k, v, pages, CFG.num_layers, meta)
+    with self.assertRaisesRegex(InvalidArgument, "impl"):
+      paged_attention(q, k, v, pages, LAYER, meta, impl="cuda")
+
+  def test_default_impl_per_backend(self):
+    self.assertEqual(default_impl("cpu"), "xla")
+    self.assertEqual(default_impl("gpu"), "pallas")
+    with self.assertRaisesRegex(InvalidArgument, "tpu"):
+      default_impl("tpu")
+    self.assertEqual(default_impl(), default_impl(jax.default_backend()))
+
+
+if __name__ == "__main__":
+  absltest.main()
