@@ -7,11 +7,10 @@ Usage:
       --capacity_tokens=1000000 --routers=round_robin,cache_aware,prefix_only \
       --tokens_per_s=10000
 
-Every replica is ``examples/replay_trace.py``'s simulation (``SimState`` +
-``serve_request``: a prefix cache over a capacity-limited ``HostBlockPool`` of
-``--capacity_tokens`` tokens, LRU eviction, the trace's clock). The routers and the
-load model are ``paged_kv.serving.routing``; see its docstring for the routing rule. For each
-per-replica capacity the script runs:
+Every replica is a ``paged_kv.serving.replay.SimReplica`` (a prefix cache over a
+capacity-limited ``HostBlockPool`` of ``--capacity_tokens`` tokens, LRU eviction, the
+trace's clock). The routers and the load model are ``paged_kv.serving.routing``; see
+its docstring for the routing rule. For each per-replica capacity the script runs:
 
 * ``global_cache``: one cache of ``N x capacity`` tokens that every request sees (its
   compute goes to the least loaded replica): the reference hit rate;
@@ -27,51 +26,62 @@ hash ids (the script fails otherwise). A capacity of 0 means unlimited.
 
 The flags ``--trace``, ``--capacity_tokens`` (here: per replica), ``--block_size``,
 ``--max_requests``, ``--policy``, ``--insert_output``, ``--namespace`` and
-``--progress`` are ``replay_trace.py``'s own, shared by import.
+``--progress`` mean what they mean in ``replay_trace.py``. The default ``--trace`` is
+the Mooncake conversation trace in ``../shared/traces/`` beside the repository (from
+github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/conversation_trace.jsonl``);
+the script says so in one line and exits when it is missing.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-import time
-from collections.abc import Iterator
 
-import numpy as np
 from absl import app, flags
 
-_EXAMPLES = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_EXAMPLES))
-sys.path.insert(0, _EXAMPLES)
-
-import replay_trace  # noqa: E402  (defines the shared replay flags)
-from replay_trace import (
-    ReplayConfig,
-    ReplayResult,
-    Request,
-    SimState,
-    TokenSource,  # noqa: E402
-    exact_hit_bound,
-    load_trace,
-    serve_request,
-)
-
+from paged_kv.serving import replay, traces
+from paged_kv.serving.replay import ReplayConfig, SimReplica, replay_cluster
 from paged_kv.serving.routing import (
     CacheAwareRouter,
     ClusterStats,
-    GlobalCache,  # noqa: E402
+    GlobalCache,
     LeastLoadRouter,
     ReplicaCluster,
     RoundRobinRouter,
-    RoutedRequest,
     Router,
-    ServeOutcome,
 )
-from radix.cache import PrefixCache  # noqa: E402
+
+try:
+  import tqdm as _tqdm
+except ImportError:  # progress bars are optional
+  _tqdm = None
 
 ROUTERS = ("round_robin", "least_load", "cache_aware", "prefix_only")
-_DEFAULT_CAPACITIES = ["500000", "1000000", "3000000", "0"]
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TRACE = os.path.normpath(
+    os.path.join(_REPO, "..", "shared", "traces", "conversation_trace.jsonl")
+)
 
+_TRACE = flags.DEFINE_string(
+    "trace",
+    DEFAULT_TRACE,
+    "A Mooncake .jsonl trace. Default: the Mooncake conversation trace in "
+    "../shared/traces/ beside the repository.",
+)
+_CAPACITY = flags.DEFINE_list(
+    "capacity_tokens",
+    ["500000", "1000000", "3000000", "0"],
+    "Capacities per replica in tokens (comma-separated); 0 = unlimited.",
+)
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
+_MAX_REQUESTS = flags.DEFINE_integer("max_requests", 0, "Replay only the first N (0 = all).")
+_POLICY = flags.DEFINE_enum("policy", "lru", ["lru", "cost"], "Eviction policy.")
+_INSERT_OUTPUT = flags.DEFINE_bool(
+    "insert_output", False, "Also cache each request's output tokens (unique ids)."
+)
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar (needs tqdm).")
+_NAMESPACE = flags.DEFINE_string("namespace", "default", "Cache namespace of all requests.")
 _NUM_REPLICAS = flags.DEFINE_integer("num_replicas", 8, "Data-parallel replicas N.")
 _ROUTERS = flags.DEFINE_list(
     "routers", ["round_robin", "least_load", "cache_aware"], f"Routers to compare, from {ROUTERS}."
@@ -94,52 +104,6 @@ _TIE_TOKENS = flags.DEFINE_float(
     "tie_tokens", 0.0, "cache_aware: score tolerance for near-ties (tokens)."
 )
 
-flags.FLAGS.set_default("capacity_tokens", _DEFAULT_CAPACITIES)
-
-
-class SimReplica:
-  """A ``paged_kv.serving.routing.ReplicaBackend`` over ``replay_trace``'s simulation.
-
-  ``serve`` runs ``replay_trace.serve_request`` on the request's trace row
-  (``RoutedRequest.payload``) and reports what changed in its ``ReplayResult``.
-  """
-
-  def __init__(self, requests: list[Request], config: ReplayConfig):
-    self.sim = SimState(requests, config)
-    self.result = ReplayResult(config.label, config.capacity_tokens)
-
-  @property
-  def cache(self) -> PrefixCache:
-    return self.sim.cache
-
-  def serve(self, request: RoutedRequest) -> ServeOutcome:
-    if not isinstance(request.payload, Request):
-      raise TypeError("SimReplica needs the trace Request as RoutedRequest.payload")
-    if request.namespace != self.sim.config.namespace:
-      raise ValueError(
-          f"namespace {request.namespace!r} != replica namespace " f"{self.sim.config.namespace!r}"
-      )
-    r = self.result
-    hit, rejected, ev_tokens, ev_nodes = (
-        r.hit_tokens,
-        r.rejected,
-        r.evicted_tokens,
-        r.evicted_nodes,
-    )
-    serve_request(self.sim, request.payload, r)
-    return ServeOutcome(
-        admitted=r.rejected == rejected,
-        hit_tokens=r.hit_tokens - hit,
-        evicted_tokens=r.evicted_tokens - ev_tokens,
-        evicted_nodes=r.evicted_nodes - ev_nodes,
-    )
-
-  def check_accounting(self) -> None:
-    """Raises if the pool's ref counts drifted from the cache's references."""
-    pool = self.sim.pool
-    if not np.array_equal(self.sim.cache.tree_ref_counts(pool.num_blocks), pool.ref_count):
-      raise RuntimeError("pool ref_count != cache segment references after replay")
-
 
 def make_routers(name: str, *, load_weights: list[float], tie_tokens: float) -> list[Router]:
   """Builds the router(s) of one ``--routers`` entry (one of ``ROUTERS``).
@@ -160,40 +124,15 @@ def make_routers(name: str, *, load_weights: list[float], tie_tokens: float) -> 
   raise ValueError(f"unknown router {name!r}; choose from {ROUTERS}")
 
 
-def routed_requests(
-    requests: list[Request], namespace: str, *, progress: bool = False, desc: str = ""
-) -> Iterator[RoutedRequest]:
-  """Expands trace rows into token ids lazily (the whole trace is ~580 MB of tokens)."""
-  source = TokenSource(requests)
-  for r in replay_trace._progress(requests, progress, desc):
-    yield RoutedRequest(
-        tokens=source.prompt(r),
-        arrival_s=r.arrival_s,
-        num_output_tokens=r.output_length,
-        namespace=namespace,
-        payload=r,
-    )
-
-
-def run_cluster(
-    cluster: ReplicaCluster | GlobalCache,
-    requests: list[Request],
-    backends: list[SimReplica],
-    *,
-    namespace: str,
-    progress: bool,
-) -> tuple[ClusterStats, float]:
-  """Submits every request; returns the statistics and the wall time (s)."""
-  t0 = time.perf_counter()
-  for request in routed_requests(requests, namespace, progress=progress, desc=cluster.stats.name):
-    cluster.submit(request)
-  for backend in backends:
-    backend.check_accounting()
-  return cluster.stats, time.perf_counter() - t0
+def _progress(desc: str):
+  """A progress-bar wrapper for the replays, or None."""
+  if _PROGRESS.value and _tqdm is not None:
+    return functools.partial(_tqdm.tqdm, desc=desc, unit="req", mininterval=1.0, leave=False)
+  return None
 
 
 def run_capacity(
-    requests: list[Request],
+    requests: list[traces.TraceRequest],
     capacity: int,
     *,
     num_replicas: int,
@@ -205,15 +144,15 @@ def run_capacity(
   """Global cache plus every router at one per-replica capacity (0 = unlimited)."""
   ns = base_config["namespace"]
   load = dict(tokens_per_s=_TOKENS_PER_S.value, output_weight=_OUTPUT_WEIGHT.value)
-  progress = base_config["progress"]
   shared = SimReplica(
       requests,
       ReplayConfig(capacity_tokens=capacity * num_replicas, label="global_cache", **base_config),
   )
   global_cluster = GlobalCache(shared, num_replicas=num_replicas, **load)
-  global_stats, wall = run_cluster(
-      global_cluster, requests, [shared], namespace=ns, progress=progress
+  wall = replay_cluster(
+      global_cluster, requests, [shared], namespace=ns, progress=_progress("global_cache")
   )
+  global_stats = global_cluster.stats
   if capacity == 0 and global_stats.rejected == 0 and global_stats.hit_tokens != bound_hit:
     raise SystemExit(
         f"unlimited global cache hit {global_stats.hit_tokens} tokens != "
@@ -235,7 +174,10 @@ def run_capacity(
         for i in range(num_replicas)
     ]
     cluster = ReplicaCluster(backends, router, **load)
-    stats, wall = run_cluster(cluster, requests, backends, namespace=ns, progress=progress)
+    wall = replay_cluster(
+        cluster, requests, backends, namespace=ns, progress=_progress(router.name)
+    )
+    stats = cluster.stats
     rows.append((capacity, stats, wall))
     _print_run(capacity, stats, global_stats, wall)
   return [(cap, st, global_stats, wall) for cap, st, wall in rows]
@@ -278,13 +220,25 @@ def format_table(rows: list[tuple], num_replicas: int) -> str:
   return "\n".join(lines)
 
 
+def parse_capacities(values: list[str]) -> list[int]:
+  """``--capacity_tokens`` as ints >= 0 (0 = unlimited); a usage error otherwise."""
+  try:
+    return replay.parse_capacities(values)
+  except ValueError as e:
+    raise app.UsageError(f"--capacity_tokens: {e}") from None
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  fl = flags.FLAGS
-  if len(fl.trace) != 1:
-    raise app.UsageError(f"--trace takes exactly one trace here, got {fl.trace}")
-  capacities = replay_trace.parse_capacities(fl.capacity_tokens)
+  path = _TRACE.value
+  if not path.endswith(".jsonl"):
+    raise app.UsageError(f"routing needs prefix information: a Mooncake .jsonl trace, got {path}")
+  try:
+    traces.check_trace_files([path])
+  except FileNotFoundError as e:
+    sys.exit(f"replay_routing.py: {e}; pass --trace=PATH")
+  capacities = parse_capacities(_CAPACITY.value)
   if _NUM_REPLICAS.value < 1:
     raise app.UsageError("--num_replicas must be >= 1")
   unknown = [r for r in _ROUTERS.value if r not in ROUTERS]
@@ -298,16 +252,11 @@ def main(argv: list[str]) -> None:
     raise app.UsageError("--load_weight needs values >= 0")
   if not _TOKENS_PER_S.value > 0:
     raise app.UsageError("--tokens_per_s must be > 0")
-  if fl.block_size < 1:
+  if _BLOCK_SIZE.value < 1:
     raise app.UsageError("--block_size must be >= 1")
-  path = fl.trace[0]
-  if not path.endswith(".jsonl"):
-    raise app.UsageError(
-        f"routing needs prefix information: a Mooncake .jsonl trace, " f"got {path}"
-    )
 
-  requests = load_trace(path, fl.max_requests)
-  bound_hit, bound_total = exact_hit_bound(requests)
+  requests = traces.load_trace(path, _MAX_REQUESTS.value)
+  bound_hit, bound_total = traces.exact_hit_bound(requests)
   print(
       f"{os.path.basename(path)}: {len(requests):,} requests, "
       f"{bound_total:,} prompt tokens, exact unlimited hit rate "
@@ -317,11 +266,10 @@ def main(argv: list[str]) -> None:
       flush=True,
   )
   base_config = dict(
-      block_size=fl.block_size,
-      policy=fl.policy,
-      insert_output=fl.insert_output,
-      namespace=fl.namespace,
-      progress=fl.progress,
+      block_size=_BLOCK_SIZE.value,
+      policy=_POLICY.value,
+      insert_output=_INSERT_OUTPUT.value,
+      namespace=_NAMESPACE.value,
   )
   rows = []
   for cap in capacities:

@@ -10,8 +10,8 @@ Replicas
 A replica is anything with a ``cache`` (a ``radix.PrefixCache``) and a
 ``serve(request) -> ServeOutcome`` method that matches, allocates (evicting under
 capacity pressure), inserts and releases the request on its own pool: see
-``ReplicaBackend``. The trace replays build one from ``examples/replay_trace.py``'s
-``SimState`` and ``serve_request`` (a capacity-limited ``HostBlockPool``); a serving
+``ReplicaBackend``. The trace replays use ``paged_kv.serving.replay.SimReplica``
+(``SimState`` and ``serve_request`` over a capacity-limited ``HostBlockPool``); a serving
 deployment would wrap a ``Scheduler``. The router only *reads* a replica's cache, with a
 probe ``cache.match(namespace, tokens, lock=False, record=False)`` that changes neither
 hit statistics, access times (LRU order) nor locks.

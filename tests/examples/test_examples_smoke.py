@@ -2,26 +2,33 @@
 
 Each runs in a subprocess exactly as a user would start it; the assertions check
 that it finished and printed its report, not its numbers (those are measured,
-with full settings, in WORKSPACE_NOTES.md).
+with full settings, in docs/benchmarks.md). Traces are written by the tests:
+nothing here reads ../shared.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from tests.serving.trace_files import session_trace, write_azure, write_mooncake
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
-_TRACE = _ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def _start(script: str | pathlib.Path, *args: str, timeout: int = 300):
+  env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, str(_ROOT / "examples" / script), *args], cwd=_ROOT,
+                        env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _run(script: str, *args: str, timeout: int = 300) -> str:
-  env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, str(_ROOT / "examples" / script), *args], cwd=_ROOT,
-                        env=env, capture_output=True, text=True, timeout=timeout)
+  proc = _start(script, *args, timeout=timeout)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout
 
@@ -39,14 +46,42 @@ def test_pool_tour():
   assert "all released" in out and "refused as expected" in out, out
 
 
-@pytest.mark.skipif(not _TRACE.exists(), reason="needs ../shared/traces beside the repo")
-def test_replay_trace_sim_and_engine():
-  out = _run("replay_trace.py", "--max_requests=40", "--capacity_tokens=100000,0",
+@pytest.fixture(name="traces")
+def _traces(tmp_path):
+  """A small Mooncake-format trace and an Azure-format one, written by the test."""
+  rows = session_trace(seed=0, num=40, num_sessions=6, partial=True)
+  return (write_mooncake(tmp_path / "sessions.jsonl", rows),
+          write_azure(tmp_path / "lengths.csv", rows))
+
+
+def test_replay_trace_sim(traces):
+  mooncake, azure = traces
+  out = _run("replay_trace.py", f"--trace={mooncake},{azure}", "--capacity_tokens=20000,0",
              "--progress=false")
   assert "replay and exact bound agree" in out, out
-  out = _run("replay_trace.py", "--engine", "--max_requests=20", "--pool_tokens=16384",
-             "--variants=flat,all", "--progress=false")
-  assert "| conversation_trace.jsonl | all | 20 / 20 |" in out, out
+  assert "| sessions.jsonl | 20,000 | 40 |" in out, out
+  assert "| lengths.csv | unlimited | 40 | 0.0000 |" in out, out
+
+
+def test_replay_trace_engine(traces):
+  out = _run("replay_trace.py", "--engine", f"--trace={traces[0]}", "--pool_tokens=4096",
+             "--max_requests=20", "--variants=all", "--progress=false")
+  assert "| sessions.jsonl | all | 20 / 20 |" in out, out
+
+
+@pytest.mark.parametrize("script", ["replay_trace.py", "replay_routing.py"])
+def test_replay_missing_default_trace_is_one_line(tmp_path, script):
+  """In a checkout with no ../shared beside it, the default trace is named in one line."""
+  (tmp_path / "repo" / "examples").mkdir(parents=True)
+  copy = tmp_path / "repo" / "examples" / script
+  shutil.copy(_ROOT / "examples" / script, copy)
+  proc = _start(copy, "--progress=false", timeout=120)
+  assert proc.returncode != 0 and proc.stdout == "", proc.stdout + proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1, proc.stderr
+  missing = tmp_path / "shared" / "traces" / "conversation_trace.jsonl"
+  assert f"{missing} not found" in lines[0], lines[0]
+  assert "github.com/kvcache-ai/Mooncake" in lines[0], lines[0]
 
 
 def test_fragmentation_study(tmp_path):

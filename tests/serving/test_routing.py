@@ -1,12 +1,13 @@
 """Tests of paged_kv.serving.routing: routers, load model, clusters, and the routing replay script.
 
-Replicas are ``examples/replay_routing.py``'s ``SimReplica`` (replay_trace's simulated
-pool + prefix cache) fed small synthetic Mooncake-style requests: block hash ``h`` is
-512 tokens, and equal leading hashes mean an equal prefix.
+Replicas are ``paged_kv.serving.replay.SimReplica`` (the simulated pool + prefix cache)
+fed small synthetic Mooncake-style requests: block hash ``h`` is 512 tokens, and equal
+leading hashes mean an equal prefix. The script test writes its own trace file.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -14,65 +15,40 @@ import sys
 import numpy as np
 from absl.testing import absltest, parameterized
 
-_ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(_ROOT / "examples"))
-
-import replay_routing  # noqa: E402
-from replay_trace import (
-    MOONCAKE_BLOCK_TOKENS,
-    ReplayConfig,
-    Request,  # noqa: E402
-    TokenSource,
-    exact_hit_bound,
-)
-
+from paged_kv.serving.replay import ReplayConfig, SimReplica, routed_requests
 from paged_kv.serving.routing import (
     CacheAwareRouter,
     GlobalCache,
-    LeastLoadRouter,  # noqa: E402
+    LeastLoadRouter,
     ReplicaCluster,
     ReplicaLoad,
     ReplicaView,
     RoundRobinRouter,
     RoutedRequest,
 )
+from paged_kv.serving.traces import TokenSource, TraceRequest, exact_hit_bound
+from tests.serving.trace_files import BLOCK, session_trace, tmp_file, write_mooncake
 
-BLOCK = MOONCAKE_BLOCK_TOKENS
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 RATE = 10_000.0
 
 
-def req(t: float, hashes: list[int], output: int = 10) -> Request:
+def req(t: float, hashes: list[int], output: int = 10) -> TraceRequest:
   """A synthetic trace row with full 512-token blocks."""
-  return Request(float(t), BLOCK * len(hashes), output, np.asarray(hashes, np.int64))
+  return TraceRequest(float(t), BLOCK * len(hashes), output, np.asarray(hashes, np.int64))
 
 
-def routed(requests: list[Request]) -> list[RoutedRequest]:
-  source = TokenSource(requests)
-  return [
-      RoutedRequest(source.prompt(r), r.arrival_s, r.output_length, "default", r) for r in requests
-  ]
+def routed(requests: list[TraceRequest]) -> list[RoutedRequest]:
+  return list(routed_requests(requests, TokenSource(requests), "default"))
 
 
-def replicas(requests: list[Request], n: int, capacity: int = 0):
-  return [
-      replay_routing.SimReplica(requests, ReplayConfig(capacity_tokens=capacity, progress=False))
-      for _ in range(n)
-  ]
+def replicas(requests: list[TraceRequest], n: int, capacity: int = 0) -> list[SimReplica]:
+  return [SimReplica(requests, ReplayConfig(capacity_tokens=capacity)) for _ in range(n)]
 
 
-def random_trace(seed: int, num: int = 120, num_sessions: int = 12) -> list[Request]:
+def random_trace(seed: int, num: int = 120, num_sessions: int = 12) -> list[TraceRequest]:
   """Multi-turn sessions: each turn extends the session's previous prompt."""
-  rng = np.random.default_rng(seed)
-  next_hash = 1
-  sessions: list[list[int]] = [[] for _ in range(num_sessions)]
-  out = []
-  for i in range(num):
-    s = int(rng.integers(num_sessions))
-    grow = int(rng.integers(1, 4))
-    sessions[s] = sessions[s] + list(range(next_hash, next_hash + grow))
-    next_hash += grow
-    out.append(req(i * 0.5, [0] + sessions[s], output=int(rng.integers(1, 200))))
-  return out
+  return session_trace(seed, num, num_sessions)
 
 
 class RouterTest(parameterized.TestCase):
@@ -252,22 +228,43 @@ class ClusterTest(parameterized.TestCase):
       cluster.submit(routed(trace)[0])
 
 
+class SimReplicaTest(absltest.TestCase):
+
+  def test_serve_reports_the_change(self):
+    trace = [req(0, [0, 1]), req(1, [0, 1, 2])]
+    backend = replicas(trace, 1)[0]
+    items = routed(trace)
+    first, second = backend.serve(items[0]), backend.serve(items[1])
+    self.assertEqual((first.admitted, first.hit_tokens), (True, 0))
+    self.assertEqual((second.admitted, second.hit_tokens), (True, 2 * BLOCK))
+    backend.check_accounting()
+
+  def test_serve_checks_payload_and_namespace(self):
+    trace = [req(0, [0, 1])]
+    backend = replicas(trace, 1)[0]
+    item = routed(trace)[0]
+    with self.assertRaises(TypeError):
+      backend.serve(RoutedRequest(item.tokens, 0.0, 1, "default", payload=None))
+    with self.assertRaisesRegex(ValueError, "namespace"):
+      backend.serve(RoutedRequest(item.tokens, 0.0, 1, "other", payload=trace[0]))
+
+
 class ScriptTest(absltest.TestCase):
 
+  def _run(self, script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, str(script), *args], cwd=_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
   def test_replay_routing_smoke(self):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(_ROOT / "examples" / "replay_routing.py"),
-            "--max_requests=200",
-            "--progress=false",
-            "--capacity_tokens=200000,0",
-            "--routers=round_robin,least_load,cache_aware,prefix_only",
-        ],
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    trace = write_mooncake(tmp_file(self, "sessions.jsonl"),
+                           session_trace(seed=11, num=200, num_sessions=24, partial=True))
+    proc = self._run(
+        _ROOT / "examples" / "replay_routing.py",
+        f"--trace={trace}",
+        "--progress=false",
+        "--capacity_tokens=200000,0",
+        "--routers=round_robin,least_load,cache_aware,prefix_only",
     )
     self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-4000:])
     for name in (
@@ -281,6 +278,14 @@ class ScriptTest(absltest.TestCase):
       self.assertIn(f"| {name} |", proc.stdout)
     self.assertIn("| 200,000 | 1,600,000 | global_cache | ", proc.stdout)
     self.assertIn("goal (cache_aware >= 0.90 of global)", proc.stdout)
+
+  def test_missing_trace_is_one_line(self):
+    proc = self._run(_ROOT / "examples" / "replay_routing.py", "--trace=/nowhere/trace.jsonl")
+    self.assertNotEqual(proc.returncode, 0)
+    self.assertEqual(proc.stdout, "")
+    lines = proc.stderr.strip().splitlines()
+    self.assertLen(lines, 1, proc.stderr)
+    self.assertIn("/nowhere/trace.jsonl not found", lines[0])
 
 
 if __name__ == "__main__":
