@@ -1,19 +1,69 @@
-"""paged_kv: a functional, fragmentation-aware KV-cache memory manager for JAX."""
+"""paged_kv: a functional, fragmentation-aware KV-cache memory manager for JAX.
+
+Layers (imports point down only):
+
+  paged_kv.serving    scheduler, executors, the cache-bound pool (`CachedPool`),
+                      swap, persistence, routing, trace replay
+  paged_kv.model      what model code imports: `StepMetadata`, `paged_attention`,
+                      the NNX `PagedAttention` layer, jitted steps, a Llama model
+  paged_kv.BlockPool  the validating host API over the core
+  paged_kv.core       pure, jitted device transitions on `PoolState`
+  paged_kv.telemetry  metrics snapshots, Prometheus and JSONL export
+  paged_kv.parallel   tensor-parallel pools
+
+This module re-exports the core and the host API; `import paged_kv` needs only
+jax, jaxlib and numpy. The other layers are imported on first use
+(`paged_kv.model`, `paged_kv.serving`, ...) or explicitly.
+"""
+
+import importlib
 
 from paged_kv.core.alloc import allocate, apply_ref_deltas
-from paged_kv.core.config import PoolConfig
-from paged_kv.core.errors import (InvalidArgument, InvalidBlock, InvalidSegment, InvalidSequence,
-                             InvariantViolation, PagedKVError, PoolExhausted, RefCountUnderflow,
-                             Status)
-from paged_kv.core.kv import gather_kv, jit_write_kv, token_slots, write_kv
-from paged_kv.core.segments import fork, open_sequence, release, reserve_tokens
-from paged_kv.core.state import BlockMeta, KVPages, PoolState, SegmentTable, init_pool
-from paged_kv.core.invariants import check_invariants
-from paged_kv.pool import BlockPool
-from paged_kv.core.slots import OWNER_EXTERNAL, cow_split, pack_slots, reclaim_slots
 from paged_kv.core.compact import (CompactionPolicy, compact_permute, compact_step,
-                              fragmentation_ratio, plan_compaction, region_fragmentation)
+                                   fragmentation_ratio, plan_compaction, region_fragmentation)
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import (InvalidArgument, InvalidBlock, InvalidSegment,
+                                  InvalidSegmentLayout, InvalidSequence, InvariantViolation,
+                                  PagedKVError, PoolExhausted, RefCountUnderflow, Status)
+from paged_kv.core.invariants import check_invariants
+from paged_kv.core.kv import gather_kv, jit_write_kv, token_slots, write_kv
 from paged_kv.core.regions import (WatermarkQuota, plan_promotion, promote_blocks, resize_pool,
-                              resized_config)
-from paged_kv.parallel.sharding import (init_sharded_pool, make_tp_mesh, shard_pool,
-                               sharded_paged_attention, sharded_write_kv)
+                                   resized_config)
+from paged_kv.core.segment_format import (Segments, as_segments, empty_segments, num_tokens,
+                                          take_tokens)
+from paged_kv.core.segments import fork, open_sequence, release, reserve_tokens
+from paged_kv.core.slots import OWNER_EXTERNAL, cow_split, pack_slots, reclaim_slots
+from paged_kv.core.state import BlockMeta, KVPages, PoolState, SegmentTable, init_pool
+from paged_kv.pool import BlockPool
+
+__version__ = "0.2.0.dev0"
+
+_SUBPACKAGES = ("core", "model", "serving", "telemetry", "parallel")
+
+__all__ = [
+    "__version__",
+    # host API
+    "BlockPool",
+    # configuration and state
+    "PoolConfig", "PoolState", "KVPages", "BlockMeta", "SegmentTable", "init_pool",
+    # the segment format
+    "Segments", "as_segments", "empty_segments", "num_tokens", "take_tokens",
+    # transitions
+    "allocate", "apply_ref_deltas", "open_sequence", "reserve_tokens", "release", "fork",
+    "write_kv", "jit_write_kv", "gather_kv", "token_slots", "cow_split", "pack_slots",
+    "reclaim_slots", "OWNER_EXTERNAL", "compact_permute", "compact_step", "plan_compaction",
+    "CompactionPolicy", "fragmentation_ratio", "region_fragmentation", "plan_promotion",
+    "promote_blocks", "resize_pool", "resized_config", "WatermarkQuota", "check_invariants",
+    # status and errors
+    "Status", "PagedKVError", "PoolExhausted", "InvalidArgument", "InvalidBlock",
+    "InvalidSegment", "InvalidSegmentLayout", "InvalidSequence", "InvariantViolation",
+    "RefCountUnderflow",
+    # layers, imported on first use
+    *_SUBPACKAGES,
+]
+
+
+def __getattr__(name: str):
+  if name in _SUBPACKAGES:
+    return importlib.import_module(f"paged_kv.{name}")
+  raise AttributeError(f"module 'paged_kv' has no attribute {name!r}")

@@ -1,0 +1,26 @@
+"""Serving: the scheduler, executors, the cache-bound pool, swap, persistence, routing.
+
+  paged_kv.serving.cached_pool  `CachedPool`: a `BlockPool` and its radix prefix cache,
+                                kept in sync (every reference delta applied inside)
+  paged_kv.serving.scheduler    `Scheduler`: continuous batching, one mixed forward
+                                pass per step, eviction, preemption, compaction
+  paged_kv.serving.executor     `Executor` protocol, `ModelExecutor` (a Flax model),
+                                `DryExecutor` (memory dynamics only, for replay)
+  paged_kv.serving.swap         preemption by swap to host memory
+  paged_kv.serving.persist      the prefix cache saved to / restored from disk
+  paged_kv.serving.routing      data-parallel replicas with cache-aware routing
+  paged_kv.serving.traces, replay, engine_replay   request traces and their replay
+
+Importing this package needs no flax (`ModelExecutor` imports it when built).
+"""
+
+from paged_kv.serving.cached_pool import CachedPool, CacheView
+from paged_kv.serving.executor import DryExecutor, Executor, ModelExecutor
+from paged_kv.serving.persist import load_prefix_cache, save_prefix_cache
+from paged_kv.serving.scheduler import (Phase, Request, Scheduler, SchedulerConfig,
+                                        SchedulerStats)
+from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
+
+__all__ = ["CacheView", "CachedPool", "DryExecutor", "Executor", "ModelExecutor", "Phase",
+           "Request", "Scheduler", "SchedulerConfig", "SchedulerStats", "SwappedKV",
+           "load_prefix_cache", "save_prefix_cache", "swap_in", "swap_out"]

@@ -1,0 +1,100 @@
+"""Import boundaries: what each package may load, and that `examples/` is imported by nothing.
+
+`pip install paged-kv` (no extras) installs jax, jaxlib and numpy only; flax (extra
+`model`), absl-py and tqdm (`scripts`), optax (`train`) and chex (`test`) are extras.
+A fresh interpreter imports `paged_kv`, `radix` and `pallas_kernels`, runs a
+`BlockPool` reserve/release, and must not have loaded any of them. `radix` loads
+neither JAX nor `paged_kv`. No module anywhere imports a script of `examples/` or
+edits `sys.path` to reach one.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+from absl.testing import absltest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+OPTIONAL = ("flax", "optax", "absl", "chex", "tqdm", "matplotlib", "prometheus_client",
+            "hypothesis")
+
+_PROGRAM = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import paged_kv, radix, pallas_kernels
+
+    config = paged_kv.PoolConfig(num_blocks=16, block_size=4, num_layers=1, num_kv_heads=1,
+                                 head_dim=8, max_seqs=2, max_segments=4)
+    pool = paged_kv.BlockPool(config)
+    seq = pool.open_sequence()
+    slots = np.asarray(pool.reserve_tokens([seq], [6]))
+    assert (slots[0, :6] >= 0).all() and pool.num_free_blocks == 14, (slots, pool.num_free_blocks)
+    pool.release([seq])
+    pool.check_invariants()
+    assert pool.num_free_blocks == 16
+    loaded = sorted({name.split(".")[0] for name in sys.modules})
+    print(json.dumps({"loaded": loaded, "file": paged_kv.__file__}))
+""")
+
+
+class ImportTest(absltest.TestCase):
+
+  def test_core_loads_no_optional_dependency(self):
+    env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _PROGRAM], cwd=_ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    self.assertTrue(pathlib.Path(report["file"]).is_relative_to(_ROOT), report["file"])
+    leaked = sorted(set(OPTIONAL) & set(report["loaded"]))
+    self.assertEqual(leaked, [], f"importing the core loaded optional packages: {leaked}")
+    self.assertIn("jax", report["loaded"])
+
+  def test_radix_loads_neither_jax_nor_paged_kv(self):
+    program = "import json, sys, radix; print(json.dumps(sorted(sys.modules)))"
+    env = dict(os.environ, PYTHONPATH=str(_ROOT))
+    proc = subprocess.run([sys.executable, "-c", program], cwd=_ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+    top = {name.split(".")[0] for name in json.loads(proc.stdout)}
+    self.assertEqual(sorted(top & {"jax", "jaxlib", "paged_kv", "pallas_kernels"}), [])
+
+  def test_nothing_imports_examples(self):
+    scripts = {p.stem for p in (_ROOT / "examples").glob("*.py")}
+    offenders = []
+    for folder in ("paged_kv", "radix", "pallas_kernels", "tests", "examples", "tools"):
+      for path in sorted((_ROOT / folder).rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+          if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+          elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+          else:
+            names = []
+          for name in names:
+            if name.split(".")[0] in scripts | {"examples"}:
+              offenders.append(f"{path.relative_to(_ROOT)}:{node.lineno} imports {name}")
+          if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("insert", "append")
+              and ast.unparse(node.func.value) == "sys.path"):
+            offenders.append(f"{path.relative_to(_ROOT)}:{node.lineno} edits sys.path")
+    self.assertEqual(offenders, [])
+
+  def test_version_matches_pyproject(self):
+    import paged_kv  # pylint: disable=import-outside-toplevel
+
+    with open(_ROOT / "pyproject.toml", "rb") as f:
+      version = tomllib.load(f)["project"]["version"]
+    self.assertEqual(getattr(paged_kv, "__version__", None), version)
+
+
+if __name__ == "__main__":
+  absltest.main()
