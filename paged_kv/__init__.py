@@ -22,9 +22,10 @@ from paged_kv.core.alloc import allocate, apply_ref_deltas
 from paged_kv.core.compact import (CompactionPolicy, compact_permute, compact_step,
                                    fragmentation_ratio, plan_compaction, region_fragmentation)
 from paged_kv.core.config import PoolConfig
-from paged_kv.core.errors import (InvalidArgument, InvalidBlock, InvalidSegment,
+from paged_kv.core.errors import (BlockInUse, InvalidArgument, InvalidBlock, InvalidSegment,
                                   InvalidSegmentLayout, InvalidSequence, InvariantViolation,
-                                  PagedKVError, PoolExhausted, RefCountUnderflow, Status)
+                                  PagedKVError, PoolExhausted, RefCountOverflow,
+                                  RefCountUnderflow, Status)
 from paged_kv.core.invariants import check_invariants
 from paged_kv.core.kv import gather_kv, jit_write_kv, token_slots, write_kv
 from paged_kv.core.regions import (WatermarkQuota, plan_promotion, promote_blocks, resize_pool,
@@ -57,7 +58,7 @@ __all__ = [
     # status and errors
     "Status", "PagedKVError", "PoolExhausted", "InvalidArgument", "InvalidBlock",
     "InvalidSegment", "InvalidSegmentLayout", "InvalidSequence", "InvariantViolation",
-    "RefCountUnderflow",
+    "RefCountUnderflow", "RefCountOverflow", "BlockInUse",
     # layers, imported on first use
     *_SUBPACKAGES,
 ]

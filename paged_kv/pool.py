@@ -16,8 +16,10 @@ import numpy as np
 
 from paged_kv.core import alloc, compact, kv, regions, segments, slots
 from paged_kv.core.config import PoolConfig
-from paged_kv.core.errors import (OOM_REASONS, InvalidArgument, InvalidBlock, InvalidSegment,
-                             InvalidSequence, PoolExhausted, RefCountUnderflow, Status)
+from paged_kv.core.errors import (OOM_REASONS, BlockInUse, InvalidArgument, InvalidBlock,
+                                  InvalidSegment, InvalidSequence, PoolExhausted,
+                                  RefCountOverflow, RefCountUnderflow, Status)
+from paged_kv.core.page_copy import BLOCK_MOVE_IMPLS
 from paged_kv.core.invariants import check_invariants
 from paged_kv.core.segment_format import Segments, as_segments, empty_segments
 from paged_kv.core.state import PoolState, SegmentTable, init_pool
@@ -38,16 +40,68 @@ _I32 = np.iinfo(np.int32)
 
 
 def _as_int_array(x, name: str) -> np.ndarray:
-  """A 1-D int64 copy of `x`; refuses non-integers and values outside int32."""
-  a = np.asarray(x)
+  """A 1-D int64 copy of `x`; refuses non-integers and values outside int32.
+
+  The range is checked on the values as given, before any cast, so an unsigned
+  `2**64 - 1` is reported as itself (not as the `-1` a cast would make of it).
+  """
+  try:
+    a = np.asarray(x)
+  except (TypeError, ValueError) as e:
+    raise InvalidArgument(f"{name} must be a 1-D array of ints, got {type(x).__name__}") from e
   if a.ndim == 0:
     a = a[None]
-  if a.ndim != 1 or not (a.size == 0 or np.issubdtype(a.dtype, np.integer)):
+  if a.ndim != 1 or not (a.size == 0 or (np.issubdtype(a.dtype, np.integer)
+                                         and a.dtype != np.bool_)):
     raise InvalidArgument(f"{name} must be a 1-D array of ints, got {a.dtype} {a.shape}")
-  a = a.astype(np.int64)
   if a.size and (a.min() < _I32.min or a.max() > _I32.max):
     raise InvalidArgument(f"{name} has values outside int32: {a.min()}..{a.max()}")
+  return a.astype(np.int64)
+
+
+def _as_int_scalar(x, name: str, *, low: int | None = None, high: int | None = None) -> int:
+  """`x` as a Python int: a Python, numpy or JAX integer scalar, never a bool or float.
+
+  Refuses values outside `[low, high)` (bounds optional) with `InvalidArgument`.
+  """
+  value = None
+  if isinstance(x, (bool, np.bool_)):
+    pass
+  elif isinstance(x, (int, np.integer)):
+    value = int(x)
+  elif isinstance(x, (np.ndarray, jax.Array)) and x.shape == () and (
+      np.issubdtype(x.dtype, np.integer) and x.dtype != np.bool_):
+    value = int(x)
+  if value is None:
+    raise InvalidArgument(f"{name} must be an integer scalar, got {x!r}")
+  if (low is not None and value < low) or (high is not None and value >= high):
+    lo = "-inf" if low is None else low
+    hi = "inf" if high is None else high
+    raise InvalidArgument(f"{name} {value} outside [{lo}, {hi})")
+  return value
+
+
+def _as_kv_array(x, name: str):
+  """`x` if it is an array (JAX or numpy); a nested list becomes a numpy array."""
+  if isinstance(x, (jax.Array, np.ndarray)):
+    return x
+  try:
+    a = np.asarray(x)
+  except (TypeError, ValueError) as e:
+    raise InvalidArgument(f"write_kv: {name} must be an array, got {type(x).__name__}") from e
+  if a.dtype == object:
+    raise InvalidArgument(f"write_kv: {name} must be a numeric array, got {type(x).__name__}")
   return a
+
+
+def _table_segments_host(table) -> tuple[np.ndarray, np.ndarray]:
+  """`(segs i64[S, 3], rows i64[S])`: every live table segment and its row (host)."""
+  used = table.active[:, None] & (np.arange(table.block.shape[1])[None, :]
+                                  < table.num_segments[:, None])
+  rows = np.broadcast_to(np.arange(table.block.shape[0])[:, None], used.shape)[used]
+  segs = np.stack([table.block[used], table.start[used], table.length[used]],
+                  axis=1).astype(np.int64)
+  return segs, rows.astype(np.int64)
 
 
 def raise_for_status(status: np.ndarray, what: str) -> None:
@@ -63,7 +117,8 @@ def raise_for_status(status: np.ndarray, what: str) -> None:
     raise PoolExhausted(msg, reason=OOM_REASONS[code])
   raise {Status.INVALID_SEQUENCE: InvalidSequence, Status.INVALID_COUNT: InvalidArgument,
          Status.INVALID_BLOCK: InvalidBlock, Status.REF_UNDERFLOW: RefCountUnderflow,
-         Status.INVALID_SEGMENT: InvalidSegment}[code](msg)
+         Status.INVALID_SEGMENT: InvalidSegment, Status.REF_OVERFLOW: RefCountOverflow,
+         Status.BLOCK_IN_USE: BlockInUse}[code](msg)
 
 
 class BlockPool:
@@ -131,15 +186,19 @@ class BlockPool:
     k, v, _ = kv.gather_kv(self.state, seq_id, max_len=_bucket(length))
     return k[:, :, :length], v[:, :, :length]
 
-  def check_invariants(self, extra_segments: Segments | None = None) -> None:
+  def check_invariants(self, extra_segments: Segments | None = None, *,
+                       extra_blocks=None) -> None:
     """Raises `InvariantViolation` unless the state is consistent.
 
     Args:
       extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
         tables (one reference each, e.g. a prefix cache's); None: only the tables
         hold references. A `CachedPool` passes its cache's by default.
+      extra_blocks: block ids held outside the tables without a segment, one
+        reference each: what the caller holds from `allocate()` (the pool does
+        not track it). None: none.
     """
-    check_invariants(self.state, extra_segments)
+    check_invariants(self.state, extra_segments, extra_blocks=extra_blocks)
 
   # -- transitions ---------------------------------------------------------
   def open_sequence(self, segments: Segments | None = None,
@@ -211,21 +270,127 @@ class BlockPool:
     raise_for_status(np.asarray(status)[:ids.size], "reserve_tokens")
     return slot_idx[:ids.size]
 
-  def write_kv(self, layer: int, slot_idx, k: jax.Array, v: jax.Array) -> None:
-    """Writes new tokens' K/V of one layer; `k, v: slot_idx.shape + (kv_heads, head_dim)`."""
+  def write_kv(self, layer: int, slot_idx, k: jax.Array, v: jax.Array, *,
+               seq_ids=None) -> None:
+    """Writes new tokens' K/V of one layer; `k, v: slot_idx.shape + (kv_heads, head_dim)`.
+
+    Checked: every slot (`-1` = skip) must be an integer in `[0, num_slots)` (no
+    cast first: an int64 `2**32 + s` or a float `4.9` is refused, not read as
+    `s` or `4`), named once in the call, on a live block, handed out
+    (`reserve_tokens`), and *exclusively* one live sequence's: covered by exactly
+    one live table segment, on a block no holder outside the tables (a prefix
+    cache, an `allocate()` caller) references. With `seq_ids` (`int[B]`, one per
+    row of a `[B, T]` `slot_idx`, as `reserve_tokens` takes them) that sequence
+    must be the row's own. So a write can never land in another sequence's
+    tokens, a shared prefix, a cached block or a free block.
+
+    The checks read the tables on the host: this is the host API (swap-in, cache
+    load, tests), not the decode path. Model code writes inside its jitted step
+    with `paged_kv.core.kv.write_kv` / `paged_kv.model.paged_attention`, which
+    trust `reserve_tokens`' output and check nothing (see their docstrings).
+
+    Args:
+      layer: an integer scalar (Python, numpy or JAX; not a bool) in
+        `[0, num_layers)`.
+      slot_idx: int array of flat physical slots (`block * block_size + offset`).
+      k, v: arrays (JAX or numpy) of the config dtype.
+      seq_ids: optional writer of each row of `slot_idx` (needs `slot_idx.ndim >= 1`).
+
+    Raises:
+      InvalidArgument: bad layer, dtype, shape or value type; a slot named twice.
+      InvalidBlock: a slot out of range or on a free block.
+      InvalidSegment: a slot never handed out, or no live sequence's.
+      BlockInUse: a slot shared, held outside the tables, or another sequence's.
+      InvalidSequence: a `seq_ids` entry out of range or inactive.
+    """
     c = self.config
-    if not (isinstance(layer, (int, np.integer)) and 0 <= layer < c.num_layers):
-      raise InvalidArgument(f"layer {layer!r} outside [0, {c.num_layers})")
-    slot_idx = jnp.asarray(slot_idx, jnp.int32)
-    want = tuple(slot_idx.shape) + (c.num_kv_heads, c.head_dim)
+    layer = _as_int_scalar(layer, "layer", low=0, high=c.num_layers)
+    if isinstance(slot_idx, jax.Array) and slot_idx.dtype == jnp.int32:
+      s = np.asarray(slot_idx)
+    else:
+      try:
+        s = np.asarray(slot_idx)
+      except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"write_kv: slot_idx must be an int array, got "
+                              f"{type(slot_idx).__name__}") from e
+      if s.size and (s.dtype == np.bool_ or not np.issubdtype(s.dtype, np.integer)):
+        raise InvalidArgument(f"write_kv: slot_idx must be an int array, got {s.dtype}")
+      if s.size and (s.min() < -1 or s.max() >= c.num_slots):
+        raise InvalidBlock(f"write_kv: slot index outside [-1, {c.num_slots}): "
+                           f"{s.min()}..{s.max()}")
+      s = s.astype(np.int32)
+    if s.size and (s.min() < -1 or s.max() >= c.num_slots):
+      raise InvalidBlock(f"write_kv: slot index outside [-1, {c.num_slots}): "
+                         f"{s.min()}..{s.max()}")
+    k, v = _as_kv_array(k, "k"), _as_kv_array(v, "v")
+    want = tuple(s.shape) + (c.num_kv_heads, c.head_dim)
     for name, x in (("k", k), ("v", v)):
       if tuple(x.shape) != want or x.dtype != c.jnp_dtype:
         raise InvalidArgument(f"write_kv: {name} is {x.dtype}{list(x.shape)}, expected "
                               f"{c.jnp_dtype}{list(want)}")
-    s = np.asarray(slot_idx)
-    if s.size and (s.min() < -1 or s.max() >= c.num_slots):
-      raise InvalidBlock(f"write_kv: slot index outside [-1, {c.num_slots})")
-    self.state = _write_state(self.state, jnp.int32(layer), slot_idx, k, v)
+    self._check_write_targets(s, seq_ids)
+    self.state = _write_state(self.state, jnp.int32(layer), jnp.asarray(s), k, v)
+
+  def _check_write_targets(self, s: np.ndarray, seq_ids) -> None:
+    """`write_kv`'s ownership checks (host; see its docstring). Raises, changes nothing."""
+    c = self.config
+    bs = c.block_size
+    writer = None
+    if seq_ids is not None:
+      ids = _as_int_array(seq_ids, "seq_ids")
+      if s.ndim == 0 or ids.shape != s.shape[:1]:
+        raise InvalidArgument(f"write_kv: seq_ids {ids.shape} must give one sequence per "
+                              f"row of slot_idx {s.shape}")
+      self._check_ids(ids, active=True)
+      writer = np.broadcast_to(ids.reshape((-1,) + (1,) * (s.ndim - 1)), s.shape).reshape(-1)
+    flat = s.reshape(-1).astype(np.int64)
+    keep = flat >= 0
+    flat = flat[keep]
+    if flat.size == 0:
+      return
+    if writer is not None:
+      writer = writer[keep]
+    uniq, counts = np.unique(flat, return_counts=True)
+    if (counts > 1).any():
+      raise InvalidArgument(f"write_kv: slots {uniq[counts > 1][:8].tolist()} named more than "
+                            "once in one call (the winner would be undefined)")
+    meta = jax.device_get(self.state.meta)
+    table = jax.tree.map(np.asarray, self.state.table)
+    blk, off = flat // bs, flat % bs
+    ref = np.asarray(meta.ref_count).astype(np.int64)
+    free = ref[blk] == 0
+    if free.any():
+      raise InvalidBlock(f"write_kv: slots {flat[free][:8].tolist()} lie on free blocks")
+    words = np.asarray(meta.slots)
+    bit = (words[blk, off // 32] >> (off % 32).astype(np.uint32)) & 1
+    if not bit.all():
+      raise InvalidSegment(f"write_kv: slots {flat[bit == 0][:8].tolist()} were never handed "
+                           "out (reserve_tokens first)")
+    segs, rows = _table_segments_host(table)
+    table_refs = np.bincount(segs[:, 0], minlength=c.num_blocks)
+    held_outside = ref[blk] > table_refs[blk]
+    if held_outside.any():
+      raise BlockInUse(f"write_kv: slots {flat[held_outside][:8].tolist()} lie on blocks held "
+                       "outside the tables too (a prefix cache or an allocate() caller): "
+                       "their K/V may be read elsewhere")
+    on = np.isin(segs[:, 0], np.unique(blk))
+    segs, rows = segs[on], rows[on]
+    rel = flat[:, None] - (segs[None, :, 0] * bs + segs[None, :, 1])
+    cover = (rel >= 0) & (rel < segs[None, :, 2])
+    num_cover = cover.sum(axis=1)
+    if (num_cover == 0).any():
+      raise InvalidSegment(f"write_kv: slots {flat[num_cover == 0][:8].tolist()} belong to "
+                           "no live sequence")
+    if (num_cover > 1).any():
+      raise BlockInUse(f"write_kv: slots {flat[num_cover > 1][:8].tolist()} are shared by "
+                       "several segments (a fork or a shared prefix): never overwritten")
+    if writer is not None:
+      owner = rows[np.argmax(cover, axis=1)]
+      wrong = owner != writer
+      if wrong.any():
+        i = int(np.argmax(wrong))
+        raise BlockInUse(f"write_kv: slot {int(flat[i])} belongs to sequence {int(owner[i])}, "
+                         f"not to the writer {int(writer[i])}")
 
   def release(self, seq_ids) -> None:
     """Ends the given live sequences; their blocks lose a reference each."""
@@ -251,9 +416,23 @@ class BlockPool:
     return dst
 
   def allocate(self, num: int, contiguous: str = "prefer") -> np.ndarray:
-    """`num` blocks owned by the caller (ref_count 1), ascending."""
-    if not isinstance(num, (int, np.integer)) or num < 0:
+    """`num` blocks owned by the caller (ref_count 1), ascending.
+
+    The caller holds one reference on each, outside the tables: it drops them
+    with `apply_ref_deltas(ids, -1)` and names them to
+    `check_invariants(extra_blocks=ids)` meanwhile.
+
+    Args:
+      num: an integer scalar >= 0 (not a bool).
+      contiguous: `"prefer"`, `"require"` or `"never"` (see `core.alloc.allocate`).
+    """
+    if (isinstance(num, (bool, np.bool_)) or not isinstance(num, (int, np.integer))
+        or num < 0):
       raise InvalidArgument(f"num must be an int >= 0, got {num!r}")
+    if not isinstance(contiguous, str) or contiguous not in alloc.CONTIGUOUS_MODES:
+      raise InvalidArgument(f"contiguous must be one of {alloc.CONTIGUOUS_MODES}, got "
+                            f"{contiguous!r}")
+    num = int(num)
     if num > self.config.num_blocks:
       raise PoolExhausted(f"{num} blocks requested; the pool has {self.config.num_blocks}",
                           reason="no_free_block")
@@ -263,12 +442,29 @@ class BlockPool:
     return np.asarray(ids)[:num]
 
   def apply_ref_deltas(self, block_ids, deltas) -> None:
-    """Applies reference changes (e.g. from the prefix cache) atomically."""
+    """Applies reference changes of holders outside the tables, atomically.
+
+    For a prefix cache's or an `allocate()` caller's references (a `CachedPool`
+    applies its cache's itself). Refused, with nothing changed: a block id out of
+    range (`InvalidBlock`), an incref of a free block (`InvalidBlock`), a count
+    below zero (`RefCountUnderflow`) or beyond int32 (`RefCountOverflow`, summed
+    per block in int64 on the host), and a decref that would take a block below
+    the references live sequence tables hold on it (`BlockInUse`: it would free
+    or under-count a block a live sequence still reads).
+    """
     ids, d = _as_int_array(block_ids, "block_ids"), _as_int_array(deltas, "deltas")
     if ids.shape != d.shape:
       raise InvalidArgument(f"block_ids {ids.shape} and deltas {d.shape} differ in shape")
     if ids.size and (ids.min() < 0 or ids.max() >= self.config.num_blocks):
       raise InvalidBlock(f"block ids outside [0, {self.config.num_blocks}): {ids.tolist()}")
+    if ids.size:
+      uniq, inv = np.unique(ids, return_inverse=True)
+      summed = np.zeros(uniq.size, np.int64)
+      np.add.at(summed, inv, d)  # int64: K entries of int32 cannot overflow it
+      if summed.max() > _I32.max:
+        b = int(uniq[np.argmax(summed)])
+        raise RefCountOverflow(f"apply_ref_deltas: block {b} would gain {int(summed.max())} "
+                               f"references, beyond int32 ({_I32.max}); nothing was applied")
     b = _bucket(ids.size)
     self.state, status = alloc.apply_ref_deltas(self.state, _pad(ids, b, -1), _pad(d, b, 0),
                                                 config=self.config)
@@ -296,7 +492,17 @@ class BlockPool:
     Returns:
       A `PackResult`; the references were already transferred by the pool.
     """
-    tab = _as_int_array(np.asarray(table_segments).reshape(-1), "table_segments").reshape(-1, 2)
+    try:
+      tab_arr = np.asarray(table_segments)
+    except (TypeError, ValueError) as e:
+      raise InvalidArgument("table_segments must be an int[T, 2] array of (row, col) pairs, "
+                            f"got {type(table_segments).__name__}") from e
+    if tab_arr.size == 0:
+      tab_arr = np.zeros((0, 2), np.int64)
+    if tab_arr.ndim != 2 or tab_arr.shape[1] != 2:
+      raise InvalidArgument("table_segments must be an int[T, 2] array of (row, col) pairs, "
+                            f"got shape {tab_arr.shape}")
+    tab = _as_int_array(tab_arr.reshape(-1), "table_segments").reshape(-1, 2)
     ext = as_segments(extra_segments, name="extra_segments").astype(np.int64)
     t = jax.tree.map(np.asarray, self.state.table)
     if tab.size:
@@ -305,6 +511,20 @@ class BlockPool:
         raise InvalidSegment(f"segment columns {tab[:, 1].tolist()} outside the rows' segments")
     if ext.size and (ext[:, 0].min() < 0 or ext[:, 0].max() >= self.config.num_blocks):
       raise InvalidBlock(f"extra segment blocks outside [0, {self.config.num_blocks})")
+    if ext.size:
+      # An outside holder holds ref_count - (table references) on a block: never more
+      # extra segments than that (a segment nobody outside holds, or a table's own).
+      n = self.config.num_blocks
+      ref = np.asarray(self.state.meta.ref_count).astype(np.int64)
+      segs, _ = _table_segments_host(t)
+      outside = ref - np.bincount(segs[:, 0], minlength=n)
+      claimed = np.bincount(ext[:, 0], minlength=n)
+      over = np.flatnonzero(claimed > outside)
+      if over.size:
+        b = int(over[0])
+        raise BlockInUse(f"pack_slots: {int(claimed[b])} extra segment(s) on block {b}, but "
+                         f"only {max(int(outside[b]), 0)} of its {int(ref[b])} references are "
+                         "held outside the tables; nothing was changed")
     k = len(tab) + len(ext)
     owner = np.concatenate([tab[:, 0], np.full(len(ext), slots.OWNER_EXTERNAL)])
     col = np.concatenate([tab[:, 1], np.zeros(len(ext), np.int64)])
@@ -345,16 +565,29 @@ class BlockPool:
                            "for every block's ref_count; nothing was changed")
     return int(reclaimed)
 
+  def _check_impl(self, impl) -> str:
+    if not isinstance(impl, str) or impl not in BLOCK_MOVE_IMPLS:
+      raise InvalidArgument(f"impl must be one of {BLOCK_MOVE_IMPLS}, got {impl!r}")
+    return impl
+
   def compact(self, budget: int = 32, impl: str = "xla") -> np.ndarray:
     """One compaction step of up to `budget` moves; returns `remap i32[num_blocks]`.
 
     Block ids held outside the tables (a prefix cache's) must follow `remap`;
     a `CachedPool` does that itself.
+
+    Args:
+      budget: a positive integer scalar. A plan has at most `num_blocks // 2`
+        moves (each needs a live source and a distinct free destination), so a
+        larger budget is clamped to that: the plan's static width never exceeds
+        what can exist.
+      impl: `"xla"`, `"pallas"` or `"mosaic"`.
     """
-    if not isinstance(budget, (int, np.integer)) or budget < 1:
-      raise InvalidArgument(f"budget must be a positive int, got {budget!r}")
-    src, dst = compact.plan_compaction(self.state.meta, budget=int(budget))
-    return self.move_blocks(src, dst, impl=impl)
+    budget = _as_int_scalar(budget, "budget", low=1)
+    impl = self._check_impl(impl)
+    budget = max(1, min(budget, self.config.num_blocks // 2))
+    src, dst = compact.plan_compaction(self.state.meta, budget=budget)
+    return self._move(src, dst, impl)
 
   def move_blocks(self, src, dst, impl: str = "xla") -> np.ndarray:
     """Applies a compaction plan (`compact_permute`); returns `remap i32[num_blocks]`.
@@ -365,23 +598,52 @@ class BlockPool:
       impl: page copy implementation (`"xla"`, `"pallas"`, `"mosaic"`).
 
     Raises:
+      InvalidArgument: `src`/`dst` not 1-D int arrays of one shape, or a bad `impl`.
       InvalidBlock: a move the pool refuses; nothing moved.
     """
+    impl = self._check_impl(impl)
+    s, d = _as_int_array(src, "src"), _as_int_array(dst, "dst")
+    if s.shape != d.shape:
+      raise InvalidArgument(f"src {s.shape} and dst {d.shape} differ in shape")
+    b = _bucket(s.size)
+    return self._move(_pad(s, b, -1), _pad(d, b, -1), impl)
+
+  def _move(self, src, dst, impl: str) -> np.ndarray:
     self.state, (remap, status) = compact.compact_permute(self.state, src, dst,
                                                           config=self.config, impl=impl)
     raise_for_status(np.asarray(status), "move_blocks")
     return np.asarray(remap)
 
   def promote(self, min_readers: int, max_moves: int = 8) -> np.ndarray:
-    """Moves blocks with >= `min_readers` references into the base pool; returns remap."""
-    src, dst = regions.plan_promotion(self.state.meta, int(min_readers), max_moves=max_moves)
+    """Moves blocks with >= `min_readers` references into the base pool; returns remap.
+
+    Args:
+      min_readers: an integer scalar >= 1.
+      max_moves: a positive integer scalar; clamped to the base pool's size (no
+        more promotions can exist), so the plan's static width stays bounded.
+
+    A call that finds nothing to promote changes nothing (the state stays
+    bit-identical, free list included).
+    """
+    min_readers = _as_int_scalar(min_readers, "min_readers", low=1)
+    max_moves = _as_int_scalar(max_moves, "max_moves", low=1)
+    max_moves = max(1, min(max_moves, self.config.num_base_blocks))
+    src, dst = regions.plan_promotion(self.state.meta, min_readers, max_moves=max_moves)
     self.state, (remap, status) = regions.promote_blocks(self.state, src, dst,
                                                          config=self.config)
     raise_for_status(np.asarray(status), "promote")
     return np.asarray(remap)
 
   def resize(self, num_blocks: int) -> None:
-    """Shrinks (the cut tail must be free: compact first) or grows the pool."""
+    """Shrinks (the cut tail must be free: compact first) or grows the pool.
+
+    Raises:
+      InvalidArgument: `num_blocks` not an int above the base pool, or a size the
+        config refuses (slots beyond int32, pages beyond `MAX_POOL_BYTES`); the
+        message names the limit.
+      InvalidBlock: a block to cut off is still referenced.
+    """
+    num_blocks = _as_int_scalar(num_blocks, "num_blocks", low=1)
     new_config = regions.resized_config(self.config, num_blocks)
     self.state = regions.resize_pool(self.state, config=self.config, new_config=new_config)
     self.config = new_config

@@ -16,8 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv.core.config import PoolConfig
-from paged_kv.core.errors import Status
+from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.core.state import REGION_DYNAMIC, BlockMeta, KVPages, PoolState
+
+CONTIGUOUS_MODES = ("prefer", "require", "never")
+FIT_MODES = ("first", "best")
 
 # ---------------------------------------------------------------------------
 # Free-list primitives (traced helpers, used by the transitions).
@@ -158,10 +161,10 @@ def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks
     `(state, (ids, status))`: `ids: i32[max_blocks]` ascending, `-1` padded;
     `status: i32[]` a `Status`. On failure the state is unchanged.
   """
-  if contiguous not in ("prefer", "require", "never"):
-    raise ValueError(f"contiguous must be 'prefer', 'require' or 'never', got {contiguous!r}")
-  if fit not in ("first", "best"):
-    raise ValueError(f"fit must be 'first' or 'best', got {fit!r}")
+  if contiguous not in CONTIGUOUS_MODES:
+    raise InvalidArgument(f"contiguous must be one of {CONTIGUOUS_MODES}, got {contiguous!r}")
+  if fit not in FIT_MODES:
+    raise InvalidArgument(f"fit must be one of {FIT_MODES}, got {fit!r}")
   meta = state.meta
   n = config.num_blocks
   num = jnp.asarray(num, jnp.int32)
@@ -209,15 +212,32 @@ def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks
   return dataclasses.replace(state, meta=meta), (ids, status.astype(jnp.int32))
 
 
+def table_ref_counts(state: PoolState, *, num_blocks: int) -> jax.Array:
+  """`i32[num_blocks]`: references the live segment tables hold on each block (traced)."""
+  t = state.table
+  m = t.block.shape[1]
+  used = t.active[:, None] & (jnp.arange(m)[None, :] < t.num_segments[:, None])
+  ids = jnp.where(used, t.block, num_blocks).reshape(-1)
+  return jnp.zeros((num_blocks,), jnp.int32).at[ids].add(1, mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def apply_ref_deltas(state: PoolState, block_ids: jax.Array, deltas: jax.Array, *,
                      config: PoolConfig) -> tuple[PoolState, jax.Array]:
   """Applies a batch of reference-count changes (e.g. the prefix cache's), atomically.
 
-  An increment is only allowed on a live block (ref_count > 0): new blocks come
-  from `allocate`/`reserve_tokens`, never from an incref of a free block.
-  Blocks whose count reaches zero are freed. Entries with `block_ids == -1`
-  are padding. If any entry is invalid nothing is applied.
+  These are the references of holders *outside* the segment tables (a prefix
+  cache, a caller of `allocate`); the tables' own references move only through
+  the sequence transitions. So an increment is only allowed on a live block
+  (ref_count > 0): new blocks come from `allocate`/`reserve_tokens`, never from an
+  incref of a free block; and a decrement may not take a block below the number
+  of live table segments on it (`BLOCK_IN_USE`): that would free, or leave
+  under-counted, a block a live sequence still reads. Blocks whose count reaches
+  zero are freed. Entries with `block_ids == -1` are padding. If any entry is
+  invalid nothing is applied.
+
+  Each block's summed delta must fit in int32 (the host API checks that with
+  int64 arithmetic); a sum that takes `ref_count` beyond int32 is `REF_OVERFLOW`.
 
   Args:
     state: the pool (donated).
@@ -227,7 +247,8 @@ def apply_ref_deltas(state: PoolState, block_ids: jax.Array, deltas: jax.Array, 
 
   Returns:
     `(state, status)` with `status: i32[K]` (`INVALID_BLOCK`, `REF_UNDERFLOW`,
-    `ABORTED` for valid entries of a refused batch, else `OK`).
+    `REF_OVERFLOW`, `BLOCK_IN_USE`, `ABORTED` for valid entries of a refused
+    batch, else `OK`).
   """
   n = config.num_blocks
   block_ids = jnp.asarray(block_ids, jnp.int32)
@@ -237,13 +258,21 @@ def apply_ref_deltas(state: PoolState, block_ids: jax.Array, deltas: jax.Array, 
   safe = jnp.where(in_range, block_ids, n)
   total = jnp.zeros((n,), jnp.int32).at[safe].add(jnp.where(in_range, deltas, 0), mode="drop")
   ref = state.meta.ref_count
-  new_ref = ref + total
+  i32_max = jnp.iinfo(jnp.int32).max
+  # ref >= 0, so ref + total overflows iff total > 0 and ref > INT32_MAX - total (no wrap).
+  overflow_blk = (total > 0) & (ref > i32_max - jnp.maximum(total, 0))
+  new_ref = jnp.where(overflow_blk, i32_max, ref + total)
+  table_refs = table_ref_counts(state, num_blocks=n)
   cb = jnp.clip(block_ids, 0, n - 1)
+  overflow = in_range & overflow_blk[cb]
   underflow = in_range & (new_ref[cb] < 0)
+  in_use = in_range & (total[cb] < 0) & (new_ref[cb] < table_refs[cb])
   incref_free = in_range & (deltas > 0) & (ref[cb] == 0)
-  status = jnp.where(pad, Status.OK,
-                     jnp.where(~in_range | incref_free, Status.INVALID_BLOCK,
-                               jnp.where(underflow, Status.REF_UNDERFLOW, Status.OK)))
+  status = jnp.where(underflow, Status.REF_UNDERFLOW,
+                     jnp.where(in_use, Status.BLOCK_IN_USE, Status.OK))
+  status = jnp.where(overflow, Status.REF_OVERFLOW, status)
+  status = jnp.where(~in_range | incref_free, Status.INVALID_BLOCK, status)
+  status = jnp.where(pad, Status.OK, status)
   all_ok = jnp.all(status == Status.OK)
   status = jnp.where(all_ok | (status != Status.OK) | pad, status, Status.ABORTED)
   applied = jnp.where(all_ok & in_range, safe, n)

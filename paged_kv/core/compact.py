@@ -220,6 +220,10 @@ def move_blocks(state: PoolState, src: jax.Array, dst: jax.Array, *, config: Poo
   slots = carry(meta.slots, jnp.zeros((config.slot_words,), jnp.uint32))
   last_use = carry(meta.last_use, 0)
   free_list, num_free = rebuild_free_list(ref_count, meta.region)
+  # No move applied (a refused or empty plan): keep the list bit-identical, stale part too.
+  any_move = jnp.any(move)
+  free_list = jnp.where(any_move, free_list, meta.free_list)
+  num_free = jnp.where(any_move, num_free, meta.num_free)
   meta = dataclasses.replace(meta, ref_count=ref_count, slots=slots, last_use=last_use,
                              free_list=free_list, num_free=num_free)
   remap = jnp.arange(n, dtype=jnp.int32).at[ss].set(dst, mode="drop")

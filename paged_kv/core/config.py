@@ -8,11 +8,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax.numpy as jnp
 import numpy as np
 
+from paged_kv.core.errors import InvalidArgument
+
 _ALLOWED_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+_I32_MAX = int(np.iinfo(np.int32).max)
+
+MAX_POOL_BYTES = 2**42
+"""Upper bound on the K+V page bytes of one `PoolConfig` (4 TiB).
+
+Above the memory of any single accelerator node today (8 x H200 is about 1.1 TB),
+so a config beyond it cannot be allocated and is refused when it is built, with
+its size in the message, instead of failing later with `RESOURCE_EXHAUSTED`. The
+check is arithmetic only: device memory is never probed (a config within the bound
+can still exceed one device; that fails when the pages are allocated).
+"""
+
+
+def _is_int(value) -> bool:
+  """A Python or numpy integer, not a bool."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +53,12 @@ class PoolConfig:
       `SchedulerConfig.promote_readers` moving widely shared blocks there.
     scrub_freed_blocks: zero the K/V of a block when it becomes free (for
       deployments that must not leave one tenant's data in memory). Off by default.
+
+  Every field is type-checked when the config is built (ints must be ints, not
+  bools or floats; `scrub_freed_blocks` must be a bool; numpy scalars are
+  normalised to Python ones) and the sizes must be able to exist: flat slot
+  indices fit in int32 and the pages fit in `MAX_POOL_BYTES`. A bad config raises
+  `InvalidArgument` (a `ValueError`) naming the field and the limit.
   """
 
   num_blocks: int
@@ -51,25 +76,51 @@ class PoolConfig:
     for name in ("num_blocks", "num_layers", "num_kv_heads", "head_dim",
                  "max_seqs", "max_segments"):
       value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"PoolConfig.{name} must be a positive int, got {value!r}")
+      if not _is_int(value) or value <= 0:
+        raise InvalidArgument(f"PoolConfig.{name} must be a positive int, got {value!r}")
+      object.__setattr__(self, name, int(value))
     bs = self.block_size
-    if (not isinstance(bs, (int, np.integer)) or isinstance(bs, bool)
-        or bs < 1 or bs > 128 or bs & (bs - 1)):
-      raise ValueError(
+    if not _is_int(bs) or bs < 1 or bs > 128 or bs & (bs - 1):
+      raise InvalidArgument(
           f"PoolConfig.block_size must be a power of two in [1, 128], got {bs!r}")
+    object.__setattr__(self, "block_size", int(bs))
     if isinstance(self.dtype, str):
       name = self.dtype
     else:
-      name = jnp.dtype(self.dtype).name
+      try:
+        name = jnp.dtype(self.dtype).name
+      except TypeError as e:
+        raise InvalidArgument(f"PoolConfig.dtype must be one of {_ALLOWED_DTYPES}, got "
+                              f"{self.dtype!r}") from e
       object.__setattr__(self, "dtype", name)
     if name not in _ALLOWED_DTYPES:
-      raise ValueError(f"PoolConfig.dtype must be one of {_ALLOWED_DTYPES}, got {name!r}")
-    if not 0.0 <= float(self.base_pool_fraction) < 1.0:
-      raise ValueError(
-          f"PoolConfig.base_pool_fraction must be in [0, 1), got {self.base_pool_fraction!r}")
-    if self.num_blocks >= 2**31 // max(self.block_size, 1):
-      raise ValueError("num_blocks * block_size must fit in int32")
+      raise InvalidArgument(f"PoolConfig.dtype must be one of {_ALLOWED_DTYPES}, got {name!r}")
+    frac = self.base_pool_fraction
+    if (isinstance(frac, (bool, np.bool_)) or not isinstance(frac, numbers.Real)
+        or not 0.0 <= float(frac) < 1.0):
+      raise InvalidArgument(
+          f"PoolConfig.base_pool_fraction must be a number in [0, 1), got {frac!r}")
+    object.__setattr__(self, "base_pool_fraction", float(frac))
+    scrub = self.scrub_freed_blocks
+    if not isinstance(scrub, (bool, np.bool_)):
+      raise InvalidArgument(
+          f"PoolConfig.scrub_freed_blocks must be a bool, got {scrub!r}")
+    object.__setattr__(self, "scrub_freed_blocks", bool(scrub))
+    if self.num_blocks * self.block_size > _I32_MAX:
+      raise InvalidArgument(
+          f"PoolConfig: num_blocks * block_size = {self.num_blocks * self.block_size} slots "
+          f"must fit in int32 (<= {_I32_MAX}): slot indices are int32")
+    if self.max_seqs * self.max_segments > _I32_MAX:
+      raise InvalidArgument(
+          f"PoolConfig: max_seqs * max_segments = {self.max_seqs * self.max_segments} must "
+          f"fit in int32 (<= {_I32_MAX})")
+    total = self.num_blocks * self.block_bytes
+    if total > MAX_POOL_BYTES:
+      raise InvalidArgument(
+          f"PoolConfig: the pages would take {total} bytes ({total / 2**40:.1f} TiB), above "
+          f"the {MAX_POOL_BYTES} bytes ({MAX_POOL_BYTES / 2**40:.0f} TiB) such pages can "
+          "take (paged_kv.core.config.MAX_POOL_BYTES); lower num_blocks, num_layers, "
+          "num_kv_heads, head_dim or block_size")
 
   @property
   def jnp_dtype(self) -> jnp.dtype:

@@ -24,6 +24,8 @@ class Status(enum.IntEnum):
   REF_UNDERFLOW = 7       # a decref below zero
   INVALID_SEGMENT = 8     # a segment outside its block, empty, or on unwritten slots
   ABORTED = 9             # valid, but not applied because another request of an atomic call failed
+  REF_OVERFLOW = 10       # an incref would take a block's reference count above int32
+  BLOCK_IN_USE = 11       # a decref would drop a block below the references live tables hold
 
 
 # OOM reasons, as used in metrics (`oom_by_reason`).
@@ -57,6 +59,21 @@ class InvalidSegment(PagedKVError):
 
 class RefCountUnderflow(PagedKVError):
   """A decref would take a block's reference count below zero."""
+
+
+class RefCountOverflow(PagedKVError):
+  """An incref would take a block's reference count (or a summed delta) beyond int32."""
+
+
+class BlockInUse(InvalidBlock):
+  """The operation would free, rebind or overwrite a block or slot another holder uses.
+
+  Raised when a decref would drop a block below the references that live sequence
+  tables hold on it, when `pack_slots` is told a segment is held outside the pool
+  but the ref counts show no outside holder for it, and when `write_kv` targets a
+  slot that is not exclusively the writer's (shared, cache-held, or another live
+  sequence's). A subclass of `InvalidBlock`.
+  """
 
 
 class InvalidArgument(PagedKVError, ValueError):

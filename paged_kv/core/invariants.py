@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from paged_kv.core.errors import InvariantViolation
+from paged_kv.core.errors import InvalidArgument, InvariantViolation
 from paged_kv.core.segment_format import Segments, as_segments
 from paged_kv.core.state import REGION_DYNAMIC, PoolState
 
@@ -23,7 +23,7 @@ def _slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def check_invariants(state: PoolState, extra_segments: Segments | None = None, *,
-                     raise_on_error: bool = True) -> list[str]:
+                     extra_blocks=None, raise_on_error: bool = True) -> list[str]:
   """Checks the pool's invariants; returns the violations (raises if any, by default).
 
   Args:
@@ -31,6 +31,11 @@ def check_invariants(state: PoolState, extra_segments: Segments | None = None, *
     extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
       segment tables (e.g. `PrefixCache.segment_refs()`), each counting one
       reference; None: none.
+    extra_blocks: `int[k]` block ids held outside the tables *without* a segment,
+      one reference per entry (repeat an id for several): the blocks a caller of
+      `allocate()` holds (ref 1, no slot bits required, no table segment). None:
+      none. The caller names them, as it does its segments: the pool does not
+      track what it handed out (compaction would move such a record anyway).
     raise_on_error: raise `InvariantViolation` listing every violation.
 
   Returns:
@@ -39,6 +44,7 @@ def check_invariants(state: PoolState, extra_segments: Segments | None = None, *
   Raises:
     InvalidSegmentLayout: `extra_segments` is not `i32[n, 3]` (a caller's error,
       raised whatever `raise_on_error` says).
+    InvalidArgument: `extra_blocks` is not a 1-D integer array (likewise).
     InvariantViolation: a violation, with `raise_on_error`.
   """
   extra = None if extra_segments is None else as_segments(extra_segments,
@@ -72,6 +78,17 @@ def check_invariants(state: PoolState, extra_segments: Segments | None = None, *
       segs.append((int(b), int(st), int(ln), f"extra {j}"))
 
   expected = np.zeros(n, np.int64)
+  if extra_blocks is not None:
+    eb = np.asarray(extra_blocks)
+    if eb.ndim > 1 or (eb.size and (eb.dtype == np.bool_ or
+                                    not np.issubdtype(eb.dtype, np.integer))):
+      raise InvalidArgument(f"extra_blocks must be a 1-D array of block ids, got {eb.dtype} "
+                            f"{eb.shape}")
+    eb = eb.reshape(-1).astype(np.int64) if eb.size else np.zeros(0, np.int64)
+    outside = (eb < 0) | (eb >= n)
+    if outside.any():
+      errors.append(f"extra_blocks {eb[outside][:10].tolist()} out of range")
+    np.add.at(expected, eb[~outside], 1)
   bits = _slot_bits(meta.slots, bs)
   for b, st, ln, owner in segs:
     if not 0 <= b < n:
@@ -97,6 +114,8 @@ def check_invariants(state: PoolState, extra_segments: Segments | None = None, *
     errors.append(f"num_free {nf} outside [0, {n}]")
     nf = min(max(nf, 0), n)
   window = meta.free_list[n - nf:] if nf else np.zeros(0, np.int64)
+  if window.size and (window.min() < 0 or window.max() >= n):
+    errors.append("free list holds block ids out of range")
   want = np.nonzero(free & (meta.region == REGION_DYNAMIC))[0]
   if not np.array_equal(window, want):
     errors.append(f"free list ({nf} entries) != free dynamic blocks ({len(want)}): "

@@ -20,6 +20,15 @@ def write_kv(pages: KVPages, layer: int | jax.Array, slot_idx: jax.Array, k: jax
   there, so XLA updates them in place. `jit_write_kv` is the standalone
   jitted, donating version.
 
+  UNSAFE by design (the decode fast path): nothing is checked inside jit. Slots
+  must come straight from `reserve_tokens` of the same step (the writer's own,
+  freshly handed out, exclusive slots); an index out of range is dropped, but a
+  wrong in-range index overwrites whatever lives there (another sequence's K/V,
+  a shared prefix, a cached block) and duplicate indices leave the winner
+  undefined. Only the model layer (`paged_kv.model.paged_attention`, the jitted
+  steps) uses it, with `reserve_tokens`' output; every other caller goes through
+  `BlockPool.write_kv`, which checks range, dtype, duplicates and ownership.
+
   Args:
     pages: the pool's pages.
     layer: layer index (Python int or traced scalar) in `[0, num_layers)`; not

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.state import KVPages
 
 SLOT_COPY_IMPLS = ("xla", "pallas")
@@ -61,7 +62,7 @@ def copy_slot_ranges(pages: KVPages,
     The pages with the ranges copied.
   """
   if impl not in SLOT_COPY_IMPLS:
-    raise ValueError(f"impl must be one of {SLOT_COPY_IMPLS}, got {impl!r}")
+    raise InvalidArgument(f"impl must be one of {SLOT_COPY_IMPLS}, got {impl!r}")
   args = [jnp.asarray(a, jnp.int32) for a in (src_block, src_start, dst_block, dst_start, length)]
   if impl == "xla":
     return KVPages(k=_xla_copy_slots(pages.k, *args), v=_xla_copy_slots(pages.v, *args))
@@ -92,7 +93,7 @@ def move_pages(pages: KVPages,
     The pages with the blocks copied (sources keep their old contents).
   """
   if impl not in BLOCK_MOVE_IMPLS:
-    raise ValueError(f"impl must be one of {BLOCK_MOVE_IMPLS}, got {impl!r}")
+    raise InvalidArgument(f"impl must be one of {BLOCK_MOVE_IMPLS}, got {impl!r}")
   src = jnp.asarray(src, jnp.int32)
   dst = jnp.asarray(dst, jnp.int32)
   if impl == "xla":

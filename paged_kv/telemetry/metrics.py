@@ -70,6 +70,33 @@ def live_slot_mask(state: PoolState, extra_segments: Segments | None = None) -> 
   return (np.cumsum(diff[:-1]) > 0).reshape(n, bs)
 
 
+def ghost_blocks(ref_count: np.ndarray, region: np.ndarray, free_list: np.ndarray,
+                 num_free) -> int:
+  """Blocks on which the free list and `ref_count` disagree, looking both ways.
+
+  Counts (a) free dynamic blocks missing from the free list's valid window
+  (unreferenced but never handed out again), (b) window entries that name a
+  referenced block, a base-region block or an id out of range (would be handed
+  out while in use), and (c) repeated window entries (one block handed out
+  twice). A `num_free` outside `[0, num_blocks]` counts its excess. 0 by
+  construction; anything else is a bookkeeping bug.
+  """
+  ref_count, region, free_list = (np.asarray(a) for a in (ref_count, region, free_list))
+  n = ref_count.shape[0]
+  nf = int(num_free)
+  bad_count = max(nf - n, -nf, 0)
+  nf = min(max(nf, 0), n)
+  window = free_list[n - nf:].astype(np.int64) if nf else np.zeros(0, np.int64)
+  in_range = (window >= 0) & (window < n)
+  ids = window[in_range]
+  counts = np.bincount(ids, minlength=n)
+  dyn_free = (ref_count == 0) & (region == REGION_DYNAMIC)
+  missing = int(np.sum(dyn_free & (counts == 0)))
+  listed_used = int(np.sum((counts > 0) & ~dyn_free)) + int(np.sum(~in_range))
+  duplicates = int(np.sum(np.maximum(counts - 1, 0)))
+  return missing + listed_used + duplicates + bad_count
+
+
 @dataclasses.dataclass
 class PoolCounters:
   """Event counters the host keeps beside the state (cumulative).
@@ -138,7 +165,9 @@ class PoolSnapshot:
     segments_per_sequence: mean over live sequences.
     live_sequences, live_tokens: active rows and their tokens.
     live_blocks, cached_only_blocks: blocks used by table rows / only by outside holders.
-    ghost_block_bytes: free dynamic blocks missing from the free list (0 by construction).
+    ghost_block_bytes: bytes of the blocks on which the free list and `ref_count`
+      disagree, either way (`ghost_blocks`: free blocks missing from the list,
+      listed blocks that are referenced, repeated entries; 0 by construction).
     oom_by_reason, oom_by_seq_len: from the counters.
     compaction_moves, compaction_seconds: from the counters.
   """
@@ -196,11 +225,7 @@ def snapshot(state: PoolState, config: PoolConfig, *, extra_segments: Segments |
   used_slots_total = int(used.sum()) * bs
   masks = region_free_masks(meta.ref_count, meta.region)
   dyn_free = masks["dynamic"]
-  in_list = np.zeros(n, bool)
-  nf = int(meta.num_free)
-  if nf:
-    in_list[meta.free_list[n - nf:]] = True
-  ghosts = int(np.sum(dyn_free & ~in_list))
+  ghosts = ghost_blocks(meta.ref_count, meta.region, meta.free_list, meta.num_free)
   if assert_no_ghosts:
     assert ghosts == 0, f"{ghosts} ghost blocks: free list and ref_count disagree"
   active = table.active
