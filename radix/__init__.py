@@ -22,6 +22,7 @@ from radix.cache import (
 from radix.tree import (
     HitStats,
     InsertResult,
+    InvalidNamespaceError,
     InvalidTokensError,
     LockError,
     Node,
@@ -32,6 +33,7 @@ from radix.tree import (
     Split,
     StaleNodeError,
     as_tokens,
+    check_namespace,
 )
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "HitStats",
     "InsertOutcome",
     "InsertResult",
+    "InvalidNamespaceError",
     "InvalidSegmentsError",
     "InvalidTokensError",
     "LockError",
@@ -60,4 +63,5 @@ __all__ = [
     "StaleNodeError",
     "as_segments",
     "as_tokens",
+    "check_namespace",
 ]

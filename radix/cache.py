@@ -36,12 +36,17 @@ live sequence's table plus one per segment held by a cache node. Hence:
 So at every moment ``ref_count == table refs + bincount(cache.segment_refs()[:, 0])``
 and the sum of every ``RefDeltas`` the cache ever returned equals the tree's
 references. ``match`` never changes tree references (it never splits a node; a match
-ending inside a node returns a cut copy of the segment for the sequence only).
+ending inside a node returns a cut copy of the segment for the sequence only), unless
+``match(lock=True, split=True)`` splits the deepest node at the match point so that
+only the matched tokens are locked; then its cut comes back in ``ref_deltas``.
 
 Locks, pins and eviction
 ------------------------
 ``match(..., lock=True)`` locks the deepest node it touched (and its ancestors) until
-``unlock``; locked nodes are never evicted. ``insert(..., pin_ttl=)`` or ``pin`` keeps a
+``unlock``; locked nodes are never evicted. ``reset_locks(held)`` rebuilds every lock
+count from the locks a caller still holds (after an interrupted operation).
+Eviction's block target can count only some blocks (``countable``, e.g. the pool's
+dynamic region: a freed base-region block is not a free block for new sequences). ``insert(..., pin_ttl=)`` or ``pin`` keeps a
 prefix (e.g. a system prompt) until its TTL expires. Under pressure ``evict`` removes
 unlocked, unpinned leaves (and parents that become leaves) by policy:
 
@@ -238,7 +243,8 @@ class MatchResult:
       sequence's table (``open_sequence`` increfs them).
     node: locked node handle (pass to ``unlock``), or None when nothing was
       matched or ``lock=False``.
-    ref_deltas: tree reference changes; always empty (a match never splits).
+    ref_deltas: tree reference changes; empty unless ``match(split=True)`` split
+      the deepest node and cut a segment (+1 on its block).
   """
 
   length: int
@@ -408,7 +414,13 @@ class PrefixCache:
 
   # ------------------------------------------------------------------ queries
   def match(
-      self, namespace: Hashable, tokens: Any, *, lock: bool = True, record: bool = True
+      self,
+      namespace: Hashable,
+      tokens: Any,
+      *,
+      lock: bool = True,
+      record: bool = True,
+      split: bool = False,
   ) -> MatchResult:
     """Longest cached prefix of ``tokens`` in ``namespace``.
 
@@ -420,9 +432,14 @@ class PrefixCache:
       tokens: int32-compatible token ids, shape [n].
       lock: lock the deepest matched node until ``unlock(result.node)``.
       record: update hit statistics and access times (False: read-only probe).
+      split: with ``lock``, when the match ends inside a node, split that node at
+        the match point first and lock only the head (the matched tokens), so the
+        unmatched tail stays evictable. A split that cuts a segment returns its
+        tree incref in ``ref_deltas`` (apply it to the pool). Without ``split`` the
+        whole deepest node is locked and ``ref_deltas`` is always empty.
 
     Raises:
-      InvalidTokensError: bad tokens.
+      InvalidTokensError: bad tokens. InvalidNamespaceError: bad namespace.
     """
     m = self.tree.match_prefix(namespace, tokens, now=self._now(), record=record)
     if m.length == 0:
@@ -433,10 +450,13 @@ class PrefixCache:
       parts[-1] = _cut(parts[-1], m.last_offset)[0]
     segments = np.concatenate(parts).astype(np.int32, copy=True)
     node = None
+    deltas = RefDeltas.empty()
     if lock:
-      self.tree.lock(last.node_id)
       node = last.node_id
-    return MatchResult(m.length, segments, node, RefDeltas.empty())
+      if split and m.last_offset < last.num_tokens:
+        node, deltas = self.split(node, m.last_offset)
+      self.tree.lock(node)
+    return MatchResult(m.length, segments, node, deltas)
 
   def unlock(self, node: NodeId) -> None:
     """Releases a lock taken by ``match``.
@@ -581,6 +601,27 @@ class PrefixCache:
     segs[rows[0]] = new
     return self.rebind_segments(node, segs)
 
+  def reset_locks(self, held: Iterable[NodeId]) -> None:
+    """Rebuilds every lock count from the locks still held (``held``: one entry per
+    outstanding ``match(lock=True)``; repeats count, stale ids are ignored); every
+    other lock is dropped. For recovery after an interrupted caller."""
+    self.tree.reset_locks(held)
+
+  def clear(self) -> RefDeltas:
+    """Drops every node, locked or pinned (e.g. when the pool can no longer vouch
+    for the tree's segments); returns the tree's decrefs (-1 per segment held)."""
+    refs = self.segment_refs()[:, 0]
+    nodes = list(self.tree.nodes())
+    self.tree.reset_locks(())
+    while len(self.tree):
+      for leaf in list(self.tree.leaves()):
+        self.tree.remove_leaf(leaf.node_id)
+    self._num_segments = 0
+    self._evicted_nodes += len(nodes)
+    self._evicted_tokens += sum(n.num_tokens for n in nodes)
+    self._evictions += int(bool(nodes))
+    return RefDeltas.from_pairs(refs, -1)
+
   def pin(self, namespace: Hashable, tokens: Any, ttl: float) -> int:
     """Pins the cached prefix of ``tokens`` for ``ttl`` time units.
 
@@ -620,6 +661,7 @@ class PrefixCache:
       num_blocks: int | None,
       ref_count: np.ndarray | None,
       num_tokens: int | None,
+      countable: np.ndarray | None = None,
   ) -> tuple[list[Node], int | None]:
     """Picks leaves to evict (children first) without changing anything."""
     heap = [(key(n), n.node_id, n) for n in self.tree.leaves() if eligible(n)]
@@ -655,7 +697,10 @@ class PrefixCache:
             raise RefCountMismatchError(
                 f"ref_count[{b}]={int(ref_count[b])} is below the tree's " f"references on it"
             )
-          freed += int(np.count_nonzero(left == 0))
+          now_free = left == 0
+          if countable is not None:
+            now_free &= countable[u]
+          freed += int(np.count_nonzero(now_free))
         parent = node.parent
         if parent is not None and parent.parent is not None:
           pid = parent.node_id
@@ -690,6 +735,17 @@ class PrefixCache:
         freed,
     )
 
+  @staticmethod
+  def _check_countable(countable: Any, ref_count: np.ndarray | None) -> np.ndarray | None:
+    if countable is None:
+      return None
+    mask = np.asarray(countable)
+    if mask.dtype != np.bool_ or mask.ndim != 1 or (
+        ref_count is not None and mask.shape != ref_count.shape):
+      raise ValueError(f"countable must be a bool[num_blocks] mask like ref_count, got "
+                       f"{mask.dtype}{mask.shape}")
+    return mask
+
   def _validate_targets(
       self, num_blocks: int | None, ref_count: Any, num_tokens: int | None
   ) -> np.ndarray | None:
@@ -713,6 +769,7 @@ class PrefixCache:
       ref_count: Any = None,
       num_tokens: int | None = None,
       policy: str | None = None,
+      countable: Any = None,
   ) -> Eviction:
     """Evicts unlocked, unpinned leaves by policy until a target is reached.
 
@@ -723,6 +780,9 @@ class PrefixCache:
         only used for the ``num_freed_blocks`` estimate).
       num_tokens: alternatively, stop once this many tokens are evicted.
       policy: ``"lru"`` or ``"cost"``; default the cache's policy.
+      countable: optional ``bool[num_blocks]``: only blocks marked True count
+        toward ``num_blocks`` (and ``num_freed_blocks``); e.g. the pool's dynamic
+        region, since a freed base-region block serves no new sequence.
 
     Returns:
       Eviction; may fall short of the target when nothing else is evictable.
@@ -734,10 +794,12 @@ class PrefixCache:
     if policy not in POLICIES:
       raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     rc = self._validate_targets(num_blocks, ref_count, num_tokens)
+    mask = self._check_countable(countable, rc)
     now = self._now()
     key = _lru_key if policy == "lru" else _cost_key
     chosen, freed = self._select(
-        lambda n: n.lock_ref == 0 and not n.is_pinned(now), key, num_blocks, rc, num_tokens
+        lambda n: n.lock_ref == 0 and not n.is_pinned(now), key, num_blocks, rc, num_tokens,
+        mask,
     )
     return self._commit(chosen, freed)
 
@@ -765,17 +827,20 @@ class PrefixCache:
       ref_count: Any = None,
       num_tokens: int | None = None,
       order: str = "high_first",
+      countable: Any = None,
   ) -> Eviction:
     """GC phase 2: evicts marked nodes, in block-address order, up to a target.
 
     Only leaves can go, so a marked parent goes after its marked children.
     ``order="high_first"`` evicts the node holding the highest block address first
     (allocation is lowest-first, so this frees the top of the pool and leaves less
-    to compact); ``"low_first"`` the opposite. Targets as in ``evict``.
+    to compact); ``"low_first"`` the opposite. Targets (and ``countable``) as in
+    ``evict``.
     """
     if order not in GC_ORDERS:
       raise ValueError(f"order must be one of {GC_ORDERS}, got {order!r}")
     rc = self._validate_targets(num_blocks, ref_count, num_tokens)
+    mask = self._check_countable(countable, rc)
     now = self._now()
     sign = -1 if order == "high_first" else 1
 
@@ -790,6 +855,7 @@ class PrefixCache:
         num_blocks,
         rc,
         num_tokens,
+        mask,
     )
     return self._commit(chosen, freed)
 

@@ -4,7 +4,10 @@ Pure data structure: numpy only, no JAX and nothing from ``paged_kv``.
 
 Each namespace (tenant, LoRA adapter, cache salt, ...) has its own root; a lookup only
 ever walks the tree of its own namespace, so identical token sequences in two
-namespaces never share a node.
+namespaces never share a node. Namespaces are typed keys (``check_namespace``): a
+``str``, ``bytes`` or ``int`` (not ``bool``, not a numpy scalar, not ``float``) or a
+tuple of them, validated by every call that takes one, so tenant identity never rests
+on Python's cross-type equality (``1 == 1.0 == True``).
 
 A node stores the tokens of its edge as one compact ``int32[n]`` numpy span (never one
 Python object per token) and an opaque ``value`` (the prefix cache stores the node's
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -49,7 +52,9 @@ __all__ = [
     "RadixTreeError",
     "Split",
     "StaleNodeError",
+    "InvalidNamespaceError",
     "as_tokens",
+    "check_namespace",
 ]
 
 NodeId = int
@@ -72,6 +77,36 @@ class StaleNodeError(RadixTreeError, KeyError):
 
 class LockError(RadixTreeError):
   """A lock/unlock/remove request conflicts with the node's lock state."""
+
+
+class InvalidNamespaceError(RadixTreeError, TypeError):
+  """A namespace is not a typed key (``str``, ``bytes``, ``int`` or a tuple of them)."""
+
+
+_NAMESPACE_SCALARS = (str, bytes, int)
+
+
+def check_namespace(namespace: Any) -> Hashable:
+  """Validates a namespace and returns it unchanged.
+
+  Namespaces are *typed keys*: a ``str``, ``bytes`` or ``int`` (exactly: not
+  ``bool``, not a numpy integer, not ``float``), or a tuple of such keys. Two
+  allowed namespaces are equal only when their types agree element by element,
+  so ``1``, ``1.0``, ``True`` and ``np.int64(1)`` can never name one tenant
+  (Python equality would merge them); a typed key is also always hashable.
+
+  Raises:
+    InvalidNamespaceError: any other type.
+  """
+  if isinstance(namespace, tuple):
+    for part in namespace:
+      check_namespace(part)
+    return namespace
+  if type(namespace) not in _NAMESPACE_SCALARS:
+    raise InvalidNamespaceError(
+        f"namespace must be a str, bytes, int (not bool or a numpy scalar) or a tuple of "
+        f"them, got {namespace!r} of type {type(namespace).__name__}")
+  return namespace
 
 
 def as_tokens(tokens: Any) -> np.ndarray:
@@ -323,12 +358,9 @@ class RadixTree:
 
   # ------------------------------------------------------------------ helpers
   def _root(self, namespace: Hashable, create: bool) -> Node | None:
+    check_namespace(namespace)
     root = self._roots.get(namespace)
     if root is None and create:
-      try:
-        hash(namespace)
-      except TypeError:
-        raise TypeError(f"namespace must be hashable, got {namespace!r}") from None
       root = Node(
           node_id=0, namespace=namespace, key=np.zeros((0,), np.int32), depth=0, parent=None
       )
@@ -375,19 +407,15 @@ class RadixTree:
         and access times; when False the tree is not modified at all.
 
     Raises:
-      InvalidTokensError: bad ``tokens``.
+      InvalidTokensError: bad ``tokens``. InvalidNamespaceError: bad ``namespace``.
     """
     tokens = as_tokens(tokens)
-    root = self._roots.get(namespace)
+    root = self._root(namespace, create=False)
     if root is None:
       path, length, off = [], 0, 0
     else:
       path, length, off = self._walk(root, tokens)
     if record:
-      try:
-        hash(namespace)
-      except TypeError:
-        raise TypeError(f"namespace must be hashable, got {namespace!r}") from None
       for i, node in enumerate(path):
         self._touch(node, now)
         node.hit_count += 1
@@ -463,7 +491,8 @@ class RadixTree:
       now: current time; stamps every node on the path.
 
     Raises:
-      InvalidTokensError: bad ``tokens``. Nothing changes on error.
+      InvalidTokensError: bad ``tokens``. InvalidNamespaceError: bad ``namespace``.
+      Nothing changes on error.
     """
     tokens = as_tokens(tokens)
     root = self._root(namespace, create=True)
@@ -546,6 +575,18 @@ class RadixTree:
       raise LockError(f"node {node_id} is not locked")
     for n in self._path_to_root(node):
       n.lock_ref -= 1
+
+  def reset_locks(self, held: Iterable[NodeId]) -> None:
+    """Recomputes every ``lock_ref`` from the locks still held (after an interruption).
+
+    Each entry of ``held`` is one outstanding ``lock`` (repeats count); every other
+    lock is dropped. Stale ids are ignored.
+    """
+    for node in self._nodes.values():
+      node.lock_ref = 0
+    for node_id in held:
+      if node_id in self._nodes:
+        self.lock(node_id)
 
   def pin(self, node_id: NodeId, until: float) -> None:
     """Pins the node and its ancestors until time ``until`` (extends, never shortens)."""

@@ -14,13 +14,15 @@
 Importing this package needs no flax (`ModelExecutor` imports it when built).
 """
 
-from paged_kv.serving.cached_pool import CachedPool, CacheView
-from paged_kv.serving.executor import DryExecutor, Executor, ModelExecutor
+from paged_kv.serving.cached_pool import CachedPool, CacheView, PoolStateLost
+from paged_kv.serving.executor import (DryExecutor, Executor, ModelExecutor, attach_state,
+                                       attached_state)
 from paged_kv.serving.persist import load_prefix_cache, save_prefix_cache
-from paged_kv.serving.scheduler import (Phase, Request, Scheduler, SchedulerConfig,
-                                        SchedulerStats)
+from paged_kv.serving.scheduler import (Phase, Request, Scheduler, SchedulerBroken,
+                                        SchedulerConfig, SchedulerStats)
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
 
 __all__ = ["CacheView", "CachedPool", "DryExecutor", "Executor", "ModelExecutor", "Phase",
-           "Request", "Scheduler", "SchedulerConfig", "SchedulerStats", "SwappedKV",
+           "PoolStateLost", "Request", "Scheduler", "SchedulerBroken", "SchedulerConfig",
+           "SchedulerStats", "SwappedKV", "attach_state", "attached_state",
            "load_prefix_cache", "save_prefix_cache", "swap_in", "swap_out"]

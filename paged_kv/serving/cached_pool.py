@@ -27,6 +27,14 @@ Who moves which reference:
 * **persistence** (`save`, `restore`) writes the tree and its K/V, and restores
   them into fresh blocks with the tree's references applied.
 
+Interruptions: each call applies the pool side and the cache side one after the
+other. When an exception (a `KeyboardInterrupt` included) lands between the two,
+`recover()` restores the invariants: if the pool and the tree disagree, the tree
+is dropped (`PrefixCache.clear`) and the pool's reference counts are rebuilt from
+the live tables, so nothing leaks and no block is freed under a reader (the cache
+is only a cache). A pool whose donated state was lost (`state_lost`) cannot be
+recovered: `recover()` raises `PoolStateLost`.
+
 `cp.pool` is the `BlockPool` for the sequence-side work a model step does
 (`reserve_tokens`, `write_kv`, `gather_kv`, `fork`, `cow_split`, the executor's
 `state`); block moves and cache changes go through this object. `cp.cache` is a
@@ -42,10 +50,11 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from paged_kv.core import compact
-from paged_kv.core.errors import InvalidArgument, InvariantViolation
+from paged_kv.core.errors import InvalidArgument, InvariantViolation, PagedKVError
 from paged_kv.core.segment_format import Segments, as_segments, take_tokens
 from paged_kv.core.state import REGION_DYNAMIC
 from paged_kv.pool import BlockPool
@@ -55,7 +64,31 @@ from radix.cache import (CacheCounters, EvictableReport, Eviction, GcMark, Inser
                          MatchResult, PackCandidate, PrefixCache, RefDeltas)
 from radix.tree import HitStats, NodeId, RadixTree, StaleNodeError
 
-__all__ = ["CacheView", "CachedPool"]
+__all__ = ["CacheView", "CachedPool", "PoolStateLost", "state_lost"]
+
+
+class PoolStateLost(PagedKVError):
+  """The pool's state points at deleted buffers: a jitted call took it (donation)
+  and the new state never came back (e.g. an executor raised after donating).
+  Every K/V page and every reference count is gone; the pool cannot be used."""
+
+
+def state_lost(pool: BlockPool) -> bool:
+  """True when some array of `pool.state` was deleted (donated and not returned)."""
+  for leaf in jax.tree.leaves(pool.state):
+    is_deleted = getattr(leaf, "is_deleted", None)
+    if is_deleted is not None and is_deleted():
+      return True
+  return False
+
+
+def table_ref_counts(pool: BlockPool) -> np.ndarray:
+  """`i32[num_blocks]`: the references the live tables hold, per block (host)."""
+  t = pool.state.table
+  active, ns, block = (np.asarray(x) for x in (t.active, t.num_segments, t.block))
+  cols = np.arange(block.shape[1])[None, :]
+  used = active[:, None] & (cols < ns[:, None])
+  return np.bincount(block[used].reshape(-1), minlength=pool.config.num_blocks).astype(np.int64)
 
 
 class CacheView:
@@ -179,6 +212,9 @@ class CachedPool:
   def _ref_count(self) -> np.ndarray:
     return np.asarray(self._pool.state.meta.ref_count)
 
+  def _dynamic(self) -> np.ndarray:
+    return np.asarray(self._pool.state.meta.region) == REGION_DYNAMIC
+
   def _apply(self, deltas: RefDeltas) -> None:
     if len(deltas):
       self._pool.apply_ref_deltas(deltas.block_ids, deltas.deltas)
@@ -186,13 +222,18 @@ class CachedPool:
   # ------------------------------------------------------------------ match / open
   def match(self, namespace: Hashable, tokens: Any, *, lock: bool = True,
             record: bool = True) -> MatchResult:
-    """Longest cached prefix of `tokens` (see `PrefixCache.match`); moves no reference.
+    """Longest cached prefix of `tokens` (see `PrefixCache.match`).
 
     To keep a token to compute (for the logits), match `tokens[:-1]`. The result's
     `segments` (`i32[n, 3]`) go to `open`; a locked `node` to `unlock` once the
-    sequence is done with it.
+    sequence is done with it. With `lock`, a match ending inside a node splits
+    that node at the match point first (its cut's incref is applied here) and
+    locks only the matched head: the unmatched tail stays evictable, so a short
+    match into a long node never pins blocks the sequence does not use.
     """
-    return self._cache.match(namespace, tokens, lock=lock, record=record)
+    m = self._cache.match(namespace, tokens, lock=lock, record=record, split=lock)
+    self._apply(m.ref_deltas)
+    return m
 
   def unlock(self, node: NodeId) -> None:
     """Releases a lock taken by `match`."""
@@ -271,12 +312,15 @@ class CachedPool:
     The pool's `ref_count` is read here; the decrefs are applied, so the blocks
     whose last reference was the tree's are free when this returns.
 
+    Only dynamic-region blocks count toward `num_blocks`: a freed base-region
+    (promoted) block never becomes a free block for new sequences.
+
     Returns:
       The cache's `Eviction` (its `ref_deltas` already applied); it may fall short
       when nothing else is evictable.
     """
     ev = self._cache.evict(num_blocks=num_blocks, num_tokens=num_tokens, policy=policy,
-                           ref_count=self._ref_count())
+                           ref_count=self._ref_count(), countable=self._dynamic())
     self._apply(ev.ref_deltas)
     return ev
 
@@ -295,7 +339,7 @@ class CachedPool:
                order: str = "high_first") -> Eviction:
     """GC phase 2 (see `PrefixCache.gc_evict`), decrefs applied."""
     ev = self._cache.gc_evict(num_blocks=num_blocks, num_tokens=num_tokens, order=order,
-                              ref_count=self._ref_count())
+                              ref_count=self._ref_count(), countable=self._dynamic())
     self._apply(ev.ref_deltas)
     return ev
 
@@ -379,6 +423,41 @@ class CachedPool:
   def reclaim_slots(self) -> int:
     """Frees slots no live segment (tables or tree) covers; returns how many."""
     return self._pool.reclaim_slots(self._cache.segment_refs())
+
+  # ------------------------------------------------------------------ recovery
+  def reset_locks(self, held: Iterable[NodeId]) -> None:
+    """Rebuilds the cache's lock counts from the locks still held (one entry per
+    outstanding `match(lock=True)`); every other lock is dropped."""
+    self._cache.reset_locks(held)
+
+  def recover(self) -> bool:
+    """Restores the invariants after an interrupted call; True when the cache was dropped.
+
+    When the pool's counts equal the tables' plus the tree's references (and
+    the other invariants hold) nothing changes. Otherwise the interruption fell
+    between the pool side and the cache side of a call: the tree is dropped
+    (every lock and node handle goes stale) and each block's count is set to the
+    tables' references, freeing what only the tree held.
+
+    Raises:
+      PoolStateLost: the pool's state was donated and not returned.
+      InvariantViolation: the tables themselves are inconsistent (not repairable).
+    """
+    if state_lost(self._pool):
+      raise PoolStateLost("the pool's state buffers were deleted (donated to a jitted call "
+                          "whose result never came back); its K/V and bookkeeping are gone")
+    try:
+      self.check_invariants()
+      return False
+    except InvariantViolation:
+      pass
+    self._cache.clear()
+    diff = table_ref_counts(self._pool) - self._ref_count().astype(np.int64)
+    ids = np.flatnonzero(diff)
+    if ids.size:
+      self._pool.apply_ref_deltas(ids, diff[ids])
+    self.check_invariants()
+    return True
 
   # ------------------------------------------------------------------ checks, metrics
   def segment_refs(self) -> Segments:

@@ -9,6 +9,20 @@
     through the jitted mixed step `paged_kv.model.steps.forward`, greedy sampling.
 
 This module imports no flax: `ModelExecutor` loads the model steps when built.
+
+The executor contract (what keeps a failed step from destroying the pool):
+
+  1. A reservation that fails (no free block, full table, ...) is reported in
+     `status`, never raised; the row is left untouched.
+  2. `step` donates `state` to its jitted call. If it raises *before* that call
+     ran, `state` is still valid. If it raises *after* (a failing conversion, a
+     `KeyboardInterrupt`, ...), it attaches the state the call returned to the
+     exception with `attach_state(exc, new_state)` before re-raising; the
+     scheduler takes it back with `attached_state(exc)`. Both library executors
+     do this for every exception, `BaseException` included.
+  3. An executor that breaks the contract (raises with the donated state gone)
+     makes the scheduler refuse further use with `PoolStateLost`/`SchedulerBroken`,
+     naming the deleted buffers, instead of failing later on deleted arrays.
 """
 
 from __future__ import annotations
@@ -25,6 +39,18 @@ from paged_kv.model.plan import StepPlan
 if TYPE_CHECKING:
   from flax import nnx
 
+_STATE_ATTR = "paged_kv_state"
+
+
+def attach_state(exc: BaseException, state: PoolState) -> None:
+  """Marks `exc` as raised after the donating call; `state` is the pool's valid state."""
+  setattr(exc, _STATE_ATTR, state)
+
+
+def attached_state(exc: BaseException) -> PoolState | None:
+  """The state `attach_state` put on `exc`, or None (raised before the donation)."""
+  return getattr(exc, _STATE_ATTR, None)
+
 
 class Executor(Protocol):
   """The model work of a step, on the pool state (donated in, returned out)."""
@@ -40,6 +66,10 @@ class Executor(Protocol):
       `(state, next_tokens i32[B], status i32[B])`; a row whose reservation
       failed (`status != OK`) is left untouched and its `next_tokens` entry is
       meaningless.
+
+    Raises:
+      Anything; raised after the donating call, the exception carries the new
+      state (`attach_state`), so the pool is never lost (see the module docstring).
     """
 
 
@@ -54,7 +84,11 @@ class DryExecutor:
     state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
                                                  config=self.config,
                                                  max_new_tokens=plan.max_query_len)
-    return state, np.zeros(plan.seq_ids.shape, np.int32), np.asarray(status)
+    try:
+      return state, np.zeros(plan.seq_ids.shape, np.int32), np.asarray(status)
+    except BaseException as exc:
+      attach_state(exc, state)
+      raise
 
 
 class ModelExecutor:
@@ -97,4 +131,8 @@ class ModelExecutor:
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
     state, (nxt, _, status) = self._forward(self.params, state, plan, graphdef=self.graphdef,
                                             config=self.config, **self.kernel_args)
-    return state, np.asarray(nxt), np.asarray(status)
+    try:
+      return state, np.asarray(nxt), np.asarray(status)
+    except BaseException as exc:
+      attach_state(exc, state)
+      raise

@@ -21,6 +21,23 @@ Per `step()`:
    policy's threshold, at most `budget` block moves; the cache follows `remap`.
 6. A metrics snapshot (`snapshot_every` steps).
 
+Exception safety: an exception raised anywhere in `step()` (the executor, a
+callback, a `KeyboardInterrupt` at any call site) leaves the scheduler usable:
+a request leaves `running` only after the calls that can fail succeeded, and
+the step's handler reconciles what a half-done call left (`_recover`): the
+`CachedPool` restores pool/cache agreement (dropping the cache if they
+disagree), a running request whose row is gone (or holds tokens the scheduler
+never accounted for) is re-queued for recompute, a row no request owns is
+released, lock counts are rebuilt from the running requests, and the
+invariants are checked. Every submitted request is then queued, running or
+finished with a reason. Only when the pool's donated state is really gone (an
+executor raised after donating without handing the state back, see
+`paged_kv.serving.executor`) does the scheduler refuse further use, with
+`SchedulerBroken`.
+
+Namespaces are typed keys (`radix.tree.check_namespace`: `str`, `bytes`, `int`
+or tuples of them), checked at `submit`.
+
 The pool and the radix cache are one `CachedPool`: it applies every reference
 delta of the cache (insert, evict, remap, packing) itself.
 
@@ -46,17 +63,39 @@ import numpy as np
 
 from paged_kv.core import compact
 from paged_kv.telemetry import metrics
-from paged_kv.core.errors import PagedKVError, PoolExhausted, Status
+from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted, Status
 from paged_kv.pool import BlockPool
 from paged_kv.core.segment_format import Segments
-from paged_kv.serving.cached_pool import CachedPool, CacheView
+from paged_kv.serving.cached_pool import CachedPool, CacheView, PoolStateLost, state_lost
 from paged_kv.model.plan import StepPlan
-from paged_kv.serving.executor import DryExecutor, Executor
+from paged_kv.serving.executor import DryExecutor, Executor, attached_state
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
 from radix.cache import PrefixCache
+from radix.tree import check_namespace
 
 PREEMPTION_MODES = ("recompute", "swap")
 RECLAIM_EVERY = 8  # steps between reclaims of dead slots, when packing tails
+_I32 = np.iinfo(np.int32)
+
+
+class SchedulerBroken(PagedKVError):
+  """The scheduler refuses further use: its pool's state is gone (see the message)."""
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _as_token_array(x, what: str) -> np.ndarray:
+  """A 1-D int32 copy of integer tokens; refuses floats, bools, 2-D and values outside int32."""
+  a = np.asarray(x)
+  if a.ndim != 1:
+    raise InvalidArgument(f"{what} must be a 1-D array of integer tokens, got shape {a.shape}")
+  if a.size and (a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer)):
+    raise InvalidArgument(f"{what} must hold integer tokens, got dtype {a.dtype}")
+  if a.size and (int(a.min()) < _I32.min or int(a.max()) > _I32.max):
+    raise InvalidArgument(f"{what} has tokens outside int32: {int(a.min())}..{int(a.max())}")
+  return a.astype(np.int32)
 
 
 class Phase(enum.Enum):
@@ -74,7 +113,9 @@ class Request:
     request_id: caller's id.
     prompt: `i32[n]` prompt tokens (n >= 1).
     max_new_tokens: tokens to generate (>= 1).
-    namespace: prefix-cache namespace (tenant / adapter); never matches others.
+    namespace: prefix-cache namespace (tenant / adapter); never matches others. A
+      typed key: `str`, `bytes`, `int` (not bool or a numpy scalar) or a tuple of
+      them (`radix.tree.check_namespace`), so `1`, `1.0` and `True` never share.
     arrival: arrival time (caller's unit), for latency reports.
     forced_output: optional `i32[max_new_tokens]` tokens to emit instead of the
       executor's samples (trace replay, where only lengths are known).
@@ -104,15 +145,30 @@ class Request:
   finish_time: float = -1.0
 
   def __post_init__(self):
-    self.prompt = np.asarray(self.prompt, np.int32).reshape(-1)
+    self.validate()
+
+  def validate(self) -> None:
+    """Checks (and normalizes) the caller's fields; `Scheduler.submit` calls it again.
+
+    Raises:
+      InvalidArgument: the prompt is not 1-D integer tokens in int32 (or empty),
+        `max_new_tokens` is not a positive int, or `forced_output` is bad.
+      radix.InvalidNamespaceError: the namespace is not a typed key.
+    """
+    self.prompt = _as_token_array(self.prompt, f"request {self.request_id!r}: prompt")
     if self.prompt.size < 1:
-      raise ValueError(f"request {self.request_id}: empty prompt")
-    if self.max_new_tokens < 1:
-      raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1")
+      raise InvalidArgument(f"request {self.request_id!r}: empty prompt")
+    if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+      raise InvalidArgument(f"request {self.request_id!r}: max_new_tokens must be a positive "
+                            f"int, got {self.max_new_tokens!r}")
+    self.max_new_tokens = int(self.max_new_tokens)
+    check_namespace(self.namespace)
     if self.forced_output is not None:
-      self.forced_output = np.asarray(self.forced_output, np.int32).reshape(-1)
+      self.forced_output = _as_token_array(self.forced_output,
+                                           f"request {self.request_id!r}: forced_output")
       if self.forced_output.size < self.max_new_tokens:
-        raise ValueError(f"request {self.request_id}: forced_output shorter than max_new_tokens")
+        raise InvalidArgument(f"request {self.request_id!r}: forced_output shorter than "
+                              f"max_new_tokens")
 
   @property
   def tokens(self) -> np.ndarray:
@@ -171,9 +227,12 @@ class SchedulerConfig:
   def __post_init__(self):
     if self.preemption not in PREEMPTION_MODES:
       raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
-    for name in ("max_batch", "prefill_token_budget", "prefill_chunk"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1")
+    for name, low in (("max_batch", 1), ("prefill_token_budget", 1), ("prefill_chunk", 1),
+                      ("promote_every", 1), ("promote_readers", 0), ("watermark_blocks", 0),
+                      ("snapshot_every", 0), ("stop_token", -1)):
+      value = getattr(self, name)
+      if not _is_int(value) or value < low:
+        raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
     if not 0.0 <= self.output_reserve_ratio <= 1.0:
       raise ValueError(f"output_reserve_ratio must be in [0, 1], got {self.output_reserve_ratio}")
 
@@ -275,6 +334,9 @@ class Scheduler:
     self._on_snapshot = on_snapshot
     self._step = 0
     self._last_reclaim = -RECLAIM_EVERY
+    self._submitted: dict[int, Request] = {}  # id -> request: each object submitted once
+    self._broken: str | None = None
+    self.num_recoveries = 0  # steps that raised and were recovered from
 
   # ------------------------------------------------------------------ public
   @property
@@ -283,7 +345,27 @@ class Scheduler:
     return self.cached_pool.cache if self._caching else None
 
   def submit(self, request: Request) -> None:
-    """Queues a request (FCFS)."""
+    """Queues a request (FCFS).
+
+    Raises:
+      InvalidArgument: not a `Request`, submitted before (the same object), carrying
+        progress, or bad fields (`Request.validate`).
+      radix.InvalidNamespaceError: the namespace is not a typed key.
+      PoolExhausted: it could not run even in an empty pool (so an accepted
+        request always runs once the pool drains).
+      SchedulerBroken: the scheduler refuses further use.
+    """
+    self._check_usable()
+    if not isinstance(request, Request):
+      raise InvalidArgument(f"submit takes a Request, got {type(request).__name__}")
+    if id(request) in self._submitted:
+      raise InvalidArgument(f"request {request.request_id!r} was already submitted (the same "
+                            f"Request object); submit a new Request")
+    if (request.phase != Phase.WAITING or request.output or request.seq_id is not None
+        or request.swapped is not None or request.lock_node is not None):
+      raise InvalidArgument(f"request {request.request_id!r} carries progress; submit a new "
+                            f"Request")
+    request.validate()
     bs, pc = self._bs, self.pool.config
     # The most admission can ask for, alone in the pool: its whole prompt and output
     # (+1 block each for partial tails) and the watermark. Refusing anything larger
@@ -297,6 +379,7 @@ class Scheduler:
     if _cdiv(request.prompt.size + request.max_new_tokens, bs) > pc.max_segments:
       raise PoolExhausted(f"request {request.request_id} may need more than "
                           f"max_segments={pc.max_segments} segments", reason="table_full")
+    self._submitted[id(request)] = request
     self.waiting.append(request)
 
   @property
@@ -316,7 +399,24 @@ class Scheduler:
       n += 1
 
   def step(self) -> None:
-    """One scheduling step (see the module docstring)."""
+    """One scheduling step (see the module docstring).
+
+    Exception-safe: whatever it raises, the scheduler was reconciled first (see
+    the module docstring) and stays usable, unless it raises `SchedulerBroken`
+    from then on.
+
+    Raises:
+      SchedulerBroken: the pool's donated state is gone (now or before).
+      Anything a call site raised (the executor, `on_snapshot`, ...), after recovery.
+    """
+    self._check_usable()
+    try:
+      self._step_once()
+    except BaseException as exc:
+      self._recover(exc)
+      raise
+
+  def _step_once(self) -> None:
     self._admit()
     if not self.running and (self.waiting or self.swapped):
       # `submit` refuses what cannot fit an empty pool, so this is a bug, not load.
@@ -326,12 +426,73 @@ class Scheduler:
     self._finish()
     self._maybe_compact()
     self._maybe_promote()
+    # The step is done: its id and the counter advance together, before the
+    # snapshot's callback (which may raise) runs.
+    step_id = self._step
+    self._step += 1
     self.stats.steps += 1
     self.stats.max_running = max(self.stats.max_running, len(self.running))
     every = self.config.snapshot_every
-    if every and self._step % every == 0:
-      self._snapshot()
-    self._step += 1
+    if every and step_id % every == 0:
+      self._snapshot(step_id)
+
+  # ------------------------------------------------------------------ exception safety
+  @property
+  def broken(self) -> str | None:
+    """Why the scheduler refuses further use, or None while it is usable."""
+    return self._broken
+
+  def _check_usable(self) -> None:
+    if self._broken is None and state_lost(self.pool):
+      self._broken = ("the pool's state points at deleted buffers (donated to a jitted call "
+                      "whose new state never came back); its K/V and bookkeeping are gone")
+    if self._broken is not None:
+      raise SchedulerBroken(f"scheduler unusable: {self._broken}")
+
+  def _recover(self, exc: BaseException) -> None:
+    """Reconciles requests, rows, locks and the cache after `exc` interrupted a step."""
+    self.num_recoveries += 1
+    try:
+      if state_lost(self.pool):
+        raise PoolStateLost(f"the pool's state buffers were deleted by {type(exc).__name__}: "
+                            f"{exc} (an executor that raises after donating must attach the "
+                            f"new state, see paged_kv.serving.executor)")
+      if self.cached_pool.recover():  # pool and cache disagreed: the cache was dropped
+        for req in self.running:
+          req.lock_node = None
+      self._reconcile_rows()
+      self.cached_pool.reset_locks(
+          [r.lock_node for r in self.running if r.lock_node is not None])
+      self.cached_pool.check_invariants()
+    except BaseException as failure:  # pylint: disable=broad-except
+      self._broken = (f"recovery from {type(exc).__name__}({exc}) failed with "
+                      f"{type(failure).__name__}: {failure}")
+
+  def _reconcile_rows(self) -> None:
+    """Every running request owns a live row holding exactly its cached tokens; every
+    live row belongs to a running request."""
+    table = self.pool.state.table
+    active, seq_len = np.asarray(table.active), np.asarray(table.seq_len)
+    owned: set[int] = set()
+    for req in list(self.running):
+      row = req.seq_id
+      if (row is not None and active[row] and row not in owned
+          and int(seq_len[row]) == req.num_cached):
+        owned.add(row)
+        continue
+      # Its row is gone (released by the interrupted call) or holds tokens whose
+      # results were lost (an executor raised after reserving): recompute it.
+      self.running.remove(req)
+      req.seq_id, req.lock_node = None, None
+      if self._is_finished(req):  # finished, and its release went through
+        self._mark_finished(req)
+        continue
+      req.num_cached = 0
+      req.phase = Phase.WAITING
+      self.waiting.appendleft(req)
+    stray = [int(r) for r in np.flatnonzero(active) if int(r) not in owned]
+    if stray:
+      self.pool.release(stray)
 
   # ------------------------------------------------------------------ helpers
   @property
@@ -366,11 +527,12 @@ class Scheduler:
       need = _cdiv(req.swapped.length, self._bs) + 1
       if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
         return  # swapped requests go first: wait for room
-      req.seq_id = swap_in(self.pool, req.swapped)
+      seq = swap_in(self.pool, req.swapped)  # atomic: nothing opened on an exception
+      self.swapped.popleft()
+      req.seq_id = seq
       self.stats.swap_in_bytes += req.swapped.nbytes
       req.swapped = None
       req.phase = Phase.RUNNING
-      self.swapped.popleft()
       self.running.append(req)
     while self.waiting and self._free_rows() > 0:
       req = self.waiting[0]
@@ -409,7 +571,7 @@ class Scheduler:
     except PagedKVError:
       if node is not None:
         self.cached_pool.unlock(node)
-      raise
+      raise  # (other exceptions: the step's recovery rebuilds the lock counts)
     req.seq_id, req.lock_node, req.num_cached = seq, node, matched
     req.prefill_target = int(context.size)
     req.phase = Phase.RUNNING
@@ -478,7 +640,18 @@ class Scheduler:
     rows += [(r.seq_id, r.tokens[r.num_cached:r.num_cached + n]) for r, n in chunks]
     plan = StepPlan.build(rows, num_rows=self.config.max_batch,
                           max_query_len=self.config.prefill_chunk if chunks else 1)
-    self.pool.state, nxt, status = self.executor.step(self.pool.state, plan)
+    try:
+      state, nxt, status = self.executor.step(self.pool.state, plan)
+    except BaseException as exc:
+      state = attached_state(exc)  # raised after the donation: the executor's new state
+      if state is not None:
+        self.pool.state = state
+      raise
+    self.pool.state = state
+    nxt, status = np.asarray(nxt).reshape(-1), np.asarray(status).reshape(-1)
+    if nxt.shape[0] < len(rows) or status.shape[0] < len(rows):
+      raise InvalidArgument(f"executor returned {nxt.shape[0]} tokens / {status.shape[0]} "
+                            f"statuses for {len(rows)} rows")
     failed = 0
     for i, req in enumerate(decodes):
       if status[i] != Status.OK:
@@ -533,25 +706,28 @@ class Scheduler:
       self._evict(blocks - self.pool.num_free_blocks)
 
   def _preempt(self, req: Request) -> None:
-    self.running.remove(req)
-    self.stats.preemptions += 1
-    req.num_preemptions += 1
+    # The request leaves `running` only once its row is handled (swap_out or
+    # insert + release succeeded): an exception before leaves it running.
     if self.config.preemption == "swap" and req.output:
-      req.swapped = swap_out(self.pool, req.seq_id)
+      swapped = swap_out(self.pool, req.seq_id)
+      self.running.remove(req)
+      req.swapped = swapped
       self.stats.preemptions_swap += 1
-      self.stats.swap_to_host_bytes += req.swapped.nbytes
+      self.stats.swap_to_host_bytes += swapped.nbytes
       req.phase = Phase.SWAPPED
       self.swapped.append(req)
     else:
       self._store_and_release(req)
+      self.running.remove(req)
       self.stats.preemptions_recompute += 1
       req.num_cached = 0
       req.phase = Phase.WAITING
       self.waiting.appendleft(req)
-    if req.lock_node is not None:
-      self.cached_pool.unlock(req.lock_node)
-      req.lock_node = None
-    req.seq_id = None
+    self.stats.preemptions += 1
+    req.num_preemptions += 1
+    node, req.lock_node, req.seq_id = req.lock_node, None, None
+    if node is not None:
+      self.cached_pool.unlock(node)
 
   # ------------------------------------------------------------------ 4. finish
   def _store_and_release(self, req: Request) -> None:
@@ -585,17 +761,19 @@ class Scheduler:
   def _finish(self) -> None:
     done = [r for r in self.running if self._is_finished(r)]
     for req in done:
+      self._store_and_release(req)  # the request stays running until this succeeded
       self.running.remove(req)
-      self._store_and_release(req)
-      if req.lock_node is not None:
-        self.cached_pool.unlock(req.lock_node)
-        req.lock_node = None
-      req.phase = Phase.FINISHED
-      req.seq_id = None
-      req.finish_step = self._step
-      req.finish_time = self.clock()
-      self.finished.append(req)
-      self.stats.finished += 1
+      node, req.lock_node, req.seq_id = req.lock_node, None, None
+      self._mark_finished(req)
+      if node is not None:
+        self.cached_pool.unlock(node)
+
+  def _mark_finished(self, req: Request) -> None:
+    req.phase = Phase.FINISHED
+    req.finish_step = self._step
+    req.finish_time = self.clock()
+    self.finished.append(req)
+    self.stats.finished += 1
 
   # ------------------------------------------------------------------ 5. compaction
   def _maybe_compact(self) -> None:
@@ -630,14 +808,19 @@ class Scheduler:
     """`i32[n, 3]` `(block, start, length)` references the cache holds (for metrics)."""
     return self.cached_pool.segment_refs()
 
-  def _snapshot(self) -> None:
+  def _snapshot(self, step_id: int) -> None:
     snap = metrics.snapshot(self.pool.state, self.pool.config,
                             extra_segments=self.extra_segments(), counters=self.counters)
     self.snapshots.append(snap)
     self.alerts.extend(self._monitor.observe(snap))
     if self._on_snapshot is not None:
-      self._on_snapshot(self._step, snap, self.stats)
+      self._on_snapshot(step_id, snap, self.stats)
 
   def check_invariants(self) -> None:
-    """The pool's invariants with the cache's references included."""
+    """The pool's invariants with the cache's references included.
+
+    Raises:
+      InvariantViolation: a violation. SchedulerBroken: the scheduler is unusable.
+    """
+    self._check_usable()
     self.cached_pool.check_invariants()

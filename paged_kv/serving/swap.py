@@ -38,7 +38,11 @@ class SwappedKV:
 
 
 def swap_out(pool: BlockPool, seq_id: int) -> SwappedKV:
-  """Copies a live sequence's K/V to host and releases it from the pool."""
+  """Copies a live sequence's K/V to host and releases it from the pool.
+
+  On an exception the sequence may or may not have been released (the release is
+  the last call); the caller checks the row (the scheduler reconciles its rows).
+  """
   k, v = pool.gather_kv(seq_id)
   swapped = SwappedKV(k=np.asarray(jax.device_get(k)), v=np.asarray(jax.device_get(v)))
   pool.release([seq_id])
@@ -48,18 +52,26 @@ def swap_out(pool: BlockPool, seq_id: int) -> SwappedKV:
 def swap_in(pool: BlockPool, swapped: SwappedKV, seq_id: int | None = None) -> int:
   """Restores a swapped sequence into a fresh row; returns the row.
 
-  Raises `PoolExhausted` (with the pool unchanged) when it does not fit.
+  Atomic: on any exception (`KeyboardInterrupt` included) in the reservation or
+  in a `write_kv`, the opened row is released again, so the pool is as before.
+
+  Raises:
+    PoolExhausted: it does not fit (the pool unchanged).
   """
   seq = pool.open_sequence(seq_id=seq_id)
   if swapped.length == 0:
     return seq
   try:
     slots = pool.reserve_tokens([seq], [swapped.length])[0, :swapped.length]
-  except Exception:
-    pool.release([seq])
+    for layer in range(swapped.k.shape[0]):
+      # [H, T, D] -> [T, H, D], the layout write_kv takes.
+      pool.write_kv(layer, slots, np.swapaxes(swapped.k[layer], 0, 1),
+                    np.swapaxes(swapped.v[layer], 0, 1))
+  except BaseException:
+    try:
+      if np.asarray(pool.state.table.active)[seq]:
+        pool.release([seq])
+    except Exception:  # pylint: disable=broad-except
+      pass  # the first error goes up; a caller that owns rows (the scheduler) reconciles them
     raise
-  for layer in range(swapped.k.shape[0]):
-    # [H, T, D] -> [T, H, D], the layout write_kv takes.
-    pool.write_kv(layer, slots, np.swapaxes(swapped.k[layer], 0, 1),
-                  np.swapaxes(swapped.v[layer], 0, 1))
   return seq

@@ -11,6 +11,7 @@ segments. Examples: 25 by default, `PAGED_KV_HYPOTHESIS_EXAMPLES` raises it.
 
 import os
 import tempfile
+from unittest import mock
 
 import hypothesis.strategies as st
 import jax
@@ -527,6 +528,54 @@ CachedPoolMachine.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 TestCachedPoolStateful = CachedPoolMachine.TestCase
+
+
+
+class IssueJCachedPoolTest(absltest.TestCase):
+  """Issue J: split-on-lock matches, recovery after a half-applied call, lost state."""
+
+  def _pool(self):
+    cfg = paged_kv.PoolConfig(num_blocks=16, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=16)
+    return paged_kv.BlockPool(cfg)
+
+  def test_match_splits_and_applies_the_cut(self):
+    pool = self._pool()
+    cp = CachedPool(pool)
+    s = cp.open()
+    pool.reserve_tokens([s], [10])
+    cp.insert("t", np.arange(10), s)
+    cp.release([s])
+    m = cp.match("t", np.array([0, 1, 99]))       # 2 of the node's 10 tokens
+    self.assertEqual(m.length, 2)
+    cp.check_invariants()                          # the cut's incref was applied
+    self.assertEqual(cp.cache.tree.node(m.node).num_tokens, 2)
+    cp.unlock(m.node)
+
+  def test_recover_drops_a_cache_the_pool_disagrees_with(self):
+    from paged_kv.serving import cached_pool as cp_mod
+    pool = self._pool()
+    cp = CachedPool(pool)
+    s = cp.open()
+    pool.reserve_tokens([s], [6])
+    keep = cp.open()
+    pool.reserve_tokens([keep], [3])
+    with mock.patch.object(pool, "apply_ref_deltas", side_effect=KeyboardInterrupt):
+      with self.assertRaises(KeyboardInterrupt):
+        cp.insert("t", np.arange(6), s)            # the tree changed, the pool did not
+    with self.assertRaises(paged_kv.InvariantViolation):
+      cp.check_invariants()
+    self.assertTrue(cp.recover())
+    cp.check_invariants()
+    self.assertEqual(cp.cache.num_tokens, 0)
+    self.assertFalse(cp.recover())                 # consistent now: nothing to do
+    cp.release([s, keep])
+    self.assertEqual(pool.num_free_blocks, pool.config.num_blocks)
+    self.assertFalse(cp_mod.state_lost(pool))
+    jax.tree.map(lambda x: x.delete(), pool.state)
+    self.assertTrue(cp_mod.state_lost(pool))
+    with self.assertRaisesRegex(cp_mod.PoolStateLost, "deleted"):
+      cp.recover()
 
 
 if __name__ == "__main__":

@@ -114,9 +114,6 @@ class SchedulerTest(parameterized.TestCase):
     self.assertTrue(sched.idle)
 
 
-if __name__ == "__main__":
-  absltest.main()
-
 
 class PackTailsTest(absltest.TestCase):
 
@@ -191,3 +188,142 @@ class CachedPoolSchedulerTest(absltest.TestCase):
     self.assertEqual(sched.stats.hit_tokens, 0)
     self.assertEqual(sched.extra_segments().shape, (0, 3))
     self.assertEqual(pool.num_free_blocks, CFG.num_blocks)
+
+
+class IssueJRegressionTest(absltest.TestCase):
+  """Issue J: each test failed before its fix."""
+
+  def test_eviction_counts_only_dynamic_blocks(self):
+    """FIXED item 1: a freed base-region (promoted) block counted toward the
+    eviction target, so `evict(num_blocks=1)` stopped with no free dynamic block."""
+    cfg = paged_kv.PoolConfig(num_blocks=16, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=8, base_pool_fraction=0.25)
+    pool = paged_kv.BlockPool(cfg)
+    cp = CachedPool(pool)
+    a = cp.open()
+    pool.reserve_tokens([a], [4])
+    cp.insert("t", np.arange(4), a)           # tree + row: 2 readers
+    cp.promote(2)                             # that block moves into the base pool
+    self.assertLess(int(cp.cache.segment_refs()[0, 0]), cfg.num_base_blocks)
+    cp.release([a])
+    b = cp.open()
+    pool.reserve_tokens([b], [4])
+    cp.insert("t", np.arange(10, 14), b)      # a newer, dynamic entry
+    cp.release([b])
+    free = pool.num_free_blocks
+    cp.evict(num_blocks=1)                    # LRU: the base entry goes first
+    self.assertEqual(pool.num_free_blocks, free + 1)
+    cp.check_invariants()
+
+  def test_short_match_into_a_long_node_does_not_stall(self):
+    """FIXED item 2: `match(lock=True)` locked the whole 24-token node when 1 token
+    matched; its blocks could not be evicted and `step()` raised "scheduler stalled"."""
+    cfg = paged_kv.PoolConfig(num_blocks=12, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=2, max_segments=16)
+    pool = paged_kv.BlockPool(cfg)
+    sched = Scheduler(pool, DryExecutor(cfg),
+                      SchedulerConfig(max_batch=1, prefill_chunk=32, prefill_token_budget=32,
+                                      output_reserve_ratio=0.0, compaction=None))
+    first = Request(0, np.arange(24), 1)
+    _run(sched, [first])
+    self.assertEqual(sched.cache.num_tokens, 24)
+    second = Request(1, np.concatenate([[0], np.arange(100, 129)]), 2)
+    _run(sched, [second])  # raised "scheduler stalled" before the fix
+    self.assertEqual(second.hit_tokens, 1)
+    self.assertEqual(second.stop_reason, "length")
+
+  def test_bad_namespace_refused_at_submit_and_queue_keeps_running(self):
+    """FIXED item 8: an unhashable namespace was accepted and jammed every later step."""
+    from radix.tree import InvalidNamespaceError
+    pool = paged_kv.BlockPool(CFG)
+    sched = Scheduler(pool, DryExecutor(CFG), SchedulerConfig(max_batch=4))
+    bad = Request(0, np.arange(5), 2)
+    bad.namespace = ["t"]
+    with self.assertRaises(InvalidNamespaceError):
+      sched.submit(bad)
+    good = Request(1, np.arange(5), 2)
+    _run(sched, [good])
+    self.assertTrue(good.done)
+
+  def test_same_request_object_submitted_twice_is_refused(self):
+    """FIXED item 8: the same Request submitted twice opened two rows and leaked one."""
+    pool = paged_kv.BlockPool(CFG)
+    sched = Scheduler(pool, DryExecutor(CFG), SchedulerConfig(max_batch=4))
+    req = Request(0, np.arange(5), 2)
+    sched.submit(req)
+    with self.assertRaises(paged_kv.InvalidArgument):
+      sched.submit(req)
+    _run(sched, [])
+    with self.assertRaises(paged_kv.InvalidArgument):
+      sched.submit(req)  # finished: still the same object
+    self.assertEqual(len(sched.finished), 1)
+    self.assertEqual(pool.active_sequences().size, 0)
+
+  def test_request_fields_are_validated(self):
+    """FIXED items 8, 12: float or 2-D prompts, a token above int32 (OverflowError),
+    `max_new_tokens=2.5` (ran 3 tokens) were accepted or untyped."""
+    for prompt in (np.arange(4) + 0.5, np.arange(6).reshape(2, 3), [1, 2**31], [], [True]):
+      with self.assertRaises(paged_kv.InvalidArgument, msg=repr(prompt)):
+        Request(0, prompt, 2)
+    for n in (2.5, 0, -1, True, "3"):
+      with self.assertRaises(paged_kv.InvalidArgument, msg=repr(n)):
+        Request(0, [1, 2], n)
+    self.assertEqual(Request(0, np.array([1, 2], np.int64), np.int64(3)).max_new_tokens, 3)
+    pool = paged_kv.BlockPool(CFG)
+    sched = Scheduler(pool, DryExecutor(CFG), SchedulerConfig(max_batch=4))
+    req = Request(0, [1, 2], 2)
+    req.max_new_tokens = 2.5  # changed after construction: submit checks again
+    with self.assertRaises(paged_kv.InvalidArgument):
+      sched.submit(req)
+    self.assertTrue(sched.idle)
+
+  def test_namespaces_are_typed_keys(self):
+    """FIXED item 9: `1`, `1.0`, `True`, `np.int64(1)` were one namespace and shared hits."""
+    from radix.tree import InvalidNamespaceError
+    for ns in (1.0, True, np.int64(1), ("a", True), None, ["t"], frozenset()):
+      with self.assertRaises(InvalidNamespaceError, msg=repr(ns)):
+        Request(0, [1, 2], 1, namespace=ns)
+    cfg = paged_kv.PoolConfig(num_blocks=512, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=64)
+    sched = Scheduler(paged_kv.BlockPool(cfg), DryExecutor(cfg), SchedulerConfig(max_batch=1))
+    prompt = np.arange(20)
+    reqs = [Request(i, prompt, 3, namespace=ns)
+            for i, ns in enumerate((1, "1", b"1", (1,), 1))]
+    _run(sched, reqs)
+    self.assertEqual([r.hit_tokens for r in reqs], [0, 0, 0, 0, 19])
+
+  def test_config_validation(self):
+    """FIXED item 12: `watermark_blocks=-5` (and other bad counts) were accepted."""
+    for kw in (dict(watermark_blocks=-5), dict(watermark_blocks=1.5), dict(max_batch=2.0),
+               dict(snapshot_every=-1), dict(promote_every=0), dict(stop_token=-2)):
+      with self.assertRaises(paged_kv.InvalidArgument, msg=repr(kw)):
+        SchedulerConfig(**kw)
+
+  def test_on_snapshot_exception_keeps_step_id_and_counter_together(self):
+    """FIXED item 12: an exception in `on_snapshot` advanced `stats.steps` but not the
+    step id, so the next snapshot reused the id."""
+    seen = []
+
+    def on_snapshot(step, snap, stats):
+      seen.append(step)
+      if len(seen) == 2:
+        raise RuntimeError("exporter down")
+
+    pool = paged_kv.BlockPool(CFG)
+    sched = Scheduler(pool, DryExecutor(CFG), SchedulerConfig(max_batch=4),
+                      on_snapshot=on_snapshot)
+    for r in _workload(0, n=3):
+      sched.submit(r)
+    sched.step()
+    with self.assertRaises(RuntimeError):
+      sched.step()
+    sched.step()
+    self.assertEqual(seen, [0, 1, 2])
+    self.assertEqual(sched.stats.steps, 3)
+    sched.check_invariants()
+    sched.run()
+    self.assertEqual(sched.stats.finished, 3)
+
+
+if __name__ == "__main__":
+  absltest.main()
