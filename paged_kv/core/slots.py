@@ -24,10 +24,23 @@ applied*, so the scheduler must not apply them again (it may assert they equal
 call (e.g. one segment held by a sequence and by a cache node) move together to
 one destination: one copy, each reference transferred.
 
-Slot bits (`BlockMeta.slots`) are set when a slot is handed out and cleared only
-when the block frees, so a moved segment's old slots stay marked until its old
-block frees; destinations are only slots whose bit is clear (never handed out
-since the block was last free), hence never referenced.
+Slot bits (`BlockMeta.slots`) are set when a slot is handed out and cleared when
+the block frees or when `reclaim_slots` finds that no segment covers the slot any
+more, so a moved segment's old slots stay marked until then; destinations are
+only slots whose bit is clear (never handed out since the block was last free or
+the slot was last reclaimed), hence never referenced.
+
+Scrubbing (`PoolConfig.scrub_freed_blocks`). A freed block is zeroed whole when it
+frees (`alloc.change_refs`, compaction sources). A slot can also be given up while
+its block stays alive: a segment moved away by `pack_slots` or `cow_split`, or a
+segment whose holder (a released row, an evicted cache node) lets go of a slotted
+block that other segments keep alive. Its K/V then stays in the slot, which keeps
+its bit set, so nothing can hand it out, and no segment covers it, so no reader can
+reach it. (Zeroing it on departure is not possible in general: another holder the
+call does not see, e.g. a cache node, may still cover the same slots.) The only
+path that hands such a slot out again is `reclaim_slots`, which knows every holder:
+with scrubbing on it zeroes every slot whose bit it clears, in the same call, so
+the next owner of a reclaimed slot never sees the previous owner's K/V.
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ from paged_kv.core.errors import Status
 from paged_kv.core.page_copy import copy_slot_ranges
 from paged_kv.core.segments import (finish_status, first_occurrence, range_mask, row_status,
                                slot_bits)
-from paged_kv.core.state import REGION_DYNAMIC, PoolState
+from paged_kv.core.state import REGION_DYNAMIC, KVPages, PoolState
 
 OWNER_EXTERNAL = -2  # `pack_slots` owner id of a holder outside the segment tables
 OWNER_PADDING = -1
@@ -316,6 +329,32 @@ def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: ja
 
 
 
+def _zero_slots(pages: KVPages, cleared: jax.Array) -> KVPages:
+  """Zeroes the K/V of the slots `cleared: bool[N, bs]` (traced helper).
+
+  Loops over the blocks with a cleared slot only (a dynamic trip count), reading
+  and writing one block of every layer and head per iteration, so the cost is the
+  blocks touched, not the pool.
+  """
+  n = cleared.shape[0]
+  hit = jnp.any(cleared, axis=1)
+  num_hit = jnp.sum(hit, dtype=jnp.int32)
+  (ids,) = jnp.nonzero(hit, size=n, fill_value=0)
+
+  def body(i, kv: KVPages) -> KVPages:
+    b = ids[i]
+    drop = cleared[b][None, None, None, :, None]  # [1, 1, 1, bs, 1]
+
+    def zero(p: jax.Array) -> jax.Array:
+      blk = jax.lax.dynamic_slice_in_dim(p, b, 1, axis=2)
+      return jax.lax.dynamic_update_slice_in_dim(p, jnp.where(drop, jnp.zeros_like(blk), blk),
+                                                 b, axis=2)
+
+    return KVPages(k=zero(kv.k), v=zero(kv.v))
+
+  return jax.lax.fori_loop(0, num_hit, body, pages)
+
+
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def reclaim_slots(state: PoolState, ext_block: jax.Array, ext_start: jax.Array,
                   ext_length: jax.Array, *,
@@ -329,7 +368,10 @@ def reclaim_slots(state: PoolState, ext_block: jax.Array, ext_start: jax.Array,
   segments cover. It is safe only if no holder is missing, so it first checks
   that the references counted (tables + `ext_*`) equal `ref_count` for every
   block, and otherwise changes nothing. O(num_blocks * block_size) work:
-  between steps.
+  between steps. With `config.scrub_freed_blocks`, the K/V of every slot whose
+  bit is cleared is zeroed in the same call (the slot's last owner has left, and
+  the slot may be handed out next, e.g. to an in-place append that reads before
+  it writes); the extra work is one block copy per block with a cleared slot.
 
   Args:
     state: the pool (donated).
@@ -367,5 +409,10 @@ def reclaim_slots(state: PoolState, ext_block: jax.Array, ext_start: jax.Array,
   after = jnp.sum(slot_bits(new_slots, bs), dtype=jnp.int32)
   slots_out = jnp.where(consistent, new_slots, state.meta.slots)
   meta = dataclasses.replace(state.meta, slots=slots_out)
+  pages = state.pages
+  if config.scrub_freed_blocks:
+    # Exactly the slots whose bit goes from set to clear (none when refused).
+    pages = _zero_slots(pages, slot_bits(state.meta.slots, bs) & ~slot_bits(slots_out, bs))
   status = jnp.where(consistent, Status.OK, Status.INVALID_SEGMENT).astype(jnp.int32)
-  return dataclasses.replace(state, meta=meta), (status, jnp.where(consistent, before - after, 0))
+  return (dataclasses.replace(state, pages=pages, meta=meta),
+          (status, jnp.where(consistent, before - after, 0)))

@@ -69,6 +69,7 @@ once the tree's references are applied.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import heapq
 import io
@@ -85,16 +86,19 @@ import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
 from paged_kv.pool import BlockPool
-from radix.cache import PrefixCache, RadixTreeError, RefDeltas
+from radix.cache import PrefixCache, RefDeltas
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "ConfigMismatchError",
     "CorruptFileError",
+    "MissingFileError",
     "PersistError",
     "UnsupportedNamespaceError",
+    "UnreadableFileError",
     "UnsupportedVersionError",
+    "UnwritableFileError",
     "load_prefix_cache",
     "save_prefix_cache",
 ]
@@ -116,6 +120,22 @@ class PersistError(PagedKVError):
 
 class CorruptFileError(PersistError):
   """The file is truncated, not an archive of this format, or fails its checksum."""
+
+
+class UnreadableFileError(PersistError, OSError):
+  """The path cannot be read as a file: a directory, no permission, an I/O error.
+
+  Also an `OSError`, so `except OSError` keeps working; `errno` and `filename`
+  are those of the underlying error.
+  """
+
+
+class MissingFileError(UnreadableFileError, FileNotFoundError):
+  """No file at the path (also a `FileNotFoundError`)."""
+
+
+class UnwritableFileError(PersistError, OSError):
+  """The file cannot be written (a directory at the path, no permission, disk full)."""
 
 
 class UnsupportedVersionError(PersistError):
@@ -177,6 +197,8 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
 
   Raises:
     UnsupportedNamespaceError: a namespace is neither str nor int (nothing is written).
+    UnwritableFileError: `path` cannot be written (a directory, no permission, ...);
+      nothing is left behind.
     InvalidArgument: the cache's block size differs from the pool's, or a segment lies
       outside the pool.
   """
@@ -238,7 +260,13 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
   header["checksum"] = _checksum(header, arrays)
   header_bytes = np.frombuffer(json.dumps(header, sort_keys=True).encode(), np.uint8)
 
-  path = os.fspath(path)
+  try:
+    path = os.fspath(path)
+  except TypeError as e:
+    raise InvalidArgument(f"path must be a str or os.PathLike, got {path!r}") from e
+  if os.path.isdir(path):
+    raise UnwritableFileError(errno.EISDIR, f"cannot write a prefix-cache file over the "
+                              f"directory {path!r}", path)
   tmp = f"{path}.tmp-{os.getpid()}"
   try:
     with open(tmp, "wb") as f:
@@ -246,6 +274,9 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
+  except OSError as e:
+    raise UnwritableFileError(e.errno, f"cannot write the prefix-cache file {path!r}: "
+                              f"{e.strerror or e}", path) from e
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
@@ -279,10 +310,45 @@ class _SavedCache:
     return int(self.node_parent.shape[0])
 
 
+def _read_bytes(path: str | os.PathLike) -> bytes:
+  """The file's bytes; every failure is a typed `PersistError`."""
+  try:
+    where = os.fspath(path)
+  except TypeError as e:
+    raise InvalidArgument(f"path must be a str or os.PathLike, got {path!r}") from e
+  try:
+    with open(where, "rb") as f:
+      return f.read()
+  except FileNotFoundError as e:
+    raise MissingFileError(e.errno, f"no prefix-cache file at {where!r}", where) from e
+  except OSError as e:  # IsADirectoryError, PermissionError, EIO, ...
+    raise UnreadableFileError(e.errno, f"cannot read {where!r} as a prefix-cache file: "
+                              f"{e.strerror or e}", where) from e
+  except ValueError as e:  # e.g. an embedded NUL byte in the path
+    raise InvalidArgument(f"bad path {where!r}: {e}") from e
+
+
 def _read(path: str | os.PathLike) -> _SavedCache:
-  """Reads and fully validates the file (format, version, checksum, array shapes)."""
-  with open(path, "rb") as f:
-    raw = f.read()
+  """Reads and fully validates the file (format, version, checksum, array shapes).
+
+  Every failure is a typed `PersistError` (or `InvalidArgument` for a path that is
+  not one): whatever the archive reader, the header parser or the validation raise
+  on a damaged file (`zipfile`'s `RuntimeError` for an "encrypted" member,
+  `NotImplementedError` for an unknown compression method, numpy's `ValueError`,
+  ...) becomes a `CorruptFileError` with the original as its cause.
+  """
+  raw = _read_bytes(path)
+  try:
+    return _parse(raw, os.fspath(path))
+  except PersistError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise CorruptFileError(f"{os.fspath(path)!r} is not a readable prefix-cache archive "
+                           f"(truncated or corrupted): {type(e).__name__}: {e}") from e
+
+
+def _parse(raw: bytes, path: str) -> _SavedCache:
+  """`_read` on the file's bytes."""
   try:
     with np.load(io.BytesIO(raw), allow_pickle=False) as z:
       names = set(z.files)
@@ -294,7 +360,7 @@ def _read(path: str | os.PathLike) -> _SavedCache:
   except PersistError:
     raise
   except (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, KeyError,
-          UnicodeDecodeError) as e:
+          UnicodeDecodeError, RuntimeError, NotImplementedError) as e:
     raise CorruptFileError(f"{os.fspath(path)!r} is not a readable prefix-cache archive "
                            f"(truncated or corrupted): {e}") from e
   try:
@@ -303,7 +369,7 @@ def _read(path: str | os.PathLike) -> _SavedCache:
     header = json.loads(header_bytes.tobytes().decode())
     if not isinstance(header, dict):
       raise ValueError("header is not a JSON object")
-  except ValueError as e:
+  except (ValueError, RecursionError) as e:
     raise CorruptFileError(f"{os.fspath(path)!r}: unreadable header: {e}") from e
   if header.get("format") != FORMAT_NAME:
     raise UnsupportedVersionError(f"{os.fspath(path)!r}: format {header.get('format')!r} is "
@@ -489,7 +555,9 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
     extra_segments=cache.segment_refs())` holds.
 
   Raises:
-    FileNotFoundError: no file at `path`.
+    MissingFileError: no file at `path` (also a `FileNotFoundError`).
+    UnreadableFileError: `path` cannot be read (a directory, no permission, an I/O
+      error; also an `OSError`).
     CorruptFileError: truncated or damaged file, checksum mismatch, malformed tree.
     UnsupportedVersionError: another format or version.
     ConfigMismatchError: layers, kv heads, head_dim or dtype differ from the pool's.
@@ -519,7 +587,8 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
   staging = PrefixCache(block_size=bs)
   try:
     staged_refs = _build_tree(staging, saved, layout.node_segments)
-  except (RadixTreeError, ValueError) as e:
+  except Exception as e:  # pylint: disable=broad-except
+    # Only the private staging cache saw the tree: nothing outside changed.
     raise CorruptFileError(f"{os.fspath(path)!r}: the saved tree cannot be rebuilt: {e}") from e
   expected = RefDeltas.from_pairs(np.arange(layout.num_blocks), layout.tree_refs)
   if (len(staging.tree) != saved.num_nodes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -267,8 +269,6 @@ def test_unknown_impl_is_rejected():
     page_copy.move_pages(pages, z, z, impl="cuda")
 
 
-if __name__ == "__main__":
-  absltest.main()
 
 
 class ReclaimSlotsTest(chex.TestCase):
@@ -335,3 +335,97 @@ class ReclaimSlotsTest(chex.TestCase):
     moved = pool.pack_slots(extra_segments=[seg]).extra_segments[0]
     self.assertEqual(int(moved[0]), dead[0])
     pool.check_invariants(extra_segments=live + [tuple(int(v) for v in moved)])
+
+
+_SCRUB_CONFIG = paged_kv.PoolConfig(num_blocks=8, block_size=8, num_layers=1, num_kv_heads=1,
+                                    head_dim=2, max_seqs=4, max_segments=8,
+                                    scrub_freed_blocks=True)
+
+
+class ReclaimScrubTest(chex.TestCase):
+  """Scrubbing covers slots given up inside a live (slotted) block, not just freed blocks.
+
+  Tenant A's 3-token tail and tenant B's 3-token tail end up in one slotted block
+  (B's packed behind A's); a sequence of A keeps the block alive through A's
+  segment while B's holder lets go. `reclaim_slots` then hands B's slots back to
+  the allocator, and an in-place append of A's sequence reserves them: it must read
+  zeros there (before its write), never B's K/V.
+  """
+
+  def _slotted_block(self, config):
+    pool = paged_kv.BlockPool(config)
+    a, b = pool.open_sequence(), pool.open_sequence()
+    slot_idx = pool.reserve_tokens([a, b], [3, 3])
+    tag = np.zeros(slot_idx.shape + (1, 2), np.float32)
+    tag[0, :3], tag[1, :3] = 1.0, 2.0  # tenant A's K/V are 1, tenant B's are 2
+    pool.write_kv(0, slot_idx, tag, -tag)
+    seg_a, seg_b = (tuple(int(x) for x in pool.segments(s)[0]) for s in (a, b))
+    pool.apply_ref_deltas([seg_a[0], seg_b[0]], [1, 1])  # two cache-like holders
+    pool.release([a, b])
+    seg_b = tuple(int(x) for x in pool.pack_slots(extra_segments=[seg_b]).extra_segments[0])
+    self.assertEqual((seg_b[0], seg_b[1]), (seg_a[0], 3))  # packed behind A's tail
+    c = pool.open_sequence(np.array([seg_a], np.int32))    # A's next request shares it
+    pool.apply_ref_deltas([seg_a[0]], [-1])                # A's holder lets go
+    pool.apply_ref_deltas([seg_b[0]], [-1])                # B's holder lets go
+    return pool, c, seg_a, seg_b
+
+  def test_reclaimed_slots_are_zeroed_before_an_in_place_append_reads_them(self):
+    pool, c, seg_a, seg_b = self._slotted_block(_SCRUB_CONFIG)
+    self.assertEqual(int(pool.state.meta.ref_count[seg_a[0]]), 1)  # alive: c only
+    self.assertEqual(pool.reclaim_slots([]), seg_b[2])
+    k = np.asarray(pool.state.pages.k)[0, 0, seg_b[0]]
+    v = np.asarray(pool.state.pages.v)[0, 0, seg_b[0]]
+    np.testing.assert_array_equal(k[:3], 1.0)   # A's live tail untouched
+    np.testing.assert_array_equal(v[:3], -1.0)
+    np.testing.assert_array_equal(k[3:6], 0.0)  # B's dead tail scrubbed
+    np.testing.assert_array_equal(v[3:6], 0.0)
+    slot_idx = np.asarray(pool.reserve_tokens([c], [2]))[0, :2]
+    np.testing.assert_array_equal(slot_idx, seg_a[0] * 8 + np.array([3, 4]))  # in place
+    k_c, v_c = (np.asarray(x)[0, 0] for x in pool.gather_kv(c))
+    np.testing.assert_array_equal(k_c, [[1.0, 1.0]] * 3 + [[0.0, 0.0]] * 2)
+    np.testing.assert_array_equal(v_c, [[-1.0, -1.0]] * 3 + [[0.0, 0.0]] * 2)
+    self.assertFalse(np.any(np.asarray(pool.state.pages.k) == 2.0))
+    pool.check_invariants()
+
+  def test_without_scrubbing_the_data_stays(self):
+    """The default keeps its cost: reclaiming only clears bits, K/V are untouched."""
+    config = dataclasses.replace(_SCRUB_CONFIG, scrub_freed_blocks=False)
+    pool, _, _, seg_b = self._slotted_block(config)
+    before = np.asarray(pool.state.pages.k)
+    self.assertEqual(pool.reclaim_slots([]), seg_b[2])
+    np.testing.assert_array_equal(np.asarray(pool.state.pages.k), before)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_transition_zeroes_exactly_the_cleared_slots(self):
+    pool, _, _, seg_b = self._slotted_block(_SCRUB_CONFIG)
+    fn = self.variant(slots.reclaim_slots.__wrapped__, static_argnames=("config",))
+    z = np.zeros((2,), np.int32)
+    before = jax.tree.map(np.asarray, pool.state)
+    # A refused call (a holder missing: the tables + nothing do not account for a fake
+    # extra reference) changes neither bits nor K/V.
+    bogus = np.array([seg_b[0], 0], np.int32), np.array([0, 0], np.int32), np.array([1, 0],
+                                                                                    np.int32)
+    state, (status, reclaimed) = fn(pool.state, *bogus, config=_SCRUB_CONFIG)
+    self.assertEqual(int(status), Status.INVALID_SEGMENT)
+    self.assertEqual(int(reclaimed), 0)
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, state))
+    state, (status, reclaimed) = fn(state, z, z, z, config=_SCRUB_CONFIG)
+    self.assertEqual((int(status), int(reclaimed)), (Status.OK, seg_b[2]))
+    cleared = np.zeros(before.pages.k.shape, bool)
+    cleared[:, :, seg_b[0], seg_b[1]:seg_b[1] + seg_b[2]] = True
+    for old, new in ((before.pages.k, state.pages.k), (before.pages.v, state.pages.v)):
+      new = np.asarray(new)
+      np.testing.assert_array_equal(new[cleared], 0.0)
+      np.testing.assert_array_equal(new[~cleared], old[~cleared])
+      self.assertTrue(np.all(old[cleared] != 0))
+
+  def test_scrubbing_reclaim_still_updates_the_pages_in_place(self):
+    state = paged_kv.init_pool(_SCRUB_CONFIG)
+    z = jnp.zeros((4,), jnp.int32)
+    compiled = slots.reclaim_slots.lower(state, z, z, z, config=_SCRUB_CONFIG).compile()
+    pages_bytes = state.pages.k.nbytes + state.pages.v.nbytes
+    self.assertGreaterEqual(compiled.memory_analysis().alias_size_in_bytes, pages_bytes)
+
+
+if __name__ == "__main__":
+  absltest.main()

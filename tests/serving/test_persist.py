@@ -8,8 +8,11 @@ tokens and the K/V gathered through the matched segments must be bit-identical.
 Each damaged or unfit file must raise its typed error with pool and cache unchanged.
 """
 
+import collections
+import dataclasses
 import json
 import os
+import struct
 import tempfile
 
 import jax
@@ -323,6 +326,144 @@ class DamagedFileTest(absltest.TestCase):
     for a, b in zip(before, snapshot(pool)):
       np.testing.assert_array_equal(a, b)
     self.assertEqual(len(cache.tree), 1)
+
+
+  def test_directory_and_missing_path_are_typed(self):
+    """A directory or a missing file is a typed `PersistError`, the pool untouched."""
+    self.assert_refused(self.tmp, persist.UnreadableFileError, "Is a directory")
+    missing = os.path.join(self.tmp, "no-such-file")
+    self.assert_refused(missing, persist.MissingFileError, "no prefix-cache file")
+    with self.assertRaises(FileNotFoundError):  # still one, for callers that catch it
+      persist.load_prefix_cache(missing, paged_kv.BlockPool(self.config))
+    self.assert_refused(123, paged_kv.InvalidArgument, "path")
+
+  def test_zip_directory_flags_are_typed(self):
+    """The flips a probe found untyped: "encrypted" and unknown-compression members."""
+    cd_offset, cd_size = _central_directory(self.raw)
+    entry = cd_offset  # first central-directory entry: flags at +8, method at +10
+    for name, pos, mask, word in (("encrypted", entry + 8, 0x01, "encrypted"),
+                                  ("method", entry + 10, 0x02, "compression method"),
+                                  ("strong", entry + 8, 0x40, "")):
+      data = bytearray(self.raw)
+      data[pos] ^= mask
+      self.assert_refused(self.write(f"cd-{name}", bytes(data)), persist.CorruptFileError,
+                          word)
+    self.assertGreater(cd_size, 0)
+
+  def test_save_over_a_directory_is_typed(self):
+    pool = paged_kv.BlockPool(self.config)
+    target = os.path.join(self.tmp, "a-directory")
+    os.makedirs(target, exist_ok=True)
+    with self.assertRaises(persist.UnwritableFileError):
+      persist.save_prefix_cache(target, pool, PrefixCache(block_size=8))
+    self.assertEqual(os.listdir(target), [])
+    self.assertFalse([n for n in os.listdir(self.tmp) if ".tmp-" in n])
+
+
+def _central_directory(raw: bytes) -> tuple[int, int]:
+  """`(offset, size)` of a zip's central directory, from its end record (no comment)."""
+  eocd = raw.rfind(b"PK\x05\x06")
+  size, offset = struct.unpack("<II", raw[eocd + 12:eocd + 20])
+  return offset, size
+
+
+# Full sweep of every bit (about 22k loads, a few minutes): PAGED_KV_BITFLIP_FULL=1.
+_FULL_LOADS = 32  # harmless flips loaded into a pool in CI (all in the full sweep)
+_FULL_SWEEP = bool(int(os.environ.get("PAGED_KV_BITFLIP_FULL", "0") or 0))
+_TINY = paged_kv.PoolConfig(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1,
+                            head_dim=2, max_seqs=2, max_segments=4)
+
+
+class BitFlipSweepTest(absltest.TestCase):
+  """Every single-bit flip of a small saved file: a typed error with the pool unchanged,
+  or (a flip in a field the reader ignores, e.g. a zip timestamp) a bit-exact load.
+
+  CI flips every bit of the zip central directory and end record plus every 16th bit
+  of the rest (from a rotating offset); `PAGED_KV_BITFLIP_FULL=1` flips every bit.
+  A harmless flip must read back exactly the good file's content; the first
+  `_FULL_LOADS` of them (all, in the full sweep) are also loaded into a fresh pool
+  and read back bit-exact through the loaded cache's segments.
+  """
+
+  def test_every_flip_is_typed_or_harmless(self):
+    pool = paged_kv.BlockPool(_TINY)
+    cache = PrefixCache(block_size=_TINY.block_size)
+    for ns, tokens in (("a", [1, 2, 3, 4, 5, 6]), (7, [1, 2, 9])):
+      seq = pool.open_sequence()
+      slot_idx = pool.reserve_tokens([seq], [len(tokens)])
+      kv = (np.arange(slot_idx.size * 2, dtype=np.float32).reshape(slot_idx.shape + (1, 2))
+            + 100 * len(tokens))
+      pool.write_kv(0, slot_idx, kv, -kv)
+      pool.apply_ref_deltas(*_deltas(cache.insert(ns, tokens, pool.segments(seq))))
+      pool.release([seq])
+    tmp = _tempdir(self)
+    good = os.path.join(tmp, "good")
+    persist.save_prefix_cache(good, pool, cache)
+    with open(good, "rb") as f:
+      raw = f.read()
+    expected = {key: gather_prefix(pool, cache, key[0], key[1])
+                for key in cached_paths(cache)}
+
+    target = paged_kv.BlockPool(_TINY)  # something live, so "unchanged" means something
+    seq = target.open_sequence()
+    target.write_kv(0, target.reserve_tokens([seq], [3]), np.ones((1, 4, 1, 2), np.float32),
+                    np.ones((1, 4, 1, 2), np.float32))
+    before = snapshot(target)
+    good_saved = persist._read(good)  # pylint: disable=protected-access
+
+    cd_offset, _ = _central_directory(raw)
+    bits = np.arange(len(raw) * 8)
+    if not _FULL_SWEEP:
+      rest = bits[(bits < cd_offset * 8) & (bits % 16 == (bits // 16) % 16)]
+      bits = np.concatenate([rest, bits[bits >= cd_offset * 8]])
+    outcomes = collections.Counter()
+    flipped = os.path.join(tmp, "flipped")
+    for bit in bits.tolist():
+      data = bytearray(raw)
+      data[bit // 8] ^= 1 << (bit % 8)
+      with open(flipped, "wb") as f:
+        f.write(data)
+      loaded_cache = PrefixCache(block_size=_TINY.block_size)
+      try:
+        saved = persist._read(flipped)  # pylint: disable=protected-access
+      except persist.PersistError as e:
+        outcomes[type(e).__name__] += 1
+        # The same refusal leaves a pool with live data unchanged.
+        with self.assertRaises(type(e)):
+          persist.load_prefix_cache(flipped, target, PrefixCache(block_size=_TINY.block_size))
+        self.assertEqual(len(loaded_cache.tree), 0)
+        continue
+      except Exception as e:  # pylint: disable=broad-except
+        self.fail(f"bit {bit} (byte {bit // 8}): untyped {type(e).__name__}: {e}")
+      outcomes["loaded"] += 1
+      for field in dataclasses.fields(saved):
+        got, want = getattr(saved, field.name), getattr(good_saved, field.name)
+        if isinstance(want, np.ndarray):
+          np.testing.assert_array_equal(got, want, f"bit {bit}: {field.name}")
+          self.assertEqual(got.dtype, want.dtype, f"bit {bit}: {field.name}")
+        else:
+          self.assertEqual(got, want, f"bit {bit}: {field.name}")
+      if outcomes["loaded"] > _FULL_LOADS and not _FULL_SWEEP:
+        continue
+      fresh = paged_kv.BlockPool(_TINY)
+      persist.load_prefix_cache(flipped, fresh, loaded_cache)
+      self.assertEqual(set(cached_paths(loaded_cache)), set(expected), f"bit {bit}")
+      for key, (length, k, v) in expected.items():
+        new_length, new_k, new_v = gather_prefix(fresh, loaded_cache, key[0], key[1])
+        self.assertEqual(new_length, length, f"bit {bit}")
+        np.testing.assert_array_equal(new_k, k, f"bit {bit}")
+        np.testing.assert_array_equal(new_v, v, f"bit {bit}")
+    for a, b in zip(before, snapshot(target)):
+      np.testing.assert_array_equal(a, b)
+    target.check_invariants()
+    print(f"bit flips: {len(bits)} of {len(raw) * 8} bits ({len(raw)} bytes): "
+          f"{dict(outcomes)}")
+    self.assertEqual(sum(outcomes.values()), len(bits))
+    self.assertGreater(outcomes["CorruptFileError"], 0)
+
+
+def _deltas(outcome):
+  return outcome.ref_deltas.block_ids, outcome.ref_deltas.deltas
 
 
 if __name__ == "__main__":

@@ -1,0 +1,180 @@
+"""Tagged K/V for scheduler tests: an executor that writes a known value per token.
+
+`TaggingExecutor` reserves the plan's slots like `DryExecutor`, then writes for
+token `t` at position `p` of a request of tenant `n` the K/V `tags(n, t, p)`:
+exact small integers in float32, so any read through segments can be checked bit
+for bit. A cached prefix reused by another request of the same tenant holds the
+same values (same tokens at the same positions); one reused across tenants, or a
+slot another tenant left behind, shows the wrong tenant. It samples the next token
+deterministically from the last one, inside the tenant's token range, and checks,
+when the pool scrubs, that every slot it is handed reads zero before it writes.
+
+`check_tags(sched, tenant_of)` reads every live sequence's segments and every
+cache node's segments from the pages and compares them with the tags;
+`check_clear_slots_zero(pool)` checks that every slot no one was handed (bit
+clear, or a free block) holds zeros, which scrubbing guarantees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+
+import jax
+import numpy as np
+
+import paged_kv
+from paged_kv.core import kv, segments
+from paged_kv.core.errors import Status
+
+TAG_DIM = 4  # head_dim of the pools these helpers serve
+TOKENS_PER_TENANT = 1000
+
+
+def tags(tenant: int, tokens: np.ndarray, positions: np.ndarray, layer: int = 0) -> np.ndarray:
+  """`f32[T, TAG_DIM]`: the K of each token (V is its negative). Never zero."""
+  tokens = np.asarray(tokens, np.int64)
+  positions = np.asarray(positions, np.int64)
+  mix = (tokens * 7 + positions * 13 + tenant * 31 + layer * 101) % 4093
+  return np.stack([tokens + 1, positions + 1, np.full_like(tokens, tenant + 1), mix + 1],
+                  axis=-1).astype(np.float32)
+
+
+def next_token(tenant: int, token: int, position: int) -> int:
+  """The token the executor samples after `token` at `position`, in the tenant's range."""
+  return tenant * TOKENS_PER_TENANT + (int(token) * 31 + int(position) * 17 + 7) % TOKENS_PER_TENANT
+
+
+class TaggingExecutor:
+  """`DryExecutor` plus K/V writes of `tags`; set `.sched` once the scheduler exists."""
+
+  def __init__(self, config: paged_kv.PoolConfig, tenant_of: Callable[[Hashable], int]):
+    if config.head_dim != TAG_DIM:
+      raise ValueError(f"TaggingExecutor needs head_dim={TAG_DIM}")
+    self.config = config
+    self.tenant_of = tenant_of
+    self.sched = None
+    self.steps = 0
+    self.tokens_written = 0
+
+  def step(self, state, plan):
+    c = self.config
+    seq_ids = np.asarray(plan.seq_ids)
+    num_new = np.asarray(plan.num_new)
+    tokens = np.asarray(plan.tokens)
+    base = np.asarray(state.table.seq_len)[np.clip(seq_ids, 0, c.max_seqs - 1)]
+    state, (slot_idx, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
+                                                        config=c,
+                                                        max_new_tokens=plan.max_query_len)
+    slot_idx, status = np.asarray(slot_idx), np.asarray(status)
+    if c.scrub_freed_blocks:
+      # Every slot handed out reads zero before its new owner writes it.
+      used = slot_idx[slot_idx >= 0]
+      k_flat = np.asarray(state.pages.k).reshape(c.num_layers, c.num_kv_heads, -1, c.head_dim)
+      leaked = k_flat[:, :, used]
+      if np.any(leaked != 0):
+        bad = used[np.any(leaked != 0, axis=(0, 1, 3))]
+        raise AssertionError(f"slots {bad.tolist()} were handed out holding K/V "
+                             f"{k_flat[0, 0, bad].tolist()}")
+    by_seq = {r.seq_id: r for r in self.sched.running}
+    cu = np.concatenate([[0], np.cumsum(num_new)])
+    width = slot_idx.shape[1]
+    k = np.zeros((c.num_layers,) + slot_idx.shape + (c.num_kv_heads, c.head_dim), np.float32)
+    nxt = np.zeros(seq_ids.shape, np.int32)
+    for b, sid in enumerate(seq_ids.tolist()):
+      n = int(num_new[b])
+      if sid < 0 or n == 0:
+        continue
+      toks = tokens[cu[b]:cu[b + 1]]
+      pos = int(base[b]) + np.arange(n)
+      tenant = self.tenant_of(by_seq[sid].namespace)
+      nxt[b] = next_token(tenant, toks[-1], pos[-1])
+      if status[b] != Status.OK:
+        continue
+      assert n <= width
+      for layer in range(c.num_layers):
+        k[layer, b, :n] = tags(tenant, toks, pos, layer)[:, None, :]
+      self.tokens_written += n
+    slot_idx = np.where(status[:, None] == Status.OK, slot_idx, -1).astype(np.int32)
+    pages = state.pages
+    for layer in range(c.num_layers):
+      pages = kv.jit_write_kv(pages, np.int32(layer), slot_idx, k[layer], -k[layer])
+    self.steps += 1
+    return dataclasses.replace(state, pages=pages), nxt, status
+
+
+def _segment_slots(segs: np.ndarray, block_size: int) -> np.ndarray:
+  if not len(segs):
+    return np.zeros((0,), np.int64)
+  return np.concatenate([np.arange(b * block_size + s, b * block_size + s + l)
+                         for b, s, l in np.asarray(segs, np.int64)])
+
+
+def check_tags(sched, tenant_of: Callable[[Hashable], int]) -> int:
+  """Every running sequence and every cache node reads back its tags, bit-exact.
+
+  Returns the number of tokens checked. Raises AssertionError naming the first
+  mismatch (and the tenant whose values were found there).
+  """
+  pool = sched.pool
+  c = pool.config
+  bs = c.block_size
+  k_flat = np.asarray(pool.state.pages.k).reshape(c.num_layers, c.num_kv_heads, -1, c.head_dim)
+  v_flat = np.asarray(pool.state.pages.v).reshape(k_flat.shape)
+  table = jax.tree.map(np.asarray, pool.state.table)
+  checked = 0
+
+  def compare(what: str, tenant: int, toks: np.ndarray, positions: np.ndarray,
+              slots: np.ndarray) -> None:
+    for layer in range(c.num_layers):
+      want = tags(tenant, toks, positions, layer)
+      got_k = k_flat[layer, :, slots]  # [T, H, D]
+      got_v = v_flat[layer, :, slots]
+      ok = np.all(got_k == want[:, None, :], axis=(1, 2)) & np.all(
+          got_v == -want[:, None, :], axis=(1, 2))
+      if not ok.all():
+        i = int(np.argmin(ok))
+        raise AssertionError(
+            f"{what}: token {i} (id {int(toks[i])}, position {int(positions[i])}, tenant "
+            f"{tenant}) at slot {int(slots[i])} layer {layer} holds K {got_k[i, 0].tolist()} "
+            f"(tenant {int(got_k[i, 0, 2]) - 1}), expected {want[i].tolist()}")
+
+  for req in sched.running:
+    sid = req.seq_id
+    assert table.active[sid], f"request {req.request_id}: row {sid} not active"
+    ns = int(table.num_segments[sid])
+    segs = np.stack([table.block[sid, :ns], table.start[sid, :ns], table.length[sid, :ns]], 1)
+    slots = _segment_slots(segs, bs)
+    length = int(table.seq_len[sid])
+    assert slots.shape[0] == length, (req.request_id, slots.shape, length)
+    assert length == req.num_cached, (req.request_id, length, req.num_cached)
+    compare(f"request {req.request_id!r} (row {sid})", tenant_of(req.namespace),
+            req.tokens[:length], np.arange(length), slots)
+    checked += length
+  cache = sched.cached_pool.cache
+  if cache is not None:
+    for node in cache.tree.nodes():
+      path = cache.tree.path_tokens(node.node_id)
+      first = path.shape[0] - node.num_tokens
+      slots = _segment_slots(node.value, bs)
+      assert slots.shape[0] == node.num_tokens
+      compare(f"cache node {node.node_id} ({node.namespace!r})", tenant_of(node.namespace),
+              path[first:], first + np.arange(node.num_tokens), slots)
+      checked += node.num_tokens
+  return checked
+
+
+def check_clear_slots_zero(pool: paged_kv.BlockPool) -> None:
+  """Scrubbing: every slot not handed out (bit clear; all of a free block) holds zeros."""
+  c = pool.config
+  meta = jax.tree.map(np.asarray, pool.state.meta)
+  bits = np.asarray(segments.slot_bits(pool.state.meta.slots, c.block_size))  # [N, bs]
+  bits = bits & (meta.ref_count > 0)[:, None]
+  for name, pages in (("k", pool.state.pages.k), ("v", pool.state.pages.v)):
+    p = np.asarray(pages)  # [L, H, N, bs, D]
+    dirty = np.any(p != 0, axis=(0, 1, 4)) & ~bits
+    if dirty.any():
+      blk, slot = (int(x[0]) for x in np.nonzero(dirty))
+      raise AssertionError(f"{name}: slot {slot} of block {blk} (ref_count "
+                           f"{int(meta.ref_count[blk])}) is not handed out but holds "
+                           f"{p[0, 0, blk, slot].tolist()}")
