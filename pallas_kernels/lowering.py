@@ -53,6 +53,18 @@ def is_gpu_target() -> bool:
   return target_platform() in ("cuda", "rocm")
 
 
+def lowerable_impls(gpu_preference: tuple[str, ...], problem, *, platform: str | None = None,
+                    **shape) -> tuple[str, ...]:
+  """The impls for which `problem(impl, platform=..., **shape)` reports nothing.
+
+  Ordered by `gpu_preference` on a GPU platform, "xla" first elsewhere; `platform`
+  defaults to the trace's target (`target_platform()`).
+  """
+  platform = platform or target_platform()
+  order = gpu_preference if platform in ("cuda", "rocm") else ("xla", "pallas", "mosaic")
+  return tuple(i for i in order if problem(i, platform=platform, **shape) is None)
+
+
 def abstract_gpu_mesh(device_kind: str = H200[0], *, num_cores: int = 132,
                       platform: str = "cuda") -> jax.sharding.AbstractMesh:
   """A one-device `AbstractMesh` of an abstract GPU (no GPU needed)."""

@@ -337,13 +337,10 @@ def lowerable_decode_impls(*, num_q_heads: int, num_kv_heads: int, head_dim: int
   elsewhere. "xla" is always in it; `[0]` is the one to use."""
   from pallas_kernels import lowering
 
-  platform = platform or lowering.target_platform()
-  order = (GPU_DECODE_PREFERENCE if platform in ("cuda", "rocm")
-           else ("xla", "pallas", "mosaic"))
-  kw = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, block_size=block_size, dtype=dtype,
-            pages_per_step=pages_per_step, platform=platform)
-  return tuple(i for i in order if decode_impl_problem(i, **kw) is None)
+  return lowering.lowerable_impls(
+      GPU_DECODE_PREFERENCE, decode_impl_problem, platform=platform,
+      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      block_size=block_size, dtype=dtype, pages_per_step=pages_per_step)
 
 
 # XLA gather path ---------------------------------------------------------------

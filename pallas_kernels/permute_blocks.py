@@ -397,13 +397,10 @@ def lowerable_permute_impls(*, num_layers: int, num_kv_heads: int,
   a GPU, "xla" first elsewhere; "xla" is always in it."""
   from pallas_kernels import lowering
 
-  platform = platform or lowering.target_platform()
-  order = (GPU_PERMUTE_PREFERENCE if platform in ("cuda", "rocm")
-           else ("xla", "pallas", "mosaic"))
-  kw = dict(num_layers=num_layers, num_kv_heads=num_kv_heads,
-            block_size=block_size, head_dim=head_dim, dtype=dtype,
-            num_moves=num_moves, platform=platform)
-  return tuple(i for i in order if permute_impl_problem(i, **kw) is None)
+  return lowering.lowerable_impls(
+      GPU_PERMUTE_PREFERENCE, permute_impl_problem, platform=platform,
+      num_layers=num_layers, num_kv_heads=num_kv_heads, block_size=block_size,
+      head_dim=head_dim, dtype=dtype, num_moves=num_moves)
 
 
 # Public wrappers -----------------------------------------------------------------
