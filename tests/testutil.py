@@ -99,3 +99,55 @@ def read_segment(pool: paged_kv.BlockPool, seg) -> np.ndarray:
   """K of one `(block, start, length)` segment: `[L, H, length, D]`."""
   b, s, ln = (int(x) for x in seg)
   return np.asarray(pool.state.pages.k[:, :, b, s:s + ln])
+
+
+class HostTransfers:
+  """Counts device-to-host reads of `jax.Array`s by size while active.
+
+  `jax.transfer_guard` does not fire on CPU (reads are zero-copy there), so this
+  wraps the three ways an array reaches the host: the buffer protocol
+  (`np.asarray` on CPU), `__array__` and `_value` (`int()`, `device_get`,
+  `tolist`, and every read on a GPU). `sizes` lists the element count of each
+  read. Test-only: it patches private attributes of JAX's array type and
+  `available` is False (use `skipTest`) where they do not exist.
+  """
+
+  _NAMES = ("__buffer__", "__array__", "_value")
+
+  def __init__(self):
+    import jax.numpy as jnp
+    self._type = type(jnp.zeros(1))
+    self.available = all(hasattr(self._type, n) for n in self._NAMES)
+    self.sizes: list[int] = []
+    self._saved = {}
+
+  def __enter__(self) -> "HostTransfers":
+    if not self.available:
+      return self
+    t, sizes = self._type, self.sizes
+    self._saved = {n: t.__dict__[n] for n in self._NAMES}
+    buffer, array, value = (self._saved[n] for n in self._NAMES)
+
+    def _buffer(a, flags):
+      sizes.append(a.size)
+      return buffer(a, flags)
+
+    def _array(a, *args, **kw):
+      sizes.append(a.size)
+      return array(a, *args, **kw)
+
+    def _value(a):
+      sizes.append(a.size)
+      return value.fget(a)
+
+    t.__buffer__, t.__array__, t._value = _buffer, _array, property(_value)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for name, attr in self._saved.items():
+      setattr(self._type, name, attr)
+    self._saved = {}
+
+  def at_least(self, size: int) -> int:
+    """Reads of arrays with `size` or more elements."""
+    return sum(s >= size for s in self.sizes)

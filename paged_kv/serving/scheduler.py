@@ -19,7 +19,11 @@ Per `step()`:
    slotted block, then the sequence is released.
 5. **Compaction** between steps when the fragmentation ratio crosses the
    policy's threshold, at most `budget` block moves; the cache follows `remap`.
-6. A metrics snapshot (`snapshot_every` steps).
+6. Telemetry: the cheap per-step pool figures (`metrics.step_stats`: one jitted
+   reduction, a few scalars to the host; every `stats_every` steps), the full
+   host snapshot every `snapshot_every` steps, and a `StepReport` (the figures,
+   this step's finished requests and token latencies, the alerts that fired) to
+   the `on_step` callback. Nothing per step copies a per-block array to the host.
 
 Exception safety: an exception raised anywhere in `step()` (the executor, a
 callback, a `KeyboardInterrupt` at any call site) leaves the scheduler usable:
@@ -116,7 +120,8 @@ class Request:
     namespace: prefix-cache namespace (tenant / adapter); never matches others. A
       typed key: `str`, `bytes`, `int` (not bool or a numpy scalar) or a tuple of
       them (`radix.tree.check_namespace`), so `1`, `1.0` and `True` never share.
-    arrival: arrival time (caller's unit), for latency reports.
+    arrival: arrival time (caller's unit), for the caller's reports; the
+      scheduler's latencies are measured on its own clock from `submit_time`.
     forced_output: optional `i32[max_new_tokens]` tokens to emit instead of the
       executor's samples (trace replay, where only lengths are known).
   """
@@ -141,7 +146,10 @@ class Request:
   admit_step: int = -1
   first_token_step: int = -1
   finish_step: int = -1
+  submit_time: float = -1.0  # the scheduler's clock at submit
+  admit_time: float = -1.0  # ... at the first admission (queue time = admit - submit)
   first_token_time: float = -1.0
+  last_token_time: float = -1.0
   finish_time: float = -1.0
 
   def __post_init__(self):
@@ -206,7 +214,12 @@ class SchedulerConfig:
       are evicted to make room).
     watermark_blocks: free blocks admission leaves beyond that.
     stop_token: end-of-sequence token (-1: none).
-    snapshot_every: take a metrics snapshot every this many steps (0: never).
+    stats_every: take the cheap `metrics.StepStats` every this many steps (0:
+      never). Compaction's trigger reads the latest ones (so it is up to
+      `stats_every` steps stale; with 0 it computes the ratio itself).
+    snapshot_every: take the full host `metrics.PoolSnapshot` (every block
+      copied to the host) every this many steps (0: never); also on demand,
+      `Scheduler.take_snapshot()`.
   """
 
   max_batch: int = 32
@@ -222,14 +235,15 @@ class SchedulerConfig:
   output_reserve_ratio: float = 0.5
   watermark_blocks: int = 0
   stop_token: int = -1
-  snapshot_every: int = 1
+  stats_every: int = 1
+  snapshot_every: int = 100
 
   def __post_init__(self):
     if self.preemption not in PREEMPTION_MODES:
       raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
     for name, low in (("max_batch", 1), ("prefill_token_budget", 1), ("prefill_chunk", 1),
                       ("promote_every", 1), ("promote_readers", 0), ("watermark_blocks", 0),
-                      ("snapshot_every", 0), ("stop_token", -1)):
+                      ("stats_every", 0), ("snapshot_every", 0), ("stop_token", -1)):
       value = getattr(self, name)
       if not _is_int(value) or value < low:
         raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
@@ -268,6 +282,46 @@ class SchedulerStats:
     return self.preemptions / self.admitted if self.admitted else 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+  """What one scheduler step did, handed to `Scheduler(on_step=...)` after it.
+
+  Attributes:
+    step: the step's id (0, 1, ...).
+    time: the scheduler's clock at the end of the step.
+    host_seconds: wall seconds the step took (`time.perf_counter`; the
+      executor's call included).
+    pool: the cheap pool figures after the step (None on steps without them,
+      see `SchedulerConfig.stats_every`).
+    snapshot: the full pool snapshot, on the steps that took one.
+    stats: the scheduler's cumulative counters (the live object: read, don't keep).
+    counters: the pool's cumulative counters (OOMs by reason, compaction...).
+    num_running, num_waiting, num_swapped: queue lengths after the step.
+    finished: requests that finished in this step (`stop_reason` says why).
+    first_token_latencies: seconds from `submit` to the first token, for every
+      request whose first token came in this step.
+    inter_token_latencies: seconds between consecutive tokens of one request,
+      for every token emitted in this step after a request's first (a request
+      preempted in between counts its wait).
+    alerts: alerts that fired in this step (edge-triggered, `metrics.AlertMonitor`).
+  """
+
+  step: int
+  time: float
+  host_seconds: float
+  pool: metrics.StepStats | None
+  snapshot: metrics.PoolSnapshot | None
+  stats: "SchedulerStats"
+  counters: metrics.PoolCounters
+  num_running: int
+  num_waiting: int
+  num_swapped: int
+  finished: tuple
+  first_token_latencies: tuple
+  inter_token_latencies: tuple
+  alerts: tuple
+
+
 def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
@@ -291,7 +345,8 @@ class Scheduler:
   def __init__(self, pool: BlockPool | CachedPool, executor: Executor,
                config: SchedulerConfig = SchedulerConfig(), *, cache: PrefixCache | None = None,
                clock: Callable[[], float] = time.monotonic,
-               on_snapshot: Callable[[int, metrics.PoolSnapshot, "SchedulerStats"], None] | None = None):
+               on_snapshot: Callable[[int, metrics.PoolSnapshot, "SchedulerStats"], None] | None = None,
+               on_step: Callable[[StepReport], None] | None = None):
     """Builds a scheduler.
 
     Args:
@@ -304,6 +359,8 @@ class Scheduler:
         a new one from `config` when `config.enable_prefix_cache`.
       clock: time source for latencies and the new cache's LRU/TTL.
       on_snapshot: called with `(step, snapshot, stats)` after each snapshot.
+      on_step: called with a `StepReport` after every step (also settable
+        later as `sched.on_step`; `paged_kv.telemetry.export` exporters attach here).
     """
     if isinstance(pool, CachedPool):
       if cache is not None:
@@ -332,6 +389,10 @@ class Scheduler:
     self.alerts: list[metrics.Alert] = []
     self._monitor = metrics.AlertMonitor()
     self._on_snapshot = on_snapshot
+    self.on_step = on_step
+    self._now = clock()  # the clock at the step's start, then after its forward pass
+    self.last_stats: metrics.StepStats | None = None  # the latest cheap pool figures
+    self._reset_step_record()
     self._step = 0
     self._last_reclaim = -RECLAIM_EVERY
     self._submitted: dict[int, Request] = {}  # id -> request: each object submitted once
@@ -380,6 +441,7 @@ class Scheduler:
       raise PoolExhausted(f"request {request.request_id} may need more than "
                           f"max_segments={pc.max_segments} segments", reason="table_full")
     self._submitted[id(request)] = request
+    request.submit_time = self.clock()
     self.waiting.append(request)
 
   @property
@@ -416,7 +478,16 @@ class Scheduler:
       self._recover(exc)
       raise
 
+  def _reset_step_record(self) -> None:
+    self._finished_now: list[Request] = []
+    self._ttft_now: list[float] = []
+    self._itl_now: list[float] = []
+    self._alerts_now: list[metrics.Alert] = []
+
   def _step_once(self) -> None:
+    t0 = time.perf_counter()
+    self._reset_step_record()
+    self._now = self.clock()
     self._admit()
     if not self.running and (self.waiting or self.swapped):
       # `submit` refuses what cannot fit an empty pool, so this is a bug, not load.
@@ -432,9 +503,23 @@ class Scheduler:
     self._step += 1
     self.stats.steps += 1
     self.stats.max_running = max(self.stats.max_running, len(self.running))
+    pool_stats = snap = None
+    every = self.config.stats_every
+    if every and step_id % every == 0:
+      pool_stats = self.last_stats = metrics.step_stats(self.pool.state, self.pool.config,
+                                                        counters=self.counters)
+      self._observe_alerts(pool_stats)
     every = self.config.snapshot_every
     if every and step_id % every == 0:
-      self._snapshot(step_id)
+      snap = self._snapshot(step_id)
+    if self.on_step is not None:
+      self.on_step(StepReport(
+          step=step_id, time=self.clock(), host_seconds=time.perf_counter() - t0,
+          pool=pool_stats, snapshot=snap, stats=self.stats, counters=self.counters,
+          num_running=len(self.running), num_waiting=len(self.waiting),
+          num_swapped=len(self.swapped), finished=tuple(self._finished_now),
+          first_token_latencies=tuple(self._ttft_now),
+          inter_token_latencies=tuple(self._itl_now), alerts=tuple(self._alerts_now)))
 
   # ------------------------------------------------------------------ exception safety
   @property
@@ -577,6 +662,7 @@ class Scheduler:
     req.phase = Phase.RUNNING
     if req.admit_step < 0:
       req.admit_step = self._step
+      req.admit_time = self._now
       req.hit_tokens = matched
       self.stats.admitted += 1
       self.stats.prompt_tokens += int(req.prompt.size)
@@ -649,6 +735,7 @@ class Scheduler:
       raise
     self.pool.state = state
     nxt, status = np.asarray(nxt).reshape(-1), np.asarray(status).reshape(-1)
+    self._now = self.clock()  # the tokens of this pass exist from now
     if nxt.shape[0] < len(rows) or status.shape[0] < len(rows):
       raise InvalidArgument(f"executor returned {nxt.shape[0]} tokens / {status.shape[0]} "
                             f"statuses for {len(rows)} rows")
@@ -683,9 +770,14 @@ class Scheduler:
     if req.forced_output is not None:
       token = int(req.forced_output[len(req.output)])
     req.output.append(token)
+    now = self._now
     if req.first_token_step < 0:
       req.first_token_step = self._step
-      req.first_token_time = self.clock()
+      req.first_token_time = now
+      self._ttft_now.append(now - req.submit_time)
+    else:
+      self._itl_now.append(now - req.last_token_time)
+    req.last_token_time = now
 
   def _is_finished(self, req: Request) -> bool:
     if not req.stop_reason:
@@ -771,8 +863,9 @@ class Scheduler:
   def _mark_finished(self, req: Request) -> None:
     req.phase = Phase.FINISHED
     req.finish_step = self._step
-    req.finish_time = self.clock()
+    req.finish_time = self._now
     self.finished.append(req)
+    self._finished_now.append(req)
     self.stats.finished += 1
 
   # ------------------------------------------------------------------ 5. compaction
@@ -780,7 +873,9 @@ class Scheduler:
     policy = self.config.compaction
     if policy is None:
       return
-    ratio = float(compact.fragmentation_ratio(self.pool.state.meta))
+    # The latest cheap figures (no extra device reduction); without them, the ratio now.
+    ratio = (self.last_stats.fragmentation_ratio if self.last_stats is not None
+             else float(compact.fragmentation_ratio(self.pool.state.meta)))
     if not policy.should_compact(ratio):
       return
     t0 = time.perf_counter()
@@ -808,13 +903,25 @@ class Scheduler:
     """`i32[n, 3]` `(block, start, length)` references the cache holds (for metrics)."""
     return self.cached_pool.segment_refs()
 
-  def _snapshot(self, step_id: int) -> None:
+  def take_snapshot(self) -> metrics.PoolSnapshot:
+    """The full pool snapshot now (every block copied to the host; not recorded)."""
+    self._check_usable()
+    return metrics.snapshot(self.pool.state, self.pool.config,
+                            extra_segments=self.extra_segments(), counters=self.counters)
+
+  def _observe_alerts(self, figures) -> None:
+    fired = self._monitor.observe(figures)
+    self.alerts.extend(fired)
+    self._alerts_now.extend(fired)
+
+  def _snapshot(self, step_id: int) -> metrics.PoolSnapshot:
     snap = metrics.snapshot(self.pool.state, self.pool.config,
                             extra_segments=self.extra_segments(), counters=self.counters)
     self.snapshots.append(snap)
-    self.alerts.extend(self._monitor.observe(snap))
+    self._observe_alerts(snap)
     if self._on_snapshot is not None:
       self._on_snapshot(step_id, snap, self.stats)
+    return snap
 
   def check_invariants(self) -> None:
     """The pool's invariants with the cache's references included.

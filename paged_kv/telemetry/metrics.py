@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from paged_kv.core.compact import largest_run
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import OOM_REASONS, Status
 from paged_kv.core.segment_format import Segments, as_segments
@@ -152,7 +155,11 @@ class PoolSnapshot:
 
   Attributes:
     num_blocks, num_free_blocks: pool size and free blocks (both regions).
-    block_pool_utilization: used blocks / all blocks.
+    block_pool_utilization: used blocks / all blocks (blocks held only by the
+      prefix cache count as used; see `kv_usage_ratio`).
+    kv_usage_ratio: blocks a live sequence uses / all blocks: blocks held only
+      by outside holders (the prefix cache: evictable) count as free, as in
+      vLLM's `kv_cache_usage_perc`.
     internal_fragmentation: 1 - live slots / slots of used blocks, where a live
       slot is covered by a segment of an active table row or of an outside
       holder passed to `snapshot` (dead slots left by moved or released
@@ -175,6 +182,7 @@ class PoolSnapshot:
   num_blocks: int
   num_free_blocks: int
   block_pool_utilization: float
+  kv_usage_ratio: float
   internal_fragmentation: float
   handed_out_internal_fragmentation: float
   fragmentation_ratio: float
@@ -239,6 +247,7 @@ def snapshot(state: PoolState, config: PoolConfig, *, extra_segments: Segments |
       num_blocks=n,
       num_free_blocks=int((~used).sum()),
       block_pool_utilization=float(used.mean()),
+      kv_usage_ratio=float((in_table & used).sum()) / n,
       internal_fragmentation=0.0 if not used.any() else 1.0 - live_slots / used_slots_total,
       handed_out_internal_fragmentation=(0.0 if not used.any()
                                          else 1.0 - handed_out / used_slots_total),
@@ -259,6 +268,87 @@ def snapshot(state: PoolState, config: PoolConfig, *, extra_segments: Segments |
 
 
 # ---------------------------------------------------------------------------
+# Cheap per-step figures.
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+  """The per-step pool figures: one jitted reduction, a few scalars to the host.
+
+  `step_stats` computes them without copying any per-block array to the host,
+  so a scheduler can take them every step; `snapshot` (every block, internal
+  fragmentation, ghosts, per-region detail) is the periodic, full picture.
+
+  Attributes:
+    num_blocks: pool size in blocks (both regions).
+    free_blocks: blocks with no reference (`ref_count == 0`).
+    cached_blocks: referenced blocks no live table row uses: held only by
+      outside holders (the prefix cache), so evictable.
+    used_blocks: blocks a live sequence uses (`num_blocks - free - cached`).
+    kv_usage_ratio: `used_blocks / num_blocks` (cached blocks count as free, as
+      in vLLM's `kv_cache_usage_perc`).
+    fragmentation_ratio: dynamic region, 1 - largest free run / free blocks.
+    largest_free_run_blocks: the largest run of free dynamic blocks.
+    block_bytes: bytes of one block (all layers, K and V).
+    oom_by_reason: cumulative OOMs by reason, from the caller's `PoolCounters`.
+  """
+
+  num_blocks: int
+  free_blocks: int
+  cached_blocks: int
+  used_blocks: int
+  kv_usage_ratio: float
+  fragmentation_ratio: float
+  largest_free_run_blocks: int
+  block_bytes: int
+  oom_by_reason: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def largest_contiguous_free_bytes(self) -> int:
+    return self.largest_free_run_blocks * self.block_bytes
+
+
+@jax.jit
+def _step_reduction(meta, table) -> jax.Array:
+  """`i32[4]`: free blocks, cached-only blocks, largest free dynamic run, free dynamic blocks."""
+  n = meta.ref_count.shape[0]
+  used = meta.ref_count > 0
+  seg_used = table.active[:, None] & (
+      jnp.arange(table.block.shape[1], dtype=jnp.int32)[None, :] < table.num_segments[:, None])
+  # Only the table's entries are scattered (O(max_seqs * max_segments)); the rest are
+  # elementwise reductions over the block axis, on the device.
+  in_table = jnp.zeros((n + 1,), bool).at[jnp.where(seg_used, table.block, n)].set(True)[:n]
+  dyn_free = (~used) & (meta.region == REGION_DYNAMIC)
+  return jnp.stack([
+      jnp.sum(~used, dtype=jnp.int32),
+      jnp.sum(used & ~in_table, dtype=jnp.int32),
+      largest_run(dyn_free),
+      jnp.sum(dyn_free, dtype=jnp.int32),
+  ])
+
+
+def step_stats(state: PoolState, config: PoolConfig, *,
+               counters: "PoolCounters | None" = None) -> StepStats:
+  """`StepStats` of `state`: one jitted reduction, four int32 scalars to the host."""
+  free, cached, run, dyn_free = (int(x) for x in np.asarray(
+      _step_reduction(state.meta, state.table)))
+  n = config.num_blocks
+  used = n - free - cached
+  return StepStats(
+      num_blocks=n,
+      free_blocks=free,
+      cached_blocks=cached,
+      used_blocks=used,
+      kv_usage_ratio=used / n,
+      fragmentation_ratio=0.0 if dyn_free == 0 else 1.0 - run / dyn_free,
+      largest_free_run_blocks=run,
+      block_bytes=config.block_bytes,
+      oom_by_reason=dict(counters.oom_by_reason) if counters is not None else {},
+  )
+
+
+# ---------------------------------------------------------------------------
 # Alerts.
 # ---------------------------------------------------------------------------
 
@@ -269,7 +359,7 @@ class AlertThresholds:
 
   fragmentation_ratio: float = 0.35
   internal_fragmentation: float = 0.10
-  block_pool_utilization: float = 0.95
+  kv_usage_ratio: float = 0.95
   segments_per_sequence: float = 32.0
   oom_no_free_block: int = 0          # count; any OOM of this kind alerts
   oom_no_contiguous_run: int = 0
@@ -309,9 +399,10 @@ _RULES = (
      "empty block",
      "pack short segments (pack_slots; PrefixCache(pack_tails=True)) and cow_split shared "
      "tails before appending"),
-    ("block_pool_utilization", "warning",
-     "demand (live + cached) close to the pool size",
-     "evict cold prefix-cache entries (gc_evict), lower the cached quota, or grow the pool"),
+    ("kv_usage_ratio", "warning",
+     "live sequences hold almost every block (blocks held only by the prefix cache are "
+     "not counted: they are evicted on demand)",
+     "admit fewer sequences (output_reserve_ratio, watermark), preempt, or grow the pool"),
     ("segments_per_sequence", "warning",
      "appends start new segments because tails are shared or slotted",
      "cow_split tails before appending; pack less aggressively for live sequences"),
@@ -330,10 +421,13 @@ _RULES = (
 )
 
 
-def _metric_value(snap: PoolSnapshot, metric: str) -> float:
+def _metric_value(snap: "PoolSnapshot | StepStats", metric: str) -> float | None:
+  """The rule's value in `snap`, or None when `snap` does not carry it (a `StepStats`
+  has no internal fragmentation, segments per sequence or ghost check)."""
   if metric.startswith("oom_by_reason."):
     return float(snap.oom_by_reason.get(metric.split(".", 1)[1], 0))
-  return float(getattr(snap, metric))
+  value = getattr(snap, metric, None)
+  return None if value is None else float(value)
 
 
 def _threshold(thresholds: AlertThresholds, metric: str) -> float:
@@ -341,13 +435,13 @@ def _threshold(thresholds: AlertThresholds, metric: str) -> float:
   return float(getattr(thresholds, name))
 
 
-def check_alerts(snap: PoolSnapshot,
+def check_alerts(snap: "PoolSnapshot | StepStats",
                  thresholds: AlertThresholds = AlertThresholds()) -> list[Alert]:
   """Alerts for every metric of `snap` above its threshold (level-triggered)."""
   alerts = []
   for metric, severity, cause, action in _RULES:
     value, level = _metric_value(snap, metric), _threshold(thresholds, metric)
-    if value > level:
+    if value is not None and value > level:
       alerts.append(Alert(metric, value, level, severity, cause, action))
   return alerts
 
@@ -365,10 +459,13 @@ class AlertMonitor:
   _firing: set = dataclasses.field(default_factory=set)
   _last_oom: dict = dataclasses.field(default_factory=dict)
 
-  def observe(self, snap: PoolSnapshot) -> list[Alert]:
+  def observe(self, snap: "PoolSnapshot | StepStats") -> list[Alert]:
+    """Alerts that fire now; a `StepStats` updates only the rules it carries."""
     events = []
     for metric, severity, cause, action in _RULES:
       value = _metric_value(snap, metric)
+      if value is None:
+        continue
       if metric.startswith("oom_by_reason."):
         value, self._last_oom[metric] = value - self._last_oom.get(metric, 0.0), value
       level = _threshold(self.thresholds, metric)

@@ -55,7 +55,7 @@ def _workload(seed: int = 0, n: int = 10) -> list[Request]:
 def _config(mode: str) -> SchedulerConfig:
   return SchedulerConfig(max_batch=5, prefill_chunk=8, prefill_token_budget=12, preemption=mode,
                          output_reserve_ratio=0.0, pack_tails=True, promote_readers=2,
-                         promote_every=2,
+                         promote_every=2, snapshot_every=1,
                          compaction=compact.CompactionPolicy(threshold=0.0, budget=2))
 
 
@@ -101,7 +101,11 @@ def _build(mode: str, inj: Injector):
   def on_snapshot(step, snap, stats):
     pass
 
-  sched = Scheduler(cp, executor, _config(mode), on_snapshot=inj.wrap("on_snapshot", on_snapshot))
+  def on_step(report):
+    pass
+
+  sched = Scheduler(cp, executor, _config(mode), on_snapshot=inj.wrap("on_snapshot", on_snapshot),
+                    on_step=inj.wrap("on_step", on_step))
   inj.patch_object("pool", pool)
   inj.patch_object("cache", cp._cache)
   inj.patch_object("cached_pool", cp)
@@ -212,7 +216,8 @@ class FaultInjectionTest(absltest.TestCase):
     # The step reaches every kind of call site in this workload.
     for site in ("executor.step", "cached_pool.insert", "cached_pool.evict", "cached_pool.pack",
                  "cached_pool.move_blocks", "cached_pool.promote", "pool.release",
-                 "cache.apply_remap", "pool.apply_ref_deltas", "on_snapshot"):
+                 "cache.apply_remap", "pool.apply_ref_deltas", "on_snapshot",
+                 "on_step"):
       self.assertIn(site, counts)
     if mode == "swap":
       self.assertIn("swap.swap_out", counts)

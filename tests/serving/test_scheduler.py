@@ -310,7 +310,7 @@ class IssueJRegressionTest(absltest.TestCase):
         raise RuntimeError("exporter down")
 
     pool = paged_kv.BlockPool(CFG)
-    sched = Scheduler(pool, DryExecutor(CFG), SchedulerConfig(max_batch=4),
+    sched = Scheduler(pool, DryExecutor(CFG), SchedulerConfig(max_batch=4, snapshot_every=1),
                       on_snapshot=on_snapshot)
     for r in _workload(0, n=3):
       sched.submit(r)

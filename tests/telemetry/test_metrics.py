@@ -98,8 +98,8 @@ class AlertTest(absltest.TestCase):
     counts = [0, 1, 1, 3]
     fired = [len(mon.observe(self._snap(oom_by_reason={"no_free_block": c}))) for c in counts]
     self.assertEqual(fired, [0, 1, 0, 1])
-    events = metrics.alerts_from([self._snap(block_pool_utilization=0.99)])
-    self.assertEqual(events[0].metric, "block_pool_utilization")
+    events = metrics.alerts_from([self._snap(kv_usage_ratio=0.99)])
+    self.assertEqual(events[0].metric, "kv_usage_ratio")
 
 
 if __name__ == "__main__":
