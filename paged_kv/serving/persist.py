@@ -147,27 +147,48 @@ class ConfigMismatchError(PersistError, ValueError):
 
 
 class UnsupportedNamespaceError(PersistError, TypeError):
-  """A namespace is neither a str nor an int, so it cannot be written portably."""
+  """A namespace is not a typed key (str, bytes, int or a tuple of them)."""
 
 
 # ----------------------------------------------------------------------------- encoding
+_MAX_NAMESPACE_DEPTH = 32  # tuple nesting a file may hold (a deeper one is corrupt)
+
+
 def _encode_namespace(namespace: Hashable) -> dict[str, Any]:
-  if isinstance(namespace, str):
+  """A JSON entry for a typed namespace key (`radix.tree.check_namespace`).
+
+  `str` and `int` map to themselves, `bytes` to hex, a tuple to the list of its
+  parts' entries; the type of every part is written, so a load gives back the
+  same key (`1` and `"1"` stay apart, as in the tree).
+  """
+  if type(namespace) is str:
     return {"type": "str", "value": namespace}
-  if isinstance(namespace, (int, np.integer)) and not isinstance(namespace, (bool, np.bool_)):
-    return {"type": "int", "value": int(namespace)}
+  if type(namespace) is int:
+    return {"type": "int", "value": namespace}
+  if type(namespace) is bytes:
+    return {"type": "bytes", "value": namespace.hex()}
+  if type(namespace) is tuple:
+    return {"type": "tuple", "value": [_encode_namespace(part) for part in namespace]}
   raise UnsupportedNamespaceError(
-      f"cannot persist namespace {namespace!r} of type {type(namespace).__name__}: "
-      f"only str and int namespaces are supported")
+      f"cannot persist namespace {namespace!r} of type {type(namespace).__name__}: only "
+      f"str, bytes, int and tuples of them (the tree's typed keys) are supported")
 
 
-def _decode_namespace(entry: Any) -> Hashable:
-  if isinstance(entry, dict) and entry.get("type") == "str" and isinstance(entry.get("value"),
-                                                                           str):
-    return entry["value"]
-  if (isinstance(entry, dict) and entry.get("type") == "int"
-      and isinstance(entry.get("value"), int) and not isinstance(entry.get("value"), bool)):
-    return entry["value"]
+def _decode_namespace(entry: Any, depth: int = 0) -> Hashable:
+  """The namespace an `_encode_namespace` entry names; CorruptFileError otherwise."""
+  kind = entry.get("type") if isinstance(entry, dict) else None
+  value = entry.get("value") if isinstance(entry, dict) else None
+  if kind == "str" and isinstance(value, str):
+    return value
+  if kind == "int" and type(value) is int:
+    return value
+  if kind == "bytes" and isinstance(value, str):
+    try:
+      return bytes.fromhex(value)
+    except ValueError:
+      pass
+  if kind == "tuple" and isinstance(value, list) and depth < _MAX_NAMESPACE_DEPTH:
+    return tuple(_decode_namespace(part, depth + 1) for part in value)
   raise CorruptFileError(f"bad namespace entry {entry!r} in the header")
 
 
@@ -196,7 +217,8 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
     cache: the prefix cache; not modified (no hit or access is recorded).
 
   Raises:
-    UnsupportedNamespaceError: a namespace is neither str nor int (nothing is written).
+    UnsupportedNamespaceError: a namespace is not a typed key: str, bytes, int or a
+      tuple of them (nothing is written).
     UnwritableFileError: `path` cannot be written (a directory, no permission, ...);
       nothing is left behind.
     InvalidArgument: the cache's block size differs from the pool's, or a segment lies

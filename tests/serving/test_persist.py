@@ -172,16 +172,44 @@ class RoundTripTest(parameterized.TestCase):
     for a, b in zip(before, snapshot(target)):
       np.testing.assert_array_equal(a, b)
 
-  def test_unsupported_namespace_writes_nothing(self):
-    pool = paged_kv.BlockPool(paged_kv.PoolConfig(**_SRC))
+  def test_every_typed_namespace_round_trips(self):
+    config = paged_kv.PoolConfig(**_SRC)
+    pool = paged_kv.BlockPool(config)
     cache = PrefixCache(block_size=8)
-    seq = pool.open_sequence()
-    pool.reserve_tokens([seq], [3])
-    cache.insert(("tenant", 1), [1, 2, 3], pool.segments(seq))
-    path = os.path.join(_tempdir(self), "x")
-    with self.assertRaisesRegex(persist.UnsupportedNamespaceError, "tuple"):
-      persist.save_prefix_cache(path, pool, cache)
-    self.assertFalse(os.path.exists(path))
+    namespaces = ["t", 1, b"\x00\xff", ("tenant", 1), ("a", (b"b", 2)), (), "1"]
+    for i, ns in enumerate(namespaces):
+      seq = pool.open_sequence()
+      pool.reserve_tokens([seq], [3])
+      outcome = cache.insert(ns, [i, i + 1, i + 2], pool.segments(seq))
+      pool.apply_ref_deltas(outcome.ref_deltas.block_ids, outcome.ref_deltas.deltas)
+      pool.release([seq])
+    path = os.path.join(_tempdir(self), "typed")
+    persist.save_prefix_cache(path, pool, cache)
+    target = paged_kv.BlockPool(config)
+    loaded = persist.load_prefix_cache(path, target)
+    got = sorted((repr(n.namespace), type(n.namespace).__name__) for n in loaded.tree.nodes())
+    want = sorted((repr(ns), type(ns).__name__) for ns in namespaces)
+    self.assertEqual(got, want)
+    for i, ns in enumerate(namespaces):
+      self.assertEqual(loaded.match(ns, [i, i + 1, i + 2]).length, 3, ns)
+    self.assertEqual(loaded.match(1, [1, 2, 3]).length, 3)
+    self.assertEqual(loaded.match("1", [1, 2, 3]).length, 0)  # "1" holds [6, 7, 8], not 1's
+    target.check_invariants(extra_segments=loaded.segment_refs())
+
+  def test_untyped_namespace_is_refused_and_bad_entries_are_corrupt(self):
+    for ns in (1.5, True, np.int64(1), ("a", 1.0), ["t"]):
+      with self.assertRaises(persist.UnsupportedNamespaceError):
+        persist._encode_namespace(ns)  # pylint: disable=protected-access
+    for entry in ({"type": "bytes", "value": "zz"}, {"type": "int", "value": True},
+                  {"type": "tuple", "value": "ab"}, {"type": "float", "value": 1.0},
+                  {"type": "str", "value": 3}, "t"):
+      with self.assertRaises(persist.CorruptFileError):
+        persist._decode_namespace(entry)  # pylint: disable=protected-access
+    deep = {"type": "str", "value": "x"}
+    for _ in range(100):
+      deep = {"type": "tuple", "value": [deep]}
+    with self.assertRaises(persist.CorruptFileError):
+      persist._decode_namespace(deep)  # pylint: disable=protected-access
 
 
 class DamagedFileTest(absltest.TestCase):
