@@ -26,6 +26,7 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import PoolExhausted
 from paged_kv.pool import BlockPool
 from paged_kv.serving.executor import DryExecutor
+from paged_kv.serving.governance import CacheGovernance
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.serving.traces import TokenSource, TraceRequest, scaled_prompt
 
@@ -42,12 +43,15 @@ class EngineVariant:
     preemption: ``"recompute"`` or ``"swap"``.
     output_reserve_ratio: share of every running sequence's remaining output kept free
       at admission (0 admits on the prompt alone).
+    governance: live/cached watermark quotas and the two-phase GC (None: plain LRU
+      eviction on demand, no regions).
   """
 
   pack_tails: bool
   compaction: bool
   preemption: str
   output_reserve_ratio: float
+  governance: CacheGovernance | None = None
 
 
 ENGINE_VARIANTS = {
@@ -58,6 +62,12 @@ ENGINE_VARIANTS = {
     "slotted": EngineVariant(True, False, "recompute", 0.5),
     "compaction": EngineVariant(False, True, "recompute", 0.5),
     "all": EngineVariant(True, True, "recompute", 0.5),
+    # Governance against "flat" (plain LRU, no regions); GC TTL in trace seconds.
+    "quotas": EngineVariant(False, False, "recompute", 0.5, CacheGovernance()),
+    "gc": EngineVariant(False, False, "recompute", 0.5,
+                        CacheGovernance(quotas=False, gc_ttl=60.0, gc_every=64)),
+    "quotas_gc": EngineVariant(False, False, "recompute", 0.5,
+                               CacheGovernance(gc_ttl=60.0, gc_every=64)),
 }
 """The compared configurations, in report order."""
 
@@ -83,6 +93,11 @@ class EngineResult:
     internal_frag_mean: mean internal fragmentation.
     utilization_mean: mean block-pool utilization.
     compaction_moves: blocks moved by compaction.
+    compaction_bytes: bytes those moves copied.
+    delayed: requests that waited at least one step before their admission.
+    delay_steps_mean: mean steps from submit to admission over the delayed ones.
+    quota_holds: admissions held back by the live quota (governance).
+    gc_evicted_tokens: tokens evicted from GC-marked nodes.
     pack_moves: tails packed into slotted blocks.
     wall_s: wall time in seconds.
   """
@@ -103,6 +118,11 @@ class EngineResult:
   internal_frag_mean: float = 0.0
   utilization_mean: float = 0.0
   compaction_moves: int = 0
+  compaction_bytes: int = 0
+  delayed: int = 0
+  delay_steps_mean: float = 0.0
+  quota_holds: int = 0
+  gc_evicted_tokens: int = 0
   pack_moves: int = 0
   wall_s: float = 0.0
 
@@ -170,6 +190,7 @@ def replay_engine(
           evict_policy=policy,
           output_reserve_ratio=v.output_reserve_ratio,
           compaction=compact.CompactionPolicy() if v.compaction else None,
+          governance=v.governance,
           snapshot_every=5,
       ),
       clock=lambda: clock["now"],
@@ -214,5 +235,11 @@ def replay_engine(
   result.internal_frag_mean = float(np.mean([x.internal_fragmentation for x in snaps] or [0]))
   result.utilization_mean = float(np.mean([x.block_pool_utilization for x in snaps] or [0]))
   result.compaction_moves = sched.counters.compaction_moves
+  result.compaction_bytes = sched.counters.compaction_moves * config.block_bytes
+  waits = np.array([r.admit_step - r.submit_step for r in sched.finished])
+  result.delayed = int((waits > 0).sum())
+  result.delay_steps_mean = float(waits[waits > 0].mean()) if result.delayed else 0.0
+  result.quota_holds = st.quota_holds
+  result.gc_evicted_tokens = st.gc_evicted_tokens
   result.pack_moves = sched.counters.pack_moves
   return result

@@ -7,7 +7,8 @@ Per `step()`:
    only if the *whole* uncached prompt fits now (admission by full input
    length, so an admitted request is not preempted at once in a loop), after
    evicting cached blocks if needed. The sequence opens on the matched
-   segments (shared, no copy).
+   segments (shared, no copy). With `governance`, the live quota may hold a
+   request back (`paged_kv.serving.governance`: watermark quotas, two-phase GC).
 2. **Chunked prefill** of admitted prompts under a per-step token budget.
 3. **Decode** of one token for every running sequence whose prompt is done.
    Under pressure, cached blocks are evicted first; then the most recently
@@ -73,6 +74,7 @@ from paged_kv.core.segment_format import Segments
 from paged_kv.serving.cached_pool import CachedPool, CacheView, PoolStateLost, state_lost
 from paged_kv.model.plan import StepPlan
 from paged_kv.serving.executor import DryExecutor, Executor, attached_state
+from paged_kv.serving.governance import CacheGovernance
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
 from radix.cache import PrefixCache
 from radix.tree import check_namespace
@@ -143,6 +145,7 @@ class Request:
   hit_tokens: int = 0
   num_preemptions: int = 0
   stop_reason: str = ""  # "length", "stop_token", or "table_full" (the row had no room left)
+  submit_step: int = -1
   admit_step: int = -1
   first_token_step: int = -1
   finish_step: int = -1
@@ -220,6 +223,8 @@ class SchedulerConfig:
     snapshot_every: take the full host `metrics.PoolSnapshot` (every block
       copied to the host) every this many steps (0: never); also on demand,
       `Scheduler.take_snapshot()`.
+    governance: live/cached quotas with watermarks and the two-phase GC
+      (`paged_kv.serving.governance`; None: plain eviction on demand).
   """
 
   max_batch: int = 32
@@ -237,6 +242,7 @@ class SchedulerConfig:
   stop_token: int = -1
   stats_every: int = 1
   snapshot_every: int = 100
+  governance: CacheGovernance | None = None
 
   def __post_init__(self):
     if self.preemption not in PREEMPTION_MODES:
@@ -249,6 +255,9 @@ class SchedulerConfig:
         raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
     if not 0.0 <= self.output_reserve_ratio <= 1.0:
       raise ValueError(f"output_reserve_ratio must be in [0, 1], got {self.output_reserve_ratio}")
+    if self.governance is not None and not isinstance(self.governance, CacheGovernance):
+      raise InvalidArgument(f"governance must be a CacheGovernance or None, got "
+                            f"{type(self.governance).__name__}")
 
 
 @dataclasses.dataclass
@@ -271,6 +280,10 @@ class SchedulerStats:
   evictions: int = 0
   compactions: int = 0
   max_running: int = 0
+  quota_holds: int = 0  # admissions held back by the live quota (governance)
+  quota_evicted_blocks: int = 0  # cached-only blocks evicted above the cached quota
+  gc_marked_nodes: int = 0  # cache nodes marked by the GC's phase 1 (all passes)
+  gc_evicted_tokens: int = 0  # tokens evicted from GC-marked nodes
 
   @property
   def prefix_cache_hit_rate(self) -> float:
@@ -396,6 +409,12 @@ class Scheduler:
     self._step = 0
     self._last_reclaim = -RECLAIM_EVERY
     self._submitted: dict[int, Request] = {}  # id -> request: each object submitted once
+    gov = config.governance
+    pc = cached_pool.config
+    self._quota = (gov.quota(pc.num_blocks - pc.num_base_blocks)
+                   if gov is not None and gov.quotas else None)
+    self._live_limit: int | None = None  # this step's live quota (governance)
+    self._live_used = 0  # live blocks: the latest figures plus what this step admitted
     self._broken: str | None = None
     self.num_recoveries = 0  # steps that raised and were recovered from
 
@@ -442,6 +461,7 @@ class Scheduler:
                           f"max_segments={pc.max_segments} segments", reason="table_full")
     self._submitted[id(request)] = request
     request.submit_time = self.clock()
+    request.submit_step = self._step
     self.waiting.append(request)
 
   @property
@@ -488,6 +508,7 @@ class Scheduler:
     t0 = time.perf_counter()
     self._reset_step_record()
     self._now = self.clock()
+    self._govern()
     self._admit()
     if not self.running and (self.waiting or self.swapped):
       # `submit` refuses what cannot fit an empty pool, so this is a bug, not load.
@@ -593,11 +614,39 @@ class Scheduler:
     if num_blocks <= 0:
       return 0
     before = self.pool.num_free_blocks
-    ev = self.cached_pool.evict(num_blocks=num_blocks)
-    if ev.num_segments:
-      self.stats.evictions += 1
-      self.stats.evicted_tokens += ev.num_tokens
+    gov = self.config.governance
+    if gov is not None and gov.gc_ttl is not None:
+      # GC phase 2 first: marked (idle) nodes, highest block address first.
+      ev = self.cached_pool.gc_evict(num_blocks=num_blocks)
+      if ev.num_segments:
+        self.stats.evictions += 1
+        self.stats.evicted_tokens += ev.num_tokens
+        self.stats.gc_evicted_tokens += ev.num_tokens
+      num_blocks -= self.pool.num_free_blocks - before
+    if num_blocks > 0:
+      ev = self.cached_pool.evict(num_blocks=num_blocks)
+      if ev.num_segments:
+        self.stats.evictions += 1
+        self.stats.evicted_tokens += ev.num_tokens
     return self.pool.num_free_blocks - before
+
+  def _govern(self) -> None:
+    """Governance at the start of a step: GC marks, quota update, cached-quota eviction."""
+    gov = self.config.governance
+    if gov is None or not self._caching:
+      return
+    if gov.gc_ttl is not None and self._step % gov.gc_every == 0:
+      self.stats.gc_marked_nodes += self.cached_pool.gc_mark(gov.gc_ttl).num_nodes
+    if self._quota is None:
+      return
+    fig = self.last_stats
+    if fig is None or self.config.stats_every != 1:
+      fig = self.last_stats = metrics.step_stats(self.pool.state, self.pool.config,
+                                                 counters=self.counters)
+    decision = self._quota.update(fig.used_blocks, fig.cached_blocks)
+    self._live_limit, self._live_used = decision.live_limit, fig.used_blocks
+    if decision.evict_cached > 0:
+      self.stats.quota_evicted_blocks += self._evict(decision.evict_cached)
 
   def _ensure_free(self, need: int) -> bool:
     short = need - self.pool.num_free_blocks
@@ -647,7 +696,12 @@ class Scheduler:
       segs = segs[:-1]
       matched = int(segs[:, 2].sum())
     need = _cdiv(context.size - matched, self._bs) + 1
-    if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
+    held = (self._live_limit is not None and self.running
+            and self._live_used + need > self._live_limit)  # never when nothing runs
+    if held:
+      self.stats.quota_holds += 1
+    if held or not self._ensure_free(need + self._output_reserve(req)
+                                     + self.config.watermark_blocks):
       if node is not None:
         self.cached_pool.unlock(node)
       return False
@@ -658,6 +712,7 @@ class Scheduler:
         self.cached_pool.unlock(node)
       raise  # (other exceptions: the step's recovery rebuilds the lock counts)
     req.seq_id, req.lock_node, req.num_cached = seq, node, matched
+    self._live_used += need
     req.prefill_target = int(context.size)
     req.phase = Phase.RUNNING
     if req.admit_step < 0:

@@ -1,0 +1,67 @@
+"""Cache governance run by the scheduler: live/cached quotas with watermarks, two-phase GC.
+
+`CacheGovernance` is the policy a `SchedulerConfig` carries; the scheduler applies it
+every step:
+
+* **Quotas** (`regions.WatermarkQuota`): the dynamic blocks are split between live
+  sequences (`live_fraction`) and cached-only blocks (the prefix cache). When live
+  usage goes above `high_watermark` of the live limit, live sequences borrow up to
+  `max_step` blocks per step from the cached quota; below `low_watermark` they give
+  them back, `max_step` per step. Admission holds a request while the live limit
+  would be exceeded (never when nothing runs, so a request `submit` accepted always
+  runs); cached-only blocks above the cached limit are evicted.
+* **Two-phase GC** (`PrefixCache.gc_mark` / `gc_evict`): every `gc_every` steps the
+  cache nodes idle for `gc_ttl` seconds (the scheduler's clock) are marked; under
+  pressure marked nodes are evicted first, highest block address first (allocation is
+  lowest-first, so this frees the top of the pool and leaves less to compact), then
+  LRU.
+
+The usage figures come from the scheduler's cheap per-step `metrics.StepStats` (no
+per-block host copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from paged_kv.core.errors import InvalidArgument
+from paged_kv.core.regions import WatermarkQuota
+
+__all__ = ["CacheGovernance"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGovernance:
+  """Quotas and GC for the scheduler (see the module docstring).
+
+  Attributes:
+    quotas: split the dynamic blocks into a live and a cached quota.
+    live_fraction: the live quota's share of the dynamic blocks.
+    high_watermark, low_watermark: live usage (of the live limit) above which
+      live borrows from the cached quota, below which it gives back.
+    max_step: blocks borrowed or given back per step at most.
+    gc_ttl: seconds a cache node must sit unused to be marked (None: no GC).
+    gc_every: steps between two marking passes.
+  """
+
+  quotas: bool = True
+  live_fraction: float = 0.7
+  high_watermark: float = 0.85
+  low_watermark: float = 0.5
+  max_step: int = 32
+  gc_ttl: float | None = None
+  gc_every: int = 64
+
+  def __post_init__(self):
+    if self.gc_ttl is not None and not self.gc_ttl >= 0:
+      raise InvalidArgument(f"gc_ttl must be >= 0 or None, got {self.gc_ttl!r}")
+    if not isinstance(self.gc_every, int) or self.gc_every < 1:
+      raise InvalidArgument(f"gc_every must be an int >= 1, got {self.gc_every!r}")
+    if self.quotas:
+      self.quota(1)  # validates the quota's fields
+
+  def quota(self, dynamic_blocks: int) -> WatermarkQuota:
+    """A fresh quota over `dynamic_blocks` (nothing borrowed)."""
+    return WatermarkQuota(total_blocks=dynamic_blocks, live_fraction=self.live_fraction,
+                          high_watermark=self.high_watermark,
+                          low_watermark=self.low_watermark, max_step=self.max_step)
