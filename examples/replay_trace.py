@@ -154,7 +154,7 @@ def format_engine_table(results: list) -> str:
   head = (
       "| trace | variant | finished / submitted | rejected | max concurrent | preemptions | "
       "swap KB | OOMs by reason | hit rate | frag ratio mean / p99 | internal frag | "
-      "utilization | compaction moves | packed tails | delayed (mean steps) | quota holds | "
+      "utilization | compaction moves (KB) | packed tails | delayed (mean steps) | quota holds | "
       "GC-evicted tokens | steps | wall (s) |"
   )
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -163,7 +163,8 @@ def format_engine_table(results: list) -> str:
         f"| {r.label} | {r.variant} | {r.finished} / {r.submitted} | {r.rejected} | "
         f"{r.max_running} | {r.preemptions} | {r.swap_bytes / 1e3:.1f} | "
         f"{r.oom or 'none'} | {r.hit_rate:.3f} | {r.frag_mean:.3f} / {r.frag_p99:.3f} | "
-        f"{r.internal_frag_mean:.1%} | {r.utilization_mean:.1%} | {r.compaction_moves} | "
+        f"{r.internal_frag_mean:.1%} | {r.utilization_mean:.1%} | {r.compaction_moves} "
+        f"({r.compaction_bytes / 1e3:.0f}) | "
         f"{r.pack_moves} | {r.delayed} ({r.delay_steps_mean:.1f}) | {r.quota_holds} | "
         f"{r.gc_evicted_tokens} | {r.steps} | {r.wall_s:.0f} |"
     )

@@ -56,17 +56,21 @@ class Case:
   pool: paged_kv.PoolConfig
   sched: SchedulerConfig
   num_requests: int
+  max_new_tokens: int = 12
 
 
 def draw_case(seed: int) -> Case:
   """A random pool and scheduler config (from a few pool shapes, to bound compiles)."""
   rng = np.random.default_rng(seed)
-  bs = int(rng.choice([4, 8]))
-  num_blocks = int(rng.choice([16, 24, 40]))
+  # Every third case is a pressure case: 16-20 blocks of 8, no output reserve,
+  # outputs up to 40 tokens, so running sequences outgrow the pool and get preempted.
+  pressure = seed % 3 == 2  # so the 3 CI cases include one
+  bs = 8 if pressure else int(rng.choice([4, 8]))
+  num_blocks = int(rng.choice([16, 20])) if pressure else int(rng.choice([16, 24, 40]))
   max_seqs = int(rng.choice([4, 6]))
   pool = paged_kv.PoolConfig(
       num_blocks=num_blocks, block_size=bs, num_layers=1, num_kv_heads=1,
-      head_dim=kv_tags.TAG_DIM, max_seqs=max_seqs, max_segments=16,
+      head_dim=kv_tags.TAG_DIM, max_seqs=max_seqs, max_segments=24,
       base_pool_fraction=float(rng.choice([0.0, 0.15])),
       scrub_freed_blocks=bool(rng.integers(2)))
   compaction = None
@@ -75,7 +79,9 @@ def draw_case(seed: int) -> Case:
         threshold=float(rng.choice([0.0, 0.2, 0.35, 0.6])), budget=int(rng.integers(1, 9)),
         strategy=str(rng.choice(list(compact.STRATEGIES))))
   sched = SchedulerConfig(
-      max_batch=int(rng.integers(1, max_seqs + 1)),
+      max_batch=max_seqs if pressure else int(rng.integers(1, max_seqs + 1)),
+      # Without the cache's blocks to evict first, pressure preempts at once.
+      enable_prefix_cache=not (pressure and rng.integers(2)),
       prefill_token_budget=int(rng.integers(4, 33)),
       prefill_chunk=int(rng.choice([4, 8, 16])),
       preemption=str(rng.choice(["recompute", "swap"])),
@@ -84,13 +90,14 @@ def draw_case(seed: int) -> Case:
       compaction=compaction,
       promote_readers=int(rng.choice([0, 2, 3])) if pool.num_base_blocks else 0,
       promote_every=int(rng.integers(1, 9)),
-      output_reserve_ratio=float(rng.choice([0.0, 0.5, 1.0])),
+      output_reserve_ratio=0.0 if pressure else float(rng.choice([0.0, 0.5, 1.0])),
       watermark_blocks=int(rng.integers(0, 3)),
       snapshot_every=int(rng.choice([0, 1, 5])))
-  return Case(seed=seed, pool=pool, sched=sched, num_requests=int(rng.integers(15, 45)))
+  return Case(seed=seed, pool=pool, sched=sched, num_requests=int(rng.integers(15, 45)),
+              max_new_tokens=40 if pressure else 12)
 
 
-def request_stream(rng: np.random.Generator, n: int) -> list[Request]:
+def request_stream(rng: np.random.Generator, n: int, max_new_tokens: int = 12) -> list[Request]:
   """Requests over `NAMESPACES`; prompts share prefixes (same ids across namespaces)."""
   prefixes = [rng.integers(0, kv_tags.TOKENS_PER_TENANT, int(rng.integers(3, 20)))
               for _ in range(3)]
@@ -101,7 +108,7 @@ def request_stream(rng: np.random.Generator, n: int) -> list[Request]:
     own = tenant_of(ns) * kv_tags.TOKENS_PER_TENANT
     tail = own + rng.integers(0, kv_tags.TOKENS_PER_TENANT, int(rng.integers(0, 14)))
     prompt = np.concatenate([p[:int(rng.integers(1, p.size + 1))], tail])
-    out.append(Request(f"r{i}", prompt, max_new_tokens=int(rng.integers(1, 13)),
+    out.append(Request(f"r{i}", prompt, max_new_tokens=int(rng.integers(1, max_new_tokens + 1)),
                        namespace=ns))
   return out
 
@@ -128,7 +135,7 @@ def run_case(case: Case, totals: Totals) -> None:
   clock = [0.0]
   sched = Scheduler(pool, executor, case.sched, clock=lambda: clock[0])
   executor.sched = sched
-  pending = request_stream(rng, case.num_requests)
+  pending = request_stream(rng, case.num_requests, case.max_new_tokens)
   accepted = 0
   steps = 0
   while pending or not sched.idle:
