@@ -7,9 +7,17 @@ prefill chunks and decodes together, `paged_kv.serving.executor.ModelExecutor`)
 with chunked prefill, eviction, preemption and compaction; the final report, PNG
 plots and a metrics JSONL go to `--out_dir`. This is what `make demo` runs.
 
+Telemetry as an operator sees it: every step's `StepReport` goes to the JSONL
+(`metrics.jsonl`: step lines, full snapshots, and alerts as they fire, also
+printed) and, with `--prometheus_port`, to a Prometheus endpoint
+(`paged_kv.telemetry.export.MetricsExporter`; metrics in docs/metrics.md, a
+Grafana dashboard and alert rules in deploy/). `--linger_s` keeps the endpoint
+up after the run so a scraper can still read the final values.
+
 Usage:
   python examples/serve.py                              # defaults, ~1-2 min on CPU
   python examples/serve.py --num_blocks=96 --preemption=swap --prometheus_port=9400
+  python examples/serve.py --prometheus_port=9400 --prometheus_addr=0.0.0.0 --linger_s=600
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from paged_kv.core import compact
 from paged_kv.model import llama
 from paged_kv.serving.executor import ModelExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
-from paged_kv.telemetry.export import JsonlLogger, MetricsExporter
+from paged_kv.telemetry import plots
+from paged_kv.telemetry.export import JsonlLogger, MetricsExporter, read_jsonl
 
 _CONVERSATIONS = flags.DEFINE_integer("conversations", 16, "Concurrent chat conversations.")
 _TURNS = flags.DEFINE_integer("turns", 3, "Turns per conversation.")
@@ -53,6 +62,13 @@ _PACK = flags.DEFINE_bool("pack_tails", True, "Pack finished sequences' tails in
 _PROMETHEUS_PORT = flags.DEFINE_integer("prometheus_port", -1,
                                         "Serve /metrics on this port (0: any free port; "
                                         "-1: no exporter).")
+_PROMETHEUS_ADDR = flags.DEFINE_string("prometheus_addr", "127.0.0.1",
+                                       "Address the metrics endpoint binds (0.0.0.0: every "
+                                       "interface).")
+_LINGER = flags.DEFINE_float("linger_s", 0.0, "Keep serving /metrics this many seconds after "
+                             "the run (Ctrl-C ends it early).")
+_SNAPSHOT_EVERY = flags.DEFINE_integer("snapshot_every", 20, "Steps between full pool "
+                                       "snapshots (internal fragmentation, both regions).")
 _IMPL = flags.DEFINE_enum("impl", None, ["xla", "pallas", "mosaic"],
                           "Attention path (default: per backend, paged_kv.model.default_impl).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "out/serve", "Where plots and the JSONL go.")
@@ -98,63 +114,21 @@ class ChatWorkload:
     return _CONVERSATIONS.value * _TURNS.value
 
 
-def block_map(state: paged_kv.PoolState, extra: np.ndarray | None) -> np.ndarray:
-  """Per block: 0 free, 1 live sequence (maybe shared with the cache), 2 cached only."""
-  ref = np.asarray(state.meta.ref_count)
-  t = state.table
-  active = np.asarray(t.active)
-  ns = np.asarray(t.num_segments)
-  blocks = np.asarray(t.block)
-  live = np.zeros(ref.shape, bool)
-  for i in np.nonzero(active)[0]:
-    live[blocks[i, :ns[i]]] = True
-  out = np.where(ref > 0, 2, 0)
-  out[live] = 1
-  return out
-
-
-def write_plots(out_dir: Path, maps: dict[str, np.ndarray], snaps: list) -> list[str]:
+def write_plots(out_dir: Path, jsonl: Path, maps: list, num_base_blocks: int) -> list[str]:
+  """The run's timeline (from its JSONL) and block maps; [] without matplotlib."""
   try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
+    import matplotlib  # pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
     print("matplotlib not installed (pip install 'paged-kv[plots]'): no plots")
     return []
-  paths = []
-  cmap = ListedColormap(["#eeeeee", "#1f77b4", "#ff7f0e"])
-  fig, axes = plt.subplots(len(maps), 1, figsize=(10, 1.2 * len(maps) + 0.6))
-  axes = np.atleast_1d(axes)
-  for ax, (title, m) in zip(axes, maps.items()):
-    width = int(np.ceil(np.sqrt(m.size * 8)))
-    rows = -(-m.size // width)
-    grid = np.full(rows * width, -1)
-    grid[:m.size] = m
-    ax.imshow(np.ma.masked_less(grid.reshape(rows, width), 0), cmap=cmap, vmin=0, vmax=2,
-              aspect="auto", interpolation="nearest")
-    ax.set_title(f"{title}: grey free, blue live sequence, orange cached only", fontsize=9)
-    ax.set_xticks([])
-    ax.set_yticks([])
-  fig.tight_layout()
-  p = out_dir / "block_map.png"
-  fig.savefig(p, dpi=110)
-  plt.close(fig)
-  paths.append(str(p))
-  fig, ax = plt.subplots(figsize=(8, 3.5))
-  steps = np.arange(len(snaps))
-  ax.plot(steps, [s.block_pool_utilization for s in snaps], label="utilization")
-  ax.plot(steps, [s.fragmentation_ratio for s in snaps], label="fragmentation ratio")
-  ax.plot(steps, [s.internal_fragmentation for s in snaps], label="internal fragmentation")
-  ax.set_xlabel("step")
-  ax.set_ylim(0, 1.02)
-  ax.legend(loc="best", fontsize=8)
-  fig.tight_layout()
-  p = out_dir / "utilization.png"
-  fig.savefig(p, dpi=110)
-  plt.close(fig)
-  paths.append(str(p))
-  return paths
+  steps, snaps = read_jsonl(jsonl, type="step"), read_jsonl(jsonl, type="snapshot")
+  return [
+      plots.timeline(steps, out_dir / "utilization.png", snapshots=snaps,
+                     title=f"examples/serve.py: {_CONVERSATIONS.value} conversations x "
+                           f"{_TURNS.value} turns, {_NUM_BLOCKS.value} blocks of "
+                           f"{_BLOCK_SIZE.value} tokens, {_PREEMPTION.value} preemption"),
+      plots.block_map(maps, out_dir / "block_map.png", num_base_blocks=num_base_blocks),
+  ]
 
 
 def _progress(total: int):
@@ -163,6 +137,10 @@ def _progress(total: int):
     return tqdm(total=total, unit="req", desc="serving", leave=False)
   except ImportError:
     return None
+
+
+def _pct(values, q) -> float:
+  return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
 def main(argv):
@@ -184,88 +162,129 @@ def main(argv):
                            prefill_chunk=_PREFILL_CHUNK.value, preemption=_PREEMPTION.value,
                            enable_prefix_cache=not _NO_CACHE.value,
                            evict_policy=_EVICT.value, compaction=policy,
-                           pack_tails=_PACK.value, promote_readers=_PROMOTE.value)
+                           pack_tails=_PACK.value, promote_readers=_PROMOTE.value,
+                           snapshot_every=_SNAPSHOT_EVERY.value)
+  jsonl = out_dir / "metrics.jsonl"
+  logger = JsonlLogger(jsonl, mode="w")  # this run only; alerts are written as they fire
   exporter = None
   if _PROMETHEUS_PORT.value >= 0:
-    exporter = MetricsExporter(port=_PROMETHEUS_PORT.value).start()
-    print(f"Prometheus metrics at http://127.0.0.1:{exporter.port}/metrics")
-  logger = JsonlLogger(out_dir / "metrics.jsonl")
+    exporter = MetricsExporter(port=_PROMETHEUS_PORT.value, addr=_PROMETHEUS_ADDR.value,
+                               model="tiny-llama", replica="0").start()
+    print(f"Prometheus metrics at {exporter.url}")
   workload = ChatWorkload(rng, model_config.vocab_size)
   bar = _progress(workload.total)
+  say = bar.write if bar is not None else print
+  maps: dict[str, tuple[int, np.ndarray]] = {}
+  peak = {"usage": -1.0, "frag": -1.0}
+  host_seconds: list[float] = []
 
-  def on_snapshot(step, snap, stats):
-    extra = dict(preemptions_total=stats.preemptions, swap_to_host_bytes=stats.swap_to_host_bytes,
-                 prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-                 prefix_cache_evicted_tokens_total=stats.evicted_tokens,
-                 requests_finished_total=stats.finished)
-    logger.log_snapshot(snap, step=step, **extra)
-    if exporter is not None:
-      exporter.update(snap, **extra)
+  def on_step(report) -> None:
+    logger.log_report(report)  # step line, snapshot line, alert lines (flushed)
+    host_seconds.append(report.host_seconds)
+    for alert in report.alerts:
+      say(f"ALERT step {report.step} [{alert.severity}] {alert.metric} = {alert.value:.3g} "
+          f"> {alert.threshold:.3g}: {alert.likely_cause}; {alert.suggested_action}")
+    st = report.pool
+    if st is not None:
+      if st.kv_usage_ratio > peak["usage"]:
+        peak["usage"] = st.kv_usage_ratio
+        maps["busiest step"] = (report.step, plots.block_states(pool.state))
+      if st.fragmentation_ratio > peak["frag"]:
+        peak["frag"] = st.fragmentation_ratio
+        maps["most fragmented step"] = (report.step, plots.block_states(pool.state))
     if bar is not None:
-      bar.n = stats.finished
-      bar.set_postfix(util=f"{snap.block_pool_utilization:.0%}",
-                      frag=f"{snap.fragmentation_ratio:.2f}", refresh=False)
+      bar.n = report.stats.finished
+      if st is not None:
+        bar.set_postfix(kv=f"{st.kv_usage_ratio:.0%}", cached=f"{st.cached_blocks}",
+                        frag=f"{st.fragmentation_ratio:.2f}", refresh=False)
       bar.refresh()
 
   sched = Scheduler(pool, ModelExecutor(model, pool_config, impl=_IMPL.value), config,
-                    on_snapshot=on_snapshot, clock=time.perf_counter)
-  maps = {}
+                    on_step=on_step, clock=time.perf_counter)
+  if exporter is not None:
+    exporter.attach(sched)  # chained after on_step
   t0 = time.perf_counter()
-  peak = {"util": -1.0}
-
-  def before_step(s: Scheduler) -> None:
-    workload.before_step(s)
-    if s.snapshots and s.snapshots[-1].block_pool_utilization > peak["util"]:
-      peak["util"] = s.snapshots[-1].block_pool_utilization
-      maps["busiest step"] = block_map(pool.state, None)
-
-  sched.run(before_step=before_step)
+  sched.run(before_step=workload.before_step)
   wall = time.perf_counter() - t0
   if bar is not None:
     bar.close()
-  for alert in sched.alerts:
-    logger.log_alert(alert, step=sched.stats.steps)
+  last = sched.take_snapshot()
+  logger.log_snapshot(last, step=sched.stats.steps - 1)
+  if exporter is not None:
+    exporter.observe_snapshot(last, step=sched.stats.steps - 1)
   logger.close()
-  maps["end (only the prefix cache holds blocks)"] = block_map(pool.state, None)
+  maps["end"] = (sched.stats.steps - 1, plots.block_states(pool.state))
   sched.check_invariants()
 
   reqs = sorted(sched.finished, key=lambda r: r.request_id)
-  ttft = np.array([r.first_token_time - r.arrival for r in reqs])
+  ttft = np.array([r.first_token_time - r.submit_time for r in reqs])
+  first_turn = np.array([r.request_id < _CONVERSATIONS.value for r in reqs])
+  steps = read_jsonl(jsonl, type="step")
+  snaps = read_jsonl(jsonl, type="snapshot")
+  kv = [r["pool"]["kv_usage_ratio"] for r in steps if r["pool"]]
+  cached = [r["pool"]["cached_blocks"] / r["pool"]["num_blocks"] for r in steps if r["pool"]]
+  frag = [r["pool"]["fragmentation_ratio"] for r in steps if r["pool"]]
   generated = sum(len(r.output) for r in reqs)
-  snaps = sched.snapshots
-  st = sched.stats
-  plots = write_plots(out_dir, maps, snaps)
+  st, ctr = sched.stats, sched.counters
+  order = ["busiest step", "most fragmented step", "end"]
+  plot_paths = write_plots(out_dir, jsonl, [(k, *maps[k]) for k in order if k in maps],
+                           pool_config.num_base_blocks)
   rows = [
-      ("requests finished", f"{st.finished} / {workload.total}"),
-      ("steps", st.steps),
-      ("generated tokens", generated),
-      ("tokens/s (generated, wall)", f"{generated / wall:.0f}"),
-      ("TTFT p50 / p99 (s)", f"{np.percentile(ttft, 50):.3f} / {np.percentile(ttft, 99):.3f}"),
-      ("prefix cache hit rate (prompt tokens)", f"{st.prefix_cache_hit_rate:.1%}"),
-      ("evicted tokens", st.evicted_tokens),
-      ("utilization mean / max", f"{np.mean([s.block_pool_utilization for s in snaps]):.1%} / "
-                                 f"{max(s.block_pool_utilization for s in snaps):.1%}"),
-      ("fragmentation ratio mean / p99", f"{np.mean([s.fragmentation_ratio for s in snaps]):.3f}"
-                                         f" / {np.percentile([s.fragmentation_ratio for s in snaps], 99):.3f}"),
-      ("internal fragmentation mean", f"{np.mean([s.internal_fragmentation for s in snaps]):.1%}"),
-      ("compactions / block moves", f"{st.compactions} / {sched.counters.compaction_moves}"),
-      ("packed tails / base-pool promotions", f"{sched.counters.pack_moves} / "
-                                              f"{sched.counters.promotions}"),
+      ("requests finished", f"{st.finished} / {workload.total}", "requests done / submitted"),
+      ("steps", st.steps, "scheduler steps: one mixed prefill + decode forward pass each"),
+      ("generated tokens", generated, "output tokens of all requests"),
+      ("tokens/s (generated, wall)", f"{generated / wall:.0f}",
+       "generated tokens / wall time of the run, compilation included"),
+      ("TTFT p50 / p99, all (s)", f"{_pct(ttft, 50):.3f} / {_pct(ttft, 99):.3f}",
+       "submit to first token, queue included; the first requests include XLA compilation"),
+      ("TTFT p50 / p99, turns 2+ (s)",
+       f"{_pct(ttft[~first_turn], 50):.3f} / {_pct(ttft[~first_turn], 99):.3f}",
+       "turns 2 and later (turn 1 waits for the first compiles; a step shape first seen later "
+       "still compiles)"),
+      ("host time per step p50 / max (s)",
+       f"{_pct(host_seconds, 50):.4f} / {max(host_seconds, default=0):.3f}",
+       "wall time of one scheduler step (the max is a compile)"),
+      ("prefix cache hit rate (prompt tokens)", f"{st.prefix_cache_hit_rate:.1%}",
+       "prompt tokens found in the cache / prompt tokens looked up"),
+      ("evicted tokens", st.evicted_tokens, "tokens dropped from the prefix cache for room"),
+      ("KV usage mean / max", f"{np.mean(kv):.1%} / {max(kv):.1%}",
+       "blocks used by live sequences / all (cached-only blocks count as free, as vLLM)"),
+      ("cached-only blocks mean / max", f"{np.mean(cached):.1%} / {max(cached):.1%}",
+       "blocks held only by the prefix cache (evictable) / all"),
+      ("fragmentation ratio mean / p99", f"{np.mean(frag):.3f} / {_pct(frag, 99):.3f}",
+       "1 - largest free run / free blocks, dynamic region, every step"),
+      ("internal fragmentation mean",
+       f"{np.mean([s['internal_fragmentation'] for s in snaps]):.1%}",
+       f"dead slots in used blocks / their slots, full snapshots (every "
+       f"{_SNAPSHOT_EVERY.value} steps)"),
+      ("compactions / block moves", f"{st.compactions} / {ctr.compaction_moves}",
+       "compaction passes and the blocks they moved"),
+      ("packed tails / base-pool promotions", f"{ctr.pack_moves} / {ctr.promotions}",
+       "tails moved into shared slotted blocks / blocks pinned into the base region"),
       ("preemptions (recompute / swap)", f"{st.preemptions} ({st.preemptions_recompute} / "
-                                         f"{st.preemptions_swap})"),
-      ("swap to host bytes", st.swap_to_host_bytes),
-      ("OOMs by reason", dict(sched.counters.oom_by_reason) or "none"),
-      ("max concurrent sequences", st.max_running),
-      ("alerts", len(sched.alerts)),
-      ("wall time (s)", f"{wall:.1f}"),
+                                         f"{st.preemptions_swap})",
+       "sequences pushed out for room: recomputed later, or K/V copied to host"),
+      ("swap to host bytes", st.swap_to_host_bytes, "K/V bytes copied out by swap preemption"),
+      ("OOMs by reason", dict(ctr.oom_by_reason) or "none",
+       "failed block allocations (the scheduler then evicts or preempts)"),
+      ("max concurrent sequences", st.max_running, "most sequences in one step's batch"),
+      ("alerts", len(sched.alerts), f"threshold alerts fired (lines of type alert in "
+                                     f"{jsonl.name})"),
+      ("wall time (s)", f"{wall:.1f}", "the serving loop, compilation included"),
   ]
-  print("\n| metric | value |\n|---|---|")
-  for name, value in rows:
-    print(f"| {name} | {value} |")
-  print(f"\nmetrics JSONL: {out_dir / 'metrics.jsonl'}")
-  for p in plots:
+  print("\n| metric | value | meaning |\n|---|---|---|")
+  for name, value, meaning in rows:
+    print(f"| {name} | {value} | {meaning} |")
+  print(f"\nmetrics JSONL: {jsonl}")
+  for p in plot_paths:
     print(f"plot: {p}")
   if exporter is not None:
+    if _LINGER.value > 0:
+      print(f"serving {exporter.url} for {_LINGER.value:g} s more (Ctrl-C to stop)", flush=True)
+      try:
+        time.sleep(_LINGER.value)
+      except KeyboardInterrupt:
+        pass
     exporter.stop()
 
 

@@ -1,47 +1,29 @@
-"""Metrics export: a Prometheus exporter and a JSONL logger for pool snapshots.
+"""Metrics export: a Prometheus exporter and a JSONL logger for a serving run.
 
-Both take any snapshot dataclass (`paged_kv.telemetry.metrics.PoolSnapshot`, or the
-scheduler's own) or a plain mapping, plus extra keyword values, so a serving
-loop can write, every step:
+`MetricsExporter` declares every metric once (`prometheus_client` Counter,
+Gauge, Histogram, Info objects with real HELP text, `docs/metrics.md` lists them)
+in a registry of its own, and fills them from the scheduler's per-step report:
 
-  exporter = MetricsExporter(port=0).start()      # needs `paged-kv[metrics]`
+  exporter = MetricsExporter(port=0, model="tiny", replica="0").start()  # paged-kv[metrics]
   with JsonlLogger("run/metrics.jsonl") as log:
-    for step in ...:
-      snap = paged_kv.telemetry.metrics.snapshot(pool.state, pool.config, counters=counters)
-      exporter.update(snap, step=step, preemptions_total=n_preempted)
-      log.log_snapshot(snap, step=step, preemptions_total=n_preempted)
-      log.log_alerts(monitor.observe(snap), step=step)
+    exporter.events = log                 # alerts are written to the JSONL as they fire
+    exporter.attach(sched)                # sched.on_step -> exporter.observe(report)
+    sched.run()
   exporter.stop()
 
-Naming and typing rules of the Prometheus export (`metric_samples`):
+Names: where a concept is vLLM's, the name is vLLM's with our prefix
+(`vllm:kv_cache_usage_perc` -> `paged_kv_kv_cache_usage_perc`, same meaning);
+the pool's own figures (fragmentation, compaction, ghost blocks, OOMs by
+reason, ...) keep the `paged_kv_` prefix with Prometheus' unit suffixes. Every
+series has the constant labels `model` and `replica`; request counters have
+`namespace` (capped at `max_namespaces` values, the rest count as `other`).
 
-* Every numeric field `x` (int, float, bool, numpy scalar, 0-d array) becomes
-  `paged_kv_x`. Non-numeric values (strings, None, arrays, lists) are skipped,
-  in mappings too. Two fields that would map to one name are an error.
-* A mapping field `x_by_y = {key: number}` becomes one metric `paged_kv_x`
-  with label `y` (`oom_by_reason` -> `paged_kv_oom_total{reason="..."}`); a
-  mapping field whose name has no `_by_` gets the label `key`. When several
-  fields of one snapshot map to the same name, the first one in field order
-  keeps it and the others keep their full field name (`oom_by_seq_len` ->
-  `paged_kv_oom_by_seq_len_total{seq_len="..."}`). Known keys
-  (`DEFAULT_KNOWN_LABELS`: every OOM reason) are exported as 0 until they occur.
-* A nested dataclass field `x` is flattened as `x_<subfield>`.
-* Counter or gauge, by field name (for mapping fields, the full field name):
-  1. the exporter's `counter_fields` / `gauge_fields` arguments win;
-  2. a name with an `avg`, `mean`, `ratio`, `rate`, `fraction` or `per` word is
-     a gauge (an average of counts is not a count);
-  3. a name whose last word is `total` or `count` is a counter;
-  4. a name in `CUMULATIVE_FIELDS` (the host counters of
-     `paged_kv.telemetry.metrics.PoolCounters` that snapshots carry) is a counter;
-  5. anything else is a gauge.
-  Counters are exposed with the `_total` suffix Prometheus requires
-  (`compaction_moves` -> `paged_kv_compaction_moves_total`; a name already
-  ending in `_total` is not suffixed twice). A counter value must be a finite
-  number >= 0; it is exported as given (the snapshot holds cumulative values),
-  so a process restart shows as an ordinary counter reset.
+Cumulative totals (the scheduler's `SchedulerStats`, the pool's `PoolCounters`)
+become Prometheus counters by increments of their deltas, so a counter never
+goes down; a total that went back (a new scheduler attached) counts from zero.
 
-Values persist in the exporter until a later `update` overwrites them, so
-separate calls may update separate fields.
+`JsonlLogger` writes one JSON object per line (step reports, snapshots, alert
+events) and `read_jsonl` reads them back; neither needs prometheus_client.
 """
 
 from __future__ import annotations
@@ -51,13 +33,9 @@ import json
 import math
 import numbers
 import os
-import re
-import socket
-import socketserver
 import threading
 import time
-import wsgiref.simple_server
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
 import numpy as np
@@ -66,34 +44,38 @@ from paged_kv.core.errors import OOM_REASONS
 
 PREFIX = "paged_kv_"
 
-# Cumulative host counters (`paged_kv.telemetry.metrics.PoolCounters`) whose names do not
-# say `total`/`count`; exported as Prometheus counters.
-CUMULATIVE_FIELDS = frozenset({
-    "oom_by_reason",
-    "oom_by_seq_len",
-    "compaction_steps",
-    "compaction_moves",
-    "compaction_seconds",
-    "pack_moves",
-    "cow_splits",
-    "promotions",
-})
+# Latency buckets (seconds), 1 ms .. 60 s: CPU steps (tens of ms to seconds) and
+# GPU steps (a few ms) both land inside the range.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0)
+# Host time of one scheduler step (seconds), 100 us .. 10 s.
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1.0, 2.5, 5.0, 10.0)
 
-# Label values exported as 0 until they occur, so that `rate()` and alert
-# rules see a series from the start (`MetricsExporter(known_labels=...)`).
-DEFAULT_KNOWN_LABELS = {"oom_by_reason": tuple(OOM_REASONS.values())}
+# Our `Request.stop_reason` -> vLLM's `finished_reason` label value ("stop" is a
+# stop token; the others keep their own name).
+FINISHED_REASONS = {"length": "length", "stop_token": "stop", "table_full": "table_full"}
+PREEMPTION_MODES = ("recompute", "swap")
+OTHER_NAMESPACE = "other"  # the namespace label beyond `max_namespaces` distinct values
 
-_GAUGE_WORDS = frozenset({"avg", "mean", "ratio", "rate", "fraction", "per"})
-_COUNTER_LAST_WORDS = frozenset({"total", "count"})
-_NAME_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-_ALERTS = PREFIX + "alerts"  # the alert-event counter family
+
+def alert_rules() -> tuple[tuple[str, str], ...]:
+  """`(alert name, severity)` of every rule `paged_kv.telemetry.metrics.check_alerts` has
+  (`Alert.metric`); exported as 0 until they fire, so rules see a series from the start."""
+  from paged_kv.telemetry import metrics  # pylint: disable=import-outside-toplevel
+  rules = metrics.ALERT_RULES
+  return tuple((r[0], r[1]) for r in rules)
+
+
+# PoolConfig fields carried by `paged_kv_cache_config_info`.
+_CACHE_CONFIG_FIELDS = ("num_blocks", "block_size", "num_layers", "num_kv_heads", "head_dim",
+                        "dtype", "max_seqs", "max_segments", "base_pool_fraction")
 
 
 def _prometheus():
   """Imports `prometheus_client`, or raises an ImportError naming the extra."""
   try:
     import prometheus_client  # pylint: disable=import-outside-toplevel
-    import prometheus_client.core  # pylint: disable=import-outside-toplevel
   except ImportError as err:
     raise ImportError(
         "paged_kv.telemetry.export.MetricsExporter needs the optional dependency "
@@ -101,323 +83,467 @@ def _prometheus():
   return prometheus_client
 
 
-# ---------------------------------------------------------------------------
-# Snapshot -> samples (pure, no prometheus_client).
-# ---------------------------------------------------------------------------
+def namespace_label(namespace: Any) -> str:
+  """A typed namespace key (`str`, `bytes`, `int` or a tuple of them) as a label value."""
+  if isinstance(namespace, str):
+    return namespace
+  if isinstance(namespace, bytes):
+    return namespace.decode("utf-8", "backslashreplace")
+  if isinstance(namespace, tuple):
+    return "/".join(namespace_label(p) for p in namespace)
+  return str(namespace)
 
 
 @dataclasses.dataclass(frozen=True)
-class MetricSample:
-  """One exported value.
+class MetricSpec:
+  """One declared metric: what `docs/metrics.md` and the exporter agree on.
 
   Attributes:
-    name: the Prometheus family name, prefixed (`paged_kv_oom`); a counter's
-      sample is exposed as `name + "_total"`.
-    kind: `"counter"` or `"gauge"`.
-    label: the label name for a mapping field, or None.
-    label_value: the label value (the mapping key as a string), or None.
-    value: the number.
-    field: the snapshot field (or extra keyword) it came from.
+    name: the family name as exposed (a counter's samples add `_total` in the
+      exposition if the name lacks it; an Info's add `_info`).
+    kind: `counter`, `gauge`, `histogram` or `info`.
+    labels: label names beyond the constant `model` and `replica`.
+    help: the HELP text.
+    vllm: the vLLM metric with the same meaning, or None.
   """
 
   name: str
   kind: str
-  label: str | None
-  label_value: str | None
-  value: float
-  field: str
-
-
-def _as_fields(obj: Any, what: str) -> dict[str, Any]:
-  """Top-level fields of a dataclass instance or a mapping, in order."""
-  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-  if isinstance(obj, Mapping):
-    return dict(obj)
-  raise TypeError(f"{what} must be a dataclass instance or a mapping, got {type(obj).__name__}")
-
-
-def _number(value: Any) -> float | None:
-  """`value` as a float if it is a numeric scalar, else None."""
-  if isinstance(value, (bool, np.bool_)):
-    return float(value)
-  if isinstance(value, numbers.Real):
-    return float(value)
-  if isinstance(value, np.ndarray) or hasattr(value, "__array__"):
-    try:
-      arr = np.asarray(value)
-    except Exception:  # pylint: disable=broad-except
-      return None
-    kind = arr.dtype.kind
-    if arr.ndim == 0 and kind in "biuf":
-      return float(arr)
-  return None
-
-
-def metric_kind(field: str, *, counter_fields: Iterable[str] = (),
-                gauge_fields: Iterable[str] = ()) -> str:
-  """`"counter"` or `"gauge"` for a field name, by the rules in the module docstring."""
-  if field in set(counter_fields):
-    return "counter"
-  if field in set(gauge_fields):
-    return "gauge"
-  words = field.lower().split("_")
-  if _GAUGE_WORDS.intersection(words):
-    return "gauge"
-  if words[-1] in _COUNTER_LAST_WORDS or field in CUMULATIVE_FIELDS:
-    return "counter"
-  return "gauge"
-
-
-def _family_name(field: str, kind: str) -> str:
-  """`paged_kv_<field>`, without a counter's `_total` (the exposition adds it)."""
-  name = PREFIX + field
-  if kind == "counter" and name.endswith("_total"):
-    name = name[:-len("_total")]
-  return name
-
-
-def _flatten(fields: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-  """(field name, value) pairs with nested dataclasses flattened as `x_sub`."""
-  out = []
-  for key, value in fields.items():
-    if not isinstance(key, str) or not _NAME_RE.match(key):
-      raise ValueError(f"metric field name {key!r} is not a valid identifier "
-                       "([a-zA-Z_][a-zA-Z0-9_]*)")
-    name = prefix + key
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-      out.extend(_flatten(_as_fields(value, name), name + "_"))
-    else:
-      out.append((name, value))
-  return out
-
-
-def metric_samples(snapshot: Any = None, *, counter_fields: Iterable[str] = (),
-                   gauge_fields: Iterable[str] = (),
-                   known_labels: Mapping[str, Iterable[Any]] | None = None,
-                   **extra: Any) -> list[MetricSample]:
-  """Prometheus samples of a snapshot and extra values (rules in the module docstring).
-
-  Args:
-    snapshot: a dataclass instance (e.g. `PoolSnapshot`), a mapping, or None.
-    counter_fields, gauge_fields: field names forced to a kind.
-    known_labels: `{mapping field: keys}` exported as 0 when the field is
-      present but lacks them (e.g. every OOM reason before its first OOM).
-    **extra: more fields (e.g. `step=`, `preemptions_total=`); an extra field
-      with the name of a snapshot field replaces it.
-
-  Returns:
-    One `MetricSample` per exported value, in field order.
-
-  Raises:
-    TypeError: `snapshot` is neither a dataclass instance nor a mapping.
-    ValueError: a field name is not an identifier, two fields map to one
-      metric name, or a counter value is negative or not finite.
-  """
-  fields = {} if snapshot is None else _as_fields(snapshot, "snapshot")
-  fields.update(extra)
-  counter_fields, gauge_fields = frozenset(counter_fields), frozenset(gauge_fields)
-  pairs = _flatten(fields)
-  scalar_names = {name for name, value in pairs if not isinstance(value, Mapping)}
-  taken: set[str] = set()
-  owners: dict[str, str] = {}  # family and exposed sample names -> field
-  samples = []
-  for field, value in pairs:
-    kind = metric_kind(field, counter_fields=counter_fields, gauge_fields=gauge_fields)
-    if isinstance(value, Mapping):
-      base, label = (field.split("_by_", 1) if "_by_" in field else (field, "key"))
-      if not base or not _NAME_RE.match(label):
-        base, label = field, "key"
-      if base in scalar_names or base in taken:
-        base = field
-      seeded = {str(k): 0 for k in (known_labels or {}).get(field, ())}
-      seeded.update((str(k), v) for k, v in value.items())
-      entries = [(k, _number(v)) for k, v in seeded.items()]
-      entries = [(k, v) for k, v in entries if v is not None]
-    else:
-      number = _number(value)
-      if number is None:
-        continue
-      base, label, entries = field, None, [(None, number)]
-    taken.add(base)
-    name = _family_name(base, kind)
-    for exposed in {name, name + "_total" if kind == "counter" else name}:
-      if owners.setdefault(exposed, field) != field:
-        raise ValueError(f"fields {owners[exposed]!r} and {field!r} would both export as "
-                         f"{exposed!r}; rename one or force its kind")
-    for label_value, number in entries:
-      if kind == "counter" and not (math.isfinite(number) and number >= 0):
-        raise ValueError(f"counter {field!r} must be a finite number >= 0, got {number!r}"
-                         " (pass it in gauge_fields if it can decrease)")
-      samples.append(MetricSample(name, kind, label, label_value, number, field))
-  return samples
-
-
-# ---------------------------------------------------------------------------
-# Prometheus exporter.
-# ---------------------------------------------------------------------------
-
-
-class _ThreadingWSGIServer(socketserver.ThreadingMixIn, wsgiref.simple_server.WSGIServer):
-  """A WSGI server answering each scrape in its own daemon thread."""
-
-  daemon_threads = True
-
-
-class _QuietHandler(wsgiref.simple_server.WSGIRequestHandler):
-  """Does not log every scrape to stderr."""
-
-  def log_message(self, format, *args):  # pylint: disable=redefined-builtin
-    del format, args
-
-
-@dataclasses.dataclass
-class _Family:
-  """One exported family: kind, label names, and values keyed by label values."""
-
-  kind: str
   labels: tuple[str, ...]
-  field: str
-  values: dict[tuple[str, ...], float]
+  help: str
+  vllm: str | None = None
 
 
-class _SnapshotCollector:
-  """A prometheus_client collector yielding the exporter's latest values."""
+def _m(name, kind, help, labels=(), vllm=None) -> MetricSpec:  # pylint: disable=redefined-builtin
+  return MetricSpec(PREFIX + name, kind, tuple(labels), help, vllm)
 
-  def __init__(self, families_fn: Callable[[], list[tuple[str, _Family]]]):
-    self._families_fn = families_fn
 
-  def describe(self) -> list:
-    """No fixed names: families appear with the first update."""
-    return []
+METRICS: tuple[MetricSpec, ...] = (
+    # -- pool, every step (StepStats) ---------------------------------------------------
+    _m("kv_cache_usage_perc", "gauge",
+       "KV-cache usage as a fraction in [0, 1] (1 = 100%): blocks a live sequence uses / "
+       "all blocks. Blocks held only by the prefix cache count as free (they are evicted "
+       "on demand), as in vLLM.", vllm="vllm:kv_cache_usage_perc"),
+    _m("num_blocks", "gauge", "Blocks in the pool (both regions)."),
+    _m("used_blocks", "gauge",
+       "Blocks referenced by a sequence (num_blocks - free_blocks - cached_only_blocks)."),
+    _m("free_blocks", "gauge", "Unreferenced blocks (both regions)."),
+    _m("cached_only_blocks", "gauge",
+       "Blocks held only by the prefix cache: evictable, counted as free by "
+       "kv_cache_usage_perc."),
+    _m("fragmentation_ratio", "gauge",
+       "External fragmentation of a region: 1 - largest contiguous free run / free blocks "
+       "(0 when nothing is free). region=dynamic every step, base with each full snapshot.",
+       ("region",)),
+    _m("largest_free_run_blocks", "gauge",
+       "Length in blocks of the largest contiguous free run of the dynamic region."),
+    _m("largest_contiguous_free_bytes", "gauge",
+       "Bytes (K and V, all layers) of the largest contiguous free run of the dynamic region."),
+    # -- pool, full snapshots (PoolSnapshot) -----------------------------------------------
+    _m("internal_fragmentation_ratio", "gauge",
+       "Slots of used blocks not covered by a live segment / slots of used blocks "
+       "(dead slots of moved or released segments count as waste). From full snapshots."),
+    _m("handed_out_internal_fragmentation_ratio", "gauge",
+       "Slots of used blocks never handed out (slot bitmap) / slots of used blocks "
+       "(<= internal_fragmentation_ratio). From full snapshots."),
+    _m("segments_per_sequence", "gauge",
+       "Mean segment-table rows per live sequence. From full snapshots."),
+    _m("live_sequences", "gauge", "Active segment-table rows. From full snapshots."),
+    _m("live_tokens", "gauge", "Tokens held by active rows. From full snapshots."),
+    _m("live_blocks", "gauge",
+       "Used blocks referenced by an active row (may be shared with the cache). From full "
+       "snapshots."),
+    _m("ghost_block_bytes", "gauge",
+       "Bytes of blocks on which the free list and the reference counts disagree. 0 by "
+       "construction; anything else is a bookkeeping bug. From full snapshots."),
+    _m("last_snapshot_step", "gauge",
+       "Scheduler step of the latest full snapshot (the snapshot-only gauges are as of it)."),
+    _m("last_snapshot_timestamp_seconds", "gauge",
+       "Unix time of the latest full snapshot."),
+    # -- pool counters (PoolCounters) --------------------------------------------------------
+    _m("oom_total", "counter",
+       "Failed block allocations by reason: no_free_block (pool exhausted), "
+       "no_contiguous_run (external fragmentation), table_full (segment table row full).",
+       ("reason",)),
+    _m("oom_by_seq_len_total", "counter",
+       "Failed block allocations by the length of the sequence they were for, rounded up "
+       "to a power of two (seq_len is that bound).", ("seq_len",)),
+    _m("compaction_runs_total", "counter", "Compaction passes that moved at least one block."),
+    _m("compaction_moves_total", "counter", "Blocks moved by compaction."),
+    _m("compaction_bytes_total", "counter",
+       "Bytes copied by compaction (block moves x block bytes)."),
+    _m("compaction_seconds_total", "counter", "Host seconds spent planning and moving blocks."),
+    _m("pack_moves_total", "counter",
+       "Short tail segments moved into slotted (shared) blocks by packing."),
+    _m("cow_splits_total", "counter", "Shared tails copied before an append (copy on write)."),
+    _m("promotions_total", "counter", "Blocks moved into the base (pinned) region."),
+    # -- scheduler (StepReport) ---------------------------------------------------------------
+    _m("num_requests_running", "gauge", "Requests holding a row in the batch.",
+       vllm="vllm:num_requests_running"),
+    _m("num_requests_waiting", "gauge",
+       "Requests queued for admission (new, or preempted for recompute).",
+       vllm="vllm:num_requests_waiting"),
+    _m("num_requests_swapped", "gauge", "Requests whose K/V is swapped out to host memory.",
+       vllm="vllm:num_requests_swapped (v0 engine)"),
+    _m("scheduler_steps_total", "counter", "Scheduler steps (one forward pass each)."),
+    _m("step_host_seconds", "histogram",
+       "Host wall time of one scheduler step (admission, forward pass, finish, compaction)."),
+    _m("num_preemptions_total", "counter",
+       "Preemptions by mode: recompute (K/V dropped into the cache, re-queued) or swap "
+       "(K/V copied to host).", ("mode",), vllm="vllm:num_preemptions_total"),
+    _m("prefix_cache_queries_total", "counter",
+       "Prompt tokens looked up in the prefix cache at first admission.",
+       vllm="vllm:prefix_cache_queries_total"),
+    _m("prefix_cache_hits_total", "counter",
+       "Prompt tokens found in the prefix cache at first admission (hit rate = "
+       "rate(hits) / rate(queries)).", vllm="vllm:prefix_cache_hits_total"),
+    _m("prefix_cache_evicted_tokens_total", "counter", "Tokens evicted from the prefix cache."),
+    _m("prefix_cache_evictions_total", "counter", "Eviction passes that freed cached blocks."),
+    _m("prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
+       vllm="vllm:prompt_tokens_total"),
+    _m("prefill_tokens_total", "counter",
+       "Prompt tokens computed (cache misses, and recomputes after preemption)."),
+    _m("generation_tokens_total", "counter", "Tokens generated (sampled).",
+       vllm="vllm:generation_tokens_total"),
+    _m("swap_out_bytes_total", "counter", "K/V bytes copied to host by swap preemption."),
+    _m("swap_in_bytes_total", "counter", "K/V bytes copied back from host."),
+    _m("time_to_first_token_seconds", "histogram",
+       "Seconds from submission to the first generated token (includes queue time; on "
+       "the first requests of a process, XLA compilation).",
+       vllm="vllm:time_to_first_token_seconds"),
+    _m("inter_token_latency_seconds", "histogram",
+       "Seconds between two consecutive tokens of a request.",
+       vllm="vllm:inter_token_latency_seconds"),
+    _m("e2e_request_latency_seconds", "histogram",
+       "Seconds from submission to the last token of a finished request.",
+       vllm="vllm:e2e_request_latency_seconds"),
+    _m("request_queue_time_seconds", "histogram",
+       "Seconds a request waited from submission to its first admission.",
+       vllm="vllm:request_queue_time_seconds"),
+    _m("request_success_total", "counter",
+       "Finished requests by finished_reason (length, stop, table_full) and namespace.",
+       ("finished_reason", "namespace"), vllm="vllm:request_success_total"),
+    _m("namespace_prompt_tokens_total", "counter",
+       "Prompt tokens of finished requests, by namespace.", ("namespace",)),
+    _m("namespace_prefix_cache_hits_total", "counter",
+       "Prompt tokens of finished requests that were prefix-cache hits, by namespace.",
+       ("namespace",)),
+    _m("alerts_total", "counter",
+       "Alert events fired (edge-triggered, paged_kv.telemetry.metrics.AlertMonitor), by "
+       "alert name and severity.", ("alert", "severity")),
+    _m("cache_config", "info",
+       "The pool's configuration (PoolConfig) and block bytes.", vllm="vllm:cache_config_info"),
+)
 
-  def collect(self) -> Iterator[Any]:
-    """One metric family per exported name, from the latest values."""
-    core = _prometheus().core
-    for name, fam in self._families_fn():
-      doc = f"paged_kv {fam.field} ({fam.kind})"
-      cls = core.CounterMetricFamily if fam.kind == "counter" else core.GaugeMetricFamily
-      metric = cls(name, doc, labels=list(fam.labels))
-      for label_values, value in sorted(fam.values.items()):
-        metric.add_metric(list(label_values), value)
-      yield metric
+SPECS = {s.name: s for s in METRICS}
+
+
+def exposed_names(spec: MetricSpec) -> tuple[str, ...]:
+  """The sample names a metric shows in the text exposition."""
+  if spec.kind == "counter":
+    return (spec.name if spec.name.endswith("_total") else spec.name + "_total",
+            (spec.name[:-len("_total")] if spec.name.endswith("_total") else spec.name)
+            + "_created")
+  if spec.kind == "histogram":
+    return tuple(spec.name + s for s in ("_bucket", "_count", "_sum", "_created"))
+  if spec.kind == "info":
+    return (spec.name + "_info",)
+  return (spec.name,)
 
 
 class MetricsExporter:
-  """Serves the latest snapshot at `/metrics` in the Prometheus text format.
+  """Serves the pool's and the scheduler's metrics at `/metrics` (Prometheus text format).
 
   Example:
-    exporter = MetricsExporter(port=0).start()     # port 0: any free port
-    exporter.update(paged_kv.telemetry.metrics.snapshot(pool.state, pool.config), step=3)
-    print(exporter.url)                             # http://127.0.0.1:<port>/metrics
+    exporter = MetricsExporter(port=0, model="tiny").start()   # port 0: any free port
+    exporter.attach(sched)                                      # or: exporter.observe(report)
+    sched.run()
+    print(exporter.url)                                         # http://127.0.0.1:<port>/metrics
     exporter.stop()
 
-  Names and kinds follow the rules in this module's docstring. Alert events
-  (`paged_kv.telemetry.metrics.Alert` or mappings with `metric` and `severity`) passed to
-  `record_alerts` count in `paged_kv_alerts_total{metric, severity}`.
+  Feed it with `observe(report)` (a `paged_kv.serving.scheduler.StepReport`, what
+  `Scheduler(on_step=...)` passes after every step; `attach(sched)` wires it), or
+  piecewise: `observe_step_stats`, `observe_snapshot`, `record_alerts`,
+  `observe_finished`. The metric set is `METRICS` (`docs/metrics.md`).
 
   Args:
     port: TCP port for `start()`; 0 picks a free one (see `port` afterwards).
-    registry: the `prometheus_client.CollectorRegistry` to register in; None
-      creates a private one (pass `prometheus_client.REGISTRY` to serve the
-      process metrics beside ours).
-    addr: the address to bind; localhost by default.
-    counter_fields, gauge_fields: field names forced to a kind.
-    known_labels: `{mapping field: keys}` exported as 0 until they occur;
-      by default every OOM reason of `oom_by_reason` (`DEFAULT_KNOWN_LABELS`).
+    addr: the address to bind (localhost by default; "0.0.0.0" for every interface).
+    model, replica: the constant `model` and `replica` labels of every series.
+    registry: a `prometheus_client.CollectorRegistry`; None creates a private one.
+    events: a `JsonlLogger` that receives each alert as it is recorded (None: no file).
+    max_namespaces: distinct `namespace` label values; later ones count as `other`.
+    latency_buckets: histogram buckets (seconds) of the request latencies.
 
   Raises:
     ImportError: prometheus-client is not installed (the `paged-kv[metrics]` extra).
   """
 
-  def __init__(self, port: int = 0, registry: Any = None, *, addr: str = "127.0.0.1",
-               counter_fields: Iterable[str] = (), gauge_fields: Iterable[str] = (),
-               known_labels: Mapping[str, Iterable[Any]] | None = None):
+  def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", model: str = "paged_kv",
+               replica: str = "0", registry: Any = None, events: "JsonlLogger | None" = None,
+               max_namespaces: int = 64,
+               latency_buckets: Iterable[float] = LATENCY_BUCKETS):
     prom = _prometheus()
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
       raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+    if not isinstance(max_namespaces, int) or max_namespaces < 1:
+      raise ValueError(f"max_namespaces must be a positive int, got {max_namespaces!r}")
     self._requested_port = port
     self._addr = addr
-    self._counter_fields = frozenset(counter_fields)
-    self._gauge_fields = frozenset(gauge_fields)
-    self._known_labels = {k: tuple(v) for k, v in
-                          (DEFAULT_KNOWN_LABELS if known_labels is None else known_labels).items()}
-    both = self._counter_fields & self._gauge_fields
-    if both:
-      raise ValueError(f"fields {sorted(both)} are in both counter_fields and gauge_fields")
+    self._const = {"model": str(model), "replica": str(replica)}
     self.registry = prom.CollectorRegistry() if registry is None else registry
+    self.events = events
+    self._max_namespaces = max_namespaces
+    self._namespaces: set[str] = set()
     self._lock = threading.Lock()
-    self._families: dict[str, _Family] = {}
+    self._last: dict[tuple, float] = {}  # cumulative totals already counted
+    self._block_bytes: int | None = None
     self._server = None
     self._thread: threading.Thread | None = None
-    self._collector = _SnapshotCollector(self._families_copy)
-    self.registry.register(self._collector)
+    latency_buckets = tuple(latency_buckets)
+    self._metrics: dict[str, Any] = {}
+    for spec in METRICS:
+      labels = ["model", "replica", *spec.labels]
+      short = spec.name[len(PREFIX):]
+      if spec.kind == "counter":
+        metric = prom.Counter(spec.name, spec.help, labels, registry=self.registry)
+      elif spec.kind == "gauge":
+        metric = prom.Gauge(spec.name, spec.help, labels, registry=self.registry)
+      elif spec.kind == "histogram":
+        buckets = STEP_BUCKETS if short == "step_host_seconds" else latency_buckets
+        metric = prom.Histogram(spec.name, spec.help, labels, registry=self.registry,
+                                buckets=buckets)
+      else:
+        metric = prom.Info(spec.name, spec.help, labels, registry=self.registry)
+      self._metrics[short] = metric
+    # Series that exist from the start (0), so rate() and alert rules see them.
+    for reason in OOM_REASONS.values():
+      self._child("oom_total", reason=reason)
+    for mode in PREEMPTION_MODES:
+      self._child("num_preemptions_total", mode=mode)
+    for name, severity in alert_rules():
+      self._child("alerts_total", alert=name, severity=severity)
+    for spec in METRICS:
+      if not spec.labels and spec.kind in ("counter", "histogram"):
+        self._child(spec.name[len(PREFIX):])
 
-  # -- values ----------------------------------------------------------------
-  def update(self, snapshot: Any = None, **extra: Any) -> list[MetricSample]:
-    """Sets the exported values from a snapshot and extra fields.
+  # -- plumbing ------------------------------------------------------------------
+  def _child(self, short: str, **labels: str):
+    return self._metrics[short].labels(**self._const, **labels)
 
-    Args:
-      snapshot: a dataclass instance (e.g. `PoolSnapshot`), a mapping, or None.
-      **extra: more numeric or mapping fields (`step=`, `preemptions_total=`,
-        `swap_to_host_bytes=`, `prefix_cache_hit_rate=`, ...).
+  def _set(self, short: str, value: float, **labels: str) -> None:
+    self._child(short, **labels).set(float(value))
 
-    Returns:
-      The samples set (see `metric_samples`).
-    """
-    samples = metric_samples(snapshot, counter_fields=self._counter_fields,
-                             gauge_fields=self._gauge_fields,
-                             known_labels=self._known_labels, **extra)
-    reserved = [s.field for s in samples if s.name == _ALERTS]
-    if reserved:
-      raise ValueError(f"field {reserved[0]!r} would export as {_ALERTS!r}, which is "
-                       "reserved for record_alerts; rename it")
+  def _count(self, short: str, total: float, **labels: str) -> None:
+    """Adds what the cumulative `total` grew by since the last call (all of it after a
+    reset: a total below the last one starts again from zero)."""
+    total = float(total)
+    if not math.isfinite(total) or total < 0:
+      raise ValueError(f"{short}{labels or ''}: a cumulative total must be a finite number "
+                       f">= 0, got {total!r}")
+    key = (short, tuple(sorted(labels.items())))
     with self._lock:
-      fresh: dict[str, _Family] = {}
-      for s in samples:
-        fam = fresh.get(s.name)
-        if fam is None:
-          old = self._families.get(s.name)
-          labels = () if s.label is None else (s.label,)
-          keep = old is not None and (old.kind, old.labels) == (s.kind, labels)
-          fam = fresh[s.name] = _Family(s.kind, labels, s.field,
-                                        dict(old.values) if keep else {})
-        fam.values[() if s.label is None else (s.label_value,)] = s.value
-      self._families.update(fresh)
-    return samples
+      last = self._last.get(key, 0.0)
+      delta = total - last if total >= last else total
+      self._last[key] = total
+    if delta > 0:
+      self._child(short, **labels).inc(delta)
 
-  def record_alerts(self, alerts: Iterable[Any]) -> int:
-    """Counts alert events in `paged_kv_alerts_total{metric, severity}`; returns how many.
+  def _namespace(self, namespace: Any) -> str:
+    label = namespace_label(namespace)
+    with self._lock:
+      if label in self._namespaces:
+        return label
+      if len(self._namespaces) < self._max_namespaces:
+        self._namespaces.add(label)
+        return label
+    return OTHER_NAMESPACE
+
+  # -- inputs ----------------------------------------------------------------------
+  def set_cache_config(self, config: Any, *, block_bytes: int | None = None) -> None:
+    """Sets `paged_kv_cache_config_info` from a `PoolConfig` (and its block bytes)."""
+    info = {f: str(getattr(config, f)) for f in _CACHE_CONFIG_FIELDS if hasattr(config, f)}
+    if block_bytes is None:
+      block_bytes = getattr(config, "block_bytes", None)
+    if block_bytes is not None:
+      info["block_bytes"] = str(int(block_bytes))
+      self._block_bytes = int(block_bytes)
+    self._child("cache_config").info(info)
+
+  def observe_step_stats(self, stats: Any) -> None:
+    """Sets the per-step pool gauges from a `paged_kv.telemetry.metrics.StepStats`."""
+    self._block_bytes = int(stats.block_bytes)
+    self._set("kv_cache_usage_perc", stats.kv_usage_ratio)
+    self._set("num_blocks", stats.num_blocks)
+    self._set("used_blocks", stats.used_blocks)
+    self._set("free_blocks", stats.free_blocks)
+    self._set("cached_only_blocks", stats.cached_blocks)
+    self._set("fragmentation_ratio", stats.fragmentation_ratio, region="dynamic")
+    self._set("largest_free_run_blocks", stats.largest_free_run_blocks)
+    self._set("largest_contiguous_free_bytes",
+              int(stats.largest_free_run_blocks) * int(stats.block_bytes))
+
+  def observe_snapshot(self, snap: Any, *, step: int | None = None) -> None:
+    """Sets the gauges of a full `paged_kv.telemetry.metrics.PoolSnapshot` and counts
+    its cumulative OOM and compaction totals."""
+    for region, ratio in snap.fragmentation_by_region.items():
+      self._set("fragmentation_ratio", ratio, region=str(region))
+    self._set("num_blocks", snap.num_blocks)
+    if getattr(snap, "kv_usage_ratio", None) is not None:
+      self._set("kv_cache_usage_perc", snap.kv_usage_ratio)
+    self._set("free_blocks", snap.num_free_blocks)
+    self._set("cached_only_blocks", snap.cached_only_blocks)
+    self._set("used_blocks", snap.num_blocks - snap.num_free_blocks - snap.cached_only_blocks)
+    self._set("largest_contiguous_free_bytes", snap.largest_contiguous_free_bytes)
+    self._set("internal_fragmentation_ratio", snap.internal_fragmentation)
+    self._set("handed_out_internal_fragmentation_ratio", snap.handed_out_internal_fragmentation)
+    self._set("segments_per_sequence", snap.segments_per_sequence)
+    self._set("live_sequences", snap.live_sequences)
+    self._set("live_tokens", snap.live_tokens)
+    self._set("live_blocks", snap.live_blocks)
+    self._set("ghost_block_bytes", snap.ghost_block_bytes)
+    if step is not None:
+      self._set("last_snapshot_step", step)
+    self._set("last_snapshot_timestamp_seconds", time.time())
+    for reason, n in snap.oom_by_reason.items():
+      self._count("oom_total", n, reason=str(reason))
+    for seq_len, n in snap.oom_by_seq_len.items():
+      self._count("oom_by_seq_len_total", n, seq_len=str(seq_len))
+    self._count("compaction_moves_total", snap.compaction_moves)
+    self._count("compaction_seconds_total", snap.compaction_seconds)
+    if self._block_bytes:
+      self._count("compaction_bytes_total", snap.compaction_moves * self._block_bytes)
+
+  def observe_pool_counters(self, counters: Any) -> None:
+    """Counts the cumulative totals of a `paged_kv.telemetry.metrics.PoolCounters`."""
+    for reason, n in dict(counters.oom_by_reason).items():
+      self._count("oom_total", n, reason=str(reason))
+    for seq_len, n in dict(getattr(counters, "oom_by_seq_len", {})).items():
+      self._count("oom_by_seq_len_total", n, seq_len=str(seq_len))
+    self._count("compaction_runs_total", counters.compaction_steps)
+    self._count("compaction_moves_total", counters.compaction_moves)
+    self._count("compaction_seconds_total", counters.compaction_seconds)
+    if self._block_bytes:
+      self._count("compaction_bytes_total", counters.compaction_moves * self._block_bytes)
+    self._count("pack_moves_total", counters.pack_moves)
+    self._count("cow_splits_total", counters.cow_splits)
+    self._count("promotions_total", counters.promotions)
+
+  def observe_scheduler_stats(self, stats: Any) -> None:
+    """Counts the cumulative totals of a `paged_kv.serving.scheduler.SchedulerStats`."""
+    self._count("scheduler_steps_total", stats.steps)
+    self._count("num_preemptions_total", stats.preemptions_recompute, mode="recompute")
+    self._count("num_preemptions_total", stats.preemptions_swap, mode="swap")
+    self._count("prefix_cache_queries_total", stats.prompt_tokens)
+    self._count("prefix_cache_hits_total", stats.hit_tokens)
+    self._count("prefix_cache_evicted_tokens_total", stats.evicted_tokens)
+    self._count("prefix_cache_evictions_total", stats.evictions)
+    self._count("prompt_tokens_total", stats.prompt_tokens)
+    self._count("prefill_tokens_total", stats.prefill_tokens)
+    self._count("swap_out_bytes_total", stats.swap_to_host_bytes)
+    self._count("swap_in_bytes_total", stats.swap_in_bytes)
+
+  def observe_finished(self, requests: Iterable[Any]) -> None:
+    """Counts finished requests (`Request` objects) and observes their latencies."""
+    for req in requests:
+      ns = self._namespace(getattr(req, "namespace", "default"))
+      reason = FINISHED_REASONS.get(req.stop_reason, req.stop_reason or "unknown")
+      self._child("request_success_total", finished_reason=reason, namespace=ns).inc()
+      self._child("namespace_prompt_tokens_total", namespace=ns).inc(len(req.prompt))
+      if req.hit_tokens:
+        self._child("namespace_prefix_cache_hits_total", namespace=ns).inc(req.hit_tokens)
+      submit = getattr(req, "submit_time", None)
+      if submit is None:
+        submit = getattr(req, "arrival", None)
+      admit = getattr(req, "admit_time", None)
+      if submit is None or submit < 0:
+        continue
+      if req.finish_time >= submit:
+        self._child("e2e_request_latency_seconds").observe(req.finish_time - submit)
+      if admit is not None and admit >= submit:
+        self._child("request_queue_time_seconds").observe(admit - submit)
+
+  def record_alerts(self, alerts: Iterable[Any], *, step: int | None = None) -> int:
+    """Counts alert events in `paged_kv_alerts_total{alert, severity}` and writes each
+    to `events` (if set); returns how many.
 
     Args:
       alerts: `paged_kv.telemetry.metrics.Alert` instances or mappings with `metric` and
         `severity` keys (e.g. `AlertMonitor.observe(snapshot)`).
+      step: the scheduler step, for the JSONL events.
     """
     count = 0
-    with self._lock:
-      fam = self._families.get(_ALERTS)
-      if fam is None:
-        fam = self._families[_ALERTS] = _Family("counter", ("metric", "severity"), "alerts", {})
-      for alert in alerts:
-        fields = _as_fields(alert, "alert")
-        key = (str(fields.get("metric", "unknown")), str(fields.get("severity", "unknown")))
-        fam.values[key] = fam.values.get(key, 0.0) + 1.0
-        count += 1
+    for alert in alerts:
+      fields = _as_fields(alert, "alert")
+      self._child("alerts_total", alert=str(fields.get("metric", "unknown")),
+                  severity=str(fields.get("severity", "unknown"))).inc()
+      if self.events is not None:
+        self.events.log_alert(alert, step=step)
+      count += 1
     return count
 
-  def _families_copy(self) -> list[tuple[str, _Family]]:
+  def observe(self, report: Any) -> None:
+    """Takes one `paged_kv.serving.scheduler.StepReport` (what `on_step` is passed)."""
+    if report.pool is not None:
+      self.observe_step_stats(report.pool)
+    if report.snapshot is not None:
+      self.observe_snapshot(report.snapshot, step=report.step)
+    self.observe_pool_counters(report.counters)
+    self.observe_scheduler_stats(report.stats)
+    self._set("num_requests_running", report.num_running)
+    self._set("num_requests_waiting", report.num_waiting)
+    self._set("num_requests_swapped", report.num_swapped)
+    self._child("step_host_seconds").observe(max(float(report.host_seconds), 0.0))
+    ttft, itl = self._child("time_to_first_token_seconds"), self._child(
+        "inter_token_latency_seconds")
+    for s in report.first_token_latencies:
+      ttft.observe(max(float(s), 0.0))
+    for s in report.inter_token_latencies:
+      itl.observe(max(float(s), 0.0))
+    # Every decode emits one token, and so does the prefill chunk that completes a prompt.
+    key = ("generation_tokens_total", "decode_tokens")
     with self._lock:
-      return [(name, dataclasses.replace(fam, values=dict(fam.values)))
-              for name, fam in sorted(self._families.items())]
+      last = self._last.get(key, 0.0)
+      total = float(report.stats.decode_tokens)
+      delta = (total - last if total >= last else total) + len(report.first_token_latencies)
+      self._last[key] = total
+    if delta > 0:
+      self._child("generation_tokens_total").inc(delta)
+    self.observe_finished(report.finished)
+    self.record_alerts(report.alerts, step=report.step)
+
+  def attach(self, scheduler: Any) -> "MetricsExporter":
+    """Makes `scheduler` report every step here (chained after an existing `on_step`
+    callback) and sets the cache-config info from its pool; returns self.
+
+    Raises:
+      TypeError: the scheduler has no `on_step` callback attribute.
+    """
+    pool = getattr(scheduler, "pool", None)
+    config = getattr(pool, "config", None)
+    if config is not None:
+      self.set_cache_config(config)
+    attr = next((a for a in ("on_step", "_on_step") if hasattr(scheduler, a)), None)
+    if attr is None:
+      raise TypeError(f"{type(scheduler).__name__} has no on_step callback to attach to")
+    previous: Callable[[Any], None] | None = getattr(scheduler, attr)
+
+    def on_step(report: Any) -> None:
+      if previous is not None:
+        previous(report)
+      self.observe(report)
+
+    setattr(scheduler, attr, on_step)
+    return self
 
   def render(self) -> str:
     """The current exposition text (what `/metrics` serves)."""
     return _prometheus().generate_latest(self.registry).decode("utf-8")
 
-  # -- HTTP server -------------------------------------------------------------
+  # -- HTTP server (prometheus_client's) ------------------------------------------------
   def start(self) -> "MetricsExporter":
-    """Serves `/metrics` (any path, as prometheus_client does) over HTTP in a
-    daemon thread; returns self.
+    """Serves the registry over HTTP (`prometheus_client.start_http_server`, any path)
+    in a daemon thread; returns self.
 
     Raises:
       RuntimeError: already started.
@@ -425,16 +551,8 @@ class MetricsExporter:
     """
     if self._server is not None:
       raise RuntimeError(f"MetricsExporter already serving at {self.url}")
-    app = _prometheus().make_wsgi_app(self.registry)
-    family = socket.getaddrinfo(self._addr, self._requested_port, type=socket.SOCK_STREAM)[0][0]
-    server_class = type("_Server", (_ThreadingWSGIServer,), {"address_family": family})
-    server = wsgiref.simple_server.make_server(self._addr, self._requested_port, app,
-                                               server_class=server_class,
-                                               handler_class=_QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              name=f"paged_kv-metrics-{server.server_address[1]}", daemon=True)
-    thread.start()
-    self._server, self._thread = server, thread
+    self._server, self._thread = _prometheus().start_http_server(
+        self._requested_port, addr=self._addr, registry=self.registry)
     return self
 
   def stop(self) -> None:
@@ -480,6 +598,15 @@ class MetricsExporter:
 _RESERVED_KEYS = ("type", "step", "time")
 
 
+def _as_fields(obj: Any, what: str) -> dict[str, Any]:
+  """Top-level fields of a dataclass instance or a mapping, in order."""
+  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+  if isinstance(obj, Mapping):
+    return dict(obj)
+  raise TypeError(f"{what} must be a dataclass instance or a mapping, got {type(obj).__name__}")
+
+
 def _jsonable(value: Any) -> Any:
   """`value` as plain JSON data: numpy scalars and arrays, dataclasses, mappings
   (keys as strings) and sequences converted; non-finite floats become None so
@@ -505,21 +632,63 @@ def _jsonable(value: Any) -> Any:
   raise TypeError(f"cannot write a {type(value).__name__} to JSONL: {value!r}")
 
 
-class JsonlLogger:
-  """Appends one JSON object per line: snapshots and alert events.
+def _finished_record(req: Any) -> dict:
+  """The figures of one finished request that a step line carries."""
+  submit = getattr(req, "submit_time", None)
+  if submit is None:
+    submit = getattr(req, "arrival", None)
+  out = {"request_id": namespace_label(req.request_id) if not isinstance(req.request_id, int)
+         else req.request_id,
+         "namespace": namespace_label(getattr(req, "namespace", "default")),
+         "stop_reason": req.stop_reason, "prompt_tokens": int(len(req.prompt)),
+         "output_tokens": len(req.output), "hit_tokens": int(req.hit_tokens),
+         "num_preemptions": int(getattr(req, "num_preemptions", 0))}
+  if submit is not None and submit >= 0:
+    for name, t in (("ttft_s", getattr(req, "first_token_time", -1.0)),
+                    ("e2e_s", getattr(req, "finish_time", -1.0)),
+                    ("queue_s", getattr(req, "admit_time", None))):
+      if t is not None and t >= submit:
+        out[name] = float(t - submit)
+  return out
 
-  Lines are `{"type": "snapshot", "step": s, "time": t, <snapshot fields>, <extra>}`
-  and `{"type": "alert", "step": s, "time": t, <alert fields>}`, where `time` is
-  the wall-clock time (`time.time()`, seconds) and `step` is the caller's step
-  (by default, the number of snapshots logged before this one). Each line is
-  flushed as it is written, so a crash loses nothing already logged. Numpy
-  values become plain numbers, mapping keys strings, NaN/inf null.
+
+def step_record(report: Any) -> dict:
+  """The fields of a `StepReport` as one JSONL `step` line writes them (`clock` is the
+  scheduler's clock; `pool` is the `StepStats`; `stats` and `counters` cumulative)."""
+  return {
+      "clock": float(report.time),
+      "host_seconds": float(report.host_seconds),
+      "num_running": int(report.num_running),
+      "num_waiting": int(report.num_waiting),
+      "num_swapped": int(report.num_swapped),
+      "pool": None if report.pool is None else _as_fields(report.pool, "pool"),
+      "stats": _as_fields(report.stats, "stats"),
+      "counters": {k: v for k, v in _as_fields(report.counters, "counters").items()},
+      "first_token_latencies": list(report.first_token_latencies),
+      "num_inter_token_latencies": len(report.inter_token_latencies),
+      "finished": [_finished_record(r) for r in report.finished],
+      "alerts": [getattr(a, "metric", None) or _as_fields(a, "alert").get("metric")
+                 for a in report.alerts],
+      "snapshot": report.snapshot is not None,
+  }
+
+
+class JsonlLogger:
+  """Appends one JSON object per line: step reports, snapshots and alert events.
+
+  Lines are `{"type": kind, "step": s, "time": t, ...}` with kind `step`
+  (`log_report`: `step_record`'s fields), `snapshot` (a `PoolSnapshot`'s fields and
+  extras) or `alert` (an `Alert`'s fields), where `time` is the wall-clock time
+  (`time.time()`, seconds) and `step` is the caller's step (by default, for a
+  snapshot, the number logged before it). Each line is flushed as it is written,
+  so a crash loses nothing already logged and a reader (`tail -f`) sees alerts as
+  they fire. Numpy values become plain numbers, mapping keys strings, NaN/inf null.
 
   Example:
     with JsonlLogger("run/metrics.jsonl") as log:
-      log.log_snapshot(snap, step=7, preemptions_total=2)
-      log.log_alerts(monitor.observe(snap), step=7)
-    records = read_jsonl("run/metrics.jsonl")
+      sched = Scheduler(pool, executor, config, on_step=log.log_report)
+      sched.run()
+    steps = read_jsonl("run/metrics.jsonl", type="step")
 
   Args:
     path: the file; its directory is created if missing.
@@ -537,7 +706,8 @@ class JsonlLogger:
     self._lock = threading.Lock()
     self.num_snapshots = 0
     self.num_alerts = 0
-    self.last_step: int | None = None  # step of the latest snapshot line
+    self.num_steps = 0
+    self.last_step: int | None = None  # step of the latest snapshot or step line
 
   def _write(self, kind: str, step: int | None, fields: Mapping[str, Any]) -> dict:
     clash = [k for k in _RESERVED_KEYS if k in fields]
@@ -571,10 +741,24 @@ class JsonlLogger:
     self.last_step = record["step"]
     return record
 
+  def log_report(self, report: Any, *, snapshots: bool = True, alerts: bool = True) -> dict:
+    """Writes a `StepReport`: one `step` line, then a `snapshot` line if the report
+    carries one and one `alert` line per alert that fired (unless turned off, e.g.
+    when a `MetricsExporter` with this logger as `events` writes the alerts);
+    returns the step record. Usable as `on_step` directly."""
+    record = self._write("step", report.step, step_record(report))
+    self.num_steps += 1
+    self.last_step = record["step"]
+    if snapshots and report.snapshot is not None:
+      self.log_snapshot(report.snapshot, step=report.step)
+    if alerts:
+      self.log_alerts(report.alerts, step=report.step)
+    return record
+
   def log_alert(self, alert: Any, *, step: int | None = None) -> dict:
     """Writes one alert line (`paged_kv.telemetry.metrics.Alert` or a mapping); returns it.
 
-    `step` defaults to the step of the latest snapshot (None before any).
+    `step` defaults to the step of the latest snapshot or step line (None before any).
     """
     if step is None:
       step = self.last_step

@@ -390,7 +390,9 @@ class Alert:
     return dataclasses.asdict(self)
 
 
-_RULES = (
+# `(metric, severity, likely cause, suggested action)` of every alert rule; the
+# thresholds are `AlertThresholds`' fields (deploy/prometheus/alerts.yml mirrors them).
+ALERT_RULES = (
     ("fragmentation_ratio", "warning",
      "live blocks scattered among free holes (long and short requests arriving and leaving)",
      "run budgeted compaction (compact_step) or raise CompactionPolicy.budget"),
@@ -439,7 +441,7 @@ def check_alerts(snap: "PoolSnapshot | StepStats",
                  thresholds: AlertThresholds = AlertThresholds()) -> list[Alert]:
   """Alerts for every metric of `snap` above its threshold (level-triggered)."""
   alerts = []
-  for metric, severity, cause, action in _RULES:
+  for metric, severity, cause, action in ALERT_RULES:
     value, level = _metric_value(snap, metric), _threshold(thresholds, metric)
     if value is not None and value > level:
       alerts.append(Alert(metric, value, level, severity, cause, action))
@@ -462,7 +464,7 @@ class AlertMonitor:
   def observe(self, snap: "PoolSnapshot | StepStats") -> list[Alert]:
     """Alerts that fire now; a `StepStats` updates only the rules it carries."""
     events = []
-    for metric, severity, cause, action in _RULES:
+    for metric, severity, cause, action in ALERT_RULES:
       value = _metric_value(snap, metric)
       if value is None:
         continue

@@ -1,8 +1,8 @@
-"""Metrics export: the Prometheus exporter over real local HTTP, the naming and
-counter/gauge rules, the JSONL logger, and the error when prometheus-client is
-missing."""
+"""Metrics export: a live exporter scraped over HTTP (names, types, HELP, values of a
+real scheduler run), counters that never go down, snapshots, alerts as counters and
+JSONL events, the JSONL logger, and the error when prometheus-client is missing."""
 
-import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -11,50 +11,40 @@ import re
 import sys
 import tempfile
 import urllib.error
-import urllib.request
 from unittest import mock
 
 import numpy as np
-from absl.testing import absltest, parameterized
+from absl.testing import absltest
 
 import paged_kv
 from paged_kv.telemetry import export, metrics
+from tests.telemetry import serving_run
 
 CFG = paged_kv.PoolConfig(num_blocks=32, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=8, max_seqs=4, max_segments=8)
 
-_SAMPLE_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$')
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+def families(text):
+  """`{family name: Metric}` of an exposition, parsed by prometheus_client's parser."""
+  from prometheus_client.parser import text_string_to_metric_families  # pylint: disable=import-outside-toplevel
+  return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def parse_exposition(text):
-  """Parses the Prometheus text format: `({(name, labels): value}, {family: type})`.
-
-  `labels` is a frozenset of `(label, value)` pairs. Written here (not taken
-  from prometheus_client) so the test checks the bytes on the wire.
-  """
-  values, types = {}, {}
-  for line in text.splitlines():
-    if not line:
-      continue
-    if line.startswith("# TYPE "):
-      _, _, name, kind = line.split(" ", 3)
-      types[name] = kind
-      continue
-    if line.startswith("#"):
-      continue
-    m = _SAMPLE_RE.match(line)
-    assert m, f"unparsable exposition line: {line!r}"
-    name, labels, value = m.groups()
-    values[(name, frozenset(_LABEL_RE.findall(labels or "")))] = float(value)
-  return values, types
+def family_name(spec):
+  """The name the parser gives a declared metric's family."""
+  if spec.kind == "counter":
+    return spec.name[:-len("_total")] if spec.name.endswith("_total") else spec.name
+  if spec.kind == "info":
+    return spec.name + "_info"
+  return spec.name
 
 
-def fetch(url):
-  with urllib.request.urlopen(url, timeout=5) as resp:
-    assert resp.status == 200, resp.status
-    ctype = resp.headers.get("Content-Type", "")
-    return resp.read().decode("utf-8"), ctype
+def sample_value(fams, spec_name, **labels):
+  fam = fams[family_name(export.SPECS[spec_name])]
+  suffix = "_total" if fam.type == "counter" else ""
+  hits = [s.value for s in fam.samples if s.name == fam.name + suffix
+          and all(s.labels.get(k) == v for k, v in labels.items())]
+  return sum(hits)
 
 
 def small_pool_snapshot(num_tokens=(6, 3), ooms=("no_free_block",), moves=3):
@@ -69,229 +59,219 @@ def small_pool_snapshot(num_tokens=(6, 3), ooms=("no_free_block",), moves=3):
   return pool, counters, metrics.snapshot(pool.state, CFG, counters=counters)
 
 
-def numeric_fields(snap):
-  """Scalar numeric fields of a snapshot dataclass (the exporter's generic rule)."""
-  out = {}
-  for f in dataclasses.fields(snap):
-    value = getattr(snap, f.name)
-    if isinstance(value, (bool, int, float, np.integer, np.floating)):
-      out[f.name] = float(value)
-  return out
+class LiveScrapeTest(absltest.TestCase):
 
+  def test_every_declared_metric_is_served_with_its_type_and_help(self):
+    _, _, text, _ = serving_run.served_run()
+    fams = families(text)
+    for spec in export.METRICS:
+      name = family_name(spec)
+      self.assertIn(name, fams, f"{spec.name} not served")
+      fam = fams[name]
+      want = "gauge" if spec.kind == "info" else spec.kind  # Info is a gauge in text format
+      self.assertEqual(fam.type, want, spec.name)
+      self.assertEqual(fam.documentation, spec.help, spec.name)
+      if spec.name != "paged_kv_oom_by_seq_len_total":  # its labels appear with OOMs
+        self.assertNotEmpty(fam.samples, f"{spec.name} has no samples after a real run")
+    # HELP lines on the wire: one per declared family, real text (not generated).
+    self.assertIn("# HELP paged_kv_kv_cache_usage_perc KV-cache usage as a fraction", text)
+    self.assertIn("# TYPE paged_kv_oom_total counter", text)
+    self.assertIn("# TYPE paged_kv_time_to_first_token_seconds histogram", text)
 
-class ExporterHttpTest(absltest.TestCase):
+  def test_names_follow_prometheus_rules(self):
+    for spec in export.METRICS:
+      self.assertStartsWith(spec.name, "paged_kv_")
+      self.assertRegex(spec.name, r"^[a-z_][a-z0-9_]*$")
+      if spec.kind == "counter":
+        self.assertTrue(spec.name.endswith("_total"), spec.name)
+      if spec.kind == "histogram":
+        self.assertTrue(spec.name.endswith("_seconds"), spec.name)
+      self.assertNotRegex(spec.name, r"_(ms|millis|percent|kb|mb)(_|$)", spec.name)
+      self.assertTrue(spec.help and spec.help[0].isupper() and spec.help.endswith("."),
+                      spec.name)
+    self.assertLen({s.name for s in export.METRICS}, len(export.METRICS))
 
-  def test_serves_snapshot_over_http_and_follows_updates(self):
-    pool, counters, snap = small_pool_snapshot()
-    exporter = export.MetricsExporter(port=0)
-    exporter.start()
-    self.addCleanup(exporter.stop)
-    self.assertGreater(exporter.port, 0)
+  def test_constant_labels_on_every_sample(self):
+    _, _, text, _ = serving_run.served_run()
+    for fam in families(text).values():
+      for s in fam.samples:
+        self.assertEqual(s.labels.get("model"), "tiny-llama", s)
+        self.assertEqual(s.labels.get("replica"), "r1", s)
+
+  def test_values_match_the_run(self):
+    sched, _, text, reports = serving_run.served_run()
+    fams = families(text)
+    st, counters = sched.stats, sched.counters
+    self.assertLen(reports, st.steps)  # the previous on_step still ran
+    value = functools.partial(sample_value, fams)
+    self.assertEqual(value("paged_kv_scheduler_steps_total"), st.steps)
+    self.assertEqual(value("paged_kv_prefix_cache_queries_total"), st.prompt_tokens)
+    self.assertEqual(value("paged_kv_prefix_cache_hits_total"), st.hit_tokens)
+    self.assertGreater(st.hit_tokens, 0)
+    self.assertEqual(value("paged_kv_prompt_tokens_total"), st.prompt_tokens)
+    self.assertEqual(value("paged_kv_prefill_tokens_total"), st.prefill_tokens)
+    self.assertEqual(value("paged_kv_num_preemptions_total", mode="swap"), st.preemptions_swap)
+    self.assertEqual(value("paged_kv_num_preemptions_total", mode="recompute"),
+                     st.preemptions_recompute)
+    self.assertGreater(st.preemptions, 0)
+    self.assertEqual(value("paged_kv_swap_out_bytes_total"), st.swap_to_host_bytes)
+    self.assertEqual(value("paged_kv_prefix_cache_evicted_tokens_total"), st.evicted_tokens)
+    generated = sum(len(r.output) for r in sched.finished)
+    self.assertEqual(value("paged_kv_generation_tokens_total"), generated)
+    self.assertEqual(value("paged_kv_request_success_total"), st.finished)
+    self.assertEqual(value("paged_kv_request_success_total", finished_reason="length",
+                           namespace="tenant-0"),
+                     sum(r.namespace == "tenant-0" for r in sched.finished))
+    self.assertEqual(value("paged_kv_namespace_prompt_tokens_total"), st.prompt_tokens)
+    for reason in ("no_free_block", "no_contiguous_run", "table_full"):
+      self.assertEqual(value("paged_kv_oom_total", reason=reason),
+                       counters.oom_by_reason.get(reason, 0), reason)
+    self.assertEqual(value("paged_kv_compaction_moves_total"), counters.compaction_moves)
+    self.assertGreater(counters.compaction_moves, 0)
+    self.assertEqual(value("paged_kv_compaction_bytes_total"),
+                     counters.compaction_moves * serving_run.CFG.block_bytes)
+    self.assertEqual(value("paged_kv_compaction_runs_total"), counters.compaction_steps)
+    last = reports[-1].pool
+    self.assertAlmostEqual(value("paged_kv_kv_cache_usage_perc"), last.kv_usage_ratio)
+    self.assertEqual(value("paged_kv_cached_only_blocks"), last.cached_blocks)
+    self.assertEqual(value("paged_kv_num_requests_running"), 0)
+    self.assertEqual(value("paged_kv_alerts_total"), len(sched.alerts))
+    snap_steps = [r.step for r in reports if r.snapshot is not None]
+    self.assertEqual(value("paged_kv_last_snapshot_step"), snap_steps[-1])
+    info = fams["paged_kv_cache_config_info"].samples[0].labels
+    self.assertEqual(info["num_blocks"], str(serving_run.CFG.num_blocks))
+    self.assertEqual(info["block_bytes"], str(serving_run.CFG.block_bytes))
+    # Histograms: one TTFT, e2e and queue time per request, one ITL per decode token.
+    count = lambda name: sum(s.value for s in fams[name].samples  # pylint: disable=unnecessary-lambda-assignment
+                             if s.name == name + "_count")
+    self.assertEqual(count("paged_kv_time_to_first_token_seconds"), st.finished)
+    self.assertEqual(count("paged_kv_e2e_request_latency_seconds"), st.finished)
+    self.assertEqual(count("paged_kv_request_queue_time_seconds"), st.finished)
+    self.assertEqual(count("paged_kv_inter_token_latency_seconds"), st.decode_tokens)
+    self.assertEqual(count("paged_kv_step_host_seconds"), st.steps)
+    buckets = [float(s.labels["le"]) for s in fams["paged_kv_time_to_first_token_seconds"].samples
+               if s.name.endswith("_bucket")]
+    self.assertEqual(min(buckets), 0.001)
+    self.assertIn(60.0, buckets)
+
+  def test_stop_closes_the_port(self):
+    exporter = export.MetricsExporter(port=0, addr="127.0.0.1").start()
+    self.assertTrue(exporter.serving)
     self.assertStartsWith(exporter.url, "http://127.0.0.1:")
-
-    exporter.update(snap, step=1, preemptions_total=2, swap_to_host_bytes=4096,
-                    prefix_cache_hit_rate=0.5)
-    text, ctype = fetch(exporter.url)
-    self.assertIn("text/plain", ctype)
-    values, types = parse_exposition(text)
-    for name, _ in values:
-      self.assertStartsWith(name, "paged_kv_")
-
-    # Every numeric field of the real snapshot, by the documented rule.
-    for field, value in numeric_fields(snap).items():
-      kind = export.metric_kind(field)
-      name = "paged_kv_" + field + ("_total" if kind == "counter" else "")
-      self.assertIn((name, frozenset()), values, f"{field} not exported as {name}")
-      self.assertAlmostEqual(values[(name, frozenset())], value, places=6, msg=field)
-      self.assertEqual(types[name], kind, field)
-    self.assertEqual(types["paged_kv_block_pool_utilization"], "gauge")
-    self.assertEqual(values[("paged_kv_live_tokens", frozenset())], 9.0)
-    self.assertEqual(types["paged_kv_compaction_moves_total"], "counter")
-    self.assertEqual(values[("paged_kv_compaction_moves_total", frozenset())], 3.0)
-
-    # Mapping fields: one metric with a label.
-    oom = ("paged_kv_oom_total", frozenset({("reason", "no_free_block")}))
-    self.assertEqual(values[oom], 1.0)
-    self.assertEqual(types["paged_kv_oom_total"], "counter")
-    for reason in ("no_contiguous_run", "table_full"):  # known reasons start at 0
-      self.assertEqual(values[("paged_kv_oom_total", frozenset({("reason", reason)}))], 0.0)
-    self.assertEqual(values[("paged_kv_oom_by_seq_len_total", frozenset({("seq_len", "32")}))],
-                     1.0)
-    for region, ratio in snap.fragmentation_by_region.items():
-      self.assertAlmostEqual(
-          values[("paged_kv_fragmentation", frozenset({("region", region)}))], ratio)
-
-    # Extras passed by the scheduler.
-    self.assertEqual(values[("paged_kv_step", frozenset())], 1.0)
-    self.assertEqual(values[("paged_kv_preemptions_total", frozenset())], 2.0)
-    self.assertEqual(types["paged_kv_preemptions_total"], "counter")
-    self.assertEqual(values[("paged_kv_swap_to_host_bytes", frozenset())], 4096.0)
-    self.assertEqual(values[("paged_kv_prefix_cache_hit_rate", frozenset())], 0.5)
-    self.assertEqual(types["paged_kv_prefix_cache_hit_rate"], "gauge")
-
-    # Change the pool and the counters; the next scrape shows it.
-    seq = pool.open_sequence()
-    pool.reserve_tokens([seq, 0], [6, 2])  # the shapes of the first call: no recompile
-    counters.record_oom("no_contiguous_run")
-    counters.record_oom("no_free_block")
-    snap2 = metrics.snapshot(pool.state, CFG, counters=counters)
-    exporter.update(snap2, step=2, preemptions_total=5)
-    values2, _ = parse_exposition(fetch(exporter.url)[0])
-    self.assertEqual(values2[("paged_kv_live_tokens", frozenset())], 17.0)
-    self.assertEqual(values2[("paged_kv_live_sequences", frozenset())], 3.0)
-    self.assertLess(values2[("paged_kv_num_free_blocks", frozenset())],
-                    values[("paged_kv_num_free_blocks", frozenset())])
-    self.assertEqual(values2[("paged_kv_step", frozenset())], 2.0)
-    self.assertEqual(values2[("paged_kv_preemptions_total", frozenset())], 5.0)
-    self.assertEqual(values2[oom], 2.0)
-    self.assertEqual(
-        values2[("paged_kv_oom_total", frozenset({("reason", "no_contiguous_run")}))], 1.0)
-    # Not passed again: kept from the previous update.
-    self.assertEqual(values2[("paged_kv_prefix_cache_hit_rate", frozenset())], 0.5)
-
+    with self.assertRaisesRegex(RuntimeError, "already serving"):
+      exporter.start()
     port = exporter.port
+    serving_run.fetch(exporter.url)
     exporter.stop()
     self.assertFalse(exporter.serving)
     with self.assertRaises((urllib.error.URLError, ConnectionError)):
-      fetch(f"http://127.0.0.1:{port}/metrics")
+      serving_run.fetch(f"http://127.0.0.1:{port}/metrics")
+    with self.assertRaisesRegex(RuntimeError, "not serving"):
+      _ = exporter.port
+    exporter.stop()  # idempotent
 
-  def test_context_manager_alerts_and_double_start(self):
+
+class CounterSemanticsTest(absltest.TestCase):
+
+  def test_counters_never_go_down_when_totals_restart(self):
+    exporter = export.MetricsExporter()
+    stats = serving_run.make_scheduler().stats
+    stats.prompt_tokens, stats.hit_tokens = 100, 40
+    exporter.observe_scheduler_stats(stats)
+    stats.prompt_tokens, stats.hit_tokens = 150, 40
+    exporter.observe_scheduler_stats(stats)
+    fams = families(exporter.render())
+    self.assertEqual(sample_value(fams, "paged_kv_prefix_cache_queries_total"), 150)
+    # A new scheduler: its totals start again; the exporter adds them.
+    fresh = type(stats)(prompt_tokens=30, hit_tokens=10)
+    exporter.observe_scheduler_stats(fresh)
+    fams = families(exporter.render())
+    self.assertEqual(sample_value(fams, "paged_kv_prefix_cache_queries_total"), 180)
+    self.assertEqual(sample_value(fams, "paged_kv_prefix_cache_hits_total"), 50)
+    with self.assertRaisesRegex(ValueError, "finite number >= 0"):
+      exporter.observe_scheduler_stats(type(stats)(prompt_tokens=-1))
+
+  def test_registries_are_private(self):
+    a, b = export.MetricsExporter(model="a"), export.MetricsExporter(model="b")
+    a.observe_scheduler_stats(type(serving_run.make_scheduler().stats)(steps=3))
+    self.assertEqual(a.registry.get_sample_value(
+        "paged_kv_scheduler_steps_total", {"model": "a", "replica": "0"}), 3)
+    self.assertEqual(b.registry.get_sample_value(
+        "paged_kv_scheduler_steps_total", {"model": "b", "replica": "0"}), 0)
+    import prometheus_client  # pylint: disable=import-outside-toplevel
+    self.assertIsNone(prometheus_client.REGISTRY.get_sample_value(
+        "paged_kv_scheduler_steps_total", {"model": "a", "replica": "0"}))
+
+  def test_namespaces_are_capped(self):
+    exporter = export.MetricsExporter(max_namespaces=2)
+    reqs = []
+    for i, ns in enumerate(["a", b"b", ("c", 1), "a"]):
+      req = serving_run.Request(i, np.arange(3), 1, namespace=ns)
+      req.stop_reason, req.hit_tokens = "stop_token", 1
+      reqs.append(req)
+    exporter.observe_finished(reqs)
+    fams = families(exporter.render())
+    got = {s.labels["namespace"]: s.value for s in fams["paged_kv_request_success"].samples
+           if s.name.endswith("_total")}
+    self.assertEqual(got, {"a": 2, "b": 1, "other": 1})
+    reasons = {s.labels["finished_reason"] for s in fams["paged_kv_request_success"].samples}
+    self.assertEqual(reasons, {"stop"})  # vLLM's name for a stop token
+    self.assertEqual(export.namespace_label(("c", 1, b"x")), "c/1/x")
+
+
+class SnapshotAndAlertsTest(absltest.TestCase):
+
+  def test_snapshot_gauges_by_declaration(self):
+    _, counters, snap = small_pool_snapshot()
+    exporter = export.MetricsExporter()
+    exporter.set_cache_config(CFG)
+    exporter.observe_snapshot(snap, step=7)
+    fams = families(exporter.render())
+    value = functools.partial(sample_value, fams)
+    self.assertEqual(value("paged_kv_live_tokens"), 9)
+    self.assertEqual(value("paged_kv_live_sequences"), 2)
+    self.assertEqual(value("paged_kv_free_blocks"), snap.num_free_blocks)
+    self.assertAlmostEqual(value("paged_kv_internal_fragmentation_ratio"),
+                           snap.internal_fragmentation)
+    self.assertAlmostEqual(value("paged_kv_kv_cache_usage_perc"), snap.kv_usage_ratio)
+    for region, ratio in snap.fragmentation_by_region.items():
+      self.assertAlmostEqual(value("paged_kv_fragmentation_ratio", region=region), ratio)
+    self.assertEqual(value("paged_kv_last_snapshot_step"), 7)
+    self.assertEqual(value("paged_kv_oom_total", reason="no_free_block"), 1)
+    self.assertEqual(value("paged_kv_compaction_moves_total"), 3)
+    self.assertEqual(value("paged_kv_compaction_bytes_total"), 3 * CFG.block_bytes)
+    # The same cumulative totals seen again (counters and snapshot) count once.
+    exporter.observe_pool_counters(counters)
+    exporter.observe_snapshot(snap)
+    fams = families(exporter.render())
+    self.assertEqual(sample_value(fams, "paged_kv_oom_total", reason="no_free_block"), 1)
+    self.assertEqual(sample_value(fams, "paged_kv_compaction_moves_total"), 3)
+
+  def test_alerts_count_by_name_and_stream_to_jsonl(self):
     _, _, snap = small_pool_snapshot(ooms=("no_free_block", "no_free_block"))
     alerts = metrics.AlertMonitor().observe(snap)
     self.assertNotEmpty(alerts)
-    with export.MetricsExporter(port=0) as exporter:
-      with self.assertRaisesRegex(RuntimeError, "already serving"):
-        exporter.start()
-      self.assertEqual(exporter.record_alerts(alerts), len(alerts))
-      exporter.record_alerts([{"metric": "fragmentation_ratio", "severity": "warning"}])
-      values, types = parse_exposition(fetch(exporter.url)[0])
-    self.assertEqual(types["paged_kv_alerts_total"], "counter")
+    path = os.path.join(tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir()), "ev.jsonl")
+    with export.JsonlLogger(path, mode="w") as log:
+      exporter = export.MetricsExporter(events=log)
+      fams = families(exporter.render())
+      seeded = {s.labels["alert"] for s in fams["paged_kv_alerts"].samples}
+      self.assertEqual(seeded, {name for name, _ in export.alert_rules()})
+      self.assertEqual(exporter.record_alerts(alerts, step=4), len(alerts))
+      # Written when recorded, before the file is closed.
+      self.assertLen(export.read_jsonl(path, type="alert"), len(alerts))
+    fams = families(exporter.render())
     for alert in alerts:
-      key = ("paged_kv_alerts_total",
-             frozenset({("metric", alert.metric), ("severity", alert.severity)}))
-      expected = 2.0 if alert.metric == "fragmentation_ratio" else 1.0
-      self.assertEqual(values[key], expected)
-    with self.assertRaisesRegex(RuntimeError, "not serving"):
-      _ = exporter.port
+      self.assertEqual(sample_value(fams, "paged_kv_alerts_total", alert=alert.metric,
+                                    severity=alert.severity), 1)
+    events = export.read_jsonl(path, type="alert")
+    self.assertEqual([e["metric"] for e in events], [a.metric for a in alerts])
+    self.assertEqual({e["step"] for e in events}, {4})
+    self.assertTrue(all(e["likely_cause"] and e["suggested_action"] for e in events))
 
-  def test_uses_given_registry(self):
-    import prometheus_client  # pylint: disable=import-outside-toplevel
-    registry = prometheus_client.CollectorRegistry()
-    exporter = export.MetricsExporter(registry=registry)
-    exporter.update({"live_tokens": 7})
-    self.assertEqual(registry.get_sample_value("paged_kv_live_tokens"), 7.0)
-    self.assertIn("paged_kv_live_tokens 7.0", exporter.render())
-
-
-class NamingRulesTest(parameterized.TestCase):
-
-  @parameterized.named_parameters(
-      ("total_suffix", "preemptions_total", "counter"),
-      ("count_suffix", "request_count", "counter"),
-      ("cumulative_counter_field", "compaction_moves", "counter"),
-      ("mapping_counter_field", "oom_by_reason", "counter"),
-      ("num_is_a_gauge", "num_free_blocks", "gauge"),
-      ("average_of_counts", "prefix_cache_avg_ref_count", "gauge"),
-      ("ratio", "fragmentation_ratio", "gauge"),
-      ("rate", "prefix_cache_hit_rate", "gauge"),
-      ("per", "segments_per_sequence", "gauge"),
-      ("bytes", "swap_to_host_bytes", "gauge"),
-  )
-  def test_kind(self, field, kind):
-    self.assertEqual(export.metric_kind(field), kind)
-
-  def test_overrides(self):
-    self.assertEqual(export.metric_kind("swap_to_host_bytes",
-                                        counter_fields={"swap_to_host_bytes"}), "counter")
-    self.assertEqual(export.metric_kind("requests_total", gauge_fields={"requests_total"}),
-                     "gauge")
-    exporter = export.MetricsExporter(counter_fields=["swap_to_host_bytes"])
-    exporter.update(swap_to_host_bytes=np.int64(10))
-    values, types = parse_exposition(exporter.render())
-    self.assertEqual(types["paged_kv_swap_to_host_bytes_total"], "counter")
-    self.assertEqual(values[("paged_kv_swap_to_host_bytes_total", frozenset())], 10.0)
-    with self.assertRaisesRegex(ValueError, "both"):
-      export.MetricsExporter(counter_fields=["a"], gauge_fields=["a"])
-
-  def test_samples_of_mixed_values(self):
-
-    @dataclasses.dataclass(frozen=True)
-    class Inner:
-      moves: int
-      note: str
-
-    @dataclasses.dataclass(frozen=True)
-    class Snap:
-      ok: bool
-      util: np.float32
-      scalar_array: np.ndarray
-      vector: np.ndarray
-      name: str
-      missing: None
-      hits_by_namespace: dict
-      sizes: dict
-      inner: Inner
-
-    snap = Snap(ok=True, util=np.float32(0.5), scalar_array=np.array(3),
-                vector=np.arange(3), name="x", missing=None,
-                hits_by_namespace={"tenant_a": 2, "tenant_b": np.int32(5), "bad": "n/a"},
-                sizes={16: 1}, inner=Inner(4, "skip"))
-    got = {(s.name, s.kind, s.label, s.label_value): s.value
-           for s in export.metric_samples(snap, extra_total=1)}
-    self.assertEqual(got, {
-        ("paged_kv_ok", "gauge", None, None): 1.0,
-        ("paged_kv_util", "gauge", None, None): 0.5,
-        ("paged_kv_scalar_array", "gauge", None, None): 3.0,
-        ("paged_kv_hits", "gauge", "namespace", "tenant_a"): 2.0,
-        ("paged_kv_hits", "gauge", "namespace", "tenant_b"): 5.0,
-        ("paged_kv_sizes", "gauge", "key", "16"): 1.0,
-        ("paged_kv_inner_moves", "gauge", None, None): 4.0,
-        ("paged_kv_extra", "counter", None, None): 1.0,
-    })
-
-  def test_mapping_name_collision_keeps_full_name(self):
-    samples = export.metric_samples({"oom_by_reason": {"a": 1}, "oom_by_seq_len": {8: 2},
-                                     "frag_by_region": {"base": 0.1}, "frag": 0.2})
-    names = {(s.field, s.name) for s in samples}
-    self.assertEqual(names, {("oom_by_reason", "paged_kv_oom"),
-                             ("oom_by_seq_len", "paged_kv_oom_by_seq_len"),
-                             ("frag_by_region", "paged_kv_frag_by_region"),
-                             ("frag", "paged_kv_frag")})
-
-  def test_updates_merge_and_label_sets_grow(self):
-    exporter = export.MetricsExporter(known_labels={})
-    exporter.update({"oom_by_reason": {"no_free_block": 1}}, a_total=1)
-    exporter.update({"oom_by_reason": {"table_full": 4}}, b=2.5)
-    values, _ = parse_exposition(exporter.render())
-    self.assertEqual(values[("paged_kv_oom_total", frozenset({("reason", "no_free_block")}))],
-                     1.0)
-    self.assertEqual(values[("paged_kv_oom_total", frozenset({("reason", "table_full")}))], 4.0)
-    self.assertEqual(values[("paged_kv_a_total", frozenset())], 1.0)
-    self.assertEqual(values[("paged_kv_b", frozenset())], 2.5)
-    self.assertLen([k for k in values if k[0] == "paged_kv_oom_total"], 2)
-
-  @parameterized.named_parameters(
-      ("negative_counter", {"moves_total": -1}, ValueError, "finite number >= 0"),
-      ("nan_counter", {"moves_total": float("nan")}, ValueError, "finite number >= 0"),
-      ("bad_field_name", {"bad-name": 1}, ValueError, "not a valid identifier"),
-      ("reserved_alerts", {"alerts_total": 1}, ValueError, "reserved"),
-      ("gauge_and_counter_one_name", {"moves": 1, "moves_total": 2}, ValueError,
-       "would both export as 'paged_kv_moves'"),
-  )
-  def test_bad_update(self, fields, error, regex):
-    exporter = export.MetricsExporter()
-    exporter.update(ok=1)
-    with self.assertRaisesRegex(error, regex):
-      exporter.update(fields)
-    # A failed update changes nothing.
-    values, _ = parse_exposition(exporter.render())
-    self.assertEqual(values, {("paged_kv_ok", frozenset()): 1.0})
-
-  def test_bad_arguments(self):
-    with self.assertRaisesRegex(TypeError, "dataclass instance or a mapping"):
-      export.metric_samples([1, 2])
-    with self.assertRaisesRegex(ValueError, "port"):
-      export.MetricsExporter(port=-1)
+  def test_attach_needs_on_step(self):
+    with self.assertRaisesRegex(TypeError, "on_step"):
+      export.MetricsExporter().attach(object())
 
 
 class JsonlLoggerTest(absltest.TestCase):
@@ -345,6 +325,25 @@ class JsonlLoggerTest(absltest.TestCase):
     self.assertEqual([r["step"] for r in export.read_jsonl(path, type="snapshot")], [5, 1, 9])
     self.assertLen(export.read_jsonl(path, type="alert"), len(alerts))
 
+  def test_log_report_of_a_real_run(self):
+    _, _, _, reports = serving_run.served_run()
+    path = os.path.join(absltest.get_default_test_tmpdir(), "steps.jsonl")
+    with export.JsonlLogger(path, mode="w") as log:
+      for report in reports:
+        log.log_report(report)
+    steps = export.read_jsonl(path, type="step")
+    self.assertEqual([r["step"] for r in steps], [r.step for r in reports])
+    self.assertEqual(len(export.read_jsonl(path, type="snapshot")),
+                     sum(r.snapshot is not None for r in reports))
+    self.assertEqual(len(export.read_jsonl(path, type="alert")),
+                     sum(len(r.alerts) for r in reports))
+    finished = [f for r in steps for f in r["finished"]]
+    self.assertEqual(len(finished), sum(len(r.finished) for r in reports))
+    self.assertTrue(all(f["e2e_s"] >= f["ttft_s"] >= f["queue_s"] >= 0 for f in finished))
+    self.assertEqual(steps[0]["pool"]["num_blocks"], serving_run.CFG.num_blocks)
+    self.assertIn("kv_usage_ratio", steps[0]["pool"])
+    self.assertIn("oom_by_reason", steps[-1]["counters"])
+
   def test_reserved_keys_and_bad_values(self):
     path = os.path.join(absltest.get_default_test_tmpdir(), "bad.jsonl")
     with export.JsonlLogger(path, mode="w") as log:
@@ -378,7 +377,7 @@ class MissingPrometheusTest(absltest.TestCase):
       with module.JsonlLogger(path, mode="w") as log:
         log.log_snapshot({"live_tokens": 1}, step=0)
       self.assertEqual(module.read_jsonl(path)[0]["live_tokens"], 1)
-      self.assertNotEmpty(module.metric_samples({"live_tokens": 1}))
+      self.assertNotEmpty(module.METRICS)
     # Restored afterwards.
     export.MetricsExporter(port=0)
 
