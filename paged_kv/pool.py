@@ -216,7 +216,8 @@ class BlockPool:
 
     Raises:
       InvalidSegmentLayout: `segments` is not `i32[n, 3]`.
-      InvalidBlock / InvalidSegment: a segment off a live block or on unwritten slots.
+      InvalidBlock / InvalidSegment: a segment off a live block, on unwritten slots, or
+        on dead slots (a block only the tables hold, on slots none of them covers).
       PoolExhausted: no free row, or more than `max_segments` segments.
       InvalidSequence: `seq_id` out of range or active.
     """
@@ -236,6 +237,8 @@ class BlockPool:
                           reason="table_full")
     if p and (blk.min() < 0 or blk.max() >= self.config.num_blocks):
       raise InvalidBlock(f"segment blocks {blk.tolist()} outside [0, {self.config.num_blocks})")
+    if p:
+      self._check_not_dead(segs)
     width = _bucket(p)
     row = lambda a: _pad(a[None].astype(np.int32), 1, 0) if a.size else np.zeros((1, 0), np.int32)
     pad2 = lambda a: np.pad(row(a), ((0, 0), (0, width - p)))
@@ -244,6 +247,38 @@ class BlockPool:
     self.state = state
     raise_for_status(status, "open_sequence")
     return seq_id
+
+  def _check_not_dead(self, segs: np.ndarray) -> None:
+    """Refuses segments on dead slots: handed out, but no live holder's any more.
+
+    On a block only the tables reference (`ref_count` equals its live table
+    segments), a slot no table segment covers is dead: its K/V was left by a
+    released or moved segment, and `reclaim_slots` may hand it to another
+    sequence. A segment there would read stale data that can be overwritten, so
+    it is refused (`InvalidSegment`). On a block held outside the tables too (a
+    prefix cache's) the outside holder vouches for its segments. O(batch): the
+    given blocks' counts are gathered, the tables read on the host.
+    """
+    bs = self.config.block_size
+    blk = segs[:, 0].astype(np.int64)
+    touched, inv = np.unique(blk, return_inverse=True)
+    ref_t, _ = jax.device_get(_block_rows(self.state.meta, jnp.asarray(
+        _pad(touched, _bucket(touched.size), 0))))
+    ref = ref_t[:touched.size][inv].astype(np.int64)
+    table_segs, _ = _table_segments_host(jax.tree.map(np.asarray, self.state.table))
+    on = table_segs[np.isin(table_segs[:, 0], touched)]
+    for i, (b, start, length) in enumerate(segs.astype(np.int64)):
+      mine = on[on[:, 0] == b]
+      if ref[i] <= 0 or ref[i] > len(mine) or length < 1 or start < 0 or start + length > bs:
+        continue  # free (the transition refuses it), held outside, or malformed
+      covered = np.zeros(bs, bool)
+      for _, s0, ln in mine:
+        covered[s0:s0 + ln] = True
+      if not covered[start:start + length].all():
+        raise InvalidSegment(
+            f"open_sequence: segment {i} ({b}, {start}, {length}) lies on dead slots of block "
+            f"{b} (handed out, but no live segment covers them and nothing outside the tables "
+            "holds the block); nothing was applied")
 
   def reserve_tokens(self, seq_ids, num_new) -> jax.Array:
     """Room for `num_new[i]` more tokens of each sequence; returns `slot_idx i32[B, T]`.
@@ -354,21 +389,26 @@ class BlockPool:
     if (counts > 1).any():
       raise InvalidArgument(f"write_kv: slots {uniq[counts > 1][:8].tolist()} named more than "
                             "once in one call (the winner would be undefined)")
-    meta = jax.device_get(self.state.meta)
     table = jax.tree.map(np.asarray, self.state.table)
     blk, off = flat // bs, flat % bs
-    ref = np.asarray(meta.ref_count).astype(np.int64)
-    free = ref[blk] == 0
+    # Only the touched blocks' metadata comes to the host (one gather): O(batch).
+    touched, inv = np.unique(blk, return_inverse=True)
+    ref_t, words_t = jax.device_get(_block_rows(self.state.meta, jnp.asarray(
+        _pad(touched, _bucket(touched.size), 0))))
+    ref = ref_t[:touched.size][inv].astype(np.int64)
+    free = ref == 0
     if free.any():
       raise InvalidBlock(f"write_kv: slots {flat[free][:8].tolist()} lie on free blocks")
-    words = np.asarray(meta.slots)
-    bit = (words[blk, off // 32] >> (off % 32).astype(np.uint32)) & 1
+    words = words_t[:touched.size][inv]
+    bit = (words[np.arange(flat.size), off // 32] >> (off % 32).astype(np.uint32)) & 1
     if not bit.all():
       raise InvalidSegment(f"write_kv: slots {flat[bit == 0][:8].tolist()} were never handed "
                            "out (reserve_tokens first)")
     segs, rows = _table_segments_host(table)
-    table_refs = np.bincount(segs[:, 0], minlength=c.num_blocks)
-    held_outside = ref[blk] > table_refs[blk]
+    table_blocks = np.sort(segs[:, 0])
+    table_refs = (np.searchsorted(table_blocks, blk, side="right")
+                  - np.searchsorted(table_blocks, blk, side="left"))
+    held_outside = ref > table_refs
     if held_outside.any():
       raise BlockInUse(f"write_kv: slots {flat[held_outside][:8].tolist()} lie on blocks held "
                        "outside the tables too (a prefix cache or an allocate() caller): "
@@ -570,7 +610,8 @@ class BlockPool:
       raise InvalidArgument(f"impl must be one of {BLOCK_MOVE_IMPLS}, got {impl!r}")
     return impl
 
-  def compact(self, budget: int = 32, impl: str = "xla") -> np.ndarray:
+  def compact(self, budget: int = 32, impl: str = "xla", *,
+              policy: compact.CompactionPolicy | None = None) -> np.ndarray:
     """One compaction step of up to `budget` moves; returns `remap i32[num_blocks]`.
 
     Block ids held outside the tables (a prefix cache's) must follow `remap`;
@@ -580,11 +621,18 @@ class BlockPool:
       budget: a positive integer scalar. A plan has at most `num_blocks // 2`
         moves (each needs a live source and a distinct free destination), so a
         larger budget is clamped to that: the plan's static width never exceeds
-        what can exist.
+        what can exist. Ignored when `policy` is given.
       impl: `"xla"`, `"pallas"` or `"mosaic"`.
+      policy: plan with this policy instead: its strategy, and its byte budget
+        turned into moves with this pool's `config.block_bytes`
+        (`CompactionPolicy.plan(meta, config=...)`).
     """
-    budget = _as_int_scalar(budget, "budget", low=1)
     impl = self._check_impl(impl)
+    if policy is not None:
+      src, dst = policy.plan(self.state.meta, config=self.config)
+      b = _bucket(src.size)
+      return self._move(_pad(src, b, -1), _pad(dst, b, -1), impl)
+    budget = _as_int_scalar(budget, "budget", low=1)
     budget = max(1, min(budget, self.config.num_blocks // 2))
     src, dst = compact.plan_compaction(self.state.meta, budget=budget)
     return self._move(src, dst, impl)
@@ -665,6 +713,12 @@ class PackResult:
   table_segments: np.ndarray
   extra_segments: np.ndarray
   ref_deltas: tuple[np.ndarray, np.ndarray]
+
+
+@jax.jit
+def _block_rows(meta, block_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(ref_count[block_ids], slots[block_ids])`: a few blocks' metadata, for host checks."""
+  return meta.ref_count[block_ids], meta.slots[block_ids]
 
 
 @jax.jit

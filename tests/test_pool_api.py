@@ -185,6 +185,41 @@ class DonationTest(absltest.TestCase):
       np.testing.assert_array_equal(status, 0)
     self.assertLen(traces, 1)
 
+class DeadSlotsTest(absltest.TestCase):
+  """`open_sequence(segments=)` refuses slots no live holder covers any more."""
+
+  def _pool_with_dead_slots(self):
+    cfg = paged_kv.PoolConfig(num_blocks=8, block_size=8, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=4)
+    pool = paged_kv.BlockPool(cfg)
+    a = pool.open_sequence()
+    pool.reserve_tokens([a], [6])
+    blk = int(pool.segments(a)[0, 0])
+    b = pool.open_sequence(segments=[[blk, 0, 4]])  # shares slots 0..3
+    pool.release([a])  # slots 4..5 stay handed out, but nothing covers them: dead
+    return pool, blk, b
+
+  def test_dead_slots_refused_state_unchanged(self):
+    pool, blk, _ = self._pool_with_dead_slots()
+    before = _snapshot(pool)
+    with self.assertRaisesRegex(paged_kv.InvalidSegment, "dead slots"):
+      pool.open_sequence(segments=[[blk, 4, 2]])
+    with self.assertRaisesRegex(paged_kv.InvalidSegment, "dead slots"):
+      pool.open_sequence(segments=[[blk, 2, 3]])  # straddles live and dead slots
+    jax.tree.map(np.testing.assert_array_equal, before, _snapshot(pool))
+    pool.check_invariants()
+
+  def test_live_slots_and_outside_holders_accepted(self):
+    pool, blk, b = self._pool_with_dead_slots()
+    c = pool.open_sequence(segments=[[blk, 1, 3]])  # covered by b's segment
+    pool.apply_ref_deltas([blk], [1])  # an outside holder (a cache) vouches for the block
+    d = pool.open_sequence(segments=[[blk, 4, 2]])
+    pool.check_invariants(extra_blocks=[blk])
+    pool.release([b, c, d])
+    pool.apply_ref_deltas([blk], [-1])
+    pool.check_invariants()
+    self.assertEqual(pool.num_free_blocks, pool.config.num_blocks)
+
 
 if __name__ == "__main__":
   absltest.main()

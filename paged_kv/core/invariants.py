@@ -1,8 +1,9 @@
 """The one invariant checker (host side, numpy), used by every test and soak run.
 
 Checks DESIGN.md's invariants on a pool state plus any segment references held
-outside the tables (prefix-cache nodes): reference counts, free list, slot
-bitmaps, segment bounds and sequence lengths. Invariants about data (no slot
+outside the tables (prefix-cache nodes): reference counts, slot
+bitmaps, segment bounds, sequence lengths, and the free index (bitmap, count
+levels and `num_free` exactly the free dynamic blocks). Invariants about data (no slot
 written by two sequences, bit-identical K/V across moves) are checked by the
 stateful tests, which compare every live sequence's logical K/V to a model.
 """
@@ -14,12 +15,48 @@ import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, InvariantViolation
 from paged_kv.core.segment_format import Segments, as_segments
-from paged_kv.core.state import REGION_DYNAMIC, PoolState
+from paged_kv.core.state import FREE_FANOUT, REGION_DYNAMIC, PoolState, free_index_levels
 
 
 def _slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
   i = np.arange(block_size)
   return ((words[..., i // 32] >> (i % 32).astype(np.uint32)) & 1).astype(bool)
+
+
+def _free_index_errors(meta, free: np.ndarray) -> list[str]:
+  """Violations of the free index (`free_bits`, `free_counts`, `num_free`) against `free`."""
+  errors = []
+  n = free.shape[0]
+  sizes, offsets = free_index_levels(n)
+  f = FREE_FANOUT
+  words = np.asarray(meta.free_bits).astype(np.uint32)
+  counts = np.asarray(meta.free_counts).astype(np.int64)
+  if words.shape != (sizes[0],) or counts.shape != (max(1, sum(sizes[1:])),):
+    return [f"free index shapes {words.shape}, {counts.shape} do not fit {n} blocks"]
+  bits2d = ((words[:, None] >> np.arange(f, dtype=np.uint32)[None, :]) & 1).astype(bool)
+  bits = bits2d.reshape(-1)
+  want = free & (np.asarray(meta.region) == REGION_DYNAMIC)
+  if bits[n:].any():
+    errors.append("free index marks blocks beyond num_blocks")
+  listed = bits[:n]
+  if not np.array_equal(listed, want):
+    ghost = np.flatnonzero(want & ~listed)
+    booked = np.flatnonzero(listed & ~want)
+    errors.append(f"free index != free dynamic blocks: {ghost[:10].tolist()} free but not "
+                  f"listed (ghosts), {booked[:10].tolist()} listed but referenced or in the "
+                  "base region (double-booked)")
+  level = bits2d.sum(axis=1, dtype=np.int64)
+  for lv in range(1, len(sizes)):
+    padded = np.zeros(sizes[lv] * f, np.int64)
+    padded[:level.size] = level
+    level = padded.reshape(sizes[lv], f).sum(axis=1)
+    got = counts[offsets[lv]:offsets[lv] + sizes[lv]]
+    if not np.array_equal(got, level):
+      errors.append(f"free index count level {lv} disagrees with the bitmap")
+  nf = int(meta.num_free)
+  if nf != int(listed.sum()):
+    errors.append(f"num_free {nf} != {int(listed.sum())} blocks in the free index")
+  return errors
 
 
 def check_invariants(state: PoolState, extra_segments: Segments | None = None, *,
@@ -109,17 +146,7 @@ def check_invariants(state: PoolState, extra_segments: Segments | None = None, *
   free = meta.ref_count == 0
   if bits[free].any():
     errors.append(f"free blocks with slot bits set: {np.nonzero(free & bits.any(1))[0][:10]}")
-  nf = int(meta.num_free)
-  if not 0 <= nf <= n:
-    errors.append(f"num_free {nf} outside [0, {n}]")
-    nf = min(max(nf, 0), n)
-  window = meta.free_list[n - nf:] if nf else np.zeros(0, np.int64)
-  if window.size and (window.min() < 0 or window.max() >= n):
-    errors.append("free list holds block ids out of range")
-  want = np.nonzero(free & (meta.region == REGION_DYNAMIC))[0]
-  if not np.array_equal(window, want):
-    errors.append(f"free list ({nf} entries) != free dynamic blocks ({len(want)}): "
-                  "a ghost or double-booked block")
+  errors.extend(_free_index_errors(meta, free))
   if errors and raise_on_error:
     raise InvariantViolation("; ".join(errors[:20]))
   return errors

@@ -14,7 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from paged_kv.core.alloc import change_refs, grant_prefix, take_blocks
+from paged_kv.core.alloc import (change_refs, first_occurrence, grant_prefix, reads_before_writes,
+                                 take_blocks)
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import Status
 from paged_kv.core.state import REGION_DYNAMIC, PoolState, SegmentTable
@@ -22,14 +23,6 @@ from paged_kv.core.state import REGION_DYNAMIC, PoolState, SegmentTable
 
 def _cdiv(a, b):
   return (a + b - 1) // b
-
-
-def first_occurrence(ids: jax.Array) -> jax.Array:
-  """`bool[B]`: True at the first occurrence of each value of `ids` (O(B log B))."""
-  order = jnp.argsort(ids, stable=True)
-  sorted_ids = ids[order]
-  is_first_sorted = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
-  return jnp.zeros_like(is_first_sorted).at[order].set(is_first_sorted)
 
 
 def row_status(table: SegmentTable, seq_ids: jax.Array, *, want_active: bool) -> jax.Array:
@@ -113,6 +106,9 @@ def open_sequence(state: PoolState, seq_ids: jax.Array, seg_block: jax.Array,
   ok = (status == Status.OK) & real
   if atomic:
     ok = ok & jnp.all((status == Status.OK))
+  # The checks' reads of the per-block arrays first: the updates below are then in place.
+  (ok, status), state = reads_before_writes((ok, status), state)
+  table = state.table
   rows = jnp.where(ok, seq_ids, config.max_seqs)
   m = config.max_segments
   width = min(p, m)
@@ -194,6 +190,10 @@ def reserve_tokens(state: PoolState, seq_ids: jax.Array, num_new: jax.Array, *,
   max_blocks = _cdiv(max_new_tokens, bs)
   granted = grant_prefix(need, valid, meta.num_free, atomic=atomic)
   status = jnp.where(valid & ~granted, Status.NO_FREE_BLOCK, status)
+  # Reads of the per-block arrays first: the updates below are then in place.
+  (tb, pos, tail, row, ns, n_tok, in_place, rest, need, granted, status), meta = \
+      reads_before_writes((tb, pos, tail, row, ns, n_tok, in_place, rest, need, granted, status),
+                          meta)
   meta, new_ids = take_blocks(meta, need, granted, max_per_request=max_blocks, step=state.step)
 
   # Slot index of every new token.

@@ -19,7 +19,9 @@ REGION_BASE = 1
 
 
 def _pytree(cls):
-  return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
+  if not dataclasses.is_dataclass(cls):
+    cls = dataclasses.dataclass(frozen=True)(cls)
+  return jax.tree_util.register_dataclass(cls)
 
 
 @_pytree
@@ -38,9 +40,74 @@ class KVPages:
   v: jax.Array
 
 
+# ---------------------------------------------------------------------------
+# The free index: which dynamic blocks are free, in a form that finds the k-th
+# lowest free block in O(log num_blocks) and updates in O(1) per block.
+# ---------------------------------------------------------------------------
+
+FREE_FANOUT = 32  # bits per word of `free_bits`; children per entry of `free_counts`
+
+
+def free_index_levels(num_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """`(sizes, offsets)` of the free index of a pool of `num_blocks` blocks (static).
+
+  `sizes[0]` is the number of `free_bits` words (`ceil(num_blocks / 32)`);
+  `sizes[l]` for `l >= 1` the entries of count level `l`, each covering 32
+  entries of level `l - 1` (so `32**(l + 1)` blocks), up to the first level of at
+  most 32 entries. `offsets[l]` is where level `l >= 1` starts in `free_counts`
+  (`offsets[0]` is unused, 0).
+  """
+  sizes = [max(1, -(-num_blocks // FREE_FANOUT))]
+  while sizes[-1] > FREE_FANOUT:
+    sizes.append(-(-sizes[-1] // FREE_FANOUT))
+  offsets = [0] + [sum(sizes[1:l]) for l in range(1, len(sizes))]
+  return tuple(sizes), tuple(offsets)
+
+
+def build_free_index(free: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(free_bits, free_counts)` of a `bool[num_blocks]` free mask. O(num_blocks)."""
+  n = free.shape[0]
+  sizes, _ = free_index_levels(n)
+  f = FREE_FANOUT
+  padded = jnp.zeros((sizes[0] * f,), bool).at[:n].set(free).reshape(sizes[0], f)
+  shifts = jnp.arange(f, dtype=jnp.uint32)
+  bits = jnp.sum(padded.astype(jnp.uint32) << shifts, axis=1, dtype=jnp.uint32)
+  level = jax.lax.population_count(bits).astype(jnp.int32)
+  counts = []
+  for size in sizes[1:]:
+    level = jnp.zeros((size * f,), jnp.int32).at[:level.shape[0]].set(level)
+    level = jnp.sum(level.reshape(size, f), axis=1, dtype=jnp.int32)
+    counts.append(level)
+  # At least one entry, so the array is never empty (an unused 0 for small pools).
+  free_counts = jnp.concatenate(counts) if counts else jnp.zeros((1,), jnp.int32)
+  return bits, free_counts
+
+
+def free_mask_of(free_bits: jax.Array, num_blocks: int) -> jax.Array:
+  """`bool[num_blocks]`: the blocks `free_bits` marks free. O(num_blocks)."""
+  shifts = jnp.arange(FREE_FANOUT, dtype=jnp.uint32)
+  bits = (free_bits[:, None] >> shifts[None, :]) & jnp.uint32(1)
+  return bits.reshape(-1)[:num_blocks].astype(bool)
+
+
+def free_list_view(free: jax.Array, num_free: jax.Array) -> jax.Array:
+  """The free blocks of `free: bool[n]`, ascending, in the last `num_free` entries of `i32[n]`.
+
+  The layout `BlockMeta.free_list` had before the free index: entries before the
+  window are -1. A `num_free` larger than the mask's count pads the window's end
+  with -1 (a corrupted state stays visible to a checker). O(num_blocks).
+  """
+  n = free.shape[0]
+  (idx,) = jnp.nonzero(free, size=n, fill_value=-1)
+  j = jnp.arange(n, dtype=jnp.int32)
+  first = n - jnp.clip(num_free, 0, n)
+  return jnp.where(j >= first, idx[jnp.clip(j - first, 0, n - 1)], -1).astype(jnp.int32)
+
+
 @_pytree
+@dataclasses.dataclass(frozen=True, init=False)
 class BlockMeta:
-  """Per-block bookkeeping, plus the free list that makes allocation O(request).
+  """Per-block bookkeeping, plus the free index that makes allocation O(request).
 
   Attributes:
     ref_count: `i32[num_blocks]` segment references to the block (live tables
@@ -51,22 +118,55 @@ class BlockMeta:
     last_use: `i32[num_blocks]` value of `PoolState.step` at the last reserve or
       open that touched the block (for LRU/TTL and metrics).
     region: `i8[num_blocks]` 0 dynamic, 1 base pool (pinned shared prefixes).
-    free_list: `i32[num_blocks]` the free dynamic blocks in ascending address
-      order, stored in the *last* `num_free` entries (`free_list[num_blocks -
-      num_free:]`); allocation takes them from the front of that window, so it
-      is lowest-address-first and costs O(blocks taken), not O(num_blocks).
-      Entries before the window are stale and never read. The free list is an
-      index of `ref_count == 0` (restricted to region 0), rebuilt whenever a
-      block frees; the invariant checker verifies the two agree.
-    num_free: `i32[]` length of the valid window of `free_list`.
+    free_bits: `u32[ceil(num_blocks / 32)]` bit `b % 32` of word `b // 32` set iff
+      block `b` is a free *dynamic* block (an index of `ref_count == 0` restricted
+      to region 0; the invariant checker verifies the two agree).
+    free_counts: `i32[...]` the count levels above `free_bits`
+      (`free_index_levels`): entry `i` of level `l` is the number of free blocks
+      among blocks `[i * 32**(l+1), (i+1) * 32**(l+1))`. With them the `k`-th
+      lowest free block is found in `O(32 * levels)` and a block is marked free
+      or taken in `O(levels)` (`paged_kv.core.alloc`), so no transition that
+      takes or frees a few blocks touches the whole pool.
+    num_free: `i32[]` free dynamic blocks (the number of bits set).
+
+  `free_list` (a property, O(num_blocks)) is the layout of the older ascending
+  free list, kept for readers of it: the free dynamic blocks ascending in the
+  last `num_free` entries, `-1` before them. Passing `free_list=` (with
+  `num_free=`) to the constructor or to `dataclasses.replace` sets the index from
+  such a window (O(num_blocks)). Without `free_list` the fields are stored as
+  given (as a pytree unflatten does, whatever the leaves are).
   """
 
   ref_count: jax.Array
   slots: jax.Array
   last_use: jax.Array
   region: jax.Array
-  free_list: jax.Array
+  free_bits: jax.Array
+  free_counts: jax.Array
   num_free: jax.Array
+
+  def __init__(self, ref_count, slots, last_use, region, free_bits=None, free_counts=None,
+               num_free=None, *, free_list=None):
+    if free_list is not None:
+      # Compatibility: an old-layout window (the last `num_free` entries).
+      n = ref_count.shape[0]
+      free_list = jnp.asarray(free_list, jnp.int32)
+      num_free = jnp.asarray(num_free, jnp.int32)
+      j = jnp.arange(n, dtype=jnp.int32)
+      listed = (j >= n - num_free) & (free_list >= 0) & (free_list < n)
+      free = jnp.zeros((n,), bool).at[jnp.where(listed, free_list, n)].set(True, mode="drop")
+      free_bits, free_counts = build_free_index(free)
+    for name, value in (("ref_count", ref_count), ("slots", slots), ("last_use", last_use),
+                        ("region", region), ("free_bits", free_bits),
+                        ("free_counts", free_counts), ("num_free", num_free)):
+      object.__setattr__(self, name, value)
+
+  @property
+  def free_list(self) -> jax.Array:
+    """`i32[num_blocks]` the old ascending free-list layout (see the class docstring)."""
+    n = self.ref_count.shape[0]
+    return free_list_view(free_mask_of(jnp.asarray(self.free_bits), n),
+                          jnp.asarray(self.num_free))
 
 
 @_pytree
@@ -100,7 +200,7 @@ class PoolState:
 
   Attributes:
     pages: the K/V data.
-    meta: per-block bookkeeping and the free list.
+    meta: per-block bookkeeping and the free index.
     table: the segment tables of live sequences.
     step: `i32[]` logical clock, advanced by every `reserve_tokens` call that reserves a token.
   """
@@ -118,14 +218,14 @@ def init_pool(config: PoolConfig) -> PoolState:
   pages = KVPages(k=jnp.zeros(shape, config.jnp_dtype), v=jnp.zeros(shape, config.jnp_dtype))
   nb = config.num_base_blocks
   region = jnp.zeros((n,), jnp.int8).at[:nb].set(REGION_BASE)
-  # Free dynamic blocks [nb, n) occupy the last n - nb entries, ascending.
-  free_list = jnp.arange(n, dtype=jnp.int32)
+  free_bits, free_counts = build_free_index(jnp.arange(n) >= nb)  # dynamic blocks [nb, n)
   meta = BlockMeta(
       ref_count=jnp.zeros((n,), jnp.int32),
       slots=jnp.zeros((n, config.slot_words), jnp.uint32),
       last_use=jnp.zeros((n,), jnp.int32),
       region=region,
-      free_list=free_list,
+      free_bits=free_bits,
+      free_counts=free_counts,
       num_free=jnp.asarray(n - nb, jnp.int32),
   )
   s, m = config.max_seqs, config.max_segments
