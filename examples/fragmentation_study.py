@@ -1,28 +1,39 @@
-"""Fragmentation study: slotted packing and budgeted online compaction, simulated.
+"""Fragmentation study: slotted packing and byte-budgeted online compaction, simulated.
 
-A pure memory-management simulation on the real pool transitions (tiny pages, no
-attention math):
+A pure memory-management simulation on the real pool transitions (one-element pages,
+no attention math); bytes and step-time shares are modelled for a real model
+(default Llama-3-8B: 32 layers, 8 kv heads, head_dim 128, bf16: 2 MiB per 16-token
+block) on an 80 GB card (KV share = card - weights - reserve, in blocks).
 
-  (a) multi-turn chat: conversations of short turns (5-200 tokens) that share
-      system prompts through a pretend prefix cache; flat 16-token blocks vs
-      slotted packing of every cached node's short tail (`pack_slots`).
-  (b) 30% long (64k scaled down by --scale) / 70% short (2k scaled) requests
-      arriving and leaving; long prefills need a contiguous run of blocks
-      (`allocate(contiguous="require")`, held outside the tables), shorts use
-      segment tables. No compaction / periodic full / budgeted online.
+  (a) multi-turn chat: conversations of short turns (--turn_min..--turn_max tokens,
+      default 5-200) sharing system prompts through a pretend prefix cache; flat
+      16-token blocks vs slotted packing (`pack_slots`) with and without
+      `reclaim_slots`; one run per seed of --chat_seeds.
+  (b) a long/short mix at real size (64k / 2k tokens by default, --scale divides
+      them for smoke runs only): three allocation modes for long requests
+      (`segments`: any free blocks, as segment tables allow; `require`: one
+      contiguous run, the field's setting; `prefer`: a run when one exists) against
+      compaction policies budgeted in bytes per step (`CompactionPolicy`: default 2%
+      of a --step_ms step at 4.3 TB/s). Admission is FIFO (head of line blocks);
+      shorts and longs are checked against blocks promised earlier in the same step.
 
-For both it prints internal fragmentation, mean and p99 fragmentation ratio,
-OOMs by reason, max concurrent sequences and the max concurrency of a
-token-granular allocator on the same arrivals; then it times one 32-move
-compaction step against a plain copy of the same bytes. PNGs go to --out_dir.
+Per policy it reports the fragmentation ratio (mean, p99), requests delayed (how many
+steps) and rejected by reason, bytes moved per step and the modelled step-time share,
+runs per long sequence, and concurrency against a fluid upper bound: per step, the
+most of the requests present (running + queued) that fit the capacity in tokens,
+smallest first, with no ordering or contiguity constraint. Numbers quoted from the
+seed reports are printed beside ours, labelled as quoted; they are never computed.
+The compaction step's cost against a plain copy is `examples/bench_compaction.py`;
+a one-line check of it is printed last. PNGs go to --out_dir.
 
-Usage: python examples/fragmentation_study.py [--steps=200 --chat_steps=60 --out_dir=out/]
+Usage: python examples/fragmentation_study.py [--steps=200 --seed=0 --out_dir=out/]
+       python examples/fragmentation_study.py --scale=32 --num_blocks=2048   # smoke
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
+import math
 import os
 import time
 
@@ -35,21 +46,63 @@ import paged_kv
 from paged_kv.core import alloc, compact, segments, slots
 from paged_kv.telemetry import metrics
 
+try:  # optional: a progress bar
+  import tqdm as _tqdm
+except ImportError:  # pragma: no cover
+  _tqdm = None
+
 _OUT_DIR = flags.DEFINE_string("out_dir", "out/", "Where the PNGs go.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Simulated steps per run of study (b).")
 _CHAT_STEPS = flags.DEFINE_integer("chat_steps", 60, "Simulated steps of study (a).")
-_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 2048, "Pool blocks.")
+_CHAT_SEEDS = flags.DEFINE_list("chat_seeds", ["0"], "Seeds of study (a), one run each.")
+_TURN_MIN = flags.DEFINE_integer("turn_min", 5, "Shortest chat turn, tokens.")
+_TURN_MAX = flags.DEFINE_integer("turn_max", 200, "Longest chat turn, tokens.")
+_CHAT_MODES = flags.DEFINE_list("chat_modes", ["flat", "slotted", "slotted+reclaim",
+                                               "slotted+consolidate"], "Modes of study (a).")
+_CONSOLIDATE_MOVES = flags.DEFINE_integer("consolidate_moves", 64,
+                                          "Segments re-packed per step (slotted+consolidate).")
+_CHAT_BLOCKS = flags.DEFINE_integer("chat_blocks", 2048, "Pool blocks of study (a).")
+_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "Pool blocks of study (b); default: "
+                                   "the KV share of --card_gb for the modelled model.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
-_SCALE = flags.DEFINE_integer("scale", 32, "64k/2k requests are divided by this.")
-_BUDGET = flags.DEFINE_integer("budget", 32, "Compaction moves per step (online).")
+_SCALE = flags.DEFINE_integer("scale", 1, "Divide the 64k/2k request lengths (smoke runs).")
+_LONG_TOKENS = flags.DEFINE_integer("long_tokens", 65536, "Mean long request, tokens.")
+_SHORT_TOKENS = flags.DEFINE_integer("short_tokens", 2048, "Mean short request, tokens.")
+_LONG_FRACTION = flags.DEFINE_float("long_fraction", 0.3, "Share of long requests.")
+_LOAD = flags.DEFINE_float("load", 1.2, "Offered load, x capacity.")
+_MAX_WAIT = flags.DEFINE_integer("max_wait", 100, "Steps a request may wait before rejection.")
+_MODES = flags.DEFINE_list("modes", ["segments", "require", "prefer"],
+                           "Allocation modes of long requests.")
+_POLICIES = flags.DEFINE_list("policies", ["none", "periodic_full", "online",
+                                           "online_every_step", "merge", "merge_every_step"],
+                              "Compaction policies of study (b).")
+_CARD_GB = flags.DEFINE_float("card_gb", 80.0, "Card memory, GB (1e9 bytes).")
+_WEIGHTS_GB = flags.DEFINE_float("weights_gb", 16.0, "Model weights, GB.")
+_RESERVE_GB = flags.DEFINE_float("reserve_gb", 4.0, "Activations, workspace, GB.")
+_MODEL = flags.DEFINE_list("model", ["32", "8", "128", "2"],
+                           "Modelled layers, kv heads, head_dim, bytes per element.")
+_STEP_MS = flags.DEFINE_float("step_ms", compact.DEFAULT_STEP_SECONDS * 1e3,
+                              "Modelled step time, ms.")
+_STEP_FRACTION = flags.DEFINE_float("step_fraction", compact.DEFAULT_STEP_FRACTION,
+                                    "Share of a step compaction may take.")
+_BANDWIDTH = flags.DEFINE_float("bandwidth", compact.H200_COPY_BANDWIDTH,
+                                "Copy bandwidth, bytes/s, read + write.")
+_BUDGET_BYTES = flags.DEFINE_integer("budget_bytes", None,
+                                     "Bytes moved per step (overrides the step share).")
+_BUDGET = flags.DEFINE_integer("budget", None, "Cap on moves per step (derived cap).")
 _THRESHOLD = flags.DEFINE_float("threshold", 0.35, "Compaction trigger ratio.")
 _PERIOD = flags.DEFINE_integer("period", 50, "Steps between periodic full compactions.")
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Random seed of study (b).")
 _FIT = flags.DEFINE_enum("fit", "first", ["first", "best"], "Which free run a long request's "
                          "contiguous allocation takes.")
 _TIMING_REPS = flags.DEFINE_integer("timing_reps", 20, "Repetitions of the timing (median).")
+_PARTS = flags.DEFINE_list("parts", ["a", "b", "timing"], "Which parts to run.")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar (needs tqdm).")
 
-FIELD = {"internal": (0.386, 0.038), "external": (0.482, 0.064)}
+# Quoted from the seed reports (operators' field numbers, on their allocator); never
+# computed here, printed beside ours for reference only.
+QUOTED = {"internal": "38.6% -> 3.8% (slotted)", "external": "48.2% -> 6.4% (16-32 moves/step)",
+          "concurrency": "x2.8 (allocator needing contiguity)"}
 
 
 def _bucket(x: int) -> int:
@@ -63,10 +116,30 @@ def _pad(a, size, fill):
   return out
 
 
-def _config(max_seqs: int, max_segments: int) -> paged_kv.PoolConfig:
-  return paged_kv.PoolConfig(num_blocks=_NUM_BLOCKS.value, block_size=_BLOCK_SIZE.value,
-                             num_layers=1, num_kv_heads=1, head_dim=1, max_seqs=max_seqs,
-                             max_segments=max_segments)
+def _config(max_seqs: int, max_segments: int, num_blocks: int | None = None) -> paged_kv.PoolConfig:
+  return paged_kv.PoolConfig(num_blocks=num_blocks or _CHAT_BLOCKS.value,
+                             block_size=_BLOCK_SIZE.value, num_layers=1, num_kv_heads=1,
+                             head_dim=1, max_seqs=max_seqs, max_segments=max_segments)
+
+
+def model_block_bytes() -> int:
+  """Bytes of K and V of one block of the modelled model."""
+  layers, heads, dim, itemsize = (int(x) for x in _MODEL.value)
+  return 2 * layers * heads * dim * itemsize * _BLOCK_SIZE.value
+
+
+def pool_blocks() -> int:
+  """Blocks of study (b): --num_blocks, or the card's KV share in modelled blocks."""
+  if _NUM_BLOCKS.value:
+    return _NUM_BLOCKS.value
+  kv = (_CARD_GB.value - _WEIGHTS_GB.value - _RESERVE_GB.value) * 1e9
+  return int(kv // model_block_bytes())
+
+
+def _progress(total: int, desc: str):
+  if _tqdm is None or not _PROGRESS.value:
+    return None
+  return _tqdm.tqdm(total=total, desc=desc, leave=False, mininterval=1.0)
 
 
 # ---------------------------------------------------------------------------
@@ -74,19 +147,20 @@ def _config(max_seqs: int, max_segments: int) -> paged_kv.PoolConfig:
 # ---------------------------------------------------------------------------
 
 
-def _turn_lengths(rng, n):
-  """5-200 tokens, log-uniform (many short turns)."""
-  return np.exp(rng.uniform(np.log(5), np.log(200), n)).astype(int)
+def _turn_lengths(rng, n, lo=5, hi=200):
+  """`lo`-`hi` tokens, log-uniform (many short turns)."""
+  return np.exp(rng.uniform(np.log(lo), np.log(hi), n)).astype(int)
 
 
-def chat_workload(seed: int, steps: int):
+def chat_workload(seed: int, steps: int, turn_range: tuple[int, int] = (5, 200)):
+  """Conversations arriving ~6 per step; turns of `turn_range` tokens; 8 system prompts."""
   rng = np.random.default_rng(seed)
-  families = _turn_lengths(rng, 8) + 20  # system prompts
+  families = _turn_lengths(rng, 8) + 20  # system prompts (5-200 + 20 tokens)
   convs = []
   for step in range(steps):
     for _ in range(rng.poisson(6)):
       convs.append(dict(arrive=step, family=int(rng.integers(len(families))),
-                        turns=_turn_lengths(rng, int(rng.integers(2, 9))).tolist(),
+                        turns=_turn_lengths(rng, int(rng.integers(2, 9)), *turn_range).tolist(),
                         retain=int(rng.integers(5, 30))))
   return families, convs
 
@@ -94,10 +168,14 @@ def chat_workload(seed: int, steps: int):
 def run_chat(mode: str, families, convs, steps: int):
   """Returns per-step internal fragmentation, OOMs, peak resident conversations.
 
-  Modes: `flat` (one segment per block), `slotted` (short segments packed), and
-  `slotted+reclaim` (also frees the slots of segments that left slotted blocks).
+  Modes: `flat` (one segment per block), `slotted` (short segments packed),
+  `slotted+reclaim` (also frees the slots of segments that left slotted blocks),
+  and `slotted+consolidate` (also re-packs the segments of the sparsest slotted
+  blocks into the holes of others after every reclaim, `slots.plan_consolidation`,
+  at most `--consolidate_moves` segments per step).
   """
-  reclaim = mode == "slotted+reclaim"
+  consolidate = mode == "slotted+consolidate"
+  reclaim = mode in ("slotted+reclaim", "slotted+consolidate")
   config = _config(max_seqs=128, max_segments=256)
   bs = config.block_size
   state = paged_kv.init_pool(config)
@@ -120,18 +198,37 @@ def run_chat(mode: str, families, convs, steps: int):
     state, _ = alloc.apply_ref_deltas(state, _pad(ids, b, -1), _pad(-np.ones(len(ids)), b, 0),
                                       config=config)
 
-  def pack(keys):
+  def do_reclaim():
     nonlocal state
+    held = np.array([s for v in cache.values() for s in v], np.int32).reshape(-1, 3)
+    b = _bucket(len(held))
+    state, (status, _) = slots.reclaim_slots(state, _pad(held[:, 0], b, 0),
+                                             _pad(held[:, 1], b, 0), _pad(held[:, 2], b, 0),
+                                             config=config)
+    assert int(status) == 0
+
+  def do_consolidate():
+    do_reclaim()
+    entries = [(k, i, s) for k, v in cache.items() for i, s in enumerate(v)]
+    if not entries:
+      return
+    arr = np.array([e[2] for e in entries], np.int32)
+    meta = jax.tree.map(np.asarray, state.meta)
+    idx = slots.plan_consolidation(meta.ref_count, meta.slots, meta.region, arr[:, 0],
+                                   arr[:, 2], block_size=bs,
+                                   max_moves=_CONSOLIDATE_MOVES.value)
+    pack_entries([entries[j] for j in idx])
+
+  def pack(keys):
     ext = [(k, i, s) for k in keys for i, s in enumerate(cache[k]) if s[2] < bs]
     if not ext:
       return
     if reclaim:
-      held = np.array([s for v in cache.values() for s in v], np.int32).reshape(-1, 3)
-      b = _bucket(len(held))
-      state, (status, _) = slots.reclaim_slots(state, _pad(held[:, 0], b, 0),
-                                               _pad(held[:, 1], b, 0), _pad(held[:, 2], b, 0),
-                                               config=config)
-      assert int(status) == 0
+      do_reclaim()
+    pack_entries(ext)
+
+  def pack_entries(ext):
+    nonlocal state
     for lo in range(0, len(ext), 64):
       chunk = ext[lo:lo + 64]
       b = _bucket(len(chunk))
@@ -221,6 +318,8 @@ def run_chat(mode: str, families, convs, steps: int):
         if active[i]["turn"] == len(convs[i]["turns"]):
           convs[i]["_nodes"] = active.pop(i)["nodes"]
           retained[i] = step + convs[i]["retain"]
+    if consolidate:
+      do_consolidate()
     snap = metrics.snapshot(state, config, extra_segments=[s for v in cache.values() for s in v],
                             counters=counters)
     internal.append(snap.internal_fragmentation)
@@ -232,34 +331,90 @@ def run_chat(mode: str, families, convs, steps: int):
 
 
 # ---------------------------------------------------------------------------
-# (b) long/short mix: compaction policies.
+# (b) long/short mix at real size: allocation modes x compaction policies.
 # ---------------------------------------------------------------------------
 
+CONTIGUITY = {"segments": "never", "require": "require", "prefer": "prefer"}
 
-def mix_workload(seed: int, steps: int, num_blocks: int, bs: int, scale: int):
+
+def mix_workload(seed: int, steps: int, num_blocks: int, bs: int, *, long_tokens: int,
+                 short_tokens: int, long_fraction: float, load: float):
+  """Requests: long (`long_tokens` +-25%, life 40-80 steps) or short (+-25%, 6-18 steps).
+
+  Arrivals are Poisson at `load` x the rate that fills the pool's tokens.
+  """
   rng = np.random.default_rng(seed)
-  long_tok, short_tok = 65536 // scale, 2048 // scale
   reqs = []
   cap = num_blocks * bs
-  # Offered load ~1.2x capacity so the pool stays full.
-  mean_tokens_life = 0.3 * long_tok * 60 + 0.7 * short_tok * 12
-  rate = 1.2 * cap / mean_tokens_life
+  mean_tokens_life = (long_fraction * long_tokens * 60 + (1 - long_fraction) * short_tokens * 12)
+  rate = load * cap / mean_tokens_life
   for step in range(steps):
     for _ in range(rng.poisson(rate)):
-      is_long = rng.random() < 0.3
-      base = long_tok if is_long else short_tok
-      tokens = int(base * rng.uniform(0.75, 1.25))
+      is_long = rng.random() < long_fraction
+      base = long_tokens if is_long else short_tokens
+      tokens = max(1, int(base * rng.uniform(0.75, 1.25)))
       life = int(rng.integers(40, 80)) if is_long else int(rng.integers(6, 18))
       reqs.append(dict(arrive=step, long=is_long, tokens=tokens, life=life))
   return reqs
 
 
-def run_mix(policy: str, reqs, steps: int, *, budget: int, threshold: float, period: int,
-            record_map_at: int | None = None):
-  config = _config(max_seqs=512, max_segments=128)
-  bs, n = config.block_size, config.num_blocks
+def _runs(ids: np.ndarray) -> int:
+  """Contiguous runs in a set of block ids (1 = one run)."""
+  if ids.size == 0:
+    return 0
+  s = np.sort(ids)
+  return int(1 + np.count_nonzero(np.diff(s) != 1))
+
+
+def _free_stats(ref: np.ndarray) -> tuple[float, int]:
+  """`(fragmentation ratio, free blocks)` of a pool with no base region."""
+  free = ref == 0
+  total = int(free.sum())
+  if total == 0:
+    return 0.0, 0
+  padded = np.concatenate([[False], free, [False]])
+  edges = np.flatnonzero(padded[1:] != padded[:-1])
+  run = int((edges[1::2] - edges[::2]).max())
+  return 1.0 - run / total, total
+
+
+def fluid_bound(present_tokens: list[int], capacity: int) -> int:
+  """Most requests among `present_tokens` that fit `capacity` tokens (smallest first)."""
+  if not present_tokens:
+    return 0
+  c = np.cumsum(np.sort(np.asarray(present_tokens, np.int64)))
+  return int(np.searchsorted(c, capacity, side="right"))
+
+
+def make_policy(name: str, *, threshold: float) -> compact.CompactionPolicy | None:
+  """The `CompactionPolicy` of a study policy name (None: no online compaction)."""
+  if name in ("none", "periodic_full"):
+    return None
+  return compact.CompactionPolicy(
+      threshold=0.0 if name.endswith("every_step") else threshold,
+      strategy="merge" if name.startswith("merge") else "top_down",
+      budget=_BUDGET.value, budget_bytes=_BUDGET_BYTES.value,
+      step_fraction=_STEP_FRACTION.value, step_seconds=_STEP_MS.value / 1e3,
+      copy_bandwidth=_BANDWIDTH.value)
+
+
+def run_mix(policy_name: str, mode: str, reqs, steps: int, *, num_blocks: int,
+            threshold: float, period: int, max_wait: int, block_bytes: int,
+            record_map_at: int | None = None, progress=None) -> dict:
+  """One run of study (b); returns per-step series and per-request outcomes.
+
+  Longs hold their blocks outside the tables (`allocate` with the mode's
+  contiguity, one reference each); shorts are table rows (`reserve_tokens`).
+  Every request, long or short, is checked against the free blocks minus those
+  promised to requests admitted earlier in the same step.
+  """
+  bs = _BLOCK_SIZE.value
+  short_max = max((r["tokens"] for r in reqs if not r["long"]), default=bs)
+  max_segments = -(-short_max // bs) + 1  # derived: a short's blocks, one segment each
+  config = _config(max_seqs=512, max_segments=max_segments, num_blocks=num_blocks)
+  n = config.num_blocks
   state = paged_kv.init_pool(config)
-  counters = metrics.PoolCounters()
+  policy = make_policy(policy_name, threshold=threshold)
   queue = collections.deque()
   longs: dict[int, np.ndarray] = {}  # request -> its blocks (outside the tables)
   shorts: dict[int, int] = {}  # request -> table row
@@ -268,26 +423,43 @@ def run_mix(policy: str, reqs, steps: int, *, budget: int, threshold: float, per
   by_step = collections.defaultdict(list)
   for i, r in enumerate(reqs):
     by_step[r["arrive"]].append(i)
-  ratios, internal, live_hist = [], [], []
+  admit_step: dict[int, int] = {}
+  rejected = collections.Counter()
+  blocked_steps = collections.Counter()  # head-of-line failures by reason (steps)
+  last_reason: dict[int, str] = {}
+  ratios, live_hist, bound_hist, tok_hist, tokbound_hist, moves_hist = [], [], [], [], [], []
+  long_runs = []
   maps = {}
   contiguous_failed = False
-  online = compact.CompactionPolicy(threshold=threshold, budget=budget)
+  compaction_seconds = 0.0
+  cap_tokens = n * bs
 
   def apply_remap(remap):
     for k in longs:
       longs[k] = remap[longs[k]]
 
-  def compact_full():
-    nonlocal state
+  def move(src, dst) -> int:
+    nonlocal state, compaction_seconds
+    num = int((np.asarray(src) >= 0).sum())
+    if num == 0:
+      return 0
+    t0 = time.perf_counter()
+    b = _bucket(len(src))
+    state, (remap, status) = compact.compact_permute(state, _pad(src, b, -1), _pad(dst, b, -1),
+                                                     config=config)
+    assert (np.asarray(status) == 0).all()
+    apply_remap(np.asarray(remap))
+    compaction_seconds += time.perf_counter() - t0
+    return num
+
+  def compact_full() -> int:
+    total = 0
     while True:
-      src, dst = compact.plan_compaction(state.meta, budget=256)
-      if int((np.asarray(src) >= 0).sum()) == 0:
-        return
-      t0 = time.perf_counter()
-      state, (remap, _) = compact.compact_permute(state, src, dst, config=config)
-      remap = np.asarray(remap)
-      counters.record_compaction(int((np.asarray(src) >= 0).sum()), time.perf_counter() - t0)
-      apply_remap(remap)
+      src, dst = compact.plan_compaction(state.meta, budget=min(1024, n // 2))
+      got = move(np.asarray(src), np.asarray(dst))
+      if not got:
+        return total
+      total += got
 
   for step in range(steps):
     # Departures.
@@ -305,60 +477,71 @@ def run_mix(policy: str, reqs, steps: int, *, budget: int, threshold: float, per
     if dec_rows:
       state, _ = segments.release(state, _pad(dec_rows, _bucket(len(dec_rows)), -1),
                                   config=config)
-    # Compaction policy (between steps).
+    # Compaction (between steps).
     if record_map_at is not None and step == record_map_at:
       maps["before"] = _block_map(state, longs)
-    if policy == "periodic_full" and step % period == 0:
-      compact_full()
-    elif policy.startswith("merge"):
+    moved = 0
+    if policy_name == "periodic_full" and step % period == 0:
+      moved = compact_full()
+    elif policy is not None:
       ratio = float(compact.fragmentation_ratio(state.meta))
-      if online.should_compact(ratio, contiguous_failed):
-        t0 = time.perf_counter()
-        src, dst = online.plan(state.meta)
-        moves = int((src >= 0).sum())
-        if moves:
-          state, (remap, _) = compact.compact_permute(state, src, dst, config=config)
-          apply_remap(np.asarray(remap))
-        counters.record_compaction(moves, time.perf_counter() - t0)
-    elif policy.startswith("online"):
-      ratio = float(compact.fragmentation_ratio(state.meta))
-      if online.should_compact(ratio, contiguous_failed):
-        t0 = time.perf_counter()
-        state, (remap, moves) = compact.compact_step(state, True, config=config, policy=online)
-        moves = int(moves)
-        counters.record_compaction(moves, time.perf_counter() - t0)
-        apply_remap(np.asarray(remap))
+      if policy.should_compact(ratio, contiguous_failed):
+        src, dst = policy.plan(state.meta, block_bytes=block_bytes)
+        moved = move(src, dst)
+    moves_hist.append(moved)
     if record_map_at is not None and step == record_map_at:
       # The "after" map comes from a full compaction of a copy; the run goes on uncompacted.
       saved = (jax.tree.map(jnp.copy, state), {k: v.copy() for k, v in longs.items()},
-               dataclasses.replace(counters))
+               compaction_seconds)
       compact_full()
       maps["after"] = _block_map(state, longs)
-      state, longs, counters = saved
+      state, longs, compaction_seconds = saved
     contiguous_failed = False
-    # Arrivals, FIFO admission (head of line blocks).
+    # Arrivals; FIFO admission, head of line blocks; promised blocks counted.
     queue.extend(by_step.get(step, []))
     new_short = []
+    promised = 0  # blocks promised to shorts admitted in this step (reserved below)
+    num_free = int((np.asarray(state.meta.ref_count) == 0).sum())  # no base region here
     while queue:
       i = queue[0]
       r = reqs[i]
       need = -(-r["tokens"] // bs)
-      if r["long"]:
-        state, (ids, status) = alloc.allocate(state, need, config=config, max_blocks=_bucket(need),
-                                              contiguous="require", fit=_FIT.value)
+      reason = None
+      if need > n:
+        queue.popleft()
+        rejected["exceeds_pool"] += 1
+        continue
+      if num_free - promised < need:
+        reason = "no_free_block"
+      elif r["long"]:
+        state, (ids, status) = alloc.allocate(state, need, config=config,
+                                              max_blocks=_bucket(need),
+                                              contiguous=CONTIGUITY[mode], fit=_FIT.value)
         status = int(status)
-        if status != 0:
-          counters.record_status(np.array([status]))
-          contiguous_failed = status == paged_kv.Status.NO_CONTIGUOUS_RUN
-          break
-        longs[i] = np.asarray(ids)[:need]
+        if status == paged_kv.Status.NO_CONTIGUOUS_RUN:
+          reason = "no_contiguous_run"
+          contiguous_failed = True
+        elif status != 0:
+          reason = "no_free_block"
+        else:
+          longs[i] = np.asarray(ids)[:need]
+          num_free -= need
       else:
-        if int(state.meta.num_free) - sum(-(-reqs[j]["tokens"] // bs) for j in new_short) < need \
-            or not free_rows:
-          counters.record_oom("no_free_block")
-          break
-        new_short.append(i)
+        if not free_rows or len(new_short) >= len(free_rows):
+          reason = "no_row"
+        else:
+          new_short.append(i)
+          promised += need
+      if reason is not None:
+        blocked_steps[reason] += 1
+        last_reason[i] = reason
+        if step - r["arrive"] >= max_wait:
+          queue.popleft()
+          rejected[reason] += 1
+          continue
+        break
       queue.popleft()
+      admit_step[i] = step
       ends[step + r["life"]].append(i)
     if new_short:
       rows = [free_rows.pop() for _ in new_short]
@@ -370,17 +553,27 @@ def run_mix(policy: str, reqs, steps: int, *, budget: int, threshold: float, per
                                         config=config)
       state, (_, st_res) = segments.reserve_tokens(
           state, _pad(rows, b, -1), _pad([reqs[i]["tokens"] for i in new_short], b, 0),
-          config=config, max_new_tokens=_bucket(2048 // _SCALE.value * 5 // 4 + 1))
-      assert (np.asarray(st_res) == 0).all()
-    extra = [(int(blk), 0, bs) for ids in longs.values() for blk in ids]
-    snap = metrics.snapshot(state, config, extra_segments=extra or None, counters=counters)
-    ratios.append(snap.fragmentation_ratio)
-    internal.append(snap.internal_fragmentation)
-    live_hist.append(len(longs) + len(shorts))
-  return dict(ratios=np.array(ratios), internal=np.array(internal), oom=dict(counters.oom_by_reason),
-              peak=max(live_hist), mean_live=float(np.mean(live_hist[steps // 4:])),
-              moves=counters.compaction_moves, seconds=counters.compaction_seconds,
-              max_moves_step=None, maps=maps)
+          config=config, max_new_tokens=_bucket(short_max + 1))
+      assert (np.asarray(st_res) == 0).all(), np.asarray(st_res)
+    ref = np.asarray(state.meta.ref_count)
+    ratio, _ = _free_stats(ref)
+    ratios.append(ratio)
+    live = len(longs) + len(shorts)
+    live_hist.append(live)
+    present = [reqs[i]["tokens"] for i in list(longs) + list(shorts) + list(queue)]
+    bound_hist.append(fluid_bound(present, cap_tokens))
+    tok_hist.append(sum(reqs[i]["tokens"] for i in list(longs) + list(shorts)))
+    tokbound_hist.append(min(cap_tokens, sum(present)))
+    long_runs.extend(_runs(ids) for ids in longs.values())
+    if progress is not None:
+      progress.update(1)
+  delays = {i: admit_step[i] - reqs[i]["arrive"] for i in admit_step}
+  return dict(ratios=np.array(ratios), live=np.array(live_hist), bound=np.array(bound_hist),
+              tokens=np.array(tok_hist), token_bound=np.array(tokbound_hist),
+              moves=np.array(moves_hist), rejected=dict(rejected),
+              blocked_steps=dict(blocked_steps), delays=delays, pending=len(queue),
+              admitted=len(admit_step), long_runs=np.array(long_runs or [0]),
+              seconds=compaction_seconds, maps=maps, max_segments=max_segments)
 
 
 def _block_map(state, longs) -> np.ndarray:
@@ -392,27 +585,29 @@ def _block_map(state, longs) -> np.ndarray:
   return m
 
 
-def ideal_concurrency(reqs, steps: int, capacity_tokens: int) -> tuple[int, float]:
-  """Peak and mean live requests of a token-granular allocator (FIFO, same arrivals)."""
-  free = capacity_tokens
-  queue = collections.deque()
-  ends = collections.defaultdict(list)
-  by_step = collections.defaultdict(list)
-  for i, r in enumerate(reqs):
-    by_step[r["arrive"]].append(i)
-  live, hist = 0, []
-  for step in range(steps):
-    for i in ends.pop(step, []):
-      free += reqs[i]["tokens"]
-      live -= 1
-    queue.extend(by_step.get(step, []))
-    while queue and reqs[queue[0]]["tokens"] <= free:
-      i = queue.popleft()
-      free -= reqs[i]["tokens"]
-      live += 1
-      ends[step + reqs[i]["life"]].append(i)
-    hist.append(live)
-  return max(hist), float(np.mean(hist[steps // 4:]))
+def summarize(r: dict, reqs, *, block_bytes: int, warmup: int) -> dict:
+  """The per-run report row."""
+  policy = compact.CompactionPolicy(step_seconds=_STEP_MS.value / 1e3,
+                                    copy_bandwidth=_BANDWIDTH.value)
+  w = slice(warmup, None)
+  d = r["delays"]
+  delayed = [v for v in d.values() if v > 0]
+  long_delayed = [v for i, v in d.items() if v > 0 and reqs[i]["long"]]
+  moves = r["moves"]
+  share = np.array([policy.step_time_share(m, block_bytes) for m in moves])
+  return dict(
+      frag_mean=float(r["ratios"].mean()), frag_p99=float(np.percentile(r["ratios"], 99)),
+      admitted=r["admitted"], delayed=len(delayed),
+      delay_mean=float(np.mean(delayed)) if delayed else 0.0,
+      delay_p99=float(np.percentile(delayed, 99)) if delayed else 0.0,
+      long_delayed=len(long_delayed), rejected=r["rejected"], pending=r["pending"],
+      blocked_steps=r["blocked_steps"],
+      mb_per_step=float(moves.mean() * block_bytes / 1e6),
+      share_mean=float(share.mean()), share_max=float(share.max()),
+      conc=float(r["live"][w].mean()), bound=float(r["bound"][w].mean()),
+      conc_ratio=float(r["live"][w].mean() / max(r["bound"][w].mean(), 1e-9)),
+      tok_ratio=float(r["tokens"][w].mean() / max(r["token_bound"][w].mean(), 1e-9)),
+      long_runs=float(r["long_runs"].mean()), moves=int(moves.sum()), seconds=r["seconds"])
 
 
 # ---------------------------------------------------------------------------
@@ -466,7 +661,7 @@ def time_compaction(reps: int) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def _plots(out_dir, chat, mix, maps):
+def _plots(out_dir, chat, mix, maps, modes, policies):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -489,83 +684,141 @@ def _plots(out_dir, chat, mix, maps):
     fig.savefig(p, dpi=120)
     plt.close(fig)
     paths.append(p)
-  fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
-  for name, r in mix.items():
-    axes[0].plot(r["ratios"], label=name, lw=0.9)
-  axes[0].set_title("(b) fragmentation ratio over time")
-  axes[0].set_xlabel("step")
-  axes[0].legend(fontsize=7)
-  for name, r in chat.items():
-    axes[1].plot(r["internal"], label=name)
-  axes[1].set_title("(a) internal fragmentation over time")
-  axes[1].set_xlabel("step")
-  axes[1].legend(fontsize=7)
+  # Small multiples: one panel per policy (lines: allocation modes), shared axes, so
+  # no line hides another; the last panel is study (a).
+  cols = 3
+  rows = math.ceil((len(policies) + 1) / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.6 * rows), squeeze=False)
+  flat = axes.reshape(-1)
+  colors = dict(zip(("segments", "require", "prefer"), ("tab:blue", "tab:red", "tab:green")))
+  for ax, pol in zip(flat, policies):
+    for mode in modes:
+      r = mix[(mode, pol)]
+      ax.plot(r["ratios"], lw=0.9, color=colors.get(mode), label=mode,
+              ls="--" if mode == "prefer" else "-")  # prefer often overlays segments
+    ax.set_title(f"(b) {pol}", fontsize=9)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("step", fontsize=8)
+    ax.set_ylabel("fragmentation ratio", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6, loc="upper right")
+  ax = flat[len(policies)]
+  for name, r in (chat or {}).items():
+    ax.plot(r["internal"], label=name)
+  ax.set_title("(a) internal fragmentation (first seed)", fontsize=9)
+  ax.set_xlabel("step", fontsize=8)
+  ax.tick_params(labelsize=7)
+  if chat:
+    ax.legend(fontsize=6)
+  else:
+    ax.axis("off")  # study (a) was not run
+  for ax in flat[len(policies) + 1:]:
+    ax.axis("off")
   fig.tight_layout()
   p = os.path.join(out_dir, "fragmentation_over_time.png")
-  fig.savefig(p, dpi=120)
+  fig.savefig(p, dpi=110)
   plt.close(fig)
   paths.append(p)
   return paths
 
 
-def _fmt_oom(d):
+def _fmt(d):
   return ",".join(f"{k}={v}" for k, v in sorted(d.items())) or "0"
 
 
 def main(argv):
   del argv
   os.makedirs(_OUT_DIR.value, exist_ok=True)
-  bs, nblk = _BLOCK_SIZE.value, _NUM_BLOCKS.value
+  bs = _BLOCK_SIZE.value
   t_start = time.perf_counter()
 
-  # (a) chat.
-  families, convs = chat_workload(_SEED.value, _CHAT_STEPS.value)
-  chat = {}
-  for mode in ("flat", "slotted", "slotted+reclaim"):
-    chat[mode] = run_chat(mode, families, [dict(c) for c in convs], _CHAT_STEPS.value)
-  cap_tokens = nblk * bs
-  print(f"\n(a) multi-turn chat: {len(convs)} conversations, turns 5-200 tokens (log-uniform), "
-        f"{len(families)} shared system prompts, pool {nblk} x {bs}-token blocks")
-  print(f"{'mode':<16}{'internal frag mean':>20}{'final':>8}{'field report':>14}{'OOMs':>22}"
+  # (a) chat, one run per seed.
+  turn_range = (_TURN_MIN.value, _TURN_MAX.value)
+  chat_first = None
+  print(f"\n(a) multi-turn chat: turns {turn_range[0]}-{turn_range[1]} tokens (log-uniform), "
+        f"8 shared system prompts, pool {_CHAT_BLOCKS.value} x {bs}-token blocks, "
+        f"{_CHAT_STEPS.value} steps; quoted (seed reports, not computed): internal "
+        f"{QUOTED['internal']}")
+  print(f"{'seed':>4} {'mode':<16}{'internal frag mean':>20}{'final':>8}{'OOMs':>22}"
         f"{'peak resident conv.':>21}{'segments':>10}{'packs':>8}")
-  for mode, r in chat.items():
-    field = FIELD["internal"][0 if mode == "flat" else 1]
-    print(f"{mode:<16}{r['internal'].mean():>20.2%}{r['internal'][-1]:>8.2%}{field:>14.1%}"
-          f"{_fmt_oom(r['oom']):>22}{r['peak']:>21}{r['segments']:>10}{r['packs']:>8}")
+  chat_summary = collections.defaultdict(list)
+  for seed in (int(x) for x in _CHAT_SEEDS.value if "a" in _PARTS.value):
+    families, convs = chat_workload(seed, _CHAT_STEPS.value, turn_range)
+    chat = {}
+    for mode in _CHAT_MODES.value:
+      chat[mode] = run_chat(mode, families, [dict(c) for c in convs], _CHAT_STEPS.value)
+      r = chat[mode]
+      print(f"{seed:>4} {mode:<20}{r['internal'].mean():>16.2%}{r['internal'][-1]:>8.2%}"
+            f"{_fmt(r['oom']):>22}{r['peak']:>21}{r['segments']:>10}{r['packs']:>8}",
+            flush=True)
+      chat_summary[mode].append((r['internal'].mean(), r['internal'][-1]))
+    chat_first = chat_first or chat
+  for mode, v in chat_summary.items():
+    v = np.array(v)
+    print(f"  all seeds {mode:<20} mean of means {v[:, 0].mean():.2%}, worst mean "
+          f"{v[:, 0].max():.2%}, worst final {v[:, 1].max():.2%}")
+  if "b" not in _PARTS.value:
+    return
 
   # (b) long/short mix.
-  reqs = mix_workload(_SEED.value, _STEPS.value, nblk, bs, _SCALE.value)
-  ideal_peak, ideal_mean = ideal_concurrency(reqs, _STEPS.value, cap_tokens)
-  mix = {}
-  runs = [("none", {}), ("periodic_full", {}), ("online", {}),
-          ("online_every_step", dict(threshold=0.0)), ("merge", {}),
-          ("merge_every_step", dict(threshold=0.0))]
+  nblk = pool_blocks()
+  bb = model_block_bytes()
+  long_tok, short_tok = _LONG_TOKENS.value // _SCALE.value, _SHORT_TOKENS.value // _SCALE.value
+  reqs = mix_workload(_SEED.value, _STEPS.value, nblk, bs, long_tokens=long_tok,
+                      short_tokens=short_tok, long_fraction=_LONG_FRACTION.value,
+                      load=_LOAD.value)
+  example = make_policy("merge", threshold=_THRESHOLD.value)
+  per_step_moves = example.max_moves(bb)
+  modes, policies = list(_MODES.value), list(_POLICIES.value)
+  print(f"\n(b) {_LONG_FRACTION.value:.0%} long ({long_tok} tok) / short ({short_tok} tok), "
+        f"{len(reqs)} requests over {_STEPS.value} steps, seed {_SEED.value}; pool {nblk} x "
+        f"{bs}-token blocks ({nblk * bb / 1e9:.1f} GB of K/V at {bb / 2**20:.2f} MiB/block); "
+        f"budget {example.step_bytes / 1e6:.0f} MB/step = {per_step_moves} moves "
+        f"({_STEP_FRACTION.value:.0%} of {_STEP_MS.value:g} ms at {_BANDWIDTH.value / 1e12:g} "
+        f"TB/s), threshold {_THRESHOLD.value}")
+  mix, rows = {}, {}
   map_step = _STEPS.value // 2
-  for name, over in runs:
-    kw = dict(budget=_BUDGET.value, threshold=_THRESHOLD.value, period=_PERIOD.value)
-    kw.update(over)
-    mix[name] = run_mix(name, reqs, _STEPS.value, record_map_at=map_step if name == "none" else
-                        None, **kw)
-  print(f"\n(b) 30% long ({65536 // _SCALE.value} tok) / 70% short ({2048 // _SCALE.value} tok), "
-        f"{len(reqs)} requests over {_STEPS.value} steps; long prefill needs a contiguous run; "
-        f"budget {_BUDGET.value} moves/step, threshold {_THRESHOLD.value}")
-  print(f"{'policy':<19}{'frag mean':>10}{'p99':>8}{'field':>8}{'internal':>10}{'OOMs':>42}"
-        f"{'max conc.':>10}{'ideal':>7}{'ratio':>7}{'mean conc./ideal':>18}{'moves':>8}"
-        f"{'comp. s':>9}")
-  for name, r in mix.items():
-    field = {"none": f"{FIELD['external'][0]:.1%}", "online": f"{FIELD['external'][1]:.1%}", "merge": f"{FIELD['external'][1]:.1%}"}.get(
-        name, "")
-    print(f"{name:<19}{r['ratios'].mean():>10.2%}{np.percentile(r['ratios'], 99):>8.2%}"
-          f"{field:>8}{r['internal'].mean():>10.2%}{_fmt_oom(r['oom']):>42}{r['peak']:>10}"
-          f"{ideal_peak:>7}{r['peak'] / ideal_peak:>7.3f}{r['mean_live'] / ideal_mean:>18.3f}"
-          f"{r['moves']:>8}{r['seconds']:>9.3f}")
+  bar = _progress(len(modes) * len(policies) * _STEPS.value, "study (b)")
+  for mode in modes:
+    for pol in policies:
+      if bar is not None:
+        bar.set_description(f"(b) {mode}/{pol}")
+      mix[(mode, pol)] = run_mix(
+          pol, mode, reqs, _STEPS.value, num_blocks=nblk, threshold=_THRESHOLD.value,
+          period=_PERIOD.value, max_wait=_MAX_WAIT.value, block_bytes=bb,
+          record_map_at=map_step if (mode, pol) == ("require", "none") else None,
+          progress=bar)
+      rows[(mode, pol)] = summarize(mix[(mode, pol)], reqs, block_bytes=bb,
+                                    warmup=_STEPS.value // 4)
+  if bar is not None:
+    bar.close()
+  print(f"max_segments (derived from the workload): "
+        f"{next(iter(mix.values()))['max_segments']}; concurrency = mean live requests over "
+        f"steps {_STEPS.value // 4}-{_STEPS.value}, bound = fluid bound (see docstring); "
+        f"quoted (seed reports, not computed): fragmentation {QUOTED['external']}, "
+        f"concurrency {QUOTED['concurrency']}")
+  hdr = (f"{'mode':<9}{'policy':<18}{'frag mean':>10}{'p99':>8}{'admitted':>9}"
+         f"{'delayed':>8}{'(long)':>7}{'delay mean/p99':>15}{'rejected':>26}{'pending':>8}"
+         f"{'MB/step':>9}{'share mean/max':>16}{'runs/long':>10}{'conc.':>7}{'bound':>7}"
+         f"{'c/bound':>8}{'tok/bound':>10}")
+  print(hdr)
+  for (mode, pol), s in rows.items():
+    print(f"{mode:<9}{pol:<18}{s['frag_mean']:>10.2%}{s['frag_p99']:>8.2%}{s['admitted']:>9}"
+          f"{s['delayed']:>8}{s['long_delayed']:>7}"
+          f"{s['delay_mean']:>8.1f}/{s['delay_p99']:<6.0f}{_fmt(s['rejected']):>26}"
+          f"{s['pending']:>8}{s['mb_per_step']:>9.1f}"
+          f"{s['share_mean']:>8.2%}/{s['share_max']:<7.1%}{s['long_runs']:>10.1f}"
+          f"{s['conc']:>7.1f}{s['bound']:>7.1f}{s['conc_ratio']:>8.3f}{s['tok_ratio']:>10.3f}")
 
-  timing = time_compaction(_TIMING_REPS.value)
-  print(f"\ncompaction step of 32 moves ({timing['bytes'] / 2**20:.1f} MiB, "
-        f"{timing['device']}): {timing['compact_s'] * 1e3:.3f} ms; plain copy of the same bytes: "
-        f"{timing['copy_s'] * 1e3:.3f} ms; ratio {timing['compact_s'] / timing['copy_s']:.2f} "
-        f"(medians of {_TIMING_REPS.value})")
-  paths = _plots(_OUT_DIR.value, chat, mix, mix["none"]["maps"])
+  if "timing" in _PARTS.value:
+    timing = time_compaction(_TIMING_REPS.value)
+    print(f"\ncompaction step of 32 moves ({timing['bytes'] / 2**20:.1f} MiB, "
+          f"{timing['device']}): {timing['compact_s'] * 1e3:.3f} ms; plain copy of the same "
+          f"bytes: {timing['copy_s'] * 1e3:.3f} ms; ratio "
+          f"{timing['compact_s'] / timing['copy_s']:.2f} (medians of {_TIMING_REPS.value}; "
+          "examples/bench_compaction.py for the breakdown)")
+  paths = _plots(_OUT_DIR.value, chat_first, mix, mix.get(("require", "none"), {}).get("maps"),
+                 modes, policies)
   print("plots: " + ", ".join(paths))
   print(f"total {time.perf_counter() - t_start:.1f} s")
 

@@ -67,6 +67,7 @@ class ImportTest(absltest.TestCase):
     self.assertEqual(sorted(top & {"jax", "jaxlib", "paged_kv", "pallas_kernels"}), [])
 
   def test_nothing_imports_examples(self):
+    # (tests/examples/load_example loads a script by path for a test of its logic.)
     scripts = {p.stem for p in (_ROOT / "examples").glob("*.py")}
     offenders = []
     for folder in ("paged_kv", "radix", "pallas_kernels", "tests", "examples", "tools"):

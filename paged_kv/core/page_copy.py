@@ -4,8 +4,9 @@ Every transition that moves K/V (`cow_split`, `pack_slots`, `compact_permute`,
 `promote_blocks`) goes through one of the two functions here, each with an
 `impl` switch:
 
-* `"xla"` (default): gather + scatter on the pages. Inside a transition jitted
-  with the state donated, XLA updates the buffers in place.
+* `"xla"` (default): gather + scatter on the pages (whole blocks on CPU: a loop
+  of block-slab copies, faster than XLA's CPU scatter). Inside a transition
+  jitted with the state donated, XLA updates the buffers in place.
 * `"pallas"` (and `"mosaic"` for whole blocks): the kernels of
   `pallas_kernels/permute_blocks.py` (`copy_slots`, `permute_blocks`), imported
   lazily so the core does not depend on Pallas. `interpret=True` runs them in
@@ -74,6 +75,32 @@ def copy_slot_ranges(pages: KVPages,
   return KVPages(k=copy(pages.k), v=copy(pages.v))
 
 
+def _loop_move_pages(pages: KVPages, src: jax.Array, dst: jax.Array) -> KVPages:
+  """Whole-block moves as a loop of block-sized slice copies (the CPU path).
+
+  XLA's CPU scatter copies element by element; a `fori_loop` over the valid moves
+  (packed first, dynamic trip count) of one `dynamic_slice` +
+  `dynamic_update_slice` per block and per K/V copies `[L, H, 1, bs, D]` slabs
+  in place (pages donated) and costs about a third less
+  (`examples/bench_compaction.py`). Sources and destinations are disjoint, so
+  the sequential order does not matter.
+  """
+  live = (src >= 0) & (dst >= 0)
+  order = jnp.argsort(~live, stable=True)  # valid moves first
+  s, d = src[order], dst[order]
+  num = jnp.sum(live, dtype=jnp.int32)
+
+  def body(i, kv):
+    k, v = kv
+    bk = jax.lax.dynamic_slice_in_dim(k, s[i], 1, axis=2)
+    bv = jax.lax.dynamic_slice_in_dim(v, s[i], 1, axis=2)
+    return (jax.lax.dynamic_update_slice_in_dim(k, bk, d[i], axis=2),
+            jax.lax.dynamic_update_slice_in_dim(v, bv, d[i], axis=2))
+
+  k, v = jax.lax.fori_loop(0, num, body, (pages.k, pages.v))
+  return KVPages(k=k, v=v)
+
+
 def move_pages(pages: KVPages,
                src: jax.Array,  # i32[M], -1 = padding
                dst: jax.Array,  # i32[M], -1 = padding
@@ -97,6 +124,8 @@ def move_pages(pages: KVPages,
   src = jnp.asarray(src, jnp.int32)
   dst = jnp.asarray(dst, jnp.int32)
   if impl == "xla":
+    if jax.default_backend() == "cpu":
+      return _loop_move_pages(pages, src, dst)
     n = pages.k.shape[2]
     live = (src >= 0) & (dst >= 0)
     s = jnp.where(live, src, 0)

@@ -11,9 +11,10 @@
   cached-only blocks (held only by the prefix cache). `WatermarkQuota` lets live
   demand borrow from the cached quota above a high watermark and gives blocks
   back below a low one, at most `max_step` blocks per step.
-* Shrink/grow: `resize_pool` cuts off a free tail (after compaction) or appends
-  free blocks; `resized_config` is the config of the new size, with the same
-  base region.
+* Shrink/grow: `plan_shrink` plans (budgeted) moves that empty the tail above
+  a cut while serving; `resize_pool` cuts off a free tail or appends free
+  blocks; `resized_config` is the config of the new size, with the same base
+  region.
 """
 
 from __future__ import annotations
@@ -192,6 +193,35 @@ class WatermarkQuota:
 # ---------------------------------------------------------------------------
 # Shrink / grow.
 # ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("budget",))
+def plan_shrink(meta: BlockMeta, num_blocks: jax.Array | int, *,
+                budget: int) -> tuple[jax.Array, jax.Array]:
+  """Up to `budget` moves that empty the tail `[num_blocks, n)` for a shrink.
+
+  The highest live dynamic blocks at or above `num_blocks` move into the lowest
+  free dynamic blocks below it (a compaction toward low addresses that stops at
+  the cut). Repeated until it returns no move, then `resize_pool` to
+  `num_blocks` succeeds, unless the blocks below the cut cannot hold the live
+  ones (then the plan runs dry with live blocks left above the cut).
+
+  Returns:
+    `(src, dst)`: `i32[budget]` each, valid moves first, `-1` padding (the
+    format `compact_permute` takes).
+  """
+  n = meta.ref_count.shape[0]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  dyn = meta.region == REGION_DYNAMIC
+  above = (meta.ref_count > 0) & dyn & (idx >= num_blocks)
+  below = (meta.ref_count == 0) & dyn & (idx < num_blocks)
+  (rev,) = jnp.nonzero(above[::-1], size=n, fill_value=0)
+  (low,) = jnp.nonzero(below, size=n, fill_value=0)
+  k = jnp.arange(budget, dtype=jnp.int32)
+  kk = jnp.clip(k, 0, n - 1)
+  ok = (k < jnp.sum(above, dtype=jnp.int32)) & (k < jnp.sum(below, dtype=jnp.int32))
+  src = (n - 1 - rev[kk]).astype(jnp.int32)
+  return jnp.where(ok, src, -1), jnp.where(ok, low[kk].astype(jnp.int32), -1)
 
 
 def resized_config(config: PoolConfig, num_blocks: int) -> PoolConfig:

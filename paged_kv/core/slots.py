@@ -50,6 +50,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_kv.core.alloc import change_refs, grant_prefix, rebuild_free_list, take_blocks
 from paged_kv.core.config import PoolConfig
@@ -416,3 +417,63 @@ def reclaim_slots(state: PoolState, ext_block: jax.Array, ext_start: jax.Array,
   status = jnp.where(consistent, Status.OK, Status.INVALID_SEGMENT).astype(jnp.int32)
   return (dataclasses.replace(state, pages=pages, meta=meta),
           (status, jnp.where(consistent, before - after, 0)))
+
+
+def plan_consolidation(ref_count, slots, region, seg_block, seg_length, *, block_size: int,
+                       max_moves: int = 64):
+  """Which held segments to re-pack so that the sparsest slotted blocks free (host, numpy).
+
+  Packing fills holes only with new segments; a slotted block whose segments
+  left one by one keeps its remaining ones, and its free slots, until the last
+  one leaves. This picks the least occupied partly used dynamic blocks whose
+  every reference is among the given segments (no table row or unnamed holder
+  on them), as long as their live slots fit into the free slots of the partly
+  used blocks that stay, and returns those blocks' segments: `pack_slots` of
+  them (best fit into the fullest other block) frees the picked blocks.
+
+  Call it right after `reclaim_slots` (the slot bits are then exactly the slots
+  covered by live segments); `slots` taken before that overstate occupancy and
+  only make the plan more conservative.
+
+  Args:
+    ref_count: `i32[num_blocks]`; slots: `u32[num_blocks, words]`; region: `i8[num_blocks]`.
+    seg_block, seg_length: `i32[E]` the segments the caller may move (e.g. every
+      segment the prefix cache holds), one reference each.
+    block_size: tokens per block.
+    max_moves: most segments returned.
+
+  Returns:
+    `i64[K]` indices into the given segments, `K <= max_moves`, sparsest block first.
+  """
+  ref = np.asarray(ref_count)
+  words = np.asarray(slots).astype(np.uint64)
+  n = ref.shape[0]
+  i = np.arange(block_size)
+  occ = ((words[:, i // 32] >> (i % 32).astype(np.uint64)) & 1).sum(axis=1)
+  seg_block = np.asarray(seg_block, np.int64)
+  seg_length = np.asarray(seg_length, np.int64)
+  real = (seg_length > 0) & (seg_block >= 0) & (seg_block < n)
+  held = np.bincount(seg_block[real], minlength=n)[:n]
+  partial = (ref > 0) & (np.asarray(region) == REGION_DYNAMIC) & (occ > 0) & (occ < block_size)
+  movable = partial & (held == ref)
+  cand = np.flatnonzero(movable)
+  cand = cand[np.lexsort((-cand, occ[cand]))]  # sparsest first, then highest address
+  room = int((block_size - occ[partial]).sum())  # free slots in partly used blocks
+  need, picked, count = 0, [], 0
+  for b in cand:
+    nseg = int(held[b])
+    if count + nseg > max_moves:
+      break
+    free_here = block_size - int(occ[b])
+    if need + int(occ[b]) > room - free_here:
+      break
+    room -= free_here
+    need += int(occ[b])
+    picked.append(b)
+    count += nseg
+  if not picked:
+    return np.zeros(0, np.int64)
+  rank = np.full(n, -1, np.int64)
+  rank[np.asarray(picked)] = np.arange(len(picked))
+  idx = np.flatnonzero(real & (rank[np.clip(seg_block, 0, n - 1)] >= 0))
+  return idx[np.argsort(rank[seg_block[idx]], kind="stable")]

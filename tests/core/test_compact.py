@@ -149,7 +149,8 @@ class CompactStepTest(chex.TestCase):
 
   def test_policy(self):
     p = compact.CompactionPolicy()
-    self.assertEqual((p.threshold, p.budget), (0.35, 32))
+    self.assertEqual((p.threshold, p.budget), (0.35, None))
+    self.assertEqual(p.max_moves(), compact.LEGACY_MOVES)  # no bytes per block known
     self.assertTrue(p.should_compact(0.4))
     self.assertFalse(p.should_compact(0.3))
     self.assertTrue(p.should_compact(0.0, contiguous_failed=True))
@@ -157,6 +158,58 @@ class CompactStepTest(chex.TestCase):
       compact.CompactionPolicy(budget=0)
     with self.assertRaises(ValueError):
       compact.CompactionPolicy(threshold=1.5)
+
+
+class ByteBudgetTest(absltest.TestCase):
+  """The per-step budget is bytes (or a share of step time); moves are derived."""
+
+  def test_default_is_two_percent_of_a_step_at_h200_bandwidth(self):
+    p = compact.CompactionPolicy()
+    self.assertEqual(p.step_bytes, int(0.02 * 0.020 * 4.3e12 / 2))  # 860 MB per step
+    block = 2 * 32 * 8 * 16 * 128 * 2  # Llama-3-8B, 16 tokens, bf16: 2 MiB
+    self.assertEqual(p.max_moves(block), 860_000_000 // block)  # 410
+    self.assertAlmostEqual(p.step_time_share(p.max_moves(block), block), 0.02, delta=1e-4)
+
+  def test_bytes_budget_and_move_cap(self):
+    p = compact.CompactionPolicy(budget_bytes=10 * 4096)
+    self.assertEqual(p.max_moves(4096), 10)
+    self.assertEqual(p.max_moves(4095), 10)
+    self.assertEqual(p.max_moves(5000), 8)
+    self.assertEqual(p.max_moves(10**9), 1)  # at least one move, so compaction progresses
+    capped = compact.CompactionPolicy(budget_bytes=10 * 4096, budget=3)
+    self.assertEqual(capped.max_moves(4096), 3)
+    self.assertEqual(capped.max_moves(), 3)
+    timed = compact.CompactionPolicy(step_fraction=0.5, step_seconds=1e-3, copy_bandwidth=8e6)
+    self.assertEqual(timed.step_bytes, 2000)
+    self.assertEqual(timed.max_moves(100), 20)
+    self.assertAlmostEqual(timed.step_time_share(20, 100), 0.5)
+
+  def test_validation(self):
+    for kw in (dict(budget_bytes=0), dict(budget_bytes=1.5), dict(budget=True),
+               dict(step_fraction=0.0), dict(step_fraction=1.5), dict(step_seconds=0),
+               dict(copy_bandwidth=-1.0)):
+      with self.assertRaises(ValueError, msg=str(kw)):
+        compact.CompactionPolicy(**kw)
+    with self.assertRaises(ValueError):
+      compact.CompactionPolicy().max_moves(0)
+
+  def test_plan_width_follows_the_pool_block_bytes(self):
+    pool, model = _fragmented_pool()
+    bb = CONFIG.block_bytes
+    for strategy in compact.STRATEGIES:
+      p = compact.CompactionPolicy(threshold=0.0, budget_bytes=3 * bb, strategy=strategy)
+      src, dst = p.plan(pool.state.meta, config=CONFIG)
+      self.assertEqual(src.shape, (3,))
+      self.assertEqual(p.plan(pool.state.meta, block_bytes=bb // 2)[0].shape, (6,))
+      self.assertEqual(p.plan(pool.state.meta)[0].shape,  # capped at num_blocks // 2
+                       (min(compact.LEGACY_MOVES, CONFIG.num_blocks // 2),))
+      self.assertGreater(int((src >= 0).sum()), 0)
+    # compact_step derives the same width from the config.
+    p = compact.CompactionPolicy(threshold=0.0, budget_bytes=3 * bb, strategy="top_down")
+    pool.state, (_, moves) = compact.compact_step(pool.state, True, config=CONFIG, policy=p)
+    self.assertEqual(int(moves), 3)
+    model.check()
+    pool.check_invariants()
 
 
 class HostWrapperTest(absltest.TestCase):
@@ -167,6 +220,17 @@ class HostWrapperTest(absltest.TestCase):
     self.assertEqual(remap.shape, (CONFIG.num_blocks,))
     model.check()
     self.assertEqual(metrics.snapshot(pool.state, CONFIG).fragmentation_ratio, 0.0)
+
+  def test_block_pool_compact_with_a_byte_budget(self):
+    pool, model = _fragmented_pool()
+    policy = compact.CompactionPolicy(budget_bytes=2 * CONFIG.block_bytes, strategy="top_down")
+    before = np.asarray(pool.state.meta.ref_count).copy()
+    remap = pool.compact(policy=policy)
+    self.assertEqual(int((remap != np.arange(CONFIG.num_blocks)).sum()), 2)  # 2 blocks' worth
+    model.check()
+    pool.check_invariants()
+    after = np.asarray(pool.state.meta.ref_count)
+    self.assertEqual(int((before > 0).sum()), int((after > 0).sum()))
 
 
 if __name__ == "__main__":

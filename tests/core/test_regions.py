@@ -151,6 +151,34 @@ class ResizeTest(absltest.TestCase):
     model.append(sorted(model.kv), [5] * len(model.kv))
     model.check()
 
+  def test_shrink_while_serving(self):
+    """Budgeted plan_shrink moves between decode steps, then one cut; K/V intact."""
+    pool = paged_kv.BlockPool(CONFIG)
+    model = KVModel(pool)
+    seqs = [model.open() for _ in range(6)]
+    model.append(seqs, [8, 30, 9, 16, 3, 24])
+    model.release(seqs[::2])
+    live = sorted(model.kv)
+    used = int((np.asarray(pool.state.meta.ref_count) > 0).sum())
+    cut = NB + used + 4  # room for the appends below
+    for step in range(40):
+      model.append(live, [1] * len(live))  # serving goes on
+      src, dst = regions.plan_shrink(pool.state.meta, cut, budget=2)
+      src, dst = np.asarray(src), np.asarray(dst)
+      if not (src >= 0).any():
+        break
+      self.assertTrue(((src >= cut) | (src < 0)).all() and (dst < cut).all())
+      pool.move_blocks(src, dst)
+      model.check()
+    self.assertLess(step, 40)
+    self.assertFalse((np.asarray(pool.state.meta.ref_count)[cut:] > 0).any())
+    pool.resize(cut)
+    self.assertEqual(pool.config.num_blocks, cut)
+    model.check()
+    model.append(live, [3] * len(live))
+    model.check()
+    pool.check_invariants()
+
   def test_resized_config(self):
     for n in range(9, 200, 7):
       self.assertEqual(regions.resized_config(CONFIG, n).num_base_blocks, NB)

@@ -337,6 +337,71 @@ class ReclaimSlotsTest(chex.TestCase):
     pool.check_invariants(extra_segments=live + [tuple(int(v) for v in moved)])
 
 
+class ConsolidationTest(absltest.TestCase):
+  """`plan_consolidation` + `pack_slots` free the sparsest slotted blocks, data intact."""
+
+  def _sparse_pool(self):
+    cfg = paged_kv.PoolConfig(num_blocks=16, block_size=8, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=8, max_segments=8)
+    pool = paged_kv.BlockPool(cfg)
+    held = []
+    for wave in range(2):  # two waves of four short segments, each packed into slotted blocks
+      seqs = [pool.open_sequence() for _ in range(4)]
+      slots_ = pool.reserve_tokens(seqs, [3, 3, 2, 2])
+      kv = jnp.arange(slots_.size * 2, dtype=jnp.float32).reshape(slots_.shape + (1, 2))
+      kv = kv + 100 * wave
+      pool.write_kv(0, slots_, kv, -kv)
+      ext = [tuple(pool.segments(q)[0].tolist()) for q in seqs]
+      pool.apply_ref_deltas([e[0] for e in ext], [1] * len(ext))
+      pool.release(seqs)
+      packed = pool.pack_slots(extra_segments=ext).extra_segments
+      held += [tuple(int(v) for v in row) for row in packed]
+    # Drop most segments of every slotted block: each keeps one, mostly free slots.
+    by_block = {}
+    for seg in held:
+      by_block.setdefault(seg[0], []).append(seg)
+    keep = []
+    for blk, segs in by_block.items():
+      keep.append(segs[0])
+      for seg in segs[1:]:
+        pool.apply_ref_deltas([seg[0]], [-1])
+    pool.reclaim_slots(keep)
+    return pool, keep
+
+  def test_plan_frees_blocks_and_keeps_kv(self):
+    pool, keep = self._sparse_pool()
+    self.assertGreaterEqual(len({s[0] for s in keep}), 2)
+    before = {s: np.asarray(pool.state.pages.k)[0, 0, s[0], s[1]:s[1] + s[2]] for s in keep}
+    used0 = int((np.asarray(pool.state.meta.ref_count) > 0).sum())
+    meta = jax.tree.map(np.asarray, pool.state.meta)
+    arr = np.array(keep, np.int32)
+    idx = slots.plan_consolidation(meta.ref_count, meta.slots, meta.region, arr[:, 0], arr[:, 2],
+                                   block_size=pool.config.block_size)
+    self.assertGreater(idx.size, 0)
+    moved = pool.pack_slots(extra_segments=[keep[i] for i in idx]).extra_segments
+    new = list(keep)
+    for i, row in zip(idx, moved):
+      new[i] = tuple(int(v) for v in row)
+    pool.check_invariants(extra_segments=new)
+    used1 = int((np.asarray(pool.state.meta.ref_count) > 0).sum())
+    self.assertLess(used1, used0)
+    for old, seg in zip(keep, new):
+      np.testing.assert_array_equal(
+          np.asarray(pool.state.pages.k)[0, 0, seg[0], seg[1]:seg[1] + seg[2]], before[old])
+
+  def test_only_blocks_fully_held_by_the_caller_and_budget(self):
+    pool, keep = self._sparse_pool()
+    meta = jax.tree.map(np.asarray, pool.state.meta)
+    arr = np.array(keep, np.int32)
+    # Without naming the holders, nothing is movable.
+    idx = slots.plan_consolidation(meta.ref_count, meta.slots, meta.region, arr[:0, 0],
+                                   arr[:0, 2], block_size=pool.config.block_size)
+    self.assertEqual(idx.size, 0)
+    idx = slots.plan_consolidation(meta.ref_count, meta.slots, meta.region, arr[:, 0], arr[:, 2],
+                                   block_size=pool.config.block_size, max_moves=1)
+    self.assertLessEqual(idx.size, 1)
+
+
 _SCRUB_CONFIG = paged_kv.PoolConfig(num_blocks=8, block_size=8, num_layers=1, num_kv_heads=1,
                                     head_dim=2, max_seqs=4, max_segments=8,
                                     scrub_freed_blocks=True)

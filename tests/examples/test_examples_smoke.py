@@ -86,7 +86,8 @@ def test_replay_missing_default_trace_is_one_line(tmp_path, script):
 
 def test_fragmentation_study(tmp_path):
   out = _run("fragmentation_study.py", f"--out_dir={tmp_path}", "--steps=30", "--chat_steps=8",
-             "--num_blocks=256", "--timing_reps=2")
+             "--num_blocks=256", "--timing_reps=2", "--modes=segments,require",
+             "--policies=none,merge_every_step", "--chat_modes=flat,slotted+consolidate")
   assert "merge_every_step" in out and "compaction step of 32 moves" in out, out
 
 
