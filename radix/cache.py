@@ -54,11 +54,24 @@ unlocked, unpinned leaves (and parents that become leaves) by policy:
 * ``"cost"``: fewest hit tokens per stored token first (ties: LRU), so a long,
   rarely reused branch goes before a short, hot one.
 
+With ``granularity="block"`` (the default) a leaf's segments go tail first and the
+last leaf is trimmed (split at a segment boundary, no cut) to what the target needs,
+so freeing one block never drops a whole long leaf; ``"node"`` evicts whole leaves.
+
+Continuing a shared partial block: a match that ends at the end of a node's partial
+last segment ``(b, s, l)`` reports ``MatchResult.continuable``; a pool that copies
+that tail into a fresh block ``c`` and appends after it (``CachedPool.open`` does,
+with the pool's ``cow_split``) hands ``insert`` a sequence whose segment straddles the
+prefix the tree holds. ``insert`` then rebinds the node's last segment to the
+sequence's copy on ``c`` (-1 on ``b``, +1 on ``c``), so ``b``'s unused slots are not
+kept alive by the tree: no dead slots per turn of a conversation.
+
 Two-phase GC: ``gc_mark(ttl)`` marks nodes not touched for ``ttl`` (a later touch
 unmarks them); ``gc_evict`` evicts only marked nodes, in block-address order, and only
 as many as the pool asks for. How many blocks a set of decrefs frees is the pool's
-business; given the pool's host ``ref_count`` mirror, ``evict``/``gc_evict`` stop once
-their decrefs would free the requested number of blocks and report that estimate.
+business; given the pool's ``ref_count`` (a host mirror, or a lookup the cache asks for
+the blocks of the nodes it considers only), ``evict``/``gc_evict`` stop once their
+decrefs would free the requested number of blocks and report that count.
 
 Compaction: ``apply_remap(remap)`` with ``remap[old] = new`` rewrites every block id.
 
@@ -83,6 +96,7 @@ __all__ = [
     "CacheCounters",
     "EvictableReport",
     "Eviction",
+    "GRANULARITIES",
     "GcMark",
     "InsertOutcome",
     "InvalidSegmentsError",
@@ -97,6 +111,7 @@ __all__ = [
 ]
 
 POLICIES = ("lru", "cost")
+GRANULARITIES = ("block", "node")
 GC_ORDERS = ("high_first", "low_first")
 
 _EMPTY_SEGMENTS = np.zeros((0, 3), np.int32)
@@ -245,12 +260,17 @@ class MatchResult:
       matched or ``lock=False``.
     ref_deltas: tree reference changes; empty unless ``match(split=True)`` split
       the deepest node and cut a segment (+1 on its block).
+    continuable: the last segment ``(b, s, l)`` is partial (``s + l <
+      block_size``) and ends where the tree's segment on ``b`` ends (the match
+      did not stop inside a segment): the sequence may copy it to a fresh block
+      and append after it; ``insert`` then moves the tree's reference to the copy.
   """
 
   length: int
   segments: np.ndarray
   node: NodeId | None
   ref_deltas: RefDeltas
+  continuable: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +298,9 @@ class InsertOutcome:
       tree's own; the sequence's copies are not referenced by the tree).
     num_new_tokens: tokens the tree took references for.
     node: the new leaf, or None when nothing new was stored.
-    ref_deltas: tree increfs: +1 per new segment, +1 per segment cut by a split.
+    ref_deltas: tree increfs: +1 per new segment, +1 per segment cut by a split;
+      and when the sequence continued a copy of the held prefix's partial tail
+      (see the module docstring), +1 on the copy's block, -1 on the old one.
     pack: short segments of the new leaf to pack (empty unless ``pack_tails``).
   """
 
@@ -367,6 +389,10 @@ class PrefixCache:
     pack_tails: when True, ``insert`` names the new leaf's short segments to pack.
     clock: returns the current time (float, any monotone unit: TTLs use the same
       unit). Default ``time.monotonic``; simulators pass trace time.
+    granularity: what eviction takes. ``"block"`` (default): a leaf's segments go
+      tail first and the last leaf evicted is trimmed to what the target needs
+      (the LRU leaf loses its tail blocks, as a block-LRU would); ``"node"``:
+      whole leaves only.
   """
 
   def __init__(
@@ -376,7 +402,10 @@ class PrefixCache:
       policy: str = "lru",
       pack_tails: bool = False,
       clock: Callable[[], float] = time.monotonic,
+      granularity: str = "block",
   ):
+    if granularity not in GRANULARITIES:
+      raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if not isinstance(block_size, (int, np.integer)) or block_size < 1:
       raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if policy not in POLICIES:
@@ -386,13 +415,16 @@ class PrefixCache:
     self.pack_tails = bool(pack_tails)
     self._clock = clock
     self._pending_cuts: list[int] = []
+    self._rebound: list[int] = []
     self.tree = RadixTree(split_value=self._split_segments)
     self._num_segments = 0
     self._inserted_tokens = 0
     self._evicted_nodes = 0
     self._evicted_tokens = 0
     self._evictions = 0
-    self._scratch = np.zeros((0,), np.int64)
+    self._scratch = np.zeros((0,), np.int64)  # per block, zero between calls
+    self._known = np.zeros((0,), np.int64)  # per block, -1 between calls
+    self.granularity = granularity
 
   # ------------------------------------------------------------------ internals
   def _split_segments(self, segs: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray]:
@@ -446,9 +478,12 @@ class PrefixCache:
       return MatchResult(0, _EMPTY_SEGMENTS.copy(), None, RefDeltas.empty())
     parts = [self._node(i).value for i in m.path]
     last = self._node(m.path[-1])
+    inside = False
     if m.last_offset < last.num_tokens:
-      parts[-1] = _cut(parts[-1], m.last_offset)[0]
+      parts[-1], _, inside = _cut(parts[-1], m.last_offset)
     segments = np.concatenate(parts).astype(np.int32, copy=True)
+    tail = segments[-1]
+    continuable = not inside and int(tail[1]) + int(tail[2]) < self.block_size
     node = None
     deltas = RefDeltas.empty()
     if lock:
@@ -456,7 +491,7 @@ class PrefixCache:
       if split and m.last_offset < last.num_tokens:
         node, deltas = self.split(node, m.last_offset)
       self.tree.lock(node)
-    return MatchResult(m.length, segments, node, deltas)
+    return MatchResult(m.length, segments, node, deltas, continuable)
 
   def unlock(self, node: NodeId) -> None:
     """Releases a lock taken by ``match``.
@@ -511,11 +546,17 @@ class PrefixCache:
     num_new = 0
     if res.leaf is not None:
       leaf = self._node(res.leaf)
+      blocks.extend(self._adopt_continuation(leaf.parent, segs, res.prefix_len))
       num_new = leaf.num_tokens
       self._num_segments += leaf.value.shape[0]
       self._inserted_tokens += num_new
+      rebound = self._rebound
+      self._rebound = []
       deltas = RefDeltas.from_pairs(
-          np.concatenate([leaf.value[:, 0], np.asarray(blocks, np.int32)]), 1
+          np.concatenate([leaf.value[:, 0], np.asarray(blocks, np.int32),
+                          np.asarray(rebound, np.int32)]),
+          np.concatenate([np.ones(leaf.value.shape[0] + len(blocks), np.int64),
+                          -np.ones(len(rebound), np.int64)]),
       )
       if self.pack_tails:
         short = leaf.value[leaf.value[:, 2] < self.block_size]
@@ -530,6 +571,36 @@ class PrefixCache:
       if deepest is not None:
         self.tree.pin(deepest, now + pin_ttl)
     return InsertOutcome(res.prefix_len, num_new, res.leaf, deltas, pack)
+
+  def _adopt_continuation(self, node: Node | None, segs: np.ndarray, prefix_len: int) -> list:
+    """Moves ``node``'s partial last segment onto the sequence's copy; returns ref changes.
+
+    ``node`` ends at token ``prefix_len``, where the sequence's segment
+    ``(c, s, L)`` covering ``[t0, t0 + L)`` is cut (``t0 < prefix_len < t0 + L``):
+    the sequence continued after a copy of the node's tail. The node's last
+    segment ``(b, sb, lb)`` (``lb <= prefix_len - t0``, ``b != c``) becomes
+    ``(c, s + prefix_len - t0 - lb, lb)``, the same tokens. Returns ``[c]`` (an
+    incref) and records ``b`` in ``_rebound`` (a decref); ``[]`` when nothing moved.
+    """
+    if node is None or node.parent is None or prefix_len <= 0:
+      return []
+    ends = np.cumsum(segs[:, 2], dtype=np.int64)
+    i = int(np.searchsorted(ends, prefix_len, side="right"))
+    if i >= segs.shape[0]:
+      return []
+    t0 = int(ends[i - 1]) if i > 0 else 0
+    k = prefix_len - t0
+    if k <= 0:
+      return []  # the cut falls on a segment boundary: nothing straddles
+    c, s = int(segs[i, 0]), int(segs[i, 1])
+    b, sb, lb = (int(x) for x in node.value[-1])
+    if b == c or lb > k:
+      return []
+    value = node.value.copy()
+    value[-1] = (c, s + k - lb, lb)
+    node.value = value
+    self._rebound.append(b)
+    return [c]
 
   def split(self, node: NodeId, offset: int) -> tuple[NodeId, RefDeltas]:
     """Splits a node after ``offset`` tokens (any token, no KV copy).
@@ -644,14 +715,15 @@ class PrefixCache:
       self.tree.unpin(m.path[0])
 
   # ------------------------------------------------------------------ eviction
-  def _check_ref_count(self, ref_count: Any) -> np.ndarray:
+  def _check_ref_count(self, ref_count: Any) -> np.ndarray | Callable[[np.ndarray], np.ndarray]:
+    if callable(ref_count):
+      return ref_count
     rc = np.asarray(ref_count)
     if rc.ndim != 1 or not np.issubdtype(rc.dtype, np.integer):
       raise RefCountMismatchError(
-          f"ref_count must be a 1-D integer array, got " f"{rc.dtype}{rc.shape}"
+          f"ref_count must be a 1-D integer array or a lookup, got " f"{rc.dtype}{rc.shape}"
       )
-    if self._scratch.shape[0] < rc.shape[0]:
-      self._scratch = np.zeros((rc.shape[0],), np.int64)
+    self._grow(rc.shape[0])
     return rc
 
   def _select(
@@ -659,19 +731,56 @@ class PrefixCache:
       eligible: Callable[[Node], bool],
       key: Callable[[Node], tuple],
       num_blocks: int | None,
-      ref_count: np.ndarray | None,
+      ref_count: np.ndarray | Callable[[np.ndarray], np.ndarray] | None,
       num_tokens: int | None,
       countable: np.ndarray | None = None,
-  ) -> tuple[list[Node], int | None]:
-    """Picks leaves to evict (children first) without changing anything."""
+      granularity: str = "block",
+  ) -> tuple[list[tuple[Node, int]], int | None]:
+    """Picks what to evict without changing anything.
+
+    Returns ``(chosen, freed)``: ``chosen`` lists ``(node, first)`` in eviction order
+    (children before parents), ``first`` the index of the node's first evicted
+    segment (0: the whole node; > 0: only its tail segments ``[first:]`` go, the
+    node is trimmed). A node's segments are taken tail first, so with
+    ``granularity="block"`` the last node is trimmed to what the target needs.
+
+    ``ref_count`` is the pool's counts: an array, or a lookup ``f(block_ids) ->
+    counts`` called on few blocks at a time (prefetched in doubling batches), so a
+    caller never has to copy the whole array from a device.
+    """
     heap = [(key(n), n.node_id, n) for n in self.tree.leaves() if eligible(n)]
     heapq.heapify(heap)
     remaining: dict[int, int] = {}
-    chosen: list[Node] = []
+    chosen: list[tuple[Node, int]] = []
     tokens = 0
     freed = 0 if ref_count is not None else None
-    touched: list[np.ndarray] = []
-    scratch = self._scratch
+    trim = granularity == "block"
+    touched: list[np.ndarray] = []  # entries of _scratch / _known to reset
+    prefetch = 8
+
+    def counts(blocks: np.ndarray) -> np.ndarray:
+      nonlocal prefetch
+      if not callable(ref_count):
+        if int(blocks.max()) >= ref_count.shape[0]:
+          raise RefCountMismatchError(
+              f"tree references block {int(blocks.max())} but ref_count has "
+              f"{ref_count.shape[0]} entries")
+        return ref_count[blocks].astype(np.int64)
+      if (self._known[blocks] < 0).any():
+        # This node's blocks plus those of the next few candidates: one lookup.
+        ahead = [n.value[:, 0] for _, _, n in heapq.nsmallest(prefetch, heap)]
+        prefetch *= 2
+        ids = np.unique(np.concatenate([blocks] + ahead)).astype(np.int64)
+        self._grow(int(ids[-1]) + 1)
+        ids = ids[self._known[ids] < 0]
+        got = np.asarray(ref_count(ids)).reshape(-1)
+        if got.shape != ids.shape:
+          raise RefCountMismatchError(
+              f"ref_count lookup returned {got.shape[0]} counts for {ids.shape[0]} blocks")
+        self._known[ids] = got
+        touched.append(ids)
+      return self._known[blocks]
+
     try:
       while heap:
         if num_tokens is not None and tokens >= num_tokens:
@@ -679,28 +788,48 @@ class PrefixCache:
         if num_blocks is not None and freed is not None and freed >= num_blocks:
           break
         _, _, node = heapq.heappop(heap)
-        chosen.append(node)
-        tokens += node.num_tokens
+        rev = node.value[::-1]  # tail first
+        blocks = rev[:, 0].astype(np.int64)
+        self._grow(int(blocks.max()) + 1)
+        stop = np.zeros(blocks.shape, bool)
+        cum_tokens = tokens + np.cumsum(rev[:, 2], dtype=np.int64)
+        if num_tokens is not None:
+          stop |= cum_tokens >= num_tokens
         if ref_count is not None:
-          blocks = node.value[:, 0]
-          if blocks.size and int(blocks.max()) >= ref_count.shape[0]:
-            raise RefCountMismatchError(
-                f"tree references block {int(blocks.max())} but ref_count "
-                f"has {ref_count.shape[0]} entries"
-            )
-          u, c = np.unique(blocks, return_counts=True)
-          touched.append(u)
-          scratch[u] += c
-          left = ref_count[u].astype(np.int64) - scratch[u]
+          rc = counts(blocks)
+          if np.unique(blocks).shape[0] == blocks.shape[0]:
+            repeat = 0
+          else:  # a block held twice by this node: count its references in order
+            seen: dict[int, int] = {}
+            repeat = np.zeros(blocks.shape, np.int64)
+            for j, b in enumerate(blocks.tolist()):
+              repeat[j] = seen.get(b, 0)
+              seen[b] = repeat[j] + 1
+          left = rc - (self._scratch[blocks] + repeat + 1)
           if (left < 0).any():
-            b = int(u[np.argmax(left < 0)])
+            b = int(blocks[np.argmax(left < 0)])
             raise RefCountMismatchError(
-                f"ref_count[{b}]={int(ref_count[b])} is below the tree's " f"references on it"
-            )
+                f"ref_count[{b}]={int(rc[np.argmax(left < 0)])} is below the tree's "
+                f"references on it")
           now_free = left == 0
           if countable is not None:
-            now_free &= countable[u]
-          freed += int(np.count_nonzero(now_free))
+            now_free &= countable[blocks]
+          cum_freed = freed + np.cumsum(now_free, dtype=np.int64)
+          if num_blocks is not None:
+            stop |= cum_freed >= num_blocks
+        k = blocks.shape[0]
+        if trim and stop.any():
+          k = int(np.argmax(stop)) + 1
+        taken = blocks[:k]
+        np.add.at(self._scratch, taken, 1)
+        touched.append(taken)
+        tokens = int(cum_tokens[k - 1])
+        if ref_count is not None:
+          freed = int(cum_freed[k - 1])
+        first = blocks.shape[0] - k
+        chosen.append((node, first))
+        if first > 0:
+          break  # the node is trimmed: the target is met
         parent = node.parent
         if parent is not None and parent.parent is not None:
           pid = parent.node_id
@@ -709,18 +838,31 @@ class PrefixCache:
           if left_children == 0 and eligible(parent):
             heapq.heappush(heap, (key(parent), pid, parent))
     finally:
-      for u in touched:
-        scratch[u] = 0
+      for ids in touched:
+        self._scratch[ids] = 0
+        self._known[ids] = -1
     return chosen, freed
 
-  def _commit(self, chosen: list[Node], freed: int | None) -> Eviction:
+  def _grow(self, size: int) -> None:
+    """Makes the per-block scratch arrays cover block ids below ``size``."""
+    old = self._scratch.shape[0]
+    if old < size:
+      new = max(size, 2 * old)
+      self._scratch = np.concatenate([self._scratch, np.zeros(new - old, np.int64)])
+      self._known = np.concatenate([self._known, np.full(new - old, -1, np.int64)])
+
+  def _commit(self, chosen: list[tuple[Node, int]], freed: int | None) -> Eviction:
     blocks = []
     num_tokens = 0
     ids = []
-    for node in chosen:
+    for node, first in chosen:
+      if first > 0:  # trim: split off the tail segments (a segment boundary: no cut)
+        self._pending_cuts.clear()
+        self.tree.split(node.node_id, int(node.value[:first, 2].sum(dtype=np.int64)))
+        assert not self._pending_cuts
+      num_tokens += node.num_tokens
       segs = self.tree.remove_leaf(node.node_id)
       blocks.append(segs[:, 0])
-      num_tokens += node.num_tokens
       ids.append(node.node_id)
     all_blocks = np.concatenate(blocks) if blocks else _EMPTY_IDS
     self._num_segments -= int(all_blocks.shape[0])
@@ -741,7 +883,7 @@ class PrefixCache:
       return None
     mask = np.asarray(countable)
     if mask.dtype != np.bool_ or mask.ndim != 1 or (
-        ref_count is not None and mask.shape != ref_count.shape):
+        ref_count is not None and not callable(ref_count) and mask.shape != ref_count.shape):
       raise ValueError(f"countable must be a bool[num_blocks] mask like ref_count, got "
                        f"{mask.dtype}{mask.shape}")
     return mask
@@ -775,9 +917,13 @@ class PrefixCache:
 
     Args:
       num_blocks: stop once the decrefs would free this many blocks given
-        ``ref_count`` (int[num_blocks_in_pool], the pool's host mirror, unchanged).
-      ref_count: required with ``num_blocks``; optional with ``num_tokens`` (then
-        only used for the ``num_freed_blocks`` estimate).
+        ``ref_count``.
+      ref_count: the pool's reference counts, unchanged: an ``int[num_blocks]``
+        host mirror, or a lookup ``f(block_ids: int64[k]) -> int[k]`` that is
+        asked only for the blocks of the nodes considered (a few calls per
+        eviction, in doubling batches; e.g. one device gather each). Required
+        with ``num_blocks``; optional with ``num_tokens`` (then only used for the
+        ``num_freed_blocks`` estimate).
       num_tokens: alternatively, stop once this many tokens are evicted.
       policy: ``"lru"`` or ``"cost"``; default the cache's policy.
       countable: optional ``bool[num_blocks]``: only blocks marked True count
@@ -799,7 +945,7 @@ class PrefixCache:
     key = _lru_key if policy == "lru" else _cost_key
     chosen, freed = self._select(
         lambda n: n.lock_ref == 0 and not n.is_pinned(now), key, num_blocks, rc, num_tokens,
-        mask,
+        mask, self.granularity,
     )
     return self._commit(chosen, freed)
 
@@ -856,6 +1002,7 @@ class PrefixCache:
         rc,
         num_tokens,
         mask,
+        self.granularity,
     )
     return self._commit(chosen, freed)
 
@@ -882,9 +1029,13 @@ class PrefixCache:
     if ref_count is not None:
       rc = self._check_ref_count(ref_count)
       d = RefDeltas.from_pairs(np.concatenate(blocks) if blocks else _EMPTY_IDS, 1)
-      if d.block_ids.size and int(d.block_ids.max()) >= rc.shape[0]:
-        raise RefCountMismatchError("tree references a block beyond ref_count")
-      num_blocks = int(np.count_nonzero(rc[d.block_ids] == d.deltas))
+      if callable(rc):
+        held = np.asarray(rc(d.block_ids.astype(np.int64))).reshape(-1) if len(d) else _EMPTY_IDS
+      else:
+        if d.block_ids.size and int(d.block_ids.max()) >= rc.shape[0]:
+          raise RefCountMismatchError("tree references a block beyond ref_count")
+        held = rc[d.block_ids]
+      num_blocks = int(np.count_nonzero(held == d.deltas))
     return EvictableReport(
         nodes, tokens, segments, tokens * int(bytes_per_token), num_blocks, marked
     )

@@ -54,9 +54,8 @@ import jax
 import numpy as np
 
 from paged_kv.core import compact
-from paged_kv.core.errors import InvalidArgument, InvariantViolation, PagedKVError
+from paged_kv.core.errors import InvalidArgument, InvariantViolation, PagedKVError, PoolExhausted
 from paged_kv.core.segment_format import Segments, as_segments, take_tokens
-from paged_kv.core.state import REGION_DYNAMIC
 from paged_kv.pool import BlockPool
 from paged_kv.serving import persist
 from paged_kv.telemetry import metrics
@@ -65,6 +64,18 @@ from radix.cache import (CacheCounters, EvictableReport, Eviction, GcMark, Inser
 from radix.tree import HitStats, NodeId, RadixTree, StaleNodeError
 
 __all__ = ["CacheView", "CachedPool", "PoolStateLost", "state_lost"]
+
+_MIN_LOOKUP = 64  # smallest padded width of a ref_count lookup (power-of-two buckets)
+
+
+@jax.jit
+def _gather_ref_count(ref_count: jax.Array, ids: jax.Array) -> jax.Array:
+  """`i32[k]`: `ref_count[ids]` (`ids: i32[k]`, in range)."""
+  return ref_count[ids]
+
+
+def _bucket(x: int) -> int:
+  return max(_MIN_LOOKUP, 1 << max(int(x) - 1, 0).bit_length())
 
 
 class PoolStateLost(PagedKVError):
@@ -173,6 +184,12 @@ class CachedPool:
       built from `policy`, `pack_tails` and `clock`.
     policy, pack_tails, clock: of the new cache (see `radix.PrefixCache`); ignored
       when `cache` is given.
+    continue_tails: when a match ends at the end of a cached partial block
+      (`MatchResult.continuable`), `open` copies that tail into a fresh block
+      (`BlockPool.cow_split`), so the sequence appends after it in place and
+      `insert` moves the tree's reference onto the copy: the old block's unused
+      slots are not kept alive (no dead slots per turn). False: the sequence
+      continues in a fresh block and the shared block keeps its unused slots.
 
   Raises:
     InvalidArgument: the cache's block size differs from the pool's.
@@ -181,7 +198,7 @@ class CachedPool:
 
   def __init__(self, pool: BlockPool, cache: PrefixCache | None = None, *,
                policy: str = "lru", pack_tails: bool = False,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic, continue_tails: bool = True):
     if cache is None:
       cache = PrefixCache(block_size=pool.config.block_size, policy=policy,
                           pack_tails=pack_tails, clock=clock)
@@ -193,6 +210,10 @@ class CachedPool:
     self._pool = pool
     self._cache = cache
     self._view = CacheView(cache)
+    self.continue_tails = bool(continue_tails)
+    self._continuable: set[tuple[int, int, int]] = set()  # tails `match` found continuable
+    self._countable_key: tuple[int, int] | None = None
+    self._countable_mask = np.zeros((0,), bool)
 
   # ------------------------------------------------------------------ access
   @property
@@ -210,10 +231,37 @@ class CachedPool:
     return self._pool.config
 
   def _ref_count(self) -> np.ndarray:
+    """The whole `ref_count` on the host (recovery and reports only: a full copy)."""
     return np.asarray(self._pool.state.meta.ref_count)
 
+  def _lookup_ref_count(self, ids: np.ndarray) -> np.ndarray:
+    """`ref_count[ids]` read from the device: one gather, `k` entries transferred.
+
+    What eviction reads, instead of the whole array: the cache asks for the blocks
+    of the nodes it considers only. Widths are padded to powers of two (>= 64), so
+    few shapes compile.
+    """
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= self._pool.config.num_blocks):
+      raise InvariantViolation(f"the cache holds blocks outside [0, "
+                               f"{self._pool.config.num_blocks}): {ids.tolist()[:8]}")
+    padded = np.zeros(_bucket(ids.size), np.int32)
+    padded[:ids.size] = ids
+    out = jax.device_get(_gather_ref_count(self._pool.state.meta.ref_count, padded))
+    return np.asarray(out[:ids.size], np.int64)
+
   def _dynamic(self) -> np.ndarray:
-    return np.asarray(self._pool.state.meta.region) == REGION_DYNAMIC
+    """`bool[num_blocks]`: the dynamic region, host side (no device read).
+
+    Regions are fixed by block id (`[0, num_base_blocks)` is the base pool; moves
+    and resizes keep it), so the mask is rebuilt only when the config changes.
+    """
+    c = self._pool.config
+    key = (c.num_blocks, c.num_base_blocks)
+    if key != self._countable_key:
+      self._countable_mask = np.arange(c.num_blocks) >= c.num_base_blocks
+      self._countable_key = key
+    return self._countable_mask
 
   def _apply(self, deltas: RefDeltas) -> None:
     if len(deltas):
@@ -233,6 +281,10 @@ class CachedPool:
     """
     m = self._cache.match(namespace, tokens, lock=lock, record=record, split=lock)
     self._apply(m.ref_deltas)
+    if m.continuable and self.continue_tails:
+      if len(self._continuable) > 4 * self._pool.config.max_seqs:
+        self._continuable.clear()  # stale entries only cost a skipped copy
+      self._continuable.add(tuple(int(x) for x in m.segments[-1]))
     return m
 
   def unlock(self, node: NodeId) -> None:
@@ -248,11 +300,25 @@ class CachedPool:
         reference); None or empty: an empty sequence.
       seq_id: the row; default the lowest free one.
 
+    With `continue_tails`, when the last segment is a tail `match` reported
+    continuable, it is copied into a fresh block (`BlockPool.cow_split`) so the
+    sequence's next tokens go in place after it; with no free block for the copy
+    the sequence simply continues in a fresh block later.
+
     Raises:
       InvalidSegmentLayout, InvalidBlock, InvalidSegment, PoolExhausted,
       InvalidSequence: as `BlockPool.open_sequence`; nothing changes.
     """
-    return self._pool.open_sequence(segments, seq_id=seq_id)
+    seq = self._pool.open_sequence(segments, seq_id=seq_id)
+    if self._continuable and segments is not None and len(segments):
+      tail = tuple(int(x) for x in np.asarray(segments)[-1])
+      if tail in self._continuable:
+        self._continuable.discard(tail)
+        try:
+          self._pool.cow_split([seq])
+        except PoolExhausted:
+          pass  # no block for the copy: continue in a fresh block (atomic: unchanged)
+    return seq
 
   def release(self, seq_ids: Sequence[int]) -> None:
     """Ends live sequences (their table references go; the tree's stay)."""
@@ -309,8 +375,11 @@ class CachedPool:
             policy: str | None = None) -> Eviction:
     """Evicts unlocked, unpinned leaves until `num_blocks` blocks free (or `num_tokens` go).
 
-    The pool's `ref_count` is read here; the decrefs are applied, so the blocks
-    whose last reference was the tree's are free when this returns.
+    The pool's `ref_count` is read here for the blocks of the nodes considered only
+    (a few device gathers of bucketed width, never the whole array); the decrefs
+    are applied, so the blocks whose last reference was the tree's are free when
+    this returns. Leaves go tail first at block granularity (see
+    `radix.PrefixCache`'s `granularity`).
 
     Only dynamic-region blocks count toward `num_blocks`: a freed base-region
     (promoted) block never becomes a free block for new sequences.
@@ -320,7 +389,7 @@ class CachedPool:
       when nothing else is evictable.
     """
     ev = self._cache.evict(num_blocks=num_blocks, num_tokens=num_tokens, policy=policy,
-                           ref_count=self._ref_count(), countable=self._dynamic())
+                           ref_count=self._lookup_ref_count, countable=self._dynamic())
     self._apply(ev.ref_deltas)
     return ev
 
@@ -339,7 +408,7 @@ class CachedPool:
                order: str = "high_first") -> Eviction:
     """GC phase 2 (see `PrefixCache.gc_evict`), decrefs applied."""
     ev = self._cache.gc_evict(num_blocks=num_blocks, num_tokens=num_tokens, order=order,
-                              ref_count=self._ref_count(), countable=self._dynamic())
+                              ref_count=self._lookup_ref_count, countable=self._dynamic())
     self._apply(ev.ref_deltas)
     return ev
 
@@ -347,7 +416,7 @@ class CachedPool:
     """What eviction could reclaim now, in tokens, bytes and blocks."""
     c = self._pool.config
     return self._cache.evictable(bytes_per_token=c.block_bytes // c.block_size,
-                                 ref_count=self._ref_count())
+                                 ref_count=self._lookup_ref_count)
 
   # ------------------------------------------------------------------ block moves
   def move_blocks(self, src, dst, *, impl: str = "xla") -> np.ndarray:
@@ -369,7 +438,7 @@ class CachedPool:
       remap = self._pool.compact(budget=budget, impl=impl)
       self._cache.apply_remap(remap)
       return remap
-    src, dst = policy.plan(self._pool.state.meta)
+    src, dst = policy.plan(self._pool.state.meta, config=self._pool.config)
     return self.move_blocks(src, dst, impl=impl)
 
   def promote(self, min_readers: int, max_moves: int = 8) -> np.ndarray:
@@ -395,14 +464,14 @@ class CachedPool:
       PoolExhausted: nowhere to pack now; nothing changed.
       InvariantViolation: the cache's and the pool's reference moves disagree.
     """
-    region = np.asarray(self._pool.state.meta.region)
+    dynamic = self._dynamic()
     live: list[PackCandidate] = []
     for cand in candidates:
       try:
         held = self._cache.node_segments(cand.node)
       except StaleNodeError:
         continue
-      if (region[cand.segment[0]] == REGION_DYNAMIC
+      if (dynamic[cand.segment[0]]
           and (held == np.asarray(cand.segment, np.int32)).all(axis=1).any()):
         live.append(cand)
     if not live:

@@ -42,6 +42,7 @@ __all__ = [
     "replay_sim",
     "routed_requests",
     "serve_request",
+    "serve_tokens",
 ]
 
 Progress = Callable[[Iterable], Iterable]
@@ -59,6 +60,12 @@ class ReplayConfig:
     insert_output: also cache each request's output tokens (unique ids).
     namespace: cache namespace of every request.
     label: a name for reports.
+    continue_tails: a match ending at the end of a cached partial block copies
+      that tail into the request's first fresh block and continues after it (as
+      ``CachedPool.open`` does with ``cow_split``); the cache then moves its
+      reference onto the copy, so the old block's unused slots are freed.
+    granularity: the cache's eviction granularity (``"block"``: a leaf's tail
+      blocks first; ``"node"``: whole leaves).
   """
 
   capacity_tokens: int
@@ -67,6 +74,8 @@ class ReplayConfig:
   insert_output: bool = False
   namespace: Hashable = "default"
   label: str = ""
+  continue_tails: bool = True
+  granularity: str = "block"
 
   def __post_init__(self):
     if self.capacity_tokens < 0:
@@ -131,7 +140,8 @@ class SimState:
     cap = config.capacity_tokens
     self.pool = HostBlockPool(cap // config.block_size if cap else None, config.block_size)
     self.cache = PrefixCache(
-        block_size=config.block_size, policy=config.policy, clock=lambda: self.now
+        block_size=config.block_size, policy=config.policy, clock=lambda: self.now,
+        granularity=config.granularity,
     )
     self.tokens = TokenSource(requests)
 
@@ -165,39 +175,77 @@ def serve_request(sim: SimState, request: TraceRequest, result: ReplayResult) ->
   counted in ``result.rejected`` and changes nothing else.
   """
   sim.now = request.arrival_s
-  ns = sim.config.namespace
   prompt = sim.tokens.prompt(request)
-  result.num_requests += 1
-  result.prompt_tokens += request.input_length
-
-  t0 = time.perf_counter()
-  m = sim.cache.match(ns, prompt)
-  result.match_s.append(time.perf_counter() - t0)
-  sim.pool.change_refs(m.segments[:, 0], 1)  # open_sequence: the sequence's refs
-
   tokens = prompt
-  num_new = request.input_length - m.length
   if sim.config.insert_output:
     tokens = np.concatenate([prompt, sim.tokens.unique(request.output_length)])
-    num_new += request.output_length
-  ok = sim.make_room(-(-num_new // sim.pool.block_size), result)
-  fresh = sim.pool.fresh_segments(num_new) if ok else None
+  serve_tokens(sim, prompt, tokens, result)
+
+
+def serve_tokens(sim: SimState, prompt: np.ndarray, tokens: np.ndarray, result: ReplayResult,
+                 timings: dict[str, list[float]] | None = None) -> bool:
+  """One request given its token ids: match ``prompt``, compute the rest of ``tokens``.
+
+  ``tokens`` starts with ``prompt`` (the prompt, or the prompt and its output);
+  everything after the matched prefix gets fresh blocks (evicting as needed), then
+  ``tokens`` go into the cache and the sequence is released. Returns False (and
+  counts ``result.rejected``) when it cannot fit even with an empty cache.
+
+  Args:
+    timings: when given, appends the wall time of each step under ``"match"``,
+      ``"open"``, ``"reserve"`` (eviction and allocation), ``"insert"`` and
+      ``"release"``.
+  """
+  clock = time.perf_counter
+  ns = sim.config.namespace
+  result.num_requests += 1
+  result.prompt_tokens += int(prompt.shape[0])
+
+  t0 = clock()
+  m = sim.cache.match(ns, prompt)
+  t1 = clock()
+  result.match_s.append(t1 - t0)
+  sim.pool.change_refs(m.segments[:, 0], 1)  # open_sequence: the sequence's refs
+  t2 = clock()
+
+  num_new = int(tokens.shape[0]) - m.length
+  bs = sim.pool.block_size
+  shared = m.segments
+  fresh = None
+  if sim.config.continue_tails and m.continuable and num_new > 0:
+    # Copy the partial tail (b, s, l) into a fresh block and continue after it.
+    tail = int(m.segments[-1, 2])
+    if sim.make_room(-(-(num_new + tail) // bs), result):
+      fresh = sim.pool.fresh_segments(num_new + tail)
+    if fresh is not None:
+      sim.pool.change_refs(m.segments[-1:, 0], -1)  # the copy replaces the shared tail
+      shared = m.segments[:-1]
+  if fresh is None:
+    ok = sim.make_room(-(-num_new // bs), result)
+    fresh = sim.pool.fresh_segments(num_new) if ok else None
   if fresh is None:  # cannot fit even with an empty cache
     result.rejected += 1
     sim.pool.change_refs(m.segments[:, 0], -1)
     if m.node is not None:
       sim.cache.unlock(m.node)
-    return
+    return False
   result.hit_tokens += m.length
-  segments = np.concatenate([m.segments, fresh])
+  segments = np.concatenate([shared, fresh])
+  t3 = clock()
 
-  t0 = time.perf_counter()
   out = sim.cache.insert(ns, tokens, segments)
-  result.insert_s.append(time.perf_counter() - t0)
   sim.pool.change_refs(out.ref_deltas.block_ids, out.ref_deltas.deltas)
+  t4 = clock()
+  result.insert_s.append(t4 - t3)
   if m.node is not None:
     sim.cache.unlock(m.node)
   sim.pool.change_refs(segments[:, 0], -1)  # release the sequence
+  if timings is not None:
+    t5 = clock()
+    for name, dt in (("match", t1 - t0), ("open", t2 - t1), ("reserve", t3 - t2),
+                     ("insert", t4 - t3), ("release", t5 - t4)):
+      timings.setdefault(name, []).append(dt)
+  return True
 
 
 def replay_sim(

@@ -223,10 +223,15 @@ class PrefixCacheTest(parameterized.TestCase):
     segs = self.pool.tables[seq]  # 4 + 4 + 1, block of tokens 5..8 straddles 6
     out = self.cache.insert("ns", tokens, segs)
     self.assertEqual((out.prefix_len, out.num_new_tokens), (6, 3))
-    # Tree takes (b1, 2, 2) and (b2, 0, 1): one ref each; none on b0.
-    np.testing.assert_array_equal(out.ref_deltas.block_ids, [segs[1, 0], segs[2, 0]])
-    np.testing.assert_array_equal(out.ref_deltas.deltas, [1, 1])
+    # Tree takes (b1, 2, 2) and (b2, 0, 1): one ref each; none on b0. The sequence's
+    # block b1 straddles the held prefix, so the node's partial tail (old block,
+    # tokens 5..6) moves onto it: (b1, 0, 2), +1 on b1, -1 on the old block.
+    old_tail = 1  # _fill's blocks: 0 (tokens 1..4), 1 (tokens 5..6)
+    self.assertEqual(
+        dict(zip(out.ref_deltas.block_ids.tolist(), out.ref_deltas.deltas.tolist())),
+        {int(segs[1, 0]): 2, int(segs[2, 0]): 1, old_tail: -1})
     self.pool.apply_tree_deltas(out.ref_deltas)
+    self.assertEqual(self.pool.ref_count[old_tail], 0)  # the partial block is free
     self.pool.release(seq)
     self.pool.check(self.cache)
     m = self.cache.match("ns", tokens, lock=False)
@@ -306,9 +311,87 @@ class PrefixCacheTest(parameterized.TestCase):
     self.assertEqual(ev.nodes, (ids["b"],))
     self.assertEqual((ev.num_freed_blocks, ev.num_tokens, ev.num_segments), (2, 8, 2))
     ev = self._evict(num_blocks=3)
+    # c whole, then a's tail block only: a's head (block granularity) stays cached.
     self.assertEqual(ev.nodes, (ids["c"], ids["a"]))
+    self.assertEqual((ev.num_freed_blocks, ev.num_tokens), (3, 12))
+    self.assertEqual(self.pool.num_free, 63)
+    self.assertEqual(self.cache.match("ns", [100] * 8, lock=False).length, 4)
+    self.assertEqual(self._evict(num_blocks=1).num_tokens, 4)
     self.assertEqual(self.pool.num_free, 64)
     self.assertEqual(self._evict(num_blocks=1).nodes, ())
+
+  def test_block_granularity_trims_the_lru_leaf_from_its_tail(self):
+    self.clock.now = 0.0
+    _fill(self.pool, self.cache, "ns", list(range(1, 17)))  # one leaf, 4 blocks
+    self.clock.now = 1.0
+    _fill(self.pool, self.cache, "ns", [50, 51, 52, 53])  # more recent
+    ev = self._evict(num_blocks=1)
+    self.assertEqual((ev.num_freed_blocks, ev.num_tokens, ev.num_segments), (1, 4, 1))
+    self.assertEqual(self.cache.match("ns", list(range(1, 17)), lock=False).length, 12)
+    self.assertEqual(self.cache.match("ns", [50, 51, 52, 53], lock=False).length, 4)
+    ev = self._evict(num_tokens=5)  # whole segments, tail first: 8 tokens go
+    self.assertEqual(ev.num_tokens, 8)
+    self.assertEqual(self.cache.match("ns", list(range(1, 17)), lock=False).length, 4)
+    # "node": the whole LRU leaf goes for one block.
+    pool, cache = SimPool(64, 4), PrefixCache(block_size=4, clock=self.clock,
+                                              granularity="node")
+    _fill(pool, cache, "ns", list(range(1, 17)))
+    ev = cache.evict(num_blocks=1, ref_count=pool.ref_count)
+    pool.apply_tree_deltas(ev.ref_deltas)
+    self.assertEqual((ev.num_freed_blocks, ev.num_tokens), (4, 16))
+    pool.check(cache)
+    with self.assertRaises(ValueError):
+      PrefixCache(block_size=4, granularity="token")
+
+  def test_eviction_asks_a_ref_count_lookup_for_few_blocks(self):
+    ids = self._three_leaves()  # a, b, c: two blocks each, LRU order a, b, c
+    rng = np.random.default_rng(0)
+    for _ in range(20):  # other cached entries the eviction never needs
+      _fill(self.pool, self.cache, "other", [int(x) for x in rng.integers(0, 9, 8)])
+    asked = []
+
+    def lookup(block_ids):
+      asked.append(np.asarray(block_ids).copy())
+      return self.pool.ref_count[block_ids]
+
+    b_segments = self.cache.match("ns", [101] * 8, lock=False, record=False).segments
+    seq = self.pool.open_sequence(b_segments)  # b's blocks are read by a sequence
+    ev = self.cache.evict(num_blocks=3, ref_count=lookup)  # a (2), b (0), c's tail (1)
+    self.pool.apply_tree_deltas(ev.ref_deltas)
+    self.assertEqual(ev.nodes, (ids["a"], ids["b"], ids["c"]))
+    self.assertEqual(ev.num_freed_blocks, 3)
+    self.assertLessEqual(len(asked), 2)
+    self.assertLess(sum(a.size for a in asked), np.count_nonzero(self.pool.ref_count) + 6)
+    self.pool.release(seq)
+    self.pool.check(self.cache)
+    with self.assertRaises(RefCountMismatchError):
+      self.cache.evict(num_blocks=1, ref_count=lambda b: np.zeros(0, np.int64))
+
+  def test_continuing_a_shared_partial_tail_moves_the_tree_reference(self):
+    _fill(self.pool, self.cache, "ns", [1, 2, 3, 4, 5, 6])  # blocks 0: 1..4, 1: 5..6
+    self.assertFalse(self.cache.match("ns", [1, 2, 3], lock=False).continuable)  # mid-segment
+    self.assertFalse(self.cache.match("ns", [1, 2, 3, 4], lock=False).continuable)  # full block
+    m = self.cache.match("ns", [1, 2, 3, 4, 5, 6, 7])
+    self.assertTrue(m.continuable)
+    np.testing.assert_array_equal(m.segments[-1], [1, 0, 2])
+    # The pool copies the tail (5, 6) into a fresh block and appends 7, 8 after it.
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    seq = self.pool.open_sequence(m.segments[:-1])
+    self.pool.append(seq, kv_of("ns", tokens)[4:])
+    copy = int(self.pool.tables[seq][-1, 0])
+    out = self.cache.insert("ns", tokens, self.pool.tables[seq])
+    self.assertEqual(
+        dict(zip(out.ref_deltas.block_ids.tolist(), out.ref_deltas.deltas.tolist())),
+        {copy: 2, 1: -1})
+    self.pool.apply_tree_deltas(out.ref_deltas)
+    self.cache.unlock(m.node)
+    self.pool.release(seq)
+    self.pool.check(self.cache)
+    self.assertEqual(self.pool.ref_count[1], 0)  # the old partial block is free
+    self.assertEqual(np.count_nonzero(self.pool.ref_count), 2)  # 8 tokens, 2 blocks
+    m = self.cache.match("ns", tokens, lock=False)
+    np.testing.assert_array_equal(self.pool.read(m.segments), kv_of("ns", tokens))
+    self.assertFalse(m.continuable)
 
   def test_cost_policy_evicts_fewest_hits_per_token_first(self):
     ids = self._three_leaves()
@@ -373,6 +456,7 @@ class PrefixCacheTest(parameterized.TestCase):
       self.cache.pin("ns", system, ttl=-1.0)
 
   def test_two_phase_gc(self):
+    self.cache.granularity = "node"  # whole marked nodes (block granularity: below)
     ids = self._three_leaves()  # a @0, b @1, c @2; blocks a: 0-1, b: 2-3, c: 4-5
     self.clock.now = 10.0
     self.cache.match("ns", [102] * 8, lock=False)  # c touched at 10

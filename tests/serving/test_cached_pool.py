@@ -171,12 +171,59 @@ class CachedPoolTest(parameterized.TestCase):
     for i in range(3):
       serve(self.cp, "a", [i] * 8)
     free = self.pool.num_free_blocks
-    ev = self.cp.evict(num_blocks=3)  # whole nodes of two blocks each: two nodes go
-    self.assertEqual(ev.num_freed_blocks, 4)
-    self.assertEqual(self.pool.num_free_blocks - free, 4)
+    ev = self.cp.evict(num_blocks=3)  # nodes of two blocks: one whole, one's tail block
+    self.assertEqual(ev.num_freed_blocks, 3)
+    self.assertEqual(self.pool.num_free_blocks - free, 3)
     self.cp.check_invariants()
     self.assertTrue(self.cp.ensure_free(CONFIG.num_blocks))
     self.assertEqual(self.cp.cache.num_tokens, 0)
+
+  def test_a_turn_continues_the_shared_partial_block(self):
+    turn1 = [1, 2, 3, 4, 5, 6]  # blocks: 4 + a partial 2
+    serve(self.cp, "a", turn1)
+    m, _ = serve(self.cp, "a", turn1 + [7, 8])  # matches all of turn 1, ends mid-block
+    self.assertTrue(m.continuable)
+    self.cp.check_invariants()
+    # 8 tokens in 2 blocks: the tail was copied and continued, the old block freed.
+    self.assertEqual(CONFIG.num_blocks - self.pool.num_free_blocks, 2)
+    self.probe_kv("a", turn1 + [7, 8])
+    self.probe_kv("a", turn1)
+    # Without continuation the shared partial block keeps its 2 unused slots alive.
+    pool = paged_kv.BlockPool(CONFIG)
+    cp = CachedPool(pool, clock=lambda: self.now, continue_tails=False)
+    serve(cp, "a", turn1)
+    serve(cp, "a", turn1 + [7, 8])
+    cp.check_invariants()
+    self.assertEqual(CONFIG.num_blocks - pool.num_free_blocks, 3)
+
+  def test_continuation_without_a_free_block_for_the_copy(self):
+    turn1 = [1, 2, 3, 4, 5, 6]
+    serve(self.cp, "a", turn1)
+    held = self.pool.allocate(self.pool.num_free_blocks)  # nothing left for the copy
+    m = self.cp.match("a", turn1 + [7])
+    seq = self.cp.open(m.segments)  # the copy is skipped; the sequence opens as is
+    np.testing.assert_array_equal(self.pool.segments(seq), m.segments)
+    self.cp.release([seq])
+    self.cp.unlock(m.node)
+    self.pool.apply_ref_deltas(held, -np.ones_like(held))
+    self.cp.check_invariants()
+
+  def test_evict_reads_only_the_blocks_it_considers(self):
+    for i in range(5):
+      serve(self.cp, "a", [i] * 8)  # two blocks each
+    self.cp._ref_count = None  # no full copy of ref_count on this path
+    asked = []
+    lookup = self.cp._lookup_ref_count
+    self.cp._lookup_ref_count = lambda ids: (asked.append(len(ids)), lookup(ids))[1]
+    free = self.pool.num_free_blocks
+    ev = self.cp.evict(num_blocks=3)
+    self.assertEqual((ev.num_freed_blocks, self.pool.num_free_blocks - free), (3, 3))
+    self.assertLessEqual(len(asked), 1)
+    self.assertLess(sum(asked), CONFIG.num_blocks)
+    region = np.asarray(self.pool.state.meta.region)  # the host mask agrees with the pool
+    np.testing.assert_array_equal(self.cp._dynamic(), region == 0)
+    del self.cp._ref_count, self.cp._lookup_ref_count
+    self.cp.check_invariants()
 
   @parameterized.parameters("top_down", "merge", None)
   def test_compaction_remaps_the_cache(self, strategy):
