@@ -403,7 +403,7 @@ class Scheduler:
     self._monitor = metrics.AlertMonitor()
     self._on_snapshot = on_snapshot
     self.on_step = on_step
-    self._now = clock()  # the clock at the step's start, then after its forward pass
+    self._now = 0.0  # the clock at the step's start, then after its forward pass
     self.last_stats: metrics.StepStats | None = None  # the latest cheap pool figures
     self._reset_step_record()
     self._step = 0
@@ -934,7 +934,9 @@ class Scheduler:
     if not policy.should_compact(ratio):
       return
     t0 = time.perf_counter()
-    src, dst = policy.plan(self.pool.state.meta)
+    # The policy's byte budget (a share of a step's time at the copy bandwidth), in
+    # moves of this pool's blocks.
+    src, dst = policy.plan(self.pool.state.meta, config=self.pool.config)
     num_moves = int(np.sum(src >= 0))
     if num_moves == 0:
       return

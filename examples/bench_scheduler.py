@@ -1,0 +1,131 @@
+"""Host time of a scheduler step against pool size and batch, telemetry on and off.
+
+A steady decode load through `Scheduler` + `DryExecutor` (slots reserved, no model
+math): `--batch` sequences always running (a finished one is replaced by a new
+request sharing a system prompt with the others, so admission, prefix matching,
+cache insertion, release and eviction all run in the timed steps), on pools of
+`--pools` blocks. Per configuration it reports the median and p90 wall time of
+`step()` over `--steps` steps after a warm-up, and the part spent inside the
+executor's jitted reserve (the rest is the scheduler's host logic).
+
+Telemetry modes, measured in the same run on the same workload:
+  * `off`: `stats_every=0, snapshot_every=0` (the bare step);
+  * `stats`: the cheap `metrics.StepStats` every step (one jitted reduction, four
+    scalars to the host) and the full snapshot every 100 steps (the default);
+  * `full`: the full host `PoolSnapshot` every step (the old default).
+
+On CPU the "device" is this CPU, so the jitted reserve and reduction run here too;
+on a GPU they are asynchronous device work and the host part is what remains.
+
+Usage:
+  .venv/bin/python examples/bench_scheduler.py                      # all pools, batch 32,256
+  .venv/bin/python examples/bench_scheduler.py --pools=4096,65536 --batch=32 --steps=100
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+from absl import app, flags
+
+import paged_kv
+from paged_kv.serving.executor import DryExecutor
+from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+
+_POOLS = flags.DEFINE_list("pools", ["4096", "65536", "262144", "1048576"],
+                           "Pool sizes in blocks.")
+_BATCH = flags.DEFINE_list("batch", ["32", "256"], "Running sequences per step.")
+_MODES = flags.DEFINE_list("modes", ["off", "stats", "full"], "Telemetry modes.")
+_STEPS = flags.DEFINE_integer("steps", 200, "Timed steps per configuration.")
+_WARMUP = flags.DEFINE_integer("warmup", 60, "Untimed steps first (compilation).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per configuration (median of medians).")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+
+MODES = {
+    "off": dict(stats_every=0, snapshot_every=0),
+    "stats": dict(stats_every=1, snapshot_every=100),
+    "full": dict(stats_every=1, snapshot_every=1),
+}
+
+
+class TimedExecutor(DryExecutor):
+  """`DryExecutor` that accumulates the seconds spent in its `step` (results ready)."""
+
+  def __init__(self, config):
+    super().__init__(config)
+    self.seconds = 0.0
+
+  def step(self, state, plan):
+    t0 = time.perf_counter()
+    state, nxt, status = super().step(state, plan)
+    status = np.asarray(status)  # the scheduler reads it at once anyway
+    self.seconds += time.perf_counter() - t0
+    return state, nxt, status
+
+
+def _run(num_blocks: int, batch: int, mode: str, seed: int) -> tuple[float, float, float]:
+  """(median step ms, p90 step ms, median executor ms) of one configuration."""
+  bs = _BLOCK_SIZE.value
+  config = paged_kv.PoolConfig(num_blocks=num_blocks, block_size=bs, num_layers=1,
+                               num_kv_heads=1, head_dim=2, dtype="bfloat16",
+                               max_seqs=batch, max_segments=64)
+  pool = paged_kv.BlockPool(config)
+  executor = TimedExecutor(config)
+  sched = Scheduler(pool, executor, SchedulerConfig(
+      max_batch=batch, prefill_token_budget=8 * bs * 4, prefill_chunk=bs * 4,
+      compaction=None, output_reserve_ratio=0.0, **MODES[mode]))
+  rng = np.random.default_rng(seed)
+  system = rng.integers(0, 50_000, 4 * bs)
+  count = [0]
+
+  def top_up(s: Scheduler) -> None:
+    while len(s.running) + len(s.waiting) < batch:
+      prompt = np.concatenate([system, rng.integers(0, 50_000, int(rng.integers(1, 3 * bs)))])
+      s.submit(Request(count[0], prompt, int(rng.integers(16, 128))))
+      count[0] += 1
+
+  for _ in range(_WARMUP.value):
+    top_up(sched)
+    sched.step()
+  times, exec_times = [], []
+  for _ in range(_STEPS.value):
+    top_up(sched)
+    executor.seconds = 0.0
+    t0 = time.perf_counter()
+    sched.step()
+    times.append(time.perf_counter() - t0)
+    exec_times.append(executor.seconds)
+  sched.check_invariants()
+  return (1e3 * statistics.median(times), 1e3 * float(np.percentile(times, 90)),
+          1e3 * statistics.median(exec_times))
+
+
+def main(argv):
+  del argv
+  rows = []
+  for batch in map(int, _BATCH.value):
+    for num_blocks in map(int, _POOLS.value):
+      for mode in _MODES.value:
+        runs = [_run(num_blocks, batch, mode, _SEED.value + r) for r in range(_REPEATS.value)]
+        med, p90, ex = (statistics.median(x) for x in zip(*runs))
+        rows.append((batch, num_blocks, mode, med, p90, ex, med - ex))
+        print(f"batch {batch:4d} pool {num_blocks:8d} {mode:5s}: step {med:7.3f} ms "
+              f"(p90 {p90:7.3f}), executor {ex:7.3f} ms", flush=True)
+  print("\nHost time per scheduler step (ms; median of "
+        f"{_REPEATS.value} runs x {_STEPS.value} steps; DryExecutor)")
+  print(f"{'batch':>5} {'blocks':>8} {'mode':>5} {'step':>8} {'p90':>8} {'executor':>8} "
+        f"{'host':>8} {'vs smallest pool':>16} {'vs off':>7}")
+  base = {}
+  for batch, n, mode, med, p90, ex, host in rows:
+    base.setdefault((batch, mode), med)
+    off = next(r[3] for r in rows if r[:2] == (batch, n) and r[2] == "off") \
+        if any(r[:3] == (batch, n, "off") for r in rows) else float("nan")
+    print(f"{batch:5d} {n:8d} {mode:>5} {med:8.3f} {p90:8.3f} {ex:8.3f} {host:8.3f} "
+          f"{med / base[(batch, mode)]:15.2f}x {med / off:6.2f}x")
+
+
+if __name__ == "__main__":
+  app.run(main)
