@@ -102,15 +102,16 @@ def _ref_run(free: np.ndarray, num: int, fit: str):
 class AllocateTest(chex.TestCase, parameterized.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.product(contiguous=("prefer", "require", "never"), fit=("first", "best"))
+  @parameterized.parameters(("prefer", "first"), ("prefer", "best"), ("require", "first"),
+                            ("require", "best"), ("never", "first"))  # never ignores fit
   def test_matches_reference(self, contiguous, fit):
     config = paged_kv.PoolConfig(num_blocks=96, block_size=4, num_layers=1, num_kv_heads=1,
                                  head_dim=2, max_seqs=4, max_segments=4)
     rng = np.random.default_rng(7)
     fn = self.variant(functools.partial(alloc.allocate.__wrapped__, config=config, max_blocks=8,
                                         contiguous=contiguous, fit=fit))
-    for trial in range(6):
-      free = rng.random(96) < (0.3 + 0.1 * trial)
+    for trial in range(3):
+      free = rng.random(96) < (0.3 + 0.2 * trial)
       state = paged_kv.init_pool(config)
       ref = jnp.asarray((~free).astype(np.int32))
       bits, counts = build_free_index(jnp.asarray(free))

@@ -47,10 +47,10 @@ class QuotaTest(absltest.TestCase):
 
   def test_live_quota_holds_admission_yet_everything_finishes(self):
     reqs = _requests(0, 40)
-    sched = _run(CacheGovernance(live_fraction=0.3, max_step=2), reqs)
+    sched = _run(CacheGovernance(live_fraction=0.3, max_step=2), reqs, check_every=3)
     self.assertEqual(sched.stats.finished, 40)
     self.assertGreater(sched.stats.quota_holds, 0)
-    plain = _run(None, _requests(0, 40))
+    plain = _run(None, _requests(0, 40), check_every=10)
     self.assertEqual(plain.stats.quota_holds, 0)
     # Held requests waited: more of them were delayed than without the quota.
     delayed = lambda s: sum(r.admit_step > r.submit_step for r in s.finished)
