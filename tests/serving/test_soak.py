@@ -18,7 +18,7 @@ ref count 0, no active row, cache empty, invariants hold, no K/V left in any blo
 
 Scale: `PAGED_KV_SOAK_SECONDS=S` replays the trace (again and again, with new request
 ids) until S seconds have passed, then drains; the default (CI) replays the first
-`PAGED_KV_SOAK_REQUESTS` (default 60) requests once; `PAGED_KV_SOAK_TRACE=path`
+`PAGED_KV_SOAK_REQUESTS` (default 40) requests once; `PAGED_KV_SOAK_TRACE=path`
 reads another Mooncake-format trace. The test skips with a reason
 when the trace is not there (a clone without `../shared`).
 """
@@ -43,7 +43,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 TRACE = os.environ.get("PAGED_KV_SOAK_TRACE") or os.path.normpath(
     os.path.join(_REPO, "..", "shared", "traces", "conversation_trace.jsonl"))
 _SECONDS = float(os.environ.get("PAGED_KV_SOAK_SECONDS", "0") or 0)
-_REQUESTS = int(os.environ.get("PAGED_KV_SOAK_REQUESTS", "0") or 0) or 60
+_REQUESTS = int(os.environ.get("PAGED_KV_SOAK_REQUESTS", "0") or 0) or 40
 TOKEN_SCALE = 32
 BLOCK_SIZE = 16
 CHECK_EVERY = 25
