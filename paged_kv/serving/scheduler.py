@@ -67,6 +67,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import math
 import time
 from typing import Callable, Hashable, NamedTuple, Sequence
 
@@ -90,6 +91,8 @@ from radix.tree import check_namespace
 
 PREEMPTION_MODES = ("recompute", "swap")
 RECLAIM_EVERY = 8  # steps between reclaims of dead slots, when packing tails
+MAX_STATS_INTERVAL = 64  # `stats_budget`: the figures at least every this many steps
+STATS_COST_SMOOTHING = 0.2  # `stats_budget`: weight of the newest sample in the averages
 _I32 = np.iinfo(np.int32)
 
 
@@ -229,9 +232,16 @@ class SchedulerConfig:
     stats_every: take the cheap `metrics.StepStats` every this many steps (0:
       never). They are the pool at the start of the step: the reduction is
       dispatched first and read at the step's end, so the device computes it
-      while the host schedules (the governance quota reads it at once). Compaction's trigger reads
-      the latest ones (up to `stats_every` steps old; with 0 it computes the
-      ratio itself).
+      while the host schedules (the governance quota reads it at once).
+      Compaction's trigger reads the latest ones (up to `stats_every` steps
+      old, or the budgeted interval; with 0 it computes the ratio itself).
+    stats_budget: None (default): the figures every `stats_every` steps. A
+      share of the step's host time (e.g. 0.02): the scheduler measures what
+      the figures cost the host (dispatch and read, a moving average) against
+      the rest of the step and takes them every `k >= stats_every` steps, the
+      smallest `k` that keeps their average cost within the share (at most
+      every `MAX_STATS_INTERVAL` steps). On a GPU that is every step; on a CPU,
+      where the reduction runs on the host, small batches stretch it.
     snapshot_every: take the full host `metrics.PoolSnapshot` (every block
       copied to the host) every this many steps (0: never); also on demand,
       `Scheduler.take_snapshot()`.
@@ -253,6 +263,7 @@ class SchedulerConfig:
   watermark_blocks: int = 0
   stop_token: int = -1
   stats_every: int = 1
+  stats_budget: float | None = None
   snapshot_every: int = 100
   governance: CacheGovernance | None = None
 
@@ -265,6 +276,11 @@ class SchedulerConfig:
       value = getattr(self, name)
       if not _is_int(value) or value < low:
         raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
+    if self.stats_budget is not None and not (
+        isinstance(self.stats_budget, (int, float)) and not isinstance(self.stats_budget, bool)
+        and 0.0 < self.stats_budget <= 1.0):
+      raise InvalidArgument(f"stats_budget must be None or a share in (0, 1], "
+                            f"got {self.stats_budget!r}")
     if not 0.0 <= self.output_reserve_ratio <= 1.0:
       raise ValueError(f"output_reserve_ratio must be in [0, 1], got {self.output_reserve_ratio}")
     if self.governance is not None and not isinstance(self.governance, CacheGovernance):
@@ -440,6 +456,12 @@ class Scheduler:
     # The cheap pool figures of the latest step's start (`take_stats()`: now).
     self.last_stats: metrics.StepStats | None = None
     self._pending_stats: metrics.PendingStepStats | None = None  # dispatched this step
+    # `stats_budget` pacing: moving averages of the figures' and the rest of a
+    # step's host seconds, and the interval they give (1 until measured).
+    self._stats_cost: float | None = None
+    self._rest_cost = 0.0
+    self._next_stats_step = 0
+    self.stats_interval = max(1, config.stats_every)
     self._reset_step_record()
     self._step = 0
     self._last_reclaim = -RECLAIM_EVERY
@@ -543,10 +565,12 @@ class Scheduler:
     t0 = time.perf_counter()
     self._reset_step_record()
     self._now = self.clock()
-    every = self.config.stats_every
-    # Dispatched now, read at the end of the step: no host wait (see `stats_every`).
-    self._pending_stats = (metrics.step_stats_async(self.pool.state, self.pool.config)
-                           if every and self._step % every == 0 else None)
+    stats_seconds = 0.0
+    self._pending_stats = None
+    if self._takes_stats():
+      # Dispatched now, read at the end of the step: no host wait (see `stats_every`).
+      self._pending_stats = metrics.step_stats_async(self.pool.state, self.pool.config)
+      stats_seconds = time.perf_counter() - t0
     self._govern()
     self._admit()
     if not self.running and (self.waiting or self.swapped):
@@ -566,8 +590,11 @@ class Scheduler:
     self.stats.max_running = max(self.stats.max_running, len(self.running))
     pool_stats = snap = None
     if self._pending_stats is not None:
+      t1 = time.perf_counter()
       pool_stats = self.last_stats = self._pending_stats.result(counters=self.counters)
       self._pending_stats = None
+      stats_seconds += time.perf_counter() - t1
+      self._pace_stats(step_id, stats_seconds, time.perf_counter() - t0 - stats_seconds)
       self._observe_alerts(pool_stats)
     every = self.config.snapshot_every
     if every and step_id % every == 0:
@@ -580,6 +607,30 @@ class Scheduler:
           num_swapped=len(self.swapped), finished=tuple(self._finished_now),
           first_token_latencies=tuple(self._ttft_now),
           inter_token_latencies=tuple(self._itl_now), alerts=tuple(self._alerts_now)))
+
+  def _takes_stats(self) -> bool:
+    every = self.config.stats_every
+    if not every:
+      return False
+    if self.config.stats_budget is None:
+      return self._step % every == 0
+    return self._step >= self._next_stats_step
+
+  def _pace_stats(self, step_id: int, stats_seconds: float, rest_seconds: float) -> None:
+    """With `stats_budget`: the next step to take the figures at (moving averages)."""
+    budget = self.config.stats_budget
+    if budget is None:
+      return
+    a = STATS_COST_SMOOTHING
+    if self._stats_cost is None:
+      self._stats_cost, self._rest_cost = stats_seconds, rest_seconds
+    else:
+      self._stats_cost += a * (stats_seconds - self._stats_cost)
+      self._rest_cost += a * (rest_seconds - self._rest_cost)
+    want = self._stats_cost / max(budget * self._rest_cost, 1e-9)
+    k = min(MAX_STATS_INTERVAL, max(self.config.stats_every, math.ceil(want)))
+    self.stats_interval = k
+    self._next_stats_step = step_id + k
 
   # ------------------------------------------------------------------ exception safety
   @property

@@ -8,6 +8,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import paged_kv
+from paged_kv.serving import scheduler as scheduler_mod
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig, StepReport
 from paged_kv.telemetry import metrics
@@ -130,6 +131,25 @@ class StepReportTest(absltest.TestCase):
     self.assertLen(sched.snapshots, len(with_snap))
     self.assertTrue(all(rep.pool is None for rep in reports))
     self.assertIsInstance(sched.take_snapshot(), metrics.PoolSnapshot)
+
+  def test_stats_budget_paces_the_figures(self):
+    # A budget no reduction can meet: the figures on the first step, then every
+    # MAX_STATS_INTERVAL steps.
+    sched, _, reports = self._run(SchedulerConfig(max_batch=4, compaction=None,
+                                                  stats_budget=1e-9), n=30)
+    interval = scheduler_mod.MAX_STATS_INTERVAL
+    self.assertEqual(sched.stats_interval, interval)
+    self.assertGreater(len(reports), 2)
+    self.assertEqual([r.step for r in reports if r.pool is not None],
+                     list(range(0, len(reports), interval)))
+    # The whole step as budget: the figures cost less than the rest of a step here.
+    sched, _, reports = self._run(SchedulerConfig(max_batch=4, compaction=None,
+                                                  stats_budget=1.0, stats_every=2))
+    self.assertIsNotNone(reports[0].pool)
+    self.assertGreaterEqual(sched.stats_interval, 2)
+    for bad in (0.0, -0.1, 1.5, True, "0.02"):
+      with self.assertRaises(paged_kv.InvalidArgument):
+        SchedulerConfig(stats_budget=bad)
 
   def test_alerts_fire_in_the_step_they_cross(self):
     # A tiny pool that live sequences fill: KV usage crosses 0.95 and the alert
