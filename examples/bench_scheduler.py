@@ -12,7 +12,14 @@ Telemetry modes, measured in the same run on the same workload:
   * `off`: `stats_every=0, snapshot_every=0` (the bare step);
   * `stats`: the cheap `metrics.StepStats` every step (one jitted reduction, four
     scalars to the host) and the full snapshot every 100 steps (the default);
+  * `budget`: the cheap figures paced by `stats_budget=0.02` (every step where they
+    cost at most 2% of the rest of the step, else every k steps);
   * `full`: the full host `PoolSnapshot` every step (the old default).
+
+The `stats ms` column is the host time the cheap figures take per step, timed
+directly (the dispatch of `metrics.step_stats_async` and `PendingStepStats.result`,
+wrapped in this run), so it does not depend on two noisy runs agreeing; `vs off`
+compares against the `off` run of the same configuration.
 
 On CPU the "device" is this CPU, so the jitted reserve and reduction run here too;
 on a GPU they are asynchronous device work and the host part is what remains.
@@ -33,11 +40,12 @@ from absl import app, flags
 import paged_kv
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.telemetry import metrics
 
 _POOLS = flags.DEFINE_list("pools", ["4096", "65536", "262144", "1048576"],
                            "Pool sizes in blocks.")
 _BATCH = flags.DEFINE_list("batch", ["32", "256"], "Running sequences per step.")
-_MODES = flags.DEFINE_list("modes", ["off", "stats", "full"], "Telemetry modes.")
+_MODES = flags.DEFINE_list("modes", ["off", "stats", "budget", "full"], "Telemetry modes.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Timed steps per configuration.")
 _WARMUP = flags.DEFINE_integer("warmup", 60, "Untimed steps first (compilation).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per configuration (median of medians).")
@@ -47,8 +55,40 @@ _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
 MODES = {
     "off": dict(stats_every=0, snapshot_every=0),
     "stats": dict(stats_every=1, snapshot_every=100),
+    "budget": dict(stats_every=1, stats_budget=0.02, snapshot_every=100),
     "full": dict(stats_every=1, snapshot_every=1),
 }
+
+
+class _StatsTimer:
+  """Accumulates the host seconds of the cheap figures' dispatch and read."""
+
+  def __init__(self):
+    self.seconds = 0.0
+    self._dispatch, self._result = metrics.step_stats_async, metrics.PendingStepStats.result
+
+  def __enter__(self):
+    timer = self
+
+    def dispatch(*args, **kwargs):
+      t0 = time.perf_counter()
+      try:
+        return timer._dispatch(*args, **kwargs)
+      finally:
+        timer.seconds += time.perf_counter() - t0
+
+    def result(pending, **kwargs):
+      t0 = time.perf_counter()
+      try:
+        return timer._result(pending, **kwargs)
+      finally:
+        timer.seconds += time.perf_counter() - t0
+
+    metrics.step_stats_async, metrics.PendingStepStats.result = dispatch, result
+    return self
+
+  def __exit__(self, *exc):
+    metrics.step_stats_async, metrics.PendingStepStats.result = self._dispatch, self._result
 
 
 class TimedExecutor(DryExecutor):
@@ -66,8 +106,10 @@ class TimedExecutor(DryExecutor):
     return state, nxt, status
 
 
-def _run(num_blocks: int, batch: int, mode: str, seed: int) -> tuple[float, float, float]:
-  """(median step ms, p90 step ms, median executor ms) of one configuration."""
+def _run(num_blocks: int, batch: int, mode: str, seed: int
+         ) -> tuple[float, float, float, float, int]:
+  """(median step ms, p90 step ms, median executor ms, mean cheap-stats ms per step,
+  the figures' final interval in steps) of one configuration."""
   bs = _BLOCK_SIZE.value
   config = paged_kv.PoolConfig(num_blocks=num_blocks, block_size=bs, num_layers=1,
                                num_kv_heads=1, head_dim=2, dtype="bfloat16",
@@ -91,16 +133,18 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int) -> tuple[float, floa
     top_up(sched)
     sched.step()
   times, exec_times = [], []
-  for _ in range(_STEPS.value):
-    top_up(sched)
-    executor.seconds = 0.0
-    t0 = time.perf_counter()
-    sched.step()
-    times.append(time.perf_counter() - t0)
-    exec_times.append(executor.seconds)
+  with _StatsTimer() as timer:
+    for _ in range(_STEPS.value):
+      top_up(sched)
+      executor.seconds = 0.0
+      t0 = time.perf_counter()
+      sched.step()
+      times.append(time.perf_counter() - t0)
+      exec_times.append(executor.seconds)
   sched.check_invariants()
   return (1e3 * statistics.median(times), 1e3 * float(np.percentile(times, 90)),
-          1e3 * statistics.median(exec_times))
+          1e3 * statistics.median(exec_times), 1e3 * timer.seconds / _STEPS.value,
+          sched.stats_interval if mode != "off" else 0)
 
 
 def main(argv):
@@ -110,21 +154,26 @@ def main(argv):
     for num_blocks in map(int, _POOLS.value):
       for mode in _MODES.value:
         runs = [_run(num_blocks, batch, mode, _SEED.value + r) for r in range(_REPEATS.value)]
-        med, p90, ex = (statistics.median(x) for x in zip(*runs))
-        rows.append((batch, num_blocks, mode, med, p90, ex, med - ex))
-        print(f"batch {batch:4d} pool {num_blocks:8d} {mode:5s}: step {med:7.3f} ms "
-              f"(p90 {p90:7.3f}), executor {ex:7.3f} ms", flush=True)
+        med, p90, ex, tel, every = (statistics.median(x) for x in zip(*runs))
+        rows.append((batch, num_blocks, mode, med, p90, ex, med - ex, tel, every))
+        print(f"batch {batch:4d} pool {num_blocks:8d} {mode:6s}: step {med:7.3f} ms "
+              f"(p90 {p90:7.3f}), executor {ex:7.3f} ms, stats {tel:6.3f} ms", flush=True)
   print("\nHost time per scheduler step (ms; median of "
-        f"{_REPEATS.value} runs x {_STEPS.value} steps; DryExecutor)")
-  print(f"{'batch':>5} {'blocks':>8} {'mode':>5} {'step':>8} {'p90':>8} {'executor':>8} "
-        f"{'host':>8} {'vs smallest pool':>16} {'vs off':>7}")
+        f"{_REPEATS.value} runs x {_STEPS.value} steps; DryExecutor). 'stats': the cheap "
+        "figures' host ms per step (timed directly), 'share': of the rest of the step, "
+        "'every': their interval in steps at the end")
+  print(f"{'batch':>5} {'blocks':>8} {'mode':>6} {'step':>8} {'p90':>8} {'executor':>8} "
+        f"{'host':>8} {'stats':>7} {'share':>6} {'every':>5} {'vs smallest pool':>16} "
+        f"{'vs off':>7}")
   base = {}
-  for batch, n, mode, med, p90, ex, host in rows:
+  for batch, n, mode, med, p90, ex, host, tel, every in rows:
     base.setdefault((batch, mode), med)
     off = next(r[3] for r in rows if r[:2] == (batch, n) and r[2] == "off") \
         if any(r[:3] == (batch, n, "off") for r in rows) else float("nan")
-    print(f"{batch:5d} {n:8d} {mode:>5} {med:8.3f} {p90:8.3f} {ex:8.3f} {host:8.3f} "
-          f"{med / base[(batch, mode)]:15.2f}x {med / off:6.2f}x")
+    share = 100 * tel / max(med - tel, 1e-9)
+    print(f"{batch:5d} {n:8d} {mode:>6} {med:8.3f} {p90:8.3f} {ex:8.3f} {host:8.3f} "
+          f"{tel:7.3f} {share:5.1f}% {every:5.0f} {med / base[(batch, mode)]:15.2f}x "
+          f"{med / off:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +26,12 @@ from paged_kv.core.invariants import check_invariants
 from paged_kv.core.segment_format import Segments, as_segments, empty_segments
 from paged_kv.core.state import PoolState, SegmentTable, init_pool
 
+_segments = segments  # (for methods whose `segments` argument shadows the module)
 
-def _bucket(x: int) -> int:
-  """Smallest power of two >= max(x, 1)."""
-  return 1 << max(int(x) - 1, 0).bit_length()
+
+def _bucket(x: int, low: int = 1) -> int:
+  """Smallest power of two >= max(x, low, 1)."""
+  return 1 << max(int(x) - 1, int(low) - 1, 0).bit_length()
 
 
 def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
@@ -173,12 +177,25 @@ class BlockPool:
   def segments(self, seq_id: int) -> Segments:
     """`i32[n, 3]` `(block, start, length)` rows of one live sequence, in token order.
 
-    The row is read at its fixed shape (one jitted gather, one device->host
-    transfer) and sliced on the host, so no segment count compiles anything new.
+    One row of `segments_many`.
     """
-    self._check_ids(_as_int_array(seq_id, "seq_id"), active=True)
-    rows, ns = jax.device_get(_table_row(self.state.table, np.int32(seq_id)))
-    return np.ascontiguousarray(rows[:int(ns)])
+    return self.segments_many([seq_id])[0]
+
+  def segments_many(self, seq_ids) -> list[Segments]:
+    """The `segments` of several live sequences (distinct rows), in one read.
+
+    The rows are read at their fixed width (one jitted gather over a batch
+    padded to a power of two >= 4, one device->host transfer) and sliced on the
+    host, so no segment count compiles anything new.
+    """
+    ids = _as_int_array(seq_ids, "seq_ids")
+    self._check_ids(ids, active=True)
+    if ids.size == 0:
+      return []
+    blk, start, length, ns = jax.device_get(_table_rows(self.state.table,
+                                                        _pad(ids, _bucket(ids.size, 4), 0)))
+    rows = np.stack([blk, start, length], axis=-1)
+    return [np.ascontiguousarray(rows[i, :int(ns[i])]) for i in range(ids.size)]
 
   def gather_kv(self, seq_id: int) -> tuple[jax.Array, jax.Array]:
     """Logical `k, v: [num_layers, num_kv_heads, seq_len, head_dim]` of one sequence."""
@@ -205,6 +222,8 @@ class BlockPool:
                     seq_id: int | None = None) -> int:
     """Activates a row (the lowest free one unless `seq_id` is given).
 
+    One row of `open_sequences` (same checks, same errors).
+
     Args:
       segments: `i32[n, 3]` `(block, start, length)` rows of a shared prefix (e.g. a
         `PrefixCache.match`'s `segments`), each gaining a reference; they must lie
@@ -221,64 +240,99 @@ class BlockPool:
       PoolExhausted: no free row, or more than `max_segments` segments.
       InvalidSequence: `seq_id` out of range or active.
     """
-    segs = empty_segments() if segments is None else as_segments(segments)
-    active = np.asarray(self.state.table.active)
-    if seq_id is None:
-      free = np.nonzero(~active)[0]
-      if free.size == 0:
-        raise PoolExhausted(f"all {self.config.max_seqs} sequence rows are in use",
+    rows = self.open_sequences([segments], None if seq_id is None else [seq_id])
+    return int(rows[0])
+
+  def open_sequences(self, segments: Sequence[Segments | None],
+                     seq_ids=None) -> np.ndarray:
+    """Activates one row per entry of `segments`, in one atomic device call.
+
+    Args:
+      segments: per new row, `i32[n, 3]` `(block, start, length)` rows of a shared
+        prefix (each gaining a reference), or None / empty for an empty sequence.
+      seq_ids: the rows to open (`int[B]`, distinct, inactive); default the `B`
+        lowest free rows, in order.
+
+    Returns:
+      `i64[B]` the rows, in the order of `segments`.
+
+    Raises:
+      The errors of `open_sequence`, for the first row that fails; nothing is
+      opened then (atomic). Batch dims are padded to powers of two (rows >= 4,
+      segments >= 4), so few shapes compile.
+    """
+    segs = [empty_segments() if s is None else as_segments(s) for s in segments]
+    k = len(segs)
+    if seq_ids is None:
+      active = np.asarray(self.state.table.active)
+      free = np.flatnonzero(~active)
+      if free.size < k:
+        raise PoolExhausted(f"all {self.config.max_seqs} sequence rows are in use"
+                            if free.size == 0 else
+                            f"{k} rows wanted, {free.size} of {self.config.max_seqs} free",
                             reason="no_free_row")
-      seq_id = int(free[0])
-    self._check_ids(_as_int_array(seq_id, "seq_id"), active=False)
-    blk, start, length = segs[:, 0], segs[:, 1], segs[:, 2]
-    p = len(blk)
+      ids = free[:k].astype(np.int64)
+    else:
+      ids = _as_int_array(seq_ids, "seq_ids")
+      if ids.size != k:
+        raise InvalidArgument(f"{ids.size} seq_ids for {k} rows of segments")
+      self._check_ids(ids, active=False)
+    if k == 0:
+      return ids
+    nums = np.array([len(x) for x in segs], np.int64)
+    p = int(nums.max())
     if p > self.config.max_segments:
       raise PoolExhausted(f"{p} segments > max_segments {self.config.max_segments}",
                           reason="table_full")
-    if p and (blk.min() < 0 or blk.max() >= self.config.num_blocks):
-      raise InvalidBlock(f"segment blocks {blk.tolist()} outside [0, {self.config.num_blocks})")
+    flat = np.concatenate(segs) if p else np.zeros((0, 3), np.int32)
+    if p and (flat[:, 0].min() < 0 or flat[:, 0].max() >= self.config.num_blocks):
+      raise InvalidBlock(f"segment blocks {flat[:, 0].tolist()} outside "
+                         f"[0, {self.config.num_blocks})")
+    b, w = _bucket(k, 4), _bucket(p, 4)
+    grid = np.zeros((3, b, w), np.int32)
     if p:
-      self._check_not_dead(segs)
-    width = _bucket(p)
-    row = lambda a: _pad(a[None].astype(np.int32), 1, 0) if a.size else np.zeros((1, 0), np.int32)
-    pad2 = lambda a: np.pad(row(a), ((0, 0), (0, width - p)))
-    state, status = segments_open(self.state, seq_id, pad2(blk), pad2(start), pad2(length), p,
-                                  self.config)
-    self.state = state
+      rows = np.repeat(np.arange(k), nums)
+      cols = np.arange(flat.shape[0]) - np.repeat(np.cumsum(nums) - nums, nums)
+      grid[:, rows, cols] = flat.T
+    args = (_pad(ids, b, -1), grid[0], grid[1], grid[2], _pad(nums, b, 0))
+    self.state, (status, suspect) = _segments.open_checked(self.state, *args,
+                                                          config=self.config, check_dead=True)
+    status = np.asarray(status)[:k]
+    if (status == Status.INVALID_SEGMENT).any():
+      suspect = np.asarray(suspect)[:k]
+      if suspect.any():  # segments only the tables hold: do they lie on dead slots?
+        r, c = np.nonzero(suspect)
+        self._check_not_dead(grid[:, r, c].T, rows=r)
+        self.state, (status, _) = _segments.open_checked(self.state, *args, config=self.config,
+                                                        check_dead=False)
+        status = np.asarray(status)[:k]
     raise_for_status(status, "open_sequence")
-    return seq_id
+    return ids
 
-  def _check_not_dead(self, segs: np.ndarray) -> None:
+  def _check_not_dead(self, segs: np.ndarray, rows: np.ndarray) -> None:
     """Refuses segments on dead slots: handed out, but no live holder's any more.
 
     On a block only the tables reference (`ref_count` equals its live table
     segments), a slot no table segment covers is dead: its K/V was left by a
     released or moved segment, and `reclaim_slots` may hand it to another
     sequence. A segment there would read stale data that can be overwritten, so
-    it is refused (`InvalidSegment`). On a block held outside the tables too (a
-    prefix cache's) the outside holder vouches for its segments. O(batch): the
-    given blocks' counts are gathered, the tables read on the host.
+    it is refused (`InvalidSegment`). `segs` are the segments `open_checked`
+    flagged (on such blocks; `rows` their entries): only they are checked here,
+    against the tables read on the host (a path the scheduler never takes: its
+    segments are the cache's, which vouches for them).
     """
     bs = self.config.block_size
-    blk = segs[:, 0].astype(np.int64)
-    touched, inv = np.unique(blk, return_inverse=True)
-    ref_t, _ = jax.device_get(_block_rows(self.state.meta, jnp.asarray(
-        _pad(touched, _bucket(touched.size), 0))))
-    ref = ref_t[:touched.size][inv].astype(np.int64)
     table_segs, _ = _table_segments_host(jax.tree.map(np.asarray, self.state.table))
-    on = table_segs[np.isin(table_segs[:, 0], touched)]
-    for i, (b, start, length) in enumerate(segs.astype(np.int64)):
-      mine = on[on[:, 0] == b]
-      if ref[i] <= 0 or ref[i] > len(mine) or length < 1 or start < 0 or start + length > bs:
-        continue  # free (the transition refuses it), held outside, or malformed
+    for i, (b, start, length) in zip(rows, segs.astype(np.int64)):
+      mine = table_segs[table_segs[:, 0] == b]
       covered = np.zeros(bs, bool)
       for _, s0, ln in mine:
         covered[s0:s0 + ln] = True
       if not covered[start:start + length].all():
         raise InvalidSegment(
-            f"open_sequence: segment {i} ({b}, {start}, {length}) lies on dead slots of block "
-            f"{b} (handed out, but no live segment covers them and nothing outside the tables "
-            "holds the block); nothing was applied")
+            f"open_sequence: row {int(i)}'s segment ({b}, {start}, {length}) lies on dead "
+            f"slots of block {b} (handed out, but no live segment covers them and nothing "
+            "outside the tables holds the block); nothing was applied")
 
   def reserve_tokens(self, seq_ids, num_new) -> jax.Array:
     """Room for `num_new[i]` more tokens of each sequence; returns `slot_idx i32[B, T]`.
@@ -432,12 +486,36 @@ class BlockPool:
         raise BlockInUse(f"write_kv: slot {int(flat[i])} belongs to sequence {int(owner[i])}, "
                          f"not to the writer {int(writer[i])}")
 
-  def release(self, seq_ids) -> None:
-    """Ends the given live sequences; their blocks lose a reference each."""
+  def release(self, seq_ids, *, ref_deltas=None) -> None:
+    """Ends the given live sequences; their blocks lose a reference each.
+
+    Args:
+      seq_ids: distinct live rows.
+      ref_deltas: optional `(block_ids, deltas)` of holders outside the tables
+        (a prefix cache taking the rows' segments) applied first, with the checks
+        of `apply_ref_deltas` against the state before the release; refused
+        deltas raise before any row is released.
+
+    Raises:
+      InvalidSequence: a row out of range, repeated or not live. The errors of
+      `apply_ref_deltas` for `ref_deltas`. Nothing changes on error.
+    """
     ids = _as_int_array(seq_ids, "seq_ids")
     self._check_ids(ids, active=True)
-    self.state, status = segments.release(self.state, _pad(ids, _bucket(ids.size), -1),
-                                          config=self.config, atomic=True)
+    b = _bucket(ids.size, 4)
+    if ref_deltas is None:
+      self.state, status = segments.release(self.state, _pad(ids, b, -1), config=self.config,
+                                            atomic=True)
+      raise_for_status(np.asarray(status)[:ids.size], "release")
+      return
+    # Two device calls, not the fused `segments.release_with_refs`: compiling the
+    # fused program crashed XLA's CPU compiler (a segmentation fault in
+    # `backend_compile`) twice in CI, in scheduler runs with scrubbing. The rows
+    # were checked live and distinct above, so the release cannot refuse after
+    # the deltas applied: the pair stays all or nothing.
+    self.apply_ref_deltas(*ref_deltas)
+    self.state, status = segments.release(self.state, _pad(ids, b, -1), config=self.config,
+                                          atomic=True)
     raise_for_status(np.asarray(status)[:ids.size], "release")
 
   def fork(self, src: int, dst: int | None = None) -> int:
@@ -492,6 +570,14 @@ class BlockPool:
     the references live sequence tables hold on it (`BlockInUse`: it would free
     or under-count a block a live sequence still reads).
     """
+    ids, d = self._ref_delta_args(block_ids, deltas)
+    b = _bucket(ids.size, 16)
+    self.state, status = alloc.apply_ref_deltas(self.state, _pad(ids, b, -1), _pad(d, b, 0),
+                                                config=self.config)
+    raise_for_status(np.asarray(status)[:ids.size], "apply_ref_deltas")
+
+  def _ref_delta_args(self, block_ids, deltas) -> tuple[np.ndarray, np.ndarray]:
+    """`apply_ref_deltas`' host checks; returns the ids and deltas as int64 arrays."""
     ids, d = _as_int_array(block_ids, "block_ids"), _as_int_array(deltas, "deltas")
     if ids.shape != d.shape:
       raise InvalidArgument(f"block_ids {ids.shape} and deltas {d.shape} differ in shape")
@@ -505,19 +591,26 @@ class BlockPool:
         b = int(uniq[np.argmax(summed)])
         raise RefCountOverflow(f"apply_ref_deltas: block {b} would gain {int(summed.max())} "
                                f"references, beyond int32 ({_I32.max}); nothing was applied")
-    b = _bucket(ids.size)
-    self.state, status = alloc.apply_ref_deltas(self.state, _pad(ids, b, -1), _pad(d, b, 0),
-                                                config=self.config)
-    raise_for_status(np.asarray(status)[:ids.size], "apply_ref_deltas")
+    return ids, d
 
   # -- fragmentation (issue B): COW, packing, compaction, regions ---------------
-  def cow_split(self, seq_ids) -> np.ndarray:
-    """Copies shared/slotted tails into exclusive blocks; returns `bool[B]` split."""
+  def cow_split(self, seq_ids, *, skip_exhausted: bool = False) -> np.ndarray:
+    """Copies shared/slotted tails into exclusive blocks; returns `bool[B]` split.
+
+    Atomic by default: with too few free blocks for every copy, nothing is split
+    and `PoolExhausted` is raised. With `skip_exhausted`, the rows are served in
+    order while blocks last and the rest are left as they are (`split` False),
+    as if each row had been split alone, one call after the other.
+    """
     ids = _as_int_array(seq_ids, "seq_ids")
     self._check_ids(ids, active=True)
     self.state, (split, status) = slots.cow_split(self.state, _pad(ids, _bucket(ids.size), -1),
-                                                  config=self.config, atomic=True)
-    raise_for_status(np.asarray(status)[:ids.size], "cow_split")
+                                                  config=self.config,
+                                                  atomic=not skip_exhausted)
+    status = np.asarray(status)[:ids.size]
+    if skip_exhausted:  # the rows were checked above: only a missing block can fail them
+      status = np.where(status == Status.NO_FREE_BLOCK, Status.OK, status)
+    raise_for_status(status, "cow_split")
     return np.asarray(split)[:ids.size]
 
   def pack_slots(self, table_segments=(), extra_segments: Segments = ()) -> "PackResult":
@@ -722,17 +815,14 @@ def _block_rows(meta, block_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @jax.jit
-def _table_row(table: SegmentTable, seq_id: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(i32[max_segments, 3] rows, i32 num_segments)` of one table row."""
-  rows = jnp.stack([table.block[seq_id], table.start[seq_id], table.length[seq_id]], axis=1)
-  return rows, table.num_segments[seq_id]
+def _table_rows(table: SegmentTable, seq_ids: jax.Array) -> tuple[jax.Array, ...]:
+  """`(block, start, length: i32[B, max_segments], num_segments: i32[B])` of table rows
+  `seq_ids: i32[B]` (separate arrays: no transfer is larger than `B * max_segments`)."""
+  return (table.block[seq_ids], table.start[seq_ids], table.length[seq_ids],
+          table.num_segments[seq_ids])
 
 
-def segments_open(state: PoolState, seq_id: int, blk: np.ndarray, start: np.ndarray,
-                  length: np.ndarray, num: int, config: PoolConfig):
-  """One-row `open_sequence`, atomic."""
-  return segments.open_sequence(state, np.array([seq_id], np.int32), blk, start, length,
-                                np.array([num], np.int32), config=config, atomic=True)
+_table_row = _table_rows  # the one-row reader's old name (a test counts its compilations)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

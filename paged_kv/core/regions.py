@@ -12,9 +12,10 @@
   demand borrow from the cached quota above a high watermark and gives blocks
   back below a low one, at most `max_step` blocks per step.
 * Shrink/grow: `plan_shrink` plans (budgeted) moves that empty the tail above
-  a cut while serving; `resize_pool` cuts off a free tail or appends free
-  blocks; `resized_config` is the config of the new size, with the same base
-  region.
+  a cut while serving; `shrink_progress` says (two scalars) how much is left;
+  `resize_pool` cuts off a free tail or appends free blocks; `resized_config`
+  is the config of the new size, with the same base region. `ShrinkProgress`
+  is the serving loop's record of one shrink (`Scheduler.shrink_to`).
 """
 
 from __future__ import annotations
@@ -222,6 +223,99 @@ def plan_shrink(meta: BlockMeta, num_blocks: jax.Array | int, *,
   ok = (k < jnp.sum(above, dtype=jnp.int32)) & (k < jnp.sum(below, dtype=jnp.int32))
   src = (n - 1 - rev[kk]).astype(jnp.int32)
   return jnp.where(ok, src, -1), jnp.where(ok, low[kk].astype(jnp.int32), -1)
+
+
+@jax.jit
+def shrink_progress(meta: BlockMeta, num_blocks: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+  """`(held_above, free_below)`, `i32[]` each: what stands between the pool and a cut.
+
+  `held_above`: referenced dynamic blocks at or above `num_blocks` (they must
+  move, or be released, before `resize_pool` can cut there); `free_below`: free
+  dynamic blocks below it (where they can go). One reduction, two scalars to the
+  host: what a serving loop reads per step instead of `ref_count`.
+  """
+  n = meta.ref_count.shape[0]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  dyn = meta.region == REGION_DYNAMIC
+  held_above = jnp.sum((meta.ref_count > 0) & dyn & (idx >= num_blocks), dtype=jnp.int32)
+  free_below = jnp.sum((meta.ref_count == 0) & dyn & (idx < num_blocks), dtype=jnp.int32)
+  return held_above, free_below
+
+
+@dataclasses.dataclass
+class ShrinkProgress:
+  """A shrink while serving (`Scheduler.shrink_to`): target, budget and progress so far.
+
+  Host-side record, updated once per step by the scheduler.
+
+  Attributes:
+    target: pool size after the cut, in blocks.
+    start_blocks: pool size when the shrink was requested.
+    start_step: the scheduler step it was requested at.
+    max_moves: block moves per step (the policy's byte budget over `block_bytes`).
+    block_bytes: bytes per block the budget and `bytes_moved` count.
+    margin: free blocks kept below the cut beyond what the moves need, so one
+      step's allocations find room there (evicting cached blocks for it).
+    evict_cached: whether cached-only blocks may be evicted to make room below the cut.
+    held_at_start: referenced blocks above the target when it was requested.
+    held_above: referenced blocks above the target at the latest step.
+    steps: steps the shrink has been pending (including the cut's).
+    moves: blocks moved (each `block_bytes` read and written).
+    evicted_blocks: blocks freed by evicting cached-only data to make room.
+    spilled_blocks: blocks that became referenced above the target while it
+      was pending (allocations that found no free block below the cut).
+    wait_steps: steps that could not progress: blocks above the target and no
+      room below, or the tail free but a request submitted since still needing
+      the bigger pool.
+    move_seconds: host wall time of the shrink's work (plans, moves, evictions, cut).
+    last_moves: blocks moved at the latest step.
+    max_step_share: the largest modelled share of a step its moves took (the
+      policy's `step_time_share` at `block_bytes`).
+    done_step: the step of the cut (-1 while pending).
+    cancelled: `Scheduler.cancel_shrink` ended it before the cut.
+  """
+
+  target: int
+  start_blocks: int
+  start_step: int
+  max_moves: int
+  block_bytes: int
+  margin: int = 0
+  evict_cached: bool = True
+  held_at_start: int = 0
+  held_above: int = 0
+  steps: int = 0
+  moves: int = 0
+  evicted_blocks: int = 0
+  spilled_blocks: int = 0
+  wait_steps: int = 0
+  move_seconds: float = 0.0
+  last_moves: int = 0
+  max_step_share: float = 0.0
+  done_step: int = -1
+  cancelled: bool = False
+
+  @property
+  def done(self) -> bool:
+    """The cut happened: the pool has `target` blocks."""
+    return self.done_step >= 0
+
+  @property
+  def bytes_moved(self) -> int:
+    return self.moves * self.block_bytes
+
+  @property
+  def blocks_returned(self) -> int:
+    """Blocks given back by the cut (0 until it happened)."""
+    return self.start_blocks - self.target if self.done else 0
+
+  @property
+  def emptied_fraction(self) -> float:
+    """Share of the blocks above the target that are free now (1.0 once cut)."""
+    if self.done:
+      return 1.0
+    span = self.start_blocks - self.target
+    return 1.0 - self.held_above / span if span else 1.0
 
 
 def resized_config(config: PoolConfig, num_blocks: int) -> PoolConfig:

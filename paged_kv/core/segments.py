@@ -1,5 +1,9 @@
 """Sequence transitions over segment tables: open, reserve, fork, release.
 
+`open_checked` opens a batch of rows in one call with the dead-slot guard the
+host API needs; `release_with_refs` applies an outside holder's reference
+changes and releases rows in one call (see their docstrings).
+
 All are pure and jitted with the state donated; each takes a batch of sequence
 rows and returns an `i32` status per row. A row id of `-1` is padding: status
 OK, nothing done. Failed rows leave the state untouched; with `atomic=True` a
@@ -14,8 +18,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from paged_kv.core.alloc import apply_ref_deltas as alloc_apply_ref_deltas
 from paged_kv.core.alloc import (change_refs, first_occurrence, grant_prefix, reads_before_writes,
-                                 take_blocks)
+                                 table_refs_at, take_blocks)
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import Status
 from paged_kv.core.state import REGION_DYNAMIC, PoolState, SegmentTable
@@ -324,3 +329,100 @@ def fork(state: PoolState, src_ids: jax.Array, dst_ids: jax.Array, *, config: Po
   state = change_refs(dataclasses.replace(state, table=table), inc_ids, jnp.ones_like(inc_ids),
                       config=config, may_free=False)
   return state, finish_status(status, ok | ~real)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "check_dead"), donate_argnames=("state",))
+def open_checked(state: PoolState, seq_ids: jax.Array, seg_block: jax.Array,
+                 seg_start: jax.Array, seg_length: jax.Array, num_segments: jax.Array, *,
+                 config: PoolConfig,
+                 check_dead: bool = True) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """`open_sequence` (atomic) of a batch of rows, refusing segments that may be on dead slots.
+
+  A slot is dead when it was handed out but no live holder covers it any more
+  (a released or moved segment left it); `reclaim_slots` may hand it out
+  again, so a segment on it would read K/V that can be overwritten. Deciding
+  it needs the live tables' coverage of the block. This call flags, without
+  any host read, every used segment that *might* lie on dead slots: a
+  well-formed segment on a live block whose references are all table segments
+  (`0 < ref_count <= table references`, so no outside holder such as a prefix
+  cache vouches for it). If any is flagged (`check_dead`), nothing is applied:
+  the flagged rows report `INVALID_SEGMENT`, the others `ABORTED`, and
+  `suspect` names the segments for the host to decide (`BlockPool` checks them
+  against the tables and calls again with `check_dead=False` when none is dead).
+  Segments a prefix cache holds are never flagged, so the scheduler's opens
+  take one call.
+
+  Work is O(B * P * max_seqs * max_segments) compares (`table_refs_at`), never
+  O(num_blocks).
+
+  Args:
+    state: the pool (donated).
+    seq_ids: `i32[B]` inactive rows to open (`-1` = padding).
+    seg_block: `i32[B, P]` blocks of the starting segments.
+    seg_start: `i32[B, P]` first slots.
+    seg_length: `i32[B, P]` lengths.
+    num_segments: `i32[B]` starting segments per row.
+    config: static pool config.
+    check_dead: flag (and refuse) possibly dead segments first.
+
+  Returns:
+    `(state, (status: i32[B], suspect: bool[B, P]))`.
+  """
+  n, bs = config.num_blocks, config.block_size
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  b, p = seg_block.shape
+  real = seq_ids != -1
+  if check_dead:
+    used = real[:, None] & (jnp.arange(p)[None, :] < num_segments[:, None])
+    in_range = (seg_block >= 0) & (seg_block < n)
+    ref = state.meta.ref_count[jnp.clip(seg_block, 0, n - 1)]
+    table_refs = table_refs_at(state, jnp.where(used & in_range, seg_block, -1).reshape(-1))
+    shape_ok = (seg_start >= 0) & (seg_start < bs) & (seg_length >= 1) & (
+        seg_length <= bs - seg_start)
+    suspect = used & in_range & shape_ok & (ref > 0) & (ref <= table_refs.reshape(b, p))
+  else:
+    suspect = jnp.zeros((b, p), bool)
+  refuse = jnp.any(suspect)
+  state, status = open_sequence(state, jnp.where(refuse, -1, seq_ids), seg_block, seg_start,
+                                seg_length, num_segments, config=config, atomic=True)
+  refused = jnp.where(jnp.any(suspect, axis=1), Status.INVALID_SEGMENT, Status.ABORTED)
+  status = jnp.where(refuse & real, refused, status).astype(jnp.int32)
+  return state, (status, suspect)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def release_with_refs(state: PoolState, seq_ids: jax.Array, block_ids: jax.Array,
+                      deltas: jax.Array, *,
+                      config: PoolConfig) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
+  """`apply_ref_deltas(block_ids, deltas)` then `release(seq_ids)`, in one atomic call.
+
+  What finishing sequences into a prefix cache does in one step: the tree takes
+  its references on the rows' blocks (increfs, checked against the state before
+  the release, so a decref may not take a block below the references the rows
+  still hold), then the rows end. If any row or delta is refused, nothing is
+  applied: the refused entries report their status (as `release` /
+  `apply_ref_deltas` do), the valid ones `ABORTED`.
+
+  Args:
+    state: the pool (donated).
+    seq_ids: `i32[B]` active rows (`-1` = padding). No repeats.
+    block_ids: `i32[K]` blocks of the outside holder's changes (`-1` = padding).
+    deltas: `i32[K]` the changes.
+    config: static pool config.
+
+  Returns:
+    `(state, (row_status: i32[B], ref_status: i32[K]))`.
+  """
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  block_ids = jnp.asarray(block_ids, jnp.int32)
+  rows = row_status(state.table, seq_ids, want_active=True)
+  rows_ok = jnp.all(rows == Status.OK)
+  state, ref_status = alloc_apply_ref_deltas(state, jnp.where(rows_ok, block_ids, -1), deltas,
+                                             config=config)
+  refs_ok = jnp.all(ref_status == Status.OK)
+  ref_status = jnp.where(rows_ok | (block_ids == -1), ref_status, Status.ABORTED)
+  state, row_st = release(state, jnp.where(refs_ok & rows_ok, seq_ids, -1), config=config,
+                          atomic=True)
+  row_st = jnp.where(refs_ok & rows_ok, row_st,
+                     jnp.where((rows == Status.OK) & (seq_ids != -1), Status.ABORTED, rows))
+  return state, (row_st.astype(jnp.int32), ref_status.astype(jnp.int32))

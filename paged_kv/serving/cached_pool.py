@@ -66,6 +66,7 @@ from radix.tree import HitStats, NodeId, RadixTree, StaleNodeError
 __all__ = ["CacheView", "CachedPool", "PoolStateLost", "state_lost"]
 
 _MIN_LOOKUP = 64  # smallest padded width of a ref_count lookup (power-of-two buckets)
+_NO_IDS = np.zeros((0,), np.int32)
 
 
 @jax.jit
@@ -309,16 +310,41 @@ class CachedPool:
       InvalidSegmentLayout, InvalidBlock, InvalidSegment, PoolExhausted,
       InvalidSequence: as `BlockPool.open_sequence`; nothing changes.
     """
-    seq = self._pool.open_sequence(segments, seq_id=seq_id)
-    if self._continuable and segments is not None and len(segments):
-      tail = tuple(int(x) for x in np.asarray(segments)[-1])
-      if tail in self._continuable:
-        self._continuable.discard(tail)
-        try:
-          self._pool.cow_split([seq])
-        except PoolExhausted:
-          pass  # no block for the copy: continue in a fresh block (atomic: unchanged)
-    return seq
+    return int(self.open_many([segments], None if seq_id is None else [seq_id])[0])
+
+  def open_many(self, segments: Sequence[Segments | None], seq_ids=None) -> np.ndarray:
+    """Several `open`s at once: one device call opens every row, one copies the tails.
+
+    The rows open atomically (`BlockPool.open_sequences`: default the lowest free
+    rows, in order); then the continuable tails among them are copied in one
+    `cow_split` that serves the rows in order while free blocks last, exactly
+    as one `open` after the other would. Returns `i64[B]` the rows.
+
+    Raises:
+      As `open`, for the first row that fails; nothing changes.
+    """
+    rows = self._pool.open_sequences(segments, seq_ids)
+    if self._continuable:
+      copy = []
+      for row, segs in zip(rows, segments):
+        if segs is not None and len(segs):
+          tail = tuple(int(x) for x in np.asarray(segs)[-1])
+          if tail in self._continuable:
+            self._continuable.discard(tail)
+            copy.append(int(row))
+      if copy:
+        # No block for a copy: that row continues in a fresh block later.
+        self._pool.cow_split(copy, skip_exhausted=True)
+    return rows
+
+  def continues_tail(self, segments: Segments | None) -> bool:
+    """Whether `open(segments)` would copy the last segment (a continuable tail).
+
+    The copy takes one free block when one is free (see `open`).
+    """
+    if not self._continuable or segments is None or not len(segments):
+      return False
+    return tuple(int(x) for x in np.asarray(segments)[-1]) in self._continuable
 
   def release(self, seq_ids: Sequence[int]) -> None:
     """Ends live sequences (their table references go; the tree's stay)."""
@@ -326,7 +352,7 @@ class CachedPool:
 
   # ------------------------------------------------------------------ insert / evict
   def insert(self, namespace: Hashable, tokens: Any, seq_id: int, *,
-             pin_ttl: float | None = None) -> InsertOutcome:
+             pin_ttl: float | None = None, release: bool = False) -> InsertOutcome:
     """Stores the first `len(tokens)` tokens of live sequence `seq_id` in the cache.
 
     The segments are read from the pool (`BlockPool.segments`), cut after
@@ -340,6 +366,8 @@ class CachedPool:
       tokens: the sequence's token ids (its first `len(tokens)` cached tokens).
       seq_id: a live sequence holding at least `len(tokens)` tokens.
       pin_ttl: pin the inserted path for this long.
+      release: then end the sequence, in the same device call as the tree's
+        references (`insert_and_release` of one row).
 
     Returns:
       The cache's `InsertOutcome`; its `ref_deltas` are already applied.
@@ -349,14 +377,73 @@ class CachedPool:
       sequence holds. InvalidTokensError / ValueError: bad tokens or TTL. Nothing
       changes on error.
     """
-    segs = self._pool.segments(seq_id)
-    held = int(segs[:, 2].sum(dtype=np.int64))
-    count = int(np.asarray(tokens).reshape(-1).shape[0])
-    if count > held:
-      raise InvalidArgument(f"insert: {count} tokens given; sequence {seq_id} holds {held}")
-    outcome = self._cache.insert(namespace, tokens, take_tokens(segs, count), pin_ttl=pin_ttl)
-    self._apply(outcome.ref_deltas)
-    return outcome
+    entries = [(namespace, tokens, seq_id)]
+    if release:
+      return self._insert(entries, pin_ttl, release=np.array([seq_id], np.int64))[0]
+    return self.insert_many(entries, pin_ttl=pin_ttl)[0]
+
+  def insert_many(self, entries: Sequence[tuple[Hashable, Any, int]], *,
+                  pin_ttl: float | None = None) -> list[InsertOutcome]:
+    """Several `insert`s: one read of the rows' segments, one reference update.
+
+    Args:
+      entries: `(namespace, tokens, seq_id)` per sequence, distinct live rows,
+        inserted in order (a later entry shares what an earlier one stored).
+      pin_ttl: pin every inserted path for this long.
+
+    Returns:
+      One `InsertOutcome` per entry; their `ref_deltas` are already applied, all
+      in one `BlockPool.apply_ref_deltas` after the tree took them.
+
+    Raises:
+      As `insert`. Every row and token count is checked before the tree changes;
+      if the tree refuses an entry (bad tokens, TTL), the references of the
+      entries before it are applied and the error is raised.
+    """
+    return self._insert(entries, pin_ttl, release=None)
+
+  def insert_and_release(self, entries: Sequence[tuple[Hashable, Any, int]],
+                         seq_ids: Sequence[int]) -> list[InsertOutcome]:
+    """`insert_many(entries)`, then `release(seq_ids)`: the tree's references and
+    the rows' end in one device call (`BlockPool.release(ref_deltas=...)`).
+
+    What a scheduler does with the sequences finishing in a step. With
+    `pack_tails`, pass the outcomes' `pack` to `pack` afterwards.
+
+    Raises:
+      As `insert_many` and `release`; every row is checked before the tree
+      changes. If the tree refuses an entry, the references of the entries
+      before it are applied, nothing is released and the error is raised.
+    """
+    ids = np.asarray(seq_ids, np.int64).reshape(-1)
+    self._pool._check_ids(ids, active=True)  # pylint: disable=protected-access
+    return self._insert(entries, None, release=ids)
+
+  def _insert(self, entries, pin_ttl, release) -> list[InsertOutcome]:
+    entries = list(entries)
+    segs = self._pool.segments_many([e[2] for e in entries]) if entries else []
+    counts = []
+    for (_, tokens, seq_id), sg in zip(entries, segs):
+      held = int(sg[:, 2].sum(dtype=np.int64))
+      count = int(np.asarray(tokens).reshape(-1).shape[0])
+      if count > held:
+        raise InvalidArgument(f"insert: {count} tokens given; sequence {seq_id} holds {held}")
+      counts.append(count)
+    outcomes: list[InsertOutcome] = []
+    inserted = False
+    try:
+      for (namespace, tokens, _), sg, count in zip(entries, segs, counts):
+        outcomes.append(self._cache.insert(namespace, tokens, take_tokens(sg, count),
+                                           pin_ttl=pin_ttl))
+      inserted = True
+    finally:  # the tree holds what was inserted: the pool takes those references
+      ids = np.concatenate([o.ref_deltas.block_ids for o in outcomes] + [_NO_IDS])
+      deltas = np.concatenate([o.ref_deltas.deltas for o in outcomes] + [_NO_IDS])
+      if inserted and release is not None:
+        self._pool.release(release, ref_deltas=(ids, deltas) if ids.size else None)
+      elif ids.size:
+        self._pool.apply_ref_deltas(ids, deltas)
+    return outcomes
 
   def split(self, node: NodeId, offset: int) -> NodeId:
     """Splits a node after `offset` tokens (no KV copy); returns the head node."""
@@ -448,7 +535,14 @@ class CachedPool:
     return remap
 
   def resize(self, num_blocks: int) -> None:
-    """Shrinks or grows the pool (block ids are kept; see `BlockPool.resize`)."""
+    """Shrinks or grows the pool (block ids are kept; see `BlockPool.resize`).
+
+    Block ids do not change, so the tree needs no remap: a cut is refused
+    (`InvalidBlock`, nothing changed) while any block above it is referenced,
+    by a table or by the cache (`ref_count` counts both). Empty the tail first
+    with `move_blocks` of a `regions.plan_shrink` plan (`Scheduler.shrink_to`
+    does it while serving).
+    """
     self._pool.resize(num_blocks)
 
   # ------------------------------------------------------------------ packing

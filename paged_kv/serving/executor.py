@@ -23,16 +23,25 @@ The executor contract (what keeps a failed step from destroying the pool):
   3. An executor that breaks the contract (raises with the donated state gone)
      makes the scheduler refuse further use with `PoolStateLost`/`SchedulerBroken`,
      naming the deleted buffers, instead of failing later on deleted arrays.
+
+Pool resizes (`Scheduler.shrink_to`): an executor that holds the pool's config
+(both library executors do: it is a static argument of their jitted step) has
+`resize(config)`, which the scheduler calls right after the pool changed size;
+the next `step` then runs (and compiles once) at the new shapes. An executor
+with a `config` but no `resize` cannot follow, and the scheduler refuses to
+shrink under it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from paged_kv.core import segments
 from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.state import PoolState
 from paged_kv.model.plan import StepPlan
 
@@ -50,6 +59,23 @@ def attach_state(exc: BaseException, state: PoolState) -> None:
 def attached_state(exc: BaseException) -> PoolState | None:
   """The state `attach_state` put on `exc`, or None (raised before the donation)."""
   return getattr(exc, _STATE_ATTR, None)
+
+
+def check_resized(old: PoolConfig, new: PoolConfig) -> PoolConfig:
+  """`new`, after checking it is `old` at another size (same model, block size, rows).
+
+  Raises:
+    InvalidArgument: `new` is not a `PoolConfig`, or differs from `old` in more
+      than `num_blocks` (and the `base_pool_fraction` that keeps the base region).
+  """
+  if not isinstance(new, PoolConfig):
+    raise InvalidArgument(f"resize takes a PoolConfig, got {type(new).__name__}")
+  same = dataclasses.replace(new, num_blocks=old.num_blocks,
+                             base_pool_fraction=old.base_pool_fraction)
+  if same != old or new.num_base_blocks != old.num_base_blocks:
+    raise InvalidArgument("a resized pool config may differ only in num_blocks (same base "
+                          "region); build it with paged_kv.core.regions.resized_config")
+  return new
 
 
 class Executor(Protocol):
@@ -72,12 +98,19 @@ class Executor(Protocol):
       state (`attach_state`), so the pool is never lost (see the module docstring).
     """
 
+  # Optional: `resize(config: PoolConfig) -> None`, for an executor that holds the
+  # pool's config (see the module docstring).
+
 
 class DryExecutor:
   """Memory dynamics only: reserves the slots, computes nothing, samples token 0."""
 
   def __init__(self, config: PoolConfig):
     self.config = config
+
+  def resize(self, config: PoolConfig) -> None:
+    """Follows a pool resize: later steps run at `config`'s shapes."""
+    self.config = check_resized(self.config, config)
 
   def step(self, state: PoolState,
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
@@ -126,6 +159,10 @@ class ModelExecutor:
     self.graphdef, self.params = nnx.split(model)
     self.config = pool_config
     self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
+
+  def resize(self, config: PoolConfig) -> None:
+    """Follows a pool resize: the next step compiles once for `config`'s shapes."""
+    self.config = check_resized(self.config, config)
 
   def step(self, state: PoolState,
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:

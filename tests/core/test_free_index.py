@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv
-from paged_kv.core import alloc
+from paged_kv.core import alloc, compact
+from paged_kv.telemetry import metrics
 from paged_kv.core.state import REGION_DYNAMIC, build_free_index, free_index_levels
 
 
@@ -150,6 +151,32 @@ class AllocateTest(chex.TestCase, parameterized.TestCase):
         np.testing.assert_array_equal(
             np.asarray(alloc.lowest_free(new.meta, jnp.arange(96))),
             np.pad(np.flatnonzero(after), (0, 96 - after.sum()), constant_values=-1))
+
+
+class LargestFreeRunTest(chex.TestCase, parameterized.TestCase):
+  """`compact.largest_run_of_bits` (on the free bit words) equals `largest_run` (on the mask)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(("one_word", 20), ("exact_words", 64), ("odd", 1000),
+                                  ("not_power_of_two_words", 3 * 32 + 5))
+  def test_matches_the_mask_version(self, n):
+    rng = np.random.default_rng(n)
+    masks = [np.zeros(n, bool), np.ones(n, bool)]
+    for p in (0.1, 0.5, 0.9, 0.99):
+      masks.append(rng.random(n) < p)
+    # Runs that start and end at word edges, and span several whole words.
+    edge = np.zeros(n, bool)
+    edge[min(31, n - 1):min(31 + 70, n)] = True
+    masks.append(edge)
+    tail = np.zeros(n, bool)
+    tail[-min(n, 40):] = True
+    masks.append(tail)
+    run = self.variant(compact.largest_run_of_bits)
+    for mask in masks:
+      bits, _ = jax.jit(build_free_index)(jnp.asarray(mask))
+      want = int(jax.jit(compact.largest_run)(jnp.asarray(mask)))
+      self.assertEqual(int(run(bits)), want)
+      self.assertEqual(want, metrics.largest_free_run(mask))
 
 
 class ChangeRefsTest(chex.TestCase):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
-from absl.testing import absltest
+from absl.testing import absltest, parameterized
 
 import paged_kv
+from paged_kv.serving import scheduler as scheduler_mod
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig, StepReport
 from paged_kv.telemetry import metrics
@@ -34,11 +37,17 @@ class FakeClock:
     return self.now
 
 
-class StepStatsTest(absltest.TestCase):
+class StepStatsTest(parameterized.TestCase):
 
-  def test_step_stats_agree_with_the_full_snapshot(self):
-    pool = paged_kv.BlockPool(CFG)
-    sched = Scheduler(pool, DryExecutor(CFG), SchedulerConfig(max_batch=4, compaction=None))
+  @parameterized.named_parameters(
+      ("dynamic_only", CFG, {}),
+      # A base region that promotion fills: free base blocks count as free.
+      ("with_base_region", dataclasses.replace(CFG, base_pool_fraction=0.125),
+       dict(promote_readers=2, promote_every=3)))
+  def test_step_stats_agree_with_the_full_snapshot(self, cfg, extra):
+    pool = paged_kv.BlockPool(cfg)
+    sched = Scheduler(pool, DryExecutor(cfg), SchedulerConfig(max_batch=4, compaction=None,
+                                                              **extra))
     for r in _requests(0, 40):
       sched.submit(r)
     checked = 0
@@ -46,8 +55,8 @@ class StepStatsTest(absltest.TestCase):
       sched.step()
       if sched.stats.steps % 7:
         continue
-      fig = metrics.step_stats(pool.state, CFG)
-      snap = metrics.snapshot(pool.state, CFG, extra_segments=sched.extra_segments())
+      fig = metrics.step_stats(pool.state, cfg)
+      snap = metrics.snapshot(pool.state, cfg, extra_segments=sched.extra_segments())
       self.assertEqual(fig.free_blocks, snap.num_free_blocks)
       self.assertEqual(fig.cached_blocks, snap.cached_only_blocks)
       self.assertEqual(fig.used_blocks, snap.live_blocks)
@@ -57,11 +66,27 @@ class StepStatsTest(absltest.TestCase):
       checked += 1
     self.assertGreater(checked, 3)
     # A warm cache on an idle pool: its blocks are cached (evictable), not used.
-    idle = metrics.step_stats(pool.state, CFG)
+    idle = metrics.step_stats(pool.state, cfg)
     self.assertGreater(idle.cached_blocks, 0)
     self.assertEqual(idle.used_blocks, 0)
     self.assertEqual(idle.kv_usage_ratio, 0.0)
-    self.assertGreater(metrics.snapshot(pool.state, CFG).block_pool_utilization, 0.0)
+    self.assertGreater(metrics.snapshot(pool.state, cfg).block_pool_utilization, 0.0)
+    if extra:
+      self.assertGreater(sched.counters.promotions, 0)
+
+
+  def test_pending_stats_survive_donating_calls(self):
+    """Read after later calls donated the state, the figures are of the state dispatched."""
+    pool = paged_kv.BlockPool(CFG)
+    rows = [pool.open_sequence() for _ in range(3)]
+    pool.reserve_tokens(rows, [40, 7, 100])
+    want = metrics.step_stats(pool.state, CFG)
+    pending = metrics.step_stats_async(pool.state, CFG)
+    pool.reserve_tokens(rows, [64, 64, 64])  # each call donates the state the reduction reads
+    pool.release(rows[:2])
+    got = pending.result()
+    self.assertEqual(got, want)
+    self.assertNotEqual(metrics.step_stats(pool.state, CFG).free_blocks, want.free_blocks)
 
 
 class StepReportTest(absltest.TestCase):
@@ -106,6 +131,25 @@ class StepReportTest(absltest.TestCase):
     self.assertLen(sched.snapshots, len(with_snap))
     self.assertTrue(all(rep.pool is None for rep in reports))
     self.assertIsInstance(sched.take_snapshot(), metrics.PoolSnapshot)
+
+  def test_stats_budget_paces_the_figures(self):
+    # A budget no reduction can meet: the figures on the first step, then every
+    # MAX_STATS_INTERVAL steps.
+    sched, _, reports = self._run(SchedulerConfig(max_batch=4, compaction=None,
+                                                  stats_budget=1e-9), n=30)
+    interval = scheduler_mod.MAX_STATS_INTERVAL
+    self.assertEqual(sched.stats_interval, interval)
+    self.assertGreater(len(reports), 2)
+    self.assertEqual([r.step for r in reports if r.pool is not None],
+                     list(range(0, len(reports), interval)))
+    # The whole step as budget: the figures cost less than the rest of a step here.
+    sched, _, reports = self._run(SchedulerConfig(max_batch=4, compaction=None,
+                                                  stats_budget=1.0, stats_every=2))
+    self.assertIsNotNone(reports[0].pool)
+    self.assertGreaterEqual(sched.stats_interval, 2)
+    for bad in (0.0, -0.1, 1.5, True, "0.02"):
+      with self.assertRaises(paged_kv.InvalidArgument):
+        SchedulerConfig(stats_budget=bad)
 
   def test_alerts_fire_in_the_step_they_cross(self):
     # A tiny pool that live sequences fill: KV usage crosses 0.95 and the alert
