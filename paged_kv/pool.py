@@ -493,8 +493,8 @@ class BlockPool:
       seq_ids: distinct live rows.
       ref_deltas: optional `(block_ids, deltas)` of holders outside the tables
         (a prefix cache taking the rows' segments) applied first, with the checks
-        of `apply_ref_deltas` against the state before the release; refused
-        deltas raise before any row is released.
+        of `apply_ref_deltas` against the state before the release; then both
+        happen in one atomic device call (`segments.release_with_refs`).
 
     Raises:
       InvalidSequence: a row out of range, repeated or not live. The errors of
@@ -508,14 +508,11 @@ class BlockPool:
                                             atomic=True)
       raise_for_status(np.asarray(status)[:ids.size], "release")
       return
-    # Two device calls, not the fused `segments.release_with_refs`: compiling the
-    # fused program crashed XLA's CPU compiler (a segmentation fault in
-    # `backend_compile`) twice in CI, in scheduler runs with scrubbing. The rows
-    # were checked live and distinct above, so the release cannot refuse after
-    # the deltas applied: the pair stays all or nothing.
-    self.apply_ref_deltas(*ref_deltas)
-    self.state, status = segments.release(self.state, _pad(ids, b, -1), config=self.config,
-                                          atomic=True)
+    blk, d = self._ref_delta_args(*ref_deltas)
+    k = _bucket(blk.size, 16)
+    self.state, (status, ref_status) = segments.release_with_refs(
+        self.state, _pad(ids, b, -1), _pad(blk, k, -1), _pad(d, k, 0), config=self.config)
+    raise_for_status(np.asarray(ref_status)[:blk.size], "release (ref_deltas)")
     raise_for_status(np.asarray(status)[:ids.size], "release")
 
   def fork(self, src: int, dst: int | None = None) -> int:

@@ -1,0 +1,61 @@
+"""Test-session settings shared by every test module.
+
+Two things, both about running ~1,000 tests in two long-lived xdist workers on a
+2-core CPU machine:
+
+1. **Memory mappings.** Every XLA CPU executable holds about 30 memory mappings
+   (measured: 300 small jitted programs took a process from 422 to 10,384 lines of
+   ``/proc/self/maps``), and JAX keeps every executable it compiled alive in its
+   caches.  A worker that compiles ~2,000 programs reaches Linux's
+   ``vm.max_map_count`` (65,530 by default); from then on ``mmap`` fails inside
+   XLA's compiler and the worker dies with a segmentation fault (or an abort) in
+   ``backend_compile_and_load``, in whichever program it happened to be
+   compiling.  After each test we count the mappings and, above half the limit,
+   drop JAX's caches (``jax.clear_caches()``), which unmaps them.
+
+2. **Compile time.** Most of the suite's time is XLA compiling small programs.
+   Unless ``XLA_FLAGS`` already names an optimisation level, the tests run with
+   ``--xla_backend_optimization_level=0`` (about 25% less time on
+   ``tests/test_review_regressions.py``).  It changes how fast the CPU code is,
+   not what it computes.  ``PAGED_KV_TEST_XLA_OPT=default`` keeps XLA's default.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+_OPT_FLAG = "--xla_backend_optimization_level"
+if os.environ.get("PAGED_KV_TEST_XLA_OPT", "") != "default":
+  _flags = os.environ.get("XLA_FLAGS", "")
+  if _OPT_FLAG not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} {_OPT_FLAG}=0".strip()
+
+_MAPS = "/proc/self/maps"
+
+
+def _map_limit() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530
+
+
+_CLEAR_ABOVE = _map_limit() // 2
+
+
+def _mapping_count() -> int:
+  with open(_MAPS, "rb") as f:
+    return sum(1 for _ in f)
+
+
+def pytest_runtest_teardown(item, nextitem):
+  del item, nextitem
+  if not os.path.exists(_MAPS):  # not Linux: no per-process mapping limit to watch
+    return
+  if _mapping_count() > _CLEAR_ABOVE:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.clear_caches()
+    gc.collect()
+
