@@ -1,4 +1,8 @@
-"""Every example script runs end to end with tiny settings (so none of them rots).
+"""Example scripts run end to end with tiny settings (so they do not rot).
+
+Not smoke-tested yet: `bench_compaction.py`, `bench_pool_ops.py`, `bench_prefill_xla.py`,
+`bench_requests.py` and `train_tiny.py` (needs the `train` extra). `bench_kernels.py`
+runs in `test_bench_smoke.py`.
 
 Each runs in a subprocess exactly as a user would start it; the assertions check
 that it finished and printed its report, not its numbers (those are measured,
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -101,3 +106,26 @@ def test_bench_decode():
   out = _run("bench_decode.py", "--batch=2", "--prompt_len=4", "--num_tokens=4",
              "--steps=1,2", "--repeats=1", "--num_layers=1")
   assert "tokens/s" in out or "tok/s" in out, out
+
+
+def test_bench_scheduler():
+  out = _run("bench_scheduler.py", "--pools=1024", "--batch=8", "--modes=off,stats,budget",
+             "--steps=4", "--warmup=3", "--repeats=1")
+  rows = [l.split() for l in out.splitlines() if l.split()[:2] == ["8", "1024"]]
+  assert [r[2] for r in rows] == ["off", "stats", "budget"], out
+  by_mode = {r[2]: r for r in rows}
+  assert float(by_mode["off"][7]) == 0.0, out  # telemetry off: no stats taken
+  assert float(by_mode["stats"][7]) > 0 and by_mode["stats"][9] == "1", out  # every step
+  assert int(by_mode["budget"][9]) >= 1, out  # paced: every k >= 1 steps
+
+
+def test_bench_shrink():
+  out = _run("bench_shrink.py", "--sizes=256", "--seeds=0", "--max_batch=16",
+             "--after_steps=20", "--prefill_token_budget=1024")
+  rows = [l for l in out.splitlines() if l.split()[:2] == ["256", "0"]]
+  assert len(rows) == 1, out
+  target = int(rows[0].split()[3])
+  assert 0 < target < 256, out
+  delayed = re.search(r"(\d+)/(\d+) \((\d+)\) of (\d+)", rows[0])
+  assert delayed and int(delayed[4]) > 0, out
+  assert delayed[1] == delayed[2] == "0", out  # the shrink delayed no request
