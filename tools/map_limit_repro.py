@@ -3,10 +3,10 @@
 Usage: `.venv/bin/python tools/map_limit_repro.py [LEAVE]` (Linux only).
 
 It first measures how many memory mappings one small compiled program holds while its
-jitted function is alive, then fills
-the process's mappings to LEAVE (default 100) below `vm.max_map_count` with one
-anonymous mapping whose every other page is made read-only (each page is then its own
-mapping), and compiles small programs until it dies. With JAX 0.12 on x86-64 CPU it
+jitted function is alive, then fills the process's mappings to LEAVE (default 100)
+below `vm.max_map_count` with one anonymous mapping whose every other page is made
+read-only (each page is then its own mapping), and compiles small programs until it
+dies. With JAX 0.12 on x86-64 CPU it
 prints `LLVM compilation error: Cannot allocate memory` and the process ends with a
 segmentation fault inside `backend_compile_and_load` (exit status 139): the crash a
 long test run meets when its workers keep thousands of executables alive.
