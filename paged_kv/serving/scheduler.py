@@ -82,6 +82,7 @@ from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted, S
 from paged_kv.pool import BlockPool
 from paged_kv.core.segment_format import Segments
 from paged_kv.serving.cached_pool import CachedPool, CacheView, PoolStateLost, state_lost
+from paged_kv.model import ragged
 from paged_kv.model.plan import StepPlan
 from paged_kv.serving.executor import DryExecutor, Executor, attached_state
 from paged_kv.serving.governance import CacheGovernance
@@ -371,11 +372,6 @@ class StepReport:
 
 def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
-
-
-def _pow2(x: int) -> int:
-  """Smallest power of two >= max(x, 1) (the plan's token width, as `StepPlan.build`)."""
-  return 1 << max(int(x) - 1, 0).bit_length()
 
 
 class _Admission(NamedTuple):
@@ -982,7 +978,7 @@ class Scheduler:
     ids[nd:nd + len(chunks)] = [r.seq_id for r, _ in chunks]
     num_new[nd:nd + len(chunks)] = [n for _, n in chunks]
     total = nd + sum(n for _, n in chunks)
-    tokens = np.zeros((_pow2(total),), np.int32)
+    tokens = np.zeros((ragged.bucket(total),), np.int32)  # the width StepPlan.build pads to
     tokens[:nd] = [r.output[-1] for r in decodes]
     pos = nd
     for r, n in chunks:
