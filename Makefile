@@ -11,6 +11,10 @@ comma   := ,
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 # Parallel test workers (pytest-xdist); CI machines have 2 cores.
 WORKERS ?= 2
+# Flags for examples/serve.py. The demo uses JAX's persistent compilation cache
+# (~/.cache/paged_kv/jax, or $PAGED_KV_COMPILE_CACHE), so a rerun skips the XLA compiles;
+# `make demo ARGS=--nocompile_cache` turns it off.
+ARGS    ?=
 
 .PHONY: demo test venv clean
 
@@ -23,7 +27,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/serve.py
+	$(PY) examples/serve.py $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) tests

@@ -10,16 +10,16 @@ executor's jitted reserve (the rest is the scheduler's host logic).
 
 Telemetry modes, measured in the same run on the same workload:
   * `off`: `stats_every=0, snapshot_every=0` (the bare step);
-  * `stats`: the cheap `metrics.StepStats` every step (one jitted reduction, four
-    scalars to the host) and the full snapshot every 100 steps (the default);
+  * `stats`: the cheap `metrics.StepStats` every step (from the pool's host
+    mirror, no device work) and the full snapshot every 100 steps (the default);
   * `budget`: the cheap figures paced by `stats_budget=0.02` (every step where they
     cost at most 2% of the rest of the step, else every k steps);
   * `full`: the full host `PoolSnapshot` every step (the old default).
 
 The `stats ms` column is the host time the cheap figures take per step, timed
-directly (the dispatch of `metrics.step_stats_async` and `PendingStepStats.result`,
-wrapped in this run), so it does not depend on two noisy runs agreeing; `vs off`
-compares against the `off` run of the same configuration.
+directly (`metrics.step_stats_host`, wrapped in this run), so it does not depend
+on two noisy runs agreeing; `vs off` compares against the `off` run of the same
+configuration.
 
 On CPU the "device" is this CPU, so the jitted reserve and reduction run here too;
 on a GPU they are asynchronous device work and the host part is what remains.
@@ -38,6 +38,7 @@ import numpy as np
 from absl import app, flags
 
 import paged_kv
+from paged_kv.runtime import compile_cache
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.telemetry import metrics
@@ -51,6 +52,11 @@ _WARMUP = flags.DEFINE_integer("warmup", 60, "Untimed steps first (compilation).
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per configuration (median of medians).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
+                                   "cache (restarts skip XLA compiles).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
+                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
+                                         "~/.cache/paged_kv/jax).")
 
 MODES = {
     "off": dict(stats_every=0, snapshot_every=0),
@@ -61,34 +67,27 @@ MODES = {
 
 
 class _StatsTimer:
-  """Accumulates the host seconds of the cheap figures' dispatch and read."""
+  """Accumulates the host seconds of the cheap figures (`metrics.step_stats_host`)."""
 
   def __init__(self):
     self.seconds = 0.0
-    self._dispatch, self._result = metrics.step_stats_async, metrics.PendingStepStats.result
+    self._compute = metrics.step_stats_host
 
   def __enter__(self):
     timer = self
 
-    def dispatch(*args, **kwargs):
+    def compute(*args, **kwargs):
       t0 = time.perf_counter()
       try:
-        return timer._dispatch(*args, **kwargs)
+        return timer._compute(*args, **kwargs)
       finally:
         timer.seconds += time.perf_counter() - t0
 
-    def result(pending, **kwargs):
-      t0 = time.perf_counter()
-      try:
-        return timer._result(pending, **kwargs)
-      finally:
-        timer.seconds += time.perf_counter() - t0
-
-    metrics.step_stats_async, metrics.PendingStepStats.result = dispatch, result
+    metrics.step_stats_host = compute
     return self
 
   def __exit__(self, *exc):
-    metrics.step_stats_async, metrics.PendingStepStats.result = self._dispatch, self._result
+    metrics.step_stats_host = self._compute
 
 
 class TimedExecutor(DryExecutor):
@@ -149,6 +148,8 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
 
 def main(argv):
   del argv
+  if _COMPILE_CACHE.value:
+    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   rows = []
   for batch in map(int, _BATCH.value):
     for num_blocks in map(int, _POOLS.value):

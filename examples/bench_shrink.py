@@ -33,6 +33,7 @@ import numpy as np
 
 import paged_kv
 from paged_kv.core import compact, regions
+from paged_kv.runtime import compile_cache
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
 
@@ -58,6 +59,11 @@ _TRICKLE = flags.DEFINE_float("trickle", 0.5, "Short requests arriving per step 
                               "burst (Poisson).")
 _AFTER = flags.DEFINE_integer("after_steps", 120, "Steps served after the shrink request.")
 _PREFILL_BUDGET = flags.DEFINE_integer("prefill_token_budget", 8192, "Prompt tokens per step.")
+_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
+                                   "cache (restarts skip XLA compiles).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
+                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
+                                         "~/.cache/paged_kv/jax).")
 
 
 def model_block_bytes() -> int:
@@ -212,6 +218,8 @@ def summarize(run: dict, base: dict, step_fraction: float) -> dict:
 
 def main(argv):
   del argv
+  if _COMPILE_CACHE.value:
+    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   bb = model_block_bytes()
   print(f"modelled block: {bb / 2**20:.2f} MiB; step {_STEP_MS.value} ms; bandwidth "
         f"{_BANDWIDTH.value / 1e12:.1f} TB/s; headroom {_HEADROOM.value}; trickle "

@@ -8,10 +8,16 @@ import jax
 import jax.numpy as jnp
 
 import paged_kv
+from paged_kv.runtime import compile_cache
 from paged_kv.telemetry import metrics
 
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 256, "Blocks in the pool.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
+                                   "cache (restarts skip XLA compiles).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
+                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
+                                         "~/.cache/paged_kv/jax).")
 
 
 def _show(title: str, pool: paged_kv.BlockPool) -> None:
@@ -24,6 +30,8 @@ def _show(title: str, pool: paged_kv.BlockPool) -> None:
 
 def main(argv):
   del argv
+  if _COMPILE_CACHE.value:
+    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   config = paged_kv.PoolConfig(num_blocks=_NUM_BLOCKS.value, block_size=_BLOCK_SIZE.value,
                                num_layers=2, num_kv_heads=2, head_dim=32, max_seqs=16)
   pool = paged_kv.BlockPool(config)

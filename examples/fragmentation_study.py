@@ -44,6 +44,7 @@ import numpy as np
 
 import paged_kv
 from paged_kv.core import alloc, compact, segments, slots
+from paged_kv.runtime import compile_cache
 from paged_kv.telemetry import metrics
 
 try:  # optional: a progress bar
@@ -98,6 +99,11 @@ _FIT = flags.DEFINE_enum("fit", "first", ["first", "best"], "Which free run a lo
 _TIMING_REPS = flags.DEFINE_integer("timing_reps", 20, "Repetitions of the timing (median).")
 _PARTS = flags.DEFINE_list("parts", ["a", "b", "timing"], "Which parts to run.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar (needs tqdm).")
+_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
+                                   "cache (restarts skip XLA compiles).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
+                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
+                                         "~/.cache/paged_kv/jax).")
 
 # Quoted from the seed reports (operators' field numbers, on their allocator); never
 # computed here, printed beside ours for reference only.
@@ -728,6 +734,8 @@ def _fmt(d):
 
 def main(argv):
   del argv
+  if _COMPILE_CACHE.value:
+    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   bs = _BLOCK_SIZE.value
   t_start = time.perf_counter()

@@ -40,6 +40,7 @@ import sys
 
 from absl import app, flags
 
+from paged_kv.runtime import compile_cache
 from paged_kv.serving import replay, traces
 from paged_kv.serving.replay import ReplayConfig, SimReplica, replay_cluster
 from paged_kv.serving.routing import (
@@ -103,6 +104,11 @@ _LOAD_WEIGHT = flags.DEFINE_list(
 _TIE_TOKENS = flags.DEFINE_float(
     "tie_tokens", 0.0, "cache_aware: score tolerance for near-ties (tokens)."
 )
+_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
+                                   "cache (restarts skip XLA compiles).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
+                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
+                                         "~/.cache/paged_kv/jax).")
 
 
 def make_routers(name: str, *, load_weights: list[float], tie_tokens: float) -> list[Router]:
@@ -231,6 +237,8 @@ def parse_capacities(values: list[str]) -> list[int]:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _COMPILE_CACHE.value:
+    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   path = _TRACE.value
   if not path.endswith(".jsonl"):
     raise app.UsageError(f"routing needs prefix information: a Mooncake .jsonl trace, got {path}")

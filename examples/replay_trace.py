@@ -33,6 +33,7 @@ import sys
 import numpy as np
 from absl import app, flags
 
+from paged_kv.runtime import compile_cache
 from paged_kv.serving import engine_replay, replay, traces
 from paged_kv.serving.replay import ReplayConfig, ReplayResult, replay_sim
 
@@ -84,6 +85,11 @@ _VARIANTS = flags.DEFINE_list(
     list(engine_replay.ENGINE_VARIANTS),
     "Engine mode: configurations to compare (paged_kv.serving.engine_replay.ENGINE_VARIANTS).",
 )
+_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
+                                   "cache (restarts skip XLA compiles).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
+                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
+                                         "~/.cache/paged_kv/jax).")
 
 
 def _progress(desc: str):
@@ -230,6 +236,8 @@ def parse_capacities(values: list[str]) -> list[int]:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _COMPILE_CACHE.value:
+    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   try:
     traces.check_trace_files(_TRACE.value)
   except FileNotFoundError as e:

@@ -32,6 +32,7 @@ from flax import nnx
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.model import llama
+from paged_kv.runtime import compile_cache
 from paged_kv.serving.executor import ModelExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.telemetry import plots
@@ -73,6 +74,11 @@ _IMPL = flags.DEFINE_enum("impl", None, ["xla", "pallas", "mosaic"],
                           "Attention path (default: per backend, paged_kv.model.default_impl).")
 _OUT_DIR = flags.DEFINE_string("out_dir", "out/serve", "Where plots and the JSONL go.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
+                                   "cache (restarts skip XLA compiles).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
+                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
+                                         "~/.cache/paged_kv/jax).")
 
 
 class ChatWorkload:
@@ -145,6 +151,8 @@ def _pct(values, q) -> float:
 
 def main(argv):
   del argv
+  if _COMPILE_CACHE.value:
+    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   out_dir = Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   rng = np.random.default_rng(_SEED.value)

@@ -27,6 +27,7 @@ from flax import nnx
 from paged_kv.model import llama
 from paged_kv.model.reference import generate_dense
 from paged_kv.model.runner import generate_paged
+from paged_kv.runtime import compile_cache
 
 _STEPS = flags.DEFINE_integer("steps", 300, "Optimizer steps.")
 _BATCH = flags.DEFINE_integer("batch", 32, "Sequences per step.")
@@ -34,6 +35,11 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", 64, "Bytes per training sequence.")
 _LR = flags.DEFINE_float("learning_rate", 3e-3, "Peak AdamW learning rate.")
 _SEED = flags.DEFINE_integer("seed", 0, "Weights, data and batch order seed.")
 _OUT = flags.DEFINE_string("out", "", "Where to save the weights (.npz); empty = don't.")
+_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
+                                   "cache (restarts skip XLA compiles).")
+_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
+                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
+                                         "~/.cache/paged_kv/jax).")
 
 _SUBJECTS = ["the pool", "a block", "the cache", "every sequence", "the scheduler", "a segment"]
 _VERBS = ["holds", "frees", "shares", "moves", "packs", "reads"]
@@ -75,6 +81,8 @@ def load_params(model: llama.TinyLlama, path: str) -> None:
 
 def main(argv):
   del argv
+  if _COMPILE_CACHE.value:
+    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   config = llama.LlamaConfig()
   model = llama.TinyLlama(config, rngs=nnx.Rngs(_SEED.value))
   corpus = np.frombuffer(make_corpus(4000, _SEED.value), np.uint8).astype(np.int32)

@@ -1,32 +1,64 @@
-"""`BlockPool`: the host API. A thin wrapper over the jitted transitions.
+"""`BlockPool`: the host API. It decides on a host mirror and sends the device one commit.
 
-It validates arguments on the host, calls the transition with `atomic=True`,
-and turns a failure status into a typed exception. A refused call leaves the
-pool exactly as it was (the jitted transition applied nothing). Batches are
-padded to powers of two so the number of compilations stays small.
+Every call validates its arguments and decides its outcome on an exact numpy
+mirror of the pool's bookkeeping (`paged_kv.mirror.HostState`: reference
+counts, slot bits, the free index, the segment tables), with the same
+algorithms and status codes as the jitted transitions in `paged_kv.core`. A
+refused call raises its typed exception (`PoolExhausted(reason=...)`,
+`InvalidSequence`, ...) and changes nothing; an accepted one changes the mirror
+and queues the change. Nothing waits for the device: the queue goes to the
+device as ONE jitted program (`paged_kv.core.commit.commit`) when the device
+state is next needed (`pool.state`, a K/V write or gather, a scheduler step) or
+`flush()` is called. So a scheduler step costs one bookkeeping dispatch and no
+blocking read (`pool.runtime` counts both; `paged_kv.runtime.counters`).
+
+The device is still checked: each commit compares what the device held with
+what the host expected and returns a flag, read once it is ready (no wait); a
+jitted step's reservation status is compared with the host's prediction the
+same way. A difference raises `InternalInconsistency` at the next call. In
+debug mode (`BlockPool(debug=True)` or `PAGED_KV_DEBUG=1`) every call flushes
+and compares the whole mirror with the device synchronously (`verify()`).
+
+Shapes come from fixed buckets derived from the config (commit widths, row and
+token buckets), so the set of programs is small and enumerable
+(`warmup_programs`). Assigning `pool.state` directly (a caller that ran a
+transition itself) marks the mirror stale: the next call reloads it from the
+device (one counted blocking read).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_kv.core import alloc, compact, kv, regions, segments, slots
+from paged_kv.core import compact, kv, regions, slots
+from paged_kv.core.commit import commit
 from paged_kv.core.config import PoolConfig
-from paged_kv.core.errors import (OOM_REASONS, BlockInUse, InvalidArgument, InvalidBlock,
-                                  InvalidSegment, InvalidSequence, PoolExhausted,
+from paged_kv.core.errors import (OOM_REASONS, BlockInUse, InternalInconsistency, InvalidArgument,
+                                  InvalidBlock, InvalidSegment, InvalidSequence, PoolExhausted,
                                   RefCountOverflow, RefCountUnderflow, Status)
 from paged_kv.core.page_copy import BLOCK_MOVE_IMPLS
 from paged_kv.core.invariants import check_invariants
 from paged_kv.core.segment_format import Segments, as_segments, empty_segments
-from paged_kv.core.state import PoolState, SegmentTable, init_pool
+from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState, SegmentTable, init_pool
+from paged_kv.mirror import transitions as host_ops
+from paged_kv.mirror.changes import ChangeLog, CommitWidths, empty_batch
+from paged_kv.mirror.host_state import HostState
+from paged_kv.runtime.counters import RuntimeCounters
 
-_segments = segments  # (for methods whose `segments` argument shadows the module)
+DEBUG_ENV = "PAGED_KV_DEBUG"
+
+
+def debug_default() -> bool:
+  """Debug mode from the environment: `PAGED_KV_DEBUG=1` turns it on."""
+  return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _bucket(x: int, low: int = 1) -> int:
@@ -125,6 +157,27 @@ def raise_for_status(status: np.ndarray, what: str) -> None:
          Status.BLOCK_IN_USE: BlockInUse}[code](msg)
 
 
+
+@dataclasses.dataclass
+class StepPrediction:
+  """What a jitted step's `reserve_tokens` will do, decided on the mirror beforehand.
+
+  Attributes:
+    state: the flushed device state to hand to the step (donated there).
+    slot_idx: `i32[B, T]` the slots each row's new tokens get (-1 padded).
+    status: `i32[B]` each row's reservation status.
+    touched_blocks: blocks the reservation changes (checked at the next commit).
+    adopted: set once `adopt_step` took the step's state (the caller's signal not
+      to hand it back again after a later exception).
+  """
+
+  state: PoolState
+  slot_idx: np.ndarray
+  status: np.ndarray
+  touched_blocks: np.ndarray
+  adopted: bool = False
+
+
 class BlockPool:
   """A block pool with a host-side API raising typed exceptions.
 
@@ -132,32 +185,234 @@ class BlockPool:
     pool = BlockPool(PoolConfig(num_blocks=1024, block_size=16, num_layers=2,
                                 num_kv_heads=2, head_dim=64))
     seq = pool.open_sequence()
-    slots = pool.reserve_tokens([seq], [5])      # i32[1, 8], -1 padded
+    slots = pool.reserve_tokens([seq], [5])      # i32[1, 8], -1 padded (numpy)
     pool.write_kv(0, slots[:, :5], k, v)         # k, v: [1, 5, kv_heads, head_dim]
     child = pool.fork(seq)
     pool.release([seq, child])
 
-  The current `PoolState` is `pool.state`; it may also be passed to the jitted
-  transitions directly (they donate it, so reassign `pool.state` afterwards).
+  The current `PoolState` is `pool.state` (reading it applies the queued
+  changes: one commit); it may also be passed to the jitted transitions directly
+  (they donate it, so reassign `pool.state` afterwards; the mirror then reloads).
 
   Segments in and out (`segments`, `open_sequence(segments=)`,
   `pack_slots(extra_segments=)`, `reclaim_slots`, `check_invariants`) are
   `Segments`: `int32[n, 3]` rows `(block, start, length)`, the format of
   `radix.PrefixCache` too. A pool shared with a prefix cache is driven through
   `paged_kv.serving.cached_pool.CachedPool`, which applies the cache's references.
+
+  Args:
+    config: the pool's config.
+    state: an existing state (default: `init_pool(config)`); its mirror is read
+      from the device at the first call.
+    debug: flush and compare the whole mirror with the device after every call
+      (default: `PAGED_KV_DEBUG` from the environment).
   """
 
-  def __init__(self, config: PoolConfig, state: PoolState | None = None):
+  def __init__(self, config: PoolConfig, state: PoolState | None = None, *,
+               debug: bool | None = None):
     self.config = config
-    self.state = init_pool(config) if state is None else state
+    self.runtime = RuntimeCounters()
+    self.debug = debug_default() if debug is None else bool(debug)
+    self._log = ChangeLog(config)
+    self._scratch_log = ChangeLog(config)  # a prediction's changes (the device makes them)
+    self._checks: collections.deque = collections.deque()
+    if state is None:
+      self._state = init_pool(config)
+      self._mirror: HostState | None = HostState.empty(config, self._log)
+    else:
+      self._state = state
+      self._mirror = None  # read from the device on first use
+
+  # -- the device state and the mirror ---------------------------------------
+  @property
+  def state(self) -> PoolState:
+    """The device state, with every queued change applied (a flush)."""
+    self.flush()
+    return self._state
+
+  @state.setter
+  def state(self, state: PoolState) -> None:
+    """A state the caller computed (e.g. with a jitted transition): the mirror reloads."""
+    self._log.reset(None)
+    self._state = state
+    self._mirror = None
+
+  @property
+  def unflushed_state(self) -> PoolState:
+    """The device state *without* applying the queued changes: for checks that look
+    at its buffers only (`state_lost`), never for its values."""
+    return self._state
+
+  @property
+  def host(self) -> HostState:
+    """The host mirror of the bookkeeping (read it; change it only through the pool)."""
+    if self._mirror is None:
+      self.resync()
+    return self._mirror
+
+  def resync(self) -> None:
+    """Reloads the mirror from the device (one blocking read of the bookkeeping arrays).
+
+    Pending changes are applied first; pending checks are dropped (the device is
+    taken as it is).
+    """
+    if self._mirror is not None:
+      self.flush()
+    self._checks.clear()
+    self._log.reset(None)
+    self._mirror = HostState.from_device(self._state, self.config, self._log)
+    self.runtime.read("resync")
+
+  def flush(self) -> None:
+    """Sends the queued changes to the device: one `commit` per `CommitWidths` chunk.
+
+    Also compares the results of earlier commits that are ready (no wait).
+    """
+    if self._mirror is not None and self._log.pending:
+      for batch in self._log.batches(self._mirror):
+        self._state, mismatch = commit(self._state, batch, config=self.config)
+        self.runtime.dispatch("commit")
+        self._checks.append(("commit", mismatch, None))
+      self._log.reset(self._mirror)
+    self.poll()
+
+  def poll(self) -> None:
+    """Compares the device results that are ready with the host's expectations.
+
+    Raises:
+      InternalInconsistency: a commit found the device holding other values than
+        the mirror expected, or a step's reservation status differed from the
+        prediction (the mirror is reloaded from the device first).
+    """
+    while self._checks and self._checks[0][1].is_ready():
+      self._check(*self._checks.popleft())
+
+  def _check(self, what: str, value, expected) -> None:
+    self.runtime.deferred_checks += 1
+    got = np.asarray(value)
+    bad = (got != 0).any() if expected is None else not np.array_equal(got, expected)
+    if bad:
+      self._checks.clear()
+      self._mirror = None  # the device is the truth from here: reload at the next call
+      detail = (f"mismatch bits {int(got)} (1 blocks, 2 rows, 4 totals)" if expected is None
+                else f"device {got.tolist()} != host {np.asarray(expected).tolist()}")
+      raise InternalInconsistency(f"{what}: the device state differs from the host mirror "
+                                  f"({detail}); the mirror will be reloaded from the device; "
+                                  "check_invariants() says whether the device state is sound")
+
+  def verify(self) -> None:
+    """Flushes, waits for every pending check, and compares the whole mirror with
+    the device (blocking reads). What debug mode runs after every call.
+
+    Raises:
+      InternalInconsistency: a difference (named field by field).
+    """
+    if self._mirror is None:
+      return
+    self.flush()
+    while self._checks:
+      what, value, expected = self._checks.popleft()
+      if not value.is_ready():
+        self.runtime.read("check")
+      self._check(what, value, expected)
+    diff = self._mirror.differences(self._state)
+    self.runtime.read("check")
+    if diff:
+      self._mirror = None
+      raise InternalInconsistency("device state != host mirror: " + "; ".join(diff))
+
+  def warm_commit(self, widths: CommitWidths) -> None:
+    """Runs (compiles) the commit program of `widths` on a batch that changes nothing."""
+    self.flush()
+    self._state, mismatch = commit(self._state, empty_batch(self.host, widths),
+                                   config=self.config)
+    self.runtime.dispatch("commit")
+    self._checks.append(("commit (warm-up)", mismatch, None))
+
+  def warm_data(self, length: int) -> None:
+    """Runs (compiles) the K/V gather and the layered write at the power-of-two
+    bucket of `length` tokens (swap, persistence), changing nothing."""
+    c = self.config
+    width = _bucket(length, 16)
+    state = self.state
+    k, v, _ = kv.gather_kv(state, np.int32(0), max_len=width)
+    self._state = _write_layers(state, np.full((width,), -1, np.int32), k, v)
+    self.runtime.dispatch("data", 2)
+    del c
+
+  def _done(self) -> None:
+    """End of a public call: the checks that are ready, and debug mode's full compare."""
+    if self.debug:
+      self.verify()
+    elif self._log.wants_flush:
+      self.flush()
+    else:
+      self.poll()
+
+  # -- a jitted step that reserves on the device -------------------------------
+  def predict_step(self, seq_ids, num_new, *, max_new_tokens: int) -> StepPrediction:
+    """Flushes and decides on the mirror what the step's `reserve_tokens(atomic=False)`
+    will do on the device; hand `prediction.state` to the step, then `adopt_step`.
+
+    The reservation is not validated beyond what `reserve_tokens` itself checks
+    (statuses per row; failed rows change nothing), exactly as on the device.
+    """
+    ids = np.asarray(seq_ids, np.int64).reshape(-1)
+    counts = np.asarray(num_new, np.int64).reshape(-1)
+    self.flush()
+    host = self.host
+    host.log = self._scratch_log
+    try:
+      slot_idx, status, _ = host_ops.reserve(host, ids, counts, max_new_tokens=max_new_tokens,
+                                             atomic=False)
+    finally:
+      host.log = self._log
+    touched = (np.concatenate(self._scratch_log._blocks) if self._scratch_log._blocks  # pylint: disable=protected-access
+               else np.zeros(0, np.int64))
+    self._scratch_log.reset(None)
+    return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,
+                          touched_blocks=touched)
+
+  def adopt_step(self, state: PoolState, prediction: StepPrediction,
+                 device_status=None) -> None:
+    """Takes the state a step returned; its reservation was `prediction`'s.
+
+    The touched blocks are checked at the next commit (their values now must be
+    the device's), and `device_status` (the step's status, a device or host
+    array of at least B entries) against the prediction: at once for a host
+    array, once ready for a device array.
+
+    Raises:
+      InternalInconsistency: a host `device_status` differs from the prediction.
+    """
+    self._state = state
+    prediction.adopted = True
+    self.runtime.dispatch("step")
+    self._log.touch_blocks(self._mirror, prediction.touched_blocks)
+    self._log.expected = self._mirror.totals()
+    if device_status is not None:
+      b = prediction.status.shape[0]
+      if isinstance(device_status, jax.Array):
+        self._checks.append(("jitted step reservation", device_status[:b] if
+                             device_status.shape[0] != b else device_status, prediction.status))
+      else:
+        self._check("jitted step reservation", np.asarray(device_status)[:b], prediction.status)
+    self._done()
+
+  def abandon_step(self, state: PoolState | None = None) -> None:
+    """The step raised: keep `state` if it returned one, and reload the mirror."""
+    if state is not None:
+      self._state = state
+    self._log.reset(None)
+    self._mirror = None
 
   # -- queries -------------------------------------------------------------
   @property
   def num_free_blocks(self) -> int:
-    return int(self.state.meta.num_free)
+    return self.host.free.num_free
 
   def active_sequences(self) -> np.ndarray:
-    return np.nonzero(np.asarray(self.state.table.active))[0]
+    return np.flatnonzero(self.host.active)
 
   def _check_ids(self, ids: np.ndarray, *, active: bool | None) -> None:
     if ids.size and (ids.min() < 0 or ids.max() >= self.config.max_seqs):
@@ -165,14 +420,15 @@ class BlockPool:
     if len(set(ids.tolist())) != ids.size:
       raise InvalidSequence(f"repeated sequence ids in {ids.tolist()}")
     if active is not None and ids.size:
-      act = np.asarray(self.state.table.active)[ids]
+      act = self.host.active[ids]
       if not (act == active).all():
         bad = ids[act != active].tolist()
         raise InvalidSequence(f"sequences {bad} are {'not ' if active else ''}active")
 
   def seq_len(self, seq_id: int) -> int:
-    self._check_ids(_as_int_array(seq_id, "seq_id"), active=True)
-    return int(self.state.table.seq_len[seq_id])
+    ids = _as_int_array(seq_id, "seq_id")
+    self._check_ids(ids, active=True)
+    return int(self.host.seq_len[ids[0]])
 
   def segments(self, seq_id: int) -> Segments:
     """`i32[n, 3]` `(block, start, length)` rows of one live sequence, in token order.
@@ -182,30 +438,39 @@ class BlockPool:
     return self.segments_many([seq_id])[0]
 
   def segments_many(self, seq_ids) -> list[Segments]:
-    """The `segments` of several live sequences (distinct rows), in one read.
-
-    The rows are read at their fixed width (one jitted gather over a batch
-    padded to a power of two >= 4, one device->host transfer) and sliced on the
-    host, so no segment count compiles anything new.
-    """
+    """The `segments` of several live sequences (distinct rows), from the mirror."""
     ids = _as_int_array(seq_ids, "seq_ids")
     self._check_ids(ids, active=True)
-    if ids.size == 0:
-      return []
-    blk, start, length, ns = jax.device_get(_table_rows(self.state.table,
-                                                        _pad(ids, _bucket(ids.size, 4), 0)))
-    rows = np.stack([blk, start, length], axis=-1)
-    return [np.ascontiguousarray(rows[i, :int(ns[i])]) for i in range(ids.size)]
+    h = self.host
+    return [h.row_segments(int(i)) for i in ids]
 
-  def gather_kv(self, seq_id: int) -> tuple[jax.Array, jax.Array]:
-    """Logical `k, v: [num_layers, num_kv_heads, seq_len, head_dim]` of one sequence."""
-    length = self.seq_len(seq_id)
-    k, v, _ = kv.gather_kv(self.state, seq_id, max_len=_bucket(length))
+  def gather_kv(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logical `k, v: [num_layers, num_kv_heads, seq_len, head_dim]` of one sequence.
+
+    Host arrays: one jitted gather at a power-of-two length, read to the host
+    and cut there (no program per length). `gather_kv_padded` keeps them on
+    the device.
+    """
+    k, v, length = self.gather_kv_padded(seq_id)
+    k, v = jax.device_get((k, v))
+    self.runtime.read("data")
     return k[:, :, :length], v[:, :, :length]
+
+  def gather_kv_padded(self, seq_id: int) -> tuple[jax.Array, jax.Array, int]:
+    """`(k, v, length)`: the logical K/V on the device, zero-padded to a power of two
+    (>= 16) along the token axis; no host read."""
+    length = self.seq_len(seq_id)
+    state = self.state
+    k, v, _ = kv.gather_kv(state, np.int32(seq_id), max_len=_bucket(length, 16))
+    self.runtime.dispatch("data")
+    return k, v, length
 
   def check_invariants(self, extra_segments: Segments | None = None, *,
                        extra_blocks=None) -> None:
     """Raises `InvariantViolation` unless the state is consistent.
+
+    Flushes, compares the mirror with the device (`verify`: blocking reads),
+    then checks the device state.
 
     Args:
       extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
@@ -215,6 +480,7 @@ class BlockPool:
         reference each: what the caller holds from `allocate()` (the pool does
         not track it). None: none.
     """
+    self.verify()
     check_invariants(self.state, extra_segments, extra_blocks=extra_blocks)
 
   # -- transitions ---------------------------------------------------------
@@ -245,7 +511,7 @@ class BlockPool:
 
   def open_sequences(self, segments: Sequence[Segments | None],
                      seq_ids=None) -> np.ndarray:
-    """Activates one row per entry of `segments`, in one atomic device call.
+    """Activates one row per entry of `segments`, atomically.
 
     Args:
       segments: per new row, `i32[n, 3]` `(block, start, length)` rows of a shared
@@ -258,14 +524,13 @@ class BlockPool:
 
     Raises:
       The errors of `open_sequence`, for the first row that fails; nothing is
-      opened then (atomic). Batch dims are padded to powers of two (rows >= 4,
-      segments >= 4), so few shapes compile.
+      opened then (atomic).
     """
     segs = [empty_segments() if s is None else as_segments(s) for s in segments]
     k = len(segs)
+    h = self.host
     if seq_ids is None:
-      active = np.asarray(self.state.table.active)
-      free = np.flatnonzero(~active)
+      free = np.flatnonzero(~h.active)
       if free.size < k:
         raise PoolExhausted(f"all {self.config.max_seqs} sequence rows are in use"
                             if free.size == 0 else
@@ -288,56 +553,31 @@ class BlockPool:
     if p and (flat[:, 0].min() < 0 or flat[:, 0].max() >= self.config.num_blocks):
       raise InvalidBlock(f"segment blocks {flat[:, 0].tolist()} outside "
                          f"[0, {self.config.num_blocks})")
-    b, w = _bucket(k, 4), _bucket(p, 4)
-    grid = np.zeros((3, b, w), np.int32)
+    grid = np.zeros((3, k, max(p, 1)), np.int64)
     if p:
       rows = np.repeat(np.arange(k), nums)
       cols = np.arange(flat.shape[0]) - np.repeat(np.cumsum(nums) - nums, nums)
       grid[:, rows, cols] = flat.T
-    args = (_pad(ids, b, -1), grid[0], grid[1], grid[2], _pad(nums, b, 0))
-    self.state, (status, suspect) = _segments.open_checked(self.state, *args,
-                                                          config=self.config, check_dead=True)
-    status = np.asarray(status)[:k]
-    if (status == Status.INVALID_SEGMENT).any():
-      suspect = np.asarray(suspect)[:k]
-      if suspect.any():  # segments only the tables hold: do they lie on dead slots?
-        r, c = np.nonzero(suspect)
-        self._check_not_dead(grid[:, r, c].T, rows=r)
-        self.state, (status, _) = _segments.open_checked(self.state, *args, config=self.config,
-                                                        check_dead=False)
-        status = np.asarray(status)[:k]
-    raise_for_status(status, "open_sequence")
-    return ids
-
-  def _check_not_dead(self, segs: np.ndarray, rows: np.ndarray) -> None:
-    """Refuses segments on dead slots: handed out, but no live holder's any more.
-
-    On a block only the tables reference (`ref_count` equals its live table
-    segments), a slot no table segment covers is dead: its K/V was left by a
-    released or moved segment, and `reclaim_slots` may hand it to another
-    sequence. A segment there would read stale data that can be overwritten, so
-    it is refused (`InvalidSegment`). `segs` are the segments `open_checked`
-    flagged (on such blocks; `rows` their entries): only they are checked here,
-    against the tables read on the host (a path the scheduler never takes: its
-    segments are the cache's, which vouches for them).
-    """
-    bs = self.config.block_size
-    table_segs, _ = _table_segments_host(jax.tree.map(np.asarray, self.state.table))
-    for i, (b, start, length) in zip(rows, segs.astype(np.int64)):
-      mine = table_segs[table_segs[:, 0] == b]
-      covered = np.zeros(bs, bool)
-      for _, s0, ln in mine:
-        covered[s0:s0 + ln] = True
-      if not covered[start:start + length].all():
+      used = np.arange(grid.shape[2])[None, :] < nums[:, None]
+      dead = host_ops.dead_segments(h, grid[0], grid[1], grid[2], used)
+      if dead.any():
+        r, c = (int(x[0]) for x in np.nonzero(dead))
+        b, start, length = (int(x) for x in grid[:, r, c])
         raise InvalidSegment(
-            f"open_sequence: row {int(i)}'s segment ({b}, {start}, {length}) lies on dead "
+            f"open_sequence: row {r}'s segment ({b}, {start}, {length}) lies on dead "
             f"slots of block {b} (handed out, but no live segment covers them and nothing "
             "outside the tables holds the block); nothing was applied")
+    status = host_ops.open_rows(h, ids, grid[0], grid[1], grid[2], nums)
+    raise_for_status(status, "open_sequence")
+    self._done()
+    return ids
 
-  def reserve_tokens(self, seq_ids, num_new) -> jax.Array:
+  def reserve_tokens(self, seq_ids, num_new) -> np.ndarray:
     """Room for `num_new[i]` more tokens of each sequence; returns `slot_idx i32[B, T]`.
 
-    `T` is `max(num_new)` rounded up to a power of two; entries past `num_new[i]` are -1.
+    `T` is `max(num_new)` rounded up to a power of two; entries past `num_new[i]`
+    are -1. A host array: the slots are decided on the mirror (the device
+    applies them at the next flush).
     """
     ids, counts = _as_int_array(seq_ids, "seq_ids"), _as_int_array(num_new, "num_new")
     if ids.shape != counts.shape:
@@ -351,13 +591,11 @@ class BlockPool:
     if need_upper > self.config.num_blocks:
       raise PoolExhausted(f"the batch needs up to {need_upper} blocks; the pool has "
                           f"{self.config.num_blocks}", reason="no_free_block")
-    b = _bucket(ids.size)
-    t = _bucket(biggest)
-    self.state, (slot_idx, status) = segments.reserve_tokens(
-        self.state, _pad(ids, b, -1), _pad(counts, b, 0), config=self.config, max_new_tokens=t,
-        atomic=True)
-    raise_for_status(np.asarray(status)[:ids.size], "reserve_tokens")
-    return slot_idx[:ids.size]
+    slot_idx, status, _ = host_ops.reserve(self.host, ids, counts,
+                                           max_new_tokens=_bucket(biggest), atomic=True)
+    raise_for_status(status, "reserve_tokens")
+    self._done()
+    return slot_idx
 
   def write_kv(self, layer: int, slot_idx, k: jax.Array, v: jax.Array, *,
                seq_ids=None) -> None:
@@ -373,10 +611,10 @@ class BlockPool:
     must be the row's own. So a write can never land in another sequence's
     tokens, a shared prefix, a cached block or a free block.
 
-    The checks read the tables on the host: this is the host API (swap-in, cache
-    load, tests), not the decode path. Model code writes inside its jitted step
-    with `paged_kv.core.kv.write_kv` / `paged_kv.model.paged_attention`, which
-    trust `reserve_tokens`' output and check nothing (see their docstrings).
+    The checks read the mirror: this is the host API (swap-in, cache load,
+    tests), not the decode path. Model code writes inside its jitted step with
+    `paged_kv.core.kv.write_kv` / `paged_kv.model.paged_attention`, which trust
+    `reserve_tokens`' output and check nothing (see their docstrings).
 
     Args:
       layer: an integer scalar (Python, numpy or JAX; not a bool) in
@@ -394,23 +632,19 @@ class BlockPool:
     """
     c = self.config
     layer = _as_int_scalar(layer, "layer", low=0, high=c.num_layers)
-    if isinstance(slot_idx, jax.Array) and slot_idx.dtype == jnp.int32:
+    try:
       s = np.asarray(slot_idx)
-    else:
-      try:
-        s = np.asarray(slot_idx)
-      except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"write_kv: slot_idx must be an int array, got "
-                              f"{type(slot_idx).__name__}") from e
-      if s.size and (s.dtype == np.bool_ or not np.issubdtype(s.dtype, np.integer)):
-        raise InvalidArgument(f"write_kv: slot_idx must be an int array, got {s.dtype}")
-      if s.size and (s.min() < -1 or s.max() >= c.num_slots):
-        raise InvalidBlock(f"write_kv: slot index outside [-1, {c.num_slots}): "
-                           f"{s.min()}..{s.max()}")
-      s = s.astype(np.int32)
+    except (TypeError, ValueError) as e:
+      raise InvalidArgument(f"write_kv: slot_idx must be an int array, got "
+                            f"{type(slot_idx).__name__}") from e
+    if isinstance(slot_idx, jax.Array):
+      self.runtime.read("data")
+    if s.size and (s.dtype == np.bool_ or not np.issubdtype(s.dtype, np.integer)):
+      raise InvalidArgument(f"write_kv: slot_idx must be an int array, got {s.dtype}")
     if s.size and (s.min() < -1 or s.max() >= c.num_slots):
       raise InvalidBlock(f"write_kv: slot index outside [-1, {c.num_slots}): "
                          f"{s.min()}..{s.max()}")
+    s = s.astype(np.int32)
     k, v = _as_kv_array(k, "k"), _as_kv_array(v, "v")
     want = tuple(s.shape) + (c.num_kv_heads, c.head_dim)
     for name, x in (("k", k), ("v", v)):
@@ -418,12 +652,47 @@ class BlockPool:
         raise InvalidArgument(f"write_kv: {name} is {x.dtype}{list(x.shape)}, expected "
                               f"{c.jnp_dtype}{list(want)}")
     self._check_write_targets(s, seq_ids)
-    self.state = _write_state(self.state, jnp.int32(layer), jnp.asarray(s), k, v)
+    state = self.state
+    self._state = _write_state(state, np.int32(layer), s, k, v)
+    self.runtime.dispatch("data")
+    self._done()
+
+  def write_kv_layers(self, slot_idx, k, v) -> None:
+    """Writes every layer's K/V of the tokens at `slot_idx` in one jitted write.
+
+    What restores a sequence (swap-in, a cache load): `k, v: [num_layers,
+    num_kv_heads, T, head_dim]` (the layout `gather_kv` returns), `slot_idx:
+    int[T]` (`-1` = skip, e.g. padding to a power of two). The slots are checked
+    as `write_kv`'s. One program per `T`: pad `T` to a few sizes.
+
+    Raises:
+      The errors of `write_kv`.
+    """
+    c = self.config
+    s = np.asarray(slot_idx)
+    if s.ndim != 1 or (s.size and (s.dtype == np.bool_ or not np.issubdtype(s.dtype, np.integer))):
+      raise InvalidArgument(f"write_kv_layers: slot_idx must be a 1-D int array, got "
+                            f"{s.dtype}{list(s.shape)}")
+    if s.size and (s.min() < -1 or s.max() >= c.num_slots):
+      raise InvalidBlock(f"write_kv_layers: slot index outside [-1, {c.num_slots}): "
+                         f"{s.min()}..{s.max()}")
+    s = s.astype(np.int32)
+    want = (c.num_layers, c.num_kv_heads, s.shape[0], c.head_dim)
+    for name, x in (("k", k), ("v", v)):
+      if tuple(x.shape) != want or x.dtype != c.jnp_dtype:
+        raise InvalidArgument(f"write_kv_layers: {name} is {x.dtype}{list(x.shape)}, expected "
+                              f"{c.jnp_dtype}{list(want)}")
+    self._check_write_targets(s, None)
+    state = self.state
+    self._state = _write_layers(state, s, k, v)
+    self.runtime.dispatch("data")
+    self._done()
 
   def _check_write_targets(self, s: np.ndarray, seq_ids) -> None:
-    """`write_kv`'s ownership checks (host; see its docstring). Raises, changes nothing."""
+    """`write_kv`'s ownership checks (on the mirror; see its docstring)."""
     c = self.config
     bs = c.block_size
+    h = self.host
     writer = None
     if seq_ids is not None:
       ids = _as_int_array(seq_ids, "seq_ids")
@@ -443,32 +712,25 @@ class BlockPool:
     if (counts > 1).any():
       raise InvalidArgument(f"write_kv: slots {uniq[counts > 1][:8].tolist()} named more than "
                             "once in one call (the winner would be undefined)")
-    table = jax.tree.map(np.asarray, self.state.table)
     blk, off = flat // bs, flat % bs
-    # Only the touched blocks' metadata comes to the host (one gather): O(batch).
-    touched, inv = np.unique(blk, return_inverse=True)
-    ref_t, words_t = jax.device_get(_block_rows(self.state.meta, jnp.asarray(
-        _pad(touched, _bucket(touched.size), 0))))
-    ref = ref_t[:touched.size][inv].astype(np.int64)
+    ref = h.ref_count[blk].astype(np.int64)
     free = ref == 0
     if free.any():
       raise InvalidBlock(f"write_kv: slots {flat[free][:8].tolist()} lie on free blocks")
-    words = words_t[:touched.size][inv]
+    words = h.slots[blk]
     bit = (words[np.arange(flat.size), off // 32] >> (off % 32).astype(np.uint32)) & 1
     if not bit.all():
       raise InvalidSegment(f"write_kv: slots {flat[bit == 0][:8].tolist()} were never handed "
                            "out (reserve_tokens first)")
-    segs, rows = _table_segments_host(table)
-    table_blocks = np.sort(segs[:, 0])
-    table_refs = (np.searchsorted(table_blocks, blk, side="right")
-                  - np.searchsorted(table_blocks, blk, side="left"))
-    held_outside = ref > table_refs
+    held_outside = ref > h.table_refs[blk]
     if held_outside.any():
       raise BlockInUse(f"write_kv: slots {flat[held_outside][:8].tolist()} lie on blocks held "
                        "outside the tables too (a prefix cache or an allocate() caller): "
                        "their K/V may be read elsewhere")
-    on = np.isin(segs[:, 0], np.unique(blk))
-    segs, rows = segs[on], rows[on]
+    used = h.used_mask()
+    on = used & np.isin(h.block, np.unique(blk))
+    rows = np.broadcast_to(np.arange(c.max_seqs)[:, None], used.shape)[on].astype(np.int64)
+    segs = np.stack([h.block[on], h.start[on], h.length[on]], axis=1).astype(np.int64)
     rel = flat[:, None] - (segs[None, :, 0] * bs + segs[None, :, 1])
     cover = (rel >= 0) & (rel < segs[None, :, 2])
     num_cover = cover.sum(axis=1)
@@ -494,7 +756,7 @@ class BlockPool:
       ref_deltas: optional `(block_ids, deltas)` of holders outside the tables
         (a prefix cache taking the rows' segments) applied first, with the checks
         of `apply_ref_deltas` against the state before the release; then both
-        happen in one atomic device call (`segments.release_with_refs`).
+        happen atomically (`segments.release_with_refs`).
 
     Raises:
       InvalidSequence: a row out of range, repeated or not live. The errors of
@@ -502,33 +764,30 @@ class BlockPool:
     """
     ids = _as_int_array(seq_ids, "seq_ids")
     self._check_ids(ids, active=True)
-    b = _bucket(ids.size, 4)
+    h = self.host
     if ref_deltas is None:
-      self.state, status = segments.release(self.state, _pad(ids, b, -1), config=self.config,
-                                            atomic=True)
-      raise_for_status(np.asarray(status)[:ids.size], "release")
+      raise_for_status(host_ops.release(h, ids, atomic=True), "release")
+      self._done()
       return
     blk, d = self._ref_delta_args(*ref_deltas)
-    k = _bucket(blk.size, 16)
-    self.state, (status, ref_status) = segments.release_with_refs(
-        self.state, _pad(ids, b, -1), _pad(blk, k, -1), _pad(d, k, 0), config=self.config)
-    raise_for_status(np.asarray(ref_status)[:blk.size], "release (ref_deltas)")
-    raise_for_status(np.asarray(status)[:ids.size], "release")
+    status, ref_status = host_ops.release_with_refs(h, ids, blk, d)
+    raise_for_status(ref_status, "release (ref_deltas)")
+    raise_for_status(status, "release")
+    self._done()
 
   def fork(self, src: int, dst: int | None = None) -> int:
     """A new sequence sharing every segment of `src`; returns its row."""
     self._check_ids(_as_int_array(src, "src"), active=True)
     if dst is None:
-      free = np.nonzero(~np.asarray(self.state.table.active))[0]
+      free = np.flatnonzero(~self.host.active)
       if free.size == 0:
         raise PoolExhausted("no free sequence row for the fork", reason="no_free_row")
       dst = int(free[0])
     self._check_ids(_as_int_array(dst, "dst"), active=False)
-    self.state, status = segments.fork(self.state, np.array([src], np.int32),
-                                       np.array([dst], np.int32), config=self.config,
-                                       atomic=True)
+    status = host_ops.fork(self.host, np.array([int(src)]), np.array([int(dst)]))
     raise_for_status(status, "fork")
-    return dst
+    self._done()
+    return int(dst)
 
   def allocate(self, num: int, contiguous: str = "prefer") -> np.ndarray:
     """`num` blocks owned by the caller (ref_count 1), ascending.
@@ -544,17 +803,17 @@ class BlockPool:
     if (isinstance(num, (bool, np.bool_)) or not isinstance(num, (int, np.integer))
         or num < 0):
       raise InvalidArgument(f"num must be an int >= 0, got {num!r}")
-    if not isinstance(contiguous, str) or contiguous not in alloc.CONTIGUOUS_MODES:
-      raise InvalidArgument(f"contiguous must be one of {alloc.CONTIGUOUS_MODES}, got "
+    if not isinstance(contiguous, str) or contiguous not in ("prefer", "require", "never"):
+      raise InvalidArgument(f"contiguous must be one of ('prefer', 'require', 'never'), got "
                             f"{contiguous!r}")
     num = int(num)
     if num > self.config.num_blocks:
       raise PoolExhausted(f"{num} blocks requested; the pool has {self.config.num_blocks}",
                           reason="no_free_block")
-    self.state, (ids, status) = alloc.allocate(self.state, num, config=self.config,
-                                               max_blocks=_bucket(num), contiguous=contiguous)
-    raise_for_status(np.asarray(status)[None], "allocate")
-    return np.asarray(ids)[:num]
+    ids, status = host_ops.allocate(self.host, num, contiguous=contiguous)
+    raise_for_status(np.array([status]), "allocate")
+    self._done()
+    return ids.astype(np.int32)
 
   def apply_ref_deltas(self, block_ids, deltas) -> None:
     """Applies reference changes of holders outside the tables, atomically.
@@ -568,10 +827,8 @@ class BlockPool:
     or under-count a block a live sequence still reads).
     """
     ids, d = self._ref_delta_args(block_ids, deltas)
-    b = _bucket(ids.size, 16)
-    self.state, status = alloc.apply_ref_deltas(self.state, _pad(ids, b, -1), _pad(d, b, 0),
-                                                config=self.config)
-    raise_for_status(np.asarray(status)[:ids.size], "apply_ref_deltas")
+    raise_for_status(host_ops.apply_ref_deltas(self.host, ids, d), "apply_ref_deltas")
+    self._done()
 
   def _ref_delta_args(self, block_ids, deltas) -> tuple[np.ndarray, np.ndarray]:
     """`apply_ref_deltas`' host checks; returns the ids and deltas as int64 arrays."""
@@ -601,17 +858,23 @@ class BlockPool:
     """
     ids = _as_int_array(seq_ids, "seq_ids")
     self._check_ids(ids, active=True)
-    self.state, (split, status) = slots.cow_split(self.state, _pad(ids, _bucket(ids.size), -1),
-                                                  config=self.config,
-                                                  atomic=not skip_exhausted)
-    status = np.asarray(status)[:ids.size]
+    h = self.host
+    tails = h.block[ids, np.maximum(h.num_segments[ids] - 1, 0)]
+    if self._log.page_conflict(tails, self._log.free_page_dsts(h)):
+      self.flush()
+    split, status = host_ops.cow_split(h, ids, atomic=not skip_exhausted)
     if skip_exhausted:  # the rows were checked above: only a missing block can fail them
       status = np.where(status == Status.NO_FREE_BLOCK, Status.OK, status)
     raise_for_status(status, "cow_split")
-    return np.asarray(split)[:ids.size]
+    self._done()
+    return split
 
   def pack_slots(self, table_segments=(), extra_segments: Segments = ()) -> "PackResult":
     """Packs short segments into slotted blocks (see `paged_kv.core.slots`).
+
+    Runs synchronously on the device (the mirror does not model the placement):
+    the queued changes are flushed, the transition's status is read, and the
+    mirror reloads (blocking reads, counted in `runtime`).
 
     Args:
       table_segments: `i32[T, 2]` `(row, col)` pairs naming segments of live
@@ -634,7 +897,7 @@ class BlockPool:
                             f"got shape {tab_arr.shape}")
     tab = _as_int_array(tab_arr.reshape(-1), "table_segments").reshape(-1, 2)
     ext = as_segments(extra_segments, name="extra_segments").astype(np.int64)
-    t = jax.tree.map(np.asarray, self.state.table)
+    t = self.host
     if tab.size:
       self._check_ids(np.unique(tab[:, 0]), active=True)
       if (tab[:, 1] < 0).any() or (tab[:, 1] >= t.num_segments[tab[:, 0]]).any():
@@ -645,9 +908,8 @@ class BlockPool:
       # An outside holder holds ref_count - (table references) on a block: never more
       # extra segments than that (a segment nobody outside holds, or a table's own).
       n = self.config.num_blocks
-      ref = np.asarray(self.state.meta.ref_count).astype(np.int64)
-      segs, _ = _table_segments_host(t)
-      outside = ref - np.bincount(segs[:, 0], minlength=n)
+      ref = t.ref_count.astype(np.int64)
+      outside = ref - t.table_refs
       claimed = np.bincount(ext[:, 0], minlength=n)
       over = np.flatnonzero(claimed > outside)
       if over.size:
@@ -662,9 +924,12 @@ class BlockPool:
     start = np.concatenate([t.start[tab[:, 0], tab[:, 1]], ext[:, 1]])
     length = np.concatenate([t.length[tab[:, 0], tab[:, 1]], ext[:, 2]])
     b = _bucket(k)
-    self.state, (new_block, new_start, status) = slots.pack_slots(
-        self.state, _pad(owner, b, -1), _pad(col, b, 0), _pad(blk, b, -1), _pad(start, b, 0),
+    state = self.state
+    self._state, (new_block, new_start, status) = slots.pack_slots(
+        state, _pad(owner, b, -1), _pad(col, b, 0), _pad(blk, b, -1), _pad(start, b, 0),
         _pad(length, b, 0), config=self.config, atomic=True)
+    self._synced("pack_slots")
+    status, new_block, new_start = jax.device_get((status, new_block, new_start))
     raise_for_status(np.asarray(status)[:k], "pack_slots")
     nb, ns = np.asarray(new_block)[:k], np.asarray(new_start)[:k]
     new = np.stack([nb, ns, length], axis=1).astype(np.int32)
@@ -678,18 +943,29 @@ class BlockPool:
                       extra_segments=new[len(tab):],
                       ref_deltas=(uniq[keep].astype(np.int32), summed[keep]))
 
+  def _synced(self, what: str) -> None:
+    """A transition ran on the device: count it, read its status, reload the mirror."""
+    del what
+    self.runtime.dispatch("sync")
+    self.runtime.read("status")
+    self._mirror = None
+
   def reclaim_slots(self, extra_segments: Segments = ()) -> int:
     """Frees slots no live segment covers (see `paged_kv.core.slots.reclaim_slots`).
 
     `extra_segments` (`i32[n, 3]` `(block, start, length)` rows) must be *every*
     segment held outside the tables; if they do not account for `ref_count`,
     nothing changes and `InvalidSegment` is raised. Returns the slots reclaimed.
+    Runs synchronously on the device (as `pack_slots`).
     """
     ext = as_segments(extra_segments, name="extra_segments")
     b = _bucket(len(ext))
-    self.state, (status, reclaimed) = slots.reclaim_slots(
-        self.state, _pad(ext[:, 0], b, 0), _pad(ext[:, 1], b, 0), _pad(ext[:, 2], b, 0),
+    state = self.state
+    self._state, (status, reclaimed) = slots.reclaim_slots(
+        state, _pad(ext[:, 0], b, 0), _pad(ext[:, 1], b, 0), _pad(ext[:, 2], b, 0),
         config=self.config)
+    self._synced("reclaim_slots")
+    status, reclaimed = jax.device_get((status, reclaimed))
     if int(status) != Status.OK:
       raise InvalidSegment("reclaim_slots: the segments given plus the tables do not account "
                            "for every block's ref_count; nothing was changed")
@@ -699,6 +975,14 @@ class BlockPool:
     if not isinstance(impl, str) or impl not in BLOCK_MOVE_IMPLS:
       raise InvalidArgument(f"impl must be one of {BLOCK_MOVE_IMPLS}, got {impl!r}")
     return impl
+
+  def plan(self, policy: compact.CompactionPolicy) -> tuple[np.ndarray, np.ndarray]:
+    """`(src, dst)`: `policy`'s compaction plan on the mirror (no device work)."""
+    h = self.host
+    moves = policy.num_moves(self.config.num_blocks, self.config.block_bytes)
+    if policy.strategy == "merge":
+      return compact.plan_defrag(h.ref_count, h.region, budget=moves)
+    return host_ops.plan_compaction(h, budget=moves)
 
   def compact(self, budget: int = 32, impl: str = "xla", *,
               policy: compact.CompactionPolicy | None = None) -> np.ndarray:
@@ -710,22 +994,20 @@ class BlockPool:
     Args:
       budget: a positive integer scalar. A plan has at most `num_blocks // 2`
         moves (each needs a live source and a distinct free destination), so a
-        larger budget is clamped to that: the plan's static width never exceeds
-        what can exist. Ignored when `policy` is given.
-      impl: `"xla"`, `"pallas"` or `"mosaic"`.
+        larger budget is clamped to that. Ignored when `policy` is given.
+      impl: `"xla"` (the moves run in the pool's commit); `"pallas"`/`"mosaic"`
+        run them at once with that kernel (synchronously, see `pack_slots`).
       policy: plan with this policy instead: its strategy, and its byte budget
-        turned into moves with this pool's `config.block_bytes`
-        (`CompactionPolicy.plan(meta, config=...)`).
+        turned into moves with this pool's `config.block_bytes`.
     """
     impl = self._check_impl(impl)
     if policy is not None:
-      src, dst = policy.plan(self.state.meta, config=self.config)
-      b = _bucket(src.size)
-      return self._move(_pad(src, b, -1), _pad(dst, b, -1), impl)
-    budget = _as_int_scalar(budget, "budget", low=1)
-    budget = max(1, min(budget, self.config.num_blocks // 2))
-    src, dst = compact.plan_compaction(self.state.meta, budget=budget)
-    return self._move(src, dst, impl)
+      src, dst = self.plan(policy)
+    else:
+      budget = _as_int_scalar(budget, "budget", low=1)
+      budget = max(1, min(budget, self.config.num_blocks // 2))
+      src, dst = host_ops.plan_compaction(self.host, budget=budget)
+    return self._move(src, dst, impl, REGION_DYNAMIC, "move_blocks")
 
   def move_blocks(self, src, dst, impl: str = "xla") -> np.ndarray:
     """Applies a compaction plan (`compact_permute`); returns `remap i32[num_blocks]`.
@@ -743,14 +1025,28 @@ class BlockPool:
     s, d = _as_int_array(src, "src"), _as_int_array(dst, "dst")
     if s.shape != d.shape:
       raise InvalidArgument(f"src {s.shape} and dst {d.shape} differ in shape")
-    b = _bucket(s.size)
-    return self._move(_pad(s, b, -1), _pad(d, b, -1), impl)
+    return self._move(s, d, impl, REGION_DYNAMIC, "move_blocks")
 
-  def _move(self, src, dst, impl: str) -> np.ndarray:
-    self.state, (remap, status) = compact.compact_permute(self.state, src, dst,
-                                                          config=self.config, impl=impl)
-    raise_for_status(np.asarray(status), "move_blocks")
-    return np.asarray(remap)
+  def _move(self, src, dst, impl: str, dst_region: int, what: str) -> np.ndarray:
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    n = self.config.num_blocks
+    if impl != "xla":  # a kernel: run the device transition itself
+      b = _bucket(src.size)
+      state = self.state
+      fn = compact.compact_permute if dst_region == REGION_DYNAMIC else regions.promote_blocks
+      self._state, (remap, status) = fn(state, _pad(src, b, -1), _pad(dst, b, -1),
+                                        config=self.config, impl=impl)
+      self._synced(what)
+      remap, status = jax.device_get((remap, status))
+      raise_for_status(status, what)
+      return np.asarray(remap)
+    live = (src >= 0) | (dst >= 0)
+    if live.any() and self._log.page_conflict(src[src >= 0], dst[dst >= 0], moves=True):
+      self.flush()
+    s, d, status = host_ops.move_blocks(self.host, src, dst, dst_region=dst_region)
+    raise_for_status(status, what)
+    self._done()
+    return host_ops.remap_of(n, s, d)
 
   def promote(self, min_readers: int, max_moves: int = 8) -> np.ndarray:
     """Moves blocks with >= `min_readers` references into the base pool; returns remap.
@@ -760,17 +1056,13 @@ class BlockPool:
       max_moves: a positive integer scalar; clamped to the base pool's size (no
         more promotions can exist), so the plan's static width stays bounded.
 
-    A call that finds nothing to promote changes nothing (the state stays
-    bit-identical, free list included).
+    A call that finds nothing to promote changes nothing.
     """
     min_readers = _as_int_scalar(min_readers, "min_readers", low=1)
     max_moves = _as_int_scalar(max_moves, "max_moves", low=1)
     max_moves = max(1, min(max_moves, self.config.num_base_blocks))
-    src, dst = regions.plan_promotion(self.state.meta, min_readers, max_moves=max_moves)
-    self.state, (remap, status) = regions.promote_blocks(self.state, src, dst,
-                                                         config=self.config)
-    raise_for_status(np.asarray(status), "promote")
-    return np.asarray(remap)
+    src, dst = host_ops.plan_promotion(self.host, min_readers, max_moves=max_moves)
+    return self._move(src, dst, "xla", REGION_BASE, "promote")
 
   def resize(self, num_blocks: int) -> None:
     """Shrinks (the cut tail must be free: compact first) or grows the pool.
@@ -783,8 +1075,21 @@ class BlockPool:
     """
     num_blocks = _as_int_scalar(num_blocks, "num_blocks", low=1)
     new_config = regions.resized_config(self.config, num_blocks)
-    self.state = regions.resize_pool(self.state, config=self.config, new_config=new_config)
+    h = self.host
+    if num_blocks < self.config.num_blocks:
+      tail = h.ref_count[num_blocks:]
+      if tail.any():
+        live = np.flatnonzero(tail) + num_blocks
+        raise InvalidBlock(f"cannot cut blocks [{num_blocks}, {self.config.num_blocks}): "
+                           f"{live.size} still referenced (e.g. {live[:8].tolist()}); "
+                           "compact first")
+    state = self.state
+    self._state = regions.resize_pool(state, config=self.config, new_config=new_config)
+    self.runtime.dispatch("sync")
+    self._scratch_log = ChangeLog(new_config)
+    self._mirror = h.resized(new_config)
     self.config = new_config
+    self._done()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -806,15 +1111,9 @@ class PackResult:
 
 
 @jax.jit
-def _block_rows(meta, block_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(ref_count[block_ids], slots[block_ids])`: a few blocks' metadata, for host checks."""
-  return meta.ref_count[block_ids], meta.slots[block_ids]
-
-
-@jax.jit
 def _table_rows(table: SegmentTable, seq_ids: jax.Array) -> tuple[jax.Array, ...]:
   """`(block, start, length: i32[B, max_segments], num_segments: i32[B])` of table rows
-  `seq_ids: i32[B]` (separate arrays: no transfer is larger than `B * max_segments`)."""
+  `seq_ids: i32[B]` (a device read of rows; the pool reads its mirror instead)."""
   return (table.block[seq_ids], table.start[seq_ids], table.length[seq_ids],
           table.num_segments[seq_ids])
 
@@ -826,3 +1125,22 @@ _table_row = _table_rows  # the one-row reader's old name (a test counts its com
 def _write_state(state: PoolState, layer: jax.Array, slot_idx: jax.Array, k: jax.Array,
                  v: jax.Array) -> PoolState:
   return dataclasses.replace(state, pages=kv.write_kv(state.pages, layer, slot_idx, k, v))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _write_layers(state: PoolState, slot_idx: jax.Array, k: jax.Array,
+                  v: jax.Array) -> PoolState:
+  """Every layer's K/V (`[L, H, T, D]`) into slots `slot_idx: i32[T]` (-1 dropped)."""
+  pages = state.pages
+  num_layers, num_heads, n, bs, d = pages.k.shape
+  dst = jnp.where(slot_idx >= 0, slot_idx, n * bs)
+  def put(p, x):
+    flat = p.reshape(num_layers, num_heads, n * bs, d)
+    return flat.at[:, :, dst].set(x.astype(p.dtype), mode="drop").reshape(p.shape)
+  return dataclasses.replace(state, pages=dataclasses.replace(pages, k=put(pages.k, k),
+                                                              v=put(pages.v, v)))
+
+
+def warmup_widths(config: PoolConfig, move_widths=()) -> list[CommitWidths]:
+  """Every commit width a pool of `config` uses (`CommitWidths.all_for`)."""
+  return CommitWidths.all_for(config, move_widths)

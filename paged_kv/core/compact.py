@@ -413,6 +413,11 @@ class CompactionPolicy:
     moves = max(1, self.step_bytes // int(block_bytes))
     return int(min(moves, self.budget)) if self.budget is not None else int(moves)
 
+  def num_moves(self, num_blocks: int, block_bytes: int | None = None) -> int:
+    """The width of a plan for a pool of `num_blocks`: `max_moves(block_bytes)`
+    clamped to `[1, num_blocks // 2]` (the most moves that can exist)."""
+    return max(1, min(self.max_moves(block_bytes), int(num_blocks) // 2))
+
   def step_time_share(self, num_moves: int, block_bytes: int,
                       step_seconds: float | None = None) -> float:
     """Modelled share of a step that `num_moves` block moves take at `copy_bandwidth`."""
@@ -432,9 +437,7 @@ class CompactionPolicy:
     """
     if block_bytes is None and config is not None:
       block_bytes = config.block_bytes
-    moves = self.max_moves(block_bytes)
-    n = int(meta.ref_count.shape[0])
-    moves = max(1, min(moves, n // 2))
+    moves = self.num_moves(int(meta.ref_count.shape[0]), block_bytes)
     if self.strategy == "merge":
       return plan_defrag(meta.ref_count, meta.region, budget=moves)
     src, dst = plan_compaction(meta, budget=moves)

@@ -90,3 +90,14 @@ class InvalidSegmentLayout(InvalidArgument):
 
 class InvariantViolation(PagedKVError, AssertionError):
   """`check_invariants` found the state inconsistent."""
+
+
+class InternalInconsistency(InvariantViolation):
+  """The device state differs from the host mirror the pool decided with.
+
+  Raised when a deferred check (a commit's comparison of what the device held
+  with what the host expected, or a jitted step's reservation status against the
+  host's prediction) or a debug-mode comparison fails. The message names the
+  call. A bug, never load: `BlockPool.resync()` reloads the mirror from the
+  device, and `check_invariants()` says whether the device state is sound.
+  """

@@ -54,7 +54,8 @@ import jax
 import numpy as np
 
 from paged_kv.core import compact
-from paged_kv.core.errors import InvalidArgument, InvariantViolation, PagedKVError, PoolExhausted
+from paged_kv.core.errors import (InternalInconsistency, InvalidArgument, InvariantViolation,
+                                  PagedKVError, PoolExhausted)
 from paged_kv.core.segment_format import Segments, as_segments, take_tokens
 from paged_kv.pool import BlockPool
 from paged_kv.serving import persist
@@ -65,18 +66,7 @@ from radix.tree import HitStats, NodeId, RadixTree, StaleNodeError
 
 __all__ = ["CacheView", "CachedPool", "PoolStateLost", "state_lost"]
 
-_MIN_LOOKUP = 64  # smallest padded width of a ref_count lookup (power-of-two buckets)
 _NO_IDS = np.zeros((0,), np.int32)
-
-
-@jax.jit
-def _gather_ref_count(ref_count: jax.Array, ids: jax.Array) -> jax.Array:
-  """`i32[k]`: `ref_count[ids]` (`ids: i32[k]`, in range)."""
-  return ref_count[ids]
-
-
-def _bucket(x: int) -> int:
-  return max(_MIN_LOOKUP, 1 << max(int(x) - 1, 0).bit_length())
 
 
 class PoolStateLost(PagedKVError):
@@ -86,8 +76,11 @@ class PoolStateLost(PagedKVError):
 
 
 def state_lost(pool: BlockPool) -> bool:
-  """True when some array of `pool.state` was deleted (donated and not returned)."""
-  for leaf in jax.tree.leaves(pool.state):
+  """True when some array of `pool.state` was deleted (donated and not returned).
+
+  Looks at the buffers only: applies no queued change (`BlockPool.unflushed_state`).
+  """
+  for leaf in jax.tree.leaves(pool.unflushed_state):
     is_deleted = getattr(leaf, "is_deleted", None)
     if is_deleted is not None and is_deleted():
       return True
@@ -95,12 +88,8 @@ def state_lost(pool: BlockPool) -> bool:
 
 
 def table_ref_counts(pool: BlockPool) -> np.ndarray:
-  """`i32[num_blocks]`: the references the live tables hold, per block (host)."""
-  t = pool.state.table
-  active, ns, block = (np.asarray(x) for x in (t.active, t.num_segments, t.block))
-  cols = np.arange(block.shape[1])[None, :]
-  used = active[:, None] & (cols < ns[:, None])
-  return np.bincount(block[used].reshape(-1), minlength=pool.config.num_blocks).astype(np.int64)
+  """`i64[num_blocks]`: the references the live tables hold, per block (the mirror's)."""
+  return pool.host.table_refs.astype(np.int64)
 
 
 class CacheView:
@@ -232,24 +221,19 @@ class CachedPool:
     return self._pool.config
 
   def _ref_count(self) -> np.ndarray:
-    """The whole `ref_count` on the host (recovery and reports only: a full copy)."""
-    return np.asarray(self._pool.state.meta.ref_count)
+    """The whole `ref_count` (the pool's mirror: no device read)."""
+    return self._pool.host.ref_count
 
   def _lookup_ref_count(self, ids: np.ndarray) -> np.ndarray:
-    """`ref_count[ids]` read from the device: one gather, `k` entries transferred.
+    """`ref_count[ids]` from the pool's host mirror (no device read).
 
-    What eviction reads, instead of the whole array: the cache asks for the blocks
-    of the nodes it considers only. Widths are padded to powers of two (>= 64), so
-    few shapes compile.
+    What eviction reads: the cache asks for the blocks of the nodes it considers.
     """
     ids = np.asarray(ids, np.int64).reshape(-1)
     if ids.size and (ids.min() < 0 or ids.max() >= self._pool.config.num_blocks):
       raise InvariantViolation(f"the cache holds blocks outside [0, "
                                f"{self._pool.config.num_blocks}): {ids.tolist()[:8]}")
-    padded = np.zeros(_bucket(ids.size), np.int32)
-    padded[:ids.size] = ids
-    out = jax.device_get(_gather_ref_count(self._pool.state.meta.ref_count, padded))
-    return np.asarray(out[:ids.size], np.int64)
+    return self._pool.host.ref_count[ids].astype(np.int64)
 
   def _dynamic(self) -> np.ndarray:
     """`bool[num_blocks]`: the dynamic region, host side (no device read).
@@ -525,7 +509,7 @@ class CachedPool:
       remap = self._pool.compact(budget=budget, impl=impl)
       self._cache.apply_remap(remap)
       return remap
-    src, dst = policy.plan(self._pool.state.meta, config=self._pool.config)
+    src, dst = self._pool.plan(policy)
     return self.move_blocks(src, dst, impl=impl)
 
   def promote(self, min_readers: int, max_moves: int = 8) -> np.ndarray:
@@ -610,6 +594,10 @@ class CachedPool:
       raise PoolStateLost("the pool's state buffers were deleted (donated to a jitted call "
                           "whose result never came back); its K/V and bookkeeping are gone")
     try:
+      self._pool.verify()  # the mirror against the device (reloaded if they differ)
+    except InternalInconsistency:
+      pass
+    try:
       self.check_invariants()
       return False
     except InvariantViolation:
@@ -645,7 +633,7 @@ class CachedPool:
   def snapshot(self, *, counters: metrics.PoolCounters | None = None,
                assert_no_ghosts: bool = True) -> metrics.PoolSnapshot:
     """A metrics snapshot with the cache's segments counted as live slots."""
-    return metrics.snapshot(self._pool.state, self._pool.config,
+    return metrics.snapshot(self._pool.host, self._pool.config,
                             extra_segments=self._cache.segment_refs(), counters=counters,
                             assert_no_ghosts=assert_no_ghosts)
 

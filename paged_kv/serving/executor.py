@@ -89,9 +89,9 @@ class Executor(Protocol):
     row's one token is its pending token) and samples the token after its last one.
 
     Returns:
-      `(state, next_tokens i32[B], status i32[B])`; a row whose reservation
-      failed (`status != OK`) is left untouched and its `next_tokens` entry is
-      meaningless.
+      `(state, next_tokens i32[B], status i32[B])` (host or device arrays); a
+      row whose reservation failed (`status != OK`) is left untouched and its
+      `next_tokens` entry is meaningless.
 
     Raises:
       Anything; raised after the donating call, the exception carries the new
@@ -105,6 +105,8 @@ class Executor(Protocol):
 class DryExecutor:
   """Memory dynamics only: reserves the slots, computes nothing, samples token 0."""
 
+  uses_tokens = False  # one program per `max_query_len`, whatever the token width
+
   def __init__(self, config: PoolConfig):
     self.config = config
 
@@ -117,11 +119,9 @@ class DryExecutor:
     state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
                                                  config=self.config,
                                                  max_new_tokens=plan.max_query_len)
-    try:
-      return state, np.zeros(plan.seq_ids.shape, np.int32), np.asarray(status)
-    except BaseException as exc:
-      attach_state(exc, state)
-      raise
+    # The status stays on the device: the scheduler predicted it on its host mirror
+    # and compares the two once the device is done (no wait).
+    return state, np.zeros(plan.seq_ids.shape, np.int32), status
 
 
 class ModelExecutor:
@@ -168,8 +168,6 @@ class ModelExecutor:
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
     state, (nxt, _, status) = self._forward(self.params, state, plan, graphdef=self.graphdef,
                                             config=self.config, **self.kernel_args)
-    try:
-      return state, np.asarray(nxt), np.asarray(status)
-    except BaseException as exc:
-      attach_state(exc, state)
-      raise
+    # Device arrays: the caller reads the tokens (it needs them) and compares the
+    # status with its own prediction once ready.
+    return state, nxt, status

@@ -266,12 +266,20 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
     raise InvalidArgument(f"the cache's segments cover {slots.shape[0]} tokens, its nodes "
                           f"{int(cu_tokens[-1])}")
   bits = _BITS_DTYPES[config.jnp_dtype.itemsize]
-  k, v = _gather_slots(pool.state.pages.k, pool.state.pages.v, jnp.asarray(slots, jnp.int32))
+  # One gather at a power-of-two width (>= 256; padding reads slot 0), cut on the host:
+  # no program per cache size.
+  num = slots.shape[0]
+  padded = np.zeros((1 << max(num - 1, 255).bit_length(),), np.int32)
+  padded[:num] = slots
+  state = pool.state
+  k, v = jax.device_get(_gather_slots(state.pages.k, state.pages.v, padded))
+  pool.runtime.dispatch("data")
+  pool.runtime.read("data")
   arrays = {
       "node_namespace": node_ns, "node_parent": parent, "cu_tokens": cu_tokens,
       "tokens": tokens, "node_recency": recency, "node_pin_ttl": pin_ttl,
-      "k": np.asarray(jax.device_get(k)).view(bits),
-      "v": np.asarray(jax.device_get(v)).view(bits),
+      "k": np.ascontiguousarray(np.asarray(k)[:, :, :num]).view(bits),
+      "v": np.ascontiguousarray(np.asarray(v)[:, :, :num]).view(bits),
   }
   header = {
       "format": FORMAT_NAME, "version": FORMAT_VERSION,
@@ -622,7 +630,7 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
     raise PoolExhausted(f"the saved cache needs {layout.num_blocks} blocks of "
                         f"{bs} tokens; the pool has {pool.num_free_blocks} free",
                         reason="no_free_block")
-  num_free_rows = config.max_seqs - int(np.asarray(pool.state.table.active).sum())
+  num_free_rows = config.max_seqs - int(pool.host.active.sum())
   if layout.num_blocks and num_free_rows < 1:
     raise PoolExhausted("loading needs one free sequence row", reason="no_free_row")
 
@@ -666,7 +674,8 @@ def _write_blocks(pool: BlockPool, saved: _SavedCache, layout: _Layout,
   dtype = config.jnp_dtype
   k_all, v_all = saved.k.view(dtype), saved.v.view(dtype)
   physical = np.full((layout.num_blocks,), -1, np.int64)
-  max_batch = min(max_batch, len(groups))
+  # Writes padded to `max_batch` rows of a power-of-two width (slot -1 is skipped):
+  # few shapes whatever the file.
   most = max(int(layout.fill[g].sum()) for g in groups)
   width = 1 << max(most - 1, 0).bit_length()  # what reserve_tokens pads to, at most
   open_seqs: list[int] = []
@@ -678,18 +687,15 @@ def _write_blocks(pool: BlockPool, saved: _SavedCache, layout: _Layout,
       for _ in batch:
         open_seqs.append(pool.open_sequence())
       reserved = np.asarray(pool.reserve_tokens(open_seqs, [s.shape[0] for s in src]))
-      # Writes padded to one shape for the whole load (slot -1 is skipped): one compile.
-      slot_idx = np.full((max_batch, width), -1, np.int32)
+      slot_idx = np.full((_MAX_LOAD_BATCH, width), -1, np.int32)
       slot_idx[:len(batch), :reserved.shape[1]] = reserved
-      src_idx = np.zeros((max_batch, width), np.int64)
+      src_idx = np.zeros((_MAX_LOAD_BATCH, width), np.int64)
       for r, (g, s) in enumerate(zip(batch, src)):
         src_idx[r, :s.shape[0]] = s
         physical[g] = slot_idx[r, np.arange(len(g)) * bs] // bs
-      for layer in range(config.num_layers):
-        # [H, B, W, D] -> [B, W, H, D], the layout write_kv takes.
-        k = np.ascontiguousarray(k_all[layer][:, src_idx].transpose(1, 2, 0, 3))
-        v = np.ascontiguousarray(v_all[layer][:, src_idx].transpose(1, 2, 0, 3))
-        pool.write_kv(layer, slot_idx, k, v)
+      flat = src_idx.reshape(-1)  # every layer in one write: [L, H, B * W, D]
+      pool.write_kv_layers(slot_idx.reshape(-1), np.ascontiguousarray(k_all[:, :, flat]),
+                           np.ascontiguousarray(v_all[:, :, flat]))
       blocks = np.concatenate([np.asarray(g) for g in batch])
       ids, refs = physical[blocks], layout.tree_refs[blocks]
       pool.apply_ref_deltas(ids, refs)

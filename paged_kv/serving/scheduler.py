@@ -85,7 +85,11 @@ from paged_kv.serving.cached_pool import CachedPool, CacheView, PoolStateLost, s
 from paged_kv.model import ragged
 from paged_kv.model.plan import StepPlan
 from paged_kv.serving.executor import DryExecutor, Executor, attached_state
+from paged_kv.runtime import counters
+from paged_kv.serving import warmup as warmup_lib
 from paged_kv.serving.governance import CacheGovernance
+from paged_kv.serving.warmup import WarmupReport
+from paged_kv.mirror import transitions as host_ops
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
 from radix.cache import PrefixCache
 from radix.tree import check_namespace
@@ -319,6 +323,13 @@ class SchedulerStats:
   shrink_bytes_moved: int = 0  # their bytes (at the shrink's `block_bytes`)
   shrink_evicted_blocks: int = 0  # cached-only blocks evicted to make room below a cut
   shrink_blocks_returned: int = 0  # blocks the cuts gave back
+  # Device traffic (`paged_kv.runtime.counters`): the pool's dispatches and blocking
+  # reads, and the process's XLA compiles, since the scheduler was built / warmed up.
+  device_dispatches: int = 0  # jitted programs launched (commits, steps, K/V data)
+  bookkeeping_dispatches: int = 0  # of which bookkeeping (commits, synchronous calls)
+  blocking_reads: int = 0  # host reads that waited on the device (sampled tokens excluded)
+  backend_compiles: int = 0  # XLA compiles in the process since the scheduler was built
+  compiles_after_warmup: int = 0  # ... since `Scheduler.warmup()` (0 is the goal)
 
   @property
   def prefix_cache_hit_rate(self) -> float:
@@ -451,7 +462,7 @@ class Scheduler:
     self._now = 0.0  # the clock at the step's start, then after its forward pass
     # The cheap pool figures of the latest step's start (`take_stats()`: now).
     self.last_stats: metrics.StepStats | None = None
-    self._pending_stats: metrics.PendingStepStats | None = None  # dispatched this step
+    self._pending_stats: metrics.StepStats | None = None  # the figures of this step's start
     # `stats_budget` pacing: moving averages of the figures' and the rest of a
     # step's host seconds, and the interval they give (1 until measured).
     self._stats_cost: float | None = None
@@ -470,12 +481,47 @@ class Scheduler:
     self._live_used = 0  # live blocks: the latest figures plus what this step admitted
     self._broken: str | None = None
     self.num_recoveries = 0  # steps that raised and were recovered from
+    self.runtime_steps = 0  # forward passes run
+    self.warmup_report: WarmupReport | None = None
+    self._runtime_base = self.pool.runtime.snapshot()
+    self._compiles_at_warmup: int | None = None
 
   # ------------------------------------------------------------------ public
   @property
   def cache(self) -> CacheView | None:
     """A read-only view of the prefix cache; None when caching is off."""
     return self.cached_pool.cache if self._caching else None
+
+  def warmup(self, *, progress: bool = True) -> WarmupReport:
+    """Compiles (runs once) every program the serving path can run; see
+    `paged_kv.serving.warmup`. After it, `stats.compiles_after_warmup` counts
+    what compiled anyway (0 for any workload the configs admit).
+
+    Returns:
+      The `WarmupReport` (also `self.warmup_report`): programs, compiles, cache
+      loads, seconds.
+    """
+    self._check_usable()
+    self.warmup_report = warmup_lib.warm(self, progress=progress)
+    self._compiles_at_warmup = counters.backend_compiles()
+    self._update_runtime_stats()
+    return self.warmup_report
+
+  @property
+  def runtime(self) -> counters.RuntimeStats:
+    """The pool's device traffic since the scheduler was built (dispatches, reads,
+    compiles; see `paged_kv.runtime.counters`)."""
+    return self.pool.runtime.snapshot().since(self._runtime_base)
+
+  def _update_runtime_stats(self) -> None:
+    rt = self.runtime
+    st = self.stats
+    st.device_dispatches = rt.num_dispatches
+    st.bookkeeping_dispatches = rt.bookkeeping_dispatches
+    st.blocking_reads = rt.blocking_reads
+    st.backend_compiles = rt.backend_compiles
+    if self._compiles_at_warmup is not None:
+      st.compiles_after_warmup = counters.backend_compiles() - self._compiles_at_warmup
 
   def submit(self, request: Request) -> None:
     """Queues a request (FCFS).
@@ -564,8 +610,9 @@ class Scheduler:
     stats_seconds = 0.0
     self._pending_stats = None
     if self._takes_stats():
-      # Dispatched now, read at the end of the step: no host wait (see `stats_every`).
-      self._pending_stats = metrics.step_stats_async(self.pool.state, self.pool.config)
+      # The figures of the step's start, from the pool's host mirror (no device work).
+      self._pending_stats = metrics.step_stats_host(self.pool.host, self.pool.config,
+                                                    counters=self.counters)
       stats_seconds = time.perf_counter() - t0
     self._govern()
     self._admit()
@@ -583,11 +630,13 @@ class Scheduler:
     step_id = self._step
     self._step += 1
     self.stats.steps += 1
+    self._update_runtime_stats()
     self.stats.max_running = max(self.stats.max_running, len(self.running))
     pool_stats = snap = None
     if self._pending_stats is not None:
       t1 = time.perf_counter()
-      pool_stats = self.last_stats = self._pending_stats.result(counters=self.counters)
+      pool_stats = self.last_stats = dataclasses.replace(
+          self._pending_stats, oom_by_reason=dict(self.counters.oom_by_reason))
       self._pending_stats = None
       stats_seconds += time.perf_counter() - t1
       self._pace_stats(step_id, stats_seconds, time.perf_counter() - t0 - stats_seconds)
@@ -663,8 +712,8 @@ class Scheduler:
   def _reconcile_rows(self) -> None:
     """Every running request owns a live row holding exactly its cached tokens; every
     live row belongs to a running request."""
-    table = self.pool.state.table
-    active, seq_len = np.asarray(table.active), np.asarray(table.seq_len)
+    host = self.pool.host  # reloaded from the device after an interrupted step
+    active, seq_len = host.active, host.seq_len
     owned: set[int] = set()
     for req in list(self.running):
       row = req.seq_id
@@ -725,10 +774,9 @@ class Scheduler:
       self.stats.gc_marked_nodes += self.cached_pool.gc_mark(gov.gc_ttl).num_nodes
     if self._quota is None:
       return
-    # The figures of the step's start: this step's pending reduction, read now.
-    pending = self._pending_stats or metrics.step_stats_async(self.pool.state,
-                                                              self.pool.config)
-    fig = self.last_stats = pending.result(counters=self.counters)
+    # The figures of the step's start (taken already when this step takes them).
+    fig = self.last_stats = self._pending_stats or metrics.step_stats_host(
+        self.pool.host, self.pool.config, counters=self.counters)
     decision = self._quota.update(fig.used_blocks, fig.cached_blocks)
     self._live_limit, self._live_used = decision.live_limit, fig.used_blocks
     if decision.evict_cached > 0:
@@ -928,19 +976,34 @@ class Scheduler:
     # Decode rows first (tpu-inference's convention); blocks go to rows in this order.
     plan = self._plan(decodes, chunks)
     num_rows = len(decodes) + len(chunks)
+    # The reservation the step makes on the device, decided on the host mirror first
+    # (the same algorithm on the same state): the host needs nothing back but tokens.
+    pred = self.pool.predict_step(plan.seq_ids, plan.num_new,
+                                  max_new_tokens=plan.max_query_len)
     try:
-      state, nxt, status = self.executor.step(self.pool.state, plan)
+      state, nxt, dev_status = self.executor.step(pred.state, plan)
     except BaseException as exc:
-      state = attached_state(exc)  # raised after the donation: the executor's new state
-      if state is not None:
-        self.pool.state = state
+      # Raised after the donation: the executor's new state (else the old one stands).
+      self.pool.abandon_step(attached_state(exc))
       raise
-    self.pool.state = state
-    nxt, status = np.asarray(nxt).reshape(-1), np.asarray(status).reshape(-1)
+    try:
+      self.runtime_steps += 1
+      if isinstance(nxt, jax.Array):  # sampled tokens: the one read a model step needs
+        nxt = np.asarray(nxt)
+        self.pool.runtime.read("tokens")
+      nxt = np.asarray(nxt).reshape(-1)
+      dev_status = (dev_status.reshape(-1) if isinstance(dev_status, jax.Array)
+                    else np.asarray(dev_status).reshape(-1))
+      if nxt.shape[0] < num_rows or dev_status.shape[0] < num_rows:
+        raise InvalidArgument(f"executor returned {nxt.shape[0]} tokens / "
+                              f"{dev_status.shape[0]} statuses for {num_rows} rows")
+      self.pool.adopt_step(state, pred, device_status=dev_status)
+    except BaseException:
+      if not pred.adopted:  # the pool never took the step's state: hand it over
+        self.pool.abandon_step(state)
+      raise
+    status = pred.status
     self._now = self.clock()  # the tokens of this pass exist from now
-    if nxt.shape[0] < num_rows or status.shape[0] < num_rows:
-      raise InvalidArgument(f"executor returned {nxt.shape[0]} tokens / {status.shape[0]} "
-                            f"statuses for {num_rows} rows")
     failed = 0
     bad = (status[:len(decodes)] != Status.OK).tolist()
     tokens = nxt[:len(decodes)].tolist()
@@ -1128,13 +1191,13 @@ class Scheduler:
       return
     # The latest cheap figures (no extra device reduction); without them, the ratio now.
     ratio = (self.last_stats.fragmentation_ratio if self.last_stats is not None
-             else float(compact.fragmentation_ratio(self.pool.state.meta)))
+             else metrics.step_stats_host(self.pool.host, self.pool.config).fragmentation_ratio)
     if not policy.should_compact(ratio):
       return
     t0 = time.perf_counter()
     # The policy's byte budget (a share of a step's time at the copy bandwidth), in
     # moves of this pool's blocks.
-    src, dst = policy.plan(self.pool.state.meta, config=self.pool.config)
+    src, dst = self.pool.plan(policy)
     num_moves = int(np.sum(src >= 0))
     if num_moves == 0:
       return
@@ -1237,7 +1300,7 @@ class Scheduler:
       raise InvalidArgument(f"{type(self.executor).__name__} holds the pool config but has no "
                             f"resize(config): it could not follow the cut")
     dynamic = num_blocks - pc.num_base_blocks
-    live, cached = regions.block_usage(self.pool.state)  # one host copy, here only
+    live, cached = self.pool.host.block_usage()
     if live > dynamic or (not evict_cached and live + cached > dynamic):
       held = live if live > dynamic else live + cached
       raise PoolExhausted(f"cannot shrink to {num_blocks} blocks: {dynamic} dynamic blocks "
@@ -1296,8 +1359,7 @@ class Scheduler:
     held, free_below = self._make_room(s, held, free_below)
     moved = 0
     if held:
-      src, dst = regions.plan_shrink(self.pool.state.meta, s.target, budget=s.max_moves)
-      src, dst = np.asarray(src), np.asarray(dst)
+      src, dst = host_ops.plan_shrink(self.pool.host, s.target, budget=s.max_moves)
       moved = int(np.sum(src >= 0))
       if moved:
         self.cached_pool.move_blocks(src, dst)  # tables and the cache follow the remap
@@ -1319,8 +1381,7 @@ class Scheduler:
 
   def _shrink_progress(self, target: int) -> tuple[int, int]:
     """`(held_above, free_below)` of `target` (one reduction, two scalars to the host)."""
-    held, free_below = jax.device_get(regions.shrink_progress(self.pool.state.meta, target))
-    return int(held), int(free_below)
+    return host_ops.shrink_progress(self.pool.host, target)
 
   def _make_room(self, s: regions.ShrinkProgress, held: int, free_below: int) -> tuple[int, int]:
     """Evicts cached-only blocks until the room below the target holds what is above
@@ -1366,12 +1427,12 @@ class Scheduler:
     it is, e.g. after `run()` drained the queue.
     """
     self._check_usable()
-    return metrics.step_stats(self.pool.state, self.pool.config, counters=self.counters)
+    return metrics.step_stats_host(self.pool.host, self.pool.config, counters=self.counters)
 
   def take_snapshot(self) -> metrics.PoolSnapshot:
     """The full pool snapshot now (every block copied to the host; not recorded)."""
     self._check_usable()
-    return metrics.snapshot(self.pool.state, self.pool.config,
+    return metrics.snapshot(self.pool.host, self.pool.config,
                             extra_segments=self.extra_segments(), counters=self.counters)
 
   def _observe_alerts(self, figures) -> None:
@@ -1380,7 +1441,7 @@ class Scheduler:
     self._alerts_now.extend(fired)
 
   def _snapshot(self, step_id: int) -> metrics.PoolSnapshot:
-    snap = metrics.snapshot(self.pool.state, self.pool.config,
+    snap = metrics.snapshot(self.pool.host, self.pool.config,
                             extra_segments=self.extra_segments(), counters=self.counters)
     self.snapshots.append(snap)
     self._observe_alerts(snap)

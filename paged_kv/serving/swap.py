@@ -1,10 +1,14 @@
 """Preemption by swap: a sequence's K/V copied to host memory and restored bit-exactly.
 
-`swap_out` gathers the sequence's logical K/V (all layers, heads) to host
-numpy arrays and releases it; `swap_in` opens a fresh row, reserves room for
-the same number of tokens (wherever the allocator puts them now) and writes the
-K/V back, so the sequence's logical K/V is bit-identical while its physical
-blocks may differ.
+`swap_out` gathers the sequence's logical K/V (all layers, heads) with one
+jitted gather at a power-of-two length (`BlockPool.gather_kv_padded`), starts
+its copy to host memory (`jax.device_put` to the CPU device: asynchronous, no
+wait) and releases the sequence. `swap_in` opens a fresh row, reserves room
+for the same number of tokens (wherever the allocator puts them now) and
+writes the K/V back in one jitted write of every layer
+(`BlockPool.write_kv_layers`), so the sequence's logical K/V is bit-identical
+while its physical blocks may differ. Neither waits for the device, and both
+run programs of a few power-of-two lengths only.
 """
 
 from __future__ import annotations
@@ -17,34 +21,50 @@ import numpy as np
 from paged_kv.pool import BlockPool
 
 
+def _host_device():
+  """Where swapped K/V lives: the CPU device (host memory)."""
+  return jax.devices("cpu")[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class SwappedKV:
   """Host copy of one sequence.
 
   Attributes:
-    k, v: `[num_layers, num_kv_heads, length, head_dim]` numpy arrays.
+    k, v: `[num_layers, num_kv_heads, T, head_dim]` arrays in host memory (on
+      the CPU device, or numpy), `T >= length`; tokens beyond `length` are
+      padding.
+    length: the sequence's tokens (default: `T`).
   """
 
-  k: np.ndarray
-  v: np.ndarray
+  k: jax.Array | np.ndarray
+  v: jax.Array | np.ndarray
+  length: int = -1
 
-  @property
-  def length(self) -> int:
-    return int(self.k.shape[2])
+  def __post_init__(self):
+    if self.length < 0:
+      object.__setattr__(self, "length", int(self.k.shape[2]))
 
   @property
   def nbytes(self) -> int:
-    return int(self.k.nbytes + self.v.nbytes)
+    """Bytes of the sequence's K/V (its `length` tokens, K and V)."""
+    per_token = self.k.shape[0] * self.k.shape[1] * self.k.shape[3] * self.k.dtype.itemsize
+    return int(2 * per_token * self.length)
 
 
 def swap_out(pool: BlockPool, seq_id: int) -> SwappedKV:
   """Copies a live sequence's K/V to host and releases it from the pool.
 
+  No wait: the gather is dispatched, its copy to host memory started, and the
+  release queued; the runtime orders the gather's reads before any later write
+  of the freed blocks.
+
   On an exception the sequence may or may not have been released (the release is
   the last call); the caller checks the row (the scheduler reconciles its rows).
   """
-  k, v = pool.gather_kv(seq_id)
-  swapped = SwappedKV(k=np.asarray(jax.device_get(k)), v=np.asarray(jax.device_get(v)))
+  k, v, length = pool.gather_kv_padded(seq_id)
+  k, v = jax.device_put((k, v), _host_device())
+  swapped = SwappedKV(k=k, v=v, length=length)
   pool.release([seq_id])
   return swapped
 
@@ -53,7 +73,7 @@ def swap_in(pool: BlockPool, swapped: SwappedKV, seq_id: int | None = None) -> i
   """Restores a swapped sequence into a fresh row; returns the row.
 
   Atomic: on any exception (`KeyboardInterrupt` included) in the reservation or
-  in a `write_kv`, the opened row is released again, so the pool is as before.
+  in the write, the opened row is released again, so the pool is as before.
 
   Raises:
     PoolExhausted: it does not fit (the pool unchanged).
@@ -62,14 +82,14 @@ def swap_in(pool: BlockPool, swapped: SwappedKV, seq_id: int | None = None) -> i
   if swapped.length == 0:
     return seq
   try:
-    slots = pool.reserve_tokens([seq], [swapped.length])[0, :swapped.length]
-    for layer in range(swapped.k.shape[0]):
-      # [H, T, D] -> [T, H, D], the layout write_kv takes.
-      pool.write_kv(layer, slots, np.swapaxes(swapped.k[layer], 0, 1),
-                    np.swapaxes(swapped.v[layer], 0, 1))
+    slots = pool.reserve_tokens([seq], [swapped.length])[0]
+    width = swapped.k.shape[2]
+    slot_idx = np.full((width,), -1, np.int32)
+    slot_idx[:swapped.length] = slots[:swapped.length]
+    pool.write_kv_layers(slot_idx, swapped.k, swapped.v)
   except BaseException:
     try:
-      if np.asarray(pool.state.table.active)[seq]:
+      if pool.host.active[seq]:
         pool.release([seq])
     except Exception:  # pylint: disable=broad-except
       pass  # the first error goes up; a caller that owns rows (the scheduler) reconciles them

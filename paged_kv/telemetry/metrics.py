@@ -48,18 +48,27 @@ def region_free_masks(ref_count: np.ndarray, region: np.ndarray) -> dict[str, np
   return {name: (ref_count == 0) & (region == r) for r, name in REGION_NAMES.items()}
 
 
-def live_slot_mask(state: PoolState, extra_segments: Segments | None = None) -> np.ndarray:
+def _is_mirror(state) -> bool:
+  """Whether `state` is a host mirror (`paged_kv.mirror.HostState`): numpy, no device."""
+  return hasattr(state, "free") and hasattr(state, "table_refs")
+
+
+def live_slot_mask(state, extra_segments: Segments | None = None) -> np.ndarray:
   """`bool[num_blocks, block_size]`: slots covered by a live segment.
 
   Live segments are those of active table rows plus `extra_segments`
   (`i32[n, 3]` `(block, start, length)` rows held outside the pool, e.g. the
-  prefix cache's `segment_refs()`).
+  prefix cache's `segment_refs()`). `state` is a `PoolState` or a pool's host
+  mirror (`BlockPool.host`: no device read).
 
   Raises:
     InvalidSegmentLayout: `extra_segments` is not `i32[n, 3]`.
   """
-  t = jax.tree.map(np.asarray, state.table)
-  n, bs = state.pages.k.shape[2], state.pages.k.shape[3]
+  if _is_mirror(state):
+    t, n, bs = state, state.config.num_blocks, state.config.block_size
+  else:
+    t = jax.tree.map(np.asarray, state.table)
+    n, bs = state.pages.k.shape[2], state.pages.k.shape[3]
   used = t.active[:, None] & (np.arange(t.block.shape[1])[None, :] < t.num_segments[:, None])
   segs = np.stack([t.block[used], t.start[used], t.length[used]], axis=1).astype(np.int64)
   if extra_segments is not None:
@@ -203,13 +212,33 @@ class PoolSnapshot:
     return dataclasses.asdict(self)
 
 
-def snapshot(state: PoolState, config: PoolConfig, *, extra_segments: Segments | None = None,
+@dataclasses.dataclass(frozen=True)
+class _MirrorMeta:
+  ref_count: np.ndarray
+  slots: np.ndarray
+  region: np.ndarray
+  free_list: np.ndarray
+  num_free: int
+
+
+def _free_list_of(free: np.ndarray, num_free: int) -> np.ndarray:
+  """The ascending free-list layout (`BlockMeta.free_list`) of a free mask, in numpy."""
+  n = free.shape[0]
+  out = np.full(n, -1, np.int32)
+  idx = np.flatnonzero(free)
+  k = min(int(num_free), n)
+  out[n - k:] = np.concatenate([idx, np.full(max(k - idx.size, 0), -1)])[:k]
+  return out
+
+
+def snapshot(state, config: PoolConfig, *, extra_segments: Segments | None = None,
              counters: PoolCounters | None = None,
              assert_no_ghosts: bool = True) -> PoolSnapshot:
-  """Computes a `PoolSnapshot` on the host from the device state.
+  """Computes a `PoolSnapshot` on the host.
 
   Args:
-    state: the pool state.
+    state: the pool state (read from the device), or a pool's host mirror
+      (`BlockPool.host`: what the pool decides with; no device read).
     config: its config.
     extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
       tables (e.g. `PrefixCache.segment_refs()`, `CachedPool.segment_refs()`),
@@ -221,8 +250,13 @@ def snapshot(state: PoolState, config: PoolConfig, *, extra_segments: Segments |
   Raises:
     AssertionError: ghost blocks exist (a bookkeeping bug; never expected).
   """
-  meta = jax.tree.map(np.asarray, state.meta)
-  table = jax.tree.map(np.asarray, state.table)
+  if _is_mirror(state):
+    meta = _MirrorMeta(state.ref_count, state.slots, state.region,
+                       _free_list_of(state.free.mask(), state.free.num_free), state.free.num_free)
+    table = state
+  else:
+    meta = jax.tree.map(np.asarray, state.meta)
+    table = jax.tree.map(np.asarray, state.table)
   n, bs = config.num_blocks, config.block_size
   used = meta.ref_count > 0
   i = np.arange(bs)
@@ -385,6 +419,26 @@ def step_stats_async(state: PoolState, config: PoolConfig) -> PendingStepStats:
   """
   return PendingStepStats(
       _step_reduction(state.meta, state.table, num_base=config.num_base_blocks), config)
+
+
+def step_stats_host(host, config: PoolConfig, *,
+                    counters: "PoolCounters | None" = None) -> StepStats:
+  """`StepStats` from a pool's host mirror (`BlockPool.host`): no device work.
+
+  Free and table-held blocks are kept up to date by the mirror; the largest
+  free run is computed from the free index's words (`n / 32` word operations).
+  """
+  n = config.num_blocks
+  dyn_free = host.free.num_free
+  free = dyn_free + host.num_free_base
+  cached = n - free - host.num_table_blocks
+  used = n - free - cached
+  run = host.free.largest_run()
+  return StepStats(num_blocks=n, free_blocks=free, cached_blocks=cached, used_blocks=used,
+                   kv_usage_ratio=used / n,
+                   fragmentation_ratio=0.0 if dyn_free == 0 else 1.0 - run / dyn_free,
+                   largest_free_run_blocks=run, block_bytes=config.block_bytes,
+                   oom_by_reason=dict(counters.oom_by_reason) if counters is not None else {})
 
 
 def step_stats(state: PoolState, config: PoolConfig, *,

@@ -7,7 +7,9 @@ runs in `test_bench_smoke.py`.
 Each runs in a subprocess exactly as a user would start it; the assertions check
 that it finished and printed its report, not its numbers (those are measured,
 with full settings, in docs/benchmarks.md). Traces are written by the tests:
-nothing here reads ../shared.
+nothing here reads ../shared. The scripts run with their persistent compilation cache
+on (the default), pointed at the test's temporary directory: nothing here writes to
+the user's cache.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ import pytest
 from tests.serving.trace_files import session_trace, write_azure, write_mooncake
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _compile_cache_in_tmp(tmp_path, monkeypatch):
+  """The scripts' default compilation cache directory (`_start` passes os.environ on)."""
+  monkeypatch.setenv("PAGED_KV_COMPILE_CACHE", str(tmp_path / "jax_cache"))
 
 
 def _start(script: str | pathlib.Path, *args: str, timeout: int = 300):

@@ -1,0 +1,220 @@
+"""`commit`: apply the host's bookkeeping decisions to the device state in one program.
+
+The host API (`paged_kv.pool.BlockPool`) decides every bookkeeping change on an
+exact host mirror of the pool (`paged_kv.mirror`) and queues it; a flush sends
+the queue here as one `CommitBatch`: the *final* `ref_count` and slot bits of
+every touched block, the final contents of every touched table row, the K/V
+page work (whole-block moves, slot-range copies) and the new clock. Because it
+carries final values, the device applies it in any order: the program has no
+decisions to make, and one dispatch serves a whole scheduler step's opens,
+tail copies, releases, reference changes and block moves.
+
+It also checks that the device held what the host expected before the window:
+each touched block's old `ref_count`/slots, each touched row's old
+`num_segments`/`seq_len`/`active`, and the totals (free blocks, active rows,
+their tokens and segments, the clock). A difference (a host bug, or a
+reservation the device decided differently from the host's prediction) sets
+a bit of the returned `mismatch` (1 blocks, 2 rows, 4 totals); the host reads
+it later, once ready, and raises `InternalInconsistency`.
+
+The free index follows each touched block's change (device old vs new count),
+freed blocks are zeroed when the pool scrubs (after the copies read them,
+before the copies write into them), and touched live blocks get `last_use =
+step`. All widths are static (`paged_kv.mirror.changes.CommitWidths`); `-1` ids
+are padding. Work is O(widths), never O(num_blocks): the donated per-block
+arrays are updated in place (`tests/core/test_complexity.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from paged_kv.core.alloc import mark_blocks, reads_before_writes
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.page_copy import copy_slot_ranges, move_pages
+from paged_kv.core.state import REGION_DYNAMIC, KVPages, PoolState
+
+MISMATCH_BLOCKS = 1
+MISMATCH_ROWS = 2
+MISMATCH_TOTALS = 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CommitBatch:
+  """One commit's arrays (host numpy or device; `-1` ids are padding).
+
+  Attributes:
+    block_ids: `i32[K]` touched blocks (distinct).
+    old_ref, new_ref: `i32[K]` their `ref_count` before the window and now.
+    old_slots, new_slots: `u32[K, W]` their slot bits before and now.
+    scrub_before, scrub_after: `bool[K]` zero the block's pages (freed in the
+      window, the pool scrubs) before the window's page writes (it freed before
+      them) or after (it freed after the window wrote into it).
+    rows: `i32[R]` touched table rows (distinct).
+    old_num_segments, old_seq_len: `i32[R]`; old_active: `bool[R]`: before.
+    row_block, row_start, row_length: `i32[R, max_segments]`;
+    row_num_segments, row_seq_len: `i32[R]`; row_active: `bool[R]`: the rows now.
+    copy_src_block, copy_src_start, copy_dst_block, copy_dst_start,
+    copy_length: `i32[C]` slot-range copies (after the moves).
+    move_src, move_dst: `i32[M]` whole-block moves.
+    expected: `i32[5]` free blocks, active rows, their tokens, their segments and
+      the clock before the window; checked when `check_totals`.
+    check_totals: `bool[]`.
+    step: `i32[]` the clock after the window.
+  """
+
+  block_ids: jax.Array
+  old_ref: jax.Array
+  new_ref: jax.Array
+  old_slots: jax.Array
+  new_slots: jax.Array
+  scrub_before: jax.Array
+  scrub_after: jax.Array
+  rows: jax.Array
+  old_num_segments: jax.Array
+  old_seq_len: jax.Array
+  old_active: jax.Array
+  row_block: jax.Array
+  row_start: jax.Array
+  row_length: jax.Array
+  row_num_segments: jax.Array
+  row_seq_len: jax.Array
+  row_active: jax.Array
+  copy_src_block: jax.Array
+  copy_src_start: jax.Array
+  copy_dst_block: jax.Array
+  copy_dst_start: jax.Array
+  copy_length: jax.Array
+  move_src: jax.Array
+  move_dst: jax.Array
+  expected: jax.Array
+  check_totals: jax.Array
+  step: jax.Array
+
+
+def _gather_slots(p: jax.Array, block, start, length) -> tuple[jax.Array, jax.Array]:
+  """`(values [L, H, C * bs, D], valid bool[C * bs])` of slot ranges (for the copies)."""
+  num_layers, num_heads, n, bs, d = p.shape
+  j = jnp.arange(bs, dtype=jnp.int32)[None, :]
+  live = (j < length[:, None]) & (block[:, None] >= 0)
+  src = jnp.where(live, block[:, None] * bs + start[:, None] + j, 0).reshape(-1)
+  return p.reshape(num_layers, num_heads, n * bs, d)[:, :, src], live.reshape(-1)
+
+
+def _scatter_slots(p: jax.Array, values: jax.Array, valid: jax.Array, block, start) -> jax.Array:
+  num_layers, num_heads, n, bs, d = p.shape
+  j = jnp.arange(bs, dtype=jnp.int32)[None, :]
+  dst = jnp.where(valid.reshape(block.shape[0], bs) & (block[:, None] >= 0),
+                  block[:, None] * bs + start[:, None] + j, n * bs).reshape(-1)
+  flat = p.reshape(num_layers, num_heads, n * bs, d).at[:, :, dst].set(values, mode="drop")
+  return flat.reshape(p.shape)
+
+
+def _page_work(pages: KVPages, b: CommitBatch, *, scrub: bool) -> KVPages:
+  """Moves, then copies. Scrubbing: blocks freed before the window's writes are zeroed
+  after every read (the moves', the copies' gathers) and before the copies write;
+  those freed after a write into them, last. A moved-into block is never zeroed
+  before: the move rewrote all of it."""
+  if b.move_src.shape[0]:
+    pages = move_pages(pages, b.move_src, b.move_dst)
+  has_copies = b.copy_src_block.shape[0] > 0
+  if not scrub:
+    if has_copies:
+      pages = copy_slot_ranges(pages, b.copy_src_block, b.copy_src_start, b.copy_dst_block,
+                               b.copy_dst_start, b.copy_length)
+    return pages
+  n = pages.k.shape[2]
+  ids = b.block_ids
+  before = (ids >= 0) & b.scrub_before
+  if b.move_dst.shape[0]:
+    moved_into = jnp.isin(ids, jnp.where(b.move_dst >= 0, b.move_dst, -2))
+    before = before & ~moved_into
+  first = jnp.where(before, ids, n)
+  last = jnp.where((ids >= 0) & b.scrub_after, ids, n)
+  zero = lambda p, idx: p.at[:, :, idx].set(jnp.zeros((), p.dtype), mode="drop")
+  out = []
+  for p in (pages.k, pages.v):
+    if has_copies:
+      values, valid = _gather_slots(p, b.copy_src_block, b.copy_src_start, b.copy_length)
+    p = zero(p, first)
+    if has_copies:
+      p = _scatter_slots(p, values, valid, b.copy_dst_block, b.copy_dst_start)
+    out.append(zero(p, last))
+  return KVPages(k=out[0], v=out[1])
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def commit(state: PoolState, batch: CommitBatch, *,
+           config: PoolConfig) -> tuple[PoolState, jax.Array]:
+  """Applies one `CommitBatch` (see the module docstring).
+
+  Args:
+    state: the pool (donated).
+    batch: the host's decisions, padded to static widths.
+    config: the pool's static config.
+
+  Returns:
+    `(state, mismatch: i32[])`: 0 when the device held what the host expected
+    (bits `MISMATCH_BLOCKS`, `MISMATCH_ROWS`, `MISMATCH_TOTALS` otherwise). The
+    decisions are applied either way.
+  """
+  n, s = config.num_blocks, config.max_seqs
+  meta, table = state.meta, state.table
+  b = batch
+  ids = b.block_ids
+  valid = ids >= 0
+  cb = jnp.clip(ids, 0, n - 1)
+  old_ref = meta.ref_count[cb]
+  old_slots = meta.slots[cb]
+  dynamic = meta.region[cb] == REGION_DYNAMIC
+  bad_blocks = jnp.any(valid & (old_ref != b.old_ref)) | jnp.any(
+      valid[:, None] & (old_slots != b.old_slots))
+  rows = b.rows
+  rvalid = rows >= 0
+  cr = jnp.clip(rows, 0, s - 1)
+  bad_rows = jnp.any(rvalid & ((table.num_segments[cr] != b.old_num_segments)
+                               | (table.seq_len[cr] != b.old_seq_len)
+                               | (table.active[cr] != b.old_active)))
+  act = table.active
+  totals = jnp.stack([meta.num_free, jnp.sum(act, dtype=jnp.int32),
+                      jnp.sum(jnp.where(act, table.seq_len, 0), dtype=jnp.int32),
+                      jnp.sum(jnp.where(act, table.num_segments, 0), dtype=jnp.int32),
+                      state.step])
+  bad_totals = b.check_totals & jnp.any(totals != b.expected)
+  mismatch = (bad_blocks.astype(jnp.int32) * MISMATCH_BLOCKS
+              + bad_rows.astype(jnp.int32) * MISMATCH_ROWS
+              + bad_totals.astype(jnp.int32) * MISMATCH_TOTALS)
+  # The reads above first: the scatters below then update the donated arrays in place.
+  (old_ref, dynamic, mismatch), state = reads_before_writes((old_ref, dynamic, mismatch), state)
+  meta, table = state.meta, state.table
+
+  pages = _page_work(state.pages, b, scrub=config.scrub_freed_blocks)
+
+  safe = jnp.where(valid, ids, n)  # out of range: dropped
+  new_ref = b.new_ref
+  freed = valid & dynamic & (old_ref > 0) & (new_ref == 0)
+  taken = valid & dynamic & (old_ref == 0) & (new_ref > 0)
+  meta = mark_blocks(meta, ids, jnp.where(freed, 1, jnp.where(taken, -1, 0)))
+  live = jnp.where(valid & (new_ref > 0), ids, n)
+  meta = dataclasses.replace(
+      meta,
+      ref_count=meta.ref_count.at[safe].set(new_ref, mode="drop"),
+      slots=meta.slots.at[safe].set(b.new_slots, mode="drop"),
+      last_use=meta.last_use.at[live].set(b.step, mode="drop"))
+  r = jnp.where(rvalid, rows, s)
+  table = dataclasses.replace(
+      table,
+      block=table.block.at[r].set(b.row_block, mode="drop"),
+      start=table.start.at[r].set(b.row_start, mode="drop"),
+      length=table.length.at[r].set(b.row_length, mode="drop"),
+      num_segments=table.num_segments.at[r].set(b.row_num_segments, mode="drop"),
+      seq_len=table.seq_len.at[r].set(b.row_seq_len, mode="drop"),
+      active=table.active.at[r].set(b.row_active, mode="drop"))
+  state = dataclasses.replace(state, pages=pages, meta=meta, table=table,
+                              step=jnp.asarray(b.step, jnp.int32))
+  return state, mismatch

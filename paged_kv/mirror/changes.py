@@ -1,0 +1,319 @@
+"""`ChangeLog`: what the host mirror changed since the last commit, for the device.
+
+The host decides (which block, which slot, which row); the device applies the
+decisions in one jitted program per flush (`paged_kv.core.commit.commit`). The
+log holds, since the last flush:
+
+* every touched block with its `(ref_count, slots)` before its first change,
+* every touched row with its `(num_segments, seq_len, active)` before,
+* K/V page work: slot-range copies (`cow_split`'s tails) and whole-block moves
+  (compaction, promotion, shrink), in the order the device must run them
+  (moves, then copies),
+* the blocks freed in the window (zeroed on the device when the pool scrubs),
+* the mirror's totals right after the previous commit (`expected`): free
+  blocks, active rows, their tokens and segments, the clock.
+
+`batches(host, widths)` turns it into `CommitBatch`es: the touched blocks' and
+rows' *final* values (so the order of the host's operations does not matter to
+the device), the page work, and the "before" values the device compares with
+what it holds (a mismatch is reported, see `paged_kv.pool`). Widths come from a
+small fixed set (`CommitWidths.for_config`), so the number of commit programs
+is bounded: a window larger than the block width is split into several commits
+(meta only; page work goes in the first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from paged_kv.core.commit import CommitBatch
+from paged_kv.core.config import PoolConfig
+
+if TYPE_CHECKING:
+  from paged_kv.mirror.host_state import HostState
+
+MIN_MOVE_WIDTH = 64
+
+
+def _pow2(x: int, low: int = 1) -> int:
+  return 1 << max(int(x) - 1, int(low) - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitWidths:
+  """The static widths of one commit program.
+
+  Attributes:
+    blocks: touched blocks per commit (a larger window is split).
+    rows: touched rows (`rows_small` or `max_seqs`).
+    copies: slot-range copies (0 or `rows`).
+    moves: block moves (0, or a power of two >= 64).
+  """
+
+  blocks: int
+  rows: int
+  copies: int
+  moves: int
+
+  @staticmethod
+  def block_width(config: PoolConfig) -> int:
+    """Touched blocks per commit: room for a release of every row's blocks at the
+    default sizes, at least 1,024, at most 8,192 (wider windows split)."""
+    return int(min(8192, max(1024, _pow2(config.max_seqs * 8))))
+
+  @staticmethod
+  def small_rows(config: PoolConfig) -> int:
+    return int(min(config.max_seqs, 32))
+
+  @classmethod
+  def for_counts(cls, config: PoolConfig, *, rows: int, copies: int,
+                 moves: int) -> "CommitWidths":
+    r = cls.small_rows(config) if max(rows, copies) <= cls.small_rows(config) else config.max_seqs
+    return cls(blocks=cls.block_width(config), rows=r, copies=r if copies else 0,
+               moves=_pow2(moves, MIN_MOVE_WIDTH) if moves else 0)
+
+  @classmethod
+  def all_for(cls, config: PoolConfig, move_widths=()) -> list["CommitWidths"]:
+    """Every width a pool of `config` commits with, for `move_widths` moves (warm-up)."""
+    out = []
+    rows = sorted({cls.small_rows(config), config.max_seqs})
+    moves = [0] + sorted({_pow2(m, MIN_MOVE_WIDTH) for m in move_widths if m})
+    for r in rows:
+      for c in (0, r):
+        for m in moves:
+          out.append(cls(blocks=cls.block_width(config), rows=r, copies=c, moves=m))
+    return out
+
+
+class ChangeLog:
+  """Changes of a `HostState` since the last commit (see the module docstring)."""
+
+  def __init__(self, config: PoolConfig):
+    self.config = config
+    self._bmask = np.zeros(config.num_blocks, bool)
+    self._rmask = np.zeros(config.max_seqs, bool)
+    self.reset(None)
+
+  def reset(self, host: "HostState | None") -> None:
+    """Empties the log; `host`'s totals become what the device is expected to hold."""
+    if self.config.num_blocks != self._bmask.shape[0]:
+      self._bmask = np.zeros(self.config.num_blocks, bool)
+    for ids in getattr(self, "_blocks", ()):
+      self._bmask[ids] = False
+    for ids in getattr(self, "_rows", ()):
+      self._rmask[ids] = False
+    self._blocks: list[np.ndarray] = []
+    self._old_ref: list[np.ndarray] = []
+    self._old_slots: list[np.ndarray] = []
+    self._rows: list[np.ndarray] = []
+    self._old_rows: list[np.ndarray] = []
+    self._zero_before: set[int] = set()  # scrub: freed before any page write of the window
+    self._zero_after: set[int] = set()  # scrub: freed after the window's page write to it
+    self._copies: list[np.ndarray] = []
+    self._moves: list[np.ndarray] = []
+    self._page_dst: set[int] = set()
+    self.num_blocks = 0
+    self.num_rows = 0
+    self.num_copies = 0
+    self.num_moves = 0
+    self.num_freed = 0
+    self.expected = None if host is None else host.totals()
+
+  def resize(self, config: PoolConfig) -> None:
+    """Follows a pool resize (the log must be empty)."""
+    assert not self.pending, "resize with pending changes"
+    self.config = config
+    self._bmask = np.zeros(config.num_blocks, bool)
+
+  # ------------------------------------------------------------------ recording
+  @property
+  def pending(self) -> bool:
+    return bool(self.num_blocks or self.num_rows or self.num_copies or self.num_moves)
+
+  def touch_blocks(self, host: "HostState", ids: np.ndarray) -> None:
+    ids = np.asarray(ids, np.int64)
+    new = ids[~self._bmask[ids]]
+    if new.size:
+      new = np.unique(new)
+      self._bmask[new] = True
+      self._blocks.append(new)
+      self._old_ref.append(host.ref_count[new].copy())
+      self._old_slots.append(host.slots[new].copy())
+      self.num_blocks += new.size
+
+  def touch_rows(self, host: "HostState", rows: np.ndarray) -> None:
+    rows = np.asarray(rows, np.int64)
+    new = rows[~self._rmask[rows]]
+    if new.size:
+      new = np.unique(new)
+      self._rmask[new] = True
+      self._rows.append(new)
+      self._old_rows.append(np.stack([host.num_segments[new], host.seq_len[new],
+                                      host.active[new].astype(np.int32)], axis=1))
+      self.num_rows += new.size
+
+  def freed(self, ids: np.ndarray) -> None:
+    """Blocks that became free (zeroed by the commit when the pool scrubs): after the
+    window's page work when the window wrote into them before they freed, else before
+    its writes (and after its reads)."""
+    if self.config.scrub_freed_blocks:
+      for b in np.asarray(ids, np.int64).tolist():
+        (self._zero_after if b in self._page_dst else self._zero_before).add(b)
+      self.num_freed += len(ids)
+
+  def _written(self, dst: np.ndarray) -> None:
+    """Page work writes into `dst`: a block freed earlier in the window is zeroed first."""
+    for b in np.asarray(dst, np.int64).tolist():
+      if b in self._zero_after:
+        self._zero_after.discard(b)
+        self._zero_before.add(b)
+      self._page_dst.add(b)
+
+  def copies(self, host: "HostState", rows: np.ndarray) -> None:
+    """Slot-range copies `[C, 5]` rows `(src_block, src_start, dst_block, dst_start, len)`."""
+    del host
+    if len(rows):
+      self._copies.append(rows)
+      self.num_copies += len(rows)
+      self._written(rows[:, 2])
+
+  def moves(self, host: "HostState", pairs: np.ndarray) -> None:
+    """Block moves `[M, 2]` rows `(src, dst)`; must come before any copy of the window."""
+    del host
+    if len(pairs):
+      assert not self.num_copies, "block moves after copies in one window: flush first"
+      self._moves.append(pairs)
+      self.num_moves += len(pairs)
+      self._written(pairs[:, 1])
+
+  def page_conflict(self, sources, dests=(), *, moves: bool = False) -> bool:
+    """Whether page work reading `sources` and writing `dests` must wait for a flush.
+
+    One commit reads every source before it writes, so a window may not read or
+    write a block an earlier page op of it writes; moves run before copies, so
+    moves may not follow copies; with scrubbing, a block freed earlier in the
+    window is zeroed after the reads, so it may not be read again (and the freed
+    blocks must fit one commit).
+    """
+    src = np.asarray(sources, np.int64).reshape(-1)
+    dst = np.asarray(dests, np.int64).reshape(-1)
+    if moves and self.num_copies:
+      return True
+    if self._page_dst and any(int(b) in self._page_dst for b in np.concatenate([src, dst])):
+      return True
+    if self.config.scrub_freed_blocks:
+      if self.num_freed >= CommitWidths.block_width(self.config) // 2:
+        return True
+      if self._zero_before and any(int(b) in self._zero_before for b in src):
+        return True
+    return False
+
+  def free_page_dsts(self, host: "HostState") -> np.ndarray:
+    """Blocks the window wrote into that are free again (a new allocation may pick
+    one: page work into it must wait for a flush)."""
+    if not self._page_dst:
+      return np.zeros(0, np.int64)
+    d = np.fromiter(self._page_dst, np.int64)
+    return d[host.ref_count[d] == 0]
+
+  @property
+  def wants_flush(self) -> bool:
+    """The window is as large as one commit should be: flush at the next boundary."""
+    return (self.num_copies >= self.config.max_seqs or self.num_rows >= 4 * self.config.max_seqs
+            or self.num_blocks >= 4 * CommitWidths.block_width(self.config))
+
+  # ------------------------------------------------------------------ to the device
+  def batches(self, host: "HostState", *, min_moves: int = 0) -> list[CommitBatch]:
+    """The window as `CommitBatch`es (numpy arrays; one per block chunk)."""
+    c = self.config
+    n, w, m = c.num_blocks, c.slot_words, c.max_segments
+    blocks = np.concatenate(self._blocks) if self._blocks else np.zeros(0, np.int64)
+    old_ref = np.concatenate(self._old_ref) if self._old_ref else np.zeros(0, np.int32)
+    old_slots = (np.concatenate(self._old_slots) if self._old_slots
+                 else np.zeros((0, w), np.uint32))
+    scrub = np.zeros((blocks.size, 2), bool)  # zero before / after the page writes
+    if self._zero_before or self._zero_after:
+      scrub[:, 0] = np.isin(blocks, list(self._zero_before))
+      scrub[:, 1] = np.isin(blocks, list(self._zero_after))
+      order = np.argsort(~scrub.any(axis=1), kind="stable")  # scrubbed: in the first chunk
+      blocks, old_ref, old_slots, scrub = blocks[order], old_ref[order], old_slots[order], \
+          scrub[order]
+    rows = np.concatenate(self._rows) if self._rows else np.zeros(0, np.int64)
+    old_rows = np.concatenate(self._old_rows) if self._old_rows else np.zeros((0, 3), np.int64)
+    copies = np.concatenate(self._copies) if self._copies else np.zeros((0, 5), np.int64)
+    moves = np.concatenate(self._moves) if self._moves else np.zeros((0, 2), np.int64)
+    widths = CommitWidths.for_counts(c, rows=rows.size, copies=len(copies),
+                                     moves=max(len(moves), min_moves if len(moves) else 0))
+    assert rows.size <= widths.rows and len(copies) <= max(widths.copies, 0 if not len(copies)
+                                                            else widths.rows)
+    k = widths.blocks
+    chunks = max(1, -(-blocks.size // k))
+    assert scrub.any(axis=1).sum() <= k, "scrubbed blocks beyond one commit"
+    out = []
+    expected = self.expected if self.expected is not None else host.totals()
+    for i in range(chunks):
+      sl = slice(i * k, (i + 1) * k)
+      ids = blocks[sl]
+      first = i == 0
+      out.append(_batch(
+          host, widths if first else dataclasses.replace(widths, copies=0, moves=0),
+          ids, old_ref[sl], old_slots[sl], scrub[sl],
+          rows if first else rows[:0], old_rows if first else old_rows[:0],
+          copies if first else copies[:0], moves if first else moves[:0],
+          expected if first else None, n=n, m=m))
+    return out
+
+
+def empty_batch(host: "HostState", widths: CommitWidths) -> CommitBatch:
+  """A commit of `widths` that changes nothing (all padding, no checks): warm-up."""
+  z = np.zeros(0, np.int64)
+  return _batch(host, widths, z, z.astype(np.int32), np.zeros((0, host.config.slot_words),
+                                                               np.uint32),
+                np.zeros((0, 2), bool), z, np.zeros((0, 3), np.int64), np.zeros((0, 5), np.int64),
+                np.zeros((0, 2), np.int64), None, n=host.config.num_blocks,
+                m=host.config.max_segments)
+
+
+def _pad(a, size: int, fill, dtype) -> np.ndarray:
+  a = np.asarray(a)
+  out = np.full((size,) + a.shape[1:], fill, dtype)
+  out[:a.shape[0]] = a
+  return out
+
+
+def _batch(host: "HostState", widths: CommitWidths, ids, old_ref, old_slots, scrub, rows,
+           old_rows, copies, moves, expected, *, n: int, m: int) -> CommitBatch:
+  k, r = widths.blocks, widths.rows
+  w = host.config.slot_words
+  check = expected is not None
+  return CommitBatch(
+      block_ids=_pad(ids, k, -1, np.int32),
+      old_ref=_pad(old_ref, k, 0, np.int32),
+      new_ref=_pad(host.ref_count[ids], k, 0, np.int32),
+      old_slots=_pad(old_slots, k, 0, np.uint32).reshape(k, w),
+      new_slots=_pad(host.slots[ids], k, 0, np.uint32).reshape(k, w),
+      scrub_before=_pad(scrub[:, 0], k, False, bool),
+      scrub_after=_pad(scrub[:, 1], k, False, bool),
+      rows=_pad(rows, r, -1, np.int32),
+      old_num_segments=_pad(old_rows[:, 0], r, 0, np.int32),
+      old_seq_len=_pad(old_rows[:, 1], r, 0, np.int32),
+      old_active=_pad(old_rows[:, 2].astype(bool), r, False, bool),
+      row_block=_pad(host.block[rows], r, 0, np.int32).reshape(r, m),
+      row_start=_pad(host.start[rows], r, 0, np.int32).reshape(r, m),
+      row_length=_pad(host.length[rows], r, 0, np.int32).reshape(r, m),
+      row_num_segments=_pad(host.num_segments[rows], r, 0, np.int32),
+      row_seq_len=_pad(host.seq_len[rows], r, 0, np.int32),
+      row_active=_pad(host.active[rows], r, False, bool),
+      copy_src_block=_pad(copies[:, 0], widths.copies, -1, np.int32),
+      copy_src_start=_pad(copies[:, 1], widths.copies, 0, np.int32),
+      copy_dst_block=_pad(copies[:, 2], widths.copies, -1, np.int32),
+      copy_dst_start=_pad(copies[:, 3], widths.copies, 0, np.int32),
+      copy_length=_pad(copies[:, 4], widths.copies, 0, np.int32),
+      move_src=_pad(moves[:, 0], widths.moves, -1, np.int32),
+      move_dst=_pad(moves[:, 1], widths.moves, -1, np.int32),
+      expected=(np.asarray(expected, np.int32) if check else np.full(5, -1, np.int32)),
+      check_totals=np.asarray(check),
+      step=np.asarray(host.step, np.int32))

@@ -1,0 +1,160 @@
+"""The host copy of the free index: the device's arrays, kept in numpy.
+
+Same layout as `BlockMeta`'s (`paged_kv.core.state.free_index_levels`):
+`bits: u32[ceil(n / 32)]` (bit `b % 32` of word `b // 32` set iff block `b` is a
+free dynamic block) and `counts: i32[...]` (count level `l >= 1`: free blocks
+per `32**(l + 1)` blocks), plus `num_free`. Because the arrays are the device's,
+the mirror can be compared with the device bit for bit.
+
+Operations cost O(k) numpy work plus one pass over count level 1 (`n / 1024`
+entries, 1,024 at a million blocks), never a pass over the blocks:
+
+* `lowest(k)`: the k lowest free blocks (what the device's `take_blocks` hands
+  out, lowest address first);
+* `mark(blocks, delta)`: blocks become free (+1) or taken (-1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged_kv.core.state import FREE_FANOUT, free_index_levels
+
+_F = FREE_FANOUT
+_BIT = np.uint32(1) << np.arange(_F, dtype=np.uint32)
+
+
+def _unpack(words: np.ndarray) -> np.ndarray:
+  """`bool[len(words) * 32]`: the bits of `u32` words, bit 0 of word 0 first."""
+  return np.unpackbits(np.ascontiguousarray(words, dtype="<u4").view(np.uint8),
+                       bitorder="little").astype(bool)
+
+
+class HostFreeIndex:
+  """Free dynamic blocks of a pool of `num_blocks` blocks, in the device's layout.
+
+  Attributes:
+    num_blocks: pool size.
+    bits: `u32[ceil(num_blocks / 32)]` the free bitmap.
+    counts: `i32[...]` the count levels above it (at least one entry).
+    num_free: free dynamic blocks.
+  """
+
+  def __init__(self, num_blocks: int, bits: np.ndarray, counts: np.ndarray, num_free: int):
+    self.num_blocks = int(num_blocks)
+    self.sizes, self.offsets = free_index_levels(self.num_blocks)
+    self.bits = np.array(bits, np.uint32)
+    self.counts = np.array(counts, np.int32)
+    self.num_free = int(num_free)
+
+  @classmethod
+  def from_mask(cls, free: np.ndarray) -> "HostFreeIndex":
+    """The index of `free: bool[n]` (O(n); what `build_free_index` computes on device)."""
+    free = np.asarray(free, bool)
+    n = free.shape[0]
+    sizes, _ = free_index_levels(n)
+    padded = np.zeros(sizes[0] * _F, bool)
+    padded[:n] = free
+    bits = np.packbits(padded, bitorder="little").view("<u4").astype(np.uint32)
+    level = padded.reshape(sizes[0], _F).sum(axis=1, dtype=np.int64)
+    counts = []
+    for size in sizes[1:]:
+      grown = np.zeros(size * _F, np.int64)
+      grown[:level.size] = level
+      level = grown.reshape(size, _F).sum(axis=1)
+      counts.append(level)
+    counts = np.concatenate(counts).astype(np.int32) if counts else np.zeros(1, np.int32)
+    return cls(n, bits, counts, int(free.sum()))
+
+  def copy(self) -> "HostFreeIndex":
+    return HostFreeIndex(self.num_blocks, self.bits, self.counts, self.num_free)
+
+  def mask(self) -> np.ndarray:
+    """`bool[num_blocks]`: the free blocks (O(n))."""
+    return _unpack(self.bits)[:self.num_blocks]
+
+  def is_free(self, blocks: np.ndarray) -> np.ndarray:
+    b = np.asarray(blocks, np.int64)
+    return ((self.bits[b // _F] >> (b % _F).astype(np.uint32)) & 1).astype(bool)
+
+  def lowest(self, k: int) -> np.ndarray:
+    """`i64[k]`: the `k` lowest free blocks, ascending (`k <= num_free`)."""
+    k = int(k)
+    if k <= 0:
+      return np.zeros((0,), np.int64)
+    if k > self.num_free:
+      raise ValueError(f"{k} blocks wanted, {self.num_free} free")
+    if len(self.sizes) == 1:  # one level of words: unpack them all (n <= 1024)
+      return np.flatnonzero(_unpack(self.bits))[:k].astype(np.int64)
+    level1 = self.counts[self.offsets[1]:self.offsets[1] + self.sizes[1]]
+    groups = np.flatnonzero(level1)  # groups of 32 words holding a free block
+    cum = np.cumsum(level1[groups], dtype=np.int64)
+    last = int(np.searchsorted(cum, k))  # the group holding the k-th free block
+    found = []
+    for g in groups[:last + 1]:
+      words = self.bits[g * _F:(g + 1) * _F]
+      found.append(np.flatnonzero(_unpack(words)) + g * _F * _F)
+    return np.concatenate(found)[:k].astype(np.int64)
+
+  def mark(self, blocks: np.ndarray, delta: int) -> None:
+    """Marks distinct blocks free (`delta=+1`, they were taken) or taken (`-1`, free)."""
+    b = np.asarray(blocks, np.int64).reshape(-1)
+    if b.size == 0:
+      return
+    np.bitwise_xor.at(self.bits, b // _F, _BIT[b % _F])
+    for level in range(1, len(self.sizes)):
+      np.add.at(self.counts, self.offsets[level] + b // _F ** (level + 1), delta)
+    self.num_free += int(delta) * int(b.size)
+
+  def largest_run(self) -> int:
+    """Length of the longest run of consecutive free blocks (O(n / 32) word work)."""
+    w = self.bits
+    if not self.num_free:
+      return 0
+    low = _count_low_ones(w)  # set bits from bit 0 up
+    high = _count_low_ones(_reverse_bits(w))  # set bits from bit 31 down
+    inside = int(_longest_inner_run(w).max())
+    return min(max(inside, _cross_word_runs(low, high, w == np.uint32(0xFFFFFFFF))),
+               self.num_blocks)
+
+
+def _count_low_ones(w: np.ndarray) -> np.ndarray:
+  """Number of consecutive set bits from bit 0 of each word."""
+  inv = ~w
+  # Lowest clear bit position = trailing zeros of ~w (32 for a full word).
+  low = inv & (np.uint32(0) - inv)
+  out = np.full(w.shape, 32, np.int64)
+  nz = low != 0
+  out[nz] = np.log2(low[nz].astype(np.float64)).astype(np.int64)
+  return out
+
+
+def _reverse_bits(w: np.ndarray) -> np.ndarray:
+  b = np.unpackbits(np.ascontiguousarray(w, dtype="<u4").view(np.uint8), bitorder="little")
+  return np.packbits(b.reshape(-1, _F)[:, ::-1], bitorder="little").view("<u4").astype(np.uint32)
+
+
+def _longest_inner_run(w: np.ndarray) -> np.ndarray:
+  """Longest run of set bits inside each word (O(32) vector steps)."""
+  x = w.copy()
+  length = np.zeros(w.shape, np.int64)
+  while True:
+    nz = x != 0
+    if not nz.any():
+      return length
+    length[nz] += 1
+    x = x & (x >> np.uint32(1))
+
+
+def _cross_word_runs(low: np.ndarray, high: np.ndarray, full: np.ndarray) -> int:
+  """Longest run crossing word boundaries: a word's high end, full words, the next
+  partial word's low end (`low[i]`/`high[i]`: set bits from bit 0 up / bit 31 down)."""
+  n = low.size
+  idx = np.flatnonzero(~full)  # the partial words
+  if idx.size == 0:
+    return 32 * n
+  best = max(int(32 * idx[0] + low[idx[0]]), int(high[idx[-1]] + 32 * (n - 1 - idx[-1])))
+  a, b = idx[:-1], idx[1:]  # consecutive partial words, full words between them
+  if a.size:
+    best = max(best, int(np.max(high[a] + 32 * (b - a - 1) + low[b])))
+  return best

@@ -1,0 +1,285 @@
+"""`HostState`: an exact numpy copy of a pool's bookkeeping, changed only through
+mutators that record every change for the device.
+
+What is mirrored: `BlockMeta.ref_count`, `slots`, `region` and the free index
+(`HostFreeIndex`, the device's own arrays), the whole `SegmentTable`, and the
+logical clock `step`. Not mirrored: the K/V pages (data, not bookkeeping) and
+`last_use` (read only by device-side metrics; the commit stamps touched blocks
+with the step). Derived and kept up to date: `table_refs[b]`, the live table
+segments on block `b` (what eviction and `apply_ref_deltas` check against).
+
+Every change goes through a mutator (`change_refs`, `take_blocks`,
+`set_slot_bits`, `set_slots`, `write_rows`, `copy_slots`, `move_pages`), which
+first tells the attached `ChangeLog` what it is about to touch (the log keeps
+the value each block and row had before its first change since the last
+commit) and then changes the arrays. So nothing the device must apply can be
+forgotten, and the commit can check that the device held what the host
+expected before applying it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
+from paged_kv.mirror.changes import ChangeLog
+from paged_kv.mirror.free_index import HostFreeIndex
+
+
+class HostState:
+  """The host mirror of one pool's bookkeeping (see the module docstring).
+
+  Attributes:
+    config: the pool's config.
+    ref_count: `i32[n]`; slots: `u32[n, W]`; region: `i8[n]`; free: the free index.
+    block, start, length: `i32[S, M]`; num_segments, seq_len: `i32[S]`;
+    active: `bool[S]`: the segment tables.
+    table_refs: `i32[n]` live table segments per block (derived).
+    num_table_blocks: blocks with `table_refs > 0` (derived).
+    num_free_base: free base-region blocks (derived).
+    step: the logical clock (`PoolState.step`).
+    log: the `ChangeLog` the mutators record into.
+  """
+
+  def __init__(self, config: PoolConfig, *, ref_count, slots, region, free: HostFreeIndex,
+               block, start, length, num_segments, seq_len, active, step: int,
+               log: ChangeLog | None = None):
+    self.config = config
+    self.ref_count = np.array(ref_count, np.int32)
+    self.slots = np.array(slots, np.uint32).reshape(config.num_blocks, config.slot_words)
+    self.region = np.array(region, np.int8)
+    self.free = free
+    self.block = np.array(block, np.int32)
+    self.start = np.array(start, np.int32)
+    self.length = np.array(length, np.int32)
+    self.num_segments = np.array(num_segments, np.int32)
+    self.seq_len = np.array(seq_len, np.int32)
+    self.active = np.array(active, bool)
+    self.step = int(step)
+    self.table_refs = np.bincount(self.block[self.used_mask()],
+                                  minlength=config.num_blocks).astype(np.int32)
+    self.num_table_blocks = int(np.count_nonzero(self.table_refs))
+    self.num_free_base = int(np.count_nonzero((self.ref_count == 0)
+                                              & (self.region == REGION_BASE)))
+    self.log = log if log is not None else ChangeLog(config)
+    self.log.reset(self)
+
+  # ------------------------------------------------------------------ construction
+  @classmethod
+  def empty(cls, config: PoolConfig, log: ChangeLog | None = None) -> "HostState":
+    """The mirror of `init_pool(config)`, built on the host (no device read)."""
+    n, s, m = config.num_blocks, config.max_seqs, config.max_segments
+    nb = config.num_base_blocks
+    region = np.zeros(n, np.int8)
+    region[:nb] = REGION_BASE
+    zeros = lambda *shape: np.zeros(shape, np.int32)
+    return cls(config, ref_count=zeros(n), slots=np.zeros((n, config.slot_words), np.uint32),
+               region=region, free=HostFreeIndex.from_mask(np.arange(n) >= nb),
+               block=zeros(s, m), start=zeros(s, m), length=zeros(s, m),
+               num_segments=zeros(s), seq_len=zeros(s), active=np.zeros(s, bool), step=0,
+               log=log)
+
+  @classmethod
+  def from_device(cls, state: PoolState, config: PoolConfig,
+                  log: ChangeLog | None = None) -> "HostState":
+    """A mirror read from a device state (every bookkeeping array to the host: O(n))."""
+    import jax  # pylint: disable=g-import-not-at-top
+    meta, t = jax.device_get((state.meta, state.table))
+    free = HostFreeIndex(config.num_blocks, meta.free_bits, meta.free_counts,
+                         int(meta.num_free))
+    return cls(config, ref_count=meta.ref_count, slots=meta.slots, region=meta.region,
+               free=free, block=t.block, start=t.start, length=t.length,
+               num_segments=t.num_segments, seq_len=t.seq_len, active=t.active,
+               step=int(jax.device_get(state.step)), log=log)
+
+  def resized(self, config: PoolConfig) -> "HostState":
+    """The mirror of `regions.resize_pool` to `config` (a cut tail must be free)."""
+    n, new_n = self.config.num_blocks, config.num_blocks
+    def fit(a, fill=0):
+      if new_n <= n:
+        return a[:new_n]
+      return np.concatenate([a, np.full((new_n - n,) + a.shape[1:], fill, a.dtype)])
+    ref, region = fit(self.ref_count), fit(self.region)
+    free = HostFreeIndex.from_mask((ref == 0) & (region == REGION_DYNAMIC))
+    self.log.resize(config)
+    return HostState(config, ref_count=ref, slots=fit(self.slots), region=region, free=free,
+                     block=self.block, start=self.start, length=self.length,
+                     num_segments=self.num_segments, seq_len=self.seq_len, active=self.active,
+                     step=self.step, log=self.log)
+
+  # ------------------------------------------------------------------ queries
+  def used_mask(self, rows: np.ndarray | None = None) -> np.ndarray:
+    """`bool[R, M]`: the used table entries of `rows` (default every row)."""
+    ns = self.num_segments if rows is None else self.num_segments[rows]
+    act = self.active if rows is None else self.active[rows]
+    return act[:, None] & (np.arange(self.config.max_segments)[None, :] < ns[:, None])
+
+  def row_segments(self, row: int) -> np.ndarray:
+    """`i32[k, 3]` the used `(block, start, length)` of one row (a copy)."""
+    k = int(self.num_segments[row])
+    return np.stack([self.block[row, :k], self.start[row, :k], self.length[row, :k]], axis=1)
+
+  def dynamic(self, blocks: np.ndarray) -> np.ndarray:
+    return self.region[blocks] == REGION_DYNAMIC
+
+  def block_usage(self) -> tuple[int, int]:
+    """`(live, cached_only)` dynamic blocks (as `regions.block_usage`; O(n) numpy)."""
+    dyn = self.region == REGION_DYNAMIC
+    in_table = self.table_refs > 0
+    live = in_table & dyn
+    cached = (self.ref_count > 0) & ~in_table & dyn
+    return int(live.sum()), int(cached.sum())
+
+  def totals(self) -> np.ndarray:
+    """`i64[5]` what the commit checks on the device beside the touched entries:
+    free blocks, active rows, their tokens and segments, and the clock."""
+    act = self.active
+    return np.array([self.free.num_free, int(act.sum()), int(self.seq_len[act].sum()),
+                     int(self.num_segments[act].sum()), self.step], np.int64)
+
+  # ------------------------------------------------------------------ mutators
+  def change_refs(self, blocks: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    """Adds `deltas` to `ref_count[blocks]` (repeats add up; the caller checked the
+    results stay >= 0). Blocks reaching 0 free: slots cleared, into the free index.
+    Blocks leaving 0 (dynamic) leave it. Returns the freed blocks."""
+    b = np.asarray(blocks, np.int64).reshape(-1)
+    d = np.asarray(deltas, np.int64).reshape(-1)
+    if b.size == 0:
+      return b
+    uniq, inv = np.unique(b, return_inverse=True)
+    total = np.bincount(inv, weights=d, minlength=uniq.size).astype(np.int64)
+    self.log.touch_blocks(self, uniq)
+    old = self.ref_count[uniq].astype(np.int64)
+    new = old + total
+    self.ref_count[uniq] = new
+    freed = uniq[(old > 0) & (new == 0)]
+    taken = uniq[(old == 0) & (new > 0)]
+    if freed.size:
+      self.slots[freed] = 0
+      self.log.freed(freed)
+      dyn = self.dynamic(freed)
+      self.free.mark(freed[dyn], +1)
+      self.num_free_base += int(np.count_nonzero(~dyn))
+    if taken.size:
+      dyn = self.dynamic(taken)
+      self.free.mark(taken[dyn], -1)
+      self.num_free_base -= int(np.count_nonzero(~dyn))
+    return freed
+
+  def take_blocks(self, blocks: np.ndarray) -> None:
+    """Free dynamic `blocks` (distinct) become owned: `ref_count = 1`, out of the index."""
+    b = np.asarray(blocks, np.int64)
+    if b.size == 0:
+      return
+    self.log.touch_blocks(self, b)
+    self.ref_count[b] = 1
+    self.free.mark(b, -1)
+
+  def set_slot_bits(self, slot_idx: np.ndarray) -> None:
+    """Sets the bit of every flat slot `>= 0` (`block * block_size + offset`)."""
+    s = np.asarray(slot_idx, np.int64).reshape(-1)
+    s = s[s >= 0]
+    if s.size == 0:
+      return
+    bs = self.config.block_size
+    blk, off = s // bs, s % bs
+    self.log.touch_blocks(self, np.unique(blk))
+    np.bitwise_or.at(self.slots, (blk, off // 32), np.uint32(1) << (off % 32).astype(np.uint32))
+
+  def set_slots(self, blocks: np.ndarray, words: np.ndarray) -> None:
+    b = np.asarray(blocks, np.int64)
+    if b.size == 0:
+      return
+    self.log.touch_blocks(self, b)
+    self.slots[b] = words
+
+  def write_rows(self, rows: np.ndarray, *, block=None, start=None, length=None,
+                 num_segments=None, seq_len=None, active=None, clear: bool = False) -> None:
+    """Writes whole table rows (distinct `rows`); `clear` zeroes them (a release).
+
+    Each argument is the rows' new values (`[R, M]` or `[R]`), None to keep.
+    `table_refs` follows: the rows' old used entries are removed, the new added.
+    """
+    r = np.asarray(rows, np.int64)
+    if r.size == 0:
+      return
+    self.log.touch_rows(self, r)
+    old_used = self.used_mask(r)
+    old_blocks = self.block[r][old_used]
+    np.subtract.at(self.table_refs, old_blocks, 1)
+    if clear:
+      for a in (self.block, self.start, self.length):
+        a[r] = 0
+      self.num_segments[r] = 0
+      self.seq_len[r] = 0
+      self.active[r] = False
+    else:
+      for a, v in ((self.block, block), (self.start, start), (self.length, length),
+                   (self.num_segments, num_segments), (self.seq_len, seq_len),
+                   (self.active, active)):
+        if v is not None:
+          a[r] = v
+    new_used = self.used_mask(r)
+    new_blocks = self.block[r][new_used]
+    np.add.at(self.table_refs, new_blocks, 1)
+    # Blocks gaining or losing their last table reference (num_table_blocks).
+    aff, inv = np.unique(np.concatenate([old_blocks, new_blocks]), return_inverse=True)
+    if aff.size:
+      k = old_blocks.size
+      delta = (np.bincount(inv[k:], minlength=aff.size)
+               - np.bincount(inv[:k], minlength=aff.size))
+      after = self.table_refs[aff]
+      self.num_table_blocks += int(np.count_nonzero(after > 0)
+                                   - np.count_nonzero((after - delta) > 0))
+
+  def copy_slots(self, src_block, src_start, dst_block, dst_start, length) -> None:
+    """Records K/V slot-range copies for the device (`page_copy.copy_slot_ranges`)."""
+    self.log.copies(self, np.stack([np.asarray(x, np.int64).reshape(-1) for x in
+                                    (src_block, src_start, dst_block, dst_start, length)],
+                                   axis=1))
+
+  def move_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+    """Records whole-block K/V moves for the device (`page_copy.move_pages`)."""
+    self.log.moves(self, np.stack([np.asarray(src, np.int64), np.asarray(dst, np.int64)], axis=1))
+
+  # ------------------------------------------------------------------ comparison
+  def differences(self, state: PoolState) -> list[str]:
+    """Fields where the device state differs from the mirror (`last_use` not compared)."""
+    import jax  # pylint: disable=g-import-not-at-top
+    meta, t, step = jax.device_get((state.meta, state.table, state.step))
+    pairs = [("ref_count", self.ref_count, meta.ref_count), ("slots", self.slots, meta.slots),
+             ("region", self.region, meta.region), ("free_bits", self.free.bits, meta.free_bits),
+             ("free_counts", self.free.counts, meta.free_counts),
+             ("num_free", self.free.num_free, meta.num_free),
+             ("block", self.block, t.block), ("start", self.start, t.start),
+             ("length", self.length, t.length), ("num_segments", self.num_segments,
+                                                  t.num_segments),
+             ("seq_len", self.seq_len, t.seq_len), ("active", self.active, t.active),
+             ("step", self.step, step)]
+    out = []
+    for name, host, dev in pairs:
+      host, dev = np.asarray(host), np.asarray(dev)
+      if host.shape != dev.shape or not np.array_equal(host, dev):
+        if host.shape == dev.shape and host.ndim:
+          where = np.argwhere(host != dev)[:4].tolist()
+          out.append(f"{name} (host != device at {where})")
+        else:
+          out.append(f"{name} (host {host.tolist() if host.ndim == 0 else host.shape}, "
+                     f"device {dev.tolist() if dev.ndim == 0 else dev.shape})")
+    return out
+
+  def as_meta(self) -> "HostMeta":
+    """A read-only `BlockMeta`-like view (numpy) for host planners (`plan_defrag`...)."""
+    return HostMeta(ref_count=self.ref_count, region=self.region, slots=self.slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMeta:
+  """The fields of `BlockMeta` host planners read, as numpy arrays (views)."""
+
+  ref_count: np.ndarray
+  region: np.ndarray
+  slots: np.ndarray

@@ -1,0 +1,522 @@
+"""The pool's transitions on the host mirror: same statuses, same results as the device.
+
+Each function here is the numpy twin of a jitted transition in `paged_kv.core`
+(named in its docstring), run on a `HostState`: it returns the same status
+codes in the same order of precedence and, when it applies, leaves the mirror
+exactly as the device transition leaves the device state (the differential
+tests in `tests/mirror/` run both on random operation sequences and compare
+every array). Refused calls change nothing. Work is O(batch) numpy plus, for
+allocation, one pass over count level 1 of the free index (`n / 1024`).
+
+`reserve` also serves as the *prediction* of what a jitted step's own
+`reserve_tokens` will do on the device (same algorithm on the same state), so
+the host knows every slot and block of a step without reading the device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged_kv.core.errors import Status
+from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC
+from paged_kv.mirror.host_state import HostState
+
+_I32_MAX = np.iinfo(np.int32).max
+
+
+def _cdiv(a, b):
+  return -(-a // b)
+
+
+def first_occurrence(ids: np.ndarray) -> np.ndarray:
+  """`bool[B]`: True at the first occurrence of each value."""
+  ids = np.asarray(ids)
+  out = np.zeros(ids.shape, bool)
+  _, first = np.unique(ids, return_index=True)
+  out[first] = True
+  return out
+
+
+def row_status(h: HostState, ids: np.ndarray, *, want_active: bool) -> np.ndarray:
+  """`segments.row_status`: in range, (in)active as wanted, not repeated; -1 OK."""
+  s = h.config.max_seqs
+  in_range = (ids >= 0) & (ids < s)
+  active = h.active[np.clip(ids, 0, s - 1)]
+  good = in_range & (active == want_active) & first_occurrence(ids)
+  return np.where(ids == -1, Status.OK,
+                  np.where(good, Status.OK, Status.INVALID_SEQUENCE)).astype(np.int32)
+
+
+def grant_prefix(need: np.ndarray, ok: np.ndarray, num_free: int, *,
+                 atomic: bool) -> np.ndarray:
+  """`alloc.grant_prefix`: first come first served, prefix-greedy."""
+  need = np.where(ok, need, 0)
+  granted = ok & ((need == 0) | (np.cumsum(need) <= num_free))
+  if atomic:
+    granted = granted & bool(np.all(granted == ok))
+  return granted
+
+
+def _aborted(status: np.ndarray, applied: np.ndarray) -> np.ndarray:
+  """`segments.finish_status`."""
+  return np.where((status == Status.OK) & ~applied, Status.ABORTED, status).astype(np.int32)
+
+
+def slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
+  i = np.arange(block_size)
+  return ((words[..., i // 32] >> (i % 32).astype(np.uint32)) & 1).astype(bool)
+
+
+def range_mask(start: np.ndarray, length: np.ndarray, words: int) -> np.ndarray:
+  """`u32[..., words]` with bits `[start, start + length)` set (`segments.range_mask`)."""
+  base = 32 * np.arange(words)
+  lo = np.clip(np.asarray(start)[..., None] - base, 0, 32).astype(np.uint64)
+  hi = np.clip(np.asarray(start)[..., None] + np.asarray(length)[..., None] - base, 0,
+               32).astype(np.uint64)
+  ones = lambda k: ((np.uint64(1) << k) - np.uint64(1))
+  return (ones(hi) & ~ones(lo)).astype(np.uint32)
+
+
+def _take_lowest(h: HostState, need: np.ndarray, granted: np.ndarray,
+                 width: int) -> np.ndarray:
+  """`alloc.take_blocks`: the lowest free blocks, per granted row in order."""
+  eff = np.where(granted, need, 0).astype(np.int64)
+  total = int(eff.sum())
+  ids = np.full((need.shape[0], max(width, 1)), -1, np.int64)
+  if total == 0:
+    return ids[:, :width]
+  blocks = h.free.lowest(total)
+  offset = np.cumsum(eff) - eff
+  j = np.arange(max(width, 1))[None, :]
+  used = j < eff[:, None]
+  ids[used] = blocks[(offset[:, None] + j)[used]]
+  h.take_blocks(blocks)
+  return ids[:, :width]
+
+
+# ---------------------------------------------------------------------------
+
+
+def open_rows(h: HostState, ids: np.ndarray, seg_block: np.ndarray, seg_start: np.ndarray,
+              seg_length: np.ndarray, num_segments: np.ndarray) -> np.ndarray:
+  """`segments.open_sequence(atomic=True)`; returns `status i32[B]`."""
+  c = h.config
+  n, bs, m = c.num_blocks, c.block_size, c.max_segments
+  ids = np.asarray(ids, np.int64)
+  b, p = seg_block.shape
+  real = ids != -1
+  status = row_status(h, ids, want_active=False)
+  count_bad = (num_segments < 0) | (num_segments > min(p, m))
+  status = np.where((status == Status.OK) & count_bad & real, Status.INVALID_COUNT, status)
+  used = np.arange(p)[None, :] < num_segments[:, None]
+  blk_ok = (seg_block >= 0) & (seg_block < n)
+  cb = np.clip(seg_block, 0, n - 1)
+  live = h.ref_count[cb] > 0
+  shape_ok = (seg_start >= 0) & (seg_start < bs) & (seg_length >= 1) & (
+      seg_length <= bs - seg_start)
+  mask = range_mask(np.clip(seg_start, 0, bs), np.clip(seg_length, 0, bs), c.slot_words)
+  written = np.all((h.slots[cb] & mask) == mask, axis=-1)
+  bad_block = np.any(used & ~(blk_ok & live), axis=1)
+  bad_seg = np.any(used & ~(shape_ok & written), axis=1)
+  status = np.where((status == Status.OK) & real & bad_block, Status.INVALID_BLOCK, status)
+  status = np.where((status == Status.OK) & real & bad_seg, Status.INVALID_SEGMENT, status)
+  ok = (status == Status.OK) & real & bool(np.all(status == Status.OK))
+  if ok.any():
+    width = min(p, m)
+    rows = ids[ok]
+    used_w = used[ok, :width]
+    blk = np.zeros((rows.size, m), np.int32)
+    st = np.zeros((rows.size, m), np.int32)
+    ln = np.zeros((rows.size, m), np.int32)
+    # Columns past the given width keep their (zero) values: the rows were inactive.
+    blk[:, :width] = np.where(used_w, seg_block[ok, :width], 0)
+    st[:, :width] = np.where(used_w, seg_start[ok, :width], 0)
+    ln[:, :width] = np.where(used_w, seg_length[ok, :width], 0)
+    keep = slice(width, m)
+    blk[:, keep], st[:, keep], ln[:, keep] = (h.block[rows, keep], h.start[rows, keep],
+                                              h.length[rows, keep])
+    h.write_rows(rows, block=blk, start=st, length=ln, num_segments=num_segments[ok],
+                 seq_len=ln[:, :width].sum(axis=1), active=True)
+    h.change_refs(seg_block[ok, :width][used_w], np.ones(int(used_w.sum()), np.int64))
+  return _aborted(status, ok | ~real)
+
+
+def dead_segments(h: HostState, seg_block: np.ndarray, seg_start: np.ndarray,
+                  seg_length: np.ndarray, used: np.ndarray) -> np.ndarray:
+  """`bool[B, P]`: used segments that lie on dead slots.
+
+  What `segments.open_checked` flags as suspect (a well-formed segment on a live
+  block whose references are all table segments: no outside holder vouches for
+  it) and that no live table segment on its block covers: its K/V was left by a
+  released or moved segment and may be handed out again (`BlockPool` refuses
+  such an open with `InvalidSegment`).
+  """
+  c = h.config
+  n, bs = c.num_blocks, c.block_size
+  in_range = (seg_block >= 0) & (seg_block < n)
+  cb = np.clip(seg_block, 0, n - 1)
+  shape_ok = (seg_start >= 0) & (seg_start < bs) & (seg_length >= 1) & (
+      seg_length <= bs - seg_start)
+  ref = h.ref_count[cb]
+  suspect = used & in_range & shape_ok & (ref > 0) & (ref <= h.table_refs[cb])
+  dead = np.zeros(suspect.shape, bool)
+  if not suspect.any():
+    return dead
+  tu = h.used_mask()
+  t_blk, t_start, t_len = h.block[tu], h.start[tu], h.length[tu]
+  for r, col in zip(*np.nonzero(suspect)):
+    blk, s0, ln = int(seg_block[r, col]), int(seg_start[r, col]), int(seg_length[r, col])
+    covered = np.zeros(bs, bool)
+    on = t_blk == blk
+    for a, l in zip(t_start[on], t_len[on]):
+      covered[a:a + l] = True
+    dead[r, col] = not covered[s0:s0 + ln].all()
+  return dead
+
+
+def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_tokens: int,
+            atomic: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """`segments.reserve_tokens`; returns `(slot_idx i32[B, T], status i32[B], new_blocks)`.
+
+  `new_blocks` are the blocks taken (ascending per row, all rows), and the
+  touched tail blocks are in the mirror's change log: what a prediction's
+  caller verifies later.
+  """
+  c = h.config
+  bs, m, s = c.block_size, c.max_segments, c.max_seqs
+  ids = np.asarray(ids, np.int64)
+  num_new = np.asarray(num_new, np.int64)
+  real = ids != -1
+  status = row_status(h, ids, want_active=True)
+  count_bad = (num_new < 0) | (num_new > max_new_tokens)
+  status = np.where((status == Status.OK) & real & count_bad, Status.INVALID_COUNT, status)
+  row = np.clip(ids, 0, s - 1)
+  ns = h.num_segments[row].astype(np.int64)
+  tail = np.clip(ns - 1, 0, m - 1)
+  tb = h.block[row, tail].astype(np.int64)
+  pos = (h.start[row, tail] + h.length[row, tail]).astype(np.int64)
+  exclusive = (ns > 0) & (h.ref_count[tb] == 1) & (h.region[tb] == REGION_DYNAMIC)
+  i = np.arange(bs)[None, :]
+  busy = slot_bits(h.slots[tb], bs) | (i < pos[:, None])
+  first_busy_after = np.min(np.where(busy & (i >= pos[:, None]), i, bs), axis=1)
+  room = np.where(exclusive, first_busy_after - pos, 0)
+  n_tok = np.clip(num_new, 0, max_new_tokens)
+  in_place = np.minimum(n_tok, room)
+  rest = n_tok - in_place
+  need = _cdiv(rest, bs)
+  status = np.where((status == Status.OK) & real & (ns + need > m), Status.TABLE_FULL, status)
+  valid = (status == Status.OK) & real
+  if atomic:
+    valid = valid & bool(np.all(status == Status.OK))
+  max_blocks = _cdiv(max_new_tokens, bs)
+  granted = grant_prefix(need, valid, h.free.num_free, atomic=atomic)
+  status = np.where(valid & ~granted, Status.NO_FREE_BLOCK, status)
+  new_ids = _take_lowest(h, need, granted, max_blocks)
+  j = np.arange(max_new_tokens)[None, :]
+  k = j - in_place[:, None]
+  blk_new = np.take_along_axis(new_ids, np.clip(k // bs, 0, max(max_blocks - 1, 0)), axis=1) \
+      if max_blocks else np.zeros_like(k)
+  slot_in_place = tb[:, None] * bs + pos[:, None] + j
+  slot_new = blk_new * bs + k % bs
+  tok_ok = granted[:, None] & (j < n_tok[:, None])
+  slot_idx = np.where(tok_ok, np.where(j < in_place[:, None], slot_in_place, slot_new), -1)
+  h.set_slot_bits(slot_idx)
+  g = np.flatnonzero(granted & real)
+  if g.size:
+    rows = row[g]
+    blk, st, ln = h.block[rows].copy(), h.start[rows].copy(), h.length[rows].copy()
+    ar = np.arange(g.size)
+    ln[ar, tail[g]] += in_place[g].astype(np.int32)
+    q = np.arange(max_blocks)[None, :]
+    q_used = q < need[g][:, None]
+    cols = (ns[g][:, None] + q)
+    rr, qq = np.nonzero(q_used)
+    blk[rr, cols[rr, qq]] = new_ids[g][rr, qq]
+    st[rr, cols[rr, qq]] = 0
+    ln[rr, cols[rr, qq]] = np.minimum(bs, rest[g][rr] - qq * bs)
+    h.write_rows(rows, block=blk, start=st, length=ln,
+                 num_segments=h.num_segments[rows] + need[g],
+                 seq_len=h.seq_len[rows] + n_tok[g])
+  if np.any(granted & (n_tok > 0)):
+    h.step += 1
+  taken = new_ids[new_ids >= 0]
+  return slot_idx.astype(np.int32), _aborted(status, granted | ~real), taken
+
+
+def release(h: HostState, ids: np.ndarray, *, atomic: bool) -> np.ndarray:
+  """`segments.release`; returns `status i32[B]`."""
+  ids = np.asarray(ids, np.int64)
+  real = ids != -1
+  status = row_status(h, ids, want_active=True)
+  ok = (status == Status.OK) & real
+  if atomic:
+    ok = ok & bool(np.all(status == Status.OK))
+  if ok.any():
+    rows = ids[ok]
+    used = h.used_mask(rows)
+    blocks = h.block[rows][used]
+    h.write_rows(rows, clear=True)
+    h.change_refs(blocks, -np.ones(blocks.size, np.int64))
+  return _aborted(status, ok | ~real)
+
+
+def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
+                     *, apply: bool = True) -> np.ndarray:
+  """`alloc.apply_ref_deltas`; returns `status i32[K]` (applied iff all OK and `apply`)."""
+  n = h.config.num_blocks
+  block_ids = np.asarray(block_ids, np.int64)
+  deltas = np.asarray(deltas, np.int64)
+  pad = block_ids == -1
+  in_range = (block_ids >= 0) & (block_ids < n)
+  cb = np.clip(block_ids, 0, n - 1)
+  d = np.where(in_range, deltas, 0)
+  uniq, inv = np.unique(np.where(in_range, block_ids, n), return_inverse=True)
+  total = np.bincount(inv, weights=d, minlength=uniq.size).astype(np.int64)[inv]
+  ref = h.ref_count[cb].astype(np.int64)
+  overflow = in_range & (total > 0) & (ref > _I32_MAX - np.maximum(total, 0))
+  new_ref = np.where(overflow, _I32_MAX, ref + total)
+  table_refs = np.where(in_range, h.table_refs[cb], 0)
+  underflow = in_range & (new_ref < 0)
+  in_use = in_range & (total < 0) & (new_ref < table_refs)
+  incref_free = in_range & (deltas > 0) & (ref == 0)
+  status = np.where(underflow, Status.REF_UNDERFLOW,
+                    np.where(in_use, Status.BLOCK_IN_USE, Status.OK))
+  status = np.where(overflow, Status.REF_OVERFLOW, status)
+  status = np.where(~in_range | incref_free, Status.INVALID_BLOCK, status)
+  status = np.where(pad, Status.OK, status)
+  all_ok = bool(np.all(status == Status.OK))
+  status = np.where(all_ok | (status != Status.OK) | pad, status, Status.ABORTED)
+  if all_ok and apply and in_range.any():
+    h.change_refs(block_ids[in_range], deltas[in_range])
+  return status.astype(np.int32)
+
+
+def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
+                      deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`segments.release_with_refs`; returns `(row_status, ref_status)`."""
+  ids = np.asarray(ids, np.int64)
+  block_ids = np.asarray(block_ids, np.int64)
+  rows = row_status(h, ids, want_active=True)
+  rows_ok = bool(np.all(rows == Status.OK))
+  ref_status = apply_ref_deltas(h, np.where(rows_ok, block_ids, -1), deltas, apply=False)
+  refs_ok = bool(np.all(ref_status == Status.OK))
+  ref_status = np.where(rows_ok | (block_ids == -1), ref_status, Status.ABORTED)
+  if refs_ok and rows_ok:
+    apply_ref_deltas(h, block_ids, deltas)
+    row_st = release(h, ids, atomic=True)
+  else:
+    row_st = np.where((rows == Status.OK) & (ids != -1), Status.ABORTED, rows)
+  return row_st.astype(np.int32), ref_status.astype(np.int32)
+
+
+def fork(h: HostState, src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
+  """`segments.fork(atomic=True)`; returns `status i32[B]`."""
+  s = h.config.max_seqs
+  src_ids = np.asarray(src_ids, np.int64)
+  dst_ids = np.asarray(dst_ids, np.int64)
+  real = dst_ids != -1
+  src_ok = (src_ids >= 0) & (src_ids < s) & h.active[np.clip(src_ids, 0, s - 1)]
+  status = row_status(h, dst_ids, want_active=False)
+  status = np.where(real & ~src_ok, Status.INVALID_SEQUENCE, status)
+  ok = (status == Status.OK) & real & bool(np.all(status == Status.OK))
+  if ok.any():
+    src, dst = src_ids[ok], dst_ids[ok]
+    used = h.used_mask(src)
+    blocks = h.block[src][used]
+    h.write_rows(dst, block=h.block[src], start=h.start[src], length=h.length[src],
+                 num_segments=h.num_segments[src], seq_len=h.seq_len[src], active=True)
+    h.change_refs(blocks, np.ones(blocks.size, np.int64))
+  return _aborted(status, ok | ~real)
+
+
+def cow_split(h: HostState, ids: np.ndarray, *, atomic: bool) -> tuple[np.ndarray, np.ndarray]:
+  """`slots.cow_split`; returns `(split bool[B], status i32[B])`; records the copies."""
+  c = h.config
+  bs, m, s = c.block_size, c.max_segments, c.max_seqs
+  ids = np.asarray(ids, np.int64)
+  real = ids != -1
+  status = row_status(h, ids, want_active=True)
+  row = np.clip(ids, 0, s - 1)
+  ns = h.num_segments[row].astype(np.int64)
+  tail = np.clip(ns - 1, 0, m - 1)
+  tb = h.block[row, tail].astype(np.int64)
+  ts = h.start[row, tail].astype(np.int64)
+  tl = h.length[row, tail].astype(np.int64)
+  pos = ts + tl
+  i = np.arange(bs)[None, :]
+  after_busy = np.any(slot_bits(h.slots[tb], bs) & (i >= pos[:, None]), axis=1)
+  blocked = (h.ref_count[tb] > 1) | (h.region[tb] != REGION_DYNAMIC) | (ts > 0) | after_busy
+  wants = (status == Status.OK) & real & (ns > 0) & (tl < bs) & blocked
+  valid = (status == Status.OK) & real
+  if atomic:
+    valid = valid & bool(np.all(status == Status.OK))
+  need = np.where(wants & valid, 1, 0)
+  granted = grant_prefix(need, valid, h.free.num_free, atomic=atomic)
+  status = np.where(valid & ~granted, Status.NO_FREE_BLOCK, status)
+  split = granted & (need > 0)
+  if split.any():
+    fresh = _take_lowest(h, need, granted, 1)[:, 0]
+    g = np.flatnonzero(split)
+    h.copy_slots(tb[g], ts[g], fresh[g], np.zeros(g.size, np.int64), tl[g])
+    h.set_slots(fresh[g], range_mask(np.zeros(g.size, np.int64), tl[g], c.slot_words))
+    rows = row[g]
+    blk, st = h.block[rows].copy(), h.start[rows].copy()
+    blk[np.arange(g.size), tail[g]] = fresh[g]
+    st[np.arange(g.size), tail[g]] = 0
+    h.write_rows(rows, block=blk, start=st)
+    h.change_refs(tb[g], -np.ones(g.size, np.int64))
+  return split, _aborted(status, granted | ~real)
+
+
+def move_blocks(h: HostState, src: np.ndarray, dst: np.ndarray, *,
+                dst_region: int) -> tuple[np.ndarray, np.ndarray]:
+  """`compact.move_blocks` (compaction: region 0; promotion: region 1).
+
+  Returns `(src, dst, status i32[M])`: the moves applied (none when refused) and
+  the status per entry; `remap_of` builds the `remap` holders outside the pool follow.
+  """
+  n = h.config.num_blocks
+  src = np.asarray(src, np.int64)
+  dst = np.asarray(dst, np.int64)
+  pad = (src == -1) & (dst == -1)
+  in_range = (src >= 0) & (src < n) & (dst >= 0) & (dst < n)
+  cs, cd = np.clip(src, 0, n - 1), np.clip(dst, 0, n - 1)
+  src_ok = (h.ref_count[cs] > 0) & (h.region[cs] == REGION_DYNAMIC)
+  dst_ok = (h.ref_count[cd] == 0) & (h.region[cd] == dst_region)
+  k = np.arange(src.shape[0])
+  unique = first_occurrence(np.where(pad, -1 - k, src)) & first_occurrence(
+      np.where(pad, -1 - k, dst))
+  good = pad | (in_range & src_ok & dst_ok & unique)
+  status = np.where(good, Status.OK, Status.INVALID_BLOCK)
+  all_ok = bool(np.all(good))
+  status = np.where((not all_ok) & good & ~pad, Status.ABORTED, status).astype(np.int32)
+  move = all_ok & ~pad
+  s, d = src[move], dst[move]
+  if s.size:
+    ref, words = h.ref_count[s].copy(), h.slots[s].copy()
+    h.log.touch_blocks(h, np.concatenate([s, d]))
+    h.ref_count[d] = ref
+    h.slots[d] = words
+    h.ref_count[s] = 0
+    h.slots[s] = 0
+    h.free.mark(s, +1)  # sources are dynamic: free now
+    if dst_region == REGION_DYNAMIC:
+      h.free.mark(d, -1)
+    else:
+      h.num_free_base -= int(d.size)
+    h.log.freed(s)
+    h.move_pages(s, d)
+    # Tables: every used entry on a moved block follows it.
+    order = np.argsort(s)
+    s_sorted, d_sorted = s[order], d[order]
+    hit = h.used_mask() & np.isin(h.block, s_sorted)
+    rows = np.flatnonzero(hit.any(axis=1))
+    if rows.size:
+      blk = h.block[rows].copy()
+      sub = hit[rows]
+      blk[sub] = d_sorted[np.searchsorted(s_sorted, blk[sub])]
+      h.write_rows(rows, block=blk)
+  return s, d, status
+
+
+def remap_of(n: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+  """`i32[n]`: `remap[old] = new` for moved blocks, identity elsewhere."""
+  remap = np.arange(n, dtype=np.int32)
+  remap[np.asarray(src, np.int64)] = np.asarray(dst, np.int32)
+  return remap
+
+
+# ---------------------------------------------------------------------------
+# Host planners (numpy twins of the device planners; they read the mirror).
+# ---------------------------------------------------------------------------
+
+
+def plan_compaction(h: HostState, *, budget: int) -> tuple[np.ndarray, np.ndarray]:
+  """`compact.plan_compaction`: the highest live dynamic blocks into the lowest free."""
+  dyn = h.region == REGION_DYNAMIC
+  live = np.flatnonzero((h.ref_count > 0) & dyn)[::-1][:budget]
+  free = np.flatnonzero((h.ref_count == 0) & dyn)[:budget]
+  k = min(live.size, free.size)
+  ok = live[:k] > free[:k]
+  k = int(np.argmin(ok)) if not ok.all() else k
+  src = np.full(budget, -1, np.int32)
+  dst = np.full(budget, -1, np.int32)
+  src[:k], dst[:k] = live[:k], free[:k]
+  return src, dst
+
+
+def plan_shrink(h: HostState, num_blocks: int, *, budget: int) -> tuple[np.ndarray, np.ndarray]:
+  """`regions.plan_shrink`: the highest live blocks at or above the cut into the lowest
+  free blocks below it."""
+  n = h.config.num_blocks
+  dyn = h.region == REGION_DYNAMIC
+  idx = np.arange(n)
+  above = np.flatnonzero((h.ref_count > 0) & dyn & (idx >= num_blocks))[::-1][:budget]
+  below = np.flatnonzero((h.ref_count == 0) & dyn & (idx < num_blocks))[:budget]
+  k = min(above.size, below.size)
+  src = np.full(budget, -1, np.int32)
+  dst = np.full(budget, -1, np.int32)
+  src[:k], dst[:k] = above[:k], below[:k]
+  return src, dst
+
+
+def shrink_progress(h: HostState, num_blocks: int) -> tuple[int, int]:
+  """`regions.shrink_progress`: `(held_above, free_below)` of a cut."""
+  dyn = h.region == REGION_DYNAMIC
+  ref = h.ref_count
+  held = int(np.count_nonzero((ref[num_blocks:] > 0) & dyn[num_blocks:]))
+  free_below = int(np.count_nonzero((ref[:num_blocks] == 0) & dyn[:num_blocks]))
+  return held, free_below
+
+
+def plan_promotion(h: HostState, min_readers: int, *, max_moves: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """`regions.plan_promotion`: most-read dynamic blocks into the lowest free base blocks."""
+  n = h.config.num_blocks
+  ref = h.ref_count.astype(np.int64)
+  cand = np.flatnonzero((h.region == REGION_DYNAMIC) & (ref >= max(int(min_readers), 1)))
+  order = cand[np.lexsort((cand, -ref[cand]))]
+  base = np.flatnonzero((h.region == REGION_BASE) & (ref == 0))
+  k = min(order.size, base.size, max_moves)
+  src = np.full(max_moves, -1, np.int32)
+  dst = np.full(max_moves, -1, np.int32)
+  src[:k], dst[:k] = order[:k], base[:k]
+  del n
+  return src, dst
+
+
+def allocate(h: HostState, num: int, *, contiguous: str, fit: str = "first"
+             ) -> tuple[np.ndarray, int]:
+  """`alloc.allocate` (first fit); returns `(ids i64[num], status)`."""
+  num = int(num)
+  if num > h.free.num_free:
+    return np.zeros(0, np.int64), int(Status.NO_FREE_BLOCK)
+  ids = h.free.lowest(num)
+  if contiguous != "never" and num > 1 and (fit == "best" or ids[-1] - ids[0] != num - 1):
+    free = h.free.mask()
+    run_start = _lowest_run(free, num) if fit == "first" else _best_run(free, num)
+    if run_start >= 0:
+      ids = np.arange(run_start, run_start + num, dtype=np.int64)
+    elif contiguous == "require":
+      return np.zeros(0, np.int64), int(Status.NO_CONTIGUOUS_RUN)
+  h.take_blocks(ids)
+  return ids, int(Status.OK)
+
+
+def _lowest_run(free: np.ndarray, num: int) -> int:
+  padded = np.concatenate([[False], free, [False]])
+  edges = np.flatnonzero(padded[1:] != padded[:-1])
+  starts, ends = edges[::2], edges[1::2]
+  ok = np.flatnonzero(ends - starts >= num)
+  return int(starts[ok[0]]) if ok.size else -1
+
+
+def _best_run(free: np.ndarray, num: int) -> int:
+  padded = np.concatenate([[False], free, [False]])
+  edges = np.flatnonzero(padded[1:] != padded[:-1])
+  starts, ends = edges[::2], edges[1::2]
+  lengths = ends - starts
+  ok = np.flatnonzero(lengths >= num)
+  if not ok.size:
+    return -1
+  return int(starts[ok[np.argmin(lengths[ok])]])

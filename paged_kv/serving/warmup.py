@@ -1,0 +1,149 @@
+"""Scheduler warm-up: run every program the serving path can run, once, up front.
+
+"Compile once": every jitted program a `Scheduler` runs takes its shapes from
+a small set of buckets derived from the configs, and `program_runs` enumerates
+them:
+
+* the pool's commit (`paged_kv.core.commit.commit`) at every
+  `CommitWidths.all_for(pool config, move widths)`: the compaction policy's,
+  the shrink's and the promotion's move widths;
+* the executor's step for every plan shape the scheduler builds: `max_batch`
+  rows, `max_query_len` 1 (decode only) or `prefill_chunk`, and the token
+  buckets `ragged.bucket` gives each (an executor that ignores the tokens, as
+  `DryExecutor` does, compiles once per `max_query_len`);
+* with swap preemption, the K/V gather and layered write at every
+  power-of-two length up to a sequence's most tokens (`max_segments *
+  block_size`).
+
+Each run changes nothing: commits of padding only, steps whose rows are all
+padding (`-1`), a gather of row 0 written back to no slot. `warm(scheduler)`
+runs them all (with a progress bar when tqdm is installed) and reports how many
+programs ran, how many XLA compiles they caused (0 when JAX's persistent
+compilation cache held them all: loads instead) and how long it took. After it,
+a run the configs admit compiles nothing new; `SchedulerStats.compiles_after_warmup`
+and the tests check that by counting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from paged_kv.mirror.changes import CommitWidths
+from paged_kv.model import ragged
+from paged_kv.model.plan import StepPlan
+from paged_kv.runtime import counters
+
+if TYPE_CHECKING:
+  from paged_kv.serving.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+  """What `warm` did.
+
+  Attributes:
+    programs: program runs (one per distinct shape the serving path can take).
+    compiles: XLA backend compiles they caused.
+    cache_loads: executables loaded from the persistent compilation cache instead.
+    seconds: wall time.
+  """
+
+  programs: int
+  compiles: int
+  cache_loads: int
+  seconds: float
+
+  def __str__(self) -> str:
+    return (f"warm-up: {self.programs} programs, {self.compiles} compiled, "
+            f"{self.cache_loads} loaded from the persistent cache, {self.seconds:.1f} s")
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+  """The widths `ragged.bucket` gives totals `1..max_tokens`: powers of two."""
+  return [1 << i for i in range(ragged.bucket(max_tokens).bit_length())]
+
+
+def move_widths(sched: "Scheduler") -> list[int]:
+  """Move counts a step can plan: compaction's, a shrink's (same policy), promotion's."""
+  pc = sched.pool.config
+  out = []
+  policy = sched.config.compaction
+  if policy is not None:
+    out.append(policy.num_moves(pc.num_blocks, pc.block_bytes))
+  if sched.config.promote_readers and pc.num_base_blocks:
+    out.append(max(1, min(8, pc.num_base_blocks)))
+  return out
+
+
+def program_runs(sched: "Scheduler") -> list[tuple[str, Callable[[], None]]]:
+  """`(name, run)` for every program the scheduler's serving path can run."""
+  pool, cfg = sched.pool, sched.config
+  pc = pool.config
+  runs: list[tuple[str, Callable[[], None]]] = []
+  for w in CommitWidths.all_for(pc, move_widths(sched)):
+    runs.append((f"commit rows={w.rows} copies={w.copies} moves={w.moves}",
+                 lambda w=w: pool.warm_commit(w)))
+  seen_dry = set()
+  for mql, most in ((1, cfg.max_batch), (cfg.prefill_chunk,
+                                         cfg.max_batch + cfg.prefill_token_budget)):
+    for width in token_buckets(most):
+      if not getattr(sched.executor, "uses_tokens", True):
+        if mql in seen_dry:
+          continue
+        seen_dry.add(mql)
+      runs.append((f"step tokens={width} max_query_len={mql}",
+                   lambda width=width, mql=mql: _padding_step(sched, width, mql)))
+  if cfg.preemption == "swap":
+    most = pc.max_segments * pc.block_size
+    width = 16
+    while True:
+      runs.append((f"swap tokens={width}", lambda width=width: pool.warm_data(width)))
+      if width >= most:
+        break
+      width *= 2
+  return runs
+
+
+def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
+  """The executor's step on a plan of padding rows: compiles, changes nothing."""
+  b = sched.config.max_batch
+  plan = StepPlan(seq_ids=np.full((b,), -1, np.int32), num_new=np.zeros((b,), np.int32),
+                  tokens=np.zeros((width,), np.int32), max_query_len=max_query_len)
+  pool = sched.pool
+  pred = pool.predict_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
+  try:
+    state, _, status = sched.executor.step(pred.state, plan)
+  except BaseException:
+    pool.abandon_step(None)
+    raise
+  pool.adopt_step(state, pred, device_status=status)
+
+
+def warm(sched: "Scheduler", *, progress: bool = True) -> WarmupReport:
+  """Runs every program of `program_runs(sched)` once; see the module docstring."""
+  runs = program_runs(sched)
+  c0, l0, t0 = counters.backend_compiles(), counters.cache_loads(), time.perf_counter()
+  bar = None
+  if progress:
+    try:
+      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+      bar = tqdm(total=len(runs), desc="warm-up", unit="program", leave=False)
+    except ImportError:
+      bar = None
+  for name, run in runs:
+    if bar is not None:
+      bar.set_postfix_str(name, refresh=False)
+    run()
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
+  sched.pool.verify()  # the warm-up changed nothing: checked, and every result waited for
+  return WarmupReport(programs=len(runs), compiles=counters.backend_compiles() - c0,
+                      cache_loads=counters.cache_loads() - l0,
+                      seconds=time.perf_counter() - t0)

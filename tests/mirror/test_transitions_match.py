@@ -1,0 +1,231 @@
+"""The host mirror's transitions against the device's, on random operation sequences.
+
+Two pools start equal: a device state driven by the jitted transitions of
+`paged_kv.core` and a `HostState` driven by `paged_kv.mirror.transitions`, plus a
+third device state that receives only the mirror's commits. After every
+operation the statuses and results must be equal and the mirror must equal the
+device bit for bit (every bookkeeping array but `last_use`); after every flush
+the committed state must equal the mirror, no commit may report a mismatch, and
+the K/V of every handed-out slot of a live block must equal the device's (all
+pages, when the pool scrubs freed blocks). Operations: opens on shared prefixes
+(some on unwritten slots), reserves (atomic or not), releases, reference deltas
+(some invalid), releases with deltas, forks, tail copies, compaction moves and
+promotions, with invalid rows mixed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from paged_kv.core import alloc, compact, regions, segments, slots
+from paged_kv.core.commit import commit
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, KVPages, init_pool
+from paged_kv.mirror import transitions as T
+from paged_kv.mirror.free_index import HostFreeIndex
+from paged_kv.mirror.host_state import HostState
+from paged_kv.core.state import build_free_index
+from paged_kv.telemetry.metrics import largest_free_run
+
+SEEDS = int(os.environ.get("PAGED_KV_MIRROR_SEEDS", "1"))
+STEPS = int(os.environ.get("PAGED_KV_MIRROR_STEPS", "120"))
+OPS = ("open", "reserve", "release", "deltas", "rwr", "fork", "cow", "compact", "promote")
+WEIGHTS = (.15, .3, .1, .1, .07, .08, .1, .05, .05)
+
+
+class _Run:
+  """One random run: device `D` (transitions), mirror `H`, committed device `C`."""
+
+  def __init__(self, seed: int, scrub: bool, base: float):
+    self.cfg = cfg = PoolConfig(num_blocks=48, block_size=4, num_layers=1, num_kv_heads=1,
+                                head_dim=2, max_seqs=8, max_segments=8, base_pool_fraction=base,
+                                scrub_freed_blocks=scrub)
+    self.rng = rng = np.random.default_rng(seed)
+    d = init_pool(cfg)
+    shape = d.pages.k.shape
+    pages = KVPages(k=jnp.asarray(rng.normal(size=shape), jnp.float32),
+                    v=jnp.asarray(rng.normal(size=shape), jnp.float32))
+    self.D = dataclasses.replace(d, pages=pages)
+    self.C = jax.tree.map(lambda x: x.copy(), self.D)
+    self.H = HostState.empty(cfg)
+    self.step = 0
+
+  def rows(self, k: int, active: bool | None = None) -> np.ndarray:
+    s = self.cfg.max_seqs
+    if self.rng.random() < 0.1:  # invalid or repeated rows now and then
+      return np.array([self.rng.integers(-1, s + 1) for _ in range(k)])
+    pool = np.arange(s) if active is None else np.flatnonzero(self.H.active == active)
+    if not len(pool):
+      return np.full(k, -1)
+    return self.rng.choice(pool, size=min(k, len(pool)), replace=False)
+
+  def flush(self) -> None:
+    H, cfg = self.H, self.cfg
+    for batch in H.log.batches(H):
+      self.C, mismatch = commit(self.C, batch, config=cfg)
+      assert int(mismatch) == 0, (self.step, "commit mismatch", int(mismatch))
+    H.log.reset(H)
+    assert not H.differences(self.C), (self.step, "commit", H.differences(self.C))
+    for name in ("k", "v"):
+      a = np.asarray(getattr(self.D.pages, name))
+      b = np.asarray(getattr(self.C.pages, name))
+      if cfg.scrub_freed_blocks:
+        np.testing.assert_array_equal(a, b, err_msg=f"step {self.step}: pages (scrub)")
+      else:
+        live = T.slot_bits(H.slots, cfg.block_size) & (H.ref_count > 0)[:, None]
+        np.testing.assert_array_equal(a[:, :, live], b[:, :, live],
+                                      err_msg=f"step {self.step}: live slots")
+
+  def op(self, name: str):
+    rng, cfg, H = self.rng, self.cfg, self.H
+    s = cfg.max_seqs
+    if name == "open":
+      ids = self.rows(int(rng.integers(1, 3)), active=False)
+      b, p = len(ids), 4
+      grid = np.zeros((3, b, p), np.int32)
+      nums = np.zeros(b, np.int32)
+      live = np.flatnonzero(H.active)
+      for i in range(b):
+        if len(live) and rng.random() < 0.6:
+          src = rng.choice(live)
+          k = int(rng.integers(0, min(int(H.num_segments[src]), p) + 1))
+          grid[:, i, :k] = np.stack([H.block[src, :k], H.start[src, :k], H.length[src, :k]])
+          nums[i] = k
+          if rng.random() < 0.05 and k:
+            grid[2, i, 0] += 2  # onto unwritten slots
+      self.D, st = segments.open_sequence(self.D, ids.astype(np.int32), grid[0], grid[1],
+                                          grid[2], nums, config=cfg, atomic=True)
+      return st, T.open_rows(H, ids.astype(np.int64), grid[0], grid[1], grid[2],
+                             nums.astype(np.int64))
+    if name == "reserve":
+      ids = self.rows(int(rng.integers(1, 4)), active=True)
+      cnt = rng.integers(0, 9, size=len(ids))
+      atomic = bool(rng.random() < 0.5)
+      self.D, (si, st) = segments.reserve_tokens(self.D, ids.astype(np.int32),
+                                                 cnt.astype(np.int32), config=cfg,
+                                                 max_new_tokens=8, atomic=atomic)
+      hsi, hs, _ = T.reserve(H, ids, cnt, max_new_tokens=8, atomic=atomic)
+      np.testing.assert_array_equal(np.asarray(si), hsi, err_msg=f"step {self.step}: slots")
+      return st, hs
+    if name == "release":
+      ids = self.rows(int(rng.integers(1, 3)), active=True)
+      self.D, st = segments.release(self.D, ids.astype(np.int32), config=cfg, atomic=True)
+      return st, T.release(H, ids, atomic=True)
+    if name in ("deltas", "rwr"):
+      live = np.flatnonzero(H.ref_count > 0)
+      k = int(rng.integers(1, 4))
+      blk = rng.choice(live, size=k) if len(live) else rng.integers(0, cfg.num_blocks, size=k)
+      d = rng.integers(-2, 3, size=k)
+      if rng.random() < 0.1:
+        blk[0] = -1
+      if name == "deltas":
+        self.D, st = alloc.apply_ref_deltas(self.D, blk.astype(np.int32), d.astype(np.int32),
+                                            config=cfg)
+        return st, T.apply_ref_deltas(H, blk, d)
+      ids = self.rows(int(rng.integers(1, 3)), active=True)
+      self.D, (st, rs) = segments.release_with_refs(self.D, ids.astype(np.int32),
+                                                    blk.astype(np.int32), d.astype(np.int32),
+                                                    config=cfg)
+      hs, hrs = T.release_with_refs(H, ids, blk, d)
+      np.testing.assert_array_equal(np.asarray(rs), hrs)
+      return st, hs
+    if name == "fork":
+      src, dst = self.rows(1, active=True), self.rows(1, active=False)
+      self.D, st = segments.fork(self.D, src.astype(np.int32), dst.astype(np.int32), config=cfg,
+                                 atomic=True)
+      return st, T.fork(H, src, dst)
+    if name == "cow":
+      ids = self.rows(int(rng.integers(1, 4)), active=True)
+      atomic = bool(rng.random() < 0.5)
+      tails = H.block[np.clip(ids, 0, s - 1)].reshape(-1)
+      if H.log.page_conflict(tails, H.log.free_page_dsts(H)):
+        self.flush()
+      self.D, (sp, st) = slots.cow_split(self.D, ids.astype(np.int32), config=cfg, atomic=atomic)
+      hsp, hs = T.cow_split(H, ids, atomic=atomic)
+      np.testing.assert_array_equal(np.asarray(sp), hsp)
+      return st, hs
+    if name == "compact":
+      src, dst = T.plan_compaction(H, budget=4)
+      dsrc, ddst = compact.plan_compaction(self.D.meta, budget=4)
+      np.testing.assert_array_equal(src, np.asarray(dsrc))
+      np.testing.assert_array_equal(dst, np.asarray(ddst))
+      if H.log.page_conflict(src[src >= 0], dst[dst >= 0], moves=True):
+        self.flush()
+      self.D, (remap, st) = compact.compact_permute(self.D, src, dst, config=cfg)
+      s_, d_, hs = T.move_blocks(H, src, dst, dst_region=REGION_DYNAMIC)
+      np.testing.assert_array_equal(np.asarray(remap), T.remap_of(cfg.num_blocks, s_, d_))
+      return st, hs
+    assert name == "promote"
+    src, dst = T.plan_promotion(H, 2, max_moves=4)
+    dsrc, ddst = regions.plan_promotion(self.D.meta, 2, max_moves=4)
+    np.testing.assert_array_equal(src, np.asarray(dsrc))
+    np.testing.assert_array_equal(dst, np.asarray(ddst))
+    if H.log.page_conflict(src[src >= 0], dst[dst >= 0], moves=True):
+      self.flush()
+    self.D, (remap, st) = regions.promote_blocks(self.D, src, dst, config=cfg)
+    _, _, hs = T.move_blocks(H, src, dst, dst_region=REGION_BASE)
+    return st, hs
+
+  def run(self, steps: int) -> dict[str, int]:
+    applied = {}
+    for self.step in range(steps):
+      name = str(self.rng.choice(OPS, p=WEIGHTS))
+      st, hs = self.op(name)
+      np.testing.assert_array_equal(np.asarray(st), hs, err_msg=f"step {self.step}: {name}")
+      applied[name] = applied.get(name, 0) + int(np.all(hs == 0))
+      diff = self.H.differences(self.D)
+      assert not diff, (self.step, name, diff)
+      if self.rng.random() < 0.3:
+        self.flush()
+    self.flush()
+    return applied
+
+
+class TransitionsMatchTest(parameterized.TestCase):
+
+  @parameterized.product(scrub=(False, True), base=(0.0, 0.25))
+  def test_random_operations(self, scrub, base):
+    for seed in range(SEEDS):
+      applied = _Run(seed + 100 * scrub + int(40 * base), scrub, base).run(STEPS)
+      # The run exercised the transitions (each applied at least once, most many times).
+      for name in ("open", "reserve", "release", "cow", "fork"):
+        self.assertGreater(applied.get(name, 0), 0, (name, applied))
+
+
+class FreeIndexTest(parameterized.TestCase):
+
+  @parameterized.parameters(1, 31, 33, 1024, 1025, 40_000, 70_000)
+  def test_same_arrays_and_queries_as_the_device(self, n):
+    rng = np.random.default_rng(n)
+    for p in (0.0, 0.1, 0.5, 1.0):
+      free = rng.random(n) < p
+      h = HostFreeIndex.from_mask(free)
+      bits, counts = build_free_index(jnp.asarray(free))
+      np.testing.assert_array_equal(h.bits, np.asarray(bits))
+      np.testing.assert_array_equal(h.counts, np.asarray(counts))
+      k = int(free.sum())
+      for kk in sorted({0, min(1, k), k // 2, k}):
+        np.testing.assert_array_equal(h.lowest(kk), np.flatnonzero(free)[:kk])
+      self.assertEqual(h.largest_run(), largest_free_run(free))
+      take = h.lowest(min(3, k))
+      h.mark(take, -1)
+      free[take] = False
+      again = HostFreeIndex.from_mask(free)
+      np.testing.assert_array_equal(h.bits, again.bits)
+      np.testing.assert_array_equal(h.counts, again.counts)
+      self.assertEqual(h.num_free, again.num_free)
+
+  def test_asking_for_more_than_free_is_an_error(self):
+    h = HostFreeIndex.from_mask(np.array([True, False, True]))
+    with self.assertRaises(ValueError):
+      h.lowest(3)
+
+
+if __name__ == "__main__":
+  absltest.main()
