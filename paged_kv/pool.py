@@ -217,10 +217,10 @@ class BlockPool:
     self._scratch_log = ChangeLog(config)  # a prediction's changes (the device makes them)
     self._checks: collections.deque = collections.deque()
     if state is None:
-      self._state = init_pool(config)
+      self._state = _committed(init_pool(config))
       self._mirror: HostState | None = HostState.empty(config, self._log)
     else:
-      self._state = state
+      self._state = _committed(state)
       self._mirror = None  # read from the device on first use
 
   # -- the device state and the mirror ---------------------------------------
@@ -234,7 +234,7 @@ class BlockPool:
   def state(self, state: PoolState) -> None:
     """A state the caller computed (e.g. with a jitted transition): the mirror reloads."""
     self._log.reset(None)
-    self._state = state
+    self._state = _committed(state)
     self._mirror = None
 
   @property
@@ -1084,7 +1084,8 @@ class BlockPool:
                            f"{live.size} still referenced (e.g. {live[:8].tolist()}); "
                            "compact first")
     state = self.state
-    self._state = regions.resize_pool(state, config=self.config, new_config=new_config)
+    self._state = _committed(regions.resize_pool(state, config=self.config,
+                                                 new_config=new_config))
     self.runtime.dispatch("sync")
     self._scratch_log = ChangeLog(new_config)
     self._mirror = h.resized(new_config)
@@ -1108,6 +1109,21 @@ class PackResult:
   table_segments: np.ndarray
   extra_segments: np.ndarray
   ref_deltas: tuple[np.ndarray, np.ndarray]
+
+
+def _committed(state: PoolState) -> PoolState:
+  """`state` with every array committed to its own sharding (device).
+
+  A jitted program is compiled per argument sharding, committed or not: a fresh
+  `init_pool` state is uncommitted, the outputs of the pool's programs are
+  committed. Committing the state once at the start keeps every call on one
+  shape of arguments, so the warm-up compiles what the serving path runs.
+  """
+  def commit_leaf(x):
+    if isinstance(x, jax.Array) and not x.is_deleted():
+      return jax.device_put(x, x.sharding)
+    return x
+  return jax.tree.map(commit_leaf, state)
 
 
 @jax.jit
