@@ -1148,11 +1148,11 @@ def _write_layers(state: PoolState, slot_idx: jax.Array, k: jax.Array,
                   v: jax.Array) -> PoolState:
   """Every layer's K/V (`[L, H, T, D]`) into slots `slot_idx: i32[T]` (-1 dropped)."""
   pages = state.pages
-  num_layers, num_heads, n, bs, d = pages.k.shape
-  dst = jnp.where(slot_idx >= 0, slot_idx, n * bs)
-  def put(p, x):
-    flat = p.reshape(num_layers, num_heads, n * bs, d)
-    return flat.at[:, :, dst].set(x.astype(p.dtype), mode="drop").reshape(p.shape)
+  n, bs = pages.k.shape[2], pages.k.shape[3]
+  blk = jnp.where(slot_idx >= 0, slot_idx // bs, n)  # out of range: dropped
+  off = jnp.where(slot_idx >= 0, slot_idx % bs, 0)
+  def put(p, x):  # advanced (block, offset) indices: the update is [L, H, T, D], in place
+    return p.at[:, :, blk, off].set(x.astype(p.dtype), mode="drop")
   return dataclasses.replace(state, pages=dataclasses.replace(pages, k=put(pages.k, k),
                                                               v=put(pages.v, v)))
 

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from paged_kv.core.alloc import mark_blocks, reads_before_writes
 from paged_kv.core.config import PoolConfig
-from paged_kv.core.page_copy import copy_slot_ranges, move_pages
+from paged_kv.core.page_copy import move_pages
 from paged_kv.core.state import REGION_DYNAMIC, KVPages, PoolState
 
 MISMATCH_BLOCKS = 1
@@ -97,22 +97,27 @@ class CommitBatch:
   step: jax.Array
 
 
-def _gather_slots(p: jax.Array, block, start, length) -> tuple[jax.Array, jax.Array]:
-  """`(values [L, H, C * bs, D], valid bool[C * bs])` of slot ranges (for the copies)."""
-  num_layers, num_heads, n, bs, d = p.shape
+def _slot_ranges(block, start, length, bs: int, n: int):
+  """`(blk, off, valid)`, `[C * bs]` each: the slots of ranges `[start, start + length)`
+  of `block` (`-1` = padding; invalid slots point at block `n`, dropped by scatters)."""
   j = jnp.arange(bs, dtype=jnp.int32)[None, :]
-  live = (j < length[:, None]) & (block[:, None] >= 0)
-  src = jnp.where(live, block[:, None] * bs + start[:, None] + j, 0).reshape(-1)
-  return p.reshape(num_layers, num_heads, n * bs, d)[:, :, src], live.reshape(-1)
+  valid = (j < length[:, None]) & (block[:, None] >= 0)
+  blk = jnp.where(valid, block[:, None], n).reshape(-1)
+  off = jnp.where(valid, start[:, None] + j, 0).reshape(-1)
+  return blk, off, valid.reshape(-1)
 
 
-def _scatter_slots(p: jax.Array, values: jax.Array, valid: jax.Array, block, start) -> jax.Array:
-  num_layers, num_heads, n, bs, d = p.shape
-  j = jnp.arange(bs, dtype=jnp.int32)[None, :]
-  dst = jnp.where(valid.reshape(block.shape[0], bs) & (block[:, None] >= 0),
-                  block[:, None] * bs + start[:, None] + j, n * bs).reshape(-1)
-  flat = p.reshape(num_layers, num_heads, n * bs, d).at[:, :, dst].set(values, mode="drop")
-  return flat.reshape(p.shape)
+def _gather_slots(p: jax.Array, block, start, length) -> jax.Array:
+  """`[L, H, C * bs, D]`: the K/V of slot ranges (for the copies)."""
+  _, _, n, bs, _ = p.shape
+  blk, off, _ = _slot_ranges(block, start, length, bs, n)
+  return p[:, :, jnp.minimum(blk, n - 1), off]
+
+
+def _scatter_slots(p: jax.Array, values: jax.Array, block, start, length) -> jax.Array:
+  _, _, n, bs, _ = p.shape
+  blk, off, _ = _slot_ranges(block, start, length, bs, n)
+  return p.at[:, :, blk, off].set(values, mode="drop")
 
 
 def _page_work(pages: KVPages, b: CommitBatch, *, scrub: bool) -> KVPages:
@@ -123,28 +128,29 @@ def _page_work(pages: KVPages, b: CommitBatch, *, scrub: bool) -> KVPages:
   if b.move_src.shape[0]:
     pages = move_pages(pages, b.move_src, b.move_dst)
   has_copies = b.copy_src_block.shape[0] > 0
-  if not scrub:
-    if has_copies:
-      pages = copy_slot_ranges(pages, b.copy_src_block, b.copy_src_start, b.copy_dst_block,
-                               b.copy_dst_start, b.copy_length)
-    return pages
   n = pages.k.shape[2]
   ids = b.block_ids
-  before = (ids >= 0) & b.scrub_before
-  if b.move_dst.shape[0]:
-    moved_into = jnp.isin(ids, jnp.where(b.move_dst >= 0, b.move_dst, -2))
-    before = before & ~moved_into
-  first = jnp.where(before, ids, n)
-  last = jnp.where((ids >= 0) & b.scrub_after, ids, n)
+  first = last = None
+  if scrub:
+    before = (ids >= 0) & b.scrub_before
+    if b.move_dst.shape[0]:
+      before = before & ~jnp.isin(ids, jnp.where(b.move_dst >= 0, b.move_dst, -2))
+    first = jnp.where(before, ids, n)
+    last = jnp.where((ids >= 0) & b.scrub_after, ids, n)
   zero = lambda p, idx: p.at[:, :, idx].set(jnp.zeros((), p.dtype), mode="drop")
   out = []
   for p in (pages.k, pages.v):
     if has_copies:
-      values, valid = _gather_slots(p, b.copy_src_block, b.copy_src_start, b.copy_length)
-    p = zero(p, first)
+      values = _gather_slots(p, b.copy_src_block, b.copy_src_start, b.copy_length)
+      # The gather first: the writes below then update the donated pages in place.
+      values, p = reads_before_writes(values, p)
+    if scrub:
+      p = zero(p, first)
     if has_copies:
-      p = _scatter_slots(p, values, valid, b.copy_dst_block, b.copy_dst_start)
-    out.append(zero(p, last))
+      p = _scatter_slots(p, values, b.copy_dst_block, b.copy_dst_start, b.copy_length)
+    if scrub:
+      p = zero(p, last)
+    out.append(p)
   return KVPages(k=out[0], v=out[1])
 
 

@@ -11,7 +11,9 @@ entries, 1,024 at a million blocks), never a pass over the blocks:
 
 * `lowest(k)`: the k lowest free blocks (what the device's `take_blocks` hands
   out, lowest address first);
-* `mark(blocks, delta)`: blocks become free (+1) or taken (-1).
+* `mark(blocks, delta)`: blocks become free (+1) or taken (-1);
+* `largest_run()`: the longest run of free blocks (a segment tree over the
+  words, `free_runs.FreeRuns`, updated from the words marked since).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from paged_kv.core.state import FREE_FANOUT, free_index_levels
+from paged_kv.mirror.free_runs import FreeRuns
 
 _F = FREE_FANOUT
 _BIT = np.uint32(1) << np.arange(_F, dtype=np.uint32)
@@ -46,6 +49,7 @@ class HostFreeIndex:
     self.bits = np.array(bits, np.uint32)
     self.counts = np.array(counts, np.int32)
     self.num_free = int(num_free)
+    self._runs: FreeRuns | None = None  # built on the first `largest_run`
 
   @classmethod
   def from_mask(cls, free: np.ndarray) -> "HostFreeIndex":
@@ -102,59 +106,18 @@ class HostFreeIndex:
     if b.size == 0:
       return
     np.bitwise_xor.at(self.bits, b // _F, _BIT[b % _F])
+    if self._runs is not None:
+      self._runs.dirty(b // _F)
     for level in range(1, len(self.sizes)):
       np.add.at(self.counts, self.offsets[level] + b // _F ** (level + 1), delta)
     self.num_free += int(delta) * int(b.size)
 
   def largest_run(self) -> int:
-    """Length of the longest run of consecutive free blocks (O(n / 32) word work)."""
-    w = self.bits
-    if not self.num_free:
-      return 0
-    low = _count_low_ones(w)  # set bits from bit 0 up
-    high = _count_low_ones(_reverse_bits(w))  # set bits from bit 31 down
-    inside = int(_longest_inner_run(w).max())
-    return min(max(inside, _cross_word_runs(low, high, w == np.uint32(0xFFFFFFFF))),
-               self.num_blocks)
+    """Length of the longest run of consecutive free blocks.
 
-
-def _count_low_ones(w: np.ndarray) -> np.ndarray:
-  """Number of consecutive set bits from bit 0 of each word."""
-  inv = ~w
-  # Lowest clear bit position = trailing zeros of ~w (32 for a full word).
-  low = inv & (np.uint32(0) - inv)
-  out = np.full(w.shape, 32, np.int64)
-  nz = low != 0
-  out[nz] = np.log2(low[nz].astype(np.float64)).astype(np.int64)
-  return out
-
-
-def _reverse_bits(w: np.ndarray) -> np.ndarray:
-  b = np.unpackbits(np.ascontiguousarray(w, dtype="<u4").view(np.uint8), bitorder="little")
-  return np.packbits(b.reshape(-1, _F)[:, ::-1], bitorder="little").view("<u4").astype(np.uint32)
-
-
-def _longest_inner_run(w: np.ndarray) -> np.ndarray:
-  """Longest run of set bits inside each word (O(32) vector steps)."""
-  x = w.copy()
-  length = np.zeros(w.shape, np.int64)
-  while True:
-    nz = x != 0
-    if not nz.any():
-      return length
-    length[nz] += 1
-    x = x & (x >> np.uint32(1))
-
-
-def _cross_word_runs(low: np.ndarray, high: np.ndarray, full: np.ndarray) -> int:
-  """Longest run crossing word boundaries: a word's high end, full words, the next
-  partial word's low end (`low[i]`/`high[i]`: set bits from bit 0 up / bit 31 down)."""
-  n = low.size
-  idx = np.flatnonzero(~full)  # the partial words
-  if idx.size == 0:
-    return 32 * n
-  best = max(int(32 * idx[0] + low[idx[0]]), int(high[idx[-1]] + 32 * (n - 1 - idx[-1])))
-  a, b = idx[:-1], idx[1:]  # consecutive partial words, full words between them
-  if a.size:
-    best = max(best, int(np.max(high[a] + 32 * (b - a - 1) + low[b])))
-  return best
+    Kept in a segment tree over the bitmap's words (`FreeRuns`): a call costs
+    O(words changed since the last call * log(words)), never a pass over the pool.
+    """
+    if self._runs is None:
+      self._runs = FreeRuns(self.bits)
+    return min(self._runs.largest(self.bits), self.num_blocks)

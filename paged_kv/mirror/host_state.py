@@ -235,6 +235,34 @@ class HostState:
       self.num_table_blocks += int(np.count_nonzero(after > 0)
                                    - np.count_nonzero((after - delta) > 0))
 
+  def extend_rows(self, rows: np.ndarray, tail: np.ndarray, grow: np.ndarray,
+                  cell_rows: np.ndarray, cell_cols: np.ndarray, cell_blocks: np.ndarray,
+                  cell_lengths: np.ndarray, add_segments: np.ndarray,
+                  add_tokens: np.ndarray) -> None:
+    """Appends to live rows (what `reserve_tokens` does), touching only what changes.
+
+    Args:
+      rows: `[R]` distinct rows; `tail: [R]` their tail column; `grow: [R]` tokens
+        added to the tail segment in place.
+      cell_rows, cell_cols: `[C]` new segments (index into `rows`, column), at slot 0
+        of `cell_blocks` (fresh blocks, distinct: their first table reference)
+        with `cell_lengths` tokens.
+      add_segments, add_tokens: `[R]` added to `num_segments` and `seq_len`.
+    """
+    r = np.asarray(rows, np.int64)
+    if r.size == 0:
+      return
+    self.log.touch_rows(self, r)
+    self.length[r, tail] += grow.astype(np.int32)
+    rr = r[cell_rows]
+    self.block[rr, cell_cols] = cell_blocks
+    self.start[rr, cell_cols] = 0
+    self.length[rr, cell_cols] = cell_lengths
+    self.num_segments[r] += add_segments.astype(np.int32)
+    self.seq_len[r] += add_tokens.astype(np.int32)
+    self.table_refs[cell_blocks] += 1
+    self.num_table_blocks += int(np.asarray(cell_blocks).size)
+
   def copy_slots(self, src_block, src_start, dst_block, dst_start, length) -> None:
     """Records K/V slot-range copies for the device (`page_copy.copy_slot_ranges`)."""
     self.log.copies(self, np.stack([np.asarray(x, np.int64).reshape(-1) for x in

@@ -212,31 +212,24 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
   granted = grant_prefix(need, valid, h.free.num_free, atomic=atomic)
   status = np.where(valid & ~granted, Status.NO_FREE_BLOCK, status)
   new_ids = _take_lowest(h, need, granted, max_blocks)
-  j = np.arange(max_new_tokens)[None, :]
-  k = j - in_place[:, None]
-  blk_new = np.take_along_axis(new_ids, np.clip(k // bs, 0, max(max_blocks - 1, 0)), axis=1) \
-      if max_blocks else np.zeros_like(k)
-  slot_in_place = tb[:, None] * bs + pos[:, None] + j
-  slot_new = blk_new * bs + k % bs
-  tok_ok = granted[:, None] & (j < n_tok[:, None])
-  slot_idx = np.where(tok_ok, np.where(j < in_place[:, None], slot_in_place, slot_new), -1)
-  h.set_slot_bits(slot_idx)
-  g = np.flatnonzero(granted & real)
+  # Slots of the granted rows' tokens, computed on the tokens only (not B x T).
+  slot_idx = np.full((ids.shape[0], max_new_tokens), -1, np.int64)
+  counts = np.where(granted, n_tok, 0)
+  total = int(counts.sum())
+  if total:
+    tok_row = np.repeat(np.arange(ids.shape[0]), counts)
+    j = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    k = j - in_place[tok_row]
+    fresh = new_ids[tok_row, np.clip(k // bs, 0, max(max_blocks - 1, 0))] * bs + k % bs
+    slots = np.where(k < 0, tb[tok_row] * bs + pos[tok_row] + j, fresh)
+    slot_idx[tok_row, j] = slots
+    h.set_slot_bits(slots)
+  g = np.flatnonzero(granted & real & (n_tok > 0))
   if g.size:
-    rows = row[g]
-    blk, st, ln = h.block[rows].copy(), h.start[rows].copy(), h.length[rows].copy()
-    ar = np.arange(g.size)
-    ln[ar, tail[g]] += in_place[g].astype(np.int32)
     q = np.arange(max_blocks)[None, :]
-    q_used = q < need[g][:, None]
-    cols = (ns[g][:, None] + q)
-    rr, qq = np.nonzero(q_used)
-    blk[rr, cols[rr, qq]] = new_ids[g][rr, qq]
-    st[rr, cols[rr, qq]] = 0
-    ln[rr, cols[rr, qq]] = np.minimum(bs, rest[g][rr] - qq * bs)
-    h.write_rows(rows, block=blk, start=st, length=ln,
-                 num_segments=h.num_segments[rows] + need[g],
-                 seq_len=h.seq_len[rows] + n_tok[g])
+    rr, qq = np.nonzero(q < need[g][:, None])
+    h.extend_rows(row[g], tail[g], in_place[g], rr, ns[g][rr] + qq, new_ids[g][rr, qq],
+                  np.minimum(bs, rest[g][rr] - qq * bs), need[g], n_tok[g])
   if np.any(granted & (n_tok > 0)):
     h.step += 1
   taken = new_ids[new_ids >= 0]

@@ -221,6 +221,25 @@ class FreeIndexTest(parameterized.TestCase):
       np.testing.assert_array_equal(h.counts, again.counts)
       self.assertEqual(h.num_free, again.num_free)
 
+  @parameterized.parameters(1, 33, 1000, 5000, 70_000)
+  def test_largest_run_follows_the_marks(self, n):
+    rng = np.random.default_rng(n + 1)
+    free = rng.random(n) < 0.5
+    h = HostFreeIndex.from_mask(free)
+    self.assertEqual(h.largest_run(), largest_free_run(free))
+    for _ in range(30):
+      k = int(rng.integers(1, 40))
+      if rng.random() < 0.5 and free.any():
+        b = rng.choice(np.flatnonzero(free), size=min(k, int(free.sum())), replace=False)
+        h.mark(b, -1)
+        free[b] = False
+      elif (~free).any():
+        start = int(rng.integers(0, n))  # free a whole stretch: runs across words
+        b = np.flatnonzero(~free[start:start + 5 * k]) + start
+        h.mark(b, +1)
+        free[b] = True
+      self.assertEqual(h.largest_run(), largest_free_run(free))
+
   def test_asking_for_more_than_free_is_an_error(self):
     h = HostFreeIndex.from_mask(np.array([True, False, True]))
     with self.assertRaises(ValueError):
