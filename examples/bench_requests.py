@@ -4,6 +4,7 @@ Usage:
   .venv/bin/python examples/bench_requests.py                     # chat + Mooncake, all rows
   .venv/bin/python examples/bench_requests.py --workloads=chat --chat_conversations=16
   .venv/bin/python examples/bench_requests.py --workloads=mooncake --max_requests=500
+  .venv/bin/python examples/bench_requests.py --workloads=chat --repeats=5 --seed=1
   .venv/bin/python examples/bench_requests.py --compile_only --compile_cache_dir=/tmp/jaxcache
 
 One request is the path the scheduler takes on `CachedPool`: `match` (locked, split at
@@ -12,7 +13,15 @@ into a fresh block) + `reserve_tokens` for every token not matched (with
 `ensure_free` evicting first) + `insert` + `release` (+ `unlock`), 16-token blocks, one
 request at a time. The same requests go through:
 
-* **ours**: `CachedPool` over the jitted `BlockPool` (the real pool; CPU here);
+* **ours**: `CachedPool` over the jitted `BlockPool` (the real pool; CPU here). The
+  pool decides every call on its host mirror and queues the change; each request
+  ends with `pool.flush()`, so the device receives the request's bookkeeping as one
+  `commit` program and its dispatch is in the timing (column `flush`). The
+  `pool.runtime` counters, read before and after each request, give its device
+  dispatches by kind (`disp/req`) and its blocking host reads (`reads/req`): mean and
+  max over the timed requests; the serving path is meant to make at most one
+  dispatch and no blocking read per request (a request touching more blocks than one
+  commit carries, `CommitWidths.block_width`, takes one per chunk);
 * **host**: the same `radix.PrefixCache` over `HostBlockPool` (numpy block accounting,
   vectorised; `paged_kv.serving.replay.serve_tokens`): the bookkeeping alone;
 * **vLLM / SGLang**: not timed yet. The script reports whether they import (their
@@ -27,14 +36,23 @@ Mooncake conversation trace at `--mooncake_capacity_tokens` (500k), from
 github.com/kvcache-ai/Mooncake, `FAST25-release/traces/`); when it is missing the
 script says so in one line and skips it.
 
-Every row is timed on a warm run (a first, untimed pass over the same requests
-compiles every shape), p50 and p99 per operation and per request, with the ratio to
-the host baseline of the same run. The hit rate (matched / prompt tokens) at the
-bounded capacity is reported for each, and with `--variants` for the host path without
-tail continuation, with whole-leaf eviction, both (the behaviour before), and with the
-cost policy. The last table is the compile time of the
-serving path: the first request's latency and the cold pass's extra time, without and
-with JAX's persistent compilation cache (in a fresh directory of its own):
+Every row is timed on warm runs (a first, untimed pass of each path over the same
+requests compiles every shape). The two paths are timed in the same process,
+interleaved so that machine noise hits both: `--repeats` runs, each over fresh pools,
+alternate the paths in blocks of `--interleave_requests` requests (which path goes
+first alternates by block and by run). A request's time is the median over the runs;
+the table gives p50 and p99 over requests per operation and per request, the ratio
+ours / host of the per-request p50s, and the median of the paired per-request ratios
+(`paired`); a second table gives the p50 ratio of each run, ours' dispatches and
+blocking reads by kind, and the XLA compiles during the timed runs (0 when warm).
+Ours must match the same tokens in every run as in its warm pass (the script stops
+otherwise). The hit rate (matched / prompt tokens) at the bounded capacity is
+reported for each, and with `--variants` for the host path without tail
+continuation, with whole-leaf eviction, both (the behaviour before), and with the
+cost policy. The last table is the compile time of the serving path: the first
+request's latency (its flush included, so the compile of its commit program) and
+the cold pass's extra time, without and with JAX's persistent compilation cache (in
+a fresh directory of its own):
 
     from paged_kv.runtime.compile_cache import enable_compilation_cache
     enable_compilation_cache("/path/to/cache")  # min compile time 0, min entry size 0
@@ -69,7 +87,12 @@ _MOONCAKE_CAPACITY = flags.DEFINE_integer("mooncake_capacity_tokens", 500_000,
 _CHAT_CONVERSATIONS = flags.DEFINE_integer("chat_conversations", 10, "Chat conversations.")
 _CHAT_TURNS = flags.DEFINE_integer("chat_turns", 8, "Turns per chat conversation.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
-_SEED = flags.DEFINE_integer("seed", 0, "Chat workload seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "Chat workload seed (and the order of the "
+                              "interleaved blocks: the first path alternates from it).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each path (interleaved); a "
+                                "request's time is its median over them.", lower_bound=1)
+_INTERLEAVE = flags.DEFINE_integer("interleave_requests", 8, "Requests per block when "
+                                   "alternating the two paths in a run.", lower_bound=1)
 _VARIANTS = flags.DEFINE_bool("variants", True,
                               "Also the hit rate of the host path without tail continuation / "
                               "with whole-leaf eviction / with the cost policy.")
@@ -83,7 +106,8 @@ _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's
                                          "(default: $PAGED_KV_COMPILE_CACHE, else "
                                          "~/.cache/paged_kv/jax).")
 
-OPS = ("match", "open", "reserve", "insert", "release")
+OPS = ("match", "open", "reserve", "insert", "release", "flush")  # host: no flush
+OURS, HOST = "ours (CachedPool)", "host (numpy)"
 
 
 @dataclasses.dataclass
@@ -145,7 +169,9 @@ def serve_ours(cp, clock, req: Req, timings: dict | None) -> int:
   """One request through `CachedPool`; returns the matched tokens (-1: rejected).
 
   In the scheduler's order: match, make room (`ensure_free` for the rest plus one
-  block, as its admission does), open, reserve, insert, release, unlock.
+  block, as its admission does), open, reserve, insert, release, unlock, then
+  `pool.flush()`: the request's bookkeeping goes to the device (one `commit`).
+  A rejected request records no timings (it flushes too).
   """
   t = time.perf_counter
   bs = cp.config.block_size
@@ -157,6 +183,7 @@ def serve_ours(cp, clock, req: Req, timings: dict | None) -> int:
   if not cp.ensure_free(-(-rest // bs) + 1):
     if m.node is not None:
       cp.unlock(m.node)
+    cp.pool.flush()
     return -1
   t2 = t()
   seq = cp.open(m.segments)
@@ -169,40 +196,143 @@ def serve_ours(cp, clock, req: Req, timings: dict | None) -> int:
   if m.node is not None:
     cp.unlock(m.node)
   t6 = t()
+  cp.pool.flush()
+  t7 = t()
   del slots
   if timings is not None:
-    for name, dt in zip(OPS, (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3), t5 - t4, t6 - t5)):
+    for name, dt in zip(OPS, (t1 - t0, t3 - t2, (t2 - t1) + (t4 - t3), t5 - t4, t6 - t5,
+                              t7 - t6)):
       timings.setdefault(name, []).append(dt)
   return m.length
 
 
-def run_ours(reqs: list[Req], capacity: int, block_size: int, timed: bool):
-  max_len = max(int(r.tokens.shape[0]) for r in reqs)
-  cp, clock = make_ours(capacity, max_len, block_size)
-  timings: dict = {}
-  hit = total = 0
-  for r in reqs:
-    got = serve_ours(cp, clock, r, timings if timed else None)
-    hit += max(got, 0)
-    total += int(r.prompt.shape[0])
-  cp.check_invariants()
-  return timings, hit / total
+class OursPath:
+  """`CachedPool` over a fresh `BlockPool`, served one request at a time."""
+
+  def __init__(self, capacity: int, max_len: int, block_size: int):
+    self.cp, self.clock = make_ours(capacity, max_len, block_size)
+
+  def serve(self, req: Req, timings: dict | None) -> int:
+    return serve_ours(self.cp, self.clock, req, timings)
+
+  def counters(self):
+    return self.cp.pool.runtime.snapshot()
+
+  def check(self) -> None:
+    self.cp.check_invariants()
 
 
 # ---------------------------------------------------------------------------- host
-def run_host(reqs: list[Req], capacity: int, block_size: int, **config_kw):
-  from paged_kv.serving.replay import ReplayConfig, ReplayResult, SimState, serve_tokens
-  config = ReplayConfig(capacity, block_size=block_size, **config_kw)
-  sim = SimState([], config)
-  result = ReplayResult("host", capacity)
-  timings: dict = {}
-  for i, r in enumerate(reqs):
-    sim.now = float(i + 1)
+class HostPath:
+  """The same `radix.PrefixCache` over `HostBlockPool` (`replay.serve_tokens`)."""
+
+  def __init__(self, capacity: int, block_size: int, **config_kw):
+    from paged_kv.serving.replay import ReplayConfig, ReplayResult, SimState, serve_tokens
+    self._serve_tokens = serve_tokens
+    config = ReplayConfig(capacity, block_size=block_size, **config_kw)
+    self.sim = SimState([], config)
+    self.result = ReplayResult("host", capacity)
+
+  def serve(self, req: Req, timings: dict | None) -> int:
+    self.sim.now += 1.0
+    hit = self.result.hit_tokens
     # The scheduler matches prompt[:-1] (one token left to compute): the same here.
-    serve_tokens(sim, r.prompt[:-1], r.tokens, result, timings)
-    result.prompt_tokens += 1  # the last prompt token counts as asked, never hit
-  sim.check_accounting()
-  return timings, result.hit_rate
+    ok = self._serve_tokens(self.sim, req.prompt[:-1], req.tokens, self.result, timings)
+    self.result.prompt_tokens += 1  # the last prompt token counts as asked, never hit
+    return self.result.hit_tokens - hit if ok else -1
+
+  def counters(self):
+    return None
+
+  def check(self) -> None:
+    self.sim.check_accounting()
+
+
+def run_host(reqs: list[Req], capacity: int, block_size: int, **config_kw) -> float:
+  """The host path's hit rate over `reqs` (untimed)."""
+  path = HostPath(capacity, block_size, **config_kw)
+  for r in reqs:
+    path.serve(r, None)
+  path.check()
+  return path.result.hit_rate
+
+
+# ---------------------------------------------------------------------------- timing
+@dataclasses.dataclass
+class Measured:
+  """Both paths over one workload.
+
+  Attributes:
+    times: path -> f64[repeats, num_requests, len(OPS)] seconds (NaN: not run,
+      e.g. the host's flush or a rejected request).
+    hit: path -> hit rate (matched / prompt tokens) of its warm pass.
+    dispatches: kind -> i64[repeats * num_requests], ours' dispatches per request.
+    reads: kind -> i64[repeats * num_requests], ours' blocking reads per request.
+    compiles: XLA compiles during the timed runs (all of them; 0 when warm).
+  """
+
+  times: dict
+  hit: dict
+  dispatches: dict
+  reads: dict
+  compiles: int
+
+
+def hit_rate(got: list[int], reqs: list[Req]) -> float:
+  return sum(max(g, 0) for g in got) / sum(int(r.prompt.shape[0]) for r in reqs)
+
+
+def measure(reqs: list[Req], capacity: int, block_size: int, *, repeats: int,
+            interleave: int, seed: int) -> Measured:
+  """Warm passes, then `repeats` timed runs of both paths interleaved in blocks."""
+  from paged_kv.runtime.counters import READ_KINDS
+  max_len = max(int(r.tokens.shape[0]) for r in reqs)
+  n = len(reqs)
+
+  def fresh():
+    return {OURS: OursPath(capacity, max_len, block_size), HOST: HostPath(capacity, block_size)}
+
+  warm_got = {}
+  for name, path in fresh().items():  # ours: compiles every shape
+    warm_got[name] = [path.serve(r, None) for r in reqs]
+    path.check()
+  times = {name: np.full((repeats, n, len(OPS)), np.nan) for name in warm_got}
+  dispatches: dict[str, list[int]] = {}
+  # Blocking reads: every kind but an executor's sampled tokens (`RuntimeStats`).
+  reads: dict[str, list[int]] = {k: [] for k in READ_KINDS if k != "tokens"}
+  compiles = 0
+  for rep in range(repeats):
+    paths = fresh()
+    got = {name: [0] * n for name in paths}
+    for b, start in enumerate(range(0, n, interleave)):
+      order = (OURS, HOST) if (b + rep + seed) % 2 == 0 else (HOST, OURS)
+      for name in order:
+        path = paths[name]
+        for i in range(start, min(start + interleave, n)):
+          timings: dict = {}
+          before = path.counters()
+          got[name][i] = path.serve(reqs[i], timings)
+          if before is not None:
+            delta = path.counters().since(before)
+            for kind in delta.dispatches:
+              dispatches.setdefault(kind, [0] * (rep * n + i))
+            for kind in dispatches:
+              dispatches[kind].append(delta.dispatches.get(kind, 0))
+            for kind in reads:
+              reads[kind].append(delta.host_reads.get(kind, 0))
+            compiles += delta.backend_compiles
+          for j, op in enumerate(OPS):
+            if op in timings:
+              times[name][rep, i, j] = timings[op][0]
+    for name, path in paths.items():
+      path.check()
+      if got[name] != warm_got[name]:
+        diff = sum(a != b for a, b in zip(got[name], warm_got[name]))
+        raise RuntimeError(f"{name}: run {rep} matched other lengths than the warm pass "
+                           f"in {diff} of {n} requests")
+  return Measured(times=times, hit={k: hit_rate(v, reqs) for k, v in warm_got.items()},
+                  dispatches={k: np.asarray(v) for k, v in dispatches.items()},
+                  reads={k: np.asarray(v) for k, v in reads.items()}, compiles=compiles)
 
 
 # ---------------------------------------------------------------------------- peers
@@ -220,28 +350,53 @@ def peers_available() -> dict[str, str]:
 
 # ---------------------------------------------------------------------------- report
 def pct(xs, q) -> float:
-  return float(np.percentile(np.asarray(xs), q)) * 1e6 if len(xs) else float("nan")
+  """The q-th percentile of `xs` (seconds, NaN ignored) in microseconds."""
+  xs = np.asarray(xs, np.float64)
+  xs = xs[~np.isnan(xs)]
+  return float(np.percentile(xs, q)) * 1e6 if xs.size else float("nan")
 
 
-def per_request(timings: dict) -> list[float]:
-  return list(np.sum([np.asarray(timings[op]) for op in OPS], axis=0))
+def per_request(times: np.ndarray) -> np.ndarray:
+  """f64[repeats, num_requests]: each request's total (NaN: rejected)."""
+  run = ~np.isnan(times).all(axis=2)
+  return np.where(run, np.nansum(times, axis=2), np.nan)
+
+
+def median_over_runs(x: np.ndarray) -> np.ndarray:
+  """The median over the leading (repeats) axis, NaN where every run is NaN."""
+  ok = ~np.isnan(x).all(axis=0)
+  out = np.full(x.shape[1:], np.nan)
+  out[ok] = np.nanmedian(x[:, ok], axis=0)
+  return out
+
+
+def mean_max(counts: np.ndarray) -> str:
+  return f"{counts.mean():.2f}/{int(counts.max())}" if counts.size else "-"
+
+
+def by_kind(counts: dict) -> str:
+  parts = [f"{k} {v.mean():.2f}" for k, v in counts.items() if v.size and v.any()]
+  return ", ".join(parts) or "none"
 
 
 def compile_rows() -> list[tuple[str, float, float]]:
-  """(label, first request s, cold pass extra s) in fresh processes."""
+  """(label, first request s, cold pass extra s, import s) in fresh processes.
+
+  The first request includes its `flush`: the compile of its commit program.
+  """
   import tempfile
   rows = []
-  cache = tempfile.mkdtemp(prefix="paged_kv_jax_cache_")
-  for label, cache_args in (("no persistent cache", ["--nocompile_cache"]),
-                            ("persistent cache, empty", [f"--compile_cache_dir={cache}"]),
-                            ("persistent cache, filled", [f"--compile_cache_dir={cache}"])):
-    cmd = [sys.executable, os.path.abspath(__file__), "--compile_only",
-           *cache_args, f"--chat_conversations={_CHAT_CONVERSATIONS.value}",
-           f"--chat_turns={_CHAT_TURNS.value}", f"--block_size={_BLOCK_SIZE.value}",
-           f"--chat_capacity_tokens={_CHAT_CAPACITY.value}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=_REPO)
-    d = json.loads(out.stdout.strip().splitlines()[-1])
-    rows.append((label, d["first_request_s"], d["cold_extra_s"], d["import_s"]))
+  with tempfile.TemporaryDirectory(prefix="paged_kv_jax_cache_") as cache:
+    for label, cache_args in (("no persistent cache", ["--nocompile_cache"]),
+                              ("persistent cache, empty", [f"--compile_cache_dir={cache}"]),
+                              ("persistent cache, filled", [f"--compile_cache_dir={cache}"])):
+      cmd = [sys.executable, os.path.abspath(__file__), "--compile_only",
+             *cache_args, f"--chat_conversations={_CHAT_CONVERSATIONS.value}",
+             f"--chat_turns={_CHAT_TURNS.value}", f"--block_size={_BLOCK_SIZE.value}",
+             f"--chat_capacity_tokens={_CHAT_CAPACITY.value}", f"--seed={_SEED.value}"]
+      out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=_REPO)
+      d = json.loads(out.stdout.strip().splitlines()[-1])
+      rows.append((label, d["first_request_s"], d["cold_extra_s"], d["import_s"]))
   return rows
 
 
@@ -298,34 +453,65 @@ def main(argv):
   for name, status in peers.items():
     print(f"{name}: {status}")
   bs = _BLOCK_SIZE.value
-  cost_rows, hit_rows = [], []
+  measured, hit_rows = [], []
   for label, reqs, cap in workloads:
     print(f"{label}: {len(reqs)} requests, {sum(int(r.prompt.shape[0]) for r in reqs)} prompt "
           f"tokens", flush=True)
-    run_ours(reqs, cap, bs, timed=False)  # compiles every shape
-    ours_t, ours_hit = run_ours(reqs, cap, bs, timed=True)
-    host_t, host_hit = run_host(reqs, cap, bs)
-    for name, t in (("ours (CachedPool)", ours_t), ("host (numpy)", host_t)):
-      cost_rows.append((label, name, t, host_t))
-    hit_rows.append((label, "ours (CachedPool)", ours_hit))
-    hit_rows.append((label, "host: continue tails, block LRU", host_hit))
+    m = measure(reqs, cap, bs, repeats=_REPEATS.value, interleave=_INTERLEAVE.value,
+                seed=_SEED.value)
+    measured.append((label, m))
+    hit_rows.append((label, OURS, m.hit[OURS]))
+    hit_rows.append((label, "host: continue tails, block LRU", m.hit[HOST]))
     if _VARIANTS.value:
       for name, kw in (("host: no tail continuation", dict(continue_tails=False)),
                        ("host: whole-leaf eviction", dict(granularity="node")),
                        ("host: both off (before issue L)",
                         dict(continue_tails=False, granularity="node")),
                        ("host: cost policy", dict(policy="cost"))):
-        hit_rows.append((label, name, run_host(reqs, cap, bs, **kw)[1]))
+        hit_rows.append((label, name, run_host(reqs, cap, bs, **kw)))
   compile_table = compile_rows() if _COMPILE.value else []
 
-  print("\nPer request (us, warm; ratio = p50 / host p50 of the same run)")
-  head = f"{'workload':<14} {'path':<20}" + "".join(f" {op + ' p50/p99':>18}" for op in OPS)
-  print(head + f" {'request p50/p99':>18} {'ratio':>6}")
-  for label, name, t, base in cost_rows:
-    cells = "".join(f" {pct(t[op], 50):>8.1f}/{pct(t[op], 99):<9.1f}" for op in OPS)
-    req, ref = per_request(t), per_request(base)
-    print(f"{label:<14} {name:<20}{cells} {pct(req, 50):>8.1f}/{pct(req, 99):<9.1f}"
-          f" {pct(req, 50) / pct(ref, 50):>6.2f}")
+  print(f"\nPer request (us, warm; a request's time is its median over {_REPEATS.value} "
+        f"runs interleaved with the host's in blocks of {_INTERLEAVE.value}; p50/p99 over "
+        "requests)")
+  print("ratio = request p50 / host request p50; paired = median over requests of "
+        "ours / host; disp/req, reads/req = device dispatches, blocking host reads per "
+        "request (mean/max over the timed requests)")
+  head = f"{'workload':<14} {'path':<18}" + "".join(f" {op + ' p50/p99':>17}" for op in OPS)
+  print(head + f" {'request p50/p99':>19} {'ratio':>6} {'paired':>6} {'disp/req':>8} "
+        f"{'reads/req':>9}")
+  for label, m in measured:
+    ref = median_over_runs(per_request(m.times[HOST]))
+    for name in (OURS, HOST):
+      t = m.times[name]
+      cells = ""
+      for j in range(len(OPS)):
+        op = median_over_runs(t[:, :, j])
+        cells += (f" {pct(op, 50):>8.1f}/{pct(op, 99):<8.1f}" if not np.isnan(op).all()
+                  else f" {'-':>8} {'':<8}")
+      req = median_over_runs(per_request(t))
+      paired = np.nanmedian(req / ref)
+      if name == OURS:
+        disp = mean_max(sum(m.dispatches.values()))
+        reads = mean_max(sum(m.reads.values()))
+      else:
+        disp = reads = "-"
+      print(f"{label:<14} {name:<18}{cells} {pct(req, 50):>9.1f}/{pct(req, 99):<9.1f}"
+            f" {pct(req, 50) / pct(ref, 50):>6.2f} {paired:>6.2f} {disp:>8} {reads:>9}")
+  print("\nOurs / host per run (request p50 / host request p50 of the same run), and "
+        "ours' device traffic by kind (mean per request, all runs)")
+  print("(disp>1: share of requests with more than one dispatch: a commit carries at "
+        "most `CommitWidths.block_width` touched blocks, and a call whose window passes "
+        "4x that flushes at once)")
+  print(f"{'workload':<14} {'ratio by run':<24} {'median':>6}  {'dispatches':<14} "
+        f"{'disp>1':>7}  {'blocking reads':<16} {'compiles':>8}")
+  for label, m in measured:
+    ours, host = per_request(m.times[OURS]), per_request(m.times[HOST])
+    runs = [pct(o, 50) / pct(h, 50) for o, h in zip(ours, host)]
+    multi = float(np.mean(sum(m.dispatches.values()) > 1)) if m.dispatches else 0.0
+    print(f"{label:<14} {' '.join(f'{r:.2f}' for r in runs):<24} {np.median(runs):>6.2f}  "
+          f"{by_kind(m.dispatches):<14} {multi:>7.1%}  {by_kind(m.reads):<16} "
+          f"{m.compiles:>8}")
   print("\nHit rate at bounded capacity (matched / prompt tokens, same requests)")
   for label, name, hit in hit_rows:
     print(f"{label:<14} {name:<36} {hit:.4f}")

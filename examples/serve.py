@@ -14,16 +14,29 @@ printed) and, with `--prometheus_port`, to a Prometheus endpoint
 Grafana dashboard and alert rules in deploy/). `--linger_s` keeps the endpoint
 up after the run so a scraper can still read the final values.
 
+Cold start: before serving, `Scheduler.warmup()` runs every program the serving
+path can run once (compiled, or loaded from JAX's persistent compilation cache,
+`--compile_cache`), and the script prints its report and the time from the start
+of the script to the first token; `--nowarmup` compiles on first use instead.
+The last line counts what serving cost the host in device terms
+(`paged_kv.runtime.counters`): compiles after the warm-up, blocking reads, and
+bookkeeping dispatches per step.
+
 Usage:
   python examples/serve.py                              # defaults, ~1-2 min on CPU
   python examples/serve.py --num_blocks=96 --preemption=swap --prometheus_port=9400
   python examples/serve.py --prometheus_port=9400 --prometheus_addr=0.0.0.0 --linger_s=600
+  python examples/serve.py --compile_cache_dir=/tmp/cc   # twice: the second run loads
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
+
+# The script's start, before the heavy imports (jax, flax): "first token after" counts them.
+_T0 = time.perf_counter()
+
+from pathlib import Path  # pylint: disable=wrong-import-position
 
 from absl import app, flags
 import numpy as np
@@ -79,6 +92,9 @@ _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent 
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
                                          "(default: $PAGED_KV_COMPILE_CACHE, else "
                                          "~/.cache/paged_kv/jax).")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Run every program the serving path can run "
+                            "before serving (Scheduler.warmup()); --nowarmup compiles each on "
+                            "first use.")
 
 
 class ChatWorkload:
@@ -180,15 +196,18 @@ def main(argv):
                                model="tiny-llama", replica="0").start()
     print(f"Prometheus metrics at {exporter.url}")
   workload = ChatWorkload(rng, model_config.vocab_size)
-  bar = _progress(workload.total)
-  say = bar.write if bar is not None else print
   maps: dict[str, tuple[int, np.ndarray]] = {}
   peak = {"usage": -1.0, "frag": -1.0}
+  first_token_s: list[float] = []  # seconds from the script's start to the first token
   host_seconds: list[float] = []
 
   def on_step(report) -> None:
     logger.log_report(report)  # step line, snapshot line, alert lines (flushed)
     host_seconds.append(report.host_seconds)
+    if report.first_token_latencies and not first_token_s:
+      first_token_s.append(time.perf_counter() - _T0)
+      say(f"first token after {first_token_s[0]:.1f} s"
+          f"{' (warm-up included)' if _WARMUP.value else ''}")
     for alert in report.alerts:
       say(f"ALERT step {report.step} [{alert.severity}] {alert.metric} = {alert.value:.3g} "
           f"> {alert.threshold:.3g}: {alert.likely_cause}; {alert.suggested_action}")
@@ -211,9 +230,15 @@ def main(argv):
                     on_step=on_step, clock=time.perf_counter)
   if exporter is not None:
     exporter.attach(sched)  # chained after on_step
+  if _WARMUP.value:
+    print(sched.warmup(), flush=True)
+  at_serve = sched.runtime  # device traffic before serving (the warm-up's)
+  bar = _progress(workload.total)  # (on_step reads `bar` and `say`)
+  say = bar.write if bar is not None else print
   t0 = time.perf_counter()
   sched.run(before_step=workload.before_step)
   wall = time.perf_counter() - t0
+  serving = sched.runtime.since(at_serve)  # the serving loop's device traffic only
   if bar is not None:
     bar.close()
   last = sched.take_snapshot()
@@ -237,21 +262,25 @@ def main(argv):
   order = ["busiest step", "most fragmented step", "end"]
   plot_paths = write_plots(out_dir, jsonl, [(k, *maps[k]) for k in order if k in maps],
                            pool_config.num_base_blocks)
+  late = serving.backend_compiles > 0  # programs compiled while serving
+  loop = (("warm-up excluded, " if _WARMUP.value else "")
+          + f"{serving.backend_compiles} XLA compiles in it")
   rows = [
       ("requests finished", f"{st.finished} / {workload.total}", "requests done / submitted"),
       ("steps", st.steps, "scheduler steps: one mixed prefill + decode forward pass each"),
       ("generated tokens", generated, "output tokens of all requests"),
       ("tokens/s (generated, wall)", f"{generated / wall:.0f}",
-       "generated tokens / wall time of the run, compilation included"),
+       f"generated tokens / wall time of the serving loop ({loop})"),
       ("TTFT p50 / p99, all (s)", f"{_pct(ttft, 50):.3f} / {_pct(ttft, 99):.3f}",
-       "submit to first token, queue included; the first requests include XLA compilation"),
+       "submit to first token, queue included"
+       + ("; the first requests include XLA compilation" if late else "")),
       ("TTFT p50 / p99, turns 2+ (s)",
        f"{_pct(ttft[~first_turn], 50):.3f} / {_pct(ttft[~first_turn], 99):.3f}",
-       "turns 2 and later (turn 1 waits for the first compiles; a step shape first seen later "
-       "still compiles)"),
+       "turns 2 and later" + (" (turn 1 waits for the first compiles; a step shape first "
+                              "seen later still compiles)" if late else "")),
       ("host time per step p50 / max (s)",
        f"{_pct(host_seconds, 50):.4f} / {max(host_seconds, default=0):.3f}",
-       "wall time of one scheduler step (the max is a compile)"),
+       "wall time of one scheduler step" + (" (the max is a compile)" if late else "")),
       ("prefix cache hit rate (prompt tokens)", f"{st.prefix_cache_hit_rate:.1%}",
        "prompt tokens found in the cache / prompt tokens looked up"),
       ("evicted tokens", st.evicted_tokens, "tokens dropped from the prefix cache for room"),
@@ -278,7 +307,7 @@ def main(argv):
       ("max concurrent sequences", st.max_running, "most sequences in one step's batch"),
       ("alerts", len(sched.alerts), f"threshold alerts fired (lines of type alert in "
                                      f"{jsonl.name})"),
-      ("wall time (s)", f"{wall:.1f}", "the serving loop, compilation included"),
+      ("wall time (s)", f"{wall:.1f}", f"the serving loop ({loop})"),
   ]
   print("\n| metric | value | meaning |\n|---|---|---|")
   for name, value, meaning in rows:
@@ -286,6 +315,13 @@ def main(argv):
   print(f"\nmetrics JSONL: {jsonl}")
   for p in plot_paths:
     print(f"plot: {p}")
+  steps_run = max(st.steps, 1)
+  compiled = (f"{st.compiles_after_warmup} compiles after the warm-up" if _WARMUP.value
+              else f"{serving.backend_compiles} compiles (no warm-up)")
+  print(f"runtime while serving: {compiled}, {serving.blocking_reads} blocking reads, "
+        f"{serving.bookkeeping_dispatches / steps_run:.2f} bookkeeping dispatches per step"
+        + (f" (warm-up included: {st.blocking_reads} blocking reads, "
+           f"{st.bookkeeping_dispatches / steps_run:.2f} per step)" if _WARMUP.value else ""))
   if exporter is not None:
     if _LINGER.value > 0:
       print(f"serving {exporter.url} for {_LINGER.value:g} s more (Ctrl-C to stop)", flush=True)

@@ -6,3 +6,17 @@ reads of device data, XLA compiles), so tests assert "compile once, never wait"
 exactly instead of timing it; `compile_cache` turns JAX's persistent compilation
 cache on for scripts (the library never changes global JAX config on import).
 """
+
+from paged_kv.runtime.compile_cache import (compilation_cache_dir, default_cache_dir,
+                                            disable_compilation_cache, enable_compilation_cache)
+from paged_kv.runtime.counters import (RuntimeCounters, RuntimeStats, backend_compiles,
+                                       cache_loads, memory_mappings, resident_bytes)
+
+__all__ = [
+    # the persistent compilation cache
+    "enable_compilation_cache", "disable_compilation_cache", "compilation_cache_dir",
+    "default_cache_dir",
+    # counters
+    "RuntimeCounters", "RuntimeStats", "backend_compiles", "cache_loads", "memory_mappings",
+    "resident_bytes",
+]

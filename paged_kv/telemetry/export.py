@@ -41,6 +41,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from paged_kv.core.errors import OOM_REASONS
+from paged_kv.runtime import counters as runtime_counters
 
 PREFIX = "paged_kv_"
 
@@ -228,6 +229,30 @@ METRICS: tuple[MetricSpec, ...] = (
     _m("namespace_prefix_cache_hits_total", "counter",
        "Prompt tokens of finished requests that were prefix-cache hits, by namespace.",
        ("namespace",)),
+    # -- runtime: device traffic (SchedulerStats) and the process ----------------------
+    _m("device_dispatches_total", "counter",
+       "Jitted programs the pool launched: bookkeeping commits, executor steps, K/V data "
+       "moves, telemetry reductions (warm-up included)."),
+    _m("bookkeeping_dispatches_total", "counter",
+       "Dispatches of bookkeeping, part of device_dispatches_total: the pool's commits and "
+       "synchronous transitions (one commit per step is the design)."),
+    _m("blocking_reads_total", "counter",
+       "Host reads of device data that waited on the device, sampled tokens excluded "
+       "(bookkeeping never has to wait)."),
+    _m("backend_compiles_total", "counter",
+       "XLA backend compiles in the process since the scheduler was built, warm-up "
+       "included (paged_kv.runtime.counters.backend_compiles)."),
+    _m("compiles_after_warmup", "gauge",
+       "XLA backend compiles in the process since Scheduler.warmup() (0 before it). Above "
+       "0: a program shape the warm-up missed; compiles without bound end in a crash at "
+       "vm.max_map_count."),
+    _m("process_memory_mappings", "gauge",
+       "Memory mappings of the process (lines of /proc/self/maps; each XLA CPU executable "
+       "holds about 30), sampled at each step report. Beyond vm.max_map_count (65530 by "
+       "default) mmap fails and the process crashes. Absent off Linux."),
+    _m("process_resident_bytes", "gauge",
+       "Resident set size of the process (/proc/self/statm), sampled at each step report. "
+       "Absent off Linux."),
     _m("alerts_total", "counter",
        "Alert events fired (edge-triggered, paged_kv.telemetry.metrics.AlertMonitor), by "
        "alert name and severity.", ("alert", "severity")),
@@ -263,8 +288,9 @@ class MetricsExporter:
 
   Feed it with `observe(report)` (a `paged_kv.serving.scheduler.StepReport`, what
   `Scheduler(on_step=...)` passes after every step; `attach(sched)` wires it), or
-  piecewise: `observe_step_stats`, `observe_snapshot`, `record_alerts`,
-  `observe_finished`. The metric set is `METRICS` (`docs/metrics.md`).
+  piecewise: `observe_step_stats`, `observe_snapshot`, `observe_pool_counters`,
+  `observe_scheduler_stats`, `observe_process`, `record_alerts`, `observe_finished`.
+  The metric set is `METRICS` (`docs/metrics.md`).
 
   Args:
     port: TCP port for `start()`; 0 picks a free one (see `port` afterwards).
@@ -442,6 +468,19 @@ class MetricsExporter:
     self._count("prefill_tokens_total", stats.prefill_tokens)
     self._count("swap_out_bytes_total", stats.swap_to_host_bytes)
     self._count("swap_in_bytes_total", stats.swap_in_bytes)
+    self._count("device_dispatches_total", stats.device_dispatches)
+    self._count("bookkeeping_dispatches_total", stats.bookkeeping_dispatches)
+    self._count("blocking_reads_total", stats.blocking_reads)
+    self._count("backend_compiles_total", stats.backend_compiles)
+    self._set("compiles_after_warmup", stats.compiles_after_warmup)
+
+  def observe_process(self) -> None:
+    """Samples the process's memory mappings and resident bytes
+    (`paged_kv.runtime.counters`); off Linux the gauges stay absent."""
+    for short, value in (("process_memory_mappings", runtime_counters.memory_mappings()),
+                         ("process_resident_bytes", runtime_counters.resident_bytes())):
+      if value >= 0:
+        self._set(short, value)
 
   def observe_finished(self, requests: Iterable[Any]) -> None:
     """Counts finished requests (`Request` objects) and observes their latencies."""
@@ -490,6 +529,7 @@ class MetricsExporter:
       self.observe_snapshot(report.snapshot, step=report.step)
     self.observe_pool_counters(report.counters)
     self.observe_scheduler_stats(report.stats)
+    self.observe_process()
     self._set("num_requests_running", report.num_running)
     self._set("num_requests_waiting", report.num_waiting)
     self._set("num_requests_swapped", report.num_swapped)
@@ -654,7 +694,8 @@ def _finished_record(req: Any) -> dict:
 
 def step_record(report: Any) -> dict:
   """The fields of a `StepReport` as one JSONL `step` line writes them (`clock` is the
-  scheduler's clock; `pool` is the `StepStats`; `stats` and `counters` cumulative)."""
+  scheduler's clock; `pool` is the `StepStats`; `stats` and `counters` cumulative;
+  `process` sampled when the line is written)."""
   return {
       "clock": float(report.time),
       "host_seconds": float(report.host_seconds),
@@ -670,7 +711,15 @@ def step_record(report: Any) -> dict:
       "alerts": [getattr(a, "metric", None) or _as_fields(a, "alert").get("metric")
                  for a in report.alerts],
       "snapshot": report.snapshot is not None,
+      "process": process_record(),
   }
+
+
+def process_record() -> dict:
+  """The process figures a step line carries: memory mappings and resident bytes
+  (`paged_kv.runtime.counters`; -1 off Linux)."""
+  return {"memory_mappings": runtime_counters.memory_mappings(),
+          "resident_bytes": runtime_counters.resident_bytes()}
 
 
 class JsonlLogger:

@@ -60,7 +60,7 @@ class DashboardTest(absltest.TestCase):
     titles = [p["title"] for p in dash["panels"]]
     for want in ("KV cache usage", "Prefix cache hit rate (tokens)", "Fragmentation by region",
                  "Largest contiguous free run", "Compaction", "OOM by reason", "Preemptions",
-                 "Time to first token", "Inter-token latency"):
+                 "Time to first token", "Inter-token latency", "Compiles and memory mappings"):
       self.assertIn(want, titles)
     exprs = {}
     for title, expr in dashboard_targets():
@@ -126,7 +126,9 @@ class AlertRulesTest(absltest.TestCase):
 
   def test_one_rule_per_in_process_alert_with_its_threshold_and_severity(self):
     thresholds = metrics.AlertThresholds()
-    rules = {r["labels"]["paged_kv_alert"]: r for r in load_rules()}
+    # (Rules on the process, without an in-process counterpart, carry no such label.)
+    rules = {r["labels"]["paged_kv_alert"]: r for r in load_rules()
+             if "paged_kv_alert" in r["labels"]}
     self.assertEqual(set(rules), {name for name, _ in export.alert_rules()})
     for name, severity in export.alert_rules():
       rule = rules[name]
@@ -139,6 +141,16 @@ class AlertRulesTest(absltest.TestCase):
       if name.startswith("oom_by_reason."):
         reason = name.split(".", 1)[1]
         self.assertIn(f'paged_kv_oom_total{{reason="{reason}"}}', rule["expr"])
+
+  def test_runtime_rules(self):
+    doc = yaml.safe_load(ALERTS.read_text())
+    groups = {g["name"]: g["rules"] for g in doc["groups"]}
+    unlabelled = [r["alert"] for r in load_rules() if "paged_kv_alert" not in r["labels"]]
+    self.assertEqual(unlabelled, [r["alert"] for r in groups["paged_kv_runtime"]])
+    rule = {r["alert"]: r for r in groups["paged_kv_runtime"]}["PagedKVCompilesAfterWarmup"]
+    self.assertEqual(rule["expr"], "paged_kv_compiles_after_warmup > 0")
+    self.assertEqual((rule["for"], rule["labels"]["severity"]), ("5m", "warning"))
+    self.assertIn("vm.max_map_count", rule["annotations"]["description"])
 
   def test_every_metric_used_is_served(self):
     served = served_sample_names()

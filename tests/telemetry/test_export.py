@@ -154,6 +154,37 @@ class LiveScrapeTest(absltest.TestCase):
     self.assertEqual(min(buckets), 0.001)
     self.assertIn(60.0, buckets)
 
+  def test_runtime_series_after_warmup(self):
+    sched = serving_run.make_scheduler()
+    report = sched.warmup(progress=False)
+    self.assertGreater(report.programs, 0)
+    reports = []
+    sched.on_step = reports.append
+    exporter = export.MetricsExporter(port=0, model="tiny-llama", replica="r1").start()
+    exporter.attach(sched)
+    serving_run.run(sched, serving_run.workload(n=6))
+    text, _ = serving_run.fetch(exporter.url)
+    exporter.stop()
+    value = functools.partial(sample_value, families(text))
+    st = sched.stats
+    self.assertEqual(value("paged_kv_device_dispatches_total"), st.device_dispatches)
+    self.assertEqual(value("paged_kv_bookkeeping_dispatches_total"),
+                     st.bookkeeping_dispatches)
+    self.assertEqual(value("paged_kv_blocking_reads_total"), st.blocking_reads)
+    self.assertEqual(value("paged_kv_backend_compiles_total"), st.backend_compiles)
+    self.assertEqual(value("paged_kv_compiles_after_warmup"), st.compiles_after_warmup)
+    self.assertEqual(st.compiles_after_warmup, 0)  # the warm-up covered every shape
+    self.assertGreater(st.bookkeeping_dispatches, 0)
+    self.assertGreater(st.device_dispatches, st.bookkeeping_dispatches)  # steps too
+    self.assertGreater(value("paged_kv_process_memory_mappings"), 0)
+    self.assertGreater(value("paged_kv_process_resident_bytes"), 0)
+    # The JSONL step line carries the same figures (`stats`) and the process sample.
+    record = export.step_record(reports[-1])
+    self.assertEqual(record["stats"]["compiles_after_warmup"], st.compiles_after_warmup)
+    self.assertEqual(record["stats"]["bookkeeping_dispatches"], st.bookkeeping_dispatches)
+    self.assertGreater(record["process"]["memory_mappings"], 0)
+    self.assertGreater(record["process"]["resident_bytes"], 0)
+
   def test_stop_closes_the_port(self):
     exporter = export.MetricsExporter(port=0, addr="127.0.0.1").start()
     self.assertTrue(exporter.serving)
