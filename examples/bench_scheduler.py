@@ -34,6 +34,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import jax
 import numpy as np
 from absl import app, flags
 
@@ -100,7 +101,9 @@ class TimedExecutor(DryExecutor):
   def step(self, state, plan):
     t0 = time.perf_counter()
     state, nxt, status = super().step(state, plan)
-    status = np.asarray(status)  # the scheduler reads it at once anyway
+    # Wait for the device work here, to time it (the status itself stays on the
+    # device: the scheduler compares it with its prediction once ready, as always).
+    jax.block_until_ready((state, status))
     self.seconds += time.perf_counter() - t0
     return state, nxt, status
 
@@ -128,10 +131,12 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
       s.submit(Request(count[0], prompt, int(rng.integers(16, 128))))
       count[0] += 1
 
+  sched.warmup(progress=False)
   for _ in range(_WARMUP.value):
     top_up(sched)
     sched.step()
   times, exec_times = [], []
+  before = sched.runtime
   with _StatsTimer() as timer:
     for _ in range(_STEPS.value):
       top_up(sched)
@@ -140,10 +145,13 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
       sched.step()
       times.append(time.perf_counter() - t0)
       exec_times.append(executor.seconds)
+  traffic = sched.runtime.since(before)
   sched.check_invariants()
   return (1e3 * statistics.median(times), 1e3 * float(np.percentile(times, 90)),
           1e3 * statistics.median(exec_times), 1e3 * timer.seconds / _STEPS.value,
-          sched.stats_interval if mode != "off" else 0)
+          sched.stats_interval if mode != "off" else 0,
+          traffic.bookkeeping_dispatches / _STEPS.value, traffic.blocking_reads / _STEPS.value,
+          sched.stats.compiles_after_warmup)
 
 
 def main(argv):
@@ -155,26 +163,30 @@ def main(argv):
     for num_blocks in map(int, _POOLS.value):
       for mode in _MODES.value:
         runs = [_run(num_blocks, batch, mode, _SEED.value + r) for r in range(_REPEATS.value)]
-        med, p90, ex, tel, every = (statistics.median(x) for x in zip(*runs))
-        rows.append((batch, num_blocks, mode, med, p90, ex, med - ex, tel, every))
+        med, p90, ex, tel, every, disp, reads, comp = (statistics.median(x) for x in zip(*runs))
+        rows.append((batch, num_blocks, mode, med, p90, ex, med - ex, tel, every, disp, reads,
+                     comp))
         print(f"batch {batch:4d} pool {num_blocks:8d} {mode:6s}: step {med:7.3f} ms "
               f"(p90 {p90:7.3f}), executor {ex:7.3f} ms, stats {tel:6.3f} ms", flush=True)
   print("\nHost time per scheduler step (ms; median of "
-        f"{_REPEATS.value} runs x {_STEPS.value} steps; DryExecutor). 'stats': the cheap "
-        "figures' host ms per step (timed directly), 'share': of the rest of the step, "
-        "'every': their interval in steps at the end")
+        f"{_REPEATS.value} runs x {_STEPS.value} steps; DryExecutor). 'executor': its jitted "
+        "reserve, waited for (device work; on this CPU it runs on the host), 'host': the "
+        "rest; 'stats': the cheap figures' host ms per step (timed directly), 'share': of "
+        "the rest of the step, 'every': their interval in steps at the end; 'bk/step': "
+        "bookkeeping dispatches per step, 'reads/step': blocking host reads per step, "
+        "'compiles': after warm-up")
   print(f"{'batch':>5} {'blocks':>8} {'mode':>6} {'step':>8} {'p90':>8} {'executor':>8} "
         f"{'host':>8} {'stats':>7} {'share':>6} {'every':>5} {'vs smallest pool':>16} "
-        f"{'vs off':>7}")
+        f"{'vs off':>7} {'bk/step':>7} {'reads/step':>10} {'compiles':>8}")
   base = {}
-  for batch, n, mode, med, p90, ex, host, tel, every in rows:
+  for batch, n, mode, med, p90, ex, host, tel, every, disp, reads, comp in rows:
     base.setdefault((batch, mode), med)
     off = next(r[3] for r in rows if r[:2] == (batch, n) and r[2] == "off") \
         if any(r[:3] == (batch, n, "off") for r in rows) else float("nan")
     share = 100 * tel / max(med - tel, 1e-9)
     print(f"{batch:5d} {n:8d} {mode:>6} {med:8.3f} {p90:8.3f} {ex:8.3f} {host:8.3f} "
           f"{tel:7.3f} {share:5.1f}% {every:5.0f} {med / base[(batch, mode)]:15.2f}x "
-          f"{med / off:6.2f}x")
+          f"{med / off:6.2f}x {disp:7.2f} {reads:10.2f} {comp:8.0f}")
 
 
 if __name__ == "__main__":

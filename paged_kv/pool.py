@@ -1084,8 +1084,8 @@ class BlockPool:
                            f"{live.size} still referenced (e.g. {live[:8].tolist()}); "
                            "compact first")
     state = self.state
-    self._state = _committed(regions.resize_pool(state, config=self.config,
-                                                 new_config=new_config))
+    self._state = _committed(regions.resize_state(state, config=self.config,
+                                                  new_config=new_config))
     self.runtime.dispatch("sync")
     self._scratch_log = ChangeLog(new_config)
     self._mirror = h.resized(new_config)
@@ -1155,8 +1155,3 @@ def _write_layers(state: PoolState, slot_idx: jax.Array, k: jax.Array,
     return p.at[:, :, blk, off].set(x.astype(p.dtype), mode="drop")
   return dataclasses.replace(state, pages=dataclasses.replace(pages, k=put(pages.k, k),
                                                               v=put(pages.v, v)))
-
-
-def warmup_widths(config: PoolConfig, move_widths=()) -> list[CommitWidths]:
-  """Every commit width a pool of `config` uses (`CommitWidths.all_for`)."""
-  return CommitWidths.all_for(config, move_widths)

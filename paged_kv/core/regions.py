@@ -352,13 +352,22 @@ def resize_pool(state: PoolState, *, config: PoolConfig, new_config: PoolConfig)
   if same != config:
     raise InvalidArgument("new_config may differ from config only in num_blocks")
   n, new_n = config.num_blocks, new_config.num_blocks
-  meta = state.meta
   if new_n < n:
-    tail_refs = np.asarray(meta.ref_count[new_n:])
+    tail_refs = np.asarray(state.meta.ref_count)[new_n:]
     if tail_refs.any():
       live = np.flatnonzero(tail_refs) + new_n
       raise InvalidBlock(f"cannot cut blocks [{new_n}, {n}): {live.size} still referenced "
                          f"(e.g. {live[:8].tolist()}); compact first")
+  return resize_state(state, config=config, new_config=new_config)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "new_config"))
+def resize_state(state: PoolState, *, config: PoolConfig, new_config: PoolConfig) -> PoolState:
+  """`resize_pool`'s arrays, jitted (one program per size; nothing checked: a cut
+  tail must be free, which the caller verified)."""
+  n, new_n = config.num_blocks, new_config.num_blocks
+  meta = state.meta
+  if new_n < n:
     cut = lambda x: x[:new_n]
     pages = KVPages(k=state.pages.k[:, :, :new_n], v=state.pages.v[:, :, :new_n])
     ref_count, slots, last_use, region = (cut(meta.ref_count), cut(meta.slots),

@@ -48,9 +48,9 @@ class CommitWidths:
 
   Attributes:
     blocks: touched blocks per commit (a larger window is split).
-    rows: touched rows (`rows_small` or `max_seqs`).
+    rows: touched rows (`small_rows` or `max_seqs`).
     copies: slot-range copies (0 or `rows`).
-    moves: block moves (0, or a power of two >= 64).
+    moves: block moves (0, or one of `move_buckets`).
   """
 
   blocks: int
@@ -68,23 +68,36 @@ class CommitWidths:
   def small_rows(config: PoolConfig) -> int:
     return int(min(config.max_seqs, 32))
 
+  @staticmethod
+  def move_buckets(config: PoolConfig) -> list[int]:
+    """Move widths: 64, 512, 4096, ... (x8) up to the most moves a plan can hold
+    (`num_blocks // 2`, rounded up to a power of two), that one included."""
+    cap = _pow2(max(config.num_blocks // 2, 1), MIN_MOVE_WIDTH)
+    out, w = [], MIN_MOVE_WIDTH
+    while w < cap:
+      out.append(w)
+      w *= 8
+    return out + [cap]
+
   @classmethod
   def for_counts(cls, config: PoolConfig, *, rows: int, copies: int,
                  moves: int) -> "CommitWidths":
-    r = cls.small_rows(config) if max(rows, copies) <= cls.small_rows(config) else config.max_seqs
-    return cls(blocks=cls.block_width(config), rows=r, copies=r if copies else 0,
-               moves=_pow2(moves, MIN_MOVE_WIDTH) if moves else 0)
+    """The widths of a window: the smallest row width that holds its rows and copies
+    (a window with moves: every row, since a move rewrites any row on its block),
+    the smallest move bucket that holds its moves."""
+    small = cls.small_rows(config)
+    r = small if max(rows, copies) <= small and not moves else config.max_seqs
+    m = min(b for b in cls.move_buckets(config) if b >= moves) if moves else 0
+    return cls(blocks=cls.block_width(config), rows=r, copies=r if copies else 0, moves=m)
 
   @classmethod
-  def all_for(cls, config: PoolConfig, move_widths=()) -> list["CommitWidths"]:
-    """Every width a pool of `config` commits with, for `move_widths` moves (warm-up)."""
-    out = []
-    rows = sorted({cls.small_rows(config), config.max_seqs})
-    moves = [0] + sorted({_pow2(m, MIN_MOVE_WIDTH) for m in move_widths if m})
-    for r in rows:
-      for c in (0, r):
-        for m in moves:
-          out.append(cls(blocks=cls.block_width(config), rows=r, copies=c, moves=m))
+  def all_for(cls, config: PoolConfig) -> list["CommitWidths"]:
+    """Every width a pool of `config` commits with (what a warm-up compiles)."""
+    k, small, full = cls.block_width(config), cls.small_rows(config), config.max_seqs
+    out = [cls(blocks=k, rows=r, copies=c, moves=0)
+           for r in sorted({small, full}) for c in (0, r)]
+    out += [cls(blocks=k, rows=full, copies=c, moves=m)
+            for m in cls.move_buckets(config) for c in (0, full)]
     return out
 
 
@@ -226,7 +239,7 @@ class ChangeLog:
             or self.num_blocks >= 4 * CommitWidths.block_width(self.config))
 
   # ------------------------------------------------------------------ to the device
-  def batches(self, host: "HostState", *, min_moves: int = 0) -> list[CommitBatch]:
+  def batches(self, host: "HostState") -> list[CommitBatch]:
     """The window as `CommitBatch`es (numpy arrays; one per block chunk)."""
     c = self.config
     n, w, m = c.num_blocks, c.slot_words, c.max_segments
@@ -245,8 +258,7 @@ class ChangeLog:
     old_rows = np.concatenate(self._old_rows) if self._old_rows else np.zeros((0, 3), np.int64)
     copies = np.concatenate(self._copies) if self._copies else np.zeros((0, 5), np.int64)
     moves = np.concatenate(self._moves) if self._moves else np.zeros((0, 2), np.int64)
-    widths = CommitWidths.for_counts(c, rows=rows.size, copies=len(copies),
-                                     moves=max(len(moves), min_moves if len(moves) else 0))
+    widths = CommitWidths.for_counts(c, rows=rows.size, copies=len(copies), moves=len(moves))
     assert rows.size <= widths.rows and len(copies) <= max(widths.copies, 0 if not len(copies)
                                                             else widths.rows)
     k = widths.blocks

@@ -22,6 +22,18 @@ from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC
 from paged_kv.mirror.host_state import HostState
 
 _I32_MAX = np.iinfo(np.int32).max
+# Status codes as plain ints (numpy compares an IntEnum member more slowly).
+_OK, _ABORTED = int(Status.OK), int(Status.ABORTED)
+_INVALID_SEQUENCE, _INVALID_COUNT = int(Status.INVALID_SEQUENCE), int(Status.INVALID_COUNT)
+_INVALID_BLOCK, _INVALID_SEGMENT = int(Status.INVALID_BLOCK), int(Status.INVALID_SEGMENT)
+_TABLE_FULL, _NO_FREE_BLOCK = int(Status.TABLE_FULL), int(Status.NO_FREE_BLOCK)
+_REF_UNDERFLOW, _REF_OVERFLOW = int(Status.REF_UNDERFLOW), int(Status.REF_OVERFLOW)
+_BLOCK_IN_USE = int(Status.BLOCK_IN_USE)
+
+
+def _clamp(x, lo: int, hi: int):
+  """`np.clip` for int arrays without its per-call overhead."""
+  return np.minimum(np.maximum(x, lo), hi)
 
 
 def _cdiv(a, b):
@@ -32,6 +44,13 @@ def first_occurrence(ids: np.ndarray) -> np.ndarray:
   """`bool[B]`: True at the first occurrence of each value."""
   ids = np.asarray(ids)
   out = np.zeros(ids.shape, bool)
+  if ids.size <= 32:  # small batches: a set beats a sort
+    seen = set()
+    for i, v in enumerate(ids.tolist()):
+      if v not in seen:
+        seen.add(v)
+        out[i] = True
+    return out
   _, first = np.unique(ids, return_index=True)
   out[first] = True
   return out
@@ -41,10 +60,10 @@ def row_status(h: HostState, ids: np.ndarray, *, want_active: bool) -> np.ndarra
   """`segments.row_status`: in range, (in)active as wanted, not repeated; -1 OK."""
   s = h.config.max_seqs
   in_range = (ids >= 0) & (ids < s)
-  active = h.active[np.clip(ids, 0, s - 1)]
+  active = h.active[_clamp(ids, 0, s - 1)]
   good = in_range & (active == want_active) & first_occurrence(ids)
-  return np.where(ids == -1, Status.OK,
-                  np.where(good, Status.OK, Status.INVALID_SEQUENCE)).astype(np.int32)
+  return np.where(ids == -1, _OK,
+                  np.where(good, _OK, _INVALID_SEQUENCE)).astype(np.int32)
 
 
 def grant_prefix(need: np.ndarray, ok: np.ndarray, num_free: int, *,
@@ -59,7 +78,7 @@ def grant_prefix(need: np.ndarray, ok: np.ndarray, num_free: int, *,
 
 def _aborted(status: np.ndarray, applied: np.ndarray) -> np.ndarray:
   """`segments.finish_status`."""
-  return np.where((status == Status.OK) & ~applied, Status.ABORTED, status).astype(np.int32)
+  return np.where((status == _OK) & ~applied, _ABORTED, status).astype(np.int32)
 
 
 def slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
@@ -70,8 +89,8 @@ def slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
 def range_mask(start: np.ndarray, length: np.ndarray, words: int) -> np.ndarray:
   """`u32[..., words]` with bits `[start, start + length)` set (`segments.range_mask`)."""
   base = 32 * np.arange(words)
-  lo = np.clip(np.asarray(start)[..., None] - base, 0, 32).astype(np.uint64)
-  hi = np.clip(np.asarray(start)[..., None] + np.asarray(length)[..., None] - base, 0,
+  lo = _clamp(np.asarray(start)[..., None] - base, 0, 32).astype(np.uint64)
+  hi = _clamp(np.asarray(start)[..., None] + np.asarray(length)[..., None] - base, 0,
                32).astype(np.uint64)
   ones = lambda k: ((np.uint64(1) << k) - np.uint64(1))
   return (ones(hi) & ~ones(lo)).astype(np.uint32)
@@ -107,20 +126,20 @@ def open_rows(h: HostState, ids: np.ndarray, seg_block: np.ndarray, seg_start: n
   real = ids != -1
   status = row_status(h, ids, want_active=False)
   count_bad = (num_segments < 0) | (num_segments > min(p, m))
-  status = np.where((status == Status.OK) & count_bad & real, Status.INVALID_COUNT, status)
+  status = np.where((status == _OK) & count_bad & real, _INVALID_COUNT, status)
   used = np.arange(p)[None, :] < num_segments[:, None]
   blk_ok = (seg_block >= 0) & (seg_block < n)
-  cb = np.clip(seg_block, 0, n - 1)
+  cb = _clamp(seg_block, 0, n - 1)
   live = h.ref_count[cb] > 0
   shape_ok = (seg_start >= 0) & (seg_start < bs) & (seg_length >= 1) & (
       seg_length <= bs - seg_start)
-  mask = range_mask(np.clip(seg_start, 0, bs), np.clip(seg_length, 0, bs), c.slot_words)
+  mask = range_mask(_clamp(seg_start, 0, bs), _clamp(seg_length, 0, bs), c.slot_words)
   written = np.all((h.slots[cb] & mask) == mask, axis=-1)
   bad_block = np.any(used & ~(blk_ok & live), axis=1)
   bad_seg = np.any(used & ~(shape_ok & written), axis=1)
-  status = np.where((status == Status.OK) & real & bad_block, Status.INVALID_BLOCK, status)
-  status = np.where((status == Status.OK) & real & bad_seg, Status.INVALID_SEGMENT, status)
-  ok = (status == Status.OK) & real & bool(np.all(status == Status.OK))
+  status = np.where((status == _OK) & real & bad_block, _INVALID_BLOCK, status)
+  status = np.where((status == _OK) & real & bad_seg, _INVALID_SEGMENT, status)
+  ok = (status == _OK) & real & bool(np.all(status == _OK))
   if ok.any():
     width = min(p, m)
     rows = ids[ok]
@@ -154,7 +173,7 @@ def dead_segments(h: HostState, seg_block: np.ndarray, seg_start: np.ndarray,
   c = h.config
   n, bs = c.num_blocks, c.block_size
   in_range = (seg_block >= 0) & (seg_block < n)
-  cb = np.clip(seg_block, 0, n - 1)
+  cb = _clamp(seg_block, 0, n - 1)
   shape_ok = (seg_start >= 0) & (seg_start < bs) & (seg_length >= 1) & (
       seg_length <= bs - seg_start)
   ref = h.ref_count[cb]
@@ -189,10 +208,10 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
   real = ids != -1
   status = row_status(h, ids, want_active=True)
   count_bad = (num_new < 0) | (num_new > max_new_tokens)
-  status = np.where((status == Status.OK) & real & count_bad, Status.INVALID_COUNT, status)
-  row = np.clip(ids, 0, s - 1)
+  status = np.where((status == _OK) & real & count_bad, _INVALID_COUNT, status)
+  row = _clamp(ids, 0, s - 1)
   ns = h.num_segments[row].astype(np.int64)
-  tail = np.clip(ns - 1, 0, m - 1)
+  tail = _clamp(ns - 1, 0, m - 1)
   tb = h.block[row, tail].astype(np.int64)
   pos = (h.start[row, tail] + h.length[row, tail]).astype(np.int64)
   exclusive = (ns > 0) & (h.ref_count[tb] == 1) & (h.region[tb] == REGION_DYNAMIC)
@@ -200,17 +219,17 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
   busy = slot_bits(h.slots[tb], bs) | (i < pos[:, None])
   first_busy_after = np.min(np.where(busy & (i >= pos[:, None]), i, bs), axis=1)
   room = np.where(exclusive, first_busy_after - pos, 0)
-  n_tok = np.clip(num_new, 0, max_new_tokens)
+  n_tok = _clamp(num_new, 0, max_new_tokens)
   in_place = np.minimum(n_tok, room)
   rest = n_tok - in_place
   need = _cdiv(rest, bs)
-  status = np.where((status == Status.OK) & real & (ns + need > m), Status.TABLE_FULL, status)
-  valid = (status == Status.OK) & real
+  status = np.where((status == _OK) & real & (ns + need > m), _TABLE_FULL, status)
+  valid = (status == _OK) & real
   if atomic:
-    valid = valid & bool(np.all(status == Status.OK))
+    valid = valid & bool(np.all(status == _OK))
   max_blocks = _cdiv(max_new_tokens, bs)
   granted = grant_prefix(need, valid, h.free.num_free, atomic=atomic)
-  status = np.where(valid & ~granted, Status.NO_FREE_BLOCK, status)
+  status = np.where(valid & ~granted, _NO_FREE_BLOCK, status)
   new_ids = _take_lowest(h, need, granted, max_blocks)
   # Slots of the granted rows' tokens, computed on the tokens only (not B x T).
   slot_idx = np.full((ids.shape[0], max_new_tokens), -1, np.int64)
@@ -220,7 +239,7 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
     tok_row = np.repeat(np.arange(ids.shape[0]), counts)
     j = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
     k = j - in_place[tok_row]
-    fresh = new_ids[tok_row, np.clip(k // bs, 0, max(max_blocks - 1, 0))] * bs + k % bs
+    fresh = new_ids[tok_row, _clamp(k // bs, 0, max(max_blocks - 1, 0))] * bs + k % bs
     slots = np.where(k < 0, tb[tok_row] * bs + pos[tok_row] + j, fresh)
     slot_idx[tok_row, j] = slots
     h.set_slot_bits(slots)
@@ -241,9 +260,9 @@ def release(h: HostState, ids: np.ndarray, *, atomic: bool) -> np.ndarray:
   ids = np.asarray(ids, np.int64)
   real = ids != -1
   status = row_status(h, ids, want_active=True)
-  ok = (status == Status.OK) & real
+  ok = (status == _OK) & real
   if atomic:
-    ok = ok & bool(np.all(status == Status.OK))
+    ok = ok & bool(np.all(status == _OK))
   if ok.any():
     rows = ids[ok]
     used = h.used_mask(rows)
@@ -261,7 +280,7 @@ def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
   deltas = np.asarray(deltas, np.int64)
   pad = block_ids == -1
   in_range = (block_ids >= 0) & (block_ids < n)
-  cb = np.clip(block_ids, 0, n - 1)
+  cb = _clamp(block_ids, 0, n - 1)
   d = np.where(in_range, deltas, 0)
   uniq, inv = np.unique(np.where(in_range, block_ids, n), return_inverse=True)
   total = np.bincount(inv, weights=d, minlength=uniq.size).astype(np.int64)[inv]
@@ -272,13 +291,13 @@ def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
   underflow = in_range & (new_ref < 0)
   in_use = in_range & (total < 0) & (new_ref < table_refs)
   incref_free = in_range & (deltas > 0) & (ref == 0)
-  status = np.where(underflow, Status.REF_UNDERFLOW,
-                    np.where(in_use, Status.BLOCK_IN_USE, Status.OK))
-  status = np.where(overflow, Status.REF_OVERFLOW, status)
-  status = np.where(~in_range | incref_free, Status.INVALID_BLOCK, status)
-  status = np.where(pad, Status.OK, status)
-  all_ok = bool(np.all(status == Status.OK))
-  status = np.where(all_ok | (status != Status.OK) | pad, status, Status.ABORTED)
+  status = np.where(underflow, _REF_UNDERFLOW,
+                    np.where(in_use, _BLOCK_IN_USE, _OK))
+  status = np.where(overflow, _REF_OVERFLOW, status)
+  status = np.where(~in_range | incref_free, _INVALID_BLOCK, status)
+  status = np.where(pad, _OK, status)
+  all_ok = bool(np.all(status == _OK))
+  status = np.where(all_ok | (status != _OK) | pad, status, _ABORTED)
   if all_ok and apply and in_range.any():
     h.change_refs(block_ids[in_range], deltas[in_range])
   return status.astype(np.int32)
@@ -290,15 +309,15 @@ def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
   ids = np.asarray(ids, np.int64)
   block_ids = np.asarray(block_ids, np.int64)
   rows = row_status(h, ids, want_active=True)
-  rows_ok = bool(np.all(rows == Status.OK))
+  rows_ok = bool(np.all(rows == _OK))
   ref_status = apply_ref_deltas(h, np.where(rows_ok, block_ids, -1), deltas, apply=False)
-  refs_ok = bool(np.all(ref_status == Status.OK))
-  ref_status = np.where(rows_ok | (block_ids == -1), ref_status, Status.ABORTED)
+  refs_ok = bool(np.all(ref_status == _OK))
+  ref_status = np.where(rows_ok | (block_ids == -1), ref_status, _ABORTED)
   if refs_ok and rows_ok:
     apply_ref_deltas(h, block_ids, deltas)
     row_st = release(h, ids, atomic=True)
   else:
-    row_st = np.where((rows == Status.OK) & (ids != -1), Status.ABORTED, rows)
+    row_st = np.where((rows == _OK) & (ids != -1), _ABORTED, rows)
   return row_st.astype(np.int32), ref_status.astype(np.int32)
 
 
@@ -308,10 +327,10 @@ def fork(h: HostState, src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
   src_ids = np.asarray(src_ids, np.int64)
   dst_ids = np.asarray(dst_ids, np.int64)
   real = dst_ids != -1
-  src_ok = (src_ids >= 0) & (src_ids < s) & h.active[np.clip(src_ids, 0, s - 1)]
+  src_ok = (src_ids >= 0) & (src_ids < s) & h.active[_clamp(src_ids, 0, s - 1)]
   status = row_status(h, dst_ids, want_active=False)
-  status = np.where(real & ~src_ok, Status.INVALID_SEQUENCE, status)
-  ok = (status == Status.OK) & real & bool(np.all(status == Status.OK))
+  status = np.where(real & ~src_ok, _INVALID_SEQUENCE, status)
+  ok = (status == _OK) & real & bool(np.all(status == _OK))
   if ok.any():
     src, dst = src_ids[ok], dst_ids[ok]
     used = h.used_mask(src)
@@ -329,9 +348,9 @@ def cow_split(h: HostState, ids: np.ndarray, *, atomic: bool) -> tuple[np.ndarra
   ids = np.asarray(ids, np.int64)
   real = ids != -1
   status = row_status(h, ids, want_active=True)
-  row = np.clip(ids, 0, s - 1)
+  row = _clamp(ids, 0, s - 1)
   ns = h.num_segments[row].astype(np.int64)
-  tail = np.clip(ns - 1, 0, m - 1)
+  tail = _clamp(ns - 1, 0, m - 1)
   tb = h.block[row, tail].astype(np.int64)
   ts = h.start[row, tail].astype(np.int64)
   tl = h.length[row, tail].astype(np.int64)
@@ -339,13 +358,13 @@ def cow_split(h: HostState, ids: np.ndarray, *, atomic: bool) -> tuple[np.ndarra
   i = np.arange(bs)[None, :]
   after_busy = np.any(slot_bits(h.slots[tb], bs) & (i >= pos[:, None]), axis=1)
   blocked = (h.ref_count[tb] > 1) | (h.region[tb] != REGION_DYNAMIC) | (ts > 0) | after_busy
-  wants = (status == Status.OK) & real & (ns > 0) & (tl < bs) & blocked
-  valid = (status == Status.OK) & real
+  wants = (status == _OK) & real & (ns > 0) & (tl < bs) & blocked
+  valid = (status == _OK) & real
   if atomic:
-    valid = valid & bool(np.all(status == Status.OK))
+    valid = valid & bool(np.all(status == _OK))
   need = np.where(wants & valid, 1, 0)
   granted = grant_prefix(need, valid, h.free.num_free, atomic=atomic)
-  status = np.where(valid & ~granted, Status.NO_FREE_BLOCK, status)
+  status = np.where(valid & ~granted, _NO_FREE_BLOCK, status)
   split = granted & (need > 0)
   if split.any():
     fresh = _take_lowest(h, need, granted, 1)[:, 0]
@@ -373,16 +392,16 @@ def move_blocks(h: HostState, src: np.ndarray, dst: np.ndarray, *,
   dst = np.asarray(dst, np.int64)
   pad = (src == -1) & (dst == -1)
   in_range = (src >= 0) & (src < n) & (dst >= 0) & (dst < n)
-  cs, cd = np.clip(src, 0, n - 1), np.clip(dst, 0, n - 1)
+  cs, cd = _clamp(src, 0, n - 1), _clamp(dst, 0, n - 1)
   src_ok = (h.ref_count[cs] > 0) & (h.region[cs] == REGION_DYNAMIC)
   dst_ok = (h.ref_count[cd] == 0) & (h.region[cd] == dst_region)
   k = np.arange(src.shape[0])
   unique = first_occurrence(np.where(pad, -1 - k, src)) & first_occurrence(
       np.where(pad, -1 - k, dst))
   good = pad | (in_range & src_ok & dst_ok & unique)
-  status = np.where(good, Status.OK, Status.INVALID_BLOCK)
+  status = np.where(good, _OK, _INVALID_BLOCK)
   all_ok = bool(np.all(good))
-  status = np.where((not all_ok) & good & ~pad, Status.ABORTED, status).astype(np.int32)
+  status = np.where((not all_ok) & good & ~pad, _ABORTED, status).astype(np.int32)
   move = all_ok & ~pad
   s, d = src[move], dst[move]
   if s.size:
@@ -483,7 +502,7 @@ def allocate(h: HostState, num: int, *, contiguous: str, fit: str = "first"
   """`alloc.allocate` (first fit); returns `(ids i64[num], status)`."""
   num = int(num)
   if num > h.free.num_free:
-    return np.zeros(0, np.int64), int(Status.NO_FREE_BLOCK)
+    return np.zeros(0, np.int64), int(_NO_FREE_BLOCK)
   ids = h.free.lowest(num)
   if contiguous != "never" and num > 1 and (fit == "best" or ids[-1] - ids[0] != num - 1):
     free = h.free.mask()
@@ -493,7 +512,7 @@ def allocate(h: HostState, num: int, *, contiguous: str, fit: str = "first"
     elif contiguous == "require":
       return np.zeros(0, np.int64), int(Status.NO_CONTIGUOUS_RUN)
   h.take_blocks(ids)
-  return ids, int(Status.OK)
+  return ids, int(_OK)
 
 
 def _lowest_run(free: np.ndarray, num: int) -> int:

@@ -16,8 +16,9 @@
 * **deferred checks** — device results compared with the host's expectation
   once they were ready (`jax.Array.is_ready()`): no wait;
 * **compiles** — XLA backend compilations in this process (JAX's
-  `/jax/core/compile/backend_compile_duration` event) and persistent-cache
-  loads (`/jax/compilation_cache/cache_hits`), process-wide.
+  `/jax/core/compile/backend_compile_duration` events minus its
+  `/jax/compilation_cache/cache_hits`: the first also fires on a load) and
+  persistent-cache loads, process-wide.
 
 A `BlockPool` owns one `RuntimeCounters`; the scheduler reports its figures in
 `SchedulerStats` and the Prometheus exporter exports them. `snapshot()` gives
@@ -79,8 +80,13 @@ def listen_for_compiles() -> None:
 
 
 def backend_compiles() -> int:
-  """XLA backend compilations in this process since the listener was registered."""
-  return _compiles
+  """XLA backend compilations in this process since the listener was registered.
+
+  JAX records its compile event around "compile, or load from the persistent
+  cache" (`compile_or_get_cached`), so a cache hit fires it too: the loads are
+  subtracted here (`cache_loads()` counts them).
+  """
+  return _compiles - _cache_loads
 
 
 def cache_loads() -> int:

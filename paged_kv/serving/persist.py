@@ -266,20 +266,11 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
     raise InvalidArgument(f"the cache's segments cover {slots.shape[0]} tokens, its nodes "
                           f"{int(cu_tokens[-1])}")
   bits = _BITS_DTYPES[config.jnp_dtype.itemsize]
-  # One gather at a power-of-two width (>= 256; padding reads slot 0), cut on the host:
-  # no program per cache size.
-  num = slots.shape[0]
-  padded = np.zeros((1 << max(num - 1, 255).bit_length(),), np.int32)
-  padded[:num] = slots
-  state = pool.state
-  k, v = jax.device_get(_gather_slots(state.pages.k, state.pages.v, padded))
-  pool.runtime.dispatch("data")
-  pool.runtime.read("data")
+  k, v = gather_tokens(pool, slots)
   arrays = {
       "node_namespace": node_ns, "node_parent": parent, "cu_tokens": cu_tokens,
       "tokens": tokens, "node_recency": recency, "node_pin_ttl": pin_ttl,
-      "k": np.ascontiguousarray(np.asarray(k)[:, :, :num]).view(bits),
-      "v": np.ascontiguousarray(np.asarray(v)[:, :, :num]).view(bits),
+      "k": k.view(bits), "v": v.view(bits),
   }
   header = {
       "format": FORMAT_NAME, "version": FORMAT_VERSION,
@@ -310,6 +301,54 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
+
+
+CHUNK_TOKENS = 4096
+"""Tokens per K/V gather (save) and write (load): one program each, whatever the cache."""
+
+
+def gather_tokens(pool: BlockPool, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`(k, v)`: `[L, H, T, D]` host arrays of the K/V at flat `slots: int[T]`.
+
+  Gathered in chunks of `CHUNK_TOKENS` (the last padded with slot 0): one
+  program for any number of tokens; the chunks are copied to the host (a read).
+  """
+  c = pool.config
+  num = int(slots.shape[0])
+  shape = (c.num_layers, c.num_kv_heads, num, c.head_dim)
+  k_out, v_out = np.empty(shape, c.jnp_dtype), np.empty(shape, c.jnp_dtype)
+  state = pool.state
+  for i in range(0, num, CHUNK_TOKENS):
+    part = slots[i:i + CHUNK_TOKENS]
+    padded = np.zeros((CHUNK_TOKENS,), np.int32)
+    padded[:part.shape[0]] = part
+    k, v = jax.device_get(_gather_slots(state.pages.k, state.pages.v, padded))
+    pool.runtime.dispatch("data")
+    pool.runtime.read("data")
+    k_out[:, :, i:i + part.shape[0]] = k[:, :, :part.shape[0]]
+    v_out[:, :, i:i + part.shape[0]] = v[:, :, :part.shape[0]]
+  return k_out, v_out
+
+
+def write_tokens(pool: BlockPool, slot_idx: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+  """Writes `[L, H, T, D]` K/V at flat `slot_idx: int[T]` (-1 skipped), in chunks of
+  `CHUNK_TOKENS` (`BlockPool.write_kv_layers`: one program for any size)."""
+  num = int(slot_idx.shape[0])
+  for i in range(0, num, CHUNK_TOKENS):
+    part = slot_idx[i:i + CHUNK_TOKENS]
+    idx = np.full((CHUNK_TOKENS,), -1, np.int32)
+    idx[:part.shape[0]] = part
+    pad = ((0, 0), (0, 0), (0, CHUNK_TOKENS - part.shape[0]), (0, 0))
+    pool.write_kv_layers(idx, np.pad(k[:, :, i:i + CHUNK_TOKENS], pad),
+                         np.pad(v[:, :, i:i + CHUNK_TOKENS], pad))
+
+
+def warm_programs(pool: BlockPool) -> None:
+  """Runs (compiles) the save's gather and the load's write, changing nothing."""
+  c = pool.config
+  gather_tokens(pool, np.zeros((1,), np.int32))
+  zeros = np.zeros((c.num_layers, c.num_kv_heads, 1, c.head_dim), c.jnp_dtype)
+  write_tokens(pool, np.full((1,), -1, np.int32), zeros, zeros)
 
 
 @jax.jit
@@ -693,9 +732,9 @@ def _write_blocks(pool: BlockPool, saved: _SavedCache, layout: _Layout,
       for r, (g, s) in enumerate(zip(batch, src)):
         src_idx[r, :s.shape[0]] = s
         physical[g] = slot_idx[r, np.arange(len(g)) * bs] // bs
-      flat = src_idx.reshape(-1)  # every layer in one write: [L, H, B * W, D]
-      pool.write_kv_layers(slot_idx.reshape(-1), np.ascontiguousarray(k_all[:, :, flat]),
-                           np.ascontiguousarray(v_all[:, :, flat]))
+      used = slot_idx.reshape(-1) >= 0  # every layer, the batch's tokens, in chunks
+      flat = src_idx.reshape(-1)[used]
+      write_tokens(pool, slot_idx.reshape(-1)[used], k_all[:, :, flat], v_all[:, :, flat])
       blocks = np.concatenate([np.asarray(g) for g in batch])
       ids, refs = physical[blocks], layout.tree_refs[blocks]
       pool.apply_ref_deltas(ids, refs)

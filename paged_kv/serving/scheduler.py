@@ -330,6 +330,7 @@ class SchedulerStats:
   blocking_reads: int = 0  # host reads that waited on the device (sampled tokens excluded)
   backend_compiles: int = 0  # XLA compiles in the process since the scheduler was built
   compiles_after_warmup: int = 0  # ... since `Scheduler.warmup()` (0 is the goal)
+  rewarm_compiles: int = 0  # compiles of a shrink's re-warm at its cut (a new pool size)
 
   @property
   def prefix_cache_hit_rate(self) -> float:
@@ -492,17 +493,19 @@ class Scheduler:
     """A read-only view of the prefix cache; None when caching is off."""
     return self.cached_pool.cache if self._caching else None
 
-  def warmup(self, *, progress: bool = True) -> WarmupReport:
+  def warmup(self, *, progress: bool = True, persistence: bool = True) -> WarmupReport:
     """Compiles (runs once) every program the serving path can run; see
     `paged_kv.serving.warmup`. After it, `stats.compiles_after_warmup` counts
-    what compiled anyway (0 for any workload the configs admit).
+    what compiled anyway (0 for any workload the configs admit). With
+    `persistence`, `CachedPool.save` / `restore`'s programs too.
 
     Returns:
       The `WarmupReport` (also `self.warmup_report`): programs, compiles, cache
       loads, seconds.
     """
     self._check_usable()
-    self.warmup_report = warmup_lib.warm(self, progress=progress)
+    self._warm_persistence = persistence
+    self.warmup_report = warmup_lib.warm(self, progress=progress, persistence=persistence)
     self._compiles_at_warmup = counters.backend_compiles()
     self._update_runtime_stats()
     return self.warmup_report
@@ -1410,6 +1413,13 @@ class Scheduler:
     if self._quota is not None:
       self._quota.total_blocks = s.target - self.pool.config.num_base_blocks
       self._quota.borrowed = min(self._quota.borrowed, self._quota.cached_quota)
+    if self.warmup_report is not None:
+      # The programs of the old size are dead: release them, and compile the new
+      # size's set now (a warm-up of the new config, not counted after warm-up).
+      warmup_lib.release_programs()
+      report = warmup_lib.warm(self, progress=False, persistence=self._warm_persistence)
+      self.stats.rewarm_compiles += report.compiles
+      self._compiles_at_warmup = counters.backend_compiles() - self.stats.compiles_after_warmup
     s.done_step = self._step
     self.stats.shrinks += 1
     self.stats.shrink_blocks_returned += old - s.target

@@ -5,15 +5,22 @@ a small set of buckets derived from the configs, and `program_runs` enumerates
 them:
 
 * the pool's commit (`paged_kv.core.commit.commit`) at every
-  `CommitWidths.all_for(pool config, move widths)`: the compaction policy's,
-  the shrink's and the promotion's move widths;
+  `CommitWidths.all_for(pool config)`: two row widths, with and without slot
+  copies, and the move buckets (64, 512, 4096, ... up to half the pool) that
+  compaction, promotion and a shrink's moves round up to;
 * the executor's step for every plan shape the scheduler builds: `max_batch`
   rows, `max_query_len` 1 (decode only) or `prefill_chunk`, and the token
   buckets `ragged.bucket` gives each (an executor that ignores the tokens, as
   `DryExecutor` does, compiles once per `max_query_len`);
+* persistence (`CachedPool.save` / `restore`): one K/V gather and one layered
+  write of `persist.CHUNK_TOKENS` tokens;
 * with swap preemption, the K/V gather and layered write at every
   power-of-two length up to a sequence's most tokens (`max_segments *
   block_size`).
+
+A shrink's cut changes the pool size, hence every shape: the scheduler then
+releases the old programs (`release_programs`) and warms the new size at once
+(`SchedulerStats.rewarm_compiles`).
 
 Each run changes nothing: commits of padding only, steps whose rows are all
 padding (`-1`), a gather of row 0 written back to no slot. `warm(scheduler)`
@@ -68,24 +75,14 @@ def token_buckets(max_tokens: int) -> list[int]:
   return [1 << i for i in range(ragged.bucket(max_tokens).bit_length())]
 
 
-def move_widths(sched: "Scheduler") -> list[int]:
-  """Move counts a step can plan: compaction's, a shrink's (same policy), promotion's."""
-  pc = sched.pool.config
-  out = []
-  policy = sched.config.compaction
-  if policy is not None:
-    out.append(policy.num_moves(pc.num_blocks, pc.block_bytes))
-  if sched.config.promote_readers and pc.num_base_blocks:
-    out.append(max(1, min(8, pc.num_base_blocks)))
-  return out
-
-
-def program_runs(sched: "Scheduler") -> list[tuple[str, Callable[[], None]]]:
-  """`(name, run)` for every program the scheduler's serving path can run."""
+def program_runs(sched: "Scheduler", *, persistence: bool = True
+                 ) -> list[tuple[str, Callable[[], None]]]:
+  """`(name, run)` for every program the scheduler's serving path can run
+  (`persistence`: and `CachedPool.save` / `restore`'s chunked K/V gather and write)."""
   pool, cfg = sched.pool, sched.config
   pc = pool.config
   runs: list[tuple[str, Callable[[], None]]] = []
-  for w in CommitWidths.all_for(pc, move_widths(sched)):
+  for w in CommitWidths.all_for(pc):
     runs.append((f"commit rows={w.rows} copies={w.copies} moves={w.moves}",
                  lambda w=w: pool.warm_commit(w)))
   seen_dry = set()
@@ -98,6 +95,10 @@ def program_runs(sched: "Scheduler") -> list[tuple[str, Callable[[], None]]]:
         seen_dry.add(mql)
       runs.append((f"step tokens={width} max_query_len={mql}",
                    lambda width=width, mql=mql: _padding_step(sched, width, mql)))
+  if persistence:
+    from paged_kv.serving import persist  # pylint: disable=g-import-not-at-top
+    runs.append((f"persistence chunk={persist.CHUNK_TOKENS}",
+                 lambda: persist.warm_programs(pool)))
   if cfg.preemption == "swap":
     most = pc.max_segments * pc.block_size
     width = 16
@@ -124,9 +125,30 @@ def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
   pool.adopt_step(state, pred, device_status=status)
 
 
-def warm(sched: "Scheduler", *, progress: bool = True) -> WarmupReport:
+def release_programs() -> None:
+  """Drops the compiled programs of the serving path's jitted functions (all shapes).
+
+  What a shrink's cut calls: the old pool size's executables (each holding ~30
+  memory mappings on CPU) are dead from then on; `warm` compiles the new size's.
+  Other pools in the process recompile theirs on next use.
+  """
+  import sys  # pylint: disable=g-import-not-at-top
+  from paged_kv import pool as pool_lib  # pylint: disable=g-import-not-at-top
+  from paged_kv.core import commit, kv, segments  # pylint: disable=g-import-not-at-top
+  from paged_kv.serving import persist  # pylint: disable=g-import-not-at-top
+  fns = [commit.commit, segments.reserve_tokens, kv.gather_kv, pool_lib._write_layers,  # pylint: disable=protected-access
+         persist._gather_slots]  # pylint: disable=protected-access
+  steps = sys.modules.get("paged_kv.model.steps")  # only if a model executor loaded it
+  if steps is not None:
+    fns.append(steps.forward)
+  for fn in fns:
+    fn.clear_cache()
+
+
+def warm(sched: "Scheduler", *, progress: bool = True,
+         persistence: bool = True) -> WarmupReport:
   """Runs every program of `program_runs(sched)` once; see the module docstring."""
-  runs = program_runs(sched)
+  runs = program_runs(sched, persistence=persistence)
   c0, l0, t0 = counters.backend_compiles(), counters.cache_loads(), time.perf_counter()
   bar = None
   if progress:

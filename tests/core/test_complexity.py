@@ -154,8 +154,8 @@ def _host_api_calls():
                     dict(config=c, max_new_tokens=t, atomic=True)))
   # The pool's commit (what every flush runs) at its widths: with copies, with moves.
   host = HostState.empty(c)
-  for w in CommitWidths.all_for(c, move_widths=(64,)):
-    if w.moves and w.copies:
+  for w in CommitWidths.all_for(c):
+    if (w.moves and w.copies) or w.moves > 512:  # (the larger move buckets: same code)
       continue
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                          empty_batch(host, w))

@@ -125,6 +125,8 @@ def test_bench_scheduler():
   assert float(by_mode["off"][7]) == 0.0, out  # telemetry off: no stats taken
   assert float(by_mode["stats"][7]) > 0 and by_mode["stats"][9] == "1", out  # every step
   assert int(by_mode["budget"][9]) >= 1, out  # paced: every k >= 1 steps
+  for r in rows:  # after warm-up: at most one bookkeeping dispatch, no read, no compile
+    assert float(r[-3]) <= 1.0 and float(r[-2]) == 0.0 and r[-1] == "0", out
 
 
 def test_bench_shrink():
