@@ -141,8 +141,10 @@ def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
   n = min(a.shape[0], b.shape[0])
   if n == 0:
     return 0
+  if a[:n].tobytes() == b[:n].tobytes():  # the usual case on a walk: a memcmp
+    return n
   neq = np.flatnonzero(a[:n] != b[:n])
-  return int(neq[0]) if neq.size else n
+  return int(neq[0])
 
 
 @dataclasses.dataclass(eq=False, slots=True)

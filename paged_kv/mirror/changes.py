@@ -60,9 +60,11 @@ class CommitWidths:
 
   @staticmethod
   def block_width(config: PoolConfig) -> int:
-    """Touched blocks per commit: room for a release of every row's blocks at the
-    default sizes, at least 1,024, at most 8,192 (wider windows split)."""
-    return int(min(8192, max(1024, _pow2(config.max_seqs * 8))))
+    """Touched blocks per commit: room for 8 blocks per row, and for two full
+    sequences (`2 * max_segments`: a long request's blocks and what its admission
+    evicts); at least 1,024, at most 16,384 (a wider window splits)."""
+    return int(min(16384, max(1024, _pow2(max(config.max_seqs * 8,
+                                               2 * config.max_segments)))))
 
   @staticmethod
   def small_rows(config: PoolConfig) -> int:

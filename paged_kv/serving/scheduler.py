@@ -69,6 +69,7 @@ import dataclasses
 import enum
 import math
 import time
+import weakref
 from typing import Callable, Hashable, NamedTuple, Sequence
 
 import jax
@@ -473,7 +474,9 @@ class Scheduler:
     self._reset_step_record()
     self._step = 0
     self._last_reclaim = -RECLAIM_EVERY
-    self._submitted: dict[int, Request] = {}  # id -> request: each object submitted once
+    # id -> request, each object submitted once; weak, so a long-running server does
+    # not keep every request it ever served (a dead entry's id may be reused).
+    self._submitted: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
     gov = config.governance
     pc = cached_pool.config
     self._quota = (gov.quota(pc.num_blocks - pc.num_base_blocks)
@@ -805,6 +808,8 @@ class Scheduler:
     if the ones before it were open already: the output reserve and the free
     blocks are tracked on the host (evictions add theirs, tail copies take one).
     """
+    if not (self.waiting or self.swapped) or self._free_rows() <= 0:
+      return  # nothing can be admitted (and the reserve sum below is O(batch) Python)
     self._reserve_base = sum(self._request_reserve(r) for r in self.running)
     try:
       if self._admit_swapped():
