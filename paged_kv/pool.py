@@ -646,16 +646,8 @@ class BlockPool:
                          f"{s.min()}..{s.max()}")
     s = s.astype(np.int32)
     k, v = _as_kv_array(k, "k"), _as_kv_array(v, "v")
-    want = tuple(s.shape) + (c.num_kv_heads, c.head_dim)
-    for name, x in (("k", k), ("v", v)):
-      if tuple(x.shape) != want or x.dtype != c.jnp_dtype:
-        raise InvalidArgument(f"write_kv: {name} is {x.dtype}{list(x.shape)}, expected "
-                              f"{c.jnp_dtype}{list(want)}")
-    self._check_write_targets(s, seq_ids)
-    state = self.state
-    self._state = _write_state(state, np.int32(layer), s, k, v)
-    self.runtime.dispatch("data")
-    self._done()
+    self._write(lambda state: _write_state(state, np.int32(layer), s, k, v), "write_kv", s, k, v,
+                tuple(s.shape) + (c.num_kv_heads, c.head_dim), seq_ids)
 
   def write_kv_layers(self, slot_idx, k, v) -> None:
     """Writes every layer's K/V of the tokens at `slot_idx` in one jitted write.
@@ -677,14 +669,19 @@ class BlockPool:
       raise InvalidBlock(f"write_kv_layers: slot index outside [-1, {c.num_slots}): "
                          f"{s.min()}..{s.max()}")
     s = s.astype(np.int32)
-    want = (c.num_layers, c.num_kv_heads, s.shape[0], c.head_dim)
+    self._write(lambda state: _write_layers(state, s, k, v), "write_kv_layers", s, k, v,
+                (c.num_layers, c.num_kv_heads, s.shape[0], c.head_dim), None)
+
+  def _write(self, program, what: str, s: np.ndarray, k, v, want: tuple, seq_ids) -> None:
+    """The end of a K/V write: `k`/`v` of shape `want` and the pool's dtype, the slots'
+    ownership checks (`write_kv`'s docstring), then `program(state)` on the flushed state."""
+    dtype = self.config.jnp_dtype
     for name, x in (("k", k), ("v", v)):
-      if tuple(x.shape) != want or x.dtype != c.jnp_dtype:
-        raise InvalidArgument(f"write_kv_layers: {name} is {x.dtype}{list(x.shape)}, expected "
-                              f"{c.jnp_dtype}{list(want)}")
-    self._check_write_targets(s, None)
-    state = self.state
-    self._state = _write_layers(state, s, k, v)
+      if tuple(x.shape) != want or x.dtype != dtype:
+        raise InvalidArgument(f"{what}: {name} is {x.dtype}{list(x.shape)}, expected "
+                              f"{dtype}{list(want)}")
+    self._check_write_targets(s, seq_ids)
+    self._state = program(self.state)
     self.runtime.dispatch("data")
     self._done()
 
