@@ -242,7 +242,16 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
     fresh = new_ids[tok_row, _clamp(k // bs, 0, max(max_blocks - 1, 0))] * bs + k % bs
     slots = np.where(k < 0, tb[tok_row] * bs + pos[tok_row] + j, fresh)
     slot_idx[tok_row, j] = slots
-    h.set_slot_bits(slots)
+    # Slot bits as ranges, O(rows + new blocks) not O(tokens): each row's in-place
+    # run in its (exclusive) tail block, then its fresh blocks from slot 0. The
+    # blocks are distinct (an exclusive tail is one row's; fresh blocks were free).
+    grow = np.flatnonzero(granted & (in_place > 0))
+    q = np.arange(max(max_blocks, 1))[None, :]
+    fr, fq = np.nonzero(granted[:, None] & (q < need[:, None]))
+    blocks = np.concatenate([tb[grow], new_ids[fr, fq]])
+    starts = np.concatenate([pos[grow], np.zeros(fr.size, np.int64)])
+    lengths = np.concatenate([in_place[grow], np.minimum(bs, rest[fr] - fq * bs)])
+    h.set_slots(blocks, h.slots[blocks] | range_mask(starts, lengths, c.slot_words))
   g = np.flatnonzero(granted & real & (n_tok > 0))
   if g.size:
     q = np.arange(max_blocks)[None, :]
