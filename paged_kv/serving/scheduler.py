@@ -100,6 +100,8 @@ RECLAIM_EVERY = 8  # steps between reclaims of dead slots, when packing tails
 MAX_STATS_INTERVAL = 64  # `stats_budget`: the figures at least every this many steps
 STATS_COST_SMOOTHING = 0.2  # `stats_budget`: weight of the newest sample in the averages
 _I32 = np.iinfo(np.int32)
+MAX_KEPT_SNAPSHOTS = 10_000  # `Scheduler.snapshots` keeps the latest this many
+MAX_KEPT_ALERTS = 10_000  # `Scheduler.alerts` keeps the latest this many
 
 
 class SchedulerBroken(PagedKVError):
@@ -456,8 +458,11 @@ class Scheduler:
     self.finished: list[Request] = []
     self.stats = SchedulerStats()
     self.counters = metrics.PoolCounters()
-    self.snapshots: list[metrics.PoolSnapshot] = []
-    self.alerts: list[metrics.Alert] = []
+    # The latest snapshots and alerts (bounded: a long-running server keeps memory
+    # flat; every one is also handed to `on_snapshot` / in the `StepReport`).
+    self.snapshots: collections.deque[metrics.PoolSnapshot] = collections.deque(
+        maxlen=MAX_KEPT_SNAPSHOTS)
+    self.alerts: collections.deque[metrics.Alert] = collections.deque(maxlen=MAX_KEPT_ALERTS)
     self._monitor = metrics.AlertMonitor()
     self._on_snapshot = on_snapshot
     self.on_step = on_step
