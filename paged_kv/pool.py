@@ -19,9 +19,9 @@ same way. A difference raises `InternalInconsistency` at the next call. In
 debug mode (`BlockPool(debug=True)` or `PAGED_KV_DEBUG=1`) every call flushes
 and compares the whole mirror with the device synchronously (`verify()`).
 
-Shapes come from fixed buckets derived from the config (commit widths, row and
-token buckets), so the set of programs is small and enumerable
-(`warmup_programs`). Assigning `pool.state` directly (a caller that ran a
+Shapes come from fixed buckets derived from the config (`CommitWidths`, power-of-two
+K/V lengths), so the set of programs is small and enumerable
+(`paged_kv.serving.warmup` runs it). Assigning `pool.state` directly (a caller that ran a
 transition itself) marks the mirror stale: the next call reloads it from the
 device (one counted blocking read).
 """

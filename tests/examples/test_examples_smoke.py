@@ -1,8 +1,8 @@
 """Example scripts run end to end with tiny settings (so they do not rot).
 
-Not smoke-tested yet: `bench_compaction.py`, `bench_pool_ops.py`, `bench_prefill_xla.py`,
-`bench_requests.py` and `train_tiny.py` (needs the `train` extra). `bench_kernels.py`
-runs in `test_bench_smoke.py`.
+Not smoke-tested yet: `bench_compaction.py`, `bench_pool_ops.py`, `bench_prefill_xla.py`
+and `train_tiny.py` (needs the `train` extra). `bench_kernels.py` and `bench_requests.py`
+run in `test_bench_smoke.py`, `soak_runtime.py` in `test_soak_runtime.py`.
 
 Each runs in a subprocess exactly as a user would start it; the assertions check
 that it finished and printed its report, not its numbers (those are measured,
