@@ -47,7 +47,7 @@ from paged_kv.core.errors import (OOM_REASONS, BlockInUse, InternalInconsistency
 from paged_kv.core.page_copy import BLOCK_MOVE_IMPLS
 from paged_kv.core.invariants import check_invariants
 from paged_kv.core.segment_format import Segments, as_segments, empty_segments
-from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState, SegmentTable, init_pool
+from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState, init_pool
 from paged_kv.mirror import transitions as host_ops
 from paged_kv.mirror.changes import ChangeLog, CommitWidths, empty_batch
 from paged_kv.mirror.host_state import HostState
@@ -332,13 +332,11 @@ class BlockPool:
   def warm_data(self, length: int) -> None:
     """Runs (compiles) the K/V gather and the layered write at the power-of-two
     bucket of `length` tokens (swap, persistence), changing nothing."""
-    c = self.config
     width = _bucket(length, 16)
     state = self.state
     k, v, _ = kv.gather_kv(state, np.int32(0), max_len=width)
     self._state = _write_layers(state, np.full((width,), -1, np.int32), k, v)
     self.runtime.dispatch("data", 2)
-    del c
 
   def _done(self) -> None:
     """End of a public call: the checks that are ready, and debug mode's full compare."""
@@ -363,12 +361,11 @@ class BlockPool:
     host = self.host
     host.log = self._scratch_log
     try:
-      slot_idx, status, _ = host_ops.reserve(host, ids, counts, max_new_tokens=max_new_tokens,
-                                             atomic=False)
+      slot_idx, status = host_ops.reserve(host, ids, counts, max_new_tokens=max_new_tokens,
+                                          atomic=False)
     finally:
       host.log = self._log
-    touched = (np.concatenate(self._scratch_log._blocks) if self._scratch_log._blocks  # pylint: disable=protected-access
-               else np.zeros(0, np.int64))
+    touched = self._scratch_log.touched_blocks()
     self._scratch_log.reset(None)
     return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,
                           touched_blocks=touched)
@@ -591,7 +588,7 @@ class BlockPool:
     if need_upper > self.config.num_blocks:
       raise PoolExhausted(f"the batch needs up to {need_upper} blocks; the pool has "
                           f"{self.config.num_blocks}", reason="no_free_block")
-    slot_idx, status, _ = host_ops.reserve(self.host, ids, counts,
+    slot_idx, status = host_ops.reserve(self.host, ids, counts,
                                            max_new_tokens=_bucket(biggest), atomic=True)
     raise_for_status(status, "reserve_tokens")
     self._done()
@@ -857,7 +854,7 @@ class BlockPool:
     self._check_ids(ids, active=True)
     h = self.host
     tails = h.block[ids, np.maximum(h.num_segments[ids] - 1, 0)]
-    if self._log.page_conflict(tails, self._log.free_page_dsts(h)):
+    if self._log.page_conflict(tails, self._log.free_page_dsts(h), copies=ids.size):
       self.flush()
     split, status = host_ops.cow_split(h, ids, atomic=not skip_exhausted)
     if skip_exhausted:  # the rows were checked above: only a missing block can fail them
@@ -1121,17 +1118,6 @@ def _committed(state: PoolState) -> PoolState:
       return jax.device_put(x, x.sharding)
     return x
   return jax.tree.map(commit_leaf, state)
-
-
-@jax.jit
-def _table_rows(table: SegmentTable, seq_ids: jax.Array) -> tuple[jax.Array, ...]:
-  """`(block, start, length: i32[B, max_segments], num_segments: i32[B])` of table rows
-  `seq_ids: i32[B]` (a device read of rows; the pool reads its mirror instead)."""
-  return (table.block[seq_ids], table.start[seq_ids], table.length[seq_ids],
-          table.num_segments[seq_ids])
-
-
-_table_row = _table_rows  # the one-row reader's old name (a test counts its compilations)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -142,7 +142,7 @@ def plan_compaction(meta: BlockMeta, *, budget: int) -> tuple[jax.Array, jax.Arr
   return jnp.where(ok, src, -1), jnp.where(ok, dst, -1)
 
 
-def _free_runs(free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def free_runs(free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Starts and ends (exclusive) of the runs of True in `free`."""
   padded = np.concatenate([[False], free, [False]])
   edges = np.flatnonzero(padded[1:] != padded[:-1])
@@ -193,7 +193,7 @@ def plan_defrag(ref_count, region, *, budget: int) -> tuple[np.ndarray, np.ndarr
   move_into: dict[int, int] = {}  # destination block -> index of the move filling it
   num_moves = 0
   for _ in range(2 * n):
-    starts, ends = _free_runs(free)
+    starts, ends = free_runs(free)
     if starts.size <= 1:
       break
     lengths = ends - starts

@@ -9,6 +9,7 @@
 * `changes.ChangeLog` — what changed since the last commit, turned into the
   `CommitBatch`es `paged_kv.core.commit.commit` applies on the device.
 
-`paged_kv.pool.BlockPool` uses all of it; nothing here imports JAX at module
-level or touches the device.
+`paged_kv.pool.BlockPool` uses all of it; nothing here touches the device
+(`HostState.from_device` / `differences`, which read it, are the pool's reload
+and debug comparison).
 """

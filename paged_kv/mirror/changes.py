@@ -179,21 +179,13 @@ class ChangeLog:
         (self._zero_after if b in self._page_dst else self._zero_before).add(b)
       self.num_freed += len(ids)
 
-  def _written(self, dst: np.ndarray) -> None:
-    """Page work writes into `dst`: a block freed earlier in the window is zeroed first."""
-    for b in np.asarray(dst, np.int64).tolist():
-      if b in self._zero_after:
-        self._zero_after.discard(b)
-        self._zero_before.add(b)
-      self._page_dst.add(b)
-
   def copies(self, host: "HostState", rows: np.ndarray) -> None:
     """Slot-range copies `[C, 5]` rows `(src_block, src_start, dst_block, dst_start, len)`."""
     del host
     if len(rows):
       self._copies.append(rows)
       self.num_copies += len(rows)
-      self._written(rows[:, 2])
+      self._page_dst.update(rows[:, 2].tolist())
 
   def moves(self, host: "HostState", pairs: np.ndarray) -> None:
     """Block moves `[M, 2]` rows `(src, dst)`; must come before any copy of the window."""
@@ -202,20 +194,24 @@ class ChangeLog:
       assert not self.num_copies, "block moves after copies in one window: flush first"
       self._moves.append(pairs)
       self.num_moves += len(pairs)
-      self._written(pairs[:, 1])
+      self._page_dst.update(pairs[:, 1].tolist())
 
-  def page_conflict(self, sources, dests=(), *, moves: bool = False) -> bool:
-    """Whether page work reading `sources` and writing `dests` must wait for a flush.
+  def page_conflict(self, sources, dests=(), *, moves: bool = False,
+                    copies: int = 0) -> bool:
+    """Whether page work reading `sources` and writing `dests` (`copies` more slot
+    copies) must wait for a flush.
 
     One commit reads every source before it writes, so a window may not read or
-    write a block an earlier page op of it writes; moves run before copies, so
-    moves may not follow copies; with scrubbing, a block freed earlier in the
-    window is zeroed after the reads, so it may not be read again (and the freed
-    blocks must fit one commit).
+    write a block an earlier page op of it writes (a block is written at most once
+    per window, so its scrub, before or after the write, is decided when it frees);
+    moves run before copies, so moves may not follow copies; a commit holds at most
+    `max_seqs` copies; with scrubbing, a block freed earlier in the window is zeroed
+    after the reads, so it may not be read again (and the freed blocks must fit one
+    commit).
     """
     src = np.asarray(sources, np.int64).reshape(-1)
     dst = np.asarray(dests, np.int64).reshape(-1)
-    if moves and self.num_copies:
+    if (moves and self.num_copies) or self.num_copies + copies > self.config.max_seqs:
       return True
     if self._page_dst and any(int(b) in self._page_dst for b in np.concatenate([src, dst])):
       return True
@@ -225,6 +221,10 @@ class ChangeLog:
       if self._zero_before and any(int(b) in self._zero_before for b in src):
         return True
     return False
+
+  def touched_blocks(self) -> np.ndarray:
+    """`i64[K]`: the blocks touched in the window (each once)."""
+    return np.concatenate(self._blocks) if self._blocks else np.zeros(0, np.int64)
 
   def free_page_dsts(self, host: "HostState") -> np.ndarray:
     """Blocks the window wrote into that are free again (a new allocation may pick
@@ -237,15 +237,14 @@ class ChangeLog:
   @property
   def wants_flush(self) -> bool:
     """The window is as large as one commit should be: flush at the next boundary."""
-    return (self.num_copies >= self.config.max_seqs or self.num_rows >= 4 * self.config.max_seqs
-            or self.num_blocks >= 4 * CommitWidths.block_width(self.config))
+    return self.num_blocks >= 4 * CommitWidths.block_width(self.config)
 
   # ------------------------------------------------------------------ to the device
   def batches(self, host: "HostState") -> list[CommitBatch]:
     """The window as `CommitBatch`es (numpy arrays; one per block chunk)."""
     c = self.config
     n, w, m = c.num_blocks, c.slot_words, c.max_segments
-    blocks = np.concatenate(self._blocks) if self._blocks else np.zeros(0, np.int64)
+    blocks = self.touched_blocks()
     old_ref = np.concatenate(self._old_ref) if self._old_ref else np.zeros(0, np.int32)
     old_slots = (np.concatenate(self._old_slots) if self._old_slots
                  else np.zeros((0, w), np.uint32))
@@ -261,8 +260,7 @@ class ChangeLog:
     copies = np.concatenate(self._copies) if self._copies else np.zeros((0, 5), np.int64)
     moves = np.concatenate(self._moves) if self._moves else np.zeros((0, 2), np.int64)
     widths = CommitWidths.for_counts(c, rows=rows.size, copies=len(copies), moves=len(moves))
-    assert rows.size <= widths.rows and len(copies) <= max(widths.copies, 0 if not len(copies)
-                                                            else widths.rows)
+    assert rows.size <= widths.rows and len(copies) <= widths.copies
     k = widths.blocks
     chunks = max(1, -(-blocks.size // k))
     assert scrub.any(axis=1).sum() <= k, "scrubbed blocks beyond one commit"

@@ -77,10 +77,6 @@ class HostFreeIndex:
     """`bool[num_blocks]`: the free blocks (O(n))."""
     return _unpack(self.bits)[:self.num_blocks]
 
-  def is_free(self, blocks: np.ndarray) -> np.ndarray:
-    b = np.asarray(blocks, np.int64)
-    return ((self.bits[b // _F] >> (b % _F).astype(np.uint32)) & 1).astype(bool)
-
   def lowest(self, k: int) -> np.ndarray:
     """`i64[k]`: the `k` lowest free blocks, ascending (`k <= num_free`)."""
     k = int(k)

@@ -8,8 +8,8 @@ logical clock `step`. Not mirrored: the K/V pages (data, not bookkeeping) and
 with the step). Derived and kept up to date: `table_refs[b]`, the live table
 segments on block `b` (what eviction and `apply_ref_deltas` check against).
 
-Every change goes through a mutator (`change_refs`, `take_blocks`,
-`set_slot_bits`, `set_slots`, `write_rows`, `copy_slots`, `move_pages`), which
+Every change goes through a mutator (`change_refs`, `take_blocks`, `set_slots`,
+`write_rows`, `extend_rows`, `copy_slots`, `move_pages`), which
 first tells the attached `ChangeLog` what it is about to touch (the log keeps
 the value each block and row had before its first change since the last
 commit) and then changes the arrays. So nothing the device must apply can be
@@ -18,8 +18,6 @@ expected before applying it.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import numpy as np
 
@@ -178,17 +176,6 @@ class HostState:
     self.ref_count[b] = 1
     self.free.mark(b, -1)
 
-  def set_slot_bits(self, slot_idx: np.ndarray) -> None:
-    """Sets the bit of every flat slot `>= 0` (`block * block_size + offset`)."""
-    s = np.asarray(slot_idx, np.int64).reshape(-1)
-    s = s[s >= 0]
-    if s.size == 0:
-      return
-    bs = self.config.block_size
-    blk, off = s // bs, s % bs
-    self.log.touch_blocks(self, np.unique(blk))
-    np.bitwise_or.at(self.slots, (blk, off // 32), np.uint32(1) << (off % 32).astype(np.uint32))
-
   def set_slots(self, blocks: np.ndarray, words: np.ndarray) -> None:
     b = np.asarray(blocks, np.int64)
     if b.size == 0:
@@ -298,16 +285,3 @@ class HostState:
           out.append(f"{name} (host {host.tolist() if host.ndim == 0 else host.shape}, "
                      f"device {dev.tolist() if dev.ndim == 0 else dev.shape})")
     return out
-
-  def as_meta(self) -> "HostMeta":
-    """A read-only `BlockMeta`-like view (numpy) for host planners (`plan_defrag`...)."""
-    return HostMeta(ref_count=self.ref_count, region=self.region, slots=self.slots)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostMeta:
-  """The fields of `BlockMeta` host planners read, as numpy arrays (views)."""
-
-  ref_count: np.ndarray
-  region: np.ndarray
-  slots: np.ndarray

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from paged_kv.core import compact
 from paged_kv.core.errors import Status
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC
 from paged_kv.mirror.host_state import HostState
@@ -194,12 +195,11 @@ def dead_segments(h: HostState, seg_block: np.ndarray, seg_start: np.ndarray,
 
 
 def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_tokens: int,
-            atomic: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """`segments.reserve_tokens`; returns `(slot_idx i32[B, T], status i32[B], new_blocks)`.
+            atomic: bool) -> tuple[np.ndarray, np.ndarray]:
+  """`segments.reserve_tokens`; returns `(slot_idx i32[B, T], status i32[B])`.
 
-  `new_blocks` are the blocks taken (ascending per row, all rows), and the
-  touched tail blocks are in the mirror's change log: what a prediction's
-  caller verifies later.
+  The blocks it takes and the tail blocks it appends to are in the mirror's change
+  log: what a prediction's caller verifies later.
   """
   c = h.config
   bs, m, s = c.block_size, c.max_segments, c.max_seqs
@@ -260,8 +260,7 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
                   np.minimum(bs, rest[g][rr] - qq * bs), need[g], n_tok[g])
   if np.any(granted & (n_tok > 0)):
     h.step += 1
-  taken = new_ids[new_ids >= 0]
-  return slot_idx.astype(np.int32), _aborted(status, granted | ~real), taken
+  return slot_idx.astype(np.int32), _aborted(status, granted | ~real)
 
 
 def release(h: HostState, ids: np.ndarray, *, atomic: bool) -> np.ndarray:
@@ -469,11 +468,10 @@ def plan_compaction(h: HostState, *, budget: int) -> tuple[np.ndarray, np.ndarra
 def plan_shrink(h: HostState, num_blocks: int, *, budget: int) -> tuple[np.ndarray, np.ndarray]:
   """`regions.plan_shrink`: the highest live blocks at or above the cut into the lowest
   free blocks below it."""
-  n = h.config.num_blocks
   dyn = h.region == REGION_DYNAMIC
-  idx = np.arange(n)
-  above = np.flatnonzero((h.ref_count > 0) & dyn & (idx >= num_blocks))[::-1][:budget]
-  below = np.flatnonzero((h.ref_count == 0) & dyn & (idx < num_blocks))[:budget]
+  ref = h.ref_count
+  above = (np.flatnonzero((ref[num_blocks:] > 0) & dyn[num_blocks:]) + num_blocks)[::-1][:budget]
+  below = np.flatnonzero((ref[:num_blocks] == 0) & dyn[:num_blocks])[:budget]
   k = min(above.size, below.size)
   src = np.full(budget, -1, np.int32)
   dst = np.full(budget, -1, np.int32)
@@ -493,7 +491,6 @@ def shrink_progress(h: HostState, num_blocks: int) -> tuple[int, int]:
 def plan_promotion(h: HostState, min_readers: int, *, max_moves: int
                    ) -> tuple[np.ndarray, np.ndarray]:
   """`regions.plan_promotion`: most-read dynamic blocks into the lowest free base blocks."""
-  n = h.config.num_blocks
   ref = h.ref_count.astype(np.int64)
   cand = np.flatnonzero((h.region == REGION_DYNAMIC) & (ref >= max(int(min_readers), 1)))
   order = cand[np.lexsort((cand, -ref[cand]))]
@@ -502,42 +499,22 @@ def plan_promotion(h: HostState, min_readers: int, *, max_moves: int
   src = np.full(max_moves, -1, np.int32)
   dst = np.full(max_moves, -1, np.int32)
   src[:k], dst[:k] = order[:k], base[:k]
-  del n
   return src, dst
 
 
-def allocate(h: HostState, num: int, *, contiguous: str, fit: str = "first"
-             ) -> tuple[np.ndarray, int]:
-  """`alloc.allocate` (first fit); returns `(ids i64[num], status)`."""
+def allocate(h: HostState, num: int, *, contiguous: str) -> tuple[np.ndarray, int]:
+  """`alloc.allocate` with `fit="first"` (what `BlockPool.allocate` runs); returns
+  `(ids i64[num], status)`."""
   num = int(num)
   if num > h.free.num_free:
     return np.zeros(0, np.int64), int(_NO_FREE_BLOCK)
   ids = h.free.lowest(num)
-  if contiguous != "never" and num > 1 and (fit == "best" or ids[-1] - ids[0] != num - 1):
-    free = h.free.mask()
-    run_start = _lowest_run(free, num) if fit == "first" else _best_run(free, num)
-    if run_start >= 0:
-      ids = np.arange(run_start, run_start + num, dtype=np.int64)
+  if contiguous != "never" and num > 1 and ids[-1] - ids[0] != num - 1:
+    starts, ends = compact.free_runs(h.free.mask())
+    fits = np.flatnonzero(ends - starts >= num)
+    if fits.size:  # the lowest run long enough
+      ids = np.arange(starts[fits[0]], starts[fits[0]] + num, dtype=np.int64)
     elif contiguous == "require":
       return np.zeros(0, np.int64), int(Status.NO_CONTIGUOUS_RUN)
   h.take_blocks(ids)
   return ids, int(_OK)
-
-
-def _lowest_run(free: np.ndarray, num: int) -> int:
-  padded = np.concatenate([[False], free, [False]])
-  edges = np.flatnonzero(padded[1:] != padded[:-1])
-  starts, ends = edges[::2], edges[1::2]
-  ok = np.flatnonzero(ends - starts >= num)
-  return int(starts[ok[0]]) if ok.size else -1
-
-
-def _best_run(free: np.ndarray, num: int) -> int:
-  padded = np.concatenate([[False], free, [False]])
-  edges = np.flatnonzero(padded[1:] != padded[:-1])
-  starts, ends = edges[::2], edges[1::2]
-  lengths = ends - starts
-  ok = np.flatnonzero(lengths >= num)
-  if not ok.size:
-    return -1
-  return int(starts[ok[np.argmin(lengths[ok])]])

@@ -490,7 +490,6 @@ class Scheduler:
     self._live_used = 0  # live blocks: the latest figures plus what this step admitted
     self._broken: str | None = None
     self.num_recoveries = 0  # steps that raised and were recovered from
-    self.runtime_steps = 0  # forward passes run
     self.warmup_report: WarmupReport | None = None
     self._runtime_base = self.pool.runtime.snapshot()
     self._compiles_at_warmup: int | None = None
@@ -1000,7 +999,6 @@ class Scheduler:
       self.pool.abandon_step(attached_state(exc))
       raise
     try:
-      self.runtime_steps += 1
       if isinstance(nxt, jax.Array):  # sampled tokens: the one read a model step needs
         nxt = np.asarray(nxt)
         self.pool.runtime.read("tokens")
@@ -1412,6 +1410,7 @@ class Scheduler:
   def _cut(self, s: regions.ShrinkProgress) -> None:
     """Cuts the (free) tail above the target; the executor and the quota follow."""
     old = self.pool.config.num_blocks
+    compiles = counters.backend_compiles()  # the cut's own: the resize and the re-warm
     self.cached_pool.resize(s.target)  # refuses (nothing changed) if the tail is referenced
     resize = getattr(self.executor, "resize", None)
     if callable(resize):
@@ -1427,9 +1426,10 @@ class Scheduler:
       # The programs of the old size are dead: release them, and compile the new
       # size's set now (a warm-up of the new config, not counted after warm-up).
       warmup_lib.release_programs()
-      report = warmup_lib.warm(self, progress=False, persistence=self._warm_persistence)
-      self.stats.rewarm_compiles += report.compiles
-      self._compiles_at_warmup = counters.backend_compiles() - self.stats.compiles_after_warmup
+      warmup_lib.warm(self, progress=False, persistence=self._warm_persistence)
+      cut = counters.backend_compiles() - compiles
+      self.stats.rewarm_compiles += cut
+      self._compiles_at_warmup += cut
     s.done_step = self._step
     self.stats.shrinks += 1
     self.stats.shrink_blocks_returned += old - s.target
@@ -1441,7 +1441,7 @@ class Scheduler:
     return self.cached_pool.segment_refs()
 
   def take_stats(self) -> metrics.StepStats:
-    """The cheap pool figures now (one reduction, read at once; not recorded).
+    """The cheap pool figures now, from the pool's host mirror (not recorded).
 
     `last_stats` holds those of the latest step's start; this is the pool as
     it is, e.g. after `run()` drained the queue.
@@ -1450,7 +1450,8 @@ class Scheduler:
     return metrics.step_stats_host(self.pool.host, self.pool.config, counters=self.counters)
 
   def take_snapshot(self) -> metrics.PoolSnapshot:
-    """The full pool snapshot now (every block copied to the host; not recorded)."""
+    """The full pool snapshot now, from the pool's host mirror (O(num_blocks) host
+    work; not recorded)."""
     self._check_usable()
     return metrics.snapshot(self.pool.host, self.pool.config,
                             extra_segments=self.extra_segments(), counters=self.counters)

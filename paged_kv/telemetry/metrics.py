@@ -431,8 +431,8 @@ def step_stats_host(host, config: PoolConfig, *,
   n = config.num_blocks
   dyn_free = host.free.num_free
   free = dyn_free + host.num_free_base
-  cached = n - free - host.num_table_blocks
-  used = n - free - cached
+  used = host.num_table_blocks
+  cached = n - free - used
   run = host.free.largest_run()
   return StepStats(num_blocks=n, free_blocks=free, cached_blocks=cached, used_blocks=used,
                    kv_usage_ratio=used / n,

@@ -23,8 +23,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule)
 
 import paged_kv
-from paged_kv import pool as pool_lib
 from paged_kv.core import segment_format
+from paged_kv.runtime import counters
 from paged_kv.core.errors import InvalidArgument, InvalidSegmentLayout, InvariantViolation
 from paged_kv.serving.cached_pool import CachedPool, CacheView
 from paged_kv.telemetry import metrics
@@ -348,16 +348,19 @@ class SegmentLayoutTest(parameterized.TestCase):
     self.pool.check_invariants(extra_segments=cache.segment_refs())
 
   def test_segments_reads_one_row_at_a_fixed_shape(self):
+    """Reading segments touches no device: no program, no dispatch, no host read."""
     other = self.cp.open()
     self.assertEqual(self.pool.segments(other).shape, (0, 3))
-    size = pool_lib._table_row._cache_size()
     done = 0
-    for n in (1, 5, 9, 13):  # 1..4 segments: no new executable
+    for n in (1, 5, 9, 13):  # 1..4 segments
       write_tokens(self.pool, other, "b", list(range(n)), done)
       done = n
+      before, compiles = self.pool.runtime.snapshot(), counters.backend_compiles()
       self.assertLen(self.pool.segments(other), -(-n // BLOCK_SIZE))
       self.assertLen(self.pool.segments(self.seq), 3)
-    self.assertEqual(pool_lib._table_row._cache_size(), size)
+      traffic = self.pool.runtime.snapshot().since(before)
+      self.assertEqual((traffic.num_dispatches, traffic.num_host_reads), (0, 0))
+      self.assertEqual(counters.backend_compiles(), compiles)
 
   def _entry_points(self):
     """(name, call taking the bad segments, the error type) for every entry point."""
