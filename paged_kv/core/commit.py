@@ -15,7 +15,9 @@ each touched block's old `ref_count`/slots, each touched row's old
 their tokens and segments, the clock). A difference (a host bug, or a
 reservation the device decided differently from the host's prediction) sets
 a bit of the returned `mismatch` (1 blocks, 2 rows, 4 totals); the host reads
-it later, once ready, and raises `InternalInconsistency`.
+it later, once ready, and raises `InternalInconsistency`. A commit that finds
+a mismatch applies nothing: its decisions were made on a wrong picture of the
+device, so the device keeps its own (sound) state for the host to reload.
 
 The free index follows each touched block's change (device old vs new count),
 freed blocks are zeroed when the pool scrubs (after the copies read them,
@@ -167,7 +169,7 @@ def commit(state: PoolState, batch: CommitBatch, *,
   Returns:
     `(state, mismatch: i32[])`: 0 when the device held what the host expected
     (bits `MISMATCH_BLOCKS`, `MISMATCH_ROWS`, `MISMATCH_TOTALS` otherwise). The
-    decisions are applied either way.
+    decisions are applied only when it is 0 (all or nothing).
   """
   n, s = config.num_blocks, config.max_seqs
   meta, table = state.meta, state.table
@@ -198,6 +200,16 @@ def commit(state: PoolState, batch: CommitBatch, *,
   # The reads above first: the scatters below then update the donated arrays in place.
   (old_ref, dynamic, mismatch), state = reads_before_writes((old_ref, dynamic, mismatch), state)
   meta, table = state.meta, state.table
+  # All or nothing: on a mismatch every id becomes padding (the scatters drop it).
+  ok = mismatch == 0
+  drop = lambda x: jnp.where(ok, x, -1)
+  b = dataclasses.replace(
+      b, block_ids=drop(b.block_ids), rows=drop(b.rows), move_src=drop(b.move_src),
+      move_dst=drop(b.move_dst), copy_src_block=drop(b.copy_src_block),
+      copy_dst_block=drop(b.copy_dst_block),
+      step=jnp.where(ok, jnp.asarray(b.step, jnp.int32), state.step))
+  ids, rows = b.block_ids, b.rows
+  valid, rvalid = ids >= 0, rows >= 0
 
   pages = _page_work(state.pages, b, scrub=config.scrub_freed_blocks)
 

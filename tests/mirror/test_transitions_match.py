@@ -213,6 +213,54 @@ class ChangeLogTest(absltest.TestCase):
     self.assertTrue(h.log.page_conflict([10], [13], copies=1))  # reads a block written
 
 
+class CommitTest(absltest.TestCase):
+
+  def test_a_mismatched_commit_applies_nothing(self):
+    """A commit that finds the device differing from the host's expectations (a wrong
+    prediction, a host bug) leaves the device as it was, pages included: the host
+    reloads a sound state instead of a mix of the two pictures."""
+    cfg = PoolConfig(num_blocks=32, block_size=4, num_layers=1, num_kv_heads=1, head_dim=2,
+                     max_seqs=4, max_segments=8, scrub_freed_blocks=True)
+    rng = np.random.default_rng(0)
+    d = init_pool(cfg)
+    shape = d.pages.k.shape
+    state = dataclasses.replace(d, pages=KVPages(
+        k=jnp.asarray(rng.normal(size=shape), jnp.float32),
+        v=jnp.asarray(rng.normal(size=shape), jnp.float32)))
+    h = HostState.empty(cfg)
+
+    def flush(state):
+      mismatches = []
+      for batch in h.log.batches(h):
+        state, mismatch = commit(state, batch, config=cfg)
+        mismatches.append(int(mismatch))
+      h.log.reset(h)
+      return state, mismatches
+
+    T.open_rows(h, np.arange(3), *np.zeros((3, 3, 1), np.int64), np.zeros(3, np.int64))
+    T.reserve(h, np.arange(3), np.array([9, 9, 9]), max_new_tokens=16, atomic=True)
+    state, mismatches = flush(state)
+    self.assertEqual(mismatches, [0])
+    T.release(h, np.array([0]), atomic=True)
+    state, _ = flush(state)
+    # A window with block moves, a reservation and a freed row.
+    src, dst = T.plan_compaction(h, budget=4)
+    self.assertGreater(int((src >= 0).sum()), 0)
+    T.move_blocks(h, src, dst, dst_region=REGION_DYNAMIC)
+    T.reserve(h, np.array([1]), np.array([5]), max_new_tokens=16, atomic=True)
+    T.release(h, np.array([2]), atomic=True)
+    # The device holds one more token on row 1 than the host believes.
+    table = dataclasses.replace(state.table, seq_len=state.table.seq_len.at[1].add(1))
+    state = dataclasses.replace(state, table=table)
+    before = jax.tree.map(np.array, state)
+    state, mismatches = flush(state)
+    self.assertTrue(any(m & 2 for m in mismatches), mismatches)
+    after = jax.tree.map(np.array, state)
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(before),
+                          jax.tree.leaves(before), jax.tree.leaves(after)):
+      np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path[0]))
+
+
 class FreeIndexTest(parameterized.TestCase):
 
   @parameterized.parameters(1, 31, 33, 1024, 1025, 40_000, 70_000)
