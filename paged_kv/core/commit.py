@@ -34,6 +34,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged_kv.core.alloc import mark_blocks, reads_before_writes
 from paged_kv.core.config import PoolConfig
@@ -48,7 +49,8 @@ MISMATCH_TOTALS = 4
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CommitBatch:
-  """One commit's arrays (host numpy or device; `-1` ids are padding).
+  """One commit's arrays, as the program reads them (`-1` ids are padding); they
+  travel packed in one buffer (`PackedCommit`, `CommitLayout`).
 
   Attributes:
     block_ids: `i32[K]` touched blocks (distinct).
@@ -97,6 +99,105 @@ class CommitBatch:
   expected: jax.Array
   check_totals: jax.Array
   step: jax.Array
+
+
+# Fields of a `CommitBatch` in the packed buffer: (name, shape code, padding fill, kind).
+# Shape codes: K blocks, R rows, C copies, M moves, W slot words, S max_segments.
+_FIELDS = (
+    ("block_ids", "K", -1, "i"), ("old_ref", "K", 0, "i"), ("new_ref", "K", 0, "i"),
+    ("old_slots", "KW", 0, "u"), ("new_slots", "KW", 0, "u"),
+    ("scrub_before", "K", 0, "b"), ("scrub_after", "K", 0, "b"),
+    ("rows", "R", -1, "i"), ("old_num_segments", "R", 0, "i"), ("old_seq_len", "R", 0, "i"),
+    ("old_active", "R", 0, "b"), ("row_block", "RS", 0, "i"), ("row_start", "RS", 0, "i"),
+    ("row_length", "RS", 0, "i"), ("row_num_segments", "R", 0, "i"),
+    ("row_seq_len", "R", 0, "i"), ("row_active", "R", 0, "b"),
+    ("copy_src_block", "C", -1, "i"), ("copy_src_start", "C", 0, "i"),
+    ("copy_dst_block", "C", -1, "i"), ("copy_dst_start", "C", 0, "i"),
+    ("copy_length", "C", 0, "i"), ("move_src", "M", -1, "i"), ("move_dst", "M", -1, "i"),
+    ("expected", "5", -1, "i"), ("check_totals", "", 0, "b"), ("step", "", 0, "i"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitLayout:
+  """Where each `CommitBatch` field lies in a `PackedCommit`'s `i32` buffer (static).
+
+  A commit crosses to the device as one array: one transfer and one argument
+  instead of 27 (a jitted call's cost grows with its arguments). Slot words are
+  stored bit for bit (`u32` viewed as `i32`), flags as 0/1.
+
+  Attributes:
+    blocks, rows, copies, moves: the widths (`paged_kv.mirror.changes.CommitWidths`).
+    slot_words, max_segments: from the pool's config.
+  """
+
+  blocks: int
+  rows: int
+  copies: int
+  moves: int
+  slot_words: int
+  max_segments: int
+
+  def shape(self, code: str) -> tuple[int, ...]:
+    dims = {"K": self.blocks, "R": self.rows, "C": self.copies, "M": self.moves,
+            "W": self.slot_words, "S": self.max_segments, "5": 5}
+    return tuple(dims[c] for c in code)
+
+  @functools.cached_property
+  def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """`name -> (offset, shape)`."""
+    out, off = {}, 0
+    for name, code, _, _ in _FIELDS:
+      shape = self.shape(code)
+      out[name] = (off, shape)
+      off += int(np.prod(shape, dtype=np.int64))
+    return out
+
+  @functools.cached_property
+  def size(self) -> int:
+    off, shape = self.offsets[_FIELDS[-1][0]]
+    return off + int(np.prod(shape, dtype=np.int64))
+
+  @functools.cached_property
+  def template(self) -> np.ndarray:
+    """The all-padding buffer (a commit that changes nothing); copy before filling."""
+    buf = np.zeros(self.size, np.int32)
+    for name, _, fill, _ in _FIELDS:
+      off, shape = self.offsets[name]
+      buf[off:off + int(np.prod(shape, dtype=np.int64))] = fill
+    buf.setflags(write=False)
+    return buf
+
+  def put(self, buf: np.ndarray, name: str, values) -> None:
+    """Writes the leading entries of field `name` (the rest keeps its padding)."""
+    v = np.asarray(values)
+    if v.dtype == np.uint32:
+      v = v.view(np.int32)
+    off, _ = self.offsets[name]
+    buf[off:off + v.size] = v.reshape(-1)
+
+  def unpack(self, buf: jax.Array) -> "CommitBatch":
+    """The `CommitBatch` view of a packed buffer (inside jit: static slices)."""
+    fields = {}
+    for name, _, _, kind in _FIELDS:
+      off, shape = self.offsets[name]
+      x = buf[off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+      if kind == "u":
+        x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+      elif kind == "b":
+        x = x != 0
+      fields[name] = x
+    return CommitBatch(**fields)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedCommit:
+  """One commit as it crosses to the device: `buf: i32[layout.size]` (host or device)
+  and its static `layout` (part of the program's key: one program per layout)."""
+
+  buf: jax.Array
+  layout: CommitLayout = dataclasses.field(metadata=dict(static=True))
 
 
 def _slot_ranges(block, start, length, bs: int, n: int):
@@ -157,13 +258,14 @@ def _page_work(pages: KVPages, b: CommitBatch, *, scrub: bool) -> KVPages:
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def commit(state: PoolState, batch: CommitBatch, *,
+def commit(state: PoolState, batch: PackedCommit, *,
            config: PoolConfig) -> tuple[PoolState, jax.Array]:
-  """Applies one `CommitBatch` (see the module docstring).
+  """Applies one commit (see the module docstring).
 
   Args:
     state: the pool (donated).
-    batch: the host's decisions, padded to static widths.
+    batch: the host's decisions, padded to static widths and packed
+      (`paged_kv.mirror.changes.ChangeLog.batches`).
     config: the pool's static config.
 
   Returns:
@@ -173,7 +275,7 @@ def commit(state: PoolState, batch: CommitBatch, *,
   """
   n, s = config.num_blocks, config.max_seqs
   meta, table = state.meta, state.table
-  b = batch
+  b = batch.layout.unpack(batch.buf)
   ids = b.block_ids
   valid = ids >= 0
   cb = jnp.clip(ids, 0, n - 1)

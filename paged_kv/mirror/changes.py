@@ -13,7 +13,7 @@ log holds, since the last flush:
 * the mirror's totals right after the previous commit (`expected`): free
   blocks, active rows, their tokens and segments, the clock.
 
-`batches(host, widths)` turns it into `CommitBatch`es: the touched blocks' and
+`batches(host)` turns it into packed commits (`CommitBatch` fields in one buffer): the touched blocks' and
 rows' *final* values (so the order of the host's operations does not matter to
 the device), the page work, and the "before" values the device compares with
 what it holds (a mismatch is reported, see `paged_kv.pool`). Widths come from a
@@ -25,11 +25,12 @@ is bounded: a window larger than the block width is split into several commits
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from paged_kv.core.commit import CommitBatch
+from paged_kv.core.commit import CommitLayout, PackedCommit
 from paged_kv.core.config import PoolConfig
 
 if TYPE_CHECKING:
@@ -240,10 +241,10 @@ class ChangeLog:
     return self.num_blocks >= 4 * CommitWidths.block_width(self.config)
 
   # ------------------------------------------------------------------ to the device
-  def batches(self, host: "HostState") -> list[CommitBatch]:
-    """The window as `CommitBatch`es (numpy arrays; one per block chunk)."""
+  def batches(self, host: "HostState") -> list[PackedCommit]:
+    """The window as packed commits (host buffers; one per block chunk)."""
     c = self.config
-    n, w, m = c.num_blocks, c.slot_words, c.max_segments
+    w = c.slot_words
     blocks = self.touched_blocks()
     old_ref = np.concatenate(self._old_ref) if self._old_ref else np.zeros(0, np.int32)
     old_slots = (np.concatenate(self._old_slots) if self._old_slots
@@ -275,57 +276,60 @@ class ChangeLog:
           ids, old_ref[sl], old_slots[sl], scrub[sl],
           rows if first else rows[:0], old_rows if first else old_rows[:0],
           copies if first else copies[:0], moves if first else moves[:0],
-          expected if first else None, n=n, m=m))
+          expected if first else None))
     return out
 
 
-def empty_batch(host: "HostState", widths: CommitWidths) -> CommitBatch:
+def empty_batch(host: "HostState", widths: CommitWidths) -> PackedCommit:
   """A commit of `widths` that changes nothing (all padding, no checks): warm-up."""
-  z = np.zeros(0, np.int64)
-  return _batch(host, widths, z, z.astype(np.int32), np.zeros((0, host.config.slot_words),
-                                                               np.uint32),
-                np.zeros((0, 2), bool), z, np.zeros((0, 3), np.int64), np.zeros((0, 5), np.int64),
-                np.zeros((0, 2), np.int64), None, n=host.config.num_blocks,
-                m=host.config.max_segments)
+  layout = _layout(host.config, widths)
+  buf = layout.template.copy()
+  layout.put(buf, "step", host.step)
+  return PackedCommit(buf, layout)
 
 
-def _pad(a, size: int, fill, dtype) -> np.ndarray:
-  a = np.asarray(a)
-  out = np.full((size,) + a.shape[1:], fill, dtype)
-  out[:a.shape[0]] = a
-  return out
+@functools.lru_cache(maxsize=64)
+def _layout(config: PoolConfig, widths: CommitWidths) -> CommitLayout:
+  """One layout object per widths (its offsets and template are computed once)."""
+  return CommitLayout(blocks=widths.blocks, rows=widths.rows, copies=widths.copies,
+                      moves=widths.moves, slot_words=config.slot_words,
+                      max_segments=config.max_segments)
 
 
 def _batch(host: "HostState", widths: CommitWidths, ids, old_ref, old_slots, scrub, rows,
-           old_rows, copies, moves, expected, *, n: int, m: int) -> CommitBatch:
-  k, r = widths.blocks, widths.rows
-  w = host.config.slot_words
-  check = expected is not None
-  return CommitBatch(
-      block_ids=_pad(ids, k, -1, np.int32),
-      old_ref=_pad(old_ref, k, 0, np.int32),
-      new_ref=_pad(host.ref_count[ids], k, 0, np.int32),
-      old_slots=_pad(old_slots, k, 0, np.uint32).reshape(k, w),
-      new_slots=_pad(host.slots[ids], k, 0, np.uint32).reshape(k, w),
-      scrub_before=_pad(scrub[:, 0], k, False, bool),
-      scrub_after=_pad(scrub[:, 1], k, False, bool),
-      rows=_pad(rows, r, -1, np.int32),
-      old_num_segments=_pad(old_rows[:, 0], r, 0, np.int32),
-      old_seq_len=_pad(old_rows[:, 1], r, 0, np.int32),
-      old_active=_pad(old_rows[:, 2].astype(bool), r, False, bool),
-      row_block=_pad(host.block[rows], r, 0, np.int32).reshape(r, m),
-      row_start=_pad(host.start[rows], r, 0, np.int32).reshape(r, m),
-      row_length=_pad(host.length[rows], r, 0, np.int32).reshape(r, m),
-      row_num_segments=_pad(host.num_segments[rows], r, 0, np.int32),
-      row_seq_len=_pad(host.seq_len[rows], r, 0, np.int32),
-      row_active=_pad(host.active[rows], r, False, bool),
-      copy_src_block=_pad(copies[:, 0], widths.copies, -1, np.int32),
-      copy_src_start=_pad(copies[:, 1], widths.copies, 0, np.int32),
-      copy_dst_block=_pad(copies[:, 2], widths.copies, -1, np.int32),
-      copy_dst_start=_pad(copies[:, 3], widths.copies, 0, np.int32),
-      copy_length=_pad(copies[:, 4], widths.copies, 0, np.int32),
-      move_src=_pad(moves[:, 0], widths.moves, -1, np.int32),
-      move_dst=_pad(moves[:, 1], widths.moves, -1, np.int32),
-      expected=(np.asarray(expected, np.int32) if check else np.full(5, -1, np.int32)),
-      check_totals=np.asarray(check),
-      step=np.asarray(host.step, np.int32))
+           old_rows, copies, moves, expected) -> PackedCommit:
+  layout = _layout(host.config, widths)
+  buf = layout.template.copy()
+  put = functools.partial(layout.put, buf)
+  if len(ids):
+    put("block_ids", ids)
+    put("old_ref", old_ref)
+    put("new_ref", host.ref_count[ids])
+    put("old_slots", old_slots)
+    put("new_slots", host.slots[ids])
+    if scrub.any():
+      put("scrub_before", scrub[:, 0])
+      put("scrub_after", scrub[:, 1])
+  if len(rows):
+    put("rows", rows)
+    put("old_num_segments", old_rows[:, 0])
+    put("old_seq_len", old_rows[:, 1])
+    put("old_active", old_rows[:, 2])
+    put("row_block", host.block[rows])
+    put("row_start", host.start[rows])
+    put("row_length", host.length[rows])
+    put("row_num_segments", host.num_segments[rows])
+    put("row_seq_len", host.seq_len[rows])
+    put("row_active", host.active[rows])
+  if len(copies):
+    for j, name in enumerate(("copy_src_block", "copy_src_start", "copy_dst_block",
+                              "copy_dst_start", "copy_length")):
+      put(name, copies[:, j])
+  if len(moves):
+    put("move_src", moves[:, 0])
+    put("move_dst", moves[:, 1])
+  if expected is not None:
+    put("expected", expected)
+    put("check_totals", 1)
+  put("step", host.step)
+  return PackedCommit(buf, layout)
