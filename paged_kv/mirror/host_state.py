@@ -250,6 +250,16 @@ class HostState:
     self.table_refs[cell_blocks] += 1
     self.num_table_blocks += int(np.asarray(cell_blocks).size)
 
+  def grow_tails(self, rows: np.ndarray, tail: np.ndarray) -> None:
+    """One more token in the tail segment (column `tail`) of each of `rows`
+    (distinct; the slot itself is the caller's `set_slots`)."""
+    r = np.asarray(rows, np.int64)
+    if r.size == 0:
+      return
+    self.log.touch_rows(self, r)
+    self.length[r, tail] += 1
+    self.seq_len[r] += 1
+
   def copy_slots(self, src_block, src_start, dst_block, dst_start, length) -> None:
     """Records K/V slot-range copies for the device (`page_copy.copy_slot_ranges`)."""
     self.log.copies(self, np.stack([np.asarray(x, np.int64).reshape(-1) for x in

@@ -814,7 +814,7 @@ class Scheduler:
     """
     if not (self.waiting or self.swapped) or self._free_rows() <= 0:
       return  # nothing can be admitted (and the reserve sum below is O(batch) Python)
-    self._reserve_base = sum(self._request_reserve(r) for r in self.running)
+    self._reserve_base = self._reserve_sum(self.running)
     try:
       if self._admit_swapped():
         self._admit_waiting()
@@ -937,6 +937,18 @@ class Scheduler:
   def _request_reserve(self, r: Request) -> int:
     return self._reserve_blocks(r.prefill_target - r.num_cached, r.max_new_tokens - len(r.output))
 
+  def _reserve_sum(self, requests) -> int:
+    """`sum(_request_reserve(r) for r in requests)`, inlined: O(batch) Python every
+    step that admits, so without two calls per request."""
+    bs, ratio, total = self._bs, self.config.output_reserve_ratio, 0
+    for r in requests:
+      tokens = max(r.prefill_target - r.num_cached, 0)
+      if ratio:
+        tokens += int(ratio * max(r.max_new_tokens - len(r.output), 0))
+      if tokens:
+        total += -(-tokens // bs) + 1
+    return total
+
   def _output_reserve(self, new: Request) -> int:
     """Blocks to keep free for what admitted sequences will still need.
 
@@ -948,7 +960,7 @@ class Scheduler:
     """
     base = self._reserve_base
     if base is None:
-      base = sum(self._request_reserve(r) for r in self.running)
+      base = self._reserve_sum(self.running)
     return base + self._reserve_blocks(0, new.max_new_tokens - len(new.output))
 
   # ------------------------------------------------------------------ 2-3. one forward pass
@@ -966,8 +978,21 @@ class Scheduler:
     return chunks
 
   def _decode_batch(self) -> list[Request]:
-    return [r for r in self.running if r.num_cached >= r.prefill_target and r.output
-            and not self._is_finished(r)]
+    """The running requests with a token to decode: prompt done, an output, not
+    finished (`_is_finished`, inlined: O(batch) Python every step)."""
+    stop = self.config.stop_token
+    out = []
+    for r in self.running:
+      o = r.output
+      if r.num_cached < r.prefill_target or not o or r.stop_reason:
+        continue
+      if len(o) >= r.max_new_tokens:
+        r.stop_reason = "length"
+      elif stop >= 0 and o[-1] == stop:
+        r.stop_reason = "stop_token"
+      else:
+        out.append(r)
+    return out
 
   def _forward(self) -> None:
     """ONE forward pass: a decode token of every running sequence whose prompt is
@@ -1018,13 +1043,19 @@ class Scheduler:
     failed = 0
     bad = (status[:len(decodes)] != Status.OK).tolist()
     tokens = nxt[:len(decodes)].tolist()
+    now, itl = self._now, self._itl_now
     for i, (req, is_bad, token) in enumerate(zip(decodes, bad, tokens)):
       if is_bad:
         self._record_failure(req, int(status[i]), req.num_cached + 1)
         failed += 1
         continue
       req.num_cached += 1
-      self._emit(req, token)
+      if req.forced_output is not None or req.first_token_step < 0:
+        self._emit(req, token)
+      else:  # `_emit`'s common case, inlined (O(batch) Python every step)
+        req.output.append(token)
+        itl.append(now - req.last_token_time)
+        req.last_token_time = now
     self.stats.decode_tokens += len(decodes) - failed
     for i, (req, n) in enumerate(chunks, start=len(decodes)):
       if status[i] != Status.OK:
@@ -1172,7 +1203,11 @@ class Scheduler:
       pass  # nowhere to pack now (atomic: nothing changed); the tails stay as they are
 
   def _finish(self) -> None:
-    done = [r for r in self.running if self._is_finished(r)]
+    stop = self.config.stop_token
+    done = [r for r in self.running if r.stop_reason or len(r.output) >= r.max_new_tokens
+            or (stop >= 0 and r.output and r.output[-1] == stop)]
+    for r in done:
+      self._is_finished(r)  # names the stop reason
     if not done:
       return
     self._store_and_release_many(done)  # the requests stay running until this succeeded

@@ -35,8 +35,9 @@ from paged_kv.telemetry.metrics import largest_free_run
 
 SEEDS = int(os.environ.get("PAGED_KV_MIRROR_SEEDS", "1"))
 STEPS = int(os.environ.get("PAGED_KV_MIRROR_STEPS", "100"))
-OPS = ("open", "reserve", "release", "deltas", "rwr", "fork", "cow", "compact", "promote")
-WEIGHTS = (.15, .3, .1, .1, .07, .08, .1, .05, .05)
+OPS = ("open", "reserve", "decode", "release", "deltas", "rwr", "fork", "cow", "compact",
+       "promote")
+WEIGHTS = (.15, .2, .1, .1, .1, .07, .08, .1, .05, .05)
 
 
 class _Run:
@@ -111,6 +112,21 @@ class _Run:
                                                  cnt.astype(np.int32), config=cfg,
                                                  max_new_tokens=8, atomic=atomic)
       hsi, hs = T.reserve(H, ids, cnt, max_new_tokens=8, atomic=atomic)
+      np.testing.assert_array_equal(np.asarray(si), hsi, err_msg=f"step {self.step}: slots")
+      return st, hs
+    if name == "decode":  # a step's prediction: many rows, one token each, not atomic
+      live = np.flatnonzero(H.active)
+      ids = np.concatenate([live, np.full(int(rng.integers(T.DECODE_FAST_MIN + 1, 16)), -1)])
+      if rng.random() < 0.2 and live.size:  # a repeated row
+        ids[-1] = rng.choice(live)
+      if rng.random() < 0.1:  # an inactive or out-of-range row
+        ids[-2] = rng.integers(-1, s + 1)
+      ids = rng.permutation(ids)
+      cnt = np.where(rng.random(ids.size) < 0.85, 1, rng.integers(0, 3, ids.size))
+      self.D, (si, st) = segments.reserve_tokens(self.D, ids.astype(np.int32),
+                                                 cnt.astype(np.int32), config=cfg,
+                                                 max_new_tokens=2, atomic=False)
+      hsi, hs = T.reserve(H, ids, cnt, max_new_tokens=2, atomic=False)
       np.testing.assert_array_equal(np.asarray(si), hsi, err_msg=f"step {self.step}: slots")
       return st, hs
     if name == "release":
@@ -195,7 +211,7 @@ class TransitionsMatchTest(parameterized.TestCase):
       applied = _Run(seed + 100 * scrub + int(40 * base), scrub, base).run(STEPS)
       # The run exercised the transitions: most calls applied, the common ones each.
       self.assertGreater(sum(applied.values()), STEPS // 4, applied)
-      for name in ("reserve", "release", "cow"):
+      for name in ("reserve", "decode", "release", "cow"):
         self.assertGreater(applied.get(name, 0), 0, (name, applied))
 
 
