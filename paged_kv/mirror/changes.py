@@ -39,6 +39,13 @@ if TYPE_CHECKING:
 MIN_MOVE_WIDTH = 64
 
 
+def _distinct(ids: np.ndarray) -> np.ndarray:
+  """The distinct values of `ids` (`np.unique` without its cost on a few ids)."""
+  if ids.size <= 32:
+    return ids if ids.size == 1 else np.array(sorted(set(ids.tolist())), np.int64)
+  return np.unique(ids)
+
+
 def _pow2(x: int, low: int = 1) -> int:
   return 1 << max(int(x) - 1, int(low) - 1, 0).bit_length()
 
@@ -153,7 +160,7 @@ class ChangeLog:
     ids = np.asarray(ids, np.int64)
     new = ids[~self._bmask[ids]]
     if new.size:
-      new = np.unique(new)
+      new = _distinct(new)
       self._bmask[new] = True
       self._blocks.append(new)
       self._old_ref.append(host.ref_count[new].copy())
@@ -164,7 +171,7 @@ class ChangeLog:
     rows = np.asarray(rows, np.int64)
     new = rows[~self._rmask[rows]]
     if new.size:
-      new = np.unique(new)
+      new = _distinct(new)
       self._rmask[new] = True
       self._rows.append(new)
       self._old_rows.append(np.stack([host.num_segments[new], host.seq_len[new],

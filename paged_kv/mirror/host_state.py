@@ -147,8 +147,16 @@ class HostState:
     d = np.asarray(deltas, np.int64).reshape(-1)
     if b.size == 0:
       return b
-    uniq, inv = np.unique(b, return_inverse=True)
-    total = np.bincount(inv, weights=d, minlength=uniq.size).astype(np.int64)
+    if b.size <= 32:  # a few blocks: a dict beats a sort
+      acc: dict[int, int] = {}
+      for blk, dl in zip(b.tolist(), d.tolist()):
+        acc[blk] = acc.get(blk, 0) + dl
+      keys = sorted(acc)
+      uniq = np.array(keys, np.int64)
+      total = np.array([acc[k] for k in keys], np.int64)
+    else:
+      uniq, inv = np.unique(b, return_inverse=True)
+      total = np.bincount(inv, weights=d, minlength=uniq.size).astype(np.int64)
     self.log.touch_blocks(self, uniq)
     old = self.ref_count[uniq].astype(np.int64)
     new = old + total
@@ -196,7 +204,6 @@ class HostState:
     self.log.touch_rows(self, r)
     old_used = self.used_mask(r)
     old_blocks = self.block[r][old_used]
-    np.subtract.at(self.table_refs, old_blocks, 1)
     if clear:
       for a in (self.block, self.start, self.length):
         a[r] = 0
@@ -211,6 +218,26 @@ class HostState:
           a[r] = v
     new_used = self.used_mask(r)
     new_blocks = self.block[r][new_used]
+    self._change_table_refs(old_blocks, new_blocks)
+
+  def _change_table_refs(self, old_blocks: np.ndarray, new_blocks: np.ndarray) -> None:
+    """`table_refs` loses one per `old_blocks` entry and gains one per `new_blocks`
+    entry; `num_table_blocks` follows."""
+    if old_blocks.size + new_blocks.size <= 64:  # a few: plain Python
+      net: dict[int, int] = {}
+      for x in old_blocks.tolist():
+        net[x] = net.get(x, 0) - 1
+      for x in new_blocks.tolist():
+        net[x] = net.get(x, 0) + 1
+      changed = 0
+      for x, dl in net.items():
+        if dl:
+          before = int(self.table_refs[x])
+          self.table_refs[x] = before + dl
+          changed += (before + dl > 0) - (before > 0)
+      self.num_table_blocks += changed
+      return
+    np.subtract.at(self.table_refs, old_blocks, 1)
     np.add.at(self.table_refs, new_blocks, 1)
     # Blocks gaining or losing their last table reference (num_table_blocks).
     aff, inv = np.unique(np.concatenate([old_blocks, new_blocks]), return_inverse=True)
@@ -249,6 +276,31 @@ class HostState:
     self.seq_len[r] += add_tokens.astype(np.int32)
     self.table_refs[cell_blocks] += 1
     self.num_table_blocks += int(np.asarray(cell_blocks).size)
+
+  def open_row(self, row: int, block: np.ndarray, start: np.ndarray,
+               length: np.ndarray) -> None:
+    """Activates inactive `row` with the given segments, each gaining a reference
+    (`write_rows` + `change_refs` of one row, without their batch work)."""
+    k = int(block.size)
+    self.log.touch_rows(self, np.array([row], np.int64))
+    for a, v in ((self.block, block), (self.start, start), (self.length, length)):
+      a[row, :k] = v
+      a[row, k:] = 0
+    self.num_segments[row] = k
+    self.seq_len[row] = int(length.sum())
+    self.active[row] = True
+    if k:
+      self._change_table_refs(np.zeros(0, np.int64), block)
+      self.change_refs(block, np.ones(k, np.int64))
+
+  def move_tail(self, row: int, tail: int, block: int) -> None:
+    """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail
+    copy; `write_rows` of one entry)."""
+    self.log.touch_rows(self, np.array([row], np.int64))
+    old = int(self.block[row, tail])
+    self.block[row, tail] = block
+    self.start[row, tail] = 0
+    self._change_table_refs(np.array([old], np.int64), np.array([block], np.int64))
 
   def grow_tails(self, rows: np.ndarray, tail: np.ndarray) -> None:
     """One more token in the tail segment (column `tail`) of each of `rows`

@@ -126,6 +126,9 @@ def open_rows(h: HostState, ids: np.ndarray, seg_block: np.ndarray, seg_start: n
   n, bs, m = c.num_blocks, c.block_size, c.max_segments
   ids = np.asarray(ids, np.int64)
   b, p = seg_block.shape
+  if b == 1:
+    return _open_one(h, int(ids[0]), seg_block[0], seg_start[0], seg_length[0],
+                     int(num_segments[0]))
   real = ids != -1
   status = row_status(h, ids, want_active=False)
   count_bad = (num_segments < 0) | (num_segments > min(p, m))
@@ -211,6 +214,8 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
   """
   ids = np.asarray(ids, np.int64)
   num_new = np.asarray(num_new, np.int64)
+  if ids.size == 1:
+    return _reserve_one(h, int(ids[0]), int(num_new[0]), max_new_tokens)
   if not atomic and ids.size > DECODE_FAST_MIN and max_new_tokens >= 1:
     fast = _decode_in_place(h, ids, num_new)
     if fast is not None:
@@ -343,6 +348,8 @@ def _reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_toke
 def release(h: HostState, ids: np.ndarray, *, atomic: bool) -> np.ndarray:
   """`segments.release`; returns `status i32[B]`."""
   ids = np.asarray(ids, np.int64)
+  if ids.size == 1:
+    return _release_one(h, int(ids[0]))
   real = ids != -1
   status = row_status(h, ids, want_active=True)
   ok = (status == _OK) & real
@@ -367,8 +374,7 @@ def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
   in_range = (block_ids >= 0) & (block_ids < n)
   cb = _clamp(block_ids, 0, n - 1)
   d = np.where(in_range, deltas, 0)
-  uniq, inv = np.unique(np.where(in_range, block_ids, n), return_inverse=True)
-  total = np.bincount(inv, weights=d, minlength=uniq.size).astype(np.int64)[inv]
+  total = _summed_per_id(np.where(in_range, block_ids, n), d)
   ref = h.ref_count[cb].astype(np.int64)
   overflow = in_range & (total > 0) & (ref > _I32_MAX - np.maximum(total, 0))
   new_ref = np.where(overflow, _I32_MAX, ref + total)
@@ -386,6 +392,17 @@ def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
   if all_ok and apply and in_range.any():
     h.change_refs(block_ids[in_range], deltas[in_range])
   return status.astype(np.int32)
+
+
+def _summed_per_id(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+  """`i64[K]`: for each entry, the sum of `values` over the entries with its id."""
+  if ids.size <= 32:  # a few: a dict beats a sort
+    acc: dict[int, int] = {}
+    for i, v in zip(ids.tolist(), values.tolist()):
+      acc[i] = acc.get(i, 0) + v
+    return np.array([acc[i] for i in ids.tolist()], np.int64)
+  uniq, inv = np.unique(ids, return_inverse=True)
+  return np.bincount(inv, weights=values, minlength=uniq.size).astype(np.int64)[inv]
 
 
 def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
@@ -431,6 +448,8 @@ def cow_split(h: HostState, ids: np.ndarray, *, atomic: bool) -> tuple[np.ndarra
   c = h.config
   bs, m, s = c.block_size, c.max_segments, c.max_seqs
   ids = np.asarray(ids, np.int64)
+  if ids.size == 1:
+    return _cow_split_one(h, int(ids[0]))
   real = ids != -1
   status = row_status(h, ids, want_active=True)
   row = _clamp(ids, 0, s - 1)
@@ -595,3 +614,151 @@ def allocate(h: HostState, num: int, *, contiguous: str) -> tuple[np.ndarray, in
       return np.zeros(0, np.int64), int(Status.NO_CONTIGUOUS_RUN)
   h.take_blocks(ids)
   return ids, int(_OK)
+
+
+# ---------------------------------------------------------------- one row, lean
+# A request at a time (the `CachedPool` path) calls with one row: these give the
+# general functions' results with Python scalars instead of `[B, ...]` arrays
+# (each numpy call costs microseconds whatever its size). The general functions
+# route a one-row call here; the differential tests compare both with the device.
+
+
+def _words_to_int(words: np.ndarray) -> int:
+  out = 0
+  for k, w in enumerate(words.tolist()):
+    out |= int(w) << (32 * k)
+  return out
+
+
+def _int_to_words(x: int, num_words: int) -> np.ndarray:
+  return np.array([(x >> (32 * k)) & 0xFFFFFFFF for k in range(num_words)], np.uint32)
+
+
+def _mask_int(start: int, length: int) -> int:
+  return ((1 << length) - 1) << start if length > 0 else 0
+
+
+def _row_ok(h: HostState, i: int, *, want_active: bool) -> bool:
+  return 0 <= i < h.config.max_seqs and bool(h.active[i]) == want_active
+
+
+def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
+              seg_length: np.ndarray, k: int) -> np.ndarray:
+  """`open_rows` of one row (`k` segments, in `seg_*[:k]`)."""
+  c = h.config
+  n, bs, m = c.num_blocks, c.block_size, c.max_segments
+  if i == -1:
+    return np.array([_OK], np.int32)
+  if not _row_ok(h, i, want_active=False):
+    return np.array([_INVALID_SEQUENCE], np.int32)
+  if k < 0 or k > min(seg_block.shape[0], m):
+    return np.array([_INVALID_COUNT], np.int32)
+  blk = seg_block[:k].astype(np.int64)
+  st = seg_start[:k].astype(np.int64)
+  ln = seg_length[:k].astype(np.int64)
+  if k:
+    if blk.min() < 0 or blk.max() >= n or (h.ref_count[blk] <= 0).any():
+      return np.array([_INVALID_BLOCK], np.int32)
+    if st.min() < 0 or (st >= bs).any() or ln.min() < 1 or (ln > bs - st).any():
+      return np.array([_INVALID_SEGMENT], np.int32)
+    mask = range_mask(st, ln, c.slot_words)
+    if ((h.slots[blk] & mask) != mask).any():
+      return np.array([_INVALID_SEGMENT], np.int32)
+  h.open_row(i, blk, st, ln)
+  return np.array([_OK], np.int32)
+
+
+def _reserve_one(h: HostState, i: int, count: int,
+                 max_new_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+  """`reserve` of one row (atomic or not: the same for one row)."""
+  c = h.config
+  bs, m = c.block_size, c.max_segments
+  slot_idx = np.full((1, max_new_tokens), -1, np.int32)
+  if i == -1:
+    return slot_idx, np.array([_OK], np.int32)
+  if not _row_ok(h, i, want_active=True):
+    return slot_idx, np.array([_INVALID_SEQUENCE], np.int32)
+  if count < 0 or count > max_new_tokens:
+    return slot_idx, np.array([_INVALID_COUNT], np.int32)
+  ns = int(h.num_segments[i])
+  tail = min(max(ns - 1, 0), m - 1)
+  tb = int(h.block[i, tail])
+  pos = int(h.start[i, tail]) + int(h.length[i, tail])
+  room = 0
+  if ns > 0 and int(h.ref_count[tb]) == 1 and int(h.region[tb]) == REGION_DYNAMIC:
+    after = _words_to_int(h.slots[tb]) >> pos
+    room = ((after & -after).bit_length() - 1) if after else bs - pos
+    room = max(min(room, bs - pos), 0)
+  in_place = min(count, room)
+  rest = count - in_place
+  need = _cdiv(rest, bs)
+  if ns + need > m:
+    return slot_idx, np.array([_TABLE_FULL], np.int32)
+  if need > h.free.num_free:
+    return slot_idx, np.array([_NO_FREE_BLOCK], np.int32)
+  if count == 0:
+    return slot_idx, np.array([_OK], np.int32)
+  fresh = h.free.lowest(need) if need else np.zeros(0, np.int64)
+  h.take_blocks(fresh)
+  slots = np.empty(count, np.int64)
+  slots[:in_place] = tb * bs + pos + np.arange(in_place)
+  if rest:
+    slots[in_place:] = (np.repeat(fresh * bs, bs)[:rest] + np.tile(np.arange(bs), need)[:rest])
+  slot_idx[0, :count] = slots
+  w = c.slot_words
+  lengths = [min(bs, rest - q * bs) for q in range(need)]
+  words = np.empty((int(in_place > 0) + need, w), np.uint32)
+  if in_place:
+    words[0] = _int_to_words(_words_to_int(h.slots[tb]) | _mask_int(pos, in_place), w)
+  if need:
+    words[int(in_place > 0):] = _int_to_words(_mask_int(0, bs), w)  # full blocks
+    words[-1] = _int_to_words(_mask_int(0, lengths[-1]), w)
+  blocks = np.concatenate([[tb], fresh]) if in_place else fresh
+  h.set_slots(blocks, words)
+  h.extend_rows(np.array([i], np.int64), np.array([tail]), np.array([in_place]),
+                np.zeros(need, np.int64), ns + np.arange(need), fresh,
+                np.array(lengths, np.int64), np.array([need]), np.array([count]))
+  h.step += 1
+  return slot_idx, np.array([_OK], np.int32)
+
+
+def _release_one(h: HostState, i: int) -> np.ndarray:
+  """`release` of one row."""
+  if i == -1:
+    return np.array([_OK], np.int32)
+  if not _row_ok(h, i, want_active=True):
+    return np.array([_INVALID_SEQUENCE], np.int32)
+  blocks = h.block[i, :int(h.num_segments[i])].astype(np.int64)
+  h.write_rows(np.array([i], np.int64), clear=True)
+  h.change_refs(blocks, -np.ones(blocks.size, np.int64))
+  return np.array([_OK], np.int32)
+
+
+def _cow_split_one(h: HostState, i: int) -> tuple[np.ndarray, np.ndarray]:
+  """`cow_split` of one row."""
+  c = h.config
+  bs, m = c.block_size, c.max_segments
+  no = np.zeros(1, bool)
+  if i == -1:
+    return no, np.array([_OK], np.int32)
+  if not _row_ok(h, i, want_active=True):
+    return no, np.array([_INVALID_SEQUENCE], np.int32)
+  ns = int(h.num_segments[i])
+  tail = min(max(ns - 1, 0), m - 1)
+  tb = int(h.block[i, tail])
+  ts, tl = int(h.start[i, tail]), int(h.length[i, tail])
+  after_busy = (_words_to_int(h.slots[tb]) >> (ts + tl)) != 0
+  blocked = (int(h.ref_count[tb]) > 1 or int(h.region[tb]) != REGION_DYNAMIC or ts > 0
+             or after_busy)
+  if not (ns > 0 and tl < bs and blocked):
+    return no, np.array([_OK], np.int32)
+  if h.free.num_free < 1:
+    return no, np.array([_NO_FREE_BLOCK], np.int32)
+  fresh = h.free.lowest(1)
+  h.take_blocks(fresh)
+  f = int(fresh[0])
+  h.copy_slots([tb], [ts], [f], [0], [tl])
+  h.set_slots(fresh, _int_to_words(_mask_int(0, tl), c.slot_words)[None, :])
+  h.move_tail(i, tail, f)
+  h.change_refs(np.array([tb], np.int64), -np.ones(1, np.int64))
+  return np.ones(1, bool), np.array([_OK], np.int32)
