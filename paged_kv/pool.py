@@ -140,10 +140,15 @@ def _table_segments_host(table) -> tuple[np.ndarray, np.ndarray]:
   return segs, rows.astype(np.int64)
 
 
+_STATUS_OK, _STATUS_ABORTED = int(Status.OK), int(Status.ABORTED)
+
+
 def raise_for_status(status: np.ndarray, what: str) -> None:
   """Raises the typed exception for the first failed entry of `status`."""
   status = np.asarray(status)
-  bad = np.nonzero((status != Status.OK) & (status != Status.ABORTED))[0]
+  if not status.any():  # all OK (0): the common case, without the enum comparisons
+    return
+  bad = np.flatnonzero((status != _STATUS_OK) & (status != _STATUS_ABORTED))
   if bad.size == 0:
     return
   i = int(bad[0])
@@ -831,7 +836,9 @@ class BlockPool:
       raise InvalidArgument(f"block_ids {ids.shape} and deltas {d.shape} differ in shape")
     if ids.size and (ids.min() < 0 or ids.max() >= self.config.num_blocks):
       raise InvalidBlock(f"block ids outside [0, {self.config.num_blocks}): {ids.tolist()}")
-    if ids.size:
+    # A block's sum can pass int32 only if the gains together do (the common case:
+    # they do not, and the per-block sums are not needed).
+    if ids.size and int(np.maximum(d, 0).sum()) > _I32.max:
       uniq, inv = np.unique(ids, return_inverse=True)
       summed = np.zeros(uniq.size, np.int64)
       np.add.at(summed, inv, d)  # int64: K entries of int32 cannot overflow it
