@@ -1,0 +1,103 @@
+"""The one-row lean paths of the mirror's transitions against their general paths.
+
+`paged_kv.mirror.transitions` routes a one-row `open_rows`, `reserve`, `release`
+and `cow_split` to a lean path; here each is compared with the general path on
+the same state (a one-row call padded with a `-1` row takes the general path):
+same statuses, same results, same mirror afterwards, same change log. The
+states come from random host-only runs (the general paths are compared with the
+device in `test_transitions_match.py`), and the calls include the edge cases:
+inactive and out-of-range rows, counts past the table, too few free blocks,
+shared tails, and exclusive tails with written slots after them (a row opened on
+a shortened prefix whose other holder left).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from paged_kv.core.config import PoolConfig
+from paged_kv.mirror import transitions as T
+from paged_kv.mirror.host_state import HostState
+
+FIELDS = ("ref_count", "slots", "region", "block", "start", "length", "num_segments",
+          "seq_len", "active", "table_refs")
+
+
+def _same(test, a, b, what):
+  for f in FIELDS:
+    np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f"{what}: {f}")
+  test.assertEqual((a.step, a.num_table_blocks, a.num_free_base, a.free.num_free),
+                   (b.step, b.num_table_blocks, b.num_free_base, b.free.num_free), what)
+  np.testing.assert_array_equal(a.free.bits, b.free.bits, err_msg=what)
+  np.testing.assert_array_equal(np.sort(a.log.touched_blocks()),
+                                np.sort(b.log.touched_blocks()), err_msg=f"{what}: log")
+  test.assertEqual(a.log.num_rows, b.log.num_rows, what)
+  test.assertEqual(a.log.num_copies, b.log.num_copies, what)
+
+
+class OneRowTest(parameterized.TestCase):
+
+  @parameterized.parameters(0, 1, 2, 3)
+  def test_lean_paths_equal_the_general_ones(self, seed):
+    cfg = PoolConfig(num_blocks=(24, 32, 40, 14)[seed], block_size=4, num_layers=1, num_kv_heads=1,
+                     head_dim=2, max_seqs=6, max_segments=6, base_pool_fraction=0.25 * (seed == 2),
+                     scrub_freed_blocks=bool(seed % 2))
+    h = HostState.empty(cfg)
+    rng = np.random.default_rng(seed)
+    s, bs = cfg.max_seqs, cfg.block_size
+    applied = 0
+    for step in range(300):
+      kind = str(rng.choice(["open", "reserve", "release", "cow"], p=[.3, .45, .1, .15]))
+      want = np.flatnonzero(h.active != (kind == "open"))  # rows the call applies to
+      row = (int(rng.choice(want)) if want.size and rng.random() < 0.85
+             else int(rng.integers(-1, s + 1)))
+      lean, general = copy.deepcopy(h), copy.deepcopy(h)
+      what = f"seed {seed} step {step} {kind} row {row}"
+      shortened = None
+      if kind == "open":
+        live = np.flatnonzero(h.active)
+        k = 0
+        grid = np.zeros((3, 2, 4), np.int64)
+        if live.size:
+          src = int(rng.choice(live))
+          k = int(rng.integers(0, min(int(h.num_segments[src]), 4) + 1))
+          grid[:, 0, :k] = np.stack([h.block[src, :k], h.start[src, :k], h.length[src, :k]])
+          if k and grid[2, 0, k - 1] > 1 and rng.random() < 0.4:
+            grid[2, 0, k - 1] -= int(rng.integers(1, grid[2, 0, k - 1]))  # a shorter tail
+            shortened = src
+          if k and rng.random() < 0.1:
+            grid[2, 0, 0] += 1  # onto unwritten slots, or past the block
+        nums = np.array([k, 0])
+        a = T.open_rows(lean, np.array([row]), grid[0, :1], grid[1, :1], grid[2, :1], nums[:1])
+        b = T.open_rows(general, np.array([row, -1]), *grid, nums)[:1]
+      elif kind == "reserve":
+        n = int(rng.integers(-1, 3 * bs)) if rng.random() < 0.7 else int(rng.integers(0, 3))
+        t = 1 << max(n, 1).bit_length()
+        a = T.reserve(lean, np.array([row]), np.array([n]), max_new_tokens=t, atomic=True)
+        b = T.reserve(general, np.array([row, -1]), np.array([n, 0]), max_new_tokens=t,
+                      atomic=True)
+        np.testing.assert_array_equal(a[0], b[0][:1], err_msg=what)
+        a, b = a[1], b[1][:1]
+      elif kind == "release":
+        a = T.release(lean, np.array([row]), atomic=True)
+        b = T.release(general, np.array([row, -1]), atomic=True)[:1]
+      else:
+        sa, a = T.cow_split(lean, np.array([row]), atomic=True)
+        sb, b = T.cow_split(general, np.array([row, -1]), atomic=True)
+        np.testing.assert_array_equal(sa, sb[:1], err_msg=what)
+        b = b[:1]
+      np.testing.assert_array_equal(a, b, err_msg=what)
+      _same(self, lean, general, what)
+      applied += int(np.all(a == 0))
+      h = lean
+      if shortened is not None and np.all(a == 0) and rng.random() < 0.8:
+        T.release(h, np.array([shortened]), atomic=True)  # the tail may be the row's alone now
+      h.log.reset(h)
+    self.assertGreater(applied, 100)  # most calls applied something
+
+
+if __name__ == "__main__":
+  absltest.main()
