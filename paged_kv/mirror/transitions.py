@@ -32,6 +32,8 @@ _REF_UNDERFLOW, _REF_OVERFLOW = int(Status.REF_UNDERFLOW), int(Status.REF_OVERFL
 _BLOCK_IN_USE = int(Status.BLOCK_IN_USE)
 # Non-atomic reservations of more rows than this try the in-place decode path first.
 DECODE_FAST_MIN = 8
+# Reference deltas of at most this many entries take the plain-Python path.
+SMALL_DELTAS = 32
 
 
 def _clamp(x, lo: int, hi: int):
@@ -370,6 +372,8 @@ def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
   n = h.config.num_blocks
   block_ids = np.asarray(block_ids, np.int64)
   deltas = np.asarray(deltas, np.int64)
+  if block_ids.size <= SMALL_DELTAS:
+    return _apply_ref_deltas_small(h, block_ids, deltas, apply=apply)
   pad = block_ids == -1
   in_range = (block_ids >= 0) & (block_ids < n)
   cb = _clamp(block_ids, 0, n - 1)
@@ -392,6 +396,44 @@ def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
   if all_ok and apply and in_range.any():
     h.change_refs(block_ids[in_range], deltas[in_range])
   return status.astype(np.int32)
+
+
+def _apply_ref_deltas_small(h: HostState, block_ids: np.ndarray, deltas: np.ndarray, *,
+                            apply: bool) -> np.ndarray:
+  """`apply_ref_deltas` of a few entries, in plain Python (same statuses, same order
+  of precedence: invalid block, overflow, underflow, in use)."""
+  n = h.config.num_blocks
+  ids, ds = block_ids.tolist(), deltas.tolist()
+  total: dict[int, int] = {}
+  for b, d in zip(ids, ds):
+    if 0 <= b < n:
+      total[b] = total.get(b, 0) + d
+  status = []
+  for b, d in zip(ids, ds):
+    if b == -1:
+      status.append(_OK)
+      continue
+    if not 0 <= b < n:
+      status.append(_INVALID_BLOCK)
+      continue
+    ref, t = int(h.ref_count[b]), total[b]
+    if d > 0 and ref == 0:
+      status.append(_INVALID_BLOCK)
+    elif t > 0 and ref > _I32_MAX - t:
+      status.append(_REF_OVERFLOW)
+    elif ref + t < 0:
+      status.append(_REF_UNDERFLOW)
+    elif t < 0 and ref + t < int(h.table_refs[b]):
+      status.append(_BLOCK_IN_USE)
+    else:
+      status.append(_OK)
+  if any(status):
+    return np.array([_ABORTED if st == _OK and b != -1 else st
+                     for st, b in zip(status, ids)], np.int32)
+  keep = [j for j, b in enumerate(ids) if b != -1]
+  if apply and keep:
+    h.change_refs(block_ids[keep], deltas[keep])
+  return np.zeros(len(ids), np.int32)
 
 
 def _summed_per_id(ids: np.ndarray, values: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The one-row lean paths of the mirror's transitions against their general paths.
 
 `paged_kv.mirror.transitions` routes a one-row `open_rows`, `reserve`, `release`
-and `cow_split` to a lean path; here each is compared with the general path on
+and `cow_split`, and `apply_ref_deltas` of a few entries, to a lean path; here each is compared with the general path on
 the same state (a one-row call padded with a `-1` row takes the general path):
 same statuses, same results, same mirror afterwards, same change log. The
 states come from random host-only runs (the general paths are compared with the
@@ -50,7 +50,8 @@ class OneRowTest(parameterized.TestCase):
     s, bs = cfg.max_seqs, cfg.block_size
     applied = 0
     for step in range(300):
-      kind = str(rng.choice(["open", "reserve", "release", "cow"], p=[.3, .45, .1, .15]))
+      kind = str(rng.choice(["open", "reserve", "release", "cow", "deltas"],
+                            p=[.25, .4, .1, .15, .1]))
       want = np.flatnonzero(h.active != (kind == "open"))  # rows the call applies to
       row = (int(rng.choice(want)) if want.size and rng.random() < 0.85
              else int(rng.integers(-1, s + 1)))
@@ -84,6 +85,18 @@ class OneRowTest(parameterized.TestCase):
       elif kind == "release":
         a = T.release(lean, np.array([row]), atomic=True)
         b = T.release(general, np.array([row, -1]), atomic=True)[:1]
+      elif kind == "deltas":  # a few entries (the small path) vs padded past it
+        k = int(rng.integers(1, 6))
+        live = np.flatnonzero(h.ref_count > 0)
+        blk = (rng.choice(live, size=k) if live.size and rng.random() < 0.9
+               else rng.integers(-1, cfg.num_blocks + 1, size=k))
+        d = rng.integers(-2, 3, size=k)
+        if rng.random() < 0.05:
+          d[0] = np.iinfo(np.int32).max  # overflow
+        pad = np.full(T.SMALL_DELTAS + 1, -1)
+        a = T.apply_ref_deltas(lean, blk, d)
+        b = T.apply_ref_deltas(general, np.concatenate([blk, pad]),
+                               np.concatenate([d, np.zeros_like(pad)]))[:k]
       else:
         sa, a = T.cow_split(lean, np.array([row]), atomic=True)
         sb, b = T.cow_split(general, np.array([row, -1]), atomic=True)
