@@ -1,5 +1,7 @@
-# paged_kv: `make demo` runs the demo, `make test` runs the test suite (what CI runs).
-# Both create .venv with a Python >= 3.12 found on this machine (tools/find_python.sh)
+# paged_kv: `make demo` runs the demo, `make test` runs the test suite (what CI runs),
+# `make compile-tier` compiles the GPU programs for Hopper without a GPU (CI runs it
+# after the suite; tests_compile/, its own .venv-cuda: tools/compile_tier/setup.sh).
+# demo and test create .venv with a Python >= 3.12 found on this machine (tools/find_python.sh)
 # and install the package editable with the extras the tests and examples need; the
 # `train` extra (optax, for examples/train_tiny.py) is not among them: `EXTRAS=all`.
 VENV    := .venv
@@ -15,8 +17,11 @@ WORKERS ?= 2
 # (~/.cache/paged_kv/jax, or $PAGED_KV_COMPILE_CACHE), so a rerun skips the XLA compiles;
 # `make demo ARGS=--nocompile_cache` turns it off.
 ARGS    ?=
+# The compile tier's venv: the CUDA PJRT plugin and compiler wheels, pinned.
+CUDA_VENV  := .venv-cuda
+CUDA_STAMP := $(CUDA_VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv compile-tier clean
 
 venv: $(STAMP)
 
@@ -32,5 +37,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) tests
 
+$(CUDA_STAMP): tools/compile_tier/requirements.txt tools/compile_tier/setup.sh pyproject.toml
+	tools/compile_tier/setup.sh
+
+compile-tier: $(CUDA_STAMP)
+	$(CUDA_VENV)/bin/python -m pytest -q tests_compile
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CUDA_VENV) build *.egg-info

@@ -1,0 +1,139 @@
+"""Compile tier, kernels: every GPU kernel, called with an explicit impl, compiled
+for an H200 (the batch-1 split-K programs for an H100 too) at real-model shapes.
+
+For each: XLA compiles it (Triton and Mosaic GPU through ptxas); no copy and
+no scratch grows with the pool (`tier.assert_no_pool_copy`); Mosaic GPU kernels
+report 0 spill bytes; the in-place block permutation writes into the donated
+pages (aliased in -> out); split-K (`num_splits=None`) fills the SMs at batch 1.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import paged_attention as pa
+from pallas_kernels import permute_blocks as pb
+from pallas_kernels import prefill_attention as pf
+from tests_compile import tier
+from tests_compile.tier import Attn, S
+
+# Decode shapes: GQA groups 1, 4, 5, 7, 8 and one kv head; head_dim 64, 128,
+# 256 (96 is in test_model.py: no Pallas or Mosaic kernel builds for it);
+# blocks 16, 32, 64; bf16, f16, fp8 pages; batch 1 to 256; context 1k to 128k.
+DECODE = [
+    Attn("llama3-8b", 32, 8, 128, 16, batch=64, context=8192),  # the goal shape
+    Attn("llama3-8b", 32, 8, 128, 16, batch=1, context=131072),
+    Attn("llama3-70b", 64, 8, 128, 64, batch=256, context=1024),
+    Attn("qwen2-7b", 28, 4, 128, 32, batch=8, context=32768, dtype="float16"),
+    Attn("qwen2.5-32b", 40, 8, 128, 16, batch=16, context=4096),
+    Attn("llama2-7b", 32, 32, 128, 16, batch=16, context=4096),
+    Attn("tinyllama", 32, 4, 64, 16, batch=128, context=2048),
+    Attn("gemma-2b", 8, 1, 256, 16, batch=32, context=8192),
+    Attn("llama3-8b-fp8", 32, 8, 128, 16, batch=64, context=8192, dtype="float8_e4m3fn"),
+]
+
+
+def _mosaic_builds(a: Attn) -> bool:
+  return pa.decode_impl_problem(
+      "mosaic", num_q_heads=a.num_q_heads, num_kv_heads=a.num_kv_heads,
+      head_dim=a.head_dim, block_size=a.block_size, dtype=a.dtype, platform="cuda") is None
+
+
+def _decode(a: Attn, impl: str, device=tier.H200, **kw):
+  return tier.compile_program(pa.paged_attention, *a.decode_args(), device=device, impl=impl,
+                              num_splits=None, **kw)
+
+
+@pytest.mark.parametrize("shape", DECODE, ids=lambda a: a.id)
+def test_decode_pallas(shape):
+  prog = _decode(shape, "pallas")
+  tier.assert_no_pool_copy(prog, shape.layer_pool_bytes)
+  launch = prog.launches("paged_attention")
+  assert launch and launch[0].grid[:2] == (shape.batch, shape.num_kv_heads), prog.summary()
+  assert launch[0].shared_memory <= 227 * 1024
+  assert not prog.mosaic_kernels()
+
+
+_MOSAIC = [pytest.param(a, marks=tier.KNOWN_MOSAIC_D256_SPILL) if a.head_dim == 256 else a
+           for a in DECODE if _mosaic_builds(a)]
+
+
+@pytest.mark.parametrize("shape", _MOSAIC, ids=lambda a: a.id)
+def test_decode_mosaic_compiles_without_spills(shape):
+  prog = _decode(shape, "mosaic")
+  tier.assert_no_pool_copy(prog, shape.layer_pool_bytes)
+  assert prog.mosaic_kernels(), prog.summary()
+  tier.assert_no_spills(prog)
+
+
+def test_mosaic_refuses_what_it_cannot_build():
+  """fp8 pages are refused at trace time (`mosaic_problem`), not left to fail
+  in the compile; every other decode shape here builds with Mosaic GPU."""
+  assert not _mosaic_builds(DECODE[-1])  # fp8
+  assert sum(map(_mosaic_builds, DECODE)) == len(DECODE) - 1
+
+
+@pytest.mark.parametrize("device", [tier.H100, tier.H200], ids=["h100", "h200"])
+@pytest.mark.parametrize("impl", ["pallas", "mosaic"])
+def test_split_k_fills_the_gpu_at_batch_1(impl, device):
+  """Batch 1 x 128k, 8 kv heads: `num_splits=None` launches >= 132 programs."""
+  shape = DECODE[1]
+  prog = _decode(shape, impl, device=device)
+  assert tier.decode_programs(prog) >= tier.NUM_SMS, prog.summary()
+
+
+def test_decode_xla_path_compiles():
+  """The portable path, at head_dim 96 (the one impl that builds there)."""
+  a = Attn("phi3-mini", 32, 32, 96, 16, batch=8, context=4096)
+  tier.compile_program(pa.paged_attention, *a.decode_args(), impl="xla")
+
+
+# Prefill (extend) ------------------------------------------------------------------
+
+PREFILL = [
+    (DECODE[0], 512),
+    (DECODE[3], 256),
+    (DECODE[6], 1024),
+    (DECODE[8], 512),
+]
+
+
+@pytest.mark.parametrize("shape,num_tokens", PREFILL, ids=lambda p: getattr(p, "id", p))
+def test_prefill_pallas(shape, num_tokens):
+  rows = 8
+  args = [S((num_tokens, shape.num_q_heads, shape.head_dim), shape.q_dtype), shape.pages(),
+          shape.pages(), S((rows + 1,), tier.I32)] + shape.tables(rows)
+  prog = tier.compile_program(pf.prefill_attention, *args, impl="pallas")
+  tier.assert_no_pool_copy(prog, shape.layer_pool_bytes)
+  assert tier.has_kernel(prog, "prefill_attention"), prog.summary()
+
+
+# Block permutation (compaction) ------------------------------------------------------
+
+# (num_layers, num_kv_heads, head_dim, block_size, dtype, num_moves, num_blocks)
+PERMUTE = [
+    (32, 8, 128, 16, "bfloat16", 1024, 16384),
+    (80, 8, 128, 64, "float8_e4m3fn", 256, 4096),
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "mosaic"])
+@pytest.mark.parametrize("shape", PERMUTE, ids=lambda p: "-".join(map(str, p)))
+def test_permute_blocks_in_place(shape, impl):
+  """The pages are written in place (aliased, donated). "pallas" and "mosaic"
+  copy block to block (no scratch); XLA's scatter gathers the moved blocks into
+  a bounce buffer first: scratch = the bytes moved, never more."""
+  layers, kvh, d, bs, dtype, moves, blocks = shape
+  pages = S((layers, kvh, blocks, bs, d), jnp.dtype(dtype))
+  block_bytes = layers * kvh * bs * d * jnp.dtype(dtype).itemsize  # all layers
+  mv = S((moves,), tier.I32)
+  prog = tier.compile_program(pb.permute_blocks, pages, mv, mv, impl=impl)
+  assert prog.alias_bytes == blocks * block_bytes, prog.summary()
+  assert len(prog.aliases()) == 1 and prog.aliases()[0].parameter == 0, prog.aliases()
+  moved = moves * block_bytes
+  limit = moved + (1 << 20) if impl == "xla" else 1 << 20
+  tier.assert_no_pool_copy(prog, blocks * block_bytes // layers, limit=limit,
+                           what="the moved blocks" if impl == "xla" else "1 MiB")
+  assert bool(prog.mosaic_kernels()) == (impl == "mosaic"), prog.summary()
+  tier.assert_no_spills(prog)
