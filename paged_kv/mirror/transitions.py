@@ -212,39 +212,45 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
   free slot right after the tail of an exclusive tail block: most rows of a
   decode step) take a short path first; the rest go through the general one.
   Both give what the general path alone gives: in-place rows take no block, so
-  the others' first-come-first-served grants are the same.
+  the others' first-come-first-served grants are the same. When every other row
+  is padding or decodes one token into one fresh block, and the free blocks
+  suffice, those take the short path too (the lowest free blocks in batch order,
+  as the general path hands them out).
   """
   ids = np.asarray(ids, np.int64)
   num_new = np.asarray(num_new, np.int64)
   if ids.size == 1:
     return _reserve_one(h, int(ids[0]), int(num_new[0]), max_new_tokens)
   if not atomic and ids.size > DECODE_FAST_MIN and max_new_tokens >= 1:
-    fast = _decode_in_place(h, ids, num_new)
+    fast = _decode_fast(h, ids, num_new)
     if fast is not None:
-      rows, slots = fast
+      rows, slots, done = fast
       step = h.step
-      rest = np.ones(ids.shape, bool)
-      rest[rows] = False
       slot_idx = np.full((ids.shape[0], max_new_tokens), -1, np.int32)
       status = np.zeros(ids.shape, np.int32)  # OK
-      if rest.any():
+      if not done:
+        rest = np.ones(ids.shape, bool)
+        rest[rows] = False
         slot_idx[rest], status[rest] = _reserve(h, ids[rest], num_new[rest],
                                                 max_new_tokens=max_new_tokens, atomic=False)
       slot_idx[rows, 0] = slots
-      if h.step == step:  # the clock moves once per reservation that placed a token
-        h.step += 1
+      if h.step == step and rows.size:  # the clock moves once per reservation that
+        h.step += 1                     # placed a token
       return slot_idx, status
   return _reserve(h, ids, num_new, max_new_tokens=max_new_tokens, atomic=atomic)
 
 
-def _decode_in_place(h: HostState, ids: np.ndarray, num_new: np.ndarray):
-  """Applies the rows of a non-atomic reservation that take one token in place;
-  returns `(batch positions, slots)`, or None when there is none.
+def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray):
+  """The short path of a non-atomic reservation's one-token rows (see `reserve`).
 
-  A row qualifies when its id is valid, active and not repeated in the batch,
-  it asks for exactly one token, and its tail block is exclusive (one
-  reference, dynamic) with the slot right after the tail free: exactly the rows
-  the general path grows in place by one slot and gives status OK.
+  Returns `(batch positions, slots, done)` of the rows it applied (`done`: every
+  row of the batch is served, the others being padding), or None when it
+  applied none. A row decodes in place when its id is valid, active and not
+  repeated in the batch, it asks for one token, and its tail block is exclusive
+  (one reference, dynamic) with the slot right after the tail free: exactly the
+  rows the general path grows in place. Such a row without that room (or
+  without a segment) and with room in its table takes a fresh block; those are
+  applied only when they and the in-place rows are all the batch has.
   """
   c = h.config
   bs, m, s = c.block_size, c.max_segments, c.max_seqs
@@ -253,31 +259,53 @@ def _decode_in_place(h: HostState, ids: np.ndarray, num_new: np.ndarray):
     return None
   row = _clamp(ids, 0, s - 1)
   ns = h.num_segments[row].astype(np.int64)
-  one &= h.active[row] & (ns > 0)
+  one &= h.active[row] & ~_repeated(ids)
   tail = _clamp(ns - 1, 0, m - 1)
   tb = h.block[row, tail].astype(np.int64)
   pos = (h.start[row, tail] + h.length[row, tail]).astype(np.int64)
-  one &= (pos < bs) & (h.ref_count[tb] == 1) & (h.region[tb] == REGION_DYNAMIC)
   cp = _clamp(pos, 0, bs - 1)
-  word = h.slots[tb, cp // 32]
-  one &= ((word >> (cp % 32).astype(np.uint32)) & 1) == 0
-  one &= ~_repeated(ids)
-  sel = np.flatnonzero(one)
+  free_slot = ((h.slots[tb, cp // 32] >> (cp % 32).astype(np.uint32)) & 1) == 0
+  room = ((ns > 0) & (pos < bs) & (h.ref_count[tb] == 1) & (h.region[tb] == REGION_DYNAMIC)
+          & free_slot)
+  in_place = one & room
+  fresh = one & ~room & (ns < m)
+  done = bool(np.all(in_place | fresh | (ids == -1))) and int(fresh.sum()) <= h.free.num_free
+  if not done:
+    fresh[:] = False
+  sel = np.flatnonzero(in_place | fresh)
   if sel.size == 0:
     return None
-  r, t, b, p = row[sel], tail[sel], tb[sel], pos[sel]
-  h.set_slots(b, h.slots[b] | range_mask(p, np.ones_like(p), c.slot_words))
-  h.grow_tails(r, t)
-  return sel, (b * bs + p).astype(np.int32)
+  slots = np.empty(sel.size, np.int64)
+  ip = in_place[sel]
+  if ip.any():
+    g = sel[ip]
+    b, p = tb[g], pos[g]
+    h.set_slots(b, h.slots[b] | range_mask(p, np.ones_like(p), c.slot_words))
+    h.grow_tails(row[g], tail[g])
+    slots[ip] = b * bs + p
+  if not ip.all():
+    g = sel[~ip]  # ascending: the lowest free blocks in batch order
+    new = h.free.lowest(g.size)
+    h.take_blocks(new)
+    h.set_slots(new, range_mask(np.zeros_like(new), np.ones_like(new), c.slot_words))
+    ones = np.ones(g.size, np.int64)
+    h.extend_rows(row[g], tail[g], np.zeros(g.size, np.int64), np.arange(g.size), ns[g], new,
+                  ones, ones, ones)
+    slots[~ip] = new * bs
+  return sel, slots.astype(np.int32), done
 
 
 def _repeated(ids: np.ndarray) -> np.ndarray:
-  """`bool[B]`: ids (other than -1) that occur more than once in the batch."""
+  """`bool[B]`: the entries whose id occurs more than once in the batch."""
   if ids.size <= 32:
     seen, twice = set(), set()
     for v in ids.tolist():
       (twice if v in seen else seen).add(v)
     return np.array([v in twice for v in ids.tolist()], bool)
+  lo = int(ids.min())
+  if lo >= -1 and int(ids.max()) < 1 << 20:  # row ids: a count per value, no sort
+    counts = np.bincount(ids + 1)
+    return counts[ids + 1] > 1
   _, inv, counts = np.unique(ids, return_inverse=True, return_counts=True)
   return counts[inv.reshape(-1)] > 1
 

@@ -112,5 +112,44 @@ class OneRowTest(parameterized.TestCase):
     self.assertGreater(applied, 100)  # most calls applied something
 
 
+class DecodeBatchTest(parameterized.TestCase):
+  """The non-atomic reservation's short path for one-token rows (`_decode_fast`)
+  against the general path, on batches a decode step makes: many rows, padding,
+  full tails, shared tails, and pools with fewer free blocks than rows need."""
+
+  @parameterized.parameters(0, 1, 2)
+  def test_decode_batches_equal_the_general_path(self, seed):
+    cfg = PoolConfig(num_blocks=(20, 28, 64)[seed], block_size=4, num_layers=1,
+                     num_kv_heads=1, head_dim=2, max_seqs=12, max_segments=5)
+    h = HostState.empty(cfg)
+    rng = np.random.default_rng(seed)
+    fast = 0
+    for step in range(200):
+      inactive, live = np.flatnonzero(~h.active), np.flatnonzero(h.active)
+      if inactive.size and (live.size < 4 or rng.random() < 0.3):
+        src = int(rng.choice(live)) if live.size and rng.random() < 0.5 else None
+        segs = (np.stack([h.block[src, :h.num_segments[src]], h.start[src, :h.num_segments[src]],
+                          h.length[src, :h.num_segments[src]]])[:, None, :]
+                if src is not None and h.num_segments[src] else np.zeros((3, 1, 1), np.int64))
+        T.open_rows(h, inactive[:1], *segs, np.array([segs.shape[2] if src is not None else 0]))
+      if live.size and rng.random() < 0.15:
+        T.release(h, np.array([int(rng.choice(live))]), atomic=True)
+      live = np.flatnonzero(h.active)
+      ids = np.concatenate([live, np.full(int(rng.integers(T.DECODE_FAST_MIN, 14)), -1)])
+      ids = rng.permutation(ids)
+      cnt = np.where(rng.random(ids.size) < 0.95, 1, rng.integers(0, 6, ids.size))
+      lean, general = copy.deepcopy(h), copy.deepcopy(h)
+      a = T.reserve(lean, ids, cnt, max_new_tokens=8, atomic=False)
+      b = T._reserve(general, ids, cnt, max_new_tokens=8, atomic=False)  # pylint: disable=protected-access
+      what = f"seed {seed} step {step}"
+      np.testing.assert_array_equal(a[0], b[0], err_msg=what)
+      np.testing.assert_array_equal(a[1], b[1], err_msg=what)
+      _same(self, lean, general, what)
+      fast += int(np.all(cnt[ids >= 0] == 1))
+      h = lean
+      h.log.reset(h)
+    self.assertGreater(fast, 50)
+
+
 if __name__ == "__main__":
   absltest.main()
