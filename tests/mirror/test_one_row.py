@@ -1,8 +1,9 @@
 """The one-row lean paths of the mirror's transitions against their general paths.
 
 `paged_kv.mirror.transitions` routes a one-row `open_rows`, `reserve`, `release`
-and `cow_split`, and `apply_ref_deltas` of a few entries, to a lean path; here each is compared with the general path on
-the same state (a one-row call padded with a `-1` row takes the general path):
+and `cow_split`, and `apply_ref_deltas` of a few entries, to a lean path; here
+each is compared with the general path on the same state (a one-row call padded
+with a `-1` row takes the general path):
 same statuses, same results, same mirror afterwards, same change log. The
 states come from random host-only runs (the general paths are compared with the
 device in `test_transitions_match.py`), and the calls include the edge cases:
@@ -140,7 +141,8 @@ class DecodeBatchTest(parameterized.TestCase):
       cnt = np.where(rng.random(ids.size) < 0.95, 1, rng.integers(0, 6, ids.size))
       lean, general = copy.deepcopy(h), copy.deepcopy(h)
       a = T.reserve(lean, ids, cnt, max_new_tokens=8, atomic=False)
-      b = T._reserve(general, ids, cnt, max_new_tokens=8, atomic=False)  # pylint: disable=protected-access
+      general_path = T._reserve  # pylint: disable=protected-access
+      b = general_path(general, ids, cnt, max_new_tokens=8, atomic=False)
       what = f"seed {seed} step {step}"
       np.testing.assert_array_equal(a[0], b[0], err_msg=what)
       np.testing.assert_array_equal(a[1], b[1], err_msg=what)
