@@ -28,8 +28,29 @@ Implementations (`impl=`):
 On a GPU target (a GPU backend, or `lowering.abstract_gpu_mesh()` entered for the
 lowering tier) the wrapper refuses at trace time, with a ValueError naming the
 impls that do build, any shape whose kernel cannot lower there;
-`lowerable_decode_impls(...)` answers the same question ahead of time (fastest
-first), `decode_impl_problem(impl, ...)` says why one is refused.
+`lowerable_decode_impls(...)` answers the same question ahead of time (in
+`GPU_DECODE_PREFERENCE` order), `decode_impl_problem(impl, ...)` says why one is
+refused.
+
+Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]`, or the
+pool's stacked `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`
+with `layer=` (a Python int or a traced i32 scalar, e.g. a `lax.scan` index).
+The stacked form is what the model layer passes: slicing `pages[layer]` first
+is a dynamic slice of a whole layer, which XLA materialises as a copy of the
+layer's pool (gigabytes per call) before a custom call can read it. Instead
+every path takes the stacked operand untouched and reads only the blocks it
+needs: "xla" gathers `pages[layer, :, blocks]` in one gather; "pallas" maps the
+layer axis whole into its BlockSpec (a pointer, no copy; Triton switches to
+64-bit offsets past 4 GiB) and adds the layer, a scalar operand, to its
+gather's indices; "mosaic" views the pool as `[num_layers * num_kv_heads, ...]`
+(a bitcast reshape) and TMA-copies pages from row `layer * num_kv_heads + head`,
+the layer carried in its SMEM segment table. A traced layer is read like a
+numpy index (negative counts from the end) and clipped into range.
+
+Split-K (`num_splits=None`, the default): `default_num_splits` picks the split
+count from static shapes only (batch, kv heads, and the context bound: the
+table's `S` entries of `block_size` tokens) so that batch x kv heads x splits
+fills the GPU's SMs at batch 1 and long contexts; a full batch gets 1.
 
 `ref_paged_attention` is the float reference: it rebuilds every sequence's logical
 K/V token by token and runs a plain softmax. It is written independently of the
@@ -59,9 +80,17 @@ MAX_TRITON_TILE = 128 * 256
 _SUPPORTED_IMPLS = ("xla", "pallas")
 _DECODE_IMPLS = ("xla", "pallas", "mosaic")
 _KNOWN_IMPLS = ("xla", "pallas", "mosaic")
-# Preference order on a GPU (fastest verified first); `lowerable_decode_impls`
-# filters it by shape.
-GPU_DECODE_PREFERENCE = ("pallas", "mosaic", "xla")
+# Preference order on a GPU: Mosaic GPU (the Hopper path) where it builds, then
+# Triton, then xla (issue 22; UNMEASURED: no path has been timed on a GPU yet).
+# `lowerable_decode_impls` filters it by shape; `paged_kv.model.default_impl`
+# takes the first that builds (its order is configurable).
+GPU_DECODE_PREFERENCE = ("mosaic", "pallas", "xla")
+# `num_splits=None`: enough programs for twice the SMs, but a split streams at
+# least this many slots (table entries x block_size) and there are at most
+# `MAX_SPLITS` splits.
+MIN_KEYS_PER_SPLIT = 256
+MAX_SPLITS = 256
+DEFAULT_NUM_CORES = 132  # H100/H200 SMs, when the target does not say
 _NEG_INF = float("-inf")
 
 
@@ -99,6 +128,45 @@ def logical_token_slots(
   return block, slot, seq_lens
 
 
+def stacked_pages(k_pages, v_pages, layer):
+  """`(k, v, layer)`: the pages as a `[num_layers, num_kv_heads, num_blocks,
+  block_size, head_dim]` stack and the layer to read, an i32 scalar in range.
+
+  One layer's 4-D pages become a one-layer stack (`[None]`: a reshape, no copy)
+  read at layer 0; `layer` must then be None or 0. Stacked pages need `layer`:
+  a Python int (range-checked) or a traced i32 scalar (negative counts from
+  the end, as a numpy index; clipped into range so that no kernel reads outside
+  the pool).
+  """
+  if k_pages.ndim == 4:
+    if layer is not None and not (isinstance(layer, int) and layer == 0):
+      raise ValueError("layer= is for stacked [num_layers, num_kv_heads, num_blocks,"
+                       f" block_size, head_dim] pages; got one layer's {k_pages.shape}")
+    return k_pages[None], v_pages[None], jnp.zeros((), jnp.int32)
+  num_layers = k_pages.shape[0]
+  if layer is None:
+    raise ValueError(f"stacked pages {k_pages.shape} need layer= (which layer to read)")
+  if isinstance(layer, (int, np.integer)):
+    if not -num_layers <= layer < num_layers:
+      raise ValueError(f"layer {layer} outside [0, {num_layers})")
+    return k_pages, v_pages, jnp.asarray(int(layer) % num_layers, jnp.int32)
+  layer = jnp.asarray(layer)
+  if layer.shape != () or not jnp.issubdtype(layer.dtype, jnp.integer):
+    raise ValueError(f"layer must be an integer scalar, got {layer.dtype}{list(layer.shape)}")
+  layer = layer.astype(jnp.int32)
+  layer = jnp.clip(jnp.where(layer < 0, layer + num_layers, layer), 0, num_layers - 1)
+  return k_pages, v_pages, layer
+
+
+def compute_dtype(q_dtype, kv_dtype):
+  """Dtype of the Q K^T operands: the promoted type of q and the pages, or q's
+  dtype for 8-bit (fp8) pages, which JAX does not promote implicitly (the pages
+  are upcast; nothing is rounded to 8 bits)."""
+  if jnp.dtype(kv_dtype).itemsize == 1:
+    return jnp.dtype(q_dtype)
+  return jnp.promote_types(q_dtype, kv_dtype)
+
+
 def _apply_soft_cap(logits, soft_cap):
   if soft_cap is None:
     return logits
@@ -116,11 +184,15 @@ def ref_paged_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
   """Plain reference: gather logical K/V per token, then a masked softmax.
 
   Computes in the promoted dtype of the inputs (pass float64 for a float64 ref).
+  Stacked pages (`[num_layers, ...]`) are read at `layer` (sliced: a reference).
   """
+  if layer is not None:
+    k_pages, v_pages = k_pages[layer], v_pages[layer]
   batch, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -177,14 +249,15 @@ def static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length
   """
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, num_q_heads, head_dim], got {q.shape}")
-  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+  if k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
     raise ValueError(
         "k_pages and v_pages must both be [num_kv_heads, num_blocks, block_size,"
-        f" head_dim], got {k_pages.shape} and {v_pages.shape}")
+        " head_dim] (one layer) or [num_layers, num_kv_heads, num_blocks, block_size,"
+        f" head_dim] (stacked, with layer=), got {k_pages.shape} and {v_pages.shape}")
   batch, num_q_heads, head_dim = q.shape
-  num_kv_heads = k_pages.shape[0]
-  if k_pages.shape[3] != head_dim:
-    raise ValueError(f"head_dim mismatch: q {head_dim}, pages {k_pages.shape[3]}")
+  num_kv_heads, _, block_size, page_head_dim = k_pages.shape[-4:]
+  if page_head_dim != head_dim:
+    raise ValueError(f"head_dim mismatch: q {head_dim}, pages {page_head_dim}")
   if num_q_heads % num_kv_heads:
     raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
                      f"num_kv_heads={num_kv_heads}")
@@ -225,12 +298,12 @@ def static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length
   if not interpret and platform in ("cuda", "rocm"):
     problem = decode_impl_problem(
         impl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, block_size=k_pages.shape[2], dtype=k_pages.dtype,
+        head_dim=head_dim, block_size=block_size, dtype=k_pages.dtype,
         pages_per_step=pages_per_step, platform=platform)
     if problem is not None:
       ok = lowerable_decode_impls(
           num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-          block_size=k_pages.shape[2], dtype=k_pages.dtype,
+          block_size=block_size, dtype=k_pages.dtype,
           pages_per_step=pages_per_step, platform=platform)
       raise ValueError(f"cannot build on {platform}: {problem}; impls that build "
                        f"for this shape: {ok}")
@@ -272,13 +345,39 @@ def default_pages_per_step(block_size: int) -> int:
   return max(1, KEYS_PER_STEP // block_size)
 
 
+def target_num_cores() -> int:
+  """SMs of the GPU being built for: the abstract device's `num_cores` under an
+  abstract mesh (the lowering tier), else the first GPU's `core_count`, else
+  `DEFAULT_NUM_CORES` (H100/H200)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  cores = getattr(device, "num_cores", None) if device is not None else None
+  if not cores and jax.default_backend() == "gpu":
+    cores = getattr(jax.devices()[0], "core_count", None)
+  return int(cores) if cores else DEFAULT_NUM_CORES
+
+
 def default_num_splits(*, batch: int, num_kv_heads: int, num_seg_slots: int,
-                       pages_per_step: int, num_cores: int = 132) -> int:
-  """Split-K factor for `num_splits=None`: enough programs to fill `num_cores`
-  SMs twice over, at least one step of segments per split."""
+                       pages_per_step: int, block_size: int | None = None,
+                       num_cores: int | None = None) -> int:
+  """Split-K factor for `num_splits=None`, from static shapes only.
+
+  The context bound is the table width: `num_seg_slots` entries of (at most)
+  `block_size` tokens. Asks for enough (row, kv head, split) programs to fill
+  `num_cores` SMs (default `target_num_cores()`) twice over, i.e.
+  `ceil(2 * num_cores / (batch * num_kv_heads))` splits, but gives each split
+  at least one step of `pages_per_step` entries and `MIN_KEYS_PER_SPLIT` slots
+  (merging partials costs more than a short split saves), and at most
+  `MAX_SPLITS`. Batch 1 x 8 kv heads x a 128k-token bound at block 16 gets 33
+  splits (264 programs); 256 rows x 8 heads get 1.
+  """
+  num_cores = target_num_cores() if num_cores is None else num_cores
   programs = max(1, batch * num_kv_heads)
   want = max(1, -(-2 * num_cores // programs))
-  return max(1, min(want, -(-num_seg_slots // pages_per_step), 256))
+  min_entries = pages_per_step
+  if block_size:
+    min_entries = max(min_entries, -(-MIN_KEYS_PER_SPLIT // block_size))
+  return max(1, min(want, -(-num_seg_slots // min_entries), MAX_SPLITS))
 
 
 def _is_pow2(n: int) -> bool:
@@ -288,13 +387,15 @@ def _is_pow2(n: int) -> bool:
 def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
                         head_dim: int, block_size: int, dtype,
                         pages_per_step: int | None = None,
-                        platform: str | None = None) -> str | None:
+                        platform: str | None = None,
+                        q_dtype=None) -> str | None:
   """Why `paged_attention(impl=impl)` cannot be built for this shape on
   `platform` (default: the trace's target, `lowering.target_platform()`), or
   None if it can. What it says matches the lowering tier
   (`tests/kernels/test_lowering.py`): every shape it accepts lowers for an
   abstract H100/H200 with JAX 0.11.2 and 0.12. On CPU every impl is accepted
-  ("mosaic" then needs `interpret=`; the wrapper says so).
+  ("mosaic" then needs `interpret=`; the wrapper says so). `q_dtype` (default:
+  the pages' dtype): "mosaic" needs queries in the pages' dtype.
   """
   from pallas_kernels import lowering
 
@@ -323,33 +424,64 @@ def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
   if platform != "cuda":
     return "impl='mosaic' needs an NVIDIA (cuda) GPU"
   from pallas_kernels import paged_attention_mosaic as pm
-  return pm.mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                           head_dim=head_dim, block_size=block_size, dtype=dtype,
-                           pages_per_step=pages_per_step)
+  problem = pm.mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                              head_dim=head_dim, block_size=block_size, dtype=dtype,
+                              pages_per_step=pages_per_step)
+  if problem is None and q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
+    problem = (f"impl='mosaic' needs q in the pages' dtype, got q "
+               f"{jnp.dtype(q_dtype).name} ({shape})")
+  return problem
+
+
+def default_path_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
+                         head_dim: int, block_size: int, dtype,
+                         pages_per_step: int | None = None,
+                         platform: str | None = None, q_dtype=None) -> str | None:
+  """`decode_impl_problem`, plus what keeps a library default (`impl=None`) off
+  an impl that builds but is known to be bad at this shape (the Mosaic kernel
+  that spills registers: `paged_attention_mosaic.mosaic_default_caveat`).
+  None: the default path may pick it."""
+  problem = decode_impl_problem(
+      impl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      block_size=block_size, dtype=dtype, pages_per_step=pages_per_step,
+      platform=platform, q_dtype=q_dtype)
+  if problem is None and impl == "mosaic":
+    from pallas_kernels import lowering
+    if (platform or lowering.target_platform()) == "cuda":
+      from pallas_kernels import paged_attention_mosaic as pm
+      problem = pm.mosaic_default_caveat(head_dim=head_dim, dtype=dtype)
+  return problem
 
 
 def lowerable_decode_impls(*, num_q_heads: int, num_kv_heads: int, head_dim: int,
                            block_size: int, dtype,
                            pages_per_step: int | None = None,
-                           platform: str | None = None) -> tuple[str, ...]:
+                           platform: str | None = None,
+                           preference: tuple[str, ...] | None = None,
+                           q_dtype=None) -> tuple[str, ...]:
   """The decode impls that build for this shape on `platform` (default: the
-  trace's target), fastest first on a GPU (`GPU_DECODE_PREFERENCE`), "xla" first
-  elsewhere. "xla" is always in it; `[0]` is the one to use."""
+  trace's target), in `preference` order on a GPU (default
+  `GPU_DECODE_PREFERENCE`), "xla" first elsewhere. "xla" is always in it (if
+  in `preference`); `[0]` is the one to use."""
   from pallas_kernels import lowering
 
   return lowering.lowerable_impls(
-      GPU_DECODE_PREFERENCE, decode_impl_problem, platform=platform,
+      GPU_DECODE_PREFERENCE if preference is None else tuple(preference),
+      decode_impl_problem, platform=platform,
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-      block_size=block_size, dtype=dtype, pages_per_step=pages_per_step)
+      block_size=block_size, dtype=dtype, pages_per_step=pages_per_step,
+      q_dtype=q_dtype)
 
 
 # XLA gather path ---------------------------------------------------------------
 
 
-def _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_length,
-                         num_segments, *, sm_scale, soft_cap):
+def _xla_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
+                         seg_length, num_segments, *, sm_scale, soft_cap):
+  """`k_pages`, `v_pages`: the stacked pool; one gather per operand reads the
+  row's blocks of `layer` (`pages[layer, :, blocks]`), never the whole layer."""
   batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  _, num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   num_seg_slots = seg_block.shape[1]
   valid = jnp.arange(num_seg_slots)[None, :] < num_segments[:, None]  # [B, S]
@@ -357,20 +489,22 @@ def _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_length,
   j = jnp.arange(block_size)[None, None, :]
   mask = (valid[:, :, None] & (j >= seg_start[:, :, None]) &
           (j < (seg_start + seg_length)[:, :, None]))  # [B, S, bs]
-  mask = mask.reshape(batch, num_seg_slots * block_size)
-  k = k_pages[:, blocks].reshape(num_kv_heads, batch, -1, head_dim)
-  v = v_pages[:, blocks].reshape(num_kv_heads, batch, -1, head_dim)
-  v = jnp.where(mask[None, :, :, None], v, jnp.zeros((), v.dtype))
-  qg = q.reshape(batch, num_kv_heads, group, head_dim)
-  logits = jnp.einsum("bhgd,hbtd->bhgt", qg, k,
+  k = k_pages[layer, :, blocks]  # [B, S, KVH, bs, D]
+  v = v_pages[layer, :, blocks]
+  v = jnp.where(mask[:, :, None, :, None], v, jnp.zeros((), v.dtype))
+  ct = compute_dtype(q.dtype, k.dtype)
+  qg = q.reshape(batch, num_kv_heads, group, head_dim).astype(ct)
+  logits = jnp.einsum("bhgd,bshjd->bhgsj", qg, k.astype(ct),
                       preferred_element_type=jnp.float32) * sm_scale
   logits = _apply_soft_cap(logits, soft_cap)
-  logits = jnp.where(mask[:, None, None, :], logits, _NEG_INF)
+  logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
+  logits = logits.reshape(batch, num_kv_heads, group, num_seg_slots * block_size)
   m = jnp.max(logits, axis=-1, keepdims=True)
   m = jnp.where(m == _NEG_INF, 0.0, m)
   p = jnp.exp(logits - m)
   denom = jnp.sum(p, axis=-1, keepdims=True)
-  out = jnp.einsum("bhgt,hbtd->bhgd", p, v.astype(jnp.float32))
+  p = p.reshape(batch, num_kv_heads, group, num_seg_slots, block_size)
+  out = jnp.einsum("bhgsj,bshjd->bhgd", p, v.astype(jnp.float32))
   out = jnp.where(denom == 0, 0.0, out / jnp.where(denom == 0, 1.0, denom))
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
@@ -379,10 +513,13 @@ def _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_length,
 
 
 def load_segment_pages(k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_ref,
-                       *, row, first, end, pages_per_step, cum_before_ref=None):
+                       *, row, first, end, pages_per_step, cum_before_ref=None,
+                       layer=None):
   """Loads segments `first .. first+pages_per_step-1` (entries < `end` valid).
 
-  `k_ref`, `v_ref`: one kv head's pages `[num_blocks, bs, D]`. The table refs
+  `k_ref`, `v_ref`: one kv head's pages, `[num_blocks, bs, D]`, or, with
+  `layer` (an i32 scalar), every layer's `[num_layers, num_blocks, bs, D]` read
+  at `layer`. The table refs
   must have at least `first + pages_per_step` entries per row (the wrappers pad
   them to a multiple of `pages_per_step`), so the table slice is always in
   bounds. The step's blocks come in one indexed (gather) load each for K and V
@@ -395,7 +532,7 @@ def load_segment_pages(k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_re
   dereferenced: their block index is replaced by 0 before the load and every slot
   they cover is masked.
   """
-  num_blocks, block_size, head_dim = k_ref.shape
+  num_blocks, block_size, head_dim = k_ref.shape[-3:]
   num_pages = pages_per_step
   sl = pl.ds(first, num_pages)
   valid = (first + jax.lax.broadcasted_iota(jnp.int32, (num_pages,), 0)) < end
@@ -404,8 +541,12 @@ def load_segment_pages(k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_re
   length = seg_length_ref[row, sl][:, None]
   j = jax.lax.broadcasted_iota(jnp.int32, (num_pages, block_size), 1)
   mask = valid[:, None] & (j >= start) & (j < start + length)  # [P, bs]
-  k = k_ref[blk]  # [P, bs, D]
-  v = v_ref[blk]
+  if layer is None:
+    k = k_ref[blk]  # [P, bs, D]
+    v = v_ref[blk]
+  else:
+    k = k_ref[layer, blk]  # [P, bs, D]
+    v = v_ref[layer, blk]
   v = jnp.where(mask[:, :, None], v, jnp.zeros((), v.dtype))
   if cum_before_ref is None:
     key_pos = j
@@ -416,51 +557,64 @@ def load_segment_pages(k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_re
           mask.reshape(flat), key_pos.reshape(flat))
 
 
-def online_softmax_update(carry, logits, v):
+def pv_dtype(q_dtype, v_dtype):
+  """Dtype of the P V operands: the pages' dtype (bf16 stays bf16, f32
+  accumulate), except 8-bit (fp8) pages, whose V is upcast to q's dtype rather
+  than rounding the probabilities to 8 bits."""
+  return jnp.dtype(q_dtype) if jnp.dtype(v_dtype).itemsize == 1 else jnp.dtype(v_dtype)
+
+
+def online_softmax_update(carry, logits, v, p_dtype=None):
   """One flash step. carry = (m f32[R], l f32[R], acc f32[R, D]); logits f32[R, N]
   already masked with -inf; v [N, D] (pages' dtype) with masked rows zero. The
-  probabilities go into the dot in v's dtype (bf16 stays bf16, f32 accumulate)."""
+  probabilities and V go into the dot in `p_dtype` (default v's dtype: bf16
+  stays bf16; see `pv_dtype`), accumulated in f32."""
   m_prev, l_prev, acc_prev = carry
+  p_dtype = v.dtype if p_dtype is None else p_dtype
   m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1))
   m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
   p = jnp.exp(logits - m_safe[:, None])
   alpha = jnp.exp(m_prev - m_safe)
   l_new = alpha * l_prev + jnp.sum(p, axis=1)
   acc_new = alpha[:, None] * acc_prev + jnp.dot(
-      p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      p.astype(p_dtype), v.astype(p_dtype), preferred_element_type=jnp.float32)
   return m_new, l_new, acc_new
 
 
 def paged_attention_kernel(
+    layer_ref,  # i32[1] the layer to read
     num_segments_ref,  # i32[B]
     seg_block_ref,  # i32[B, S_pad]
     seg_start_ref,  # i32[B, S_pad]
     seg_length_ref,  # i32[B, S_pad]
     q_ref,  # [G_pad, D] (this row, this kv head; rows >= G are zero padding)
-    k_ref,  # [num_blocks, bs, D] (this kv head)
-    v_ref,  # [num_blocks, bs, D]
+    k_ref,  # [num_layers, num_blocks, bs, D] (this kv head, every layer)
+    v_ref,  # [num_layers, num_blocks, bs, D]
     acc_ref,  # f32[G_pad, D] unnormalised output of this split
     m_ref,  # f32[G_pad] running max of this split
     l_ref,  # f32[G_pad] softmax denominator of this split
     *, sm_scale, soft_cap, segments_per_split, pages_per_step):
-  """Program (b, h, s): segments [s*per, min((s+1)*per, num_segments[b]))."""
+  """Program (b, h, s): segments [s*per, min((s+1)*per, num_segments[b])) of
+  layer `layer_ref[0]`."""
   row, split = pl.program_id(0), pl.program_id(2)
   group, head_dim = q_ref.shape
+  layer = layer_ref[0]
   first = split * segments_per_split
   end = jnp.minimum(first + segments_per_split, num_segments_ref[row])
   num_steps = jnp.maximum(0, pl.cdiv(end - first, pages_per_step))
   q = q_ref[...]
+  p_dtype = pv_dtype(q.dtype, v_ref.dtype)
 
   def body(step, carry):
     k, v, mask, _ = load_segment_pages(
         k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_ref, row=row,
         first=first + step * pages_per_step, end=end,
-        pages_per_step=pages_per_step)
+        pages_per_step=pages_per_step, layer=layer)
     logits = jax.lax.dot_general(q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32) * sm_scale
     logits = _apply_soft_cap(logits, soft_cap)
     logits = jnp.where(mask[None, :], logits, _NEG_INF)
-    return online_softmax_update(carry, logits, v)
+    return online_softmax_update(carry, logits, v, p_dtype)
 
   init = (jnp.full((group,), _NEG_INF, jnp.float32),
           jnp.zeros((group,), jnp.float32),
@@ -502,17 +656,30 @@ def padded_group(group: int) -> int:
   return 1 << max(0, (group - 1).bit_length())
 
 
-def _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_length,
-                            num_segments, *, sm_scale, soft_cap, num_splits,
-                            pages_per_step, interpret):
+def split_entries(num_seg_slots: int, num_splits: int, multiple: int) -> tuple[int, int]:
+  """`(splits, entries per split)`: `num_seg_slots` entries cut into at most
+  `num_splits` splits of a multiple of `multiple` entries, none of them empty."""
+  per = pl.cdiv(pl.cdiv(num_seg_slots, max(1, num_splits)), multiple) * multiple
+  return pl.cdiv(num_seg_slots, per), per
+
+
+def pages_spec(num_layers, num_blocks, block_size, head_dim, head_of):
+  """BlockSpec of the stacked pages for one kv head (`head_of(*program_ids)`):
+  every layer of that head, whole (the kernel indexes the layer itself), so the
+  operand is the pool as it is: no slice, no copy."""
+  return pl.BlockSpec((num_layers, None, num_blocks, block_size, head_dim),
+                      lambda *ids: (0, head_of(*ids), 0, 0, 0))
+
+
+def _pallas_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
+                            seg_length, num_segments, *, sm_scale, soft_cap,
+                            num_splits, pages_per_step, interpret):
   batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  num_layers, num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   group_pad = padded_group(group)
   num_seg_slots = seg_block.shape[1]
-  num_splits = min(num_splits, pl.cdiv(num_seg_slots, pages_per_step))
-  per_split = pl.cdiv(pl.cdiv(num_seg_slots, num_splits), pages_per_step)
-  per_split *= pages_per_step  # whole steps per split: table slices in bounds
+  num_splits, per_split = split_entries(num_seg_slots, num_splits, pages_per_step)
   seg_block, seg_start, seg_length = pad_segment_table(
       seg_block, seg_start, seg_length, multiple=per_split * num_splits)
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
@@ -521,13 +688,14 @@ def _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_lengt
       paged_attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
       segments_per_split=per_split, pages_per_step=pages_per_step)
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
-  head_pages = pl.BlockSpec((None, num_blocks, block_size, head_dim),
-                            lambda b, h, s: (h, 0, 0, 0))
+  head_pages = pages_spec(num_layers, num_blocks, block_size, head_dim,
+                          lambda b, h, s: h)
+  layer = jnp.reshape(layer, (1,))
   acc, m, l = pl.pallas_call(
       kernel,
       grid=(batch, num_kv_heads, num_splits),
       in_specs=[
-          whole(num_segments), whole(seg_block), whole(seg_start),
+          whole(layer), whole(num_segments), whole(seg_block), whole(seg_start),
           whole(seg_length),
           pl.BlockSpec((None, None, group_pad, head_dim),
                        lambda b, h, s: (b, h, 0, 0)),
@@ -552,7 +720,7 @@ def _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_lengt
       ],
       interpret=interpret,
       name="paged_attention",
-  )(num_segments, seg_block, seg_start, seg_length, qg, k_pages, v_pages)
+  )(layer, num_segments, seg_block, seg_start, seg_length, qg, k_pages, v_pages)
   out = merge_splits(acc, m, l, axis=2)[:, :, :group]  # [B, KVH, G, D]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
@@ -566,8 +734,8 @@ def _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start, seg_lengt
                      "pages_per_step"))
 def paged_attention(
     q: jax.Array,  # [B, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim] or [L, ...]
+    v_pages: jax.Array,  # same shape as k_pages
     seg_block: jax.Array,  # i32[B, S]
     seg_start: jax.Array,  # i32[B, S]
     seg_length: jax.Array,  # i32[B, S]
@@ -575,16 +743,21 @@ def paged_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
-    num_splits: int | None = 1,
+    num_splits: int | None = None,
     impl: str = "xla",
     interpret=False,
     pages_per_step: int | None = None,
+    layer: jax.Array | int | None = None,  # i32[] with stacked pages
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
   """Decode attention of one query token per row over its segment table.
 
   Args:
     q: queries, `num_q_heads` a multiple of `num_kv_heads` (GQA).
-    k_pages, v_pages: one layer's pages.
+    k_pages, v_pages: one layer's pages `[num_kv_heads, num_blocks, block_size,
+      head_dim]`, or the pool's stacked pages `[num_layers, ...]` with `layer`.
+      Pass the stacked pages rather than `pages[layer]`: that slice becomes a
+      copy of the whole layer in the compiled step; every impl reads the
+      stacked operand in place (module docstring).
     seg_block, seg_start, seg_length: segment table padded to S entries per row;
       only entries `s < num_segments[b]` are read.
     num_segments: number of valid segments per row; 0 gives a zero output row.
@@ -592,9 +765,11 @@ def paged_attention(
     soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)` (after
       scaling).
     num_splits: split-K factor over segment entries ("pallas", "mosaic"; flash
-      decoding); None picks one that fills the GPU (`default_num_splits`).
-      "mosaic" raises it so no split holds more than 1,024 entries. The "xla"
-      path computes the exact softmax in one pass and ignores it.
+      decoding); None (the default) picks one from the static shapes
+      (`default_num_splits`: batch x kv heads x splits fills the SMs at batch
+      1 and long contexts). "mosaic" raises it so no split holds more than
+      1,024 entries. The "xla" path computes the exact softmax in one pass and
+      ignores it.
     impl: "xla" (CPU default), "pallas" or "mosaic" (Mosaic GPU, Hopper). On a
       GPU target the wrapper refuses, at trace time, a shape the impl cannot
       build for (ValueError naming the impls that can);
@@ -605,23 +780,30 @@ def paged_attention(
     pages_per_step: segments loaded per online-softmax step ("pallas") or per
       SMEM ring stage ("mosaic"); None = `default_pages_per_step(block_size)`
       (64 slots per step).
+    layer: which layer of stacked pages to read (an int or a traced i32
+      scalar; negative counts from the end; clipped into range); None with
+      one layer's pages.
 
-  Accumulation is float32 for every input dtype.
+  Accumulation is float32 for every input dtype; fp8 pages are upcast to q's
+  dtype before both products (the probabilities are never rounded to fp8).
   """
   static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length,
                          num_segments, sm_scale=sm_scale, soft_cap=soft_cap,
                          num_splits=num_splits, impl=impl,
                          pages_per_step=pages_per_step, interpret=interpret,
                          supported_impls=_DECODE_IMPLS)
+  k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+  block_size = k_pages.shape[3]
   if pages_per_step is None:
-    pages_per_step = default_pages_per_step(k_pages.shape[2])
+    pages_per_step = default_pages_per_step(block_size)
   if num_splits is None:
     num_splits = default_num_splits(
-        batch=q.shape[0], num_kv_heads=k_pages.shape[0],
-        num_seg_slots=seg_block.shape[1], pages_per_step=pages_per_step)
+        batch=q.shape[0], num_kv_heads=k_pages.shape[1],
+        num_seg_slots=seg_block.shape[1], pages_per_step=pages_per_step,
+        block_size=block_size)
   if impl == "xla":
-    return _xla_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
+    return _xla_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
                                 seg_length, num_segments, sm_scale=sm_scale,
                                 soft_cap=soft_cap)
   if impl == "mosaic":
@@ -631,8 +813,8 @@ def paged_attention(
                                   seg_length, num_segments, sm_scale=sm_scale,
                                   soft_cap=soft_cap, interpret=interpret or None,
                                   pages_per_step=pages_per_step,
-                                  num_splits=num_splits)
-  return _pallas_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
+                                  num_splits=num_splits, layer=layer)
+  return _pallas_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
                                  seg_length, num_segments, sm_scale=sm_scale,
                                  soft_cap=soft_cap, num_splits=num_splits,
                                  pages_per_step=pages_per_step,

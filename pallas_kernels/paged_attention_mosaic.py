@@ -26,9 +26,15 @@ lower for Hopper:
     layout, `where`, store, proxy fence) before the P V wgmma, since 0 * NaN
     would leak;
   * the split's segment table is one TMA copy of `[4, chunks, 128]` i32 (rows
-    block, start, length, count), every box dimension <= 256; at most
-    `MAX_TABLE_CHUNKS * 128` entries per split (the wrapper raises the split
-    count to fit);
+    block, start, length, and a row holding the split's count of entries and
+    the layer), every box dimension <= 256; at most `MAX_TABLE_CHUNKS * 128`
+    entries per split (the wrapper raises the split count to fit); a split's
+    entries need not fill its chunks (short splits for split-K at batch 1);
+  * the pages are the pool's stacked `[num_layers, num_kv_heads, num_blocks,
+    block_size, head_dim]`, viewed as `[num_layers * num_kv_heads, ...]` (a
+    bitcast reshape, no copy); a program copies pages from row
+    `layer * num_kv_heads + head`, so no per-layer slice of the pool (which XLA
+    would materialise as a copy before the custom call) is ever made;
   * head_dim <= 128 (`kernel_config`): warp specialized, as upstream's
     attention: a producer warpgroup (40 registers) issues every TMA copy and
     refills a ring slot as soon as the consumer warpgroup (232 registers)
@@ -125,18 +131,31 @@ def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
   return None
 
 
+def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
+  """Why the library's default path (`impl=None`) should skip this kernel at a
+  shape it does build for, or None. The one-warpgroup kernel (head_dim 256:
+  no producer warpgroup fits shared memory) spills registers when compiled for
+  sm_90a (compile tier, ptxas: 255 registers, ~570 spill stores); explicit
+  `impl="mosaic"` still runs it."""
+  warp_specialized, stages = kernel_config(head_dim, dtype)
+  if stages and not warp_specialized:
+    return (f"impl='mosaic' at head_dim {head_dim} (one warpgroup) spills registers "
+            f"when compiled for sm_90a (compile tier); the default path skips it")
+  return None
+
+
 # Kernel -------------------------------------------------------------------------
 
 
 def mosaic_paged_attention_kernel(
-    table_gmem,  # i32[B, NS, 4, C, 128]: block, start, length; [.., 3, 0, 0] count
+    table_gmem,  # i32[B, NS, 4, C, 128]: block, start, length; [.., 3, 0, :2] count, layer
     q_gmem,  # [B, KVH, 64, D] (group rows, zero padded)
-    k_gmem,  # [KVH, num_blocks, bs, D]
-    v_gmem,  # [KVH, num_blocks, bs, D]
+    k_gmem,  # [L * KVH, num_blocks, bs, D] (layer-major, every layer)
+    v_gmem,  # [L * KVH, num_blocks, bs, D]
     o_gmem,  # f32[B, KVH, NS, 64, D] normalised output of each split
     lse_gmem,  # f32[B, KVH, NS, 64] log2-sum-exp2 of each split (-inf: empty)
     *, sm_scale, soft_cap, pages_per_step, num_stages, chunks,
-    warp_specialized):
+    warp_specialized, num_kv_heads):
   """Program (row, kv head, split): attention of the padded group over the
   split's segments, written as a normalised tile plus its LSE.
 
@@ -185,6 +204,7 @@ def mosaic_paged_attention_kernel(
 
     plgpu.barrier_wait(in_barriers.at[0])
     count = table_smem[3, 0, 0]  # valid entries of this split
+    page_row = table_smem[3, 0, 1] * num_kv_heads + head  # layer-major row
     num_steps = (count + num_pages - 1) // num_pages
 
     def entry(r, idx):
@@ -196,7 +216,7 @@ def mosaic_paged_attention_kernel(
         idx = step * num_pages + p
         blk = jnp.clip(jnp.where(idx < count, entry(0, idx), 0), 0,
                        num_blocks - 1)
-        plgpu.copy_gmem_to_smem(gmem.at[head, blk],
+        plgpu.copy_gmem_to_smem(gmem.at[page_row, blk],
                                 ring.at[slot, pl.ds(p * block_size, block_size)],
                                 barriers.at[slot * num_pages + p])
 
@@ -364,19 +384,27 @@ def mosaic_paged_attention_kernel(
 
 
 def pack_segment_table(seg_block, seg_start, seg_length, num_segments, *,
-                       num_splits):
-  """`i32[B, NS, 4, C, 128]`: split s holds entries `[s*C*128, (s+1)*C*128)` as
-  rows block, start, length, and its count of valid entries at `[3, 0, 0]`."""
+                       num_splits, layer=None):
+  """`i32[B, NS, 4, C, 128]`: split s holds entries `[s*per, (s+1)*per)` with
+  `per = ceil(S / NS)` (padded to `C * 128` lanes) as rows block, start,
+  length; row 3 holds the split's count of valid entries at `[3, 0, 0]` and the
+  layer (default 0) at `[3, 0, 1]`."""
   batch, num_seg_slots = seg_block.shape
-  per = pl.cdiv(pl.cdiv(num_seg_slots, num_splits), TABLE_LANES) * TABLE_LANES
-  chunks = per // TABLE_LANES
+  per = pl.cdiv(num_seg_slots, num_splits)
+  chunks = pl.cdiv(per, TABLE_LANES)
   shape = (batch, num_splits, 1, chunks, TABLE_LANES)
-  pad = lambda a: jnp.pad(a, ((0, 0), (0, per * num_splits - num_seg_slots))
-                          ).reshape(shape)
+
+  def pad(a):
+    a = jnp.pad(a, ((0, 0), (0, per * num_splits - num_seg_slots)))
+    a = a.reshape(batch, num_splits, per)
+    return jnp.pad(a, ((0, 0), (0, 0), (0, chunks * TABLE_LANES - per))).reshape(shape)
+
   count = jnp.clip(num_segments[:, None] - jnp.arange(num_splits)[None] * per,
                    0, per)
-  count = jnp.zeros(shape, jnp.int32).at[:, :, 0, 0, 0].set(count)
-  return jnp.concatenate([pad(seg_block), pad(seg_start), pad(seg_length), count],
+  layer = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+  meta = jnp.zeros(shape, jnp.int32).at[:, :, 0, 0, 0].set(count)
+  meta = meta.at[:, :, 0, 0, 1].set(layer)
+  return jnp.concatenate([pad(seg_block), pad(seg_start), pad(seg_length), meta],
                          axis=2)
 
 
@@ -397,8 +425,8 @@ def merge_splits_log2(o, lse, axis):
                                              "pages_per_step", "num_splits"))
 def mosaic_paged_attention(
     q: jax.Array,  # [B, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim] or [L, ...]
+    v_pages: jax.Array,  # same shape as k_pages
     seg_block: jax.Array,  # i32[B, S]
     seg_start: jax.Array,  # i32[B, S]
     seg_length: jax.Array,  # i32[B, S]
@@ -409,11 +437,14 @@ def mosaic_paged_attention(
     interpret=None,
     pages_per_step: int | None = None,
     num_splits: int = 1,
+    layer: jax.Array | int | None = None,  # i32[] with stacked pages
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
   """Decode attention with the Mosaic GPU kernel (inputs validated by the caller,
   `paged_attention.static_validate_inputs`; shape limits by `mosaic_problem`).
 
   Args:
+    k_pages, v_pages: one layer's pages, or the stacked pool with `layer`
+      (read in place: see the module docstring).
     sm_scale: logits scale (already resolved, not None).
     soft_cap: optional tanh cap applied after scaling.
     interpret: None (compile for Hopper), True (`InterpretGPUParams(
@@ -421,13 +452,16 @@ def mosaic_paged_attention(
     pages_per_step: None or `BLOCK_KV // block_size`.
     num_splits: split-K factor; raised so that no split has more than
       `MAX_TABLE_CHUNKS * 128` segment entries.
+    layer: the layer of stacked pages (`paged_attention.stacked_pages`).
   """
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
   from pallas_kernels import lowering
+  from pallas_kernels import paged_attention as pa
 
+  k_pages, v_pages, layer = pa.stacked_pages(k_pages, v_pages, layer)
   batch, num_q_heads, head_dim = q.shape
-  num_kv_heads, _, block_size, _ = k_pages.shape
+  num_layers, num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   problem = mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                            head_dim=head_dim, block_size=block_size,
@@ -446,15 +480,21 @@ def mosaic_paged_attention(
   max_per_split = MAX_TABLE_CHUNKS * TABLE_LANES
   num_splits = max(1, min(num_splits, pl.cdiv(num_seg_slots, pages_per_step)),
                    pl.cdiv(num_seg_slots, max_per_split))
+  num_splits, _ = pa.split_entries(num_seg_slots, num_splits, 1)  # none empty
   table = pack_segment_table(seg_block, seg_start, seg_length, num_segments,
-                             num_splits=num_splits)
+                             num_splits=num_splits, layer=layer)
   num_splits, chunks = table.shape[1], table.shape[3]
+  # Layer-major rows: a bitcast of the stacked pool (no copy), 4-D like one
+  # layer's pages, so the TMA copies keep the rank they were verified with.
+  k_rows = k_pages.reshape(num_layers * num_kv_heads, num_blocks, block_size, head_dim)
+  v_rows = v_pages.reshape(num_layers * num_kv_heads, num_blocks, block_size, head_dim)
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, BLOCK_ROWS - group), (0, 0)))
   kernel = functools.partial(mosaic_paged_attention_kernel, sm_scale=sm_scale,
                              soft_cap=soft_cap, pages_per_step=pages_per_step,
                              num_stages=num_stages, chunks=chunks,
-                             warp_specialized=warp_specialized)
+                             warp_specialized=warp_specialized,
+                             num_kv_heads=num_kv_heads)
   tile = (batch, num_kv_heads, num_splits, BLOCK_ROWS)
   threads = dict(num_threads=2, thread_name="wg") if warp_specialized else {}
   o, lse = plgpu.kernel(
@@ -465,6 +505,6 @@ def mosaic_paged_attention(
       grid_names=("row", "head", "split"),
       interpret=interpret,
       **threads,
-  )(table, qg, k_pages, v_pages)
+  )(table, qg, k_rows, v_rows)
   out = merge_splits_log2(o, lse, axis=2)[:, :, :group]  # [B, KVH, G, D]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -17,9 +17,16 @@ Implementations (`impl=`):
               times the GQA group, loops over the rows its tokens belong to and,
               per row, over its segments `pages_per_step` blocks at a time with an
               online softmax; masks keep keys of other rows, slots outside
-              segments and future positions out. Output tiles never overlap, so
-              programs are independent.
+              segments and future positions out. Causal cutoff per tile: a row's
+              loop stops after the last segment that starts at or before the
+              tile's last position in that row (`entries_needed`), so a chunk's
+              early tiles never stream its later tokens' pages. Output tiles
+              never overlap, so programs are independent.
   * "mosaic": not implemented (ValueError).
+
+Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]` or the
+stacked pool with `layer=`, read in place exactly as the decode kernels do (see
+`paged_attention`'s module docstring: no per-layer slice, hence no copy).
 
 `ref_prefill_attention` is the float reference on logical token order.
 """
@@ -60,6 +67,29 @@ def _token_rows(cu_q_lens, seq_lens, num_tokens):
   return row, jnp.where(in_batch, pos, -1)
 
 
+def entries_needed(cum_before, num_segments, row, pos):
+  """`i32[T]`: table entries token t (of `row[t]`, at logical position `pos[t]`)
+  can see: those whose segment starts at or before `pos[t]` (`cum_before`,
+  `i32[B, S]`, is non-decreasing along a row). 0 for padding tokens
+  (`row == B`, `pos < 0`). A binary search per token, one element gathered per
+  token and step: O(T log S), nothing of size T x S."""
+  batch, num_seg_slots = cum_before.shape
+  safe = jnp.minimum(row, batch - 1)
+
+  def bisect(_, bounds):  # first entry with cum_before > pos, in [lo, hi]
+    lo, hi = bounds
+    mid = (lo + hi) // 2
+    right = cum_before[safe, jnp.minimum(mid, num_seg_slots - 1)] <= pos
+    live = lo < hi
+    return (jnp.where(live & right, mid + 1, lo), jnp.where(live & ~right, mid, hi))
+
+  lo = jnp.zeros(row.shape, jnp.int32)
+  hi = jnp.full(row.shape, num_seg_slots, jnp.int32)
+  count, _ = jax.lax.fori_loop(0, num_seg_slots.bit_length(), bisect, (lo, hi))
+  return jnp.where((row < batch) & (pos >= 0),
+                   jnp.minimum(count, num_segments[safe]), 0).astype(jnp.int32)
+
+
 def _seq_lens_and_cum(seg_length, num_segments):
   valid = jnp.arange(seg_length.shape[1])[None, :] < num_segments[:, None]
   lengths = jnp.where(valid, seg_length, 0)
@@ -82,8 +112,12 @@ def ref_prefill_attention(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
+    layer: int | jax.Array | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
-  """Plain reference: logical K/V of each token's row, causal masked softmax."""
+  """Plain reference: logical K/V of each token's row, causal masked softmax.
+  Stacked pages (`[num_layers, ...]`) are read at `layer`."""
+  if layer is not None:
+    k_pages, v_pages = k_pages[layer], v_pages[layer]
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads, _, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -165,14 +199,17 @@ def xla_tile_size(num_tokens: int, batch: int) -> int:
   return min(_XLA_MAX_TILE, 1 << (mean - 1).bit_length())
 
 
-def _xla_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
-                           seg_length, num_segments, *, sm_scale, soft_cap):
+def _xla_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens, seg_block,
+                           seg_start, seg_length, num_segments, *, sm_scale,
+                           soft_cap):
   """Tiles of `tile` consecutive new tokens of one row each (at most
   `cdiv(T, tile) + B` tiles); every tile attends to its own row's blocks only,
   so the cost is O((T + B * tile) * S * block_size), linear in the batch. Tiles
-  run `_XLA_TILES_PER_STEP` at a time under `lax.map` to bound memory."""
+  run `_XLA_TILES_PER_STEP` at a time under `lax.map` to bound memory.
+  `k_pages`, `v_pages`: the stacked pool; a tile gathers its row's blocks of
+  `layer` in one gather (`pages[layer, :, blocks]`), never the whole layer."""
   num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  _, num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   batch, num_seg_slots = seg_block.shape
   tile = xla_tile_size(num_tokens, batch)
@@ -203,12 +240,15 @@ def _xla_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
     in_seg = valid[:, None] & (j >= start) & (j < start + seg_length[b][:, None])
     key_pos = (cum_before[b][:, None] + j - start).reshape(-1)  # [S*bs]
     in_seg = in_seg.reshape(-1)
-    k = k_pages[:, blocks].reshape(num_kv_heads, -1, head_dim)
-    v = v_pages[:, blocks].reshape(num_kv_heads, -1, head_dim)
+    k = k_pages[layer, :, blocks]  # [S, KVH, bs, D]
+    v = v_pages[layer, :, blocks]
+    k = jnp.swapaxes(k, 0, 1).reshape(num_kv_heads, -1, head_dim)
+    v = jnp.swapaxes(v, 0, 1).reshape(num_kv_heads, -1, head_dim)
     v = jnp.where(in_seg[None, :, None], v, jnp.zeros((), v.dtype))
     qt = qg[jnp.minimum(tok_t, num_tokens - 1)]  # [tile, KVH, G, D]
     mask = ok_t[:, None] & in_seg[None, :] & (key_pos[None, :] <= pos_t[:, None])
-    logits = jnp.einsum("thgd,hjd->thgj", qt, k,
+    ct = _pa.compute_dtype(qt.dtype, k.dtype)
+    logits = jnp.einsum("thgd,hjd->thgj", qt.astype(ct), k.astype(ct),
                         preferred_element_type=jnp.float32) * sm_scale
     logits = _pa._apply_soft_cap(logits, soft_cap)
     logits = jnp.where(mask[:, None, None, :], logits, _NEG_INF)
@@ -231,6 +271,7 @@ def _xla_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
 
 
 def prefill_attention_kernel(
+    layer_ref,  # i32[1] the layer to read
     num_segments_ref,  # i32[B]
     seg_block_ref,  # i32[B, S]
     seg_start_ref,  # i32[B, S]
@@ -238,26 +279,33 @@ def prefill_attention_kernel(
     cum_before_ref,  # i32[B, S] tokens before each segment
     tok_row_ref,  # i32[block_q] row of each token of this tile (B = padding)
     tok_pos_ref,  # i32[block_q] logical position of each token
+    tok_need_ref,  # i32[block_q] table entries each token can see
     q_ref,  # [block_q, G_pad, D] (heads >= G are zero padding)
-    k_ref,  # [num_blocks, bs, D] (kv head h)
-    v_ref,  # [num_blocks, bs, D]
+    k_ref,  # [num_layers, num_blocks, bs, D] (kv head h, every layer)
+    v_ref,  # [num_layers, num_blocks, bs, D]
     o_ref,  # [block_q, G_pad, D]
     *, sm_scale, soft_cap, pages_per_step):
-  """Program (tile, h): tokens of the tile times the GQA group of kv head h."""
+  """Program (tile, h): tokens of the tile times the GQA group of kv head h.
+
+  Per row, the loop over segments stops at the last entry one of the tile's
+  tokens of that row can see (causal cutoff per tile)."""
   block_q, group, head_dim = q_ref.shape
   batch = num_segments_ref.shape[0]
   rows = block_q * group
+  layer = layer_ref[0]
   q = q_ref[...].reshape(rows, head_dim)
   tok_row = tok_row_ref[...]
   tok_pos = tok_pos_ref[...]
+  tok_need = tok_need_ref[...]
   row_of = jnp.repeat(tok_row, group)  # [rows]
   pos_of = jnp.repeat(tok_pos, group)
   real = tok_row < batch
   b_lo = jnp.min(jnp.where(real, tok_row, batch))
   b_hi = jnp.max(jnp.where(real, tok_row, -1))
+  p_dtype = _pa.pv_dtype(q.dtype, v_ref.dtype)
 
   def one_row(b, carry):
-    end = num_segments_ref[b]
+    end = jnp.max(jnp.where(tok_row == b, tok_need, 0))
     num_steps = pl.cdiv(end, pages_per_step)
     mine = row_of == b
 
@@ -265,7 +313,7 @@ def prefill_attention_kernel(
       k, v, mask, key_pos = _pa.load_segment_pages(
           k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_ref, row=b,
           first=i * pages_per_step, end=end, pages_per_step=pages_per_step,
-          cum_before_ref=cum_before_ref)
+          cum_before_ref=cum_before_ref, layer=layer)
       logits = jax.lax.dot_general(
           q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
           preferred_element_type=jnp.float32) * sm_scale
@@ -273,7 +321,7 @@ def prefill_attention_kernel(
       keep = (mine[:, None] & mask[None, :] &
               (key_pos[None, :] <= pos_of[:, None]))
       logits = jnp.where(keep, logits, _NEG_INF)
-      return _pa.online_softmax_update(carry, logits, v)
+      return _pa.online_softmax_update(carry, logits, v, p_dtype)
 
     return jax.lax.fori_loop(0, num_steps, step, carry)
 
@@ -286,17 +334,18 @@ def prefill_attention_kernel(
   o_ref[...] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
 
 
-def _pallas_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
-                              seg_length, num_segments, *, sm_scale, soft_cap,
-                              block_q, pages_per_step, interpret):
+def _pallas_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens, seg_block,
+                              seg_start, seg_length, num_segments, *, sm_scale,
+                              soft_cap, block_q, pages_per_step, interpret):
   num_tokens, num_q_heads, head_dim = q.shape
-  num_kv_heads, num_blocks, block_size, _ = k_pages.shape
+  num_layers, num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   group_pad = _pa.padded_group(group)
   num_tiles = pl.cdiv(num_tokens, block_q)
   padded = num_tiles * block_q
   seq_lens, cum_before = _seq_lens_and_cum(seg_length, num_segments)
   tok_row, tok_pos = _token_rows(cu_q_lens, seq_lens, padded)
+  tok_need = entries_needed(cum_before, num_segments, tok_row, tok_pos)
   seg_block, seg_start, seg_length = _pa.pad_segment_table(
       seg_block, seg_start, seg_length, multiple=pages_per_step)
   cum_before, = _pa.pad_segment_table(cum_before, multiple=pages_per_step)
@@ -309,21 +358,22 @@ def _pallas_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_sta
   tile = pl.BlockSpec((None, block_q), lambda i, h: (i, 0))
   qo_spec = pl.BlockSpec((block_q, None, group_pad, head_dim),
                          lambda i, h: (i, h, 0, 0))
-  head_pages = pl.BlockSpec((None, num_blocks, block_size, head_dim),
-                            lambda i, h: (h, 0, 0, 0))
+  head_pages = _pa.pages_spec(num_layers, num_blocks, block_size, head_dim,
+                              lambda i, h: h)
+  layer = jnp.reshape(layer, (1,))
   out = pl.pallas_call(
       kernel,
       grid=(num_tiles, num_kv_heads),
-      in_specs=[whole(num_segments), whole(seg_block), whole(seg_start),
-                whole(seg_length), whole(cum_before), tile, tile, qo_spec,
-                head_pages, head_pages],
+      in_specs=[whole(layer), whole(num_segments), whole(seg_block),
+                whole(seg_start), whole(seg_length), whole(cum_before), tile,
+                tile, tile, qo_spec, head_pages, head_pages],
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
       interpret=interpret,
       name="prefill_attention",
-  )(num_segments, seg_block, seg_start, seg_length, cum_before,
-    tok_row.reshape(num_tiles, block_q), tok_pos.reshape(num_tiles, block_q), qg,
-    k_pages, v_pages)
+  )(layer, num_segments, seg_block, seg_start, seg_length, cum_before,
+    tok_row.reshape(num_tiles, block_q), tok_pos.reshape(num_tiles, block_q),
+    tok_need.reshape(num_tiles, block_q), qg, k_pages, v_pages)
   out = out[:num_tokens, :, :group]
   return out.reshape(num_tokens, num_q_heads, head_dim)
 
@@ -337,8 +387,8 @@ def _pallas_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block, seg_sta
                      "pages_per_step"))
 def prefill_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
-    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
-    v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim] or [L, ...]
+    v_pages: jax.Array,  # same shape as k_pages
     cu_q_lens: jax.Array,  # i32[B+1]
     seg_block: jax.Array,  # i32[B, S]
     seg_start: jax.Array,  # i32[B, S]
@@ -351,12 +401,15 @@ def prefill_attention(
     interpret: bool = False,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_step: int | None = None,
+    layer: jax.Array | int | None = None,  # i32[] with stacked pages
 ) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
   """Causal attention of ragged new tokens over their rows' segment tables.
 
   Args:
     q: new tokens of all rows, concatenated (T may include trailing padding).
-    k_pages, v_pages: one layer's pages, already holding the new tokens' K/V.
+    k_pages, v_pages: one layer's pages, or the pool's stacked pages with
+      `layer`, already holding the new tokens' K/V. Pass the stacked pages
+      rather than `pages[layer]` (a slice that becomes a copy of the layer).
     cu_q_lens: row b owns tokens `cu_q_lens[b] : cu_q_lens[b+1]`; `cu_q_lens[0]`
       must be 0.
     seg_block, seg_start, seg_length, num_segments: segment table covering prefix
@@ -367,20 +420,22 @@ def prefill_attention(
     block_q: new tokens per Pallas program.
     pages_per_step: segments loaded per online-softmax step ("pallas"); None =
       `paged_attention.default_pages_per_step(block_size)`.
+    layer: which layer of stacked pages (as in `paged_attention.paged_attention`).
   """
   static_validate_inputs(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
                          seg_length, num_segments, sm_scale=sm_scale,
                          soft_cap=soft_cap, impl=impl, block_q=block_q,
                          pages_per_step=pages_per_step, interpret=interpret)
+  k_pages, v_pages, layer = _pa.stacked_pages(k_pages, v_pages, layer)
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
   if pages_per_step is None:
-    pages_per_step = _pa.default_pages_per_step(k_pages.shape[2])
+    pages_per_step = _pa.default_pages_per_step(k_pages.shape[3])
   if impl == "xla":
-    return _xla_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block,
+    return _xla_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens, seg_block,
                                   seg_start, seg_length, num_segments,
                                   sm_scale=sm_scale, soft_cap=soft_cap)
-  return _pallas_prefill_attention(q, k_pages, v_pages, cu_q_lens, seg_block,
-                                   seg_start, seg_length, num_segments,
+  return _pallas_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens,
+                                   seg_block, seg_start, seg_length, num_segments,
                                    sm_scale=sm_scale, soft_cap=soft_cap,
                                    block_q=block_q, pages_per_step=pages_per_step,
                                    interpret=interpret)

@@ -167,23 +167,10 @@ class Attn:
             self.pages()] + self.tables()
 
 
-# Known defects of main, each asserted honestly and expected to fail until fixed:
-# strict, so a fix turns the test into an error (XPASS) and the mark must go.
-KNOWN_POOL_COPY = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="known defect (a): paged_kv/model/attention.py passes pages.k[layer] / "
-           "pages.v[layer] to the kernels; XLA materialises each as a copy of the "
-           "layer's whole K and V pool on every layer call")
-KNOWN_NO_SPLIT_K = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="known defect (b): the model-facing decode runs the kernel with "
-           "num_splits=1 (its default), so a batch-1 decode launches batch x kv_heads "
-           "programs, far fewer than the 132 SMs")
-KNOWN_HEAD_DIM_96 = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="known defect (c): impl=None picks 'pallas' on a GPU, which needs a "
-           "power-of-two head_dim, so head_dim 96 (Phi-3) raises instead of falling "
-           "back to an impl that builds")
+# Known defects, each asserted honestly and expected to fail until fixed: strict,
+# so a fix turns the test into an error (XPASS) and the mark must go. (The
+# per-layer pool copy, the missing split-K and the refused head_dim 96 were
+# marked so until issue M fixed them.)
 KNOWN_MOSAIC_D256_SPILL = pytest.mark.xfail(
     strict=True, raises=AssertionError,
     reason="known defect (d): the Mosaic GPU decode kernel at head_dim 256 (one "

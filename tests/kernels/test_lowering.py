@@ -177,9 +177,16 @@ def test_refusal_is_a_clear_error_at_trace_time():
     lowering.lower_for_gpu(
         lambda *a: pa.paged_attention(*a, impl="pallas", pages_per_step=8),
         *big)
-  # At the goal shape every impl builds, fastest-first order for the model layer.
+  # At the goal shape every impl builds, in the model layer's preference order
+  # (Mosaic first, issue 22), or in a given one.
   assert pa.lowerable_decode_impls(**_shape_kw(32, 8, 128, 16),
-                                   platform="cuda") == ("pallas", "mosaic", "xla")
+                                   platform="cuda") == ("mosaic", "pallas", "xla")
+  assert pa.lowerable_decode_impls(
+      **_shape_kw(32, 8, 128, 16), platform="cuda",
+      preference=("pallas", "mosaic", "xla")) == ("pallas", "mosaic", "xla")
+  # q in another dtype than the pages: Mosaic is refused with the reason.
+  assert pa.lowerable_decode_impls(**_shape_kw(32, 8, 128, 16), platform="cuda",
+                                   q_dtype=jnp.float32) == ("pallas", "xla")
   # f32 pages: no bf16 wgmma, "mosaic" refused with the reason.
   assert "bf16/f16" in pa.decode_impl_problem(
       "mosaic", **_shape_kw(32, 8, 128, 16, jnp.float32), platform="cuda")
@@ -215,3 +222,43 @@ def test_odd_pool_batch_and_table_sizes_lower():
     lowering.lower_for_gpu(
         lambda p, s, t, impl=impl: pb.permute_blocks(p, s, t, impl=impl),
         pool, moves, moves)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "mosaic", "xla"])
+def test_stacked_pages_with_a_traced_layer_lower_without_a_layer_slice(impl):
+  """The wrappers take the pool's stacked pages and a traced layer: every impl
+  lowers, and no value of one layer's size (a slice of the pool, which would
+  become a copy) appears; the kernel's operand is the whole pool."""
+  num_layers, kvh, nb, bs, d, qh, b, segs = 4, 8, 4096, 16, 128, 32, 2, 256
+  pool = S((num_layers, kvh, nb, bs, d), _BF16)
+  table = [S((b, segs), jnp.int32)] * 3 + [S((b,), jnp.int32)]
+  layer = S((), jnp.int32)
+  layer_types = (f"tensor<{kvh}x{nb}x{bs}x{d}xbf16>",
+                 f"tensor<1x{kvh}x{nb}x{bs}x{d}xbf16>")
+  decode = lowering.lower_for_gpu(
+      lambda lyr, *a: pa.paged_attention(*a, impl=impl, layer=lyr),
+      layer, S((b, qh, d), _BF16), pool, pool, *table).as_text()
+  assert not any(t in decode for t in layer_types)
+  if impl != "xla":
+    assert "custom_call" in decode
+  if impl == "mosaic":
+    return
+  prefill = lowering.lower_for_gpu(
+      lambda lyr, *a: pf.prefill_attention(*a, impl=impl, layer=lyr),
+      layer, S((64, qh, d), _BF16), pool, pool, S((b + 1,), jnp.int32),
+      *table).as_text()
+  assert not any(t in prefill for t in layer_types)
+
+
+def test_fp8_pages_lower_for_triton():
+  """e4m3 pages, bf16 queries: the Triton decode and prefill kernels lower
+  (V and K upcast in the kernel; the probabilities stay bf16)."""
+  pool = S((2, 8, 1024, 16, 128), jnp.float8_e4m3fn)
+  b, segs = 4, 64
+  table = [S((b, segs), jnp.int32)] * 3 + [S((b,), jnp.int32)]
+  lowering.lower_for_gpu(
+      lambda *a: pa.paged_attention(*a, impl="pallas", layer=1),
+      S((b, 32, 128), _BF16), pool, pool, *table)
+  lowering.lower_for_gpu(
+      lambda *a: pf.prefill_attention(*a, impl="pallas", layer=1),
+      S((64, 32, 128), _BF16), pool, pool, S((b + 1,), jnp.int32), *table)

@@ -141,3 +141,30 @@ def test_prefill_still_rejects_mosaic():
   with pytest.raises(ValueError, match="not implemented"):
     pf.prefill_attention(q, k, v, cu_q_lens, *table, impl="mosaic",
                          interpret=True)
+
+
+def test_mosaic_stacked_pages_traced_layer_and_default_splits():
+  """The pool's stacked pages with a traced layer != 0 (every other layer
+  poisoned), `num_splits=None`: short splits (entries per split not a multiple
+  of the table's 128 lanes), race-free, equal to the reference."""
+  from tests.kernels.test_paged_attention import stack_layers
+
+  q, k, v, table = _case(29, dtype=jnp.bfloat16, group=4, seq_lens=_SEQ_LENS,
+                         **_CASE)
+  rng = np.random.default_rng(9)
+  k5 = stack_layers(rng, k, num_layers=3, layer=1)
+  v5 = stack_layers(rng, v, num_layers=3, layer=1)
+  splits = pa.default_num_splits(batch=len(_SEQ_LENS), num_kv_heads=k.shape[0],
+                                 num_seg_slots=table[0].shape[1], pages_per_step=4,
+                                 block_size=16)
+  assert splits > 1 and table[0].shape[1] % splits, splits
+  mi = _interpreter()
+  mi.reset_gpu_interpret_mode_state()
+  fn = jax.jit(lambda layer, *a: pa.paged_attention(
+      *a, layer=layer, impl="mosaic", interpret=_race_params()))
+  got = np.asarray(fn(jnp.int32(1), q, k5, v5, *table).astype(jnp.float32))
+  assert not mi.get_races().races_found
+  want = ref64(pa.ref_paged_attention, q, k, v, *table)
+  assert np.all(np.isfinite(got)), "a poisoned slot or the wrong layer was read"
+  np.testing.assert_allclose(got, want, **_TOL[jnp.bfloat16])
+  np.testing.assert_array_equal(got[3], 0.0)

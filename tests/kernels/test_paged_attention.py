@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import lowering
 from pallas_kernels import paged_attention as pa
 
 _TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5),
@@ -221,3 +222,103 @@ def test_no_recompile_on_new_table_values():
     before = pa.paged_attention._cache_size()
     pa.paged_attention(q2, k2, v2, *table2, impl="xla").block_until_ready()
     assert pa.paged_attention._cache_size() == before
+
+
+# Stacked pages (the pool) and a layer index -----------------------------------
+
+
+def stack_layers(rng, pages, *, num_layers, layer):
+  """`[num_layers, *pages.shape]`: `pages` at `layer`, every other layer random
+  with NaN wherever `pages` is NaN, so a read of the wrong layer shows twice
+  (wrong numbers, and NaN where the right layer is live but not the other)."""
+  other = rng.standard_normal((num_layers,) + pages.shape).astype(np.float32)
+  other[:, ~np.isnan(np.asarray(pages, np.float32))] = np.nan
+  stacked = jnp.asarray(other, pages.dtype)
+  return stacked.at[layer].set(pages)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_stacked_pages_read_the_given_layer(impl, traced):
+  """`layer=` with the pool's stacked pages equals the one-layer call and the
+  reference, for a Python int and a traced layer (layer != 0)."""
+  q, k, v, table = _case(31, dtype=jnp.float32, group=4, seq_lens=_SEQ_LENS)
+  rng = np.random.default_rng(5)
+  k5 = stack_layers(rng, k, num_layers=3, layer=2)
+  v5 = stack_layers(rng, v, num_layers=3, layer=2)
+  kw = dict(impl=impl, interpret=impl != "xla", num_splits=2)
+  if traced:
+    fn = jax.jit(lambda layer, *a: pa.paged_attention(*a, layer=layer, **kw))
+    out = fn(jnp.int32(2), q, k5, v5, *table)
+  else:
+    out = pa.paged_attention(q, k5, v5, *table, layer=2, **kw)
+  want = ref64(pa.ref_paged_attention, q, k, v, *table)
+  got = np.asarray(out)
+  assert np.all(np.isfinite(got)), "a poisoned slot or the wrong layer was read"
+  np.testing.assert_allclose(got, want, **_TOL[jnp.float32])
+  np.testing.assert_allclose(
+      got, np.asarray(pa.paged_attention(q, k, v, *table, **kw)), rtol=1e-6, atol=1e-6)
+  # A negative layer counts from the end, as a numpy index.
+  neg = pa.paged_attention(q, k5, v5, *table, layer=jnp.int32(-1), **kw)
+  np.testing.assert_allclose(np.asarray(neg), got, rtol=1e-6, atol=1e-6)
+
+
+def test_stacked_pages_need_a_layer():
+  q, k, v, table = _case(1, dtype=jnp.float32, group=2, seq_lens=(3, 4),
+                         check_coverage=False)
+  with pytest.raises(ValueError, match="need layer="):
+    pa.paged_attention(q, k[None], v[None], *table)
+  with pytest.raises(ValueError, match="stacked"):
+    pa.paged_attention(q, k, v, *table, layer=1)
+  with pytest.raises(ValueError, match="outside"):
+    pa.stacked_pages(k[None], v[None], 1)
+
+
+# Split-K by default ---------------------------------------------------------------
+
+
+def test_default_num_splits_fills_the_gpu_from_static_shapes():
+  """Batch 1 x 8 kv heads x a 128k-token bound: enough splits for 2 x 132 SMs;
+  a full batch: 1; a short table: no split below MIN_KEYS_PER_SPLIT slots."""
+  kw = dict(num_kv_heads=8, pages_per_step=4, block_size=16, num_cores=132)
+  long = pa.default_num_splits(batch=1, num_seg_slots=8192, **kw)
+  assert long > 1 and 8 * long >= 2 * 132, long
+  assert pa.default_num_splits(batch=256, num_seg_slots=512, **kw) == 1
+  assert pa.default_num_splits(batch=64, num_seg_slots=512, **kw) == 1
+  assert pa.default_num_splits(batch=1, num_seg_slots=64, **kw) == 4  # 1k tokens
+  assert pa.default_num_splits(batch=1, num_seg_slots=1, **kw) == 1
+  assert pa.default_num_splits(batch=1, num_seg_slots=10**6, **kw) <= pa.MAX_SPLITS
+  with jax.sharding.use_abstract_mesh(lowering.abstract_gpu_mesh(num_cores=66)):
+    assert pa.target_num_cores() == 66
+  assert pa.split_entries(10, 4, 1) == (4, 3)
+  assert pa.split_entries(9, 4, 1) == (3, 3)  # no empty split
+  assert pa.split_entries(9, 4, 4) == (3, 4)
+
+
+def test_pallas_default_splits_match_reference():
+  """`num_splits=None` (the default) on a long-ish table splits K (interpret)."""
+  q, k, v, table = _case(17, dtype=jnp.float32, group=2, seq_lens=(300, 5, 0, 77),
+                         block_size=16, num_blocks=64, max_segments=40,
+                         check_coverage=False)
+  assert pa.default_num_splits(batch=4, num_kv_heads=2, num_seg_slots=40,
+                               pages_per_step=4, block_size=16) > 1
+  out = pa.paged_attention(q, k, v, *table, impl="pallas", interpret=True)
+  want = ref64(pa.ref_paged_attention, q, k, v, *table)
+  np.testing.assert_allclose(np.asarray(out), want, **_TOL[jnp.float32])
+
+
+# fp8 pages -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_fp8_pages_keep_probabilities_in_the_compute_dtype(impl):
+  """e4m3 pages, f32 queries: V is upcast for P V; rounding P to e4m3 (3
+  mantissa bits, ~6% steps) would miss this tolerance by far."""
+  q, k, v, table = _case(23, dtype=jnp.float32, group=4, seq_lens=_SEQ_LENS)
+  k8, v8 = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
+  out = pa.paged_attention(q, k8, v8, *table, impl=impl, interpret=impl != "xla")
+  want = ref64(pa.ref_paged_attention, q, k8.astype(jnp.float32),
+               v8.astype(jnp.float32), *table)
+  got = np.asarray(out)
+  assert np.all(np.isfinite(got))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -93,3 +93,86 @@ def test_validation_errors():
   with pytest.raises(ValueError, match="more new tokens|non-decreasing"):
     pf.dynamic_validate_inputs(bad, *table, num_tokens=q.shape[0],
                                num_blocks=48, block_size=8)
+
+
+# Stacked pages and a layer index ----------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_stacked_pages_read_the_given_layer(impl):
+  """`layer=` (traced, != 0) with the pool's stacked pages equals the reference
+  on that layer; every other layer is poisoned."""
+  from tests.kernels.test_paged_attention import stack_layers
+
+  q, k, v, cu, table = _case(11, dtype=jnp.float32, group=2)
+  rng = np.random.default_rng(3)
+  k5 = stack_layers(rng, k, num_layers=4, layer=1)
+  v5 = stack_layers(rng, v, num_layers=4, layer=1)
+  fn = jax.jit(lambda layer, *a: pf.prefill_attention(
+      *a, layer=layer, impl=impl, interpret=impl != "xla", block_q=4,
+      pages_per_step=2))
+  out = fn(jnp.int32(1), q, k5, v5, cu, *table)
+  want = ref64(pf.ref_prefill_attention, q, k, v, cu, *table)
+  _check(out, want, q, cu, jnp.float32)
+
+
+# Causal cutoff per tile -----------------------------------------------------------
+
+
+def test_entries_needed_stops_at_the_tokens_last_visible_segment():
+  seg_length = jnp.array([[4, 4, 2, 4, 0]], jnp.int32)
+  num_segments = jnp.array([4], jnp.int32)
+  _, cum_before = pf._seq_lens_and_cum(seg_length, num_segments)  # 0, 4, 8, 10
+  row = jnp.zeros((7,), jnp.int32).at[-1].set(1)  # last token: padding
+  pos = jnp.array([0, 3, 4, 8, 9, 13, -1], jnp.int32)
+  got = pf.entries_needed(cum_before, num_segments, row, pos)
+  np.testing.assert_array_equal(np.asarray(got), [1, 1, 2, 3, 3, 4, 0])
+
+
+@pytest.mark.parametrize("impl", ["pallas"])
+def test_prefill_tile_does_not_stream_future_pages(impl):
+  """A 32-token prefill from nothing in 8 whole blocks of 4: the blocks of
+  positions 16-31 hold NaN. Tiles of 8 tokens: the first two tiles (positions
+  0-15) see only the first 4 blocks and must not load the others (a load would
+  poison them: 0 * NaN), so their outputs are finite and right."""
+  block_size, num_blocks, seq_len = 4, 12, 32
+  rng = np.random.default_rng(7)
+  blocks = rng.permutation(num_blocks)[:8].astype(np.int32)
+  seg_block = jnp.asarray(blocks[None])
+  seg_start = jnp.zeros((1, 8), jnp.int32)
+  seg_length = jnp.full((1, 8), block_size, jnp.int32)
+  num_segments = jnp.array([8], jnp.int32)
+  cu = jnp.array([0, seq_len], jnp.int32)
+  k = rng.standard_normal((2, num_blocks, block_size, 16)).astype(np.float32)
+  v = rng.standard_normal((2, num_blocks, block_size, 16)).astype(np.float32)
+  k[:, blocks[4:]] = np.nan
+  v[:, blocks[4:]] = np.nan
+  q = jnp.asarray(rng.standard_normal((seq_len, 4, 16)), jnp.float32)
+  k, v = jnp.asarray(k), jnp.asarray(v)
+  table = (seg_block, seg_start, seg_length, num_segments)
+  out = pf.prefill_attention(q, k, v, cu, *table, impl=impl, interpret=True,
+                             block_q=8, pages_per_step=1)
+  want = ref64(pf.ref_prefill_attention, q, k, v, cu, *table)
+  got = np.asarray(out)
+  assert np.all(np.isfinite(got[:16])), "a tile streamed a future token's page"
+  np.testing.assert_allclose(got[:16], want[:16], **_TOL[jnp.float32])
+
+
+def test_entries_needed_matches_a_linear_count():
+  """The binary search against counting entries, on random tables."""
+  rng = np.random.default_rng(2)
+  for num_seg_slots in (1, 2, 5, 8, 33):
+    lengths = rng.integers(1, 9, (3, num_seg_slots)).astype(np.int32)
+    num_segments = rng.integers(0, num_seg_slots + 1, 3).astype(np.int32)
+    seq_lens, cum_before = pf._seq_lens_and_cum(jnp.asarray(lengths),
+                                                jnp.asarray(num_segments))
+    row = rng.integers(0, 4, 50).astype(np.int32)  # 3 = padding
+    pos = rng.integers(-1, int(np.asarray(seq_lens).max()) + 1, 50).astype(np.int32)
+    got = np.asarray(pf.entries_needed(cum_before, jnp.asarray(num_segments),
+                                       jnp.asarray(row), jnp.asarray(pos)))
+    cb = np.asarray(cum_before)
+    for t in range(50):
+      want = 0
+      if row[t] < 3 and pos[t] >= 0:
+        want = min(int(np.sum(cb[row[t]] <= pos[t])), int(num_segments[row[t]]))
+      assert got[t] == want, (num_seg_slots, t, got[t], want)

@@ -9,6 +9,7 @@ every row's logical K/V itself and runs a float64 causal softmax.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import chex
 import jax
@@ -173,12 +174,65 @@ class PagedAttentionTest(chex.TestCase, parameterized.TestCase):
     with self.assertRaisesRegex(InvalidArgument, "impl"):
       paged_attention(q, k, v, pages, LAYER, meta, impl="cuda")
 
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(("xla", "xla"), ("pallas", "pallas"))
+  def test_traced_layer_and_scan_over_layers(self, impl):
+    """A traced layer (the stacked pages and the index go to the kernels) and a
+    `lax.scan` over layers give the same output as the static layer."""
+    pool, plan, meta, q, k, v = _mixed_step(np.random.default_rng(3))
+    kw = dict(impl=impl, num_splits=2)
+    want_pages, want = paged_attention(q, k, v, pool.state.pages, LAYER, meta, **kw)
+    traced = self.variant(lambda layer, q, k, v, pages, meta: paged_attention(
+        q, k, v, pages, layer, meta, **kw))
+    pages, out = traced(jnp.int32(LAYER), q, k, v, pool.state.pages, meta)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(pages.k), np.asarray(want_pages.k))
+
+    def scan(q, k, v, pages, meta):
+      def body(pages, layer):
+        return paged_attention(q, k, v, pages, layer, meta, **kw)
+      return jax.lax.scan(body, pages, jnp.arange(CFG.num_layers, dtype=jnp.int32))
+
+    pages, outs = self.variant(scan)(q, k, v, pool.state.pages, meta)
+    np.testing.assert_allclose(np.asarray(outs[LAYER]), np.asarray(want), rtol=1e-6,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(outs[LAYER]), _reference(pool, plan, q, k, v),
+                               rtol=2e-5, atol=2e-5)
+
   def test_default_impl_per_backend(self):
     self.assertEqual(default_impl("cpu"), "xla")
-    self.assertEqual(default_impl("gpu"), "pallas")
+    self.assertEqual(default_impl("gpu"), "mosaic")  # without a shape: the first choice
     with self.assertRaisesRegex(InvalidArgument, "tpu"):
       default_impl("tpu")
     self.assertEqual(default_impl(), default_impl(jax.default_backend()))
+    with self.assertRaisesRegex(InvalidArgument, "preference"):
+      default_impl("gpu", preference=("triton",))
+
+  def test_default_impl_per_shape_falls_back_with_one_warning(self):
+    """On a GPU, the first of Mosaic, Triton, xla that builds; each fallback
+    warns once with the reason; a valid model shape never raises."""
+    from paged_kv.model import attention
+    attention._warned.clear()
+    shape = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                 dtype=jnp.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      self.assertEqual(default_impl("cuda", **shape), "mosaic")
+      self.assertEqual(default_impl("cuda", **dict(shape, q_dtype=jnp.float32)), "pallas")
+      phi3 = dict(shape, num_kv_heads=32, head_dim=96)
+      self.assertEqual(default_impl("cuda", **phi3), "xla")
+      self.assertEqual(default_impl("cuda", **phi3), "xla")
+      self.assertEqual(default_impl("cuda", **phi3, preference=("pallas", "xla")), "xla")
+      # Gemma's head_dim 256: Mosaic builds but spills registers (compile tier).
+      self.assertEqual(default_impl("cuda", **dict(shape, head_dim=256)), "pallas")
+    msgs = [str(w.message) for w in caught]
+    self.assertEqual(len(msgs), 4, msgs)  # the repeated call does not warn again
+    self.assertIn("spills registers", msgs[3])
+    self.assertIn("needs q in the pages' dtype", msgs[0])
+    self.assertIn("impl='pallas'", msgs[0])
+    self.assertIn("multiple of 64", msgs[1])
+    self.assertIn("power-of-two head_dim", msgs[1])
+    self.assertIn("impl='xla'", msgs[1])
 
 
 if __name__ == "__main__":
