@@ -50,7 +50,9 @@ to 256, block_size 8-64 dividing 64, GQA group <= 64; lowered in the lowering
 tier for H100/H200 with JAX 0.11.2 and 0.12. Verified numerically in the GPU
 interpreter (`plgpu.InterpretGPUParams(detect_races=True)`, race-free) against
 the float64 reference with NaN in every unused slot (tests/kernels/
-test_mosaic_attention.py). Not yet compiled (ptxas) or timed on a GPU.
+test_mosaic_attention.py). Compiled for sm_90a through ptxas in the compile tier
+(`tests_compile/test_kernels.py`: no spills at head_dim 64 and 128; head_dim 256
+spills, a strict xfail). Not yet timed on a GPU.
 
 Interpreter notes (JAX 0.11.2 and 0.12 on CPU): `pl.program_id` is always 0
 there, so programs read their coordinates with `lax.axis_index`; its wgmma reads

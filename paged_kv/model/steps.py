@@ -18,7 +18,8 @@ Inside each step `reserve_tokens` makes room, `StepMetadata.from_reservation` tu
 its output into the step's metadata, and the model (`model(tokens, pages, meta)`,
 e.g. `paged_kv.model.llama.TinyLlama`) writes and attends layer by layer.
 `params` / `graphdef` are `nnx.split(model)`; the graph definition is static.
-`impl=None` picks `paged_kv.model.attention.default_impl()` for the backend.
+`impl=None` picks `paged_kv.model.attention.default_impl()` for the backend and
+the shape (per shape on a GPU: the first impl that builds).
 """
 
 from __future__ import annotations
