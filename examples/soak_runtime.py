@@ -448,7 +448,7 @@ def main(argv):
     sched.step()
     st.steps += 1
     finished += len(sched.finished)
-    sched.finished.clear()  # handed back, as a server does
+    sched.take_finished()  # handed back, as a server does
     if sched.stats.shrinks > shrinks:
       st.cut_s, st.cut_step = time.perf_counter() - st.t0, st.steps - 1
       st.cut_reads = sched.pool.runtime.snapshot().since(r0).blocking_reads

@@ -413,6 +413,8 @@ class Scheduler:
     sched.submit(Request(0, prompt_tokens, max_new_tokens=64))
     sched.run()                      # until every submitted request finished
     sched.stats, sched.snapshots
+    done = sched.take_finished()     # the finished requests, handed over (a server
+                                     # takes them every step: `finished` grows until then)
   """
 
   def __init__(self, pool: BlockPool | CachedPool, executor: Executor,
@@ -576,6 +578,13 @@ class Scheduler:
   @property
   def idle(self) -> bool:
     return not (self.waiting or self.swapped or self.running)
+
+  def take_finished(self) -> list[Request]:
+    """The finished requests since the last call, in finishing order, handed over:
+    `finished` is emptied (it holds every finished request until taken, so a
+    long-running server takes them after each step, or its memory grows)."""
+    done, self.finished = self.finished, []
+    return done
 
   def run(self, *, max_steps: int | None = None,
           before_step: Callable[["Scheduler"], None] | None = None) -> None:

@@ -61,6 +61,21 @@ class SchedulerTest(parameterized.TestCase):
     sched._evict(CFG.num_blocks)
     self.assertEqual(pool.num_free_blocks, CFG.num_blocks)
 
+  def test_take_finished_hands_over_each_request_once(self):
+    pool = paged_kv.BlockPool(CFG)
+    sched = Scheduler(pool, DryExecutor(CFG), SchedulerConfig(max_batch=8))
+    reqs = _workload(2, n=12)
+    for r in reqs:
+      sched.submit(r)
+    taken = []
+    while not sched.idle:
+      sched.step()
+      taken += sched.take_finished()
+      self.assertEqual(sched.finished, [])  # nothing kept once taken
+    self.assertEqual(sorted(id(r) for r in taken), sorted(id(r) for r in reqs))
+    self.assertEqual(sched.take_finished(), [])
+    self.assertEqual(sched.stats.finished, len(reqs))
+
   def test_full_output_reserve_never_preempts(self):
     pool = paged_kv.BlockPool(CFG)
     sched = Scheduler(pool, DryExecutor(CFG),
