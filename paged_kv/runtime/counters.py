@@ -29,6 +29,7 @@ an immutable `RuntimeStats`; `RuntimeStats.since(earlier)` the difference
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import os
 import threading
@@ -110,6 +111,17 @@ def resident_bytes() -> int:
       return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
   except (OSError, ValueError, IndexError):
     return -1
+
+
+def trim_heap() -> bool:
+  """Asks the C allocator to hand freed heap pages back to the OS (glibc's
+  `malloc_trim(0)`), e.g. after dropping compiled programs; False where there
+  is no glibc (the call is then a no-op)."""
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+    return bool(libc.malloc_trim(0))
+  except (OSError, AttributeError):
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -224,17 +224,6 @@ class CachedPool:
     """The whole `ref_count` (the pool's mirror: no device read)."""
     return self._pool.host.ref_count
 
-  def _lookup_ref_count(self, ids: np.ndarray) -> np.ndarray:
-    """`ref_count[ids]` from the pool's host mirror (no device read).
-
-    What eviction reads: the cache asks for the blocks of the nodes it considers.
-    """
-    ids = np.asarray(ids, np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= self._pool.config.num_blocks):
-      raise InvariantViolation(f"the cache holds blocks outside [0, "
-                               f"{self._pool.config.num_blocks}): {ids.tolist()[:8]}")
-    return self._pool.host.ref_count[ids].astype(np.int64)
-
   def _dynamic(self) -> np.ndarray:
     """`bool[num_blocks]`: the dynamic region, host side (no device read).
 
@@ -446,10 +435,9 @@ class CachedPool:
             policy: str | None = None) -> Eviction:
     """Evicts unlocked, unpinned leaves until `num_blocks` blocks free (or `num_tokens` go).
 
-    The pool's `ref_count` is read here for the blocks of the nodes considered only
-    (a few device gathers of bucketed width, never the whole array); the decrefs
-    are applied, so the blocks whose last reference was the tree's are free when
-    this returns. Leaves go tail first at block granularity (see
+    The pool's `ref_count` comes from its host mirror (the whole array, indexed
+    by the cache: no device read, no per-call lookup); the decrefs are applied,
+    so the blocks whose last reference was the tree's are free when this returns. Leaves go tail first at block granularity (see
     `radix.PrefixCache`'s `granularity`).
 
     Only dynamic-region blocks count toward `num_blocks`: a freed base-region
@@ -460,7 +448,7 @@ class CachedPool:
       when nothing else is evictable.
     """
     ev = self._cache.evict(num_blocks=num_blocks, num_tokens=num_tokens, policy=policy,
-                           ref_count=self._lookup_ref_count, countable=self._dynamic())
+                           ref_count=self._ref_count(), countable=self._dynamic())
     self._apply(ev.ref_deltas)
     return ev
 
@@ -479,7 +467,7 @@ class CachedPool:
                order: str = "high_first") -> Eviction:
     """GC phase 2 (see `PrefixCache.gc_evict`), decrefs applied."""
     ev = self._cache.gc_evict(num_blocks=num_blocks, num_tokens=num_tokens, order=order,
-                              ref_count=self._lookup_ref_count, countable=self._dynamic())
+                              ref_count=self._ref_count(), countable=self._dynamic())
     self._apply(ev.ref_deltas)
     return ev
 
@@ -487,7 +475,7 @@ class CachedPool:
     """What eviction could reclaim now, in tokens, bytes and blocks."""
     c = self._pool.config
     return self._cache.evictable(bytes_per_token=c.block_bytes // c.block_size,
-                                 ref_count=self._lookup_ref_count)
+                                 ref_count=self._ref_count())
 
   # ------------------------------------------------------------------ block moves
   def move_blocks(self, src, dst, *, impl: str = "xla") -> np.ndarray:

@@ -34,6 +34,7 @@ and the tests check that by counting.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -130,7 +131,8 @@ def release_programs() -> None:
 
   What a shrink's cut calls: the old pool size's executables (each holding ~30
   memory mappings on CPU) are dead from then on; `warm` compiles the new size's.
-  Other pools in the process recompile theirs on next use.
+  Other pools in the process recompile theirs on next use. The freed heap is
+  handed back to the OS (`counters.trim_heap`).
   """
   import sys  # pylint: disable=g-import-not-at-top
   from paged_kv import pool as pool_lib  # pylint: disable=g-import-not-at-top
@@ -143,6 +145,8 @@ def release_programs() -> None:
     fns.append(steps.forward)
   for fn in fns:
     fn.clear_cache()
+  gc.collect()  # the executables go with their last reference
+  counters.trim_heap()  # and their pages back to the OS (RSS), where the libc allows
 
 
 def warm(sched: "Scheduler", *, progress: bool = True,
