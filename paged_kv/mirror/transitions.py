@@ -776,18 +776,19 @@ def _reserve_one(h: HostState, i: int, count: int,
     slots[in_place:] = (np.repeat(fresh * bs, bs)[:rest] + np.tile(np.arange(bs), need)[:rest])
   slot_idx[0, :count] = slots
   w = c.slot_words
-  lengths = [min(bs, rest - q * bs) for q in range(need)]
+  lengths = np.full(need, bs, np.int64)  # full blocks, then the last one's rest
   words = np.empty((int(in_place > 0) + need, w), np.uint32)
   if in_place:
     words[0] = _int_to_words(_words_to_int(h.slots[tb]) | _mask_int(pos, in_place), w)
   if need:
-    words[int(in_place > 0):] = _int_to_words(_mask_int(0, bs), w)  # full blocks
-    words[-1] = _int_to_words(_mask_int(0, lengths[-1]), w)
+    lengths[-1] = rest - (need - 1) * bs
+    words[int(in_place > 0):] = _int_to_words(_mask_int(0, bs), w)
+    words[-1] = _int_to_words(_mask_int(0, int(lengths[-1])), w)
   blocks = np.concatenate([[tb], fresh]) if in_place else fresh
   h.set_slots(blocks, words)
   h.extend_rows(np.array([i], np.int64), np.array([tail]), np.array([in_place]),
-                np.zeros(need, np.int64), ns + np.arange(need), fresh,
-                np.array(lengths, np.int64), np.array([need]), np.array([count]))
+                np.zeros(need, np.int64), ns + np.arange(need), fresh, lengths,
+                np.array([need]), np.array([count]))
   h.step += 1
   return slot_idx, np.array([_OK], np.int32)
 
