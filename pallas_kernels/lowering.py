@@ -12,7 +12,8 @@ passing is necessary, not sufficient.
     The kernels' wrappers use it to refuse, at trace time and with a clear error,
     shapes whose kernel cannot lower there.
   * `abstract_gpu_mesh(device_kind)` / `lower_for_gpu(fn, *args)`: the lowering
-    tier's entry points (`tests/kernels/test_lowering.py`, `tools/gpu_check.py`).
+    tier's entry points (`tests/kernels/test_lowering.py`, `tests/model/test_lowering.py`;
+    `pallas_kernels.compile_tier` compiles on from there).
   * `gpu_interpret_params(...)`: `plgpu.InterpretGPUParams` with the keywords the
     installed JAX knows (`on_race` is new in 0.12; the GPU machine runs 0.11.2).
 

@@ -1,371 +1,606 @@
-"""The timed GPU check, one row at a time, each appended to a table as it ends.
+"""The prepared GPU check for one 15-minute lease of an H100/H200.
 
-Usage:
-  PYTHONPATH=. python3 tools/gpu_check.py --out=$OUT/table.md --deadline_s=400
-  JAX_PLATFORMS=cpu PYTHONPATH=. python3 tools/gpu_check.py --dry --out=/tmp/t.md
+Usage (from the repository root; `tools/gpu_check.sh` sets PYTHONPATH):
+  PYTHONPATH=. python3 tools/gpu_check.py                  # GPU: every row
+  PYTHONPATH=. python3 tools/gpu_check.py --dry            # CPU, tiny shapes
+  PYTHONPATH=. python3 tools/gpu_check.py --plan           # list rows, limits, estimates
+  PYTHONPATH=. python3 tools/gpu_check.py --only=layer/b64x8k,copy/b64x8k
 
-`tools/gpu_check.sh` runs it twice: `--dry` first on the CPU (every row lowered
-for `cuda` against an abstract H200 at the real shapes, costing no GPU time),
-then timed on the GPU.
+Rows (`tools/gpu_check_rows.py`), cheapest first: correctness of every impl
+against a float64 reference at small shapes, then timings in order of bytes
+moved: a plain device copy of the same bytes, JAX's built-in paged attention
+on the same pages, dense attention on contiguous K/V, the model-facing layer
+(`paged_kv.model.attention.paged_attention`, `impl=None` and explicit impls)
+at a Llama-3-8B layer's shape (32/8 heads, D128, bf16, block 16) for batch 64
+x 8k, batch 1 x 128k and a mixed prefill+decode step, fp8 (e4m3) pages, head
+dims 64 and 256, and the block permutation at 32, 256 and 1,024 moves.
 
-Rows, cheapest first, each in its own try/except (a failure is a row of the
-table, never the end of it), each appended and flushed to `--out` as soon as it
-ends, none started past the global deadline:
-  1. copy bandwidth: a large device-to-device elementwise copy (read + write);
-  2. decode attention at batch 64 x 8k and batch 1 x 128k (32/8 heads, D=128,
-     bf16, block 16, scattered blocks): every impl that builds here
-     (`lowerable_decode_impls`), JAX's built-in
-     `jax.experimental.pallas.ops.gpu.paged_attention` on the same pages as a
-     page table, and a dense reference (`jax.nn.dot_product_attention` over
-     contiguous K/V of the same bytes);
-  3. the in-place block permutation (32 layers, 8 kv heads, D=128, bf16) at 32,
-     256 and 1,024 moves, every impl that builds, against a plain copy of the
-     same bytes.
-Every row is checked against its reference (relative L2 error) before it is
-timed. Timing: `--iters` calls back to back between two `block_until_ready`s
-(the device queue stays full), `--repeats` such batches, the median per call.
-All shapes are several times the 60 MB L2. Bytes of decode count whole blocks
-touched (K and V); `% bw` is against the copy bandwidth of row 1.
+How it runs: this process imports no JAX. One worker process
+(`--worker`, JAX and the device there) runs the rows one at a time; each row
+has a wall limit, and a row past it (a hung Mosaic kernel, say) has its worker
+killed and is recorded as a timeout; the next row gets a fresh worker. A worker
+that raised is replaced too (a CUDA error can poison its context). No row
+starts unless the remaining budget covers its limit (and a worker start if one
+is needed). Rows whose kernel hung or crashed in the correctness tier are
+skipped (`needs`). The lowering and compile tiers run in CI on CPU
+(tests/kernels/test_lowering.py, tests_compile/): nothing is lowered here.
+
+Output, in `--out_dir` (default `$OUT`, else out/gpu_check): `gpu_check.md`
+(header with date, JAX version, device and shapes; the table, a line per row as
+it ends; a footer with passed/failed/skipped counts and the goals),
+`gpu_check.json` (the same, rewritten after every row) and
+`gpu_check_worker.log` (the worker's output, tracebacks included).
+Exit status: 0 if no row failed, 1 if one did (timeout, crash, exception or
+wrong numbers), 2 if the check could not run at all (no worker, no GPU).
+
+Dry mode (`--dry` or GPU_CHECK_DRY=1): the same rows at tiny shapes on the CPU
+(Pallas kernels in interpret mode), for CI to test this script; numbers mean
+nothing. GPU_CHECK_INJECT="hang:<row id>,raise:<id>,wrong:<id>,crash:<id>"
+injects a fault into a row (tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import datetime
+import fnmatch
+import json
 import os
-import statistics
+import pathlib
+import platform
+import re
+import select
+import shutil
+import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
-from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
-from pallas_kernels import lowering
-from pallas_kernels import paged_attention as pa
-from pallas_kernels import permute_blocks as pb
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_check_rows as rows_lib  # beside this file
 
-_OUT = flags.DEFINE_string("out", "table.md", "Markdown table, appended per row.")
-_DRY = flags.DEFINE_bool("dry", False, "Lower every row for cuda (abstract H200) "
-                         "instead of running it; needs no GPU.")
-_DEADLINE = flags.DEFINE_float("deadline_s", 400.0,
-                               "No row starts after this many seconds.")
-_ITERS = flags.DEFINE_integer("iters", 20, "Calls per timed batch.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed batches (median).")
-_ONLY = flags.DEFINE_list("only", [], "Run only rows whose name contains one of "
-                          "these (e.g. decode,permute).")
-_SMALL = flags.DEFINE_bool("small", False, "Small shapes (a quick CPU run of the "
-                           "timed mode; numbers mean nothing).")
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-_BF16 = jnp.bfloat16
-_BLOCK = 16
+_DRY = flags.DEFINE_bool("dry", None, "Tiny shapes on the CPU (interpret mode); "
+                         "default: $GPU_CHECK_DRY (or $DRY) set to 1.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Output folder; default $OUT, else "
+                               "out/gpu_check under the repository.")
+_BUDGET = flags.DEFINE_float("budget_s", None, "Wall budget of the whole check: no row "
+                             "starts unless what is left covers its limit. Default "
+                             "$GPU_CHECK_BUDGET_S, else 450 (dry: 300).")
+_ITERS = flags.DEFINE_integer("iters", None, "Calls per timed batch (default 20; dry 1).")
+_REPEATS = flags.DEFINE_integer("repeats", None, "Timed batches, median (default 5; dry 1).")
+_ONLY = flags.DEFINE_list("only", [], "Run only rows whose id contains one of these "
+                          "(or matches it as a glob).")
+_SKIP = flags.DEFINE_list("skip", [], "Leave out rows whose id contains one of these.")
+_LIMIT = flags.DEFINE_multi_string("limit", [], "ROW_GLOB=SECONDS: override the wall "
+                                   "limit of matching rows (repeatable).")
+_START_LIMIT = flags.DEFINE_float("start_limit_s", 60, "Wall limit of a worker start "
+                                  "(imports + device init; ~10 s seen on CPU).")
+_ISOLATE = flags.DEFINE_bool("isolate", False, "A fresh worker for every row.")
+_PLAN = flags.DEFINE_bool("plan", False, "Print the rows, their limits and estimates; "
+                          "run nothing.")
+_WORKER = flags.DEFINE_bool("worker", False, "Internal: be the worker process.")
+_PROTO_FD = flags.DEFINE_integer("proto_fd", -1, "Internal: the worker's result pipe.")
 
 
-def _interpret():
-  """Interpret mode for the Pallas impls: only in `--small` runs on a CPU."""
-  return bool(_SMALL.value) and jax.default_backend() == "cpu"
+# The worker ----------------------------------------------------------------------
 
-_HEADS = (32, 8)
-_HEAD_DIM = 128
-_TOL = 2e-2  # relative L2 error allowed for bf16 rows
-_MOVE_SETS = 8  # random move sets a permutation row cycles through
+
+def _watch_parent(parent: int):
+  """Exit when the driver is gone (killed from outside): no orphan on the GPU."""
+  while True:
+    time.sleep(1)
+    if os.getppid() != parent:
+      os._exit(3)
+
+
+def worker_main(dry: bool, proto_fd: int, parent: int) -> int:
+  proto = os.fdopen(proto_fd, "w", buffering=1)
+  threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+  def send(msg):
+    proto.write(json.dumps(msg) + "\n")
+    proto.flush()
+
+  import jax  # the device is initialised here, inside the start limit
+  import jaxlib
+  dev = jax.devices()[0]
+  send(dict(type="ready", jax=jax.__version__,
+            jaxlib=getattr(jaxlib, "__version__", "?"), backend=jax.default_backend(),
+            device_kind=dev.device_kind, platform=dev.platform,
+            num_devices=jax.device_count(), python=platform.python_version(),
+            pid=os.getpid()))
+  specs = {r.id: r for r in rows_lib.plan(dry)}
+  for line in sys.stdin:
+    req = json.loads(line)
+    spec = specs[req["id"]]
+    print(f"=== row {spec.id} ({time.strftime('%H:%M:%S')}) ===", file=sys.stderr,
+          flush=True)
+    t0 = time.monotonic()
+    msg = dict(type="result", id=spec.id)
+    try:
+      res = rows_lib.run_row(spec, dry=dry, iters=req["iters"], repeats=req["repeats"],
+                             inject=req.get("inject"))
+      msg.update(status="ok", **dataclasses.asdict(res))
+    except rows_lib.Skip as e:
+      msg.update(status="skip", reason=str(e))
+    except rows_lib.Wrong as e:
+      msg.update(status="wrong", reason=str(e))
+    except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exc()
+      first = (str(e).strip().splitlines() or [""])[0]
+      msg.update(status="error", reason=f"{type(e).__name__}: {first}")
+    msg["wall_s"] = time.monotonic() - t0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    send(msg)
+  return 0
+
+
+# The driver's side of a worker -------------------------------------------------------
+
+
+class WorkerTimeout(Exception):
+  pass
+
+
+class WorkerDied(Exception):
+  pass
+
+
+class Worker:
+  """One worker process: rows in over stdin, results back over a pipe of its
+  own (its stdout and stderr go to the log)."""
+
+  def __init__(self, *, dry: bool, log_path: pathlib.Path):
+    self.dry = dry
+    self.log_path = log_path
+    self.proc = None
+    self.fd = -1
+    self.buf = b""
+    self.info = None
+
+  @property
+  def alive(self) -> bool:
+    return self.proc is not None and self.proc.poll() is None
+
+  def start(self, limit_s: float) -> dict:
+    r, w = os.pipe()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if self.dry:
+      env["JAX_PLATFORMS"] = "cpu"
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", f"--proto_fd={w}",
+            f"--dry={'true' if self.dry else 'false'}"]
+    with open(self.log_path, "ab") as log:
+      self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log,
+                                   stderr=subprocess.STDOUT, pass_fds=(w,),
+                                   cwd=_ROOT, env=env, start_new_session=True)
+    os.close(w)
+    self.fd, self.buf = r, b""
+    self.info = self._receive(time.monotonic() + limit_s)
+    return self.info
+
+  def run(self, row_id: str, limit_s: float, **req) -> dict:
+    self.proc.stdin.write((json.dumps(dict(id=row_id, **req)) + "\n").encode())
+    self.proc.stdin.flush()
+    return self._receive(time.monotonic() + limit_s)
+
+  def _receive(self, deadline: float) -> dict:
+    while b"\n" not in self.buf:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise WorkerTimeout()
+      ready, _, _ = select.select([self.fd], [], [], left)
+      if not ready:
+        continue
+      chunk = os.read(self.fd, 1 << 16)
+      if not chunk:
+        rc = self.proc.wait()
+        raise WorkerDied(f"worker exited ({_exit_text(rc)}): {_log_tail(self.log_path)}")
+      self.buf += chunk
+    line, self.buf = self.buf.split(b"\n", 1)
+    return json.loads(line)
+
+  def kill(self):
+    if self.proc is not None:
+      if self.proc.poll() is None:
+        try:
+          os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+      self.proc.wait()
+      try:
+        self.proc.stdin.close()
+      except OSError:
+        pass
+    if self.fd >= 0:
+      os.close(self.fd)
+    self.proc, self.fd, self.buf = None, -1, b""
+
+
+def _exit_text(rc: int) -> str:
+  if rc < 0:
+    try:
+      return f"signal {signal.Signals(-rc).name}"
+    except ValueError:
+      return f"signal {-rc}"
+  return f"exit {rc}"
+
+
+_FATAL = re.compile(r"^(F\d{4} |Fatal Python error)|Check failed|CUDA_ERROR|out of memory",
+                    re.IGNORECASE)
+
+
+def _log_tail(path: pathlib.Path) -> str:
+  """Why the worker died, from its log since the last row marker: the first
+  fatal-looking line (glog `F0000`, "Fatal Python error", a failed check, a
+  CUDA error), else the last line that is not a module list."""
+  try:
+    text = path.read_text(errors="replace")
+  except OSError:
+    return ""
+  text = text[text.rfind("=== row"):] if "=== row" in text else text
+  lines = [x.strip() for x in text.splitlines()[1:] if x.strip()]
+  fatal = [x for x in lines if _FATAL.search(x)]
+  rest = [x for x in lines if not x.startswith("Extension modules")]
+  return (fatal[:1] or rest[-1:] or [""])[0][:240]
+
+
+# Table ---------------------------------------------------------------------------------
+
+_COLUMNS = ("row", "impl", "shape", "status", "us/call", "GB/s", "% copy", "x builtin",
+            "rel err", "goal", "s", "note")
+
+
+# What the reference rows run (their RowSpec.impl is None, not the library default).
+_KIND_IMPL = {"copy": "x + 1 (xla)", "builtin": "jax builtin",
+              "dense": "jax.nn.dot_product_attention"}
+
+
+def _cell(x) -> str:
+  return str(x).replace("|", "/").replace("\n", " ")
 
 
 @dataclasses.dataclass
-class Row:
-  """One line of the table. `make()` builds the inputs: a list of argument
-  lists (variants, cycled through when timing; the first is checked), `fn` runs
-  one, `check(out, args)` returns the relative error against the reference,
-  `specs` are the inputs' ShapeDtypeStructs (dry mode lowers `fn` on them).
-  `chain`: each call's output replaces `args[0]` of the next (in-place moves)."""
-  name: str
-  impl: str
-  shape: str
-  fn: Callable[..., Any]
-  specs: list
-  make: Callable[[], list]
-  check: Callable[[Any, list], float] | None
-  nbytes: int
-  chain: bool = False
+class Outcome:
+  spec: rows_lib.RowSpec
+  status: str  # ok | wrong | error | timeout | crash | skip
+  reason: str = ""
+  us_per_call: float | None = None
+  nbytes: int | None = None
+  rel_err: float | None = None
+  resolved_impl: str | None = None
+  note: str = ""
+  wall_s: float | None = None
+  limit_s: float | None = None
+  gbps: float | None = None
+  copy_pct: float | None = None
+  x_builtin: float | None = None
+  goal: str = ""
+  goal_missed: bool = False
+
+  @property
+  def failed(self) -> bool:
+    return self.status in ("wrong", "error", "timeout", "crash")
 
 
-# Timing -----------------------------------------------------------------------
+def _status_text(o: Outcome) -> str:
+  if o.status == "ok":
+    return "ok"
+  if o.status == "skip":
+    return f"skipped: {o.reason}"
+  if o.status == "wrong":
+    return f"WRONG: {o.reason}"
+  return f"FAILED {o.status}: {o.reason}" if o.reason else f"FAILED {o.status}"
 
 
-def time_per_call(fn, variants, *, iters, repeats, chain=False):
-  """Median seconds per call: `iters` calls between two `block_until_ready`s,
-  cycling through `variants` (argument lists whose data together are several
-  times the L2, so repeated calls do not time the cache). `chain`: each call's
-  output replaces `args[0]` of the next (in-place moves on one pool)."""
-  state = {"i": 0, "carry": None}
-
-  def run(n):
-    out = None
-    for _ in range(n):
-      args = variants[state["i"] % len(variants)]
-      state["i"] += 1
-      if chain and state["carry"] is not None:
-        args = [state["carry"], *args[1:]]
-      out = fn(*args)
-      if chain:
-        state["carry"] = out
-    return jax.block_until_ready(out)
-
-  run(len(variants))  # warm-up (compiled already by the check)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    run(iters)
-    times.append((time.perf_counter() - t0) / iters)
-  return statistics.median(times)
+def _fmt(x, spec):
+  return "" if x is None else format(x, spec)
 
 
-def rel_err(got, want) -> float:
-  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-  want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
-  if not np.all(np.isfinite(got)):
-    return float("nan")
-  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+def table_line(o: Outcome, shape_text: str) -> str:
+  impl = _KIND_IMPL.get(o.spec.kind) or o.spec.impl or "default"
+  if o.resolved_impl and not o.spec.impl:
+    impl = f"default: {o.resolved_impl}"
+  cells = (o.spec.id, impl, shape_text, _status_text(o)[:200], _fmt(o.us_per_call, ".1f"),
+           _fmt(o.gbps, ".1f"), _fmt(o.copy_pct, ".1f"), _fmt(o.x_builtin, ".2f"),
+           _fmt(o.rel_err, ".1e"), o.goal, _fmt(o.wall_s, ".1f"), o.note[:160])
+  return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
-# Rows ---------------------------------------------------------------------------
+def _evaluate(o: Outcome, done: dict):
+  """GB/s, % of the same-bytes copy, ratio to JAX's built-in, the goals."""
+  if o.status != "ok" or not o.us_per_call or not o.nbytes:
+    return
+  o.gbps = o.nbytes / (o.us_per_call * 1e-6) / 1e9
+  ref = done.get(o.spec.copy_ref)
+  if ref is not None and ref.gbps and o.spec.kind != "copy":
+    o.copy_pct = 100 * o.gbps / ref.gbps
+  ref = done.get(o.spec.builtin_ref)
+  if ref is not None and ref.status == "ok" and ref.us_per_call:
+    o.x_builtin = ref.us_per_call / o.us_per_call
+  if not o.spec.goals:
+    return
+  parts, missed = [], False
+  for name, want in o.spec.goals.items():
+    got = o.copy_pct if name == "copy_pct" else o.x_builtin
+    text = f">= {want}%" if name == "copy_pct" else f">= {want}x builtin"
+    if got is None:
+      parts.append(f"{text}: n/a")
+      continue
+    ok = got >= want
+    missed |= not ok
+    parts.append(f"{text}: {'met' if ok else 'MISSED'}")
+  o.goal = "; ".join(parts)
+  o.goal_missed = missed
 
 
-def copy_rows(nbytes):
-  n = nbytes // 2
-  spec = jax.ShapeDtypeStruct((n,), _BF16)
-  fn = jax.jit(lambda x: x + jnp.ones((), x.dtype))
-  make = lambda: [[jax.random.normal(jax.random.key(0), (n,), _BF16)]]
-  check = lambda out, args: rel_err(out, args[0].astype(jnp.float32) + 1)
-  return [Row("copy", "xla", f"{nbytes / 2**30:.1f} GiB", fn, [spec], make,
-              check, 2 * n * 2)]
+# The driver ----------------------------------------------------------------------------
 
 
-def _decode_tables(rng, batch, context):
-  segs = context // _BLOCK
-  num_blocks = batch * segs
-  blk = rng.permutation(num_blocks).reshape(batch, segs).astype(np.int32)
-  return (blk, np.zeros_like(blk), np.full_like(blk, _BLOCK),
-          np.full((batch,), segs, np.int32), num_blocks)
+def _env_flag(*names) -> bool:
+  return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes") for n in names)
 
 
-def decode_rows(batch, context, *, heads=_HEADS, head_dim=_HEAD_DIM):
-  qh, kvh = heads
-  segs = context // _BLOCK
-  num_blocks = batch * segs
-  shape = f"b{batch} ctx{context} {qh}/{kvh} D{head_dim} bs{_BLOCK}"
-  q_spec = jax.ShapeDtypeStruct((batch, qh, head_dim), _BF16)
-  p_spec = jax.ShapeDtypeStruct((kvh, num_blocks, _BLOCK, head_dim), _BF16)
-  t_spec = jax.ShapeDtypeStruct((batch, segs), jnp.int32)
-  n_spec = jax.ShapeDtypeStruct((batch,), jnp.int32)
-  specs = [q_spec, p_spec, p_spec, t_spec, t_spec, t_spec, n_spec]
-  nbytes = 2 * batch * segs * kvh * _BLOCK * head_dim * 2
-  cache = {}
-
-  def make():
-    if "args" not in cache:
-      rng = np.random.default_rng(batch * 131 + context)
-      blk, st, ln, ns, _ = _decode_tables(rng, batch, context)
-      kq, kk, kv = jax.random.split(jax.random.key(batch + context), 3)
-      cache["args"] = [jax.random.normal(kq, q_spec.shape, _BF16),
-                       jax.random.normal(kk, p_spec.shape, _BF16),
-                       jax.random.normal(kv, p_spec.shape, _BF16),
-                       *(jnp.asarray(a) for a in (blk, st, ln, ns))]
-    return [cache["args"]]  # pages far past the L2: one variant
-
-  rows_checked = min(batch, 2)
-
-  def check(out, args):
-    q, k, v, *table = args
-    want = pa.ref_paged_attention(q[:rows_checked].astype(jnp.float32),
-                                  k, v, *[t[:rows_checked] for t in table])
-    return rel_err(out[:rows_checked], want)
-
-  rows = []
-  impls = pa.lowerable_decode_impls(num_q_heads=qh, num_kv_heads=kvh,
-                                    head_dim=head_dim, block_size=_BLOCK,
-                                    dtype=_BF16, platform="cuda")
-  impls = [i for i in impls if i != "xla"] + ["xla"]  # the costliest last
-  for impl in impls:
-    fn = jax.jit(lambda *a, impl=impl: pa.paged_attention(
-        *a, impl=impl, num_splits=None, interpret=_interpret()))
-    rows.append(Row("decode", impl, shape, fn, specs, make, check, nbytes))
-
-  def builtin(q, k, v, blk, st, ln, ns):
-    from jax.experimental.pallas.ops.gpu import paged_attention as upstream
-    del st
-    lengths = jnp.sum(jnp.where(jnp.arange(blk.shape[1]) < ns[:, None], ln, 0),
-                      axis=1).astype(jnp.int32)
-    k_splits = math.gcd(16, blk.shape[1])
-    q = (q * (1 / math.sqrt(q.shape[-1]))).astype(q.dtype)  # it does not scale
-    return upstream.paged_attention(q, k, v, blk, lengths, k_splits=k_splits,
-                                    interpret=_interpret())
-
-  rows.append(Row("decode", "jax-builtin", shape, jax.jit(builtin), specs, make,
-                  check, nbytes))
-
-  d_spec = jax.ShapeDtypeStruct((batch, context, kvh, head_dim), _BF16)
-
-  def make_dense():
-    kk, kv, kq = jax.random.split(jax.random.key(7 + batch + context), 3)
-    return [[jax.random.normal(kq, (batch, 1, qh, head_dim), _BF16),
-             jax.random.normal(kk, d_spec.shape, _BF16),
-             jax.random.normal(kv, d_spec.shape, _BF16)]]
-
-  def check_dense(out, args):
-    q, k, v = (a[:rows_checked].astype(jnp.float32) for a in args)
-    k = jnp.repeat(k, qh // kvh, axis=2)
-    v = jnp.repeat(v, qh // kvh, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
-    want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
-    return rel_err(out[:rows_checked], want)
-
-  rows.append(Row("decode", "dense-xla", shape + " contiguous",
-                  jax.jit(jax.nn.dot_product_attention),
-                  [jax.ShapeDtypeStruct((batch, 1, qh, head_dim), _BF16),
-                   d_spec, d_spec], make_dense, check_dense, nbytes))
-  return rows
+def _selected(spec, only, skip) -> bool:
+  match = lambda pats: any(p in spec.id or fnmatch.fnmatch(spec.id, p) for p in pats)
+  return (not only or match(only)) and not match(skip)
 
 
-def permute_rows(num_moves, *, layers=32, kvh=8, head_dim=_HEAD_DIM,
-                 num_blocks=None):
-  num_blocks = num_blocks or max(4 * num_moves, 512)
-  shape = (layers, kvh, num_blocks, _BLOCK, head_dim)
-  desc = f"{num_moves} moves, pool {layers}x{kvh}x{num_blocks}x{_BLOCK}x{head_dim}"
-  spec = jax.ShapeDtypeStruct(shape, _BF16)
-  m_spec = jax.ShapeDtypeStruct((num_moves,), jnp.int32)
-  moved = num_moves * layers * kvh * _BLOCK * head_dim
-  nbytes = 2 * moved * 2
-
-  def make():
-    """One pool, `_MOVE_SETS` random move sets of disjoint src/dst: chained
-    calls touch blocks all over the pool (far past the L2)."""
-    rng = np.random.default_rng(num_moves)
-    pages = jax.random.normal(jax.random.key(num_moves), shape, _BF16)
-    variants = []
-    for _ in range(_MOVE_SETS):
-      perm = rng.permutation(num_blocks)
-      variants.append([pages, jnp.asarray(perm[:num_moves], jnp.int32),
-                       jnp.asarray(perm[num_moves:2 * num_moves], jnp.int32)])
-    return variants
-
-  def check(out, args):
-    pages, src, dst = args
-    return rel_err(out[:, :, dst], pages[:, :, src])
-
-  rows = []
-  impls = pb.lowerable_permute_impls(num_layers=layers, num_kv_heads=kvh,
-                                     block_size=_BLOCK, head_dim=head_dim,
-                                     dtype=_BF16, num_moves=num_moves,
-                                     platform="cuda")
-  for impl in impls:
-    # Donated, so every impl updates the pool in place (without donation XLA's
-    # scatter would copy the whole pool); the check runs on a copy first, then
-    # timing chains calls on the output, as a compaction would.
-    fn = jax.jit(lambda p, s, d, impl=impl: pb.permute_blocks(
-        p, s, d, impl=impl, interpret=_interpret()), donate_argnums=(0,))
-    rows.append(Row("permute", impl, desc, fn, [spec, m_spec, m_spec], make,
-                    check, nbytes, chain=True))
-  c_spec = jax.ShapeDtypeStruct((moved,), _BF16)
-  copies = max(1, min(16, (256 << 20) // (2 * moved)))  # >= 256 MB in turn
-  rows.append(Row("permute", "plain-copy", desc + f" (same bytes, {copies} bufs)",
-                  jax.jit(lambda x: x + jnp.ones((), x.dtype)), [c_spec],
-                  lambda: [[jax.random.normal(jax.random.key(i), (moved,), _BF16)]
-                           for i in range(copies)],
-                  lambda out, args: rel_err(out, args[0].astype(jnp.float32) + 1),
-                  nbytes))
-  return rows
+def _limits(specs, overrides, dry):
+  out = {}
+  for s in specs:
+    out[s.id] = s.dry_limit_s if dry else s.limit_s
+    for item in overrides:
+      pat, _, sec = item.rpartition("=")
+      if pat and fnmatch.fnmatch(s.id, pat):
+        out[s.id] = float(sec)
+  return out
 
 
-def all_rows(small):
-  if small:
-    return (copy_rows(1 << 22) + decode_rows(2, 256, heads=(8, 2), head_dim=64)
-            + permute_rows(8, layers=2, kvh=2, head_dim=64, num_blocks=64))
-  # Cheapest first (bytes moved): 64 MB, 0.5 GB, 0.5 GB, 2 GB, 2 GB.
-  return (copy_rows(2 << 30) + permute_rows(32) + decode_rows(1, 131072)
-          + permute_rows(256) + decode_rows(64, 8192) + permute_rows(1024))
+def _injections() -> dict:
+  out = {}
+  for item in os.environ.get("GPU_CHECK_INJECT", "").split(","):
+    kind, _, row = item.strip().partition(":")
+    if row:
+      out[row] = kind
+  return out
 
 
-# Table --------------------------------------------------------------------------
-
-_HEADER = ("| row | impl | shape | status | us/call | GB/s | % copy bw | rel err |\n"
-           "|---|---|---|---|---|---|---|---|\n")
-
-
-def append(path, line):
-  with open(path, "a") as f:
-    f.write(line + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  print(line, flush=True)
+def _nvidia_smi() -> str:
+  if not shutil.which("nvidia-smi"):
+    return ""
+  try:
+    return subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.memory,driver_version",
+         "--format=csv,noheader"], capture_output=True, text=True, timeout=15).stdout.strip()
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"nvidia-smi failed: {e}"
 
 
-def run_row(row, *, dry, iters, repeats, copy_bw):
-  """Returns (status, seconds per call or None, rel err or None)."""
-  if dry:
-    lowering.lower_for_gpu(row.fn, *row.specs)
-    return "lowered (cuda, abstract H200)", None, None
-  variants = row.make()
-  first = variants[0]
-  if row.chain:  # the check must not donate the pool the timing starts from
-    first = [jnp.copy(first[0]), *first[1:]]
-  out = jax.block_until_ready(row.fn(*first))
-  err = row.check(out, variants[0]) if row.check else None
-  del out
-  if err is not None and not err <= _TOL:
-    return f"WRONG (rel err {err:.3g})", None, err
-  t = time_per_call(row.fn, variants, iters=iters, repeats=repeats,
-                    chain=row.chain)
-  return "ok", t, err
+class Report:
+  """The markdown table (appended and flushed per row) and the JSON (rewritten)."""
+
+  def __init__(self, out_dir: pathlib.Path, meta: dict, shapes: dict):
+    self.md = out_dir / "gpu_check.md"
+    self.js = out_dir / "gpu_check.json"
+    self.meta, self.shapes = meta, shapes
+    self.rows: list[Outcome] = []
+    self.summary: dict = {}
+
+  def _append(self, text: str):
+    with open(self.md, "a") as f:
+      f.write(text + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    print(text, flush=True)
+
+  def header(self, extra: dict):
+    self.meta.update(extra)
+    m = self.meta
+    lines = [f"# GPU check, {m['mode']}, {m['date']}", "",
+             f"- JAX {m.get('jax', '?')} (jaxlib {m.get('jaxlib', '?')}), Python "
+             f"{m.get('python', '?')}; device: {m.get('device_kind', '?')} "
+             f"({m.get('platform', '?')}, {m.get('num_devices', '?')} device(s))"]
+    if m.get("nvidia_smi"):
+      lines.append(f"- nvidia-smi: {m['nvidia_smi']}")
+    lines += [f"- command: `{m['command']}`",
+              f"- budget {m['budget_s']:.0f} s; {m['iters']} calls x {m['repeats']} "
+              "batches per timing (median); `% copy` = GB/s against a plain device copy "
+              "moving the same bytes (read + written); attention bytes = whole blocks "
+              "touched (K + V); `x builtin` = JAX's built-in time / this row's time",
+              "", "Shapes:", ""]
+    lines += [f"- `{k}`: {s.describe()}" for k, s in self.shapes.items()]
+    lines += ["", "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    with open(self.md, "w") as f:
+      f.write("")
+    self._append("\n".join(lines))
+    self._write_json()
+
+  def row(self, o: Outcome):
+    self.rows.append(o)
+    self._append(table_line(o, o.spec.key))
+    self._write_json()
+
+  def footer(self, wall_s: float, budget_s: float, aborted: str = ""):
+    n = len(self.rows)
+    passed = sum(o.status == "ok" for o in self.rows)
+    failed = [o for o in self.rows if o.failed]
+    skipped = sum(o.status == "skip" for o in self.rows)
+    timeouts = sum(o.status == "timeout" for o in self.rows)
+    goals = [o for o in self.rows if o.goal]
+    missed = [o.spec.id for o in goals if o.goal_missed]
+    self.summary = dict(rows=n, passed=passed, failed=len(failed), skipped=skipped,
+                        timeouts=timeouts, failed_rows=[o.spec.id for o in failed],
+                        goals_evaluated=len(goals), goals_missed=missed,
+                        wall_s=wall_s, budget_s=budget_s, aborted=aborted)
+    text = [""]
+    if aborted:
+      text.append(f"ABORTED: {aborted}")
+    text.append(f"{n} rows: {passed} passed, {len(failed)} failed ({timeouts} timed out), "
+                f"{skipped} skipped; {wall_s:.0f} s of a {budget_s:.0f} s budget")
+    if failed:
+      text.append("failed: " + ", ".join(o.spec.id for o in failed))
+    if goals:
+      dry = " (dry mode: meaningless)" if self.meta.get("dry") else ""
+      text.append(f"goals (issue 22){dry}: {len(goals) - len(missed)} of {len(goals)} rows "
+                  "met theirs" + (f"; missed: {', '.join(missed)}" if missed else ""))
+    self._append("\n".join(text))
+    self._write_json()
+
+  def _write_json(self):
+    data = dict(self.meta, shapes={k: dict(dataclasses.asdict(s), describe=s.describe(),
+                                           nbytes=s.nbytes)
+                                   for k, s in self.shapes.items()},
+                rows=[_outcome_json(o) for o in self.rows], summary=self.summary)
+    tmp = self.js.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, self.js)
+
+
+def _outcome_json(o: Outcome) -> dict:
+  d = {k: v for k, v in dataclasses.asdict(o).items() if k != "spec"}
+  d.update(id=o.spec.id, kind=o.spec.kind, impl=o.spec.impl, shape_key=o.spec.key,
+           copy_ref=o.spec.copy_ref, builtin_ref=o.spec.builtin_ref, goals=o.spec.goals)
+  return d
+
+
+class _Terminated(Exception):
+  pass
+
+
+def _on_signal(signum, frame):
+  del frame
+  raise _Terminated(signal.Signals(signum).name)
+
+
+def driver_main(dry: bool) -> int:
+  t_start = time.monotonic()
+  out_dir = pathlib.Path(_OUT_DIR.value or os.environ.get("OUT") or _ROOT / "out" / "gpu_check")
+  out_dir.mkdir(parents=True, exist_ok=True)
+  budget = _BUDGET.value or float(os.environ.get("GPU_CHECK_BUDGET_S") or 0) or (
+      300.0 if dry else 450.0)
+  iters = _ITERS.value or (1 if dry else 20)
+  repeats = _REPEATS.value or (1 if dry else 5)
+  start_limit = _START_LIMIT.value
+  specs = [s for s in rows_lib.plan(dry) if _selected(s, _ONLY.value, _SKIP.value)]
+  limits = _limits(specs, _LIMIT.value, dry)
+  shapes = rows_lib.shapes(dry)
+  if _PLAN.value:
+    total_est = sum(s.est_s for s in specs)
+    print(f"{len(specs)} rows; limits sum {sum(limits.values()):.0f} s; estimate "
+          f"{total_est:.0f} s on an H200 (+ ~10 s per worker start); budget {budget:.0f} s")
+    for s in specs:
+      print(f"  {s.id:28s} limit {limits[s.id]:5.0f} s  est {s.est_s:4.0f} s  "
+            f"{shapes[s.key].describe()}")
+    return 0
+  injections = _injections()
+  log_path = out_dir / "gpu_check_worker.log"
+  log_path.write_text("")
+  report = Report(out_dir, dict(
+      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+      mode="dry mode (CPU, tiny shapes, interpret mode; numbers mean nothing)" if dry
+      else "full run", dry=dry, command=" ".join(sys.argv), budget_s=budget, iters=iters,
+      repeats=repeats, limits=limits, nvidia_smi="" if dry else _nvidia_smi()), shapes)
+  worker = Worker(dry=dry, log_path=log_path)
+  done: dict[str, Outcome] = {}
+  aborted = ""
+  header_written = False
+  start_failures = 0
+  old = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    for spec in specs:
+      limit = limits[spec.id]
+      left = budget - (time.monotonic() - t_start)
+      need = limit + (0 if worker.alive else start_limit)
+      outcome = None
+      hung = [n for n in spec.needs if n in done and done[n].status in ("timeout", "crash")]
+      if aborted:
+        outcome = Outcome(spec, "skip", aborted, limit_s=limit)
+      elif hung:
+        outcome = Outcome(spec, "skip", f"needs {hung[0]} ({done[hung[0]].status})",
+                          limit_s=limit)
+      elif left < need:
+        outcome = Outcome(spec, "skip", f"budget: {left:.0f} s left < {need:.0f} s "
+                          f"(limit{'' if worker.alive else ' + worker start'})",
+                          limit_s=limit)
+      if outcome is None and not worker.alive:
+        try:
+          info = worker.start(start_limit)
+          start_failures = 0
+          if not header_written:
+            report.header({k: info.get(k) for k in ("jax", "jaxlib", "python", "backend",
+                                                     "device_kind", "platform",
+                                                     "num_devices")})
+            header_written = True
+          if not dry and info.get("backend") not in ("gpu", "cuda", "rocm"):
+            aborted = (f"no GPU: JAX's backend is {info.get('backend')!r} (use --dry "
+                       "for a CPU run)")
+            outcome = Outcome(spec, "skip", aborted, limit_s=limit)
+        except (WorkerTimeout, WorkerDied) as e:
+          worker.kill()
+          start_failures += 1
+          why = (f"worker start timed out after {start_limit:.0f} s"
+                 if isinstance(e, WorkerTimeout) else str(e))
+          if start_failures >= 2:
+            aborted = f"the worker cannot start: {why}"
+          outcome = Outcome(spec, "crash", why, limit_s=limit)
+      if outcome is None:
+        t0 = time.monotonic()
+        try:
+          msg = worker.run(spec.id, limit, iters=iters, repeats=repeats,
+                           inject=injections.get(spec.id))
+          fields = {k: msg.get(k) for k in ("reason", "us_per_call", "nbytes", "rel_err",
+                                            "resolved_impl")}
+          outcome = Outcome(spec, msg["status"], **{k: v for k, v in fields.items()
+                                                     if v is not None},
+                            note=msg.get("note") or "", wall_s=time.monotonic() - t0,
+                            limit_s=limit)
+          if outcome.failed or _ISOLATE.value:
+            worker.kill()  # a failed row may leave the device in a bad state
+        except WorkerTimeout:
+          worker.kill()
+          outcome = Outcome(spec, "timeout", f"no result within its {limit:.0f} s limit "
+                            "(worker killed)", wall_s=time.monotonic() - t0, limit_s=limit)
+        except WorkerDied as e:
+          worker.kill()
+          outcome = Outcome(spec, "crash", str(e), wall_s=time.monotonic() - t0,
+                            limit_s=limit)
+      if not header_written:
+        report.header({})
+        header_written = True
+      _evaluate(outcome, done)
+      done[spec.id] = outcome
+      report.row(outcome)
+  except _Terminated as e:
+    aborted = f"interrupted by {e}"
+  finally:
+    worker.kill()
+    for s, h in old.items():
+      signal.signal(s, h)
+  if not header_written:
+    report.header({})
+  report.footer(time.monotonic() - t_start, budget, aborted)
+  if aborted and not any(o.status == "ok" for o in report.rows):
+    return 2
+  return 1 if report.summary["failed"] or aborted else 0
 
 
 def main(argv):
   del argv
-  t_start = time.monotonic()
-  path = _OUT.value
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  dev = jax.devices()[0]
-  with open(path, "a") as f:
-    f.write(f"\n{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} jax "
-            f"{jax.__version__} device {dev.device_kind} ({dev.platform}); "
-            f"{' '.join(sys.argv)}\n\n" + _HEADER)
-  print(_HEADER, end="", flush=True)
-  copy_bw = None
-  failures = 0
-  for row in all_rows(_SMALL.value):
-    if _ONLY.value and not any(o in row.name for o in _ONLY.value) and (
-        row.name != "copy"):
-      continue
-    label = f"| {row.name} | {row.impl} | {row.shape} |"
-    left = _DEADLINE.value - (time.monotonic() - t_start)
-    if left <= 0:
-      append(path, f"{label} skipped (global deadline) | | | | |")
-      continue
-    try:
-      status, t, err = run_row(row, dry=_DRY.value, iters=_ITERS.value,
-                               repeats=_REPEATS.value, copy_bw=copy_bw)
-    except Exception as e:  # a failure is a row, never the end of the table
-      failures += 1
-      msg = f"{type(e).__name__}: {e}".replace("\n", " ").replace("|", "/")
-      append(path, f"{label} FAILED {msg[:300]} | | | | |")
-      traceback.print_exc()
-      continue
-    if status != "ok" and not status.startswith("lowered"):
-      failures += 1
-    if t is None:
-      append(path, f"{label} {status} | | | | {'' if err is None else f'{err:.2e}'} |")
-      continue
-    rate = row.nbytes / t
-    if row.name == "copy" and copy_bw is None:
-      copy_bw = rate
-    frac = f"{100 * rate / copy_bw:.1f}" if copy_bw else ""
-    append(path, f"{label} {status} | {t * 1e6:.1f} | {rate / 1e9:.1f} | {frac} | "
-           f"{'' if err is None else f'{err:.2e}'} |")
-  append(path, f"\n{failures} rows failed; {time.monotonic() - t_start:.0f} s")
-  return 1 if failures else 0
+  dry = _DRY.value if _DRY.value is not None else _env_flag("GPU_CHECK_DRY", "DRY")
+  if _WORKER.value:
+    return worker_main(dry, _PROTO_FD.value, os.getppid())
+  return driver_main(dry)
 
 
 if __name__ == "__main__":

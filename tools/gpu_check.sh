@@ -1,44 +1,23 @@
 #!/usr/bin/env bash
-# The one prepared GPU check for a session lent an H100/H200, sized for 15 minutes
-# of device time: one command, under 8 minutes wall. From the repo root:
-#   OUT=/some/dir tools/gpu_check.sh          # on the GPU machine
-#   DRY=1 OUT=/tmp/x tools/gpu_check.sh       # anywhere: lowers, times nothing
-# 1) the lowering tier on the CPU (JAX_PLATFORMS=cpu, no GPU time): every row of
-#    step 2 lowered for cuda against an abstract H200 at its real shapes;
-# 2) the timed rows (tools/gpu_check.py), cheapest first, each in its own
-#    try/except, appended and flushed to $OUT/table.md as it ends, none started
-#    after the global deadline. No pytest: interpret-mode tests say nothing about
-#    the GPU and run in CI anyway.
-# Exit status: that of step 2 (non-zero if any row failed or was wrong).
+# The prepared GPU check for one 15-minute lease of an H100/H200 (tools/gpu_check.py).
+# From the repository root (or anywhere: it cds there):
+#   tools/gpu_check.sh                      # on the GPU machine: every row, ~5 min
+#   tools/gpu_check.sh --dry                # anywhere, CPU, tiny shapes (also GPU_CHECK_DRY=1)
+#   tools/gpu_check.sh --plan               # the rows, their limits and estimates
+#   tools/gpu_check.sh --only=layer/b64x8k  # a subset (ids contain / glob-match)
+# Writes gpu_check.md, gpu_check.json and gpu_check_worker.log to $OUT (the device
+# tool's output folder) or out/gpu_check. Nothing is lowered or compiled for the CPU
+# here: the lowering and compile tiers run in CI. Each row runs in a worker process
+# under its own wall limit (a hang costs that row only); no row starts past the
+# budget (--budget_s, default 450 s; the whole command ends within it).
+# Exit status: 0 no row failed, 1 a row failed (timeout, crash, exception, wrong
+# numbers), 2 nothing could run (no GPU without --dry, the worker cannot start).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-out}"
-mkdir -p "$OUT"
-PY="${PY:-python3}"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-DEADLINE_S="${DEADLINE_S:-300}"  # last row starts by then (step 2's clock)
-{
-  date -u +"%Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv 2>&1
-  "$PY" -c 'import jax; print(jax.__version__, jax.devices())' 2>&1
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
-
-echo "== 1) lowering tier (CPU) =="
-JAX_PLATFORMS=cpu timeout 60 "$PY" tools/gpu_check.py --dry \
-  --out="$OUT/table.md" 2>&1 | tee "$OUT/lowering_log.txt" | grep '^|\|failed'
-
-if [ -n "${DRY:-}" ]; then
-  echo "== 2) dry: timed rows lowered instead (CPU) =="
-  JAX_PLATFORMS=cpu timeout 120 "$PY" tools/gpu_check.py --dry \
-    --deadline_s="$DEADLINE_S" --out="$OUT/table.md" > "$OUT/timed_log.txt" 2>&1
-  rc=$?
-else
-  echo "== 2) timed rows (GPU) =="
-  timeout $((DEADLINE_S + 60)) "$PY" tools/gpu_check.py \
-    --deadline_s="$DEADLINE_S" --out="$OUT/table.md" > "$OUT/timed_log.txt" 2>&1
-  rc=$?
+# The repository's .venv if there is one (a dev machine), else python3 (the lent GPU
+# machine: JAX, flax and chex preinstalled; absl-py comes with chex).
+if [ -z "${PY:-}" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-echo "== table ($OUT/table.md) =="
-cat "$OUT/table.md"
-exit $rc
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec "$PY" tools/gpu_check.py "$@"

@@ -1,47 +1,121 @@
-"""`tools/gpu_check.sh` end to end on the CPU in its dry mode (every timed row
-lowered for cuda against an abstract H200 at its real shapes), and the timed
-path of `tools/gpu_check.py` at tiny shapes (interpret mode)."""
+"""`tools/gpu_check.sh` end to end on the CPU in its dry mode (every row of the
+GPU plan at tiny shapes, Pallas kernels in interpret mode), with faults injected
+into some rows: a hang (killed at its wall limit, recorded as a timeout, and the
+rows that need it skipped), an exception, wrong numbers and a worker crash. Each
+must cost only its own row, be named in the table and the footer, and make the
+exit status non-zero; a clean run exits 0; a budget too small starts nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT / "tools"))
+import gpu_check_rows  # tools/, beside the script
+
+_HANG = "check/perm/pallas"  # the perm/*/pallas timing rows need it
+_RAISE = "copy/b1x128k-fp8"
+_WRONG = "layer/b64x8k-d64/default"
+_CRASH = "dense/b1x128k"
 
 
-def _env(**kw):
-  return dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu", **kw)
+def _run(out_dir, *args, inject=""):
+  env = dict(os.environ, GPU_CHECK_DRY="1", OUT=str(out_dir), PY=sys.executable,
+             GPU_CHECK_INJECT=inject)
+  env.pop("GPU_CHECK_BUDGET_S", None)
+  return subprocess.run(["bash", str(_ROOT / "tools" / "gpu_check.sh"), *args], cwd=_ROOT,
+                        env=env, capture_output=True, text=True, timeout=400)
 
 
-def test_gpu_check_dry_mode_runs_end_to_end(tmp_path):
-  proc = subprocess.run(
-      ["bash", str(_ROOT / "tools" / "gpu_check.sh")], cwd=_ROOT,
-      env=_env(DRY="1", OUT=str(tmp_path), PY=sys.executable),
-      capture_output=True, text=True, timeout=300)
+def _table(out_dir) -> dict[str, list[str]]:
+  """Row id -> its cells, from gpu_check.md."""
+  rows = {}
+  for line in (out_dir / "gpu_check.md").read_text().splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if line.startswith("| ") and cells[0] not in ("row",) and "/" in cells[0]:
+      rows[cells[0]] = cells
+  return rows
+
+
+def test_dry_mode_every_row_and_injected_faults(tmp_path):
+  proc = _run(tmp_path, f"--limit={_HANG}=3", inject=(
+      f"hang:{_HANG},raise:{_RAISE},wrong:{_WRONG},crash:{_CRASH}"))
+  log = proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert proc.returncode == 1, log
+  table = _table(tmp_path)
+  plan = [r.id for r in gpu_check_rows.plan(dry=True)]
+  assert list(table) == plan, log  # every row, in plan order, once
+  status = {k: v[3] for k, v in table.items()}
+  assert status[_HANG].startswith("FAILED timeout: no result within its 3 s limit"), status
+  assert status[_RAISE] == "FAILED error: RuntimeError: injected failure (GPU_CHECK_INJECT)"
+  assert status[_WRONG].startswith("WRONG: rel err"), status
+  assert status[_CRASH] == ("FAILED crash: worker exited (signal SIGABRT): Fatal Python "
+                            "error: Aborted"), status
+  needs_hang = [r for r in plan if r.startswith("perm/") and r.endswith("/pallas")]
+  for r in needs_hang:
+    assert status[r] == f"skipped: needs {_HANG} (timeout)", status
+  others = set(plan) - {_HANG, _RAISE, _WRONG, _CRASH, *needs_hang}
+  assert {r: status[r] for r in others if status[r] != "ok"} == {}, log
+  # Measured rows carry a time, GB/s and (against their copy row) a % of it.
+  cells = table["layer/b64x8k/default"]
+  assert cells[1] == "default: xla" and float(cells[4]) > 0 and float(cells[5]) > 0
+  assert float(cells[6]) > 0 and float(cells[7]) > 0 and "1.5x builtin" in cells[9]
+  assert float(table["check/attn/mosaic"][8]) < gpu_check_rows.TOL
+  assert table["builtin/b64x8k"][1] == "jax builtin" and table["copy/b64x8k"][1] == "x + 1 (xla)"
+  md = (tmp_path / "gpu_check.md").read_text()
+  footer = md.rstrip().splitlines()
+  n = len(plan)
+  assert footer[-3] == (f"{n} rows: {n - 7} passed, 4 failed (1 timed out), 3 skipped; "
+                        f"{footer[-3].split('; ')[1]}"), md[-600:]
+  assert re.fullmatch(r"\d+ s of a 300 s budget", footer[-3].split("; ")[1])
+  assert footer[-2] == f"failed: {_HANG}, {_RAISE}, {_CRASH}, {_WRONG}"
+  assert footer[-1].startswith("goals (issue 22) (dry mode: meaningless): ")
+  for word in ("# GPU check, dry mode", "JAX ", "device: cpu", "Shapes:", "`b64x8k`",
+               "`perm1024`"):
+    assert word in md, word
+  data = json.loads((tmp_path / "gpu_check.json").read_text())
+  assert data["dry"] and data["jax"] and data["device_kind"] == "cpu" and data["date"]
+  assert set(data["shapes"]) >= {"check", "b64x8k", "b1x128k", "mixed", "perm32"}
+  assert [r["id"] for r in data["rows"]] == plan
+  assert data["summary"]["failed"] == 4 and data["summary"]["timeouts"] == 1
+  assert data["summary"]["failed_rows"] == [_HANG, _RAISE, _CRASH, _WRONG]
+  assert "injected failure" in (tmp_path / "gpu_check_worker.log").read_text()
+
+
+def test_clean_subset_exits_zero_and_small_budget_starts_nothing(tmp_path):
+  proc = _run(tmp_path / "a", "--only=check/perm/xla,copy/perm32")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  table = (tmp_path / "table.md").read_text()
-  assert "FAILED" not in table and "WRONG" not in table, table
-  for kernel, impl in [("copy", "xla"), ("decode", "pallas"), ("decode", "xla"),
-                       ("decode", "mosaic"),
-                       ("decode", "jax-builtin"), ("decode", "dense-xla"),
-                       ("permute", "xla"), ("permute", "mosaic"),
-                       ("permute", "pallas"), ("permute", "plain-copy")]:
-    assert f"| {kernel} | {impl} |" in table, table
-  assert table.count("lowered (cuda, abstract H200)") >= 2 * 20
-  assert table.rstrip().splitlines()[-1].startswith("0 rows failed")
-
-
-def test_gpu_check_timed_path_small(tmp_path):
-  out = tmp_path / "t.md"
-  proc = subprocess.run(
-      [sys.executable, str(_ROOT / "tools" / "gpu_check.py"), "--small",
-       "--iters=1", "--repeats=1", "--only=permute", f"--out={out}"],
-      cwd=_ROOT, env=_env(PYTHONUNBUFFERED="1"), capture_output=True, text=True,
-      timeout=300)
+  assert [c[3] for c in _table(tmp_path / "a").values()] == ["ok", "ok"]
+  assert "2 rows: 2 passed, 0 failed (0 timed out), 0 skipped" in proc.stdout
+  proc = _run(tmp_path / "b", "--only=copy/", "--budget_s=1")
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  table = out.read_text()
-  for impl in ("xla", "mosaic", "pallas", "plain-copy"):
-    assert f"| permute | {impl} |" in table and "| ok |" in table, table
+  table = _table(tmp_path / "b")
+  assert table and all(c[3].startswith("skipped: budget: ") for c in table.values()), table
+  assert not (tmp_path / "b" / "gpu_check_worker.log").read_text()  # never started
+
+
+def test_plan_is_cheapest_first_and_references_come_first():
+  plan = gpu_check_rows.plan()
+  shapes = gpu_check_rows.shapes(dry=False)
+  seen = set()
+  for r in plan:
+    for ref in (r.copy_ref, r.builtin_ref, *r.needs):
+      assert ref is None or ref in seen, (r.id, ref)
+    seen.add(r.id)
+  timed = [shapes[r.key].nbytes for r in plan if not r.kind.startswith("check")]
+  assert timed == sorted(timed)
+  for r in plan:  # a copy row moves the bytes of the rows that divide by it
+    if r.copy_ref and r.kind in ("layer", "perm", "builtin", "dense"):
+      assert shapes[r.key].nbytes == shapes[plan[[p.id for p in plan].index(
+          r.copy_ref)].key].nbytes, r.id
+  llama = shapes["b64x8k"]
+  assert (llama.num_q_heads, llama.num_kv_heads, llama.head_dim, llama.block_size,
+          llama.dtype, llama.decode_rows, llama.decode_ctx) == (
+              32, 8, 128, 16, "bfloat16", 64, 8192)
+  assert shapes["b1x128k"].decode_ctx == 131072
+  assert sum(r.est_s for r in plan) < 400  # the full run's estimate fits the budget
