@@ -60,8 +60,7 @@ import traceback
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_check_rows as rows_lib  # beside this file
+import gpu_check_rows as rows_lib  # beside this script (its folder is sys.path[0])
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 

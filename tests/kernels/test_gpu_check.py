@@ -7,6 +7,7 @@ exit status non-zero; a clean run exits 0; a budget too small starts nothing."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -15,8 +16,19 @@ import subprocess
 import sys
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(_ROOT / "tools"))
-import gpu_check_rows  # tools/, beside the script
+
+
+def _load_rows():
+  """`tools/gpu_check_rows.py` as a module, loaded by path (tools/ is no package)."""
+  spec = importlib.util.spec_from_file_location("_paged_kv_gpu_check_rows",
+                                                _ROOT / "tools" / "gpu_check_rows.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
+  spec.loader.exec_module(module)
+  return module
+
+
+gpu_check_rows = _load_rows()
 
 _HANG = "check/perm/pallas"  # the perm/*/pallas timing rows need it
 _RAISE = "copy/b1x128k-fp8"
