@@ -14,14 +14,22 @@ Implementations (`impl=`):
               tiles go 8 at a time through `lax.map`. Cost O((T + B * tile) * S *
               block_size): linear in the batch. The library's CPU default.
   * "pallas": grid (q tile, kv head). A program holds `block_q` consecutive tokens
-              times the GQA group, loops over the rows its tokens belong to and,
+              times the GQA group (padded to a power of two) as the rows of
+              its dots, loops over the rows its tokens belong to and,
               per row, over its segments `pages_per_step` blocks at a time with an
               online softmax; masks keep keys of other rows, slots outside
               segments and future positions out. Causal cutoff per tile: a row's
               loop stops after the last segment that starts at or before the
               tile's last position in that row (`entries_needed`), so a chunk's
               early tiles never stream its later tokens' pages. Output tiles
-              never overlap, so programs are independent.
+              never overlap, so programs are independent. A row's pages are
+              streamed once per tile of its tokens, `q_len / block_q` times
+              (per kv head): `block_q=None` picks `default_block_q`, up to
+              64 tokens while the query tile (`block_q x padded group x
+              head_dim`) stays within `MAX_QUERY_TILE` = 128 x 128 elements
+              (every dot then has >= 64 rows: 64 tokens at group 1 x
+              head_dim 128, 32 at group 4, 16 at group 8, 8 at group 8 x
+              head_dim 256); tiles of 64 x 128 elements or more run 8 warps.
   * "mosaic": not implemented (ValueError).
 
 Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]` or the
@@ -40,12 +48,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import paged_attention as _pa
 
 # Constants ------------------------------------------------------------------
 
-DEFAULT_BLOCK_Q = 8  # new tokens per program
+DEFAULT_BLOCK_Q = 64  # new tokens per program (`default_block_q` may lower it)
+# Largest query tile (block_q x padded group x head_dim elements) of the default
+# `block_q`. Compiled for sm_90a (compile tier, ptxas -v on the dumped PTX), 128 x 128
+# with 8 warps uses 200-255 registers and spills nothing at the tier's prefill shapes;
+# 256 x 128 spills 0.5-5.7 KB per thread (group 4 and 8 at head_dim 128, group 8 at
+# 64), and 256 x 256 exceeds 227 KiB of shared memory. UNMEASURED on a GPU.
+MAX_QUERY_TILE = 128 * 128
+_WIDE_TILE = 64 * 128  # query tiles of this many elements or more run 8 warps
 DEFAULT_PAGES_PER_STEP = _pa.DEFAULT_PAGES_PER_STEP
 _SUPPORTED_IMPLS = ("xla", "pallas")
 _XLA_MAX_TILE = 64  # new tokens per tile of the "xla" path
@@ -88,6 +104,19 @@ def entries_needed(cum_before, num_segments, row, pos):
   count, _ = jax.lax.fori_loop(0, num_seg_slots.bit_length(), bisect, (lo, hi))
   return jnp.where((row < batch) & (pos >= 0),
                    jnp.minimum(count, num_segments[safe]), 0).astype(jnp.int32)
+
+
+def default_block_q(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
+  """`block_q` for `block_q=None`: `DEFAULT_BLOCK_Q` new tokens per program,
+  halved (a power of two, at least 1) until the query tile `block_q x
+  padded_group x head_dim` fits `MAX_QUERY_TILE` elements. Static: the group and
+  head_dim only (head_dim 128: group 1-2 -> 64, 4 -> 32 (llama3-8b), 8 -> 16;
+  group 8 x head_dim 256 -> 8). A row's pages are read `q_len / block_q` times."""
+  rows_per_token = _pa.padded_group(num_q_heads // num_kv_heads)
+  block_q = DEFAULT_BLOCK_Q
+  while block_q > 1 and block_q * rows_per_token * head_dim > MAX_QUERY_TILE:
+    block_q //= 2
+  return block_q
 
 
 def _seq_lens_and_cum(seg_length, num_segments):
@@ -146,8 +175,8 @@ def static_validate_inputs(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
 
   On a GPU target (`lowering.target_platform()`, not interpreting), "pallas"
   must lower through Triton: the decode rules of
-  `paged_attention.decode_impl_problem` apply, and `block_q` must be a power of
-  two.
+  `paged_attention.decode_impl_problem` apply, and `block_q` must be None (the
+  default, a power of two) or a power of two.
   """
   if q.ndim != 3:
     raise ValueError(f"q must be [T, num_q_heads, head_dim], got {q.shape}")
@@ -161,12 +190,12 @@ def static_validate_inputs(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
       v_pages, seg_block, seg_start, seg_length, num_segments, sm_scale=sm_scale,
       soft_cap=soft_cap, num_splits=1, impl=impl, pages_per_step=pages_per_step,
       interpret=interpret)
-  if not isinstance(block_q, int) or block_q < 1:
-    raise ValueError(f"block_q must be an int >= 1, got {block_q!r}")
+  if block_q is not None and (not isinstance(block_q, int) or block_q < 1):
+    raise ValueError(f"block_q must be None or an int >= 1, got {block_q!r}")
   from pallas_kernels import lowering
 
   if (impl == "pallas" and not interpret and lowering.is_gpu_target() and
-      block_q & (block_q - 1)):
+      block_q is not None and block_q & (block_q - 1)):
     raise ValueError(f"impl='pallas' (Triton) needs a power-of-two block_q, got "
                      f"{block_q}")
 
@@ -285,7 +314,8 @@ def prefill_attention_kernel(
     v_ref,  # [num_layers, num_blocks, bs, D]
     o_ref,  # [block_q, G_pad, D]
     *, sm_scale, soft_cap, pages_per_step):
-  """Program (tile, h): tokens of the tile times the GQA group of kv head h.
+  """Program (tile, h): tokens of the tile times the GQA group of kv head h,
+  `block_q * G_pad` rows in every dot (one read of a page serves them all).
 
   Per row, the loop over segments stops at the last entry one of the tile's
   tokens of that row can see (causal cutoff per tile)."""
@@ -354,6 +384,9 @@ def _pallas_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens, seg_block,
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
   kernel = functools.partial(prefill_attention_kernel, sm_scale=sm_scale,
                              soft_cap=soft_cap, pages_per_step=pages_per_step)
+  # Large query tiles run 8 warps, as Triton's own attention tiles do (the f32
+  # accumulator, block_q * G_pad x D, is spread over twice the threads).
+  num_warps = 8 if block_q * group_pad * head_dim >= _WIDE_TILE else 4
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   tile = pl.BlockSpec((None, block_q), lambda i, h: (i, 0))
   qo_spec = pl.BlockSpec((block_q, None, group_pad, head_dim),
@@ -370,6 +403,7 @@ def _pallas_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens, seg_block,
       out_specs=qo_spec,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
       interpret=interpret,
+      compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps),
       name="prefill_attention",
   )(layer, num_segments, seg_block, seg_start, seg_length, cum_before,
     tok_row.reshape(num_tiles, block_q), tok_pos.reshape(num_tiles, block_q),
@@ -399,7 +433,7 @@ def prefill_attention(
     soft_cap: float | None = None,
     impl: str = "xla",
     interpret: bool = False,
-    block_q: int = DEFAULT_BLOCK_Q,
+    block_q: int | None = None,
     pages_per_step: int | None = None,
     layer: jax.Array | int | None = None,  # i32[] with stacked pages
 ) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
@@ -417,7 +451,9 @@ def prefill_attention(
     sm_scale, soft_cap: as in `paged_attention`.
     impl: "xla" (CPU default) or "pallas"; "mosaic" raises (not implemented).
     interpret: run the Pallas kernel in interpret mode (CPU).
-    block_q: new tokens per Pallas program.
+    block_q: new tokens per Pallas program (a row's pages are read once per
+      tile of its tokens); None = `default_block_q` (64, lower for wide
+      group x head_dim: the query tile stays within `MAX_QUERY_TILE`).
     pages_per_step: segments loaded per online-softmax step ("pallas"); None =
       `paged_attention.default_pages_per_step(block_size)`.
     layer: which layer of stacked pages (as in `paged_attention.paged_attention`).
@@ -430,6 +466,9 @@ def prefill_attention(
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
   if pages_per_step is None:
     pages_per_step = _pa.default_pages_per_step(k_pages.shape[3])
+  if block_q is None:
+    block_q = default_block_q(num_q_heads=q.shape[1], num_kv_heads=k_pages.shape[1],
+                              head_dim=q.shape[2])
   if impl == "xla":
     return _xla_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens, seg_block,
                                   seg_start, seg_length, num_segments,

@@ -91,22 +91,33 @@ def test_decode_xla_path_compiles():
 
 # Prefill (extend) ------------------------------------------------------------------
 
+# Groups 4, 7 (padded to 8), 8; head_dim 64, 128, 256; bf16, f16, fp8 pages.
 PREFILL = [
     (DECODE[0], 512),
     (DECODE[3], 256),
     (DECODE[6], 1024),
     (DECODE[8], 512),
+    (DECODE[7], 512),  # gemma-2b: group 8 x head_dim 256, the widest query tile
 ]
 
 
 @pytest.mark.parametrize("shape,num_tokens", PREFILL, ids=lambda p: getattr(p, "id", p))
 def test_prefill_pallas(shape, num_tokens):
+  """The default query tile (`default_block_q`: up to 64 tokens, >= 64 dot
+  rows) is what the grid launches, within the SM's shared memory."""
   rows = 8
   args = [S((num_tokens, shape.num_q_heads, shape.head_dim), shape.q_dtype), shape.pages(),
           shape.pages(), S((rows + 1,), tier.I32)] + shape.tables(rows)
   prog = tier.compile_program(pf.prefill_attention, *args, impl="pallas")
   tier.assert_no_pool_copy(prog, shape.layer_pool_bytes)
   assert tier.has_kernel(prog, "prefill_attention"), prog.summary()
+  block_q = pf.default_block_q(num_q_heads=shape.num_q_heads,
+                               num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim)
+  assert block_q * pa.padded_group(shape.num_q_heads // shape.num_kv_heads) >= 64
+  launch = prog.launches("prefill_attention")
+  assert launch and launch[0].grid[:2] == (-(-num_tokens // block_q), shape.num_kv_heads), (
+      prog.summary())
+  assert launch[0].shared_memory <= 227 * 1024
 
 
 # Block permutation (compaction) ------------------------------------------------------

@@ -141,6 +141,8 @@ _PALLAS_CASES = [
     (jnp.float32, 4, 5.0, 3, 1),
     (jnp.bfloat16, 8, None, 2, 4),
     (jnp.bfloat16, 4, 3.0, 1, 3),
+    (jnp.float32, 5, None, 2, 2),  # not a power of two: padded to 8 rows
+    (jnp.bfloat16, 16, 2.0, 1, 2),  # a 16-row group
 ]
 
 

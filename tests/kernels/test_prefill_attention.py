@@ -19,14 +19,14 @@ _ROWS = ((13, 13), (16, 3), (24, 1), (9, 0), (11, 5), (8, 8))
 
 
 def _case(seed, *, dtype, group, num_kv_heads=2, head_dim=16, block_size=8,
-          num_blocks=48, max_segments=8, pad_tokens=3):
+          num_blocks=48, max_segments=8, pad_tokens=3, rows=_ROWS):
   rng = np.random.default_rng(seed)
-  seq_lens = [s for s, _ in _ROWS]
+  seq_lens = [s for s, _ in rows]
   *table, used = make_segment_tables(rng, seq_lens, num_blocks=num_blocks,
                                      block_size=block_size,
                                      max_segments=max_segments)
   assert_table_coverage(*table)
-  cu = np.concatenate([[0], np.cumsum([q for _, q in _ROWS])]).astype(np.int32)
+  cu = np.concatenate([[0], np.cumsum([q for _, q in rows])]).astype(np.int32)
   num_tokens = int(cu[-1]) + pad_tokens
   pf.dynamic_validate_inputs(cu, *table, num_tokens=num_tokens,
                              num_blocks=num_blocks, block_size=block_size)
@@ -69,6 +69,40 @@ def test_xla_matches_reference(dtype, group, soft_cap):
   out = pf.prefill_attention(q, k, v, cu, *table, soft_cap=soft_cap, impl="xla")
   want = ref64(pf.ref_prefill_attention, q, k, v, cu, *table, soft_cap=soft_cap)
   _check(out, want, q, cu, dtype)
+
+
+# Long rows: 97 + 33 new tokens (+3 padding: T = 133, not a multiple of 64), so
+# 64-token tiles straddle rows and end inside a row.
+_LONG_ROWS = ((150, 97), (40, 0), (70, 33))
+
+
+@pytest.mark.parametrize("dtype,group,rows", [
+    (jnp.float32, 4, _ROWS),  # T = 52 < 64: one tile, padded
+    (jnp.float32, 2, _LONG_ROWS),
+    (jnp.bfloat16, 8, _LONG_ROWS),  # group 8: default_block_q 64 at head_dim 16
+])
+def test_pallas_default_tile_matches_reference(dtype, group, rows):
+  """The default `block_q` (64 tokens at head_dim 16) vs the reference."""
+  assert pf.default_block_q(num_q_heads=2 * group, num_kv_heads=2, head_dim=16) == 64
+  q, k, v, cu, table = _case(group + len(rows), dtype=dtype, group=group, rows=rows,
+                             num_blocks=96, max_segments=32)
+  out = pf.prefill_attention(q, k, v, cu, *table, impl="pallas", interpret=True)
+  want = ref64(pf.ref_prefill_attention, q, k, v, cu, *table)
+  _check(out, want, q, cu, dtype)
+
+
+def test_default_block_q_fits_the_query_tile():
+  """64 tokens unless block_q x padded group x head_dim would pass MAX_QUERY_TILE;
+  every dot keeps >= 64 rows."""
+  got = {(g, d): pf.default_block_q(num_q_heads=8 * g, num_kv_heads=8, head_dim=d)
+         for g in (1, 2, 4, 5, 8) for d in (64, 128, 256)}
+  assert got[(1, 128)] == got[(2, 128)] == got[(4, 64)] == got[(1, 256)] == 64
+  assert got[(4, 128)] == got[(8, 64)] == 32
+  assert got[(5, 128)] == got[(8, 128)] == 16  # group 5 pads to 8
+  assert got[(8, 256)] == 8
+  for (g, d), bq in got.items():
+    assert bq * pa.padded_group(g) * d <= pf.MAX_QUERY_TILE
+    assert bq * pa.padded_group(g) >= 64
 
 
 def test_last_token_equals_decode():
@@ -129,13 +163,15 @@ def test_entries_needed_stops_at_the_tokens_last_visible_segment():
   np.testing.assert_array_equal(np.asarray(got), [1, 1, 2, 3, 3, 4, 0])
 
 
-@pytest.mark.parametrize("impl", ["pallas"])
-def test_prefill_tile_does_not_stream_future_pages(impl):
-  """A 32-token prefill from nothing in 8 whole blocks of 4: the blocks of
-  positions 16-31 hold NaN. Tiles of 8 tokens: the first two tiles (positions
-  0-15) see only the first 4 blocks and must not load the others (a load would
-  poison them: 0 * NaN), so their outputs are finite and right."""
-  block_size, num_blocks, seq_len = 4, 12, 32
+@pytest.mark.parametrize("block_q", [8, 64])
+def test_prefill_tile_does_not_stream_future_pages(block_q):
+  """A `4 * block_q`-token prefill from nothing in 8 whole blocks of
+  `block_q / 2`: the blocks of the second half hold NaN. Tiles of `block_q`
+  tokens: the first two tiles (the first half) see only the first 4 blocks and
+  must not load the others (a load would poison them: 0 * NaN), so their
+  outputs are finite and right."""
+  impl = "pallas"
+  block_size, num_blocks, seq_len = block_q // 2, 12, 4 * block_q
   rng = np.random.default_rng(7)
   blocks = rng.permutation(num_blocks)[:8].astype(np.int32)
   seg_block = jnp.asarray(blocks[None])
@@ -151,11 +187,12 @@ def test_prefill_tile_does_not_stream_future_pages(impl):
   k, v = jnp.asarray(k), jnp.asarray(v)
   table = (seg_block, seg_start, seg_length, num_segments)
   out = pf.prefill_attention(q, k, v, cu, *table, impl=impl, interpret=True,
-                             block_q=8, pages_per_step=1)
+                             block_q=block_q, pages_per_step=1)
   want = ref64(pf.ref_prefill_attention, q, k, v, cu, *table)
   got = np.asarray(out)
-  assert np.all(np.isfinite(got[:16])), "a tile streamed a future token's page"
-  np.testing.assert_allclose(got[:16], want[:16], **_TOL[jnp.float32])
+  half = seq_len // 2
+  assert np.all(np.isfinite(got[:half])), "a tile streamed a future token's page"
+  np.testing.assert_allclose(got[:half], want[:half], **_TOL[jnp.float32])
 
 
 def test_entries_needed_matches_a_linear_count():
