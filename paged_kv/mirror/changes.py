@@ -16,10 +16,11 @@ log holds, since the last flush:
 `batches(host)` turns it into packed commits (`CommitBatch` fields in one
 buffer, `PackedCommit`): the touched blocks' and rows' *final* values (so the
 order of the host's operations does not matter to the device), the page work,
-and the "before" values the device compares with what it holds (a mismatch is reported, see `paged_kv.pool`). Widths come from a
-small fixed set (`CommitWidths.for_config`), so the number of commit programs
-is bounded: a window larger than the block width is split into several commits
-(meta only; page work goes in the first).
+and the "before" values the device compares with what it holds (a mismatch is
+reported, see `paged_kv.pool`, and the commit then applies nothing). Widths
+come from a small fixed set (`CommitWidths.for_config`), so the number of
+commit programs is bounded: a window larger than the block width is split into
+several commits (meta only; page work goes in the first).
 """
 
 from __future__ import annotations
