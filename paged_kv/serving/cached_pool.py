@@ -437,7 +437,8 @@ class CachedPool:
 
     The pool's `ref_count` comes from its host mirror (the whole array, indexed
     by the cache: no device read, no per-call lookup); the decrefs are applied,
-    so the blocks whose last reference was the tree's are free when this returns. Leaves go tail first at block granularity (see
+    so the blocks whose last reference was the tree's are free when this
+    returns. Leaves go tail first at block granularity (see
     `radix.PrefixCache`'s `granularity`).
 
     Only dynamic-region blocks count toward `num_blocks`: a freed base-region
