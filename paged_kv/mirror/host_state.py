@@ -27,6 +27,21 @@ from paged_kv.mirror.changes import ChangeLog
 from paged_kv.mirror.free_index import HostFreeIndex
 
 
+def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`(uniq i64[U], totals i64[U])`: the distinct ids, ascending, and the exact sum
+  of `values` over each one's entries (a dict for a few ids: it beats a sort)."""
+  if ids.size <= 32:
+    acc: dict[int, int] = {}
+    for i, v in zip(ids.tolist(), values.tolist()):
+      acc[i] = acc.get(i, 0) + v
+    keys = sorted(acc)
+    return np.array(keys, np.int64), np.array([acc[k] for k in keys], np.int64)
+  uniq, inv = np.unique(ids, return_inverse=True)
+  totals = np.zeros(uniq.size, np.int64)
+  np.add.at(totals, inv.reshape(-1), values)
+  return uniq.astype(np.int64), totals
+
+
 class HostState:
   """The host mirror of one pool's bookkeeping (see the module docstring).
 
@@ -147,16 +162,7 @@ class HostState:
     d = np.asarray(deltas, np.int64).reshape(-1)
     if b.size == 0:
       return b
-    if b.size <= 32:  # a few blocks: a dict beats a sort
-      acc: dict[int, int] = {}
-      for blk, dl in zip(b.tolist(), d.tolist()):
-        acc[blk] = acc.get(blk, 0) + dl
-      keys = sorted(acc)
-      uniq = np.array(keys, np.int64)
-      total = np.array([acc[k] for k in keys], np.int64)
-    else:
-      uniq, inv = np.unique(b, return_inverse=True)
-      total = np.bincount(inv, weights=d, minlength=uniq.size).astype(np.int64)
+    uniq, total = sum_by_id(b, d)
     self.log.touch_blocks(self, uniq)
     old = self.ref_count[uniq].astype(np.int64)
     new = old + total

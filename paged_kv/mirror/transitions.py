@@ -20,7 +20,7 @@ import numpy as np
 from paged_kv.core import compact
 from paged_kv.core.errors import Status
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC
-from paged_kv.mirror.host_state import HostState
+from paged_kv.mirror.host_state import HostState, sum_by_id
 
 _I32_MAX = np.iinfo(np.int32).max
 # Status codes as plain ints (numpy compares an IntEnum member more slowly).
@@ -466,13 +466,8 @@ def _apply_ref_deltas_small(h: HostState, block_ids: np.ndarray, deltas: np.ndar
 
 def _summed_per_id(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
   """`i64[K]`: for each entry, the sum of `values` over the entries with its id."""
-  if ids.size <= 32:  # a few: a dict beats a sort
-    acc: dict[int, int] = {}
-    for i, v in zip(ids.tolist(), values.tolist()):
-      acc[i] = acc.get(i, 0) + v
-    return np.array([acc[i] for i in ids.tolist()], np.int64)
-  uniq, inv = np.unique(ids, return_inverse=True)
-  return np.bincount(inv, weights=values, minlength=uniq.size).astype(np.int64)[inv]
+  uniq, totals = sum_by_id(ids, values)
+  return totals[np.searchsorted(uniq, ids)]
 
 
 def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
