@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import urllib.error
@@ -57,6 +58,14 @@ def small_pool_snapshot(num_tokens=(6, 3), ooms=("no_free_block",), moves=3):
     counters.record_oom(reason, seq_len=20)
   counters.record_compaction(moves, 0.25)
   return pool, counters, metrics.snapshot(pool.state, CFG, counters=counters)
+
+
+def _tmpdir(test: absltest.TestCase) -> str:
+  """A fresh temp folder of the test's own, removed after it (not absl's shared
+  `TEST_TMPDIR`, which nothing creates under pytest and other processes share)."""
+  path = tempfile.mkdtemp(prefix="paged_kv_test_")
+  test.addCleanup(shutil.rmtree, path, ignore_errors=True)
+  return path
 
 
 class LiveScrapeTest(absltest.TestCase):
@@ -282,7 +291,7 @@ class SnapshotAndAlertsTest(absltest.TestCase):
     _, _, snap = small_pool_snapshot(ooms=("no_free_block", "no_free_block"))
     alerts = metrics.AlertMonitor().observe(snap)
     self.assertNotEmpty(alerts)
-    path = os.path.join(tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir()), "ev.jsonl")
+    path = os.path.join(_tmpdir(self), "ev.jsonl")
     with export.JsonlLogger(path, mode="w") as log:
       exporter = export.MetricsExporter(events=log)
       fams = families(exporter.render())
@@ -311,7 +320,7 @@ class JsonlLoggerTest(absltest.TestCase):
     _, counters, snap = small_pool_snapshot()
     alerts = metrics.AlertMonitor().observe(snap)
     self.assertNotEmpty(alerts)
-    path = os.path.join(tempfile.mkdtemp(dir=absltest.get_default_test_tmpdir()),
+    path = os.path.join(_tmpdir(self),
                         "run", "metrics.jsonl")
     with export.JsonlLogger(path) as log:
       log.log_snapshot(snap, step=5, preemptions_total=np.int64(1),
@@ -358,7 +367,7 @@ class JsonlLoggerTest(absltest.TestCase):
 
   def test_log_report_of_a_real_run(self):
     _, _, _, reports = serving_run.served_run()
-    path = os.path.join(absltest.get_default_test_tmpdir(), "steps.jsonl")
+    path = os.path.join(_tmpdir(self), "steps.jsonl")
     with export.JsonlLogger(path, mode="w") as log:
       for report in reports:
         log.log_report(report)
@@ -376,7 +385,7 @@ class JsonlLoggerTest(absltest.TestCase):
     self.assertIn("oom_by_reason", steps[-1]["counters"])
 
   def test_reserved_keys_and_bad_values(self):
-    path = os.path.join(absltest.get_default_test_tmpdir(), "bad.jsonl")
+    path = os.path.join(_tmpdir(self), "bad.jsonl")
     with export.JsonlLogger(path, mode="w") as log:
       with self.assertRaisesRegex(ValueError, "clash"):
         log.log_snapshot({"time": 1.0})
@@ -404,7 +413,7 @@ class MissingPrometheusTest(absltest.TestCase):
       module = importlib.util.module_from_spec(spec)
       sys.modules[spec.name] = module  # removed again when the patch ends
       spec.loader.exec_module(module)
-      path = os.path.join(absltest.get_default_test_tmpdir(), "noprom.jsonl")
+      path = os.path.join(_tmpdir(self), "noprom.jsonl")
       with module.JsonlLogger(path, mode="w") as log:
         log.log_snapshot({"live_tokens": 1}, step=0)
       self.assertEqual(module.read_jsonl(path)[0]["live_tokens"], 1)
