@@ -73,6 +73,7 @@ def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
 
 
 _I32 = np.iinfo(np.int32)
+_I32_MIN, _I32_MAX = int(_I32.min), int(_I32.max)
 
 
 def _as_int_array(x, name: str) -> np.ndarray:
@@ -81,6 +82,8 @@ def _as_int_array(x, name: str) -> np.ndarray:
   The range is checked on the values as given, before any cast, so an unsigned
   `2**64 - 1` is reported as itself (not as the `-1` a cast would make of it).
   """
+  if type(x) is np.ndarray and x.dtype == np.int32 and x.ndim == 1:
+    return x.astype(np.int64)  # int32: nothing to check (the prefix cache's ids)
   try:
     a = np.asarray(x)
   except (TypeError, ValueError) as e:
@@ -93,6 +96,35 @@ def _as_int_array(x, name: str) -> np.ndarray:
   if a.size and (a.min() < _I32.min or a.max() > _I32.max):
     raise InvalidArgument(f"{name} has values outside int32: {a.min()}..{a.max()}")
   return a.astype(np.int64)
+
+
+def _single_int(x) -> int | None:
+  """The one value of a one-entry id argument (`3`, `[3]`, `(3,)`, an int scalar or a
+  1-entry int array) when it is a plain integer within int32; else None (the caller
+  takes its general, fully checked path, which reports any problem)."""
+  if type(x) in (list, tuple):
+    if len(x) != 1:
+      return None
+    x = x[0]
+  if type(x) is int:
+    return x if _I32_MIN <= x <= _I32_MAX else None
+  if isinstance(x, np.ndarray):
+    if x.size != 1 or x.ndim > 1:
+      return None
+    x = x.reshape(())[()]
+  if isinstance(x, np.integer) and not isinstance(x, np.bool_):
+    v = int(x)
+    return v if _I32_MIN <= v <= _I32_MAX else None
+  return None
+
+
+def _fast_segments(x) -> np.ndarray | None:
+  """`x` when it already is a C-contiguous `i32[n, 3]` array (what the prefix cache
+  hands out: nothing to check or convert), else None."""
+  if (type(x) is np.ndarray and x.dtype == np.int32 and x.ndim == 2 and x.shape[1] == 3
+      and x.flags.c_contiguous):
+    return x
+  return None
 
 
 def _as_int_scalar(x, name: str, *, low: int | None = None, high: int | None = None) -> int:
@@ -370,7 +402,7 @@ class BlockPool:
                                           atomic=False)
     finally:
       host.log = self._log
-    touched = self._scratch_log.touched_blocks()
+    touched = self._scratch_log.touched_blocks(host)
     self._scratch_log.reset(None)
     return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,
                           touched_blocks=touched)
@@ -390,7 +422,7 @@ class BlockPool:
     self._state = state
     prediction.adopted = True
     self.runtime.dispatch("step")
-    self._log.touch_blocks(self._mirror, prediction.touched_blocks)
+    self._log.adopt(self._mirror, prediction.touched_blocks)
     self._log.expected = self._mirror.totals()
     if device_status is not None:
       b = prediction.status.shape[0]
@@ -427,6 +459,13 @@ class BlockPool:
         bad = ids[act != active].tolist()
         raise InvalidSequence(f"sequences {bad} are {'not ' if active else ''}active")
 
+  def _check_id(self, i: int, *, active: bool) -> None:
+    """`_check_ids` of one id (same errors)."""
+    if not 0 <= i < self.config.max_seqs:
+      raise InvalidSequence(f"sequence ids {[i]} outside [0, {self.config.max_seqs})")
+    if bool(self.host.active[i]) != active:
+      raise InvalidSequence(f"sequences {[i]} are {'not ' if active else ''}active")
+
   def seq_len(self, seq_id: int) -> int:
     ids = _as_int_array(seq_id, "seq_id")
     self._check_ids(ids, active=True)
@@ -441,6 +480,10 @@ class BlockPool:
 
   def segments_many(self, seq_ids) -> list[Segments]:
     """The `segments` of several live sequences (distinct rows), from the mirror."""
+    i = _single_int(seq_ids)
+    if i is not None:
+      self._check_id(i, active=True)
+      return [self.host.row_segments(i)]
     ids = _as_int_array(seq_ids, "seq_ids")
     self._check_ids(ids, active=True)
     h = self.host
@@ -487,7 +530,7 @@ class BlockPool:
 
   # -- transitions ---------------------------------------------------------
   def open_sequence(self, segments: Segments | None = None,
-                    seq_id: int | None = None) -> int:
+                    seq_id: int | None = None, *, copy_tail: bool = False) -> int:
     """Activates a row (the lowest free one unless `seq_id` is given).
 
     One row of `open_sequences` (same checks, same errors).
@@ -497,6 +540,10 @@ class BlockPool:
         `PrefixCache.match`'s `segments`), each gaining a reference; they must lie
         on live blocks and written slots. None or empty: an empty sequence.
       seq_id: the row to open; default the lowest free one.
+      copy_tail: then copy the row's tail into a fresh exclusive block when it is
+        shared or slotted and a block is free, so that appends continue in place:
+        `cow_split([row], skip_exhausted=True)` right after the open, in one call
+        (the row opens on the copy).
 
     Returns:
       The row.
@@ -508,7 +555,13 @@ class BlockPool:
       PoolExhausted: no free row, or more than `max_segments` segments.
       InvalidSequence: `seq_id` out of range or active.
     """
+    if seq_id is None:
+      row = self._open_one(segments, copy_tail=copy_tail)
+      if row is not None:
+        return row
     rows = self.open_sequences([segments], None if seq_id is None else [seq_id])
+    if copy_tail:
+      self.cow_split(rows, skip_exhausted=True)
     return int(rows[0])
 
   def open_sequences(self, segments: Sequence[Segments | None],
@@ -528,6 +581,10 @@ class BlockPool:
       The errors of `open_sequence`, for the first row that fails; nothing is
       opened then (atomic).
     """
+    if len(segments) == 1 and seq_ids is None:
+      row = self._open_one(segments[0])
+      if row is not None:
+        return np.array([row], np.int64)
     segs = [empty_segments() if s is None else as_segments(s) for s in segments]
     k = len(segs)
     h = self.host
@@ -574,6 +631,40 @@ class BlockPool:
     self._done()
     return ids
 
+  def _open_one(self, segments, *, copy_tail: bool = False) -> int | None:
+    """`open_sequences` of one row in the lowest free row, without the batch work
+    (`copy_tail`: and the tail copy of `open_sequence`); None when the general path
+    must decide (a problem to report, or segments whose blocks no outside holder
+    vouches for: the dead-slot check); nothing changed then."""
+    segs = empty_segments() if segments is None else _fast_segments(segments)
+    if segs is None:
+      return None
+    h = self.host
+    c = self.config
+    free = ~h.active
+    row = int(free.argmax())
+    k = segs.shape[0]
+    if not free[row] or k > c.max_segments:
+      return None
+    blk = segs[:, 0]
+    if k:
+      if blk.min() < 0 or blk.max() >= c.num_blocks:
+        return None
+      ref = h.ref_count[blk]
+      if (ref <= h.table_refs[blk]).any():  # unheld blocks (or free ones): the full check
+        return None
+    if copy_tail and k:
+      if self._log.page_conflict(blk[-1:], self._log.free_page_dsts(h), copies=1):
+        self.flush()  # the copy must not read or write a block the window's copies wrote
+      status, _ = host_ops.open_one_copying_tail(h, row, blk, segs[:, 1], segs[:, 2])
+    else:
+      status = host_ops.open_rows(h, np.array([row]), blk[None], segs[None, :, 1],
+                                  segs[None, :, 2], np.array([k]))
+    if status[0]:
+      return None  # refused, nothing applied: the general path raises its error
+    self._done()
+    return row
+
   def reserve_tokens(self, seq_ids, num_new) -> np.ndarray:
     """Room for `num_new[i]` more tokens of each sequence; returns `slot_idx i32[B, T]`.
 
@@ -581,6 +672,19 @@ class BlockPool:
     are -1. A host array: the slots are decided on the mirror (the device
     applies them at the next flush).
     """
+    i, count = _single_int(seq_ids), _single_int(num_new)
+    if i is not None and count is not None and count >= 0:  # one row: no array work
+      self._check_id(i, active=True)
+      if -(-count // self.config.block_size) > self.config.num_blocks:
+        raise PoolExhausted(f"the batch needs up to {-(-count // self.config.block_size)} "
+                            f"blocks; the pool has {self.config.num_blocks}",
+                            reason="no_free_block")
+      slot_idx, status = host_ops.reserve(self.host, np.array([i]), np.array([count]),
+                                          max_new_tokens=_bucket(count), atomic=True)
+      if status[0]:
+        raise_for_status(status, "reserve_tokens")
+      self._done()
+      return slot_idx
     ids, counts = _as_int_array(seq_ids, "seq_ids"), _as_int_array(num_new, "num_new")
     if ids.shape != counts.shape:
       raise InvalidArgument(f"seq_ids {ids.shape} and num_new {counts.shape} differ in shape")
@@ -761,6 +865,14 @@ class BlockPool:
       InvalidSequence: a row out of range, repeated or not live. The errors of
       `apply_ref_deltas` for `ref_deltas`. Nothing changes on error.
     """
+    i = _single_int(seq_ids)
+    if i is not None and ref_deltas is None:  # one row: no array work
+      self._check_id(i, active=True)
+      status = host_ops.release(self.host, np.array([i]), atomic=True)
+      if status[0]:
+        raise_for_status(status, "release")
+      self._done()
+      return
     ids = _as_int_array(seq_ids, "seq_ids")
     self._check_ids(ids, active=True)
     h = self.host
@@ -834,6 +946,10 @@ class BlockPool:
     ids, d = _as_int_array(block_ids, "block_ids"), _as_int_array(deltas, "deltas")
     if ids.shape != d.shape:
       raise InvalidArgument(f"block_ids {ids.shape} and deltas {d.shape} differ in shape")
+    if ids.size and d.dtype == np.int64 and (d.size * int(np.abs(d).max()) <= _I32_MAX):
+      if ids.min() < 0 or ids.max() >= self.config.num_blocks:
+        raise InvalidBlock(f"block ids outside [0, {self.config.num_blocks}): {ids.tolist()}")
+      return ids, d  # no block can gain more than int32 holds
     if ids.size and (ids.min() < 0 or ids.max() >= self.config.num_blocks):
       raise InvalidBlock(f"block ids outside [0, {self.config.num_blocks}): {ids.tolist()}")
     # A block's sum can pass int32 only if the gains together do (the common case:
@@ -857,8 +973,13 @@ class BlockPool:
     order while blocks last and the rest are left as they are (`split` False),
     as if each row had been split alone, one call after the other.
     """
-    ids = _as_int_array(seq_ids, "seq_ids")
-    self._check_ids(ids, active=True)
+    i = _single_int(seq_ids)
+    if i is not None:
+      self._check_id(i, active=True)
+      ids = np.array([i], np.int64)
+    else:
+      ids = _as_int_array(seq_ids, "seq_ids")
+      self._check_ids(ids, active=True)
     h = self.host
     tails = h.block[ids, np.maximum(h.num_segments[ids] - 1, 0)]
     if self._log.page_conflict(tails, self._log.free_page_dsts(h), copies=ids.size):

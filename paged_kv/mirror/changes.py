@@ -4,7 +4,9 @@ The host decides (which block, which slot, which row); the device applies the
 decisions in one jitted program per flush (`paged_kv.core.commit.commit`). The
 log holds, since the last flush:
 
-* every touched block with its `(ref_count, slots)` before its first change,
+* every touched block (ids only, repeats allowed: a touch is one list append);
+  its `(ref_count, slots)` before the window come from the log's copy of what
+  the device holds (`committed`, updated at each reset after a flush),
 * every touched row with its `(num_segments, seq_len, active)` before,
 * K/V page work: slot-range copies (`cow_split`'s tails) and whole-block moves
   (compaction, promotion, shrink), in the order the device must run them
@@ -33,9 +35,11 @@ import numpy as np
 
 from paged_kv.core.commit import CommitLayout, PackedCommit
 from paged_kv.core.config import PoolConfig
+from paged_kv.mirror.ids import distinct_mask
 
 if TYPE_CHECKING:
   from paged_kv.mirror.host_state import HostState
+
 
 MIN_MOVE_WIDTH = 64
 
@@ -117,21 +121,31 @@ class ChangeLog:
 
   def __init__(self, config: PoolConfig):
     self.config = config
-    self._bmask = np.zeros(config.num_blocks, bool)
     self._rmask = np.zeros(config.max_seqs, bool)
+    self._block_width: int | None = None
+    # What the device holds of every block's (ref_count, slots): the mirror's values
+    # as of the last commit (None until a host is attached; see `reset`).
+    self._committed_ref: np.ndarray | None = None
+    self._committed_slots: np.ndarray | None = None
     self.reset(None)
 
   def reset(self, host: "HostState | None") -> None:
-    """Empties the log; `host`'s totals become what the device is expected to hold."""
-    if self.config.num_blocks != self._bmask.shape[0]:
-      self._bmask = np.zeros(self.config.num_blocks, bool)
-    for ids in getattr(self, "_blocks", ()):
-      self._bmask[ids] = False
+    """Empties the log; `host`'s values become what the device is expected to hold
+    (after a flush: the window's blocks; a new or reloaded host: every block).
+    `None`: the device's values are unknown until the next `reset(host)`."""
+    if host is None:
+      self._committed_ref = self._committed_slots = None
+    elif (self._committed_ref is None
+          or self._committed_ref.shape[0] != host.ref_count.shape[0]):
+      self._committed_ref = host.ref_count.copy()
+      self._committed_slots = host.slots.copy()
+    elif getattr(self, "_blocks", None):
+      ids = self.touched_blocks(host)
+      self._committed_ref[ids] = host.ref_count[ids]
+      self._committed_slots[ids] = host.slots[ids]
     for ids in getattr(self, "_rows", ()):
       self._rmask[ids] = False
     self._blocks: list[np.ndarray] = []
-    self._old_ref: list[np.ndarray] = []
-    self._old_slots: list[np.ndarray] = []
     self._rows: list[np.ndarray] = []
     self._old_rows: list[np.ndarray] = []
     self._zero_before: set[int] = set()  # scrub: freed before any page write of the window
@@ -139,7 +153,7 @@ class ChangeLog:
     self._copies: list[np.ndarray] = []
     self._moves: list[np.ndarray] = []
     self._page_dst: set[int] = set()
-    self.num_blocks = 0
+    self.num_blocks = 0  # touched entries, repeats counted (an upper bound)
     self.num_rows = 0
     self.num_copies = 0
     self.num_moves = 0
@@ -147,26 +161,44 @@ class ChangeLog:
     self.expected = None if host is None else host.totals()
 
   def resize(self, config: PoolConfig) -> None:
-    """Follows a pool resize (the log must be empty)."""
+    """Follows a pool resize (the log must be empty; the next `reset(host)` copies
+    the resized host's values as the device's)."""
     assert not self.pending, "resize with pending changes"
     self.config = config
-    self._bmask = np.zeros(config.num_blocks, bool)
+    self._committed_ref = self._committed_slots = None
+    self._block_width = None
 
   # ------------------------------------------------------------------ recording
   @property
   def pending(self) -> bool:
     return bool(self.num_blocks or self.num_rows or self.num_copies or self.num_moves)
 
-  def touch_blocks(self, host: "HostState", ids: np.ndarray) -> None:
-    ids = np.asarray(ids, np.int64)
-    new = ids[~self._bmask[ids]]
-    if new.size:
-      new = _distinct(new)
-      self._bmask[new] = True
-      self._blocks.append(new)
-      self._old_ref.append(host.ref_count[new].copy())
-      self._old_slots.append(host.slots[new].copy())
-      self.num_blocks += new.size
+  def touch_blocks(self, host: "HostState", ids: np.ndarray, *, distinct: bool = False) -> None:
+    """Records that `ids` (repeats allowed) are about to change; their values before
+    the window are the committed ones, so a touch is one list append."""
+    del host, distinct
+    ids = np.array(ids, np.int64).reshape(-1)  # a copy: the caller may reuse its array
+    if ids.size:
+      self._blocks.append(ids)
+      self.num_blocks += ids.size
+
+  def adopt(self, host: "HostState", ids: np.ndarray) -> None:
+    """Blocks a jitted step changed on the device as the host predicted: their
+    current host values are the device's now; they are checked at the next commit."""
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ids.size and self._committed_ref is not None:
+      self._committed_ref[ids] = host.ref_count[ids]
+      self._committed_slots[ids] = host.slots[ids]
+    self.touch_blocks(host, ids)
+
+  def touch_row(self, host: "HostState", row: int) -> None:
+    """`touch_rows` of one row."""
+    if not self._rmask[row]:
+      self._rmask[row] = True
+      self._rows.append(np.array([row], np.int64))
+      self._old_rows.append(np.array([[host.num_segments[row], host.seq_len[row],
+                                       host.active[row]]], np.int64))
+      self.num_rows += 1
 
   def touch_rows(self, host: "HostState", rows: np.ndarray) -> None:
     rows = np.asarray(rows, np.int64)
@@ -231,9 +263,12 @@ class ChangeLog:
         return True
     return False
 
-  def touched_blocks(self) -> np.ndarray:
-    """`i64[K]`: the blocks touched in the window (each once)."""
-    return np.concatenate(self._blocks) if self._blocks else np.zeros(0, np.int64)
+  def touched_blocks(self, host: "HostState") -> np.ndarray:
+    """`i64[K]`: the blocks touched in the window, each once (order unspecified)."""
+    if not self._blocks:
+      return np.zeros(0, np.int64)
+    ids = self._blocks[0] if len(self._blocks) == 1 else np.concatenate(self._blocks)
+    return ids[distinct_mask(host.stamp, ids)] if ids.size > 1 else ids
 
   def free_page_dsts(self, host: "HostState") -> np.ndarray:
     """Blocks the window wrote into that are free again (a new allocation may pick
@@ -246,17 +281,20 @@ class ChangeLog:
   @property
   def wants_flush(self) -> bool:
     """The window is as large as one commit should be: flush at the next boundary."""
-    return self.num_blocks >= 4 * CommitWidths.block_width(self.config)
+    if self._block_width is None:
+      self._block_width = CommitWidths.block_width(self.config)
+    return self.num_blocks >= 4 * self._block_width
 
   # ------------------------------------------------------------------ to the device
   def batches(self, host: "HostState") -> list[PackedCommit]:
     """The window as packed commits (host buffers; one per block chunk)."""
     c = self.config
     w = c.slot_words
-    blocks = self.touched_blocks()
-    old_ref = np.concatenate(self._old_ref) if self._old_ref else np.zeros(0, np.int32)
-    old_slots = (np.concatenate(self._old_slots) if self._old_slots
-                 else np.zeros((0, w), np.uint32))
+    blocks = self.touched_blocks(host)
+    if self._committed_ref is None:
+      raise RuntimeError("ChangeLog.batches: no committed values (reset(host) first)")
+    old_ref = self._committed_ref[blocks]
+    old_slots = self._committed_slots[blocks]
     scrub = np.zeros((blocks.size, 2), bool)  # zero before / after the page writes
     if self._zero_before or self._zero_after:
       scrub[:, 0] = np.isin(blocks, list(self._zero_before))

@@ -84,6 +84,16 @@ class HostFreeIndex:
       return np.zeros((0,), np.int64)
     if k > self.num_free:
       raise ValueError(f"{k} blocks wanted, {self.num_free} free")
+    if k == 1:  # the lowest free block: descend the count levels to its word
+      g = 0
+      for level in range(len(self.sizes) - 1, 0, -1):
+        off = self.offsets[level]
+        lo = off + g * _F
+        g = g * _F + int(np.flatnonzero(self.counts[lo:min(lo + _F, off + self.sizes[level])])[0])
+      lo = g * _F
+      word = lo + int(np.flatnonzero(self.bits[lo:lo + _F])[0])
+      w = int(self.bits[word])
+      return np.array([word * _F + (w & -w).bit_length() - 1], np.int64)
     if len(self.sizes) == 1:  # one level of words: unpack them all (n <= 1024)
       return np.flatnonzero(_unpack(self.bits))[:k].astype(np.int64)
     level1 = self.counts[self.offsets[1]:self.offsets[1] + self.sizes[1]]
@@ -101,11 +111,22 @@ class HostFreeIndex:
     b = np.asarray(blocks, np.int64).reshape(-1)
     if b.size == 0:
       return
-    np.bitwise_xor.at(self.bits, b // _F, _BIT[b % _F])
+    if b.size <= 8:  # a few: plain Python beats the ufunc.at calls
+      bits, counts, offsets = self.bits, self.counts, self.offsets
+      for x in b.tolist():
+        bits[x >> 5] ^= _BIT[x & 31]
+        for level in range(1, len(self.sizes)):
+          counts[offsets[level] + x // _F ** (level + 1)] += delta
+    else:
+      np.bitwise_xor.at(self.bits, b // _F, _BIT[b % _F])
+      for level in range(1, len(self.sizes)):
+        size = self.sizes[level]
+        off = self.offsets[level]
+        # A count per group of 32**(level+1) blocks: n / 1024 entries at most.
+        self.counts[off:off + size] += delta * np.bincount(b // _F ** (level + 1),
+                                                           minlength=size).astype(np.int32)
     if self._runs is not None:
       self._runs.dirty(b // _F)
-    for level in range(1, len(self.sizes)):
-      np.add.at(self.counts, self.offsets[level] + b // _F ** (level + 1), delta)
     self.num_free += int(delta) * int(b.size)
 
   def largest_run(self) -> int:

@@ -25,21 +25,10 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
 from paged_kv.mirror.changes import ChangeLog
 from paged_kv.mirror.free_index import HostFreeIndex
+from paged_kv.mirror.ids import aggregate, distinct_mask, sum_by_id  # noqa: F401 (re-exported)
 
-
-def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """`(uniq i64[U], totals i64[U])`: the distinct ids, ascending, and the exact sum
-  of `values` over each one's entries (a dict for a few ids: it beats a sort)."""
-  if ids.size <= 32:
-    acc: dict[int, int] = {}
-    for i, v in zip(ids.tolist(), values.tolist()):
-      acc[i] = acc.get(i, 0) + v
-    keys = sorted(acc)
-    return np.array(keys, np.int64), np.array([acc[k] for k in keys], np.int64)
-  uniq, inv = np.unique(ids, return_inverse=True)
-  totals = np.zeros(uniq.size, np.int64)
-  np.add.at(totals, inv.reshape(-1), values)
-  return uniq.astype(np.int64), totals
+_NO_IDS = np.zeros(0, np.int64)
+_NO_IDS.setflags(write=False)
 
 
 class HostState:
@@ -77,6 +66,7 @@ class HostState:
     self.num_table_blocks = int(np.count_nonzero(self.table_refs))
     self.num_free_base = int(np.count_nonzero((self.ref_count == 0)
                                               & (self.region == REGION_BASE)))
+    self.stamp = np.zeros(config.num_blocks, np.int64)  # scratch of `distinct_mask`
     self.log = log if log is not None else ChangeLog(config)
     self.log.reset(self)
 
@@ -154,39 +144,73 @@ class HostState:
                      int(self.num_segments[act].sum()), self.step], np.int64)
 
   # ------------------------------------------------------------------ mutators
-  def change_refs(self, blocks: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+  def change_refs(self, blocks: np.ndarray, deltas: np.ndarray, *,
+                  distinct: bool = False) -> np.ndarray:
     """Adds `deltas` to `ref_count[blocks]` (repeats add up; the caller checked the
     results stay >= 0). Blocks reaching 0 free: slots cleared, into the free index.
-    Blocks leaving 0 (dynamic) leave it. Returns the freed blocks."""
+    Blocks leaving 0 (dynamic) leave it. Returns the freed blocks. `distinct`: the
+    caller knows `blocks` holds no repeat."""
     b = np.asarray(blocks, np.int64).reshape(-1)
-    d = np.asarray(deltas, np.int64).reshape(-1)
     if b.size == 0:
       return b
-    uniq, total = sum_by_id(b, d)
-    self.log.touch_blocks(self, uniq)
-    old = self.ref_count[uniq].astype(np.int64)
+    d = np.asarray(deltas, np.int64)  # an array like `blocks`, or one delta for all
+    if d.ndim:
+      d = d.reshape(-1)
+    if b.size == 1:
+      return self._change_ref(int(b[0]), int(d.reshape(-1)[0]))
+    uniq, total = (b, d) if distinct else aggregate(self.stamp, b, d)
+    self.log.touch_blocks(self, uniq, distinct=True)
+    old = self.ref_count[uniq]
     new = old + total
     self.ref_count[uniq] = new
-    freed = uniq[(old > 0) & (new == 0)]
-    taken = uniq[(old == 0) & (new > 0)]
+    was_free, now_free = old == 0, new == 0  # counts are never negative
+    flip = was_free != now_free
+    if not flip.any():
+      return b[:0]
+    freed = uniq[flip & now_free]
+    taken = uniq[flip & was_free]
     if freed.size:
       self.slots[freed] = 0
       self.log.freed(freed)
-      dyn = self.dynamic(freed)
+      dyn = self.region[freed] == REGION_DYNAMIC
       self.free.mark(freed[dyn], +1)
-      self.num_free_base += int(np.count_nonzero(~dyn))
+      self.num_free_base += freed.size - int(np.count_nonzero(dyn))
     if taken.size:
-      dyn = self.dynamic(taken)
+      dyn = self.region[taken] == REGION_DYNAMIC
       self.free.mark(taken[dyn], -1)
-      self.num_free_base -= int(np.count_nonzero(~dyn))
+      self.num_free_base -= taken.size - int(np.count_nonzero(dyn))
     return freed
+
+  def _change_ref(self, x: int, delta: int) -> np.ndarray:
+    """`change_refs` of one block, in plain Python."""
+    self.log.touch_blocks(self, np.array([x], np.int64))
+    old = int(self.ref_count[x])
+    new = old + delta
+    self.ref_count[x] = new
+    if (old == 0) == (new == 0):
+      return _NO_IDS
+    one = np.array([x], np.int64)
+    dyn = int(self.region[x]) == REGION_DYNAMIC
+    if new == 0:
+      self.slots[x] = 0
+      self.log.freed(one)
+      if dyn:
+        self.free.mark(one, +1)
+      else:
+        self.num_free_base += 1
+      return one
+    if dyn:
+      self.free.mark(one, -1)
+    else:
+      self.num_free_base -= 1
+    return _NO_IDS
 
   def take_blocks(self, blocks: np.ndarray) -> None:
     """Free dynamic `blocks` (distinct) become owned: `ref_count = 1`, out of the index."""
     b = np.asarray(blocks, np.int64)
     if b.size == 0:
       return
-    self.log.touch_blocks(self, b)
+    self.log.touch_blocks(self, b, distinct=True)
     self.ref_count[b] = 1
     self.free.mark(b, -1)
 
@@ -229,31 +253,23 @@ class HostState:
   def _change_table_refs(self, old_blocks: np.ndarray, new_blocks: np.ndarray) -> None:
     """`table_refs` loses one per `old_blocks` entry and gains one per `new_blocks`
     entry; `num_table_blocks` follows."""
-    if old_blocks.size + new_blocks.size <= 64:  # a few: plain Python
-      net: dict[int, int] = {}
+    tr = self.table_refs
+    if old_blocks.size + new_blocks.size <= 4:  # a tail move: plain Python
       for x in old_blocks.tolist():
-        net[x] = net.get(x, 0) - 1
+        tr[x] -= 1
+        self.num_table_blocks -= int(tr[x] == 0)
       for x in new_blocks.tolist():
-        net[x] = net.get(x, 0) + 1
-      changed = 0
-      for x, dl in net.items():
-        if dl:
-          before = int(self.table_refs[x])
-          self.table_refs[x] = before + dl
-          changed += (before + dl > 0) - (before > 0)
-      self.num_table_blocks += changed
+        tr[x] += 1
+        self.num_table_blocks += int(tr[x] == 1)
       return
-    np.subtract.at(self.table_refs, old_blocks, 1)
-    np.add.at(self.table_refs, new_blocks, 1)
-    # Blocks gaining or losing their last table reference (num_table_blocks).
-    aff, inv = np.unique(np.concatenate([old_blocks, new_blocks]), return_inverse=True)
-    if aff.size:
-      k = old_blocks.size
-      delta = (np.bincount(inv[k:], minlength=aff.size)
-               - np.bincount(inv[:k], minlength=aff.size))
-      after = self.table_refs[aff]
-      self.num_table_blocks += int(np.count_nonzero(after > 0)
-                                   - np.count_nonzero((after - delta) > 0))
+    if old_blocks.size:
+      uniq, count = aggregate(self.stamp, old_blocks, 1)
+      tr[uniq] -= count
+      self.num_table_blocks -= int(np.count_nonzero(tr[uniq] == 0))
+    if new_blocks.size:
+      uniq, count = aggregate(self.stamp, new_blocks, 1)
+      tr[uniq] += count
+      self.num_table_blocks += int(np.count_nonzero(tr[uniq] == count))
 
   def extend_rows(self, rows: np.ndarray, tail: np.ndarray, grow: np.ndarray,
                   cell_rows: np.ndarray, cell_cols: np.ndarray, cell_blocks: np.ndarray,
@@ -284,11 +300,13 @@ class HostState:
     self.num_table_blocks += int(np.asarray(cell_blocks).size)
 
   def open_row(self, row: int, block: np.ndarray, start: np.ndarray,
-               length: np.ndarray) -> None:
+               length: np.ndarray, *, refs: np.ndarray | None = None) -> None:
     """Activates inactive `row` with the given segments, each gaining a reference
-    (`write_rows` + `change_refs` of one row, without their batch work)."""
+    (`write_rows` + `change_refs` of one row, without their batch work); `refs`: the
+    blocks that gain one instead (default `block`; a tail opened on a block the
+    caller already took gains none)."""
     k = int(block.size)
-    self.log.touch_rows(self, np.array([row], np.int64))
+    self.log.touch_row(self, row)
     for a, v in ((self.block, block), (self.start, start), (self.length, length)):
       a[row, :k] = v
       a[row, k:] = 0
@@ -296,13 +314,49 @@ class HostState:
     self.seq_len[row] = int(length.sum())
     self.active[row] = True
     if k:
-      self._change_table_refs(np.zeros(0, np.int64), block)
-      self.change_refs(block, np.ones(k, np.int64))
+      self._change_table_refs(block[:0], block)
+      refs = block if refs is None else refs
+      if refs.size:
+        self.change_refs(refs, 1)
+
+  def extend_row(self, row: int, tail: int, grow: int, blocks: np.ndarray,
+                 lengths: np.ndarray, tokens: int) -> None:
+    """`extend_rows` of one row: `grow` tokens more in its tail segment (column
+    `tail`), then new segments at slot 0 of `blocks` (fresh, distinct) with
+    `lengths` tokens; `tokens` more in all."""
+    self.log.touch_row(self, row)
+    ns = int(self.num_segments[row])
+    k = int(blocks.size)
+    if grow:
+      self.length[row, tail] += grow
+    if k:
+      self.block[row, ns:ns + k] = blocks
+      self.start[row, ns:ns + k] = 0
+      self.length[row, ns:ns + k] = lengths
+      self.num_segments[row] = ns + k
+      self.table_refs[blocks] += 1
+      self.num_table_blocks += k
+    self.seq_len[row] += tokens
+
+  def clear_row(self, row: int) -> np.ndarray:
+    """Ends live `row` (`write_rows(clear=True)` of one row); returns its blocks
+    (`i64`, one entry per segment) for the caller's `change_refs`."""
+    self.log.touch_row(self, row)
+    ns = int(self.num_segments[row])
+    blocks = self.block[row, :ns].astype(np.int64)
+    self.block[row, :ns] = 0
+    self.start[row, :ns] = 0
+    self.length[row, :ns] = 0
+    self.num_segments[row] = 0
+    self.seq_len[row] = 0
+    self.active[row] = False
+    self._change_table_refs(blocks, blocks[:0])
+    return blocks
 
   def move_tail(self, row: int, tail: int, block: int) -> None:
     """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail
     copy; `write_rows` of one entry)."""
-    self.log.touch_rows(self, np.array([row], np.int64))
+    self.log.touch_row(self, row)
     old = int(self.block[row, tail])
     self.block[row, tail] = block
     self.start[row, tail] = 0

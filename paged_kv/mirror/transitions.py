@@ -20,7 +20,8 @@ import numpy as np
 from paged_kv.core import compact
 from paged_kv.core.errors import Status
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC
-from paged_kv.mirror.host_state import HostState, sum_by_id
+from paged_kv.mirror.host_state import HostState
+from paged_kv.mirror.ids import distinct_mask, sum_by_id
 
 _I32_MAX = np.iinfo(np.int32).max
 # Status codes as plain ints (numpy compares an IntEnum member more slowly).
@@ -93,6 +94,9 @@ def slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
 
 def range_mask(start: np.ndarray, length: np.ndarray, words: int) -> np.ndarray:
   """`u32[..., words]` with bits `[start, start + length)` set (`segments.range_mask`)."""
+  if words == 1:  # blocks of <= 32 slots: one int64 shift (starts and lengths <= 32)
+    s, l = np.asarray(start, np.int64), np.asarray(length, np.int64)
+    return ((((np.int64(1) << l) - 1) << s) & 0xFFFFFFFF).astype(np.uint32)[..., None]
   base = 32 * np.arange(words)
   lo = _clamp(np.asarray(start)[..., None] - base, 0, 32).astype(np.uint64)
   hi = _clamp(np.asarray(start)[..., None] + np.asarray(length)[..., None] - base, 0,
@@ -400,6 +404,9 @@ def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
   n = h.config.num_blocks
   block_ids = np.asarray(block_ids, np.int64)
   deltas = np.asarray(deltas, np.int64)
+  fast = _apply_ref_deltas_fast(h, block_ids, deltas, apply=apply)
+  if fast is not None:
+    return fast
   if block_ids.size <= SMALL_DELTAS:
     return _apply_ref_deltas_small(h, block_ids, deltas, apply=apply)
   pad = block_ids == -1
@@ -424,6 +431,27 @@ def apply_ref_deltas(h: HostState, block_ids: np.ndarray, deltas: np.ndarray,
   if all_ok and apply and in_range.any():
     h.change_refs(block_ids[in_range], deltas[in_range])
   return status.astype(np.int32)
+
+
+def _apply_ref_deltas_fast(h: HostState, block_ids: np.ndarray, deltas: np.ndarray, *,
+                           apply: bool) -> np.ndarray | None:
+  """`apply_ref_deltas` when every entry is a distinct in-range block and every change
+  is valid (what a prefix cache hands over): a dozen numpy calls. None otherwise (the
+  other paths then decide the statuses)."""
+  n = h.config.num_blocks
+  if block_ids.size == 0 or block_ids.min() < 0 or block_ids.max() >= n:
+    return None
+  if block_ids.size > 1 and not distinct_mask(h.stamp, block_ids).all():
+    return None
+  ref = h.ref_count[block_ids]
+  new = ref + deltas
+  bad = (new < 0) | (new > _I32_MAX) | ((deltas > 0) & (ref == 0)) | (
+      (deltas < 0) & (new < h.table_refs[block_ids]))
+  if bad.any():
+    return None
+  if apply:
+    h.change_refs(block_ids, deltas, distinct=True)
+  return np.zeros(block_ids.size, np.int32)
 
 
 def _apply_ref_deltas_small(h: HostState, block_ids: np.ndarray, deltas: np.ndarray, *,
@@ -688,6 +716,19 @@ def allocate(h: HostState, num: int, *, contiguous: str) -> tuple[np.ndarray, in
 # route a one-row call here; the differential tests compare both with the device.
 
 
+_NO_BLOCKS = np.zeros(0, np.int64)
+_ARANGES: dict[int, np.ndarray] = {}
+
+
+def _arange(k: int) -> np.ndarray:
+  """`np.arange(k)` (int64), cached (read only)."""
+  a = _ARANGES.get(k)
+  if a is None:
+    a = _ARANGES[k] = np.arange(k, dtype=np.int64)
+    a.setflags(write=False)
+  return a
+
+
 def _words_to_int(words: np.ndarray) -> int:
   out = 0
   for k, w in enumerate(words.tolist()):
@@ -722,15 +763,64 @@ def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray
   st = seg_start[:k].astype(np.int64)
   ln = seg_length[:k].astype(np.int64)
   if k:
-    if blk.min() < 0 or blk.max() >= n or (h.ref_count[blk] <= 0).any():
-      return np.array([_INVALID_BLOCK], np.int32)
-    if st.min() < 0 or (st >= bs).any() or ln.min() < 1 or (ln > bs - st).any():
-      return np.array([_INVALID_SEGMENT], np.int32)
-    mask = range_mask(st, ln, c.slot_words)
-    if ((h.slots[blk] & mask) != mask).any():
-      return np.array([_INVALID_SEGMENT], np.int32)
+    status = _check_open_segments(h, blk, st, ln)
+    if status != _OK:
+      return np.array([status], np.int32)
   h.open_row(i, blk, st, ln)
   return np.array([_OK], np.int32)
+
+
+def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
+                          seg_length: np.ndarray) -> tuple[np.ndarray, bool]:
+  """`open_rows` of one row followed by `cow_split(atomic=False)` of it, in one pass
+  (the row opens on the copy: no reference taken on the tail block only to be
+  dropped). Returns `(status i32[1], copied)`, as the two calls one after the
+  other give (`copied`: the cow_split's `split`); refused: nothing changes."""
+  k = int(seg_block.shape[0])
+  c = h.config
+  bs = c.block_size
+  if k == 0 or not _row_ok(h, i, want_active=False):
+    return _open_one(h, i, seg_block, seg_start, seg_length, k), False
+  tb, ts, tl = int(seg_block[-1]), int(seg_start[-1]), int(seg_length[-1])
+  if not 0 <= tb < c.num_blocks or int(h.ref_count[tb]) < 1 or tl >= bs or ts < 0 or (
+      h.free.num_free < 1):
+    # No copy to make (or the open fails): the open alone, then the split's own decision.
+    status = _open_one(h, i, seg_block, seg_start, seg_length, k)
+    if status[0] != _OK:
+      return status, False
+    split, _ = _cow_split_one(h, i)
+    return status, bool(split[0])
+  blk = seg_block.astype(np.int64)
+  st = seg_start.astype(np.int64)
+  ln = seg_length.astype(np.int64)
+  status = _check_open_segments(h, blk, st, ln)
+  if status != _OK:
+    return np.array([status], np.int32), False
+  # After the open the tail block has >= 2 references (this row's and the holder's the
+  # check found): `cow_split` copies it into the lowest free block.
+  fresh = h.free.lowest(1)
+  f = int(fresh[0])
+  h.take_blocks(fresh)
+  h.log.copies(h, np.array([[tb, ts, f, 0, tl]], np.int64))
+  h.set_slots(fresh, _int_to_words(_mask_int(0, tl), c.slot_words)[None, :])
+  h.log.touch_blocks(h, np.array([tb], np.int64))  # as the split's decref does
+  blk[-1], st[-1] = f, 0
+  h.open_row(i, blk, st, ln, refs=blk[:-1])
+  return np.array([_OK], np.int32), True
+
+
+def _check_open_segments(h: HostState, blk: np.ndarray, st: np.ndarray, ln: np.ndarray) -> int:
+  """The segment checks of `_open_one` (int64 arrays, at least one segment)."""
+  c = h.config
+  if blk.min() < 0 or blk.max() >= c.num_blocks or (h.ref_count[blk] <= 0).any():
+    return _INVALID_BLOCK
+  if st.min() < 0 or (st >= c.block_size).any() or ln.min() < 1 or (
+      ln > c.block_size - st).any():
+    return _INVALID_SEGMENT
+  mask = range_mask(st, ln, c.slot_words)
+  if ((h.slots[blk] & mask) != mask).any():
+    return _INVALID_SEGMENT
+  return _OK
 
 
 def _reserve_one(h: HostState, i: int, count: int,
@@ -751,7 +841,8 @@ def _reserve_one(h: HostState, i: int, count: int,
   pos = int(h.start[i, tail]) + int(h.length[i, tail])
   room = 0
   if ns > 0 and int(h.ref_count[tb]) == 1 and int(h.region[tb]) == REGION_DYNAMIC:
-    after = _words_to_int(h.slots[tb]) >> pos
+    tail_bits = _words_to_int(h.slots[tb])
+    after = tail_bits >> pos
     room = ((after & -after).bit_length() - 1) if after else bs - pos
     room = max(min(room, bs - pos), 0)
   in_place = min(count, room)
@@ -763,27 +854,25 @@ def _reserve_one(h: HostState, i: int, count: int,
     return slot_idx, np.array([_NO_FREE_BLOCK], np.int32)
   if count == 0:
     return slot_idx, np.array([_OK], np.int32)
-  fresh = h.free.lowest(need) if need else np.zeros(0, np.int64)
-  h.take_blocks(fresh)
-  slots = np.empty(count, np.int64)
-  slots[:in_place] = tb * bs + pos + np.arange(in_place)
-  if rest:
-    slots[in_place:] = (np.repeat(fresh * bs, bs)[:rest] + np.tile(np.arange(bs), need)[:rest])
-  slot_idx[0, :count] = slots
   w = c.slot_words
-  lengths = np.full(need, bs, np.int64)  # full blocks, then the last one's rest
-  words = np.empty((int(in_place > 0) + need, w), np.uint32)
+  out = slot_idx[0]
   if in_place:
-    words[0] = _int_to_words(_words_to_int(h.slots[tb]) | _mask_int(pos, in_place), w)
+    out[:in_place] = np.arange(tb * bs + pos, tb * bs + pos + in_place)
+    h.set_slots(np.array([tb], np.int64),
+                _int_to_words(tail_bits | _mask_int(pos, in_place), w)[None, :])
+  fresh = h.free.lowest(need) if need else _NO_BLOCKS
+  lengths = _NO_BLOCKS
   if need:
-    lengths[-1] = rest - (need - 1) * bs
-    words[int(in_place > 0):] = _int_to_words(_mask_int(0, bs), w)
-    words[-1] = _int_to_words(_mask_int(0, int(lengths[-1])), w)
-  blocks = np.concatenate([[tb], fresh]) if in_place else fresh
-  h.set_slots(blocks, words)
-  h.extend_rows(np.array([i], np.int64), np.array([tail]), np.array([in_place]),
-                np.zeros(need, np.int64), ns + np.arange(need), fresh, lengths,
-                np.array([need]), np.array([count]))
+    h.take_blocks(fresh)
+    out[in_place:count] = (fresh[:, None] * bs + _arange(bs)).reshape(-1)[:rest]
+    last = rest - (need - 1) * bs  # full blocks, then the last one's rest
+    lengths = np.full(need, bs, np.int64)
+    lengths[-1] = last
+    words = np.empty((need, w), np.uint32)
+    words[:] = _int_to_words(_mask_int(0, bs), w)
+    words[-1] = _int_to_words(_mask_int(0, last), w)
+    h.set_slots(fresh, words)
+  h.extend_row(i, tail, in_place, fresh, lengths, count)
   h.step += 1
   return slot_idx, np.array([_OK], np.int32)
 
@@ -794,9 +883,7 @@ def _release_one(h: HostState, i: int) -> np.ndarray:
     return np.array([_OK], np.int32)
   if not _row_ok(h, i, want_active=True):
     return np.array([_INVALID_SEQUENCE], np.int32)
-  blocks = h.block[i, :int(h.num_segments[i])].astype(np.int64)
-  h.write_rows(np.array([i], np.int64), clear=True)
-  h.change_refs(blocks, -np.ones(blocks.size, np.int64))
+  h.change_refs(h.clear_row(i), -1)
   return np.array([_OK], np.int32)
 
 
@@ -823,8 +910,8 @@ def _cow_split_one(h: HostState, i: int) -> tuple[np.ndarray, np.ndarray]:
   fresh = h.free.lowest(1)
   h.take_blocks(fresh)
   f = int(fresh[0])
-  h.copy_slots([tb], [ts], [f], [0], [tl])
+  h.log.copies(h, np.array([[tb, ts, f, 0, tl]], np.int64))
   h.set_slots(fresh, _int_to_words(_mask_int(0, tl), c.slot_words)[None, :])
   h.move_tail(i, tail, f)
-  h.change_refs(np.array([tb], np.int64), -np.ones(1, np.int64))
+  h._change_ref(tb, -1)  # pylint: disable=protected-access
   return np.ones(1, bool), np.array([_OK], np.int32)

@@ -296,6 +296,16 @@ class CachedPool:
     Raises:
       As `open`, for the first row that fails; nothing changes.
     """
+    if len(segments) == 1 and seq_ids is None:  # one row: the open and the copy in one call
+      segs = segments[0]
+      tail = None
+      if self._continuable and segs is not None and len(segs):
+        tail = tuple(np.asarray(segs)[-1].tolist())
+        if tail not in self._continuable:
+          tail = None
+      row = self._pool.open_sequence(segs, copy_tail=tail is not None)
+      self._continuable.discard(tail)
+      return np.array([row], np.int64)
     rows = self._pool.open_sequences(segments, seq_ids)
     if self._continuable:
       copy = []

@@ -33,8 +33,8 @@ def _same(test, a, b, what):
   test.assertEqual((a.step, a.num_table_blocks, a.num_free_base, a.free.num_free),
                    (b.step, b.num_table_blocks, b.num_free_base, b.free.num_free), what)
   np.testing.assert_array_equal(a.free.bits, b.free.bits, err_msg=what)
-  np.testing.assert_array_equal(np.sort(a.log.touched_blocks()),
-                                np.sort(b.log.touched_blocks()), err_msg=f"{what}: log")
+  np.testing.assert_array_equal(np.sort(a.log.touched_blocks(a)),
+                                np.sort(b.log.touched_blocks(b)), err_msg=f"{what}: log")
   test.assertEqual(a.log.num_rows, b.log.num_rows, what)
   test.assertEqual(a.log.num_copies, b.log.num_copies, what)
 
@@ -73,8 +73,18 @@ class OneRowTest(parameterized.TestCase):
           if k and rng.random() < 0.1:
             grid[2, 0, 0] += 1  # onto unwritten slots, or past the block
         nums = np.array([k, 0])
-        a = T.open_rows(lean, np.array([row]), grid[0, :1], grid[1, :1], grid[2, :1], nums[:1])
-        b = T.open_rows(general, np.array([row, -1]), *grid, nums)[:1]
+        if rng.random() < 0.5:
+          a = T.open_rows(lean, np.array([row]), grid[0, :1], grid[1, :1], grid[2, :1],
+                          nums[:1])
+          b = T.open_rows(general, np.array([row, -1]), *grid, nums)[:1]
+        else:  # the open and the tail copy in one pass, against the two calls
+          a, copied = T.open_one_copying_tail(lean, row, grid[0, 0, :k], grid[1, 0, :k],
+                                              grid[2, 0, :k])
+          b = T.open_rows(general, np.array([row, -1]), *grid, nums)[:1]
+          split = np.zeros(1, bool)
+          if b[0] == 0 and row != -1:
+            split, _ = T.cow_split(general, np.array([row, -1]), atomic=False)
+          self.assertEqual(copied, bool(split[0]), what)
       elif kind == "reserve":
         n = int(rng.integers(-1, 3 * bs)) if rng.random() < 0.7 else int(rng.integers(0, 3))
         t = 1 << max(n, 1).bit_length()

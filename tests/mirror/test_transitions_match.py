@@ -319,6 +319,20 @@ class FreeIndexTest(parameterized.TestCase):
         free[b] = True
       self.assertEqual(h.largest_run(), largest_free_run(free))
 
+  @parameterized.parameters(33, 1025, 40_000, 1 << 20)
+  def test_the_lowest_free_block_alone(self, n):
+    # `lowest(1)` descends the count levels: one free block anywhere, and sparse masks.
+    rng = np.random.default_rng(n)
+    for where in [0, n - 1, *rng.integers(0, n, 6).tolist()]:
+      free = np.zeros(n, bool)
+      free[where] = True
+      np.testing.assert_array_equal(HostFreeIndex.from_mask(free).lowest(1), [where])
+    for p in (1e-4, 1e-2):
+      free = rng.random(n) < p
+      free[-1] = True
+      np.testing.assert_array_equal(HostFreeIndex.from_mask(free).lowest(1),
+                                    np.flatnonzero(free)[:1])
+
   def test_asking_for_more_than_free_is_an_error(self):
     h = HostFreeIndex.from_mask(np.array([True, False, True]))
     with self.assertRaises(ValueError):

@@ -1,0 +1,57 @@
+"""Distinct ids and sums per id without a sort: O(k) numpy over a scratch array.
+
+The mirror's mutators take a few to a few thousand block ids per call, almost
+always distinct; `np.unique` sorts them every time (~10 us for 100 ids on the
+project's 2-core machine), `np.add.at` is as slow. `distinct_mask` tells
+distinct-ness and dedupes in four numpy calls, `aggregate` adds up repeats only
+when there are some.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def distinct_mask(stamp: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """`bool[k]`: True at exactly one entry of each distinct value of `ids`, in O(k)
+  with no sort.
+
+  `stamp` is a scratch `i64` array over the id space (its contents do not
+  matter): each entry writes its position at its id; whichever write of a
+  repeated id lands, exactly one of that id's entries reads its own position back.
+  """
+  pos = np.arange(ids.shape[0])
+  stamp[ids] = pos
+  return stamp[ids] == pos
+
+
+def aggregate(stamp: np.ndarray, ids: np.ndarray,
+              values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`(uniq, totals)`: the distinct ids (in an unspecified order) and the exact `i64`
+  sum of `values` over each one's entries; no sort, and no work beyond the check
+  when the ids are already distinct (the common case). `stamp` as `distinct_mask`."""
+  if ids.size <= 1:
+    return ids, values
+  first = distinct_mask(stamp, ids)
+  if first.all():
+    return ids, values
+  uniq = ids[first]
+  stamp[uniq] = np.arange(uniq.size)
+  totals = np.zeros(uniq.size, np.int64)
+  np.add.at(totals, stamp[ids], values)
+  return uniq, totals
+
+
+def sum_by_id(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """`(uniq i64[U], totals i64[U])`: the distinct ids, ascending, and the exact sum
+  of `values` over each one's entries (a dict for a few ids: it beats a sort)."""
+  if ids.size <= 32:
+    acc: dict[int, int] = {}
+    for i, v in zip(ids.tolist(), values.tolist()):
+      acc[i] = acc.get(i, 0) + v
+    keys = sorted(acc)
+    return np.array(keys, np.int64), np.array([acc[k] for k in keys], np.int64)
+  uniq, inv = np.unique(ids, return_inverse=True)
+  totals = np.zeros(uniq.size, np.int64)
+  np.add.at(totals, inv.reshape(-1), values)
+  return uniq.astype(np.int64), totals
