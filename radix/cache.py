@@ -224,6 +224,12 @@ class RefDeltas:
     deltas = np.broadcast_to(np.asarray(deltas, np.int64), block_ids.shape)
     if block_ids.size == 0:
       return RefDeltas.empty()
+    if block_ids.size <= 16:  # a few (a split's cut, a match's incref): no sort of arrays
+      acc: dict[int, int] = {}
+      for b, d in zip(block_ids.tolist(), deltas.tolist()):
+        acc[b] = acc.get(b, 0) + d
+      keys = [b for b in sorted(acc) if acc[b]]
+      return RefDeltas(np.array(keys, np.int32), np.array([acc[b] for b in keys], np.int32))
     uniq, inv = np.unique(block_ids, return_inverse=True)
     summed = np.bincount(inv, weights=deltas, minlength=uniq.size).astype(np.int64)
     keep = summed != 0
@@ -735,6 +741,7 @@ class PrefixCache:
       num_tokens: int | None,
       countable: np.ndarray | None = None,
       granularity: str = "block",
+      lru_index: bool = False,
   ) -> tuple[list[tuple[Node, int]], int | None]:
     """Picks what to evict without changing anything.
 
@@ -747,9 +754,34 @@ class PrefixCache:
     ``ref_count`` is the pool's counts: an array, or a lookup ``f(block_ids) ->
     counts`` called on few blocks at a time (prefetched in doubling batches), so a
     caller never has to copy the whole array from a device.
+
+    ``lru_index`` (``key`` must be ``_lru_key``): take the leaves from the tree's
+    LRU index (`RadixTree.lru_pop`, O(log leaves) each, put back at the end) in
+    the same order as a heap over every eligible leaf would give them, instead of
+    building that heap (O(leaves) per call). ``heap`` then holds only the parents
+    this selection makes leaves.
     """
-    heap = [(key(n), n.node_id, n) for n in self.tree.leaves() if eligible(n)]
-    heapq.heapify(heap)
+    tree = self.tree
+    if lru_index:
+      heap: list = []
+    else:
+      heap = [(key(n), n.node_id, n) for n in tree.leaves() if eligible(n)]
+      heapq.heapify(heap)
+    taken_off: list[Node] = []  # off the LRU index: put back at the end
+
+    def next_node() -> Node | None:
+      if not lru_index:
+        return heapq.heappop(heap)[2] if heap else None
+      while True:
+        top = tree.lru_peek()
+        if heap and (top is None or (heap[0][0], heap[0][1]) < ((top[0], top[1]), top[2])):
+          return heapq.heappop(heap)[2]
+        if top is None:
+          return None
+        node = tree.lru_pop()
+        taken_off.append(node)
+        if eligible(node):
+          return node
     remaining: dict[int, int] = {}
     chosen: list[tuple[Node, int]] = []
     tokens = 0
@@ -782,12 +814,14 @@ class PrefixCache:
       return self._known[blocks]
 
     try:
-      while heap:
+      while True:
         if num_tokens is not None and tokens >= num_tokens:
           break
         if num_blocks is not None and freed is not None and freed >= num_blocks:
           break
-        _, _, node = heapq.heappop(heap)
+        node = next_node()
+        if node is None:
+          break
         rev = node.value[::-1]  # tail first
         blocks = rev[:, 0].astype(np.int64)
         self._grow(int(blocks.max()) + 1)
@@ -841,6 +875,8 @@ class PrefixCache:
       for ids in touched:
         self._scratch[ids] = 0
         self._known[ids] = -1
+      for node in taken_off:
+        tree.lru_push(node)  # nothing changed yet: the commit removes the chosen ones
     return chosen, freed
 
   def _grow(self, size: int) -> None:
@@ -945,7 +981,7 @@ class PrefixCache:
     key = _lru_key if policy == "lru" else _cost_key
     chosen, freed = self._select(
         lambda n: n.lock_ref == 0 and not n.is_pinned(now), key, num_blocks, rc, num_tokens,
-        mask, self.granularity,
+        mask, self.granularity, lru_index=policy == "lru" and not callable(rc),
     )
     return self._commit(chosen, freed)
 

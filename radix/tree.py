@@ -34,6 +34,7 @@ increasing counter ``access_seq`` breaks ties between equal timestamps.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
@@ -295,6 +296,11 @@ class RadixTree:
     self._leaves: set[Node] = set()
     self._stats: dict[Hashable, HitStats] = {}
     self._num_tokens = 0
+    # The leaves in LRU order, kept lazily (see `lru_peek`): a heap of
+    # `(last_access, access_seq, node_id)` entries and each leaf's current entry.
+    self._lru: list[tuple[float, int, NodeId]] = []
+    self._lru_entry: dict[NodeId, tuple[float, int, NodeId]] = {}
+    self._lru_stale = False  # a touch moved a node back in time: rebuild before use
 
   # ------------------------------------------------------------------ access
   def node(self, node_id: NodeId) -> Node:
@@ -369,7 +375,61 @@ class RadixTree:
       self._roots[namespace] = root
     return root
 
+  # ------------------------------------------------------------------ LRU order
+  def _add_leaf(self, node: Node) -> None:
+    self._leaves.add(node)
+    self.lru_push(node)
+
+  def lru_push(self, node: Node) -> None:
+    """(Re)enters leaf `node` in the LRU index at its current access time (for a
+    caller that took it off with `lru_pop` and did not remove it)."""
+    entry = (node.last_access, node.access_seq, node.node_id)
+    self._lru_entry[node.node_id] = entry
+    heapq.heappush(self._lru, entry)
+
+  def lru_peek(self) -> tuple[float, int, NodeId] | None:
+    """The least recently used leaf in the index, as `(last_access, access_seq,
+    node_id)` (the order of `(last_access, access_seq)` with the id as tie-break),
+    or None. O(log leaves) amortized: the index is a heap cleaned lazily (removed
+    nodes and ex-leaves are dropped, a leaf touched since its entry is re-entered
+    at its new time when it surfaces), instead of a heap over every leaf per call.
+    """
+    if self._lru_stale or len(self._lru) > 2 * len(self._leaves) + 64:
+      self._lru = [(n.last_access, n.access_seq, n.node_id) for n in self._leaves]
+      heapq.heapify(self._lru)
+      self._lru_entry = {e[2]: e for e in self._lru}
+      self._lru_stale = False
+    heap = self._lru
+    while heap:
+      entry = heap[0]
+      nid = entry[2]
+      node = self._nodes.get(nid)
+      if node is None or self._lru_entry.get(nid) is not entry or node.children:
+        heapq.heappop(heap)  # removed, superseded, or no longer a leaf
+        if node is not None and node.children and self._lru_entry.get(nid) is entry:
+          del self._lru_entry[nid]
+        continue
+      if node.last_access != entry[0] or node.access_seq != entry[1]:
+        current = (node.last_access, node.access_seq, nid)  # touched since: later now
+        self._lru_entry[nid] = current
+        heapq.heapreplace(heap, current)
+        continue
+      return entry
+    return None
+
+  def lru_pop(self) -> Node | None:
+    """Takes the least recently used leaf off the LRU index (`lru_push` it back
+    unless it is removed); None when there is none."""
+    entry = self.lru_peek()
+    if entry is None:
+      return None
+    heapq.heappop(self._lru)
+    del self._lru_entry[entry[2]]
+    return self._nodes[entry[2]]
+
   def _touch(self, node: Node, now: float) -> None:
+    if now < node.last_access:
+      self._lru_stale = True  # a clock that went back: the lazy order would be wrong
     node.last_access = now
     node.access_seq = next(self._access)
     node.gc_marked = False
@@ -522,12 +582,12 @@ class RadixTree:
     )
     parent.children[int(leaf.key[0])] = leaf
     self._leaves.discard(parent)
-    self._leaves.add(leaf)
     self._nodes[leaf.node_id] = leaf
     self._num_tokens += leaf.num_tokens
     for node in path:
       self._touch(node, now)
     self._touch(leaf, now)
+    self._add_leaf(leaf)
     return InsertResult(prefix_len=length, leaf=leaf.node_id, splits=splits)
 
   def remove_leaf(self, node_id: NodeId) -> Any:
@@ -547,9 +607,10 @@ class RadixTree:
     del parent.children[int(node.key[0])]
     del self._nodes[node_id]
     self._leaves.discard(node)
+    self._lru_entry.pop(node_id, None)
     self._num_tokens -= node.num_tokens
     if parent.parent is not None and not parent.children:
-      self._leaves.add(parent)
+      self._add_leaf(parent)
     if parent.parent is None and not parent.children:
       del self._roots[parent.namespace]
     node.parent = None

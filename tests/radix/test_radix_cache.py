@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
 
+from radix import cache as radix_cache
 from radix.cache import (InvalidSegmentsError, PrefixCache, RefCountMismatchError, RefDeltas)
 from radix.tree import InvalidTokensError, StaleNodeError
 
@@ -579,6 +580,65 @@ class PrefixCacheTest(parameterized.TestCase):
       PrefixCache(block_size=0)
     with self.assertRaises(ValueError):
       PrefixCache(block_size=16, policy="mru")
+
+
+class LruIndexTest(parameterized.TestCase):
+  """LRU eviction from the tree's lazy index (`RadixTree.lru_pop`) against a heap
+  over every eligible leaf built per call (the old way): same nodes in the same
+  order, under locks held across evictions, pins, split matches, trims, and a
+  clock that sometimes goes back."""
+
+  @parameterized.parameters(0, 1, 2, 3)
+  def test_same_choice_as_a_heap_over_every_leaf(self, seed):
+    rng = np.random.default_rng(seed)
+    clock = Clock()
+    pool = SimPool(num_blocks=48, block_size=4)
+    cache = PrefixCache(block_size=4, clock=clock)
+    prefixes = [rng.integers(0, 50, int(rng.integers(2, 12))) for _ in range(5)]
+    held = []  # (node, seq) locked matches kept across evictions
+    compared = chosen_total = 0
+    for step in range(400):
+      clock.now += float(rng.choice([0.0, 0.5, 1.0, -2.0], p=[.2, .5, .28, .02]))
+      ns = str(rng.choice(["a", "b"]))
+      tokens = np.concatenate([prefixes[int(rng.integers(5))],
+                               rng.integers(0, 50, int(rng.integers(0, 10)))])
+      m = cache.match(ns, tokens, split=bool(rng.random() < 0.3))
+      pool.apply_tree_deltas(m.ref_deltas)
+      seq = pool.open_sequence(m.segments)
+      need = -(-(tokens.shape[0] - m.length) // 4) + 1
+      if pool.num_free < need:
+        target = need - pool.num_free
+        now = clock()
+        eligible = lambda n: n.lock_ref == 0 and not n.is_pinned(now)
+        args = (eligible, radix_cache._lru_key, target, pool.ref_count, None, None, "block")
+        a = cache._select(*args, lru_index=False)  # pylint: disable=protected-access
+        b = cache._select(*args, lru_index=True)  # pylint: disable=protected-access
+        self.assertEqual([(n.node_id, f) for n, f in a[0]], [(n.node_id, f) for n, f in b[0]],
+                         f"seed {seed} step {step}")
+        self.assertEqual(a[1], b[1])
+        compared += 1
+        chosen_total += len(b[0])
+        ev = cache.evict(num_blocks=target, ref_count=pool.ref_count)
+        self.assertEqual(ev.nodes, tuple(n.node_id for n, _ in b[0]))
+        pool.apply_tree_deltas(ev.ref_deltas)
+      if pool.append(seq, kv_of(ns, tokens)[m.length:]):
+        out = cache.insert(ns, tokens, pool.tables[seq])
+        pool.apply_tree_deltas(out.ref_deltas)
+        if rng.random() < 0.1:
+          cache.pin(ns, tokens, float(rng.uniform(0.5, 3)))
+      if m.node is not None and rng.random() < 0.3:
+        held.append((m.node, seq))  # keep the lock (and the sequence) for a while
+      else:
+        if m.node is not None:
+          cache.unlock(m.node)
+        pool.release(seq)
+      while held and (len(held) > 3 or rng.random() < 0.2):
+        node, s = held.pop(0)
+        cache.unlock(node)
+        pool.release(s)
+      pool.check(cache)
+    self.assertGreater(compared, 30)
+    self.assertGreater(chosen_total, 60)
 
 
 class CacheMachine(RuleBasedStateMachine):
