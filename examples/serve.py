@@ -45,7 +45,7 @@ from flax import nnx
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.model import llama
-from paged_kv.runtime import compile_cache
+from paged_kv.runtime import compile_cache, host_memory
 from paged_kv.serving.executor import ModelExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.telemetry import plots
@@ -92,6 +92,9 @@ _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent 
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
                                          "(default: $PAGED_KV_COMPILE_CACHE, else "
                                          "~/.cache/paged_kv/jax).")
+_RETURN_FREED = flags.DEFINE_bool("return_freed_memory", True, "Fix glibc malloc's "
+                                  "thresholds so that freed large buffers go back to the OS "
+                                  "(`paged_kv.runtime.host_memory`; keeps RSS flat).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run every program the serving path can run "
                             "before serving (Scheduler.warmup()); --nowarmup compiles each on "
                             "first use.")
@@ -167,6 +170,8 @@ def _pct(values, q) -> float:
 
 def main(argv):
   del argv
+  if _RETURN_FREED.value:
+    host_memory.return_freed_memory()
   if _COMPILE_CACHE.value:
     compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   out_dir = Path(_OUT_DIR.value)

@@ -57,6 +57,11 @@ outside the saves and the cut's step (goal 0). Then the samples as a table; with
 `--out_dir`, `samples.csv`, `compiles.csv` (every compile after warm-up) and
 `soak_runtime.png` (compiles, mappings and RSS against time; matplotlib optional).
 
+glibc's malloc thresholds are fixed at the start (`--return_freed_memory`, on by
+default; `paged_kv.runtime.host_memory`): with its dynamic defaults, freed host
+buffers (swapped-out K/V, saves, XLA's buffers, the old pool at the cut) stay
+resident and RSS creeps.
+
 The persistent compilation cache is on by default (as in the other examples);
 point `PAGED_KV_COMPILE_CACHE` at an empty directory, or pass `--nocompile_cache`,
 to see compiles rather than loads.
@@ -84,7 +89,7 @@ import jax
 import numpy as np
 
 import paged_kv
-from paged_kv.runtime import compile_cache, counters
+from paged_kv.runtime import compile_cache, counters, host_memory
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
@@ -135,6 +140,9 @@ _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent 
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
                                          "(default: $PAGED_KV_COMPILE_CACHE, else "
                                          "~/.cache/paged_kv/jax).")
+_RETURN_FREED = flags.DEFINE_bool("return_freed_memory", True, "Fix glibc malloc's "
+                                  "thresholds so that freed large buffers go back to the OS "
+                                  "(`paged_kv.runtime.host_memory`; keeps RSS flat).")
 
 SECONDS_ENV = "PAGED_KV_SOAK_SECONDS"
 MAPS_FLAT = 1.02  # mappings: last / reference at most this
@@ -364,6 +372,8 @@ def ratio(a: float, b: float) -> float:
 
 def main(argv):
   del argv
+  if _RETURN_FREED.value:
+    host_memory.return_freed_memory()
   if _COMPILE_CACHE.value:
     compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   seconds = float(os.environ.get(SECONDS_ENV) or _SECONDS.value)
