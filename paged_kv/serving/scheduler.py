@@ -317,6 +317,7 @@ class SchedulerStats:
   compactions: int = 0
   max_running: int = 0
   quota_holds: int = 0  # admissions held back by the live quota (governance)
+  prefix_dropped: int = 0  # heads admitted alone without their cached prefix (it cost more)
   quota_evicted_blocks: int = 0  # cached-only blocks evicted above the cached quota
   gc_marked_nodes: int = 0  # cache nodes marked by the GC's phase 1 (all passes)
   gc_evicted_tokens: int = 0  # tokens evicted from GC-marked nodes
@@ -558,11 +559,7 @@ class Scheduler:
                             f"Request")
     request.validate()
     bs, pc = self._bs, self.pool.config
-    # The most admission can ask for, alone in the pool: its whole prompt and output
-    # (+1 block each for partial tails) and the watermark. Refusing anything larger
-    # here guarantees the queue's head is always admitted once the pool drains.
-    need = (_cdiv(request.prompt.size, bs) + _cdiv(request.max_new_tokens, bs) + 2
-            + self.config.watermark_blocks)
+    need = self._alone_need(request)
     if need > pc.num_blocks - pc.num_base_blocks:
       raise PoolExhausted(f"request {request.request_id} needs up to {need} blocks; the pool "
                           f"has {pc.num_blocks - pc.num_base_blocks} dynamic blocks",
@@ -574,6 +571,21 @@ class Scheduler:
     request.submit_time = self.clock()
     request.submit_step = self._step
     self.waiting.append(request)
+
+  def _alone_need(self, request: Request) -> int:
+    """The rule `submit` and admission share: the most dynamic blocks `request` asks
+    for alone in a drained pool, computing every token (no cached prefix).
+
+    Its whole prompt and its whole output, a partial block each, plus the watermark.
+    `submit` refuses more. Admission asks no more of a head with nothing else running:
+    when the usual check (its uncomputed context, the output reserve, the watermark)
+    fails there, `_try_admit` admits it on its context and the watermark alone,
+    without a cached prefix (whose blocks it would lock): at most `cdiv(prompt +
+    output - 1) + 1` blocks plus the watermark, within this bound. So an accepted
+    request always runs once the pool drains.
+    """
+    p, m = int(request.prompt.size), int(request.max_new_tokens)
+    return _cdiv(p, self._bs) + _cdiv(m, self._bs) + 2 + self.config.watermark_blocks
 
   @property
   def idle(self) -> bool:
@@ -835,7 +847,9 @@ class Scheduler:
     while self.swapped and self._free_rows() > 0:
       req = self.swapped[0]
       need = _cdiv(req.swapped.length, self._bs) + 1
-      if not self._ensure_free(need + self._output_reserve(req) + self.config.watermark_blocks):
+      wm = self.config.watermark_blocks
+      if not self._ensure_free(need + self._output_reserve(req) + wm) and (
+          self.running or not self._ensure_free(need + wm)):  # alone: as `_try_admit`
         return False  # swapped requests go first: wait for room
       seq = swap_in(self.pool, req.swapped)  # atomic: nothing opened on an exception
       self.swapped.popleft()
@@ -922,11 +936,25 @@ class Scheduler:
             and self._live_used + need > self._live_limit)  # never when nothing runs
     if held:
       self.stats.quota_holds += 1
+    alone = not self.running and not pending
     if held or not self._admit_room(need + self._output_reserve(req)
                                     + self.config.watermark_blocks):
       if node is not None:
         self.cached_pool.unlock(node)
-      return None
+      if held or not alone:
+        return None
+      # Alone, the usual check can ask more than the drained pool holds: a cached prefix
+      # locks its blocks (not evictable) while the tokens after it take fresh ones (a
+      # copied partial tail, a partial block), and a resumed request's context plus its
+      # output reserve can pass `submit`'s bound by a block. The reserve guards others'
+      # growth (there are none) and the prefix is optional: without both the request
+      # asks at most `_alone_need`, which `submit` checked. Admit it so, never stall.
+      if matched:
+        self.stats.prefix_dropped += 1
+      matched, segs, node = 0, segs[:0], None
+      need = _cdiv(context.size, self._bs) + 1
+      if not self._admit_room(need + self.config.watermark_blocks):
+        return None  # only pinned cached blocks can hold the drained pool
     self._live_used += need
     self._reserve_base += self._reserve_blocks(int(context.size) - matched, out_left)
     if self.cached_pool.continues_tail(segs):
