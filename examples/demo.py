@@ -43,7 +43,7 @@ def main(argv):
   for layer in range(config.num_layers):
     key, sub = jax.random.split(key)
     kv = jax.random.normal(sub, slots.shape + (config.num_kv_heads, config.head_dim))
-    pool.write_kv(layer, slots, kv, -kv)  # slot -1 (padding) is skipped
+    pool.write_kv(layer, slots, kv, -kv, seq_ids=seqs)  # slot -1 (padding) is skipped
   _show(f"4 prompts of {prompt} tokens", pool)
   for _ in range(8):
     pool.reserve_tokens(seqs, [1] * len(seqs))

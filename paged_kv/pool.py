@@ -223,7 +223,7 @@ class BlockPool:
                                 num_kv_heads=2, head_dim=64))
     seq = pool.open_sequence()
     slots = pool.reserve_tokens([seq], [5])      # i32[1, 8], -1 padded (numpy)
-    pool.write_kv(0, slots[:, :5], k, v)         # k, v: [1, 5, kv_heads, head_dim]
+    pool.write_kv(0, slots[:, :5], k, v, seq_ids=seq)   # k, v: [1, 5, kv_heads, head_dim]
     child = pool.fork(seq)
     pool.release([seq, child])
 
@@ -704,18 +704,18 @@ class BlockPool:
     return slot_idx
 
   def write_kv(self, layer: int, slot_idx, k: jax.Array, v: jax.Array, *,
-               seq_ids=None) -> None:
+               seq_ids) -> None:
     """Writes new tokens' K/V of one layer; `k, v: slot_idx.shape + (kv_heads, head_dim)`.
 
     Checked: every slot (`-1` = skip) must be an integer in `[0, num_slots)` (no
     cast first: an int64 `2**32 + s` or a float `4.9` is refused, not read as
     `s` or `4`), named once in the call, on a live block, handed out
-    (`reserve_tokens`), and *exclusively* one live sequence's: covered by exactly
-    one live table segment, on a block no holder outside the tables (a prefix
-    cache, an `allocate()` caller) references. With `seq_ids` (`int[B]`, one per
-    row of a `[B, T]` `slot_idx`, as `reserve_tokens` takes them) that sequence
-    must be the row's own. So a write can never land in another sequence's
-    tokens, a shared prefix, a cached block or a free block.
+    (`reserve_tokens`), and *exclusively* the writer's: covered by exactly one live
+    table segment, of the sequence `seq_ids` names for its row, on a block no
+    holder outside the tables (a prefix cache, an `allocate()` caller) references.
+    So a write can never land in another sequence's tokens, a shared prefix, a
+    cached block or a free block. The writer is required: without it a slot of
+    another live sequence could not be told from one's own.
 
     The checks read the mirror: this is the host API (swap-in, cache load,
     tests), not the decode path. Model code writes inside its jitted step with
@@ -727,7 +727,9 @@ class BlockPool:
         `[0, num_layers)`.
       slot_idx: int array of flat physical slots (`block * block_size + offset`).
       k, v: arrays (JAX or numpy) of the config dtype.
-      seq_ids: optional writer of each row of `slot_idx` (needs `slot_idx.ndim >= 1`).
+      seq_ids: the writer of each row of `slot_idx` (`int[B]` for a `[B, ...]`
+        `slot_idx`, as `reserve_tokens` takes them; a 1-D `slot_idx`'s rows are its
+        slots), or one live sequence (an int) for every slot.
 
     Raises:
       InvalidArgument: bad layer, dtype, shape or value type; a slot named twice.
@@ -755,13 +757,14 @@ class BlockPool:
     self._write(lambda state: _write_state(state, np.int32(layer), s, k, v), "write_kv", s, k, v,
                 tuple(s.shape) + (c.num_kv_heads, c.head_dim), seq_ids)
 
-  def write_kv_layers(self, slot_idx, k, v) -> None:
+  def write_kv_layers(self, slot_idx, k, v, *, seq_ids) -> None:
     """Writes every layer's K/V of the tokens at `slot_idx` in one jitted write.
 
     What restores a sequence (swap-in, a cache load): `k, v: [num_layers,
     num_kv_heads, T, head_dim]` (the layout `gather_kv` returns), `slot_idx:
-    int[T]` (`-1` = skip, e.g. padding to a power of two). The slots are checked
-    as `write_kv`'s. One program per `T`: pad `T` to a few sizes.
+    int[T]` (`-1` = skip, e.g. padding to a power of two), `seq_ids`: the writer
+    of each slot (`int[T]`) or one sequence for all. The slots are checked as
+    `write_kv`'s. One program per `T`: pad `T` to a few sizes.
 
     Raises:
       The errors of `write_kv`.
@@ -776,7 +779,7 @@ class BlockPool:
                          f"{s.min()}..{s.max()}")
     s = s.astype(np.int32)
     self._write(lambda state: _write_layers(state, s, k, v), "write_kv_layers", s, k, v,
-                (c.num_layers, c.num_kv_heads, s.shape[0], c.head_dim), None)
+                (c.num_layers, c.num_kv_heads, s.shape[0], c.head_dim), seq_ids)
 
   def _write(self, program, what: str, s: np.ndarray, k, v, want: tuple, seq_ids) -> None:
     """The end of a K/V write: `k`/`v` of shape `want` and the pool's dtype, the slots'
@@ -796,21 +799,24 @@ class BlockPool:
     c = self.config
     bs = c.block_size
     h = self.host
-    writer = None
-    if seq_ids is not None:
+    one = _single_int(seq_ids) if np.ndim(seq_ids) == 0 else None
+    if one is not None:  # one writer for every slot
+      self._check_id(one, active=True)
+      writer = np.full(s.size, one, np.int64)
+    else:
       ids = _as_int_array(seq_ids, "seq_ids")
       if s.ndim == 0 or ids.shape != s.shape[:1]:
         raise InvalidArgument(f"write_kv: seq_ids {ids.shape} must give one sequence per "
-                              f"row of slot_idx {s.shape}")
-      self._check_ids(ids, active=True)
+                              f"row of slot_idx {s.shape}, or be one sequence")
       writer = np.broadcast_to(ids.reshape((-1,) + (1,) * (s.ndim - 1)), s.shape).reshape(-1)
     flat = s.reshape(-1).astype(np.int64)
     keep = flat >= 0
     flat = flat[keep]
+    writer = writer[keep]  # a padding slot's writer is not checked
+    if one is None and writer.size:
+      self._check_ids(np.unique(writer), active=True)
     if flat.size == 0:
       return
-    if writer is not None:
-      writer = writer[keep]
     uniq, counts = np.unique(flat, return_counts=True)
     if (counts > 1).any():
       raise InvalidArgument(f"write_kv: slots {uniq[counts > 1][:8].tolist()} named more than "
@@ -843,13 +849,12 @@ class BlockPool:
     if (num_cover > 1).any():
       raise BlockInUse(f"write_kv: slots {flat[num_cover > 1][:8].tolist()} are shared by "
                        "several segments (a fork or a shared prefix): never overwritten")
-    if writer is not None:
-      owner = rows[np.argmax(cover, axis=1)]
-      wrong = owner != writer
-      if wrong.any():
-        i = int(np.argmax(wrong))
-        raise BlockInUse(f"write_kv: slot {int(flat[i])} belongs to sequence {int(owner[i])}, "
-                         f"not to the writer {int(writer[i])}")
+    owner = rows[np.argmax(cover, axis=1)]
+    wrong = owner != writer
+    if wrong.any():
+      i = int(np.argmax(wrong))
+      raise BlockInUse(f"write_kv: slot {int(flat[i])} belongs to sequence {int(owner[i])}, "
+                       f"not to the writer {int(writer[i])}")
 
   def release(self, seq_ids, *, ref_deltas=None) -> None:
     """Ends the given live sequences; their blocks lose a reference each.

@@ -52,7 +52,8 @@ def _filled_pool(cfg=CFG):
   a, b = pool.open_sequence(), pool.open_sequence()
   slots = pool.reserve_tokens([a, b], [6, 3])
   for layer in range(cfg.num_layers):
-    pool.write_kv(layer, slots, _kv(slots.shape, cfg), _kv(slots.shape, cfg, 2.0))
+    pool.write_kv(layer, slots, _kv(slots.shape, cfg), _kv(slots.shape, cfg, 2.0),
+                  seq_ids=[a, b])
   return pool, a, b, np.asarray(slots)
 
 
@@ -77,42 +78,55 @@ BAD_POOL_CALLS = [
     # -- item 3: write_kv slot indices, no cast before the range check ------------------
     ("write_int64_wraps_to_other_seq", None,
      lambda p, a, b, s: p.write_kv(0, np.array([2**32 + _b_slot(p, a, b)], np.int64),
-                                   _zeros(1), _zeros(1)), InvalidBlock, "4294967"),
+                                   _zeros(1), _zeros(1), seq_ids=b), InvalidBlock, "4294967"),
     ("write_uint64_max", None,
-     lambda p, a, b, s: p.write_kv(0, np.array([2**64 - 1], np.uint64), _zeros(1), _zeros(1)),
+     lambda p, a, b, s: p.write_kv(0, np.array([2**64 - 1], np.uint64), _zeros(1), _zeros(1),
+                                   seq_ids=b),
      InvalidBlock, "18446744073709551615"),
     ("write_float_slot", None,
      lambda p, a, b, s: p.write_kv(0, np.array([_b_slot(p, a, b) + 0.9]), _zeros(1),
-                                   _zeros(1)), InvalidArgument, "int"),
+                                   _zeros(1), seq_ids=b), InvalidArgument, "int"),
     ("write_float_slot_jax", None,
-     lambda p, a, b, s: p.write_kv(0, jnp.array([4.9]), _zeros(1), _zeros(1)),
+     lambda p, a, b, s: p.write_kv(0, jnp.array([4.9]), _zeros(1), _zeros(1), seq_ids=b),
      InvalidArgument, "int"),
     ("write_bool_slot", None,
-     lambda p, a, b, s: p.write_kv(0, np.array([True]), _zeros(1), _zeros(1)),
+     lambda p, a, b, s: p.write_kv(0, np.array([True]), _zeros(1), _zeros(1), seq_ids=b),
      InvalidArgument, "int"),
     ("write_slot_below_minus_one", None,
-     lambda p, a, b, s: p.write_kv(0, np.array([-2]), _zeros(1), _zeros(1)), InvalidBlock, ""),
+     lambda p, a, b, s: p.write_kv(0, np.array([-2]), _zeros(1), _zeros(1), seq_ids=b),
+     InvalidBlock, ""),
     # -- item 10: write_kv ownership -----------------------------------------------------
     ("write_other_seq_slot", None,
      lambda p, a, b, s: p.write_kv(0, np.array([[_b_slot(p, a, b)]]), _zeros(1)[None],
                                    _zeros(1)[None], seq_ids=[a]), BlockInUse, "belongs to"),
+    # -- issue P item 2: the writer is required, and one writer covers a 1-D write ------
+    ("write_other_seq_slot_one_writer", None,
+     lambda p, a, b, s: p.write_kv(0, np.array([_b_slot(p, a, b)]), _zeros(1), _zeros(1),
+                                   seq_ids=a), BlockInUse, "belongs to"),
+    ("write_layers_other_seq_slot", None,
+     lambda p, a, b, s: p.write_kv_layers(np.array([_b_slot(p, a, b)]),
+                                          jnp.zeros((2, 2, 1, 4)), jnp.zeros((2, 2, 1, 4)),
+                                          seq_ids=[a]), BlockInUse, "belongs to"),
     ("write_free_block", None,
-     lambda p, a, b, s: p.write_kv(0, np.array([7 * 4]), _zeros(1), _zeros(1)),
+     lambda p, a, b, s: p.write_kv(0, np.array([7 * 4]), _zeros(1), _zeros(1), seq_ids=a),
      InvalidBlock, "free"),
     ("write_unhanded_slot", None,
      lambda p, a, b, s: p.write_kv(0, np.array([_slot_of(p, a, 5) + 1]), _zeros(1),
-                                   _zeros(1)), InvalidSegment, "handed"),
+                                   _zeros(1), seq_ids=a), InvalidSegment, "handed"),
     ("write_duplicate_slots", None,
-     lambda p, a, b, s: p.write_kv(0, np.array([_b_slot(p, a, b)] * 2), _zeros(2), _zeros(2)),
+     lambda p, a, b, s: p.write_kv(0, np.array([_b_slot(p, a, b)] * 2), _zeros(2), _zeros(2),
+                                   seq_ids=b),
      InvalidArgument, "more than once"),
     ("write_shared_slot_after_fork", lambda p, a, b: p.fork(b),
-     lambda p, a, b, s: p.write_kv(0, np.array([_b_slot(p, a, b)]), _zeros(1), _zeros(1)),
+     lambda p, a, b, s: p.write_kv(0, np.array([_b_slot(p, a, b)]), _zeros(1), _zeros(1),
+                                   seq_ids=b),
      BlockInUse, "shared"),
     ("write_cache_held_block", lambda p, a, b: p.apply_ref_deltas([p.segments(b)[0, 0]], [1]),
-     lambda p, a, b, s: p.write_kv(0, np.array([_b_slot(p, a, b)]), _zeros(1), _zeros(1)),
+     lambda p, a, b, s: p.write_kv(0, np.array([_b_slot(p, a, b)]), _zeros(1), _zeros(1),
+                                   seq_ids=b),
      BlockInUse, "outside"),
     ("write_allocated_block", lambda p, a, b: p.allocate(1),
-     lambda p, a, b, s: p.write_kv(0, np.array([3 * 4]), _zeros(1), _zeros(1)),
+     lambda p, a, b, s: p.write_kv(0, np.array([3 * 4]), _zeros(1), _zeros(1), seq_ids=a),
      InvalidSegment, "handed"),
     ("write_seq_ids_wrong_shape", None,
      lambda p, a, b, s: p.write_kv(0, s, _kv(s.shape), _kv(s.shape), seq_ids=[a]),
@@ -122,22 +136,28 @@ BAD_POOL_CALLS = [
      InvalidSequence, ""),
     # -- item 12: write_kv layer and K/V types -------------------------------------------
     ("write_layer_true", None,
-     lambda p, a, b, s: p.write_kv(True, s, _kv(s.shape), _kv(s.shape)), InvalidArgument,
+     lambda p, a, b, s: p.write_kv(True, s, _kv(s.shape), _kv(s.shape), seq_ids=[a, b]),
+     InvalidArgument,
      "layer"),
     ("write_layer_np_bool", None,
-     lambda p, a, b, s: p.write_kv(np.bool_(False), s, _kv(s.shape), _kv(s.shape)),
+     lambda p, a, b, s: p.write_kv(np.bool_(False), s, _kv(s.shape), _kv(s.shape),
+                                   seq_ids=[a, b]),
      InvalidArgument, "layer"),
     ("write_layer_float", None,
-     lambda p, a, b, s: p.write_kv(1.0, s, _kv(s.shape), _kv(s.shape)), InvalidArgument,
+     lambda p, a, b, s: p.write_kv(1.0, s, _kv(s.shape), _kv(s.shape), seq_ids=[a, b]),
+     InvalidArgument,
      "layer"),
     ("write_layer_jax_out_of_range", None,
-     lambda p, a, b, s: p.write_kv(jnp.int32(2), s, _kv(s.shape), _kv(s.shape)),
+     lambda p, a, b, s: p.write_kv(jnp.int32(2), s, _kv(s.shape), _kv(s.shape),
+                                   seq_ids=[a, b]),
      InvalidArgument, "layer"),
     ("write_list_kv", None,
      lambda p, a, b, s: p.write_kv(0, s, np.asarray(_kv(s.shape)).tolist(),
-                                   np.asarray(_kv(s.shape)).tolist()), InvalidArgument, "k"),
+                                   np.asarray(_kv(s.shape)).tolist(), seq_ids=[a, b]),
+     InvalidArgument, "k"),
     ("write_object_kv", None,
-     lambda p, a, b, s: p.write_kv(0, s, [object()], [object()]), InvalidArgument, "k"),
+     lambda p, a, b, s: p.write_kv(0, s, [object()], [object()], seq_ids=[a, b]),
+     InvalidArgument, "k"),
     # -- item 10: apply_ref_deltas ---------------------------------------------------------
     ("deltas_free_live_seq_block", None,
      lambda p, a, b, s: p.apply_ref_deltas([p.segments(b)[0, 0]], [-1]), BlockInUse, ""),
@@ -240,12 +260,28 @@ class BadPoolCallTest(parameterized.TestCase):
     self.assertIn(part, str(ctx.exception))
     _assert_same(self, before, pool)
 
+  def test_a_write_names_its_writer(self):
+    """Issue P item 2: without `seq_ids` a write into another live sequence's exclusive
+    slot was accepted (only the owner check needs a writer); the writer is required."""
+    pool, a, b, _ = _filled_pool()
+    before = _snapshot(pool)
+    kb, _ = pool.gather_kv(b)
+    with self.assertRaisesRegex(TypeError, "seq_ids"):
+      pool.write_kv(0, np.array([_b_slot(pool, a, b)]), _zeros(1) + 7, _zeros(1) + 7)
+    with self.assertRaisesRegex(TypeError, "seq_ids"):
+      pool.write_kv_layers(np.array([_b_slot(pool, a, b)]), jnp.zeros((2, 2, 1, 4)),
+                           jnp.zeros((2, 2, 1, 4)))
+    _assert_same(self, before, pool)
+    np.testing.assert_array_equal(pool.gather_kv(b)[0], kb)
+    pool.write_kv(0, np.array([_b_slot(pool, a, b)]), _zeros(1) + 7, _zeros(1) + 7, seq_ids=b)
+    self.assertEqual(float(pool.gather_kv(b)[0][0, 0, 0, 0]), 7.0)  # its own: accepted
+
   def test_int64_wrapped_slot_does_not_overwrite_other_sequence(self):
     pool, a, b, _ = _filled_pool()
     kb, _ = pool.gather_kv(b)
     with self.assertRaises(InvalidBlock):
       pool.write_kv(0, np.array([2**32 + _b_slot(pool, a, b)], np.int64),
-                    _zeros(1) + 7, _zeros(1) + 7)
+                    _zeros(1) + 7, _zeros(1) + 7, seq_ids=a)
     np.testing.assert_array_equal(pool.gather_kv(b)[0], kb)
 
 
@@ -286,7 +322,7 @@ class AcceptedInputTest(absltest.TestCase):
   def test_write_kv_accepts_numpy_int64_slots_and_numpy_kv(self):
     pool, a, b, slots = _filled_pool()
     k = np.asarray(_kv(slots.shape, scale=3.0))
-    pool.write_kv(1, slots.astype(np.int64), k, k)
+    pool.write_kv(1, slots.astype(np.int64), k, k, seq_ids=[a, b])
     got, _ = pool.gather_kv(b)
     np.testing.assert_array_equal(np.asarray(got)[1], k[1, :3].transpose(1, 0, 2))
 

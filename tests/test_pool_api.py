@@ -25,7 +25,7 @@ def _filled_pool(cfg=CFG):
   kv_ = jax.random.normal(jax.random.key(0), slots.shape + (cfg.num_kv_heads, cfg.head_dim),
                           cfg.jnp_dtype)
   for layer in range(cfg.num_layers):
-    pool.write_kv(layer, slots, kv_, kv_ * 2)
+    pool.write_kv(layer, slots, kv_, kv_ * 2, seq_ids=[a, b])
   return pool, a, b, slots
 
 
@@ -60,17 +60,20 @@ class BadInputTest(parameterized.TestCase):
       ("deltas_underflow", lambda p, a, b, s: p.apply_ref_deltas([0, 0], [-1, -1]),
        paged_kv.RefCountUnderflow),
       ("write_wrong_shape", lambda p, a, b, s: p.write_kv(0, s, jnp.zeros(s.shape + (2, 3)),
-                                                           jnp.zeros(s.shape + (2, 3))),
+                                                           jnp.zeros(s.shape + (2, 3)),
+                                                           seq_ids=[a, b]),
        paged_kv.InvalidArgument),
       ("write_wrong_dtype", lambda p, a, b, s: p.write_kv(
           0, s, jnp.zeros(s.shape + (2, 4), jnp.bfloat16), jnp.zeros(s.shape + (2, 4),
-                                                                     jnp.bfloat16)),
+                                                                     jnp.bfloat16),
+          seq_ids=[a, b]),
        paged_kv.InvalidArgument),
       ("write_slot_out_of_range", lambda p, a, b, s: p.write_kv(
-          0, jnp.array([32]), jnp.zeros((1, 2, 4)), jnp.zeros((1, 2, 4))),
+          0, jnp.array([32]), jnp.zeros((1, 2, 4)), jnp.zeros((1, 2, 4)), seq_ids=a),
        paged_kv.InvalidBlock),
       ("write_bad_layer", lambda p, a, b, s: p.write_kv(2, s, jnp.zeros(s.shape + (2, 4)),
-                                                         jnp.zeros(s.shape + (2, 4))),
+                                                         jnp.zeros(s.shape + (2, 4)),
+                                                         seq_ids=[a, b]),
        paged_kv.InvalidArgument),
       ("open_block_out_of_range", lambda p, a, b, s: p.open_sequence([[9, 0, 1]]),
        paged_kv.InvalidBlock),
@@ -155,7 +158,8 @@ class DonationTest(absltest.TestCase):
 
     def step():
       slots = pool.reserve_tokens(seqs, [1, 1, 1])
-      pool.write_kv(0, slots, jnp.ones(slots.shape + (2, 4)), jnp.ones(slots.shape + (2, 4)))
+      pool.write_kv(0, slots, jnp.ones(slots.shape + (2, 4)), jnp.ones(slots.shape + (2, 4)),
+                    seq_ids=seqs)
 
     step()
     sizes = (segments.reserve_tokens._cache_size(),)

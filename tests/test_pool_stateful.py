@@ -86,7 +86,7 @@ class PoolMachine(RuleBasedStateMachine):
       self.model[s].extend(new)
     kv = jnp.broadcast_to(jnp.asarray(vals)[:, :, None, None], (len(seqs), t, 1, 2))
     for layer in range(CONFIG.num_layers):
-      self.pool.write_kv(layer, slots, kv, -kv)
+      self.pool.write_kv(layer, slots, kv, -kv, seq_ids=seqs)
 
   @precondition(lambda self: self.model and len(self.model) < CONFIG.max_seqs)
   @rule(data=st.data())

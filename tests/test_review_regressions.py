@@ -191,7 +191,8 @@ def test_guard_scrub_zeroes_every_free_block_after_moves_and_keeps_live_kv():
     s = pool.reserve_tokens([seq], [n])[:, :n]
     k = rng.normal(size=(1, n, 1, 2)).astype(np.float32) + 1.0
     for layer in range(2):
-      pool.write_kv(layer, s, jnp.asarray(k * (layer + 1)), jnp.asarray(-k * (layer + 1)))
+      pool.write_kv(layer, s, jnp.asarray(k * (layer + 1)), jnp.asarray(-k * (layer + 1)),
+                    seq_ids=seq)
     model.setdefault(seq, []).extend(list(k[0, :, 0, :]))
 
   def check():
@@ -230,7 +231,7 @@ def test_guard_write_kv_skips_padding_in_the_middle():
   slots = np.asarray(pool.reserve_tokens([a], [3]))[:, :3]
   idx = np.array([[slots[0, 0], -1, slots[0, 1], -1, slots[0, 2]]], np.int32)
   k = jnp.arange(1, 11, dtype=jnp.float32).reshape(1, 5, 1, 2)
-  pool.write_kv(0, idx, k, -k)
+  pool.write_kv(0, idx, k, -k, seq_ids=a)
   kk, vv = pool.gather_kv(a)
   np.testing.assert_array_equal(np.asarray(kk[0, 0]), [[1, 2], [5, 6], [9, 10]])
   pages = np.asarray(pool.state.pages.k)

@@ -61,7 +61,7 @@ class KVModel:
     ks = self.rng.standard_normal((c.num_layers,) + shape).astype(np.float32)
     vs = self.rng.standard_normal((c.num_layers,) + shape).astype(np.float32)
     for layer in range(c.num_layers):
-      self.pool.write_kv(layer, slot_idx, ks[layer], vs[layer])
+      self.pool.write_kv(layer, slot_idx, ks[layer], vs[layer], seq_ids=seqs)
     for i, (seq, cnt) in enumerate(zip(seqs, counts)):
       # [L, T, H, D] -> [L, H, T, D]
       nk = ks[:, i, :cnt].transpose(0, 2, 1, 3)

@@ -330,17 +330,22 @@ def gather_tokens(pool: BlockPool, slots: np.ndarray) -> tuple[np.ndarray, np.nd
   return k_out, v_out
 
 
-def write_tokens(pool: BlockPool, slot_idx: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-  """Writes `[L, H, T, D]` K/V at flat `slot_idx: int[T]` (-1 skipped), in chunks of
-  `CHUNK_TOKENS` (`BlockPool.write_kv_layers`: one program for any size)."""
+def write_tokens(pool: BlockPool, slot_idx: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 seq_ids) -> None:
+  """Writes `[L, H, T, D]` K/V at flat `slot_idx: int[T]` (-1 skipped) for the writers
+  `seq_ids` (`int[T]`, or one sequence), in chunks of `CHUNK_TOKENS`
+  (`BlockPool.write_kv_layers`: one program for any size)."""
   num = int(slot_idx.shape[0])
+  writers = np.broadcast_to(np.asarray(seq_ids, np.int64), (num,))
   for i in range(0, num, CHUNK_TOKENS):
     part = slot_idx[i:i + CHUNK_TOKENS]
     idx = np.full((CHUNK_TOKENS,), -1, np.int32)
     idx[:part.shape[0]] = part
+    who = np.zeros((CHUNK_TOKENS,), np.int64)  # padding's writer is never checked
+    who[:part.shape[0]] = writers[i:i + CHUNK_TOKENS]
     pad = ((0, 0), (0, 0), (0, CHUNK_TOKENS - part.shape[0]), (0, 0))
     pool.write_kv_layers(idx, np.pad(k[:, :, i:i + CHUNK_TOKENS], pad),
-                         np.pad(v[:, :, i:i + CHUNK_TOKENS], pad))
+                         np.pad(v[:, :, i:i + CHUNK_TOKENS], pad), seq_ids=who)
 
 
 def warm_programs(pool: BlockPool) -> None:
@@ -348,7 +353,7 @@ def warm_programs(pool: BlockPool) -> None:
   c = pool.config
   gather_tokens(pool, np.zeros((1,), np.int32))
   zeros = np.zeros((c.num_layers, c.num_kv_heads, 1, c.head_dim), c.jnp_dtype)
-  write_tokens(pool, np.full((1,), -1, np.int32), zeros, zeros)
+  write_tokens(pool, np.full((1,), -1, np.int32), zeros, zeros, seq_ids=np.zeros(1, np.int64))
 
 
 @jax.jit
@@ -734,7 +739,10 @@ def _write_blocks(pool: BlockPool, saved: _SavedCache, layout: _Layout,
         physical[g] = slot_idx[r, np.arange(len(g)) * bs] // bs
       used = slot_idx.reshape(-1) >= 0  # every layer, the batch's tokens, in chunks
       flat = src_idx.reshape(-1)[used]
-      write_tokens(pool, slot_idx.reshape(-1)[used], k_all[:, :, flat], v_all[:, :, flat])
+      writers = np.repeat(np.asarray(open_seqs + [0] * (_MAX_LOAD_BATCH - len(open_seqs)),
+                                     np.int64), width)[used]  # row r's slots: open_seqs[r]
+      write_tokens(pool, slot_idx.reshape(-1)[used], k_all[:, :, flat], v_all[:, :, flat],
+                   writers)
       blocks = np.concatenate([np.asarray(g) for g in batch])
       ids, refs = physical[blocks], layout.tree_refs[blocks]
       pool.apply_ref_deltas(ids, refs)

@@ -86,7 +86,7 @@ def swap_in(pool: BlockPool, swapped: SwappedKV, seq_id: int | None = None) -> i
     width = swapped.k.shape[2]
     slot_idx = np.full((width,), -1, np.int32)
     slot_idx[:swapped.length] = slots[:swapped.length]
-    pool.write_kv_layers(slot_idx, swapped.k, swapped.v)
+    pool.write_kv_layers(slot_idx, swapped.k, swapped.v, seq_ids=seq)
   except BaseException:
     try:
       if pool.host.active[seq]:

@@ -280,7 +280,7 @@ class PlanDefragTest(absltest.TestCase):
     for i in range(6):
       slots = pool.reserve_tokens(seqs, [4, 4, 4, 4])
       kv = jnp.broadcast_to(jnp.arange(16.0).reshape(4, 4, 1, 1) + 100 * i, (4, 4, 1, 2))
-      pool.write_kv(0, slots, kv, -kv)
+      pool.write_kv(0, slots, kv, -kv, seq_ids=seqs)
     before = {s: np.asarray(pool.gather_kv(s)[0]) for s in seqs[::2]}
     pool.release(seqs[1::2])
     ratio0 = float(compact.fragmentation_ratio(pool.state.meta))

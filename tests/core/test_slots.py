@@ -281,7 +281,7 @@ class ReclaimSlotsTest(chex.TestCase):
     a, b = pool.open_sequence(), pool.open_sequence()
     slots_ = pool.reserve_tokens([a, b], [3, 2])
     kv = jnp.arange(slots_.size * 2, dtype=jnp.float32).reshape(slots_.shape + (1, 2))
-    pool.write_kv(0, slots_, kv, -kv)
+    pool.write_kv(0, slots_, kv, -kv, seq_ids=[a, b])
     # Cache-like outside holders take both short segments; pack them into one block.
     ext = [tuple(pool.segments(s)[0].tolist()) for s in (a, b)]
     pool.apply_ref_deltas([e[0] for e in ext], [1, 1])
@@ -350,7 +350,7 @@ class ConsolidationTest(absltest.TestCase):
       slots_ = pool.reserve_tokens(seqs, [3, 3, 2, 2])
       kv = jnp.arange(slots_.size * 2, dtype=jnp.float32).reshape(slots_.shape + (1, 2))
       kv = kv + 100 * wave
-      pool.write_kv(0, slots_, kv, -kv)
+      pool.write_kv(0, slots_, kv, -kv, seq_ids=seqs)
       ext = [tuple(pool.segments(q)[0].tolist()) for q in seqs]
       pool.apply_ref_deltas([e[0] for e in ext], [1] * len(ext))
       pool.release(seqs)
@@ -423,7 +423,7 @@ class ReclaimScrubTest(chex.TestCase):
     slot_idx = pool.reserve_tokens([a, b], [3, 3])
     tag = np.zeros(slot_idx.shape + (1, 2), np.float32)
     tag[0, :3], tag[1, :3] = 1.0, 2.0  # tenant A's K/V are 1, tenant B's are 2
-    pool.write_kv(0, slot_idx, tag, -tag)
+    pool.write_kv(0, slot_idx, tag, -tag, seq_ids=[a, b])
     seg_a, seg_b = (tuple(int(x) for x in pool.segments(s)[0]) for s in (a, b))
     pool.apply_ref_deltas([seg_a[0], seg_b[0]], [1, 1])  # two cache-like holders
     pool.release([a, b])

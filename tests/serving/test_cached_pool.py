@@ -66,7 +66,7 @@ def write_tokens(pool, seq, namespace, tokens, start):
   vals[0, :rest, 0, 0] = kv_values(namespace, tokens)[start:]
   k = jnp.asarray(vals)
   v = jnp.asarray(np.stack([np.zeros_like(vals[..., 0]), -vals[..., 0]], -1))
-  pool.write_kv(0, slots, k, v)
+  pool.write_kv(0, slots, k, v, seq_ids=seq)
 
 
 def assert_seq_kv(testcase, pool, seq, namespace, tokens):

@@ -64,7 +64,7 @@ def build_cache(config: paged_kv.PoolConfig, seed: int):
         shape = (1, 1, config.num_kv_heads, config.head_dim)
         k = rng.standard_normal(shape).astype(config.jnp_dtype)
         v = rng.standard_normal(shape).astype(config.jnp_dtype)
-        pool.write_kv(layer, slot, k, v)
+        pool.write_kv(layer, slot, k, v, seq_ids=seq)
     outcome = cache.insert(ns, tokens, pool.segments(seq),
                            pin_ttl=100.0 if i == 0 else None)
     if len(outcome.ref_deltas):
@@ -256,7 +256,7 @@ class DamagedFileTest(absltest.TestCase):
       seq = pool.open_sequence()
       slots = pool.reserve_tokens([seq], [5])[:, :5]
       kv = np.ones((1, 5, c.num_kv_heads, c.head_dim), c.jnp_dtype)
-      pool.write_kv(0, slots, kv, kv)
+      pool.write_kv(0, slots, kv, kv, seq_ids=seq)
     before = snapshot(pool)
     cache = PrefixCache(block_size=c.block_size)
     with self.assertRaisesRegex(error, regex):
@@ -326,11 +326,11 @@ class DamagedFileTest(absltest.TestCase):
     meta_before = [np.asarray(x) for x in (pool.state.meta.ref_count, pool.state.meta.slots,
                                            pool.state.meta.free_list)]
     write_kv, calls = pool.write_kv_layers, []
-    def failing_write_kv(*args):
+    def failing_write_kv(*args, **kwargs):
       calls.append(1)
       if len(calls) > 1:  # the second batch of the load (one write per batch)
         raise RuntimeError("device lost")
-      write_kv(*args)
+      write_kv(*args, **kwargs)
     pool.write_kv_layers = failing_write_kv
     cache = PrefixCache(block_size=8)
     with self.assertRaisesRegex(RuntimeError, "device lost"):
@@ -421,7 +421,7 @@ class BitFlipSweepTest(absltest.TestCase):
       slot_idx = pool.reserve_tokens([seq], [len(tokens)])
       kv = (np.arange(slot_idx.size * 2, dtype=np.float32).reshape(slot_idx.shape + (1, 2))
             + 100 * len(tokens))
-      pool.write_kv(0, slot_idx, kv, -kv)
+      pool.write_kv(0, slot_idx, kv, -kv, seq_ids=seq)
       pool.apply_ref_deltas(*_deltas(cache.insert(ns, tokens, pool.segments(seq))))
       pool.release([seq])
     tmp = _tempdir(self)
@@ -435,7 +435,7 @@ class BitFlipSweepTest(absltest.TestCase):
     target = paged_kv.BlockPool(_TINY)  # something live, so "unchanged" means something
     seq = target.open_sequence()
     target.write_kv(0, target.reserve_tokens([seq], [3]), np.ones((1, 4, 1, 2), np.float32),
-                    np.ones((1, 4, 1, 2), np.float32))
+                    np.ones((1, 4, 1, 2), np.float32), seq_ids=seq)
     before = snapshot(target)
     good_saved = persist._read(good)  # pylint: disable=protected-access
 
