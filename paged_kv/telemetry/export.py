@@ -84,15 +84,32 @@ def _prometheus():
   return prometheus_client
 
 
+_TYPED_MARKERS = ("str:", "int:", "bytes:", "tuple:")
+
+
 def namespace_label(namespace: Any) -> str:
-  """A typed namespace key (`str`, `bytes`, `int` or a tuple of them) as a label value."""
+  """A typed namespace key (`str`, `bytes`, `int` or a tuple of them) as a label value,
+  one to one: distinct keys never share a label.
+
+  A `str` is itself (readable: the common case), unless it starts with one of the
+  type markers or is the overflow bucket's `"other"`: then `"str:"` + it. An `int`
+  is `"int:1"`, `bytes` `"bytes:"` + hex (`b"1"` -> `"bytes:31"`), a tuple
+  `"tuple:"` + a JSON list of its parts' labels (`("a", "b")` ->
+  `'tuple:["a","b"]'`). So `1`, `"1"`, `b"1"` and `("1",)` are four labels, and
+  `("a", "b")`, `"a/b"` and `(b"a", "b")` three.
+  """
   if isinstance(namespace, str):
+    if namespace == OTHER_NAMESPACE or namespace.startswith(_TYPED_MARKERS):
+      return "str:" + namespace
     return namespace
   if isinstance(namespace, bytes):
-    return namespace.decode("utf-8", "backslashreplace")
+    return "bytes:" + namespace.hex()
   if isinstance(namespace, tuple):
-    return "/".join(namespace_label(p) for p in namespace)
-  return str(namespace)
+    return "tuple:" + json.dumps([namespace_label(p) for p in namespace],
+                                 separators=(",", ":"), ensure_ascii=False)
+  if type(namespace) is int:
+    return f"int:{namespace}"
+  return "repr:" + repr(namespace)  # not a typed key (never from the scheduler)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -253,10 +253,30 @@ class CounterSemanticsTest(absltest.TestCase):
     fams = families(exporter.render())
     got = {s.labels["namespace"]: s.value for s in fams["paged_kv_request_success"].samples
            if s.name.endswith("_total")}
-    self.assertEqual(got, {"a": 2, "b": 1, "other": 1})
+    self.assertEqual(got, {"a": 2, "bytes:62": 1, "other": 1})
     reasons = {s.labels["finished_reason"] for s in fams["paged_kv_request_success"].samples}
     self.assertEqual(reasons, {"stop"})  # vLLM's name for a stop token
-    self.assertEqual(export.namespace_label(("c", 1, b"x")), "c/1/x")
+
+  def test_typed_namespaces_never_share_a_label(self):
+    """Issue P item 3: `1`, `"1"`, `b"1"` and `("1",)` were all label "1"; `("a","b")`,
+    `"a/b"` and `(b"a","b")` all "a/b"."""
+    keys = [1, "1", b"1", ("1",), ("a", "b"), "a/b", (b"a", "b"), "other", "int:1",
+            "str:x", ("a", ("b",)), (("a",), "b"), "", (), b"", -1, ("1", 1)]
+    labels = [export.namespace_label(k) for k in keys]
+    self.assertLen(set(labels), len(keys), dict(zip(map(repr, keys), labels)))
+    self.assertEqual(export.namespace_label("tenant-a"), "tenant-a")  # strings stay readable
+    self.assertNotEqual(export.namespace_label("other"), export.OTHER_NAMESPACE)
+    exporter = export.MetricsExporter()
+    reqs = []
+    for i, ns in enumerate((1, "1", b"1", ("1",))):
+      req = serving_run.Request(i, np.arange(4), 1, namespace=ns)
+      req.stop_reason, req.hit_tokens = "length", 0
+      reqs.append(req)
+    exporter.observe_finished(reqs)
+    fams = families(exporter.render())
+    got = {s.labels["namespace"] for s in fams["paged_kv_request_success"].samples
+           if s.name.endswith("_total")}
+    self.assertEqual(got, {"int:1", "1", "bytes:31", 'tuple:["1"]'})
 
 
 class SnapshotAndAlertsTest(absltest.TestCase):
