@@ -85,6 +85,11 @@ class InvalidNamespaceError(RadixTreeError, TypeError):
 
 
 _NAMESPACE_SCALARS = (str, bytes, int)
+# Size caps of a namespace key (a tenant id, not a payload): nesting, scalars in all,
+# characters (str) or bytes of each, and ints within int64.
+MAX_NAMESPACE_DEPTH = 8
+MAX_NAMESPACE_PARTS = 64
+MAX_NAMESPACE_LENGTH = 1024
 
 
 def check_namespace(namespace: Any) -> Hashable:
@@ -95,18 +100,42 @@ def check_namespace(namespace: Any) -> Hashable:
   allowed namespaces are equal only when their types agree element by element,
   so ``1``, ``1.0``, ``True`` and ``np.int64(1)`` can never name one tenant
   (Python equality would merge them); a typed key is also always hashable.
+  Sizes are capped: tuples nested at most ``MAX_NAMESPACE_DEPTH`` deep, at most
+  ``MAX_NAMESPACE_PARTS`` scalars in all, each ``str``/``bytes`` at most
+  ``MAX_NAMESPACE_LENGTH`` long, each ``int`` within int64. The check is
+  iterative: no key can exhaust the interpreter's recursion.
 
   Raises:
-    InvalidNamespaceError: any other type.
+    InvalidNamespaceError: any other type, or a key past a cap (named).
   """
-  if isinstance(namespace, tuple):
-    for part in namespace:
-      check_namespace(part)
-    return namespace
-  if type(namespace) not in _NAMESPACE_SCALARS:
-    raise InvalidNamespaceError(
-        f"namespace must be a str, bytes, int (not bool or a numpy scalar) or a tuple of "
-        f"them, got {namespace!r} of type {type(namespace).__name__}")
+  stack = [(namespace, 0)]
+  parts = 0
+  while stack:
+    key, depth = stack.pop()
+    if isinstance(key, tuple):
+      if depth >= MAX_NAMESPACE_DEPTH:
+        raise InvalidNamespaceError(
+            f"namespace tuples nest deeper than MAX_NAMESPACE_DEPTH={MAX_NAMESPACE_DEPTH}")
+      if len(key) + parts > MAX_NAMESPACE_PARTS:
+        raise InvalidNamespaceError(
+            f"namespace has more than MAX_NAMESPACE_PARTS={MAX_NAMESPACE_PARTS} parts")
+      stack.extend((part, depth + 1) for part in key)
+      continue
+    if type(key) not in _NAMESPACE_SCALARS:
+      raise InvalidNamespaceError(
+          f"namespace must be a str, bytes, int (not bool or a numpy scalar) or a tuple of "
+          f"them, got {key!r} of type {type(key).__name__}")
+    parts += 1
+    if parts > MAX_NAMESPACE_PARTS:
+      raise InvalidNamespaceError(
+          f"namespace has more than MAX_NAMESPACE_PARTS={MAX_NAMESPACE_PARTS} parts")
+    if type(key) is int:
+      if not -(1 << 63) <= key < (1 << 63):
+        raise InvalidNamespaceError(f"namespace int {key} is outside int64")
+    elif len(key) > MAX_NAMESPACE_LENGTH:
+      raise InvalidNamespaceError(
+          f"namespace {type(key).__name__} of length {len(key)} is longer than "
+          f"MAX_NAMESPACE_LENGTH={MAX_NAMESPACE_LENGTH}")
   return namespace
 
 

@@ -8,6 +8,7 @@ from absl.testing import absltest, parameterized
 
 from radix.tree import (
     HitStats,
+    InvalidNamespaceError,
     InvalidTokensError,
     LockError,
     RadixTree,
@@ -223,6 +224,27 @@ class RadixTreeTest(parameterized.TestCase):
     arr = np.arange(5, dtype=np.int32)
     self.assertIs(as_tokens(arr), arr)
     self.assertEqual(as_tokens([]).dtype, np.int32)
+
+  def test_namespace_keys_are_capped_without_recursion(self):
+    """Issue P item 4: a namespace nested 5,000 tuples deep raised RecursionError."""
+    from radix import tree as tree_lib  # pylint: disable=g-import-not-at-top
+    deep = "t"
+    for _ in range(5000):
+      deep = (deep,)
+    ok = ("tenant", 7, b"x", ("a", ("b", 1)))
+    self.assertIs(tree_lib.check_namespace(ok), ok)
+    for bad, part in ((deep, "MAX_NAMESPACE_DEPTH"),
+                      (tuple(range(tree_lib.MAX_NAMESPACE_PARTS + 1)), "MAX_NAMESPACE_PARTS"),
+                      (tuple((i,) for i in range(40)) * 2, "MAX_NAMESPACE_PARTS"),
+                      ("x" * (tree_lib.MAX_NAMESPACE_LENGTH + 1), "MAX_NAMESPACE_LENGTH"),
+                      (b"x" * (tree_lib.MAX_NAMESPACE_LENGTH + 1), "MAX_NAMESPACE_LENGTH"),
+                      (2**63, "int64"), (("a", -2**63 - 1), "int64")):
+      with self.subTest(part=part), self.assertRaisesRegex(InvalidNamespaceError, part):
+        tree_lib.check_namespace(bad)
+    tree = RadixTree()
+    with self.assertRaises(InvalidNamespaceError):
+      tree.insert(deep, [1, 2], now=0.0)
+    self.assertEqual(len(tree), 0)
 
   def test_tree_imports_neither_jax_nor_paged_kv(self):
     code = (
