@@ -24,7 +24,7 @@ from paged_kv.core.compact import (CompactionPolicy, compact_permute, compact_st
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import (BlockInUse, InvalidArgument, InvalidBlock, InvalidSegment,
                                   InvalidSegmentLayout, InvalidSequence, InvariantViolation,
-                                  PagedKVError, PoolExhausted, RefCountOverflow,
+                                  PagedKVError, PoolExhausted, PoolTooLarge, RefCountOverflow,
                                   RefCountUnderflow, Status)
 from paged_kv.core.invariants import check_invariants
 from paged_kv.core.kv import gather_kv, jit_write_kv, token_slots, write_kv
@@ -58,7 +58,7 @@ __all__ = [
     # status and errors
     "Status", "PagedKVError", "PoolExhausted", "InvalidArgument", "InvalidBlock",
     "InvalidSegment", "InvalidSegmentLayout", "InvalidSequence", "InvariantViolation",
-    "RefCountUnderflow", "RefCountOverflow", "BlockInUse",
+    "RefCountUnderflow", "RefCountOverflow", "BlockInUse", "PoolTooLarge",
     # layers, imported on first use
     *_SUBPACKAGES,
 ]

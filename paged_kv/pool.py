@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_kv.core import compact, kv, regions, slots
+from paged_kv.core import compact, device_memory, kv, regions, slots
 from paged_kv.core.commit import commit
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import (OOM_REASONS, BlockInUse, InternalInconsistency, InvalidArgument,
@@ -243,6 +243,10 @@ class BlockPool:
       from the device at the first call.
     debug: flush and compare the whole mirror with the device after every call
       (default: `PAGED_KV_DEBUG` from the environment).
+
+  Raises:
+    PoolTooLarge: the pages need more memory than the device has free (checked
+      before anything is allocated; `paged_kv.core.device_memory`).
   """
 
   def __init__(self, config: PoolConfig, state: PoolState | None = None, *,
@@ -253,7 +257,10 @@ class BlockPool:
     self._log = ChangeLog(config)
     self._scratch_log = ChangeLog(config)  # a prediction's changes (the device makes them)
     self._checks: collections.deque = collections.deque()
+    if not isinstance(config, PoolConfig):
+      raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
     if state is None:
+      device_memory.check_fits(config)  # before anything is allocated
       self._state = _committed(init_pool(config))
       self._mirror: HostState | None = HostState.empty(config, self._log)
     else:
@@ -1199,6 +1206,7 @@ class BlockPool:
         config refuses (slots beyond int32, pages beyond `MAX_POOL_BYTES`); the
         message names the limit.
       InvalidBlock: a block to cut off is still referenced.
+      PoolTooLarge: growing needs more memory than the device has free.
     """
     num_blocks = _as_int_scalar(num_blocks, "num_blocks", low=1)
     new_config = regions.resized_config(self.config, num_blocks)
@@ -1210,6 +1218,8 @@ class BlockPool:
         raise InvalidBlock(f"cannot cut blocks [{num_blocks}, {self.config.num_blocks}): "
                            f"{live.size} still referenced (e.g. {live[:8].tolist()}); "
                            "compact first")
+    elif num_blocks > self.config.num_blocks:
+      device_memory.check_fits(new_config)  # the grown pages sit beside the old ones
     state = self.state
     self._state = _committed(regions.resize_state(state, config=self.config,
                                                   new_config=new_config))

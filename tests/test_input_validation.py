@@ -310,6 +310,87 @@ class BadConfigTest(parameterized.TestCase):
     hash(cfg)
 
 
+# Issue P item 4: (owner, field, bad value) of every policy dataclass; each must raise
+# `InvalidArgument` naming the owner and the field. Before: plain ValueError/TypeError
+# for some, silently accepted for the others (then failing later, or never).
+def _policy(owner, **kw):
+  from paged_kv.serving import SchedulerConfig  # pylint: disable=g-import-not-at-top
+  from paged_kv.serving.governance import CacheGovernance  # pylint: disable=g-import-not-at-top
+  return {"SchedulerConfig": SchedulerConfig, "CompactionPolicy": compact.CompactionPolicy,
+          "CacheGovernance": CacheGovernance,
+          "WatermarkQuota": functools.partial(regions.WatermarkQuota, 100)}[owner](**kw)
+
+
+BAD_POLICIES = [
+    ("SchedulerConfig", "preemption", "swapp"), ("SchedulerConfig", "preemption", None),
+    ("SchedulerConfig", "output_reserve_ratio", 1.5),
+    ("SchedulerConfig", "output_reserve_ratio", "half"),
+    ("SchedulerConfig", "output_reserve_ratio", float("nan")),
+    ("SchedulerConfig", "evict_policy", "fifo"), ("SchedulerConfig", "compaction", "yes"),
+    ("SchedulerConfig", "enable_prefix_cache", "no"), ("SchedulerConfig", "pack_tails", 2),
+    ("SchedulerConfig", "stop_token", 2**40), ("SchedulerConfig", "watermark_blocks", 2**40),
+    ("SchedulerConfig", "max_batch", 0), ("SchedulerConfig", "max_batch", 2.0),
+    ("SchedulerConfig", "stats_budget", 0.0), ("SchedulerConfig", "governance", "on"),
+    ("CompactionPolicy", "threshold", 1.5), ("CompactionPolicy", "threshold", True),
+    ("CompactionPolicy", "budget", 0), ("CompactionPolicy", "budget", 1.5),
+    ("CompactionPolicy", "budget_bytes", -1), ("CompactionPolicy", "strategy", "greedy"),
+    ("CompactionPolicy", "on_contiguous_failure", "yes"),
+    ("CompactionPolicy", "step_fraction", 0.0), ("CompactionPolicy", "step_seconds", -1.0),
+    ("CompactionPolicy", "copy_bandwidth", float("inf")),
+    ("CacheGovernance", "max_step", 1.5), ("CacheGovernance", "gc_every", True),
+    ("CacheGovernance", "gc_every", 0), ("CacheGovernance", "gc_ttl", -1.0),
+    ("CacheGovernance", "quotas", "yes"), ("CacheGovernance", "live_fraction", 0.0),
+    ("CacheGovernance", "low_watermark", 0.9),
+    ("WatermarkQuota", "max_step", 0), ("WatermarkQuota", "live_fraction", 2),
+    ("WatermarkQuota", "borrowed", -1),
+]
+
+
+class BadPolicyTest(parameterized.TestCase):
+
+  @parameterized.parameters(*BAD_POLICIES)
+  def test_refused_naming_the_field(self, owner, field, value):
+    with self.assertRaises(InvalidArgument) as ctx:
+      _policy(owner, **{field: value})
+    self.assertIn(f"{owner}.{field}", str(ctx.exception))
+    self.assertIn(repr(value) if not isinstance(value, float) else "got", str(ctx.exception))
+
+  def test_bounds_that_need_the_pool(self):
+    from paged_kv.serving import Scheduler, SchedulerConfig  # pylint: disable=g-import-not-at-top
+    from paged_kv.serving.executor import DryExecutor  # pylint: disable=g-import-not-at-top
+    pool = paged_kv.BlockPool(CFG)  # 8 blocks, max_seqs 4
+    for kw, part in ((dict(max_batch=5), "max_batch"),
+                     (dict(max_batch=4, watermark_blocks=8), "watermark")):
+      with self.subTest(**kw), self.assertRaisesRegex(InvalidArgument, part):
+        Scheduler(pool, DryExecutor(CFG), SchedulerConfig(compaction=None, **kw))
+    with self.assertRaisesRegex(InvalidArgument, "SchedulerConfig"):
+      Scheduler(pool, DryExecutor(CFG), {"max_batch": 4})
+
+  def test_numpy_scalars_are_normalised(self):
+    from paged_kv.serving import SchedulerConfig  # pylint: disable=g-import-not-at-top
+    cfg = SchedulerConfig(max_batch=np.int64(4), output_reserve_ratio=np.float32(0.25),
+                          pack_tails=np.bool_(False))
+    self.assertIs(type(cfg.max_batch), int)
+    self.assertIs(type(cfg.output_reserve_ratio), float)
+    self.assertIs(cfg.pack_tails, False)
+
+  def test_a_pool_beyond_the_device_memory_is_refused_before_allocating(self):
+    from unittest import mock  # pylint: disable=g-import-not-at-top
+    from paged_kv.core import device_memory  # pylint: disable=g-import-not-at-top
+    need = device_memory.pool_bytes(CFG)
+    with mock.patch.object(device_memory, "free_bytes", return_value=need - 1):
+      with self.assertRaisesRegex(paged_kv.PoolTooLarge, f"{need} bytes.*{need - 1} bytes"):
+        paged_kv.BlockPool(CFG)
+    with mock.patch.object(device_memory, "free_bytes", return_value=need):
+      paged_kv.BlockPool(CFG)
+    pool = paged_kv.BlockPool(CFG)
+    with mock.patch.object(device_memory, "free_bytes", return_value=0):
+      with self.assertRaises(paged_kv.PoolTooLarge):
+        pool.resize(16)  # growing is checked too
+      pool.resize(6)  # shrinking is not
+    self.assertEqual(pool.config.num_blocks, 6)
+
+
 class AcceptedInputTest(absltest.TestCase):
   """What the checks must keep accepting."""
 

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_kv.core import fields
 from paged_kv.core.alloc import rebuild_free_list
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import Status
@@ -378,21 +380,21 @@ class CompactionPolicy:
   copy_bandwidth: float = H200_COPY_BANDWIDTH
 
   def __post_init__(self):
-    if not 0.0 <= self.threshold <= 1.0:
-      raise ValueError(f"threshold must be in [0, 1], got {self.threshold!r}")
-    for name in ("budget", "budget_bytes"):
-      v = getattr(self, name)
-      if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
-                            or v < 1):
-        raise ValueError(f"{name} must be None or a positive int, got {v!r}")
-    if not 0.0 < self.step_fraction <= 1.0:
-      raise ValueError(f"step_fraction must be in (0, 1], got {self.step_fraction!r}")
+    """Checks every field (`paged_kv.core.fields`)."""
+    own = "CompactionPolicy"
+    put = lambda name, value: object.__setattr__(self, name, value)
+    put("threshold", fields.check_number(own, "threshold", self.threshold, 0.0, 1.0))
+    put("budget", fields.check_int(own, "budget", self.budget, 1, fields.I32_MAX, optional=True))
+    put("budget_bytes", fields.check_int(own, "budget_bytes", self.budget_bytes, 1, 2**62,
+                                         optional=True))
+    put("on_contiguous_failure", fields.check_bool(own, "on_contiguous_failure",
+                                                   self.on_contiguous_failure))
+    put("strategy", fields.check_choice(own, "strategy", self.strategy, STRATEGIES))
+    put("step_fraction", fields.check_number(own, "step_fraction", self.step_fraction, 0.0, 1.0,
+                                             low_open=True))
     for name in ("step_seconds", "copy_bandwidth"):
-      v = getattr(self, name)
-      if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-        raise ValueError(f"{name} must be a positive number, got {v!r}")
-    if self.strategy not in STRATEGIES:
-      raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+      put(name, fields.check_number(own, name, getattr(self, name), 0.0, math.inf,
+                                    low_open=True, high_open=True))
 
   @property
   def step_bytes(self) -> int:

@@ -80,6 +80,14 @@ class InvalidArgument(PagedKVError, ValueError):
   """A count, shape or dtype is not acceptable."""
 
 
+class PoolTooLarge(InvalidArgument):
+  """A pool's pages do not fit the free memory of the device it would live on.
+
+  Raised by `BlockPool` before anything is allocated; the message names the bytes
+  the pages need and the bytes the device has free (`paged_kv.core.device_memory`).
+  """
+
+
 class InvalidSegmentLayout(InvalidArgument):
   """A segments argument is not an `int32[n, 3]` array of `(block, start, length)` rows.
 

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_kv.core import fields
 from paged_kv.core.alloc import rebuild_free_list
 from paged_kv.core.compact import move_blocks
 from paged_kv.core.config import PoolConfig
@@ -154,17 +155,19 @@ class WatermarkQuota:
   low_watermark: float = 0.5
   max_step: int = 32
   borrowed: int = 0
+  owner: dataclasses.InitVar[str] = "WatermarkQuota"  # the name errors give the fields
 
-  def __post_init__(self):
-    if self.total_blocks < 1:
-      raise InvalidArgument(f"total_blocks must be >= 1, got {self.total_blocks}")
-    if not 0.0 < self.live_fraction <= 1.0:
-      raise InvalidArgument(f"live_fraction must be in (0, 1], got {self.live_fraction}")
-    if not 0.0 <= self.low_watermark < self.high_watermark <= 1.0:
-      raise InvalidArgument("need 0 <= low_watermark < high_watermark <= 1, got "
-                            f"{self.low_watermark}, {self.high_watermark}")
-    if self.max_step < 1:
-      raise InvalidArgument(f"max_step must be >= 1, got {self.max_step}")
+  def __post_init__(self, owner: str = "WatermarkQuota"):
+    """Checks every field (`paged_kv.core.fields`)."""
+    self.total_blocks = fields.check_int(owner, "total_blocks", self.total_blocks, 1)
+    self.live_fraction = fields.check_number(owner, "live_fraction", self.live_fraction, 0.0,
+                                             1.0, low_open=True)
+    self.high_watermark = fields.check_number(owner, "high_watermark", self.high_watermark,
+                                              0.0, 1.0, low_open=True)
+    self.low_watermark = fields.check_number(owner, "low_watermark", self.low_watermark, 0.0,
+                                             self.high_watermark, high_open=True)
+    self.max_step = fields.check_int(owner, "max_step", self.max_step, 1)
+    self.borrowed = fields.check_int(owner, "borrowed", self.borrowed, 0)
 
   @property
   def live_quota(self) -> int:

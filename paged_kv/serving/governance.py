@@ -23,8 +23,9 @@ per-block host copy).
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from paged_kv.core.errors import InvalidArgument
+from paged_kv.core import fields
 from paged_kv.core.regions import WatermarkQuota
 
 __all__ = ["CacheGovernance"]
@@ -53,12 +54,16 @@ class CacheGovernance:
   gc_every: int = 64
 
   def __post_init__(self):
-    if self.gc_ttl is not None and not self.gc_ttl >= 0:
-      raise InvalidArgument(f"gc_ttl must be >= 0 or None, got {self.gc_ttl!r}")
-    if not isinstance(self.gc_every, int) or self.gc_every < 1:
-      raise InvalidArgument(f"gc_every must be an int >= 1, got {self.gc_every!r}")
-    if self.quotas:
-      self.quota(1)  # validates the quota's fields
+    """Checks every field (`paged_kv.core.fields`; the quota's through `WatermarkQuota`)."""
+    own = "CacheGovernance"
+    put = lambda name, value: object.__setattr__(self, name, value)
+    put("quotas", fields.check_bool(own, "quotas", self.quotas))
+    put("gc_ttl", fields.check_number(own, "gc_ttl", self.gc_ttl, 0.0, math.inf,
+                                      high_open=True, optional=True))
+    put("gc_every", fields.check_int(own, "gc_every", self.gc_every, 1))
+    WatermarkQuota(total_blocks=1, live_fraction=self.live_fraction,
+                   high_watermark=self.high_watermark, low_watermark=self.low_watermark,
+                   max_step=self.max_step, owner=own)  # the quota's fields, named as ours
 
   def quota(self, dynamic_blocks: int) -> WatermarkQuota:
     """A fresh quota over `dynamic_blocks` (nothing borrowed)."""

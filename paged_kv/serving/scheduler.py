@@ -76,7 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_kv.core import compact, regions
+from paged_kv.core import compact, fields, regions
 from paged_kv.core.config import PoolConfig
 from paged_kv.telemetry import metrics
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted, Status
@@ -92,7 +92,7 @@ from paged_kv.serving.governance import CacheGovernance
 from paged_kv.serving.warmup import WarmupReport
 from paged_kv.mirror import transitions as host_ops
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
-from radix.cache import PrefixCache
+from radix.cache import POLICIES, PrefixCache
 from radix.tree import check_namespace
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -276,24 +276,32 @@ class SchedulerConfig:
   governance: CacheGovernance | None = None
 
   def __post_init__(self):
-    if self.preemption not in PREEMPTION_MODES:
-      raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
-    for name, low in (("max_batch", 1), ("prefill_token_budget", 1), ("prefill_chunk", 1),
-                      ("promote_every", 1), ("promote_readers", 0), ("watermark_blocks", 0),
-                      ("stats_every", 0), ("snapshot_every", 0), ("stop_token", -1)):
-      value = getattr(self, name)
-      if not _is_int(value) or value < low:
-        raise InvalidArgument(f"{name} must be an int >= {low}, got {value!r}")
-    if self.stats_budget is not None and not (
-        isinstance(self.stats_budget, (int, float)) and not isinstance(self.stats_budget, bool)
-        and 0.0 < self.stats_budget <= 1.0):
-      raise InvalidArgument(f"stats_budget must be None or a share in (0, 1], "
-                            f"got {self.stats_budget!r}")
-    if not 0.0 <= self.output_reserve_ratio <= 1.0:
-      raise ValueError(f"output_reserve_ratio must be in [0, 1], got {self.output_reserve_ratio}")
+    """Checks every field (`paged_kv.core.fields`: `InvalidArgument` naming the field,
+    the value and what is allowed); the bounds that depend on the pool
+    (`max_batch <= max_seqs`, the watermark below the dynamic blocks) are checked
+    when a `Scheduler` is built."""
+    own = "SchedulerConfig"
+    put = lambda name, value: object.__setattr__(self, name, value)
+    for name, low, high in (("max_batch", 1, fields.I32_MAX), ("prefill_token_budget", 1, fields.I32_MAX),
+                            ("prefill_chunk", 1, fields.I32_MAX), ("promote_every", 1, fields.I32_MAX),
+                            ("promote_readers", 0, fields.I32_MAX), ("watermark_blocks", 0, fields.I32_MAX),
+                            ("stats_every", 0, fields.I32_MAX), ("snapshot_every", 0, fields.I32_MAX),
+                            ("stop_token", -1, fields.I32_MAX)):
+      put(name, fields.check_int(own, name, getattr(self, name), low, high))
+    put("preemption", fields.check_choice(own, "preemption", self.preemption, PREEMPTION_MODES))
+    put("evict_policy", fields.check_choice(own, "evict_policy", self.evict_policy, POLICIES))
+    for name in ("enable_prefix_cache", "pack_tails"):
+      put(name, fields.check_bool(own, name, getattr(self, name)))
+    put("output_reserve_ratio", fields.check_number(own, "output_reserve_ratio",
+                                                    self.output_reserve_ratio, 0.0, 1.0))
+    put("stats_budget", fields.check_number(own, "stats_budget", self.stats_budget, 0.0, 1.0,
+                                            low_open=True, optional=True))
+    if self.compaction is not None and not isinstance(self.compaction, compact.CompactionPolicy):
+      raise InvalidArgument(f"{own}.compaction must be a CompactionPolicy or None, got "
+                            f"{self.compaction!r}")
     if self.governance is not None and not isinstance(self.governance, CacheGovernance):
-      raise InvalidArgument(f"governance must be a CacheGovernance or None, got "
-                            f"{type(self.governance).__name__}")
+      raise InvalidArgument(f"{own}.governance must be a CacheGovernance or None, got "
+                            f"{self.governance!r}")
 
 
 @dataclasses.dataclass
@@ -438,16 +446,26 @@ class Scheduler:
       on_step: called with a `StepReport` after every step (also settable
         later as `sched.on_step`; `paged_kv.telemetry.export` exporters attach here).
     """
+    if not isinstance(config, SchedulerConfig):
+      raise InvalidArgument(f"config must be a SchedulerConfig, got {type(config).__name__}")
+    if not isinstance(pool, (CachedPool, BlockPool)):
+      raise InvalidArgument(f"pool must be a BlockPool or a CachedPool, got "
+                            f"{type(pool).__name__}")
+    pc = pool.config
+    if config.max_batch > pc.max_seqs:
+      raise InvalidArgument(f"SchedulerConfig.max_batch must be at most the pool's max_seqs "
+                            f"({pc.max_seqs}), got {config.max_batch}")
+    if config.watermark_blocks >= pc.num_blocks - pc.num_base_blocks:
+      raise InvalidArgument(f"SchedulerConfig.watermark_blocks must be below the pool's "
+                            f"{pc.num_blocks - pc.num_base_blocks} dynamic blocks, got "
+                            f"{config.watermark_blocks}")
     if isinstance(pool, CachedPool):
       if cache is not None:
-        raise ValueError("pass the cache inside the CachedPool, not beside it")
+        raise InvalidArgument("pass the cache inside the CachedPool, not beside it")
       cached_pool = pool
     else:
       cached_pool = CachedPool(pool, cache, policy=config.evict_policy,
                                pack_tails=config.pack_tails, clock=clock)
-    if config.max_batch > cached_pool.config.max_seqs:
-      raise ValueError(f"max_batch {config.max_batch} > pool max_seqs "
-                       f"{cached_pool.config.max_seqs}")
     self.cached_pool = cached_pool
     self.pool = cached_pool.pool
     self.executor = executor

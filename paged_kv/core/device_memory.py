@@ -1,0 +1,62 @@
+"""Free memory of a device, and the check a pool makes before it allocates its pages.
+
+`BlockPool` allocates all its pages at once (`init_pool`). A config that cannot fit
+would fail inside XLA with an untyped out-of-memory error, or on a CPU host push the
+machine into swap; `check_fits` refuses it first with `PoolTooLarge`, naming both
+numbers. The free memory comes from the device's allocator (`Device.memory_stats()`:
+`bytes_limit - bytes_in_use`, on GPUs and TPUs) or, for the host CPU, from the
+kernel (`MemAvailable` in `/proc/meminfo`). Where neither is known the check passes
+(`PoolConfig` still caps pages at `MAX_POOL_BYTES`).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import PoolTooLarge
+
+__all__ = ["check_fits", "free_bytes", "pool_bytes"]
+
+
+def free_bytes(device: jax.Device | None = None) -> int | None:
+  """Bytes free on `device` (default: JAX's default device), or None when unknown."""
+  device = jax.devices()[0] if device is None else device
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  (backends without the query)
+    stats = None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  if device.platform == "cpu":
+    try:
+      with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+          if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+      return None
+  return None
+
+
+def pool_bytes(config: PoolConfig) -> int:
+  """Bytes `init_pool(config)` allocates: the K/V pages (the bookkeeping is ~0.1%)."""
+  meta = config.num_blocks * (4 * 4 + 4 * config.slot_words) + config.max_seqs * (
+      3 * 4 * config.max_segments + 12)
+  return config.num_blocks * config.block_bytes + meta
+
+
+def check_fits(config: PoolConfig, device: jax.Device | None = None) -> None:
+  """Raises `PoolTooLarge` when `config`'s pool needs more than `device` has free.
+
+  Raises:
+    PoolTooLarge: naming the bytes needed and the bytes free.
+  """
+  free = free_bytes(device)
+  need = pool_bytes(config)
+  if free is not None and need > free:
+    raise PoolTooLarge(
+        f"the pool needs {need} bytes ({need / 2**30:.2f} GiB: {config.num_blocks} blocks of "
+        f"{config.block_bytes} bytes) but the device has {free} bytes "
+        f"({free / 2**30:.2f} GiB) free; lower num_blocks (or the model's layers, kv heads, "
+        "head_dim, dtype)")
