@@ -208,8 +208,11 @@ def _checksum(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
 def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCache) -> None:
   """Writes `cache`'s tree and the K/V of its segments (read from `pool`) to `path`.
 
-  The file is written to a temporary name beside `path`, flushed to disk and renamed
-  over `path`, so a crash never leaves a half-written file under `path`.
+  The file is written to a temporary name beside `path`, flushed to disk, renamed
+  over `path` and the directory flushed, so a crash at any point leaves under `path`
+  either the previous file or the new one, whole (`tests/serving/test_persist.py`
+  kills a child mid-save at random bytes). A crash may leave the temporary file
+  (`<path>.tmp-<pid>`); loads never read it.
 
   Args:
     path: destination file (any name; the format is documented in the module docstring).
@@ -295,12 +298,27 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))  # the rename itself, durable
   except OSError as e:
     raise UnwritableFileError(e.errno, f"cannot write the prefix-cache file {path!r}: "
                               f"{e.strerror or e}", path) from e
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
+
+
+def _fsync_dir(directory: str) -> None:
+  """Flushes a directory's entries (a rename into it) to disk, where the OS allows."""
+  try:
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError:
+    return  # e.g. no read permission on the directory: the rename still happened
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass  # some file systems refuse fsync on directories
+  finally:
+    os.close(fd)
 
 
 CHUNK_TOKENS = 4096

@@ -276,6 +276,43 @@ class DamagedFileTest(absltest.TestCase):
       self.assert_refused(self.write(f"cut{cut}", self.raw[:cut]), persist.CorruptFileError,
                           "truncated or corrupted")
 
+  def test_torn_between_two_saves(self):
+    """A file of one save's first bytes and another's last (a torn write, which
+    `save`'s rename prevents, made by hand): refused typed, or, where the archive
+    still reads whole (the checksum passes), exactly one of the two caches."""
+    saves = {}
+    for seed in (3, 4):
+      pool, cache = build_cache(self.config, seed=seed)
+      path = os.path.join(self.tmp, f"seed{seed}.pkv")
+      persist.save_prefix_cache(path, pool, cache)
+      with open(path, "rb") as f:
+        raw = f.read()
+      saves[raw] = {key: gather_prefix(pool, cache, key[0], key[1])
+                    for key in cached_paths(cache)}
+    (raw_a, want_a), (raw_b, want_b) = saves.items()
+    n = min(len(raw_a), len(raw_b))
+    refused = loaded = 0
+    for cut in sorted({1, 64, n // 4, n // 2, 3 * n // 4, n - 64, n - 8}):
+      for name, data in ((f"torn-ab{cut}", raw_a[:cut] + raw_b[cut:]),
+                         (f"torn-ba{cut}", raw_b[:cut] + raw_a[cut:])):
+        pool = paged_kv.BlockPool(self.config)
+        cache = PrefixCache(block_size=self.config.block_size)
+        try:
+          persist.load_prefix_cache(self.write(name, data), pool, cache)
+        except persist.CorruptFileError:
+          refused += 1
+          self.assertEqual(len(cache.tree), 0)
+          continue
+        got = {key: gather_prefix(pool, cache, key[0], key[1]) for key in cached_paths(cache)}
+        want = want_a if got.keys() == want_a.keys() else want_b
+        self.assertEqual(got.keys(), want.keys(), name)
+        for key, (length, k, v) in want.items():
+          self.assertEqual(got[key][0], length, name)
+          np.testing.assert_array_equal(got[key][1], k, name)
+          np.testing.assert_array_equal(got[key][2], v, name)
+        loaded += 1
+    self.assertGreater(refused, 0)
+
   def test_flipped_byte(self):
     for pos in (len(self.raw) // 3, len(self.raw) // 2, len(self.raw) - 30):
       data = bytearray(self.raw)
@@ -400,6 +437,92 @@ _FULL_LOADS = 32  # harmless flips loaded into a pool in CI (all in the full swe
 _FULL_SWEEP = bool(int(os.environ.get("PAGED_KV_BITFLIP_FULL", "0") or 0))
 _TINY = paged_kv.PoolConfig(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1,
                             head_dim=2, max_seqs=2, max_segments=4)
+
+
+# A child process saves cache A (seed 3) to a path, then cache B (seed 4) over it and
+# is killed (`os._exit`, no cleanup) after writing `offset` bytes of B's temporary file,
+# or, with `offset` -1, after the whole file but before the rename.
+_CRASH_CHILD = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import paged_kv
+from paged_kv.serving import persist
+from tests.serving.test_persist import _SRC, build_cache
+path, offset = sys.argv[2], int(sys.argv[3])
+config = paged_kv.PoolConfig(**_SRC)
+pool_a, cache_a = build_cache(config, seed=3)
+persist.save_prefix_cache(path, pool_a, cache_a)
+pool_b, cache_b = build_cache(config, seed=4)
+class Killing:
+  def __init__(self, f):
+    self.f, self.n = f, 0
+  def write(self, b):
+    b = bytes(b)
+    if 0 <= offset < self.n + len(b):
+      self.f.write(b[:offset - self.n]); self.f.flush()
+      os._exit(137)  # a kill mid-write: no finally, no cleanup
+    self.n += len(b)
+    return self.f.write(b)
+  def __getattr__(self, name):
+    return getattr(self.f, name)
+  def __enter__(self):
+    return self
+  def __exit__(self, *exc):
+    return self.f.__exit__(*exc)
+persist.open = lambda name, mode="r", *a, **k: Killing(open(name, mode, *a, **k))
+if offset == -1:
+  def kill_before_rename(src, dst):
+    os._exit(137)
+  persist.os.replace = kill_before_rename
+persist.save_prefix_cache(path, pool_b, cache_b)
+print("completed")
+"""
+
+
+class CrashMidSaveTest(absltest.TestCase):
+  """A save killed at any byte leaves the previous file, whole: it loads bit-exact
+  (or, once the rename happened, the new one does). `PAGED_KV_CRASH_OFFSETS=N` kills
+  at N random offsets (the long run); CI kills at 3 and just before the rename."""
+
+  def test_a_killed_save_leaves_the_previous_file(self):
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    config = paged_kv.PoolConfig(**_SRC)
+    tmp = _tempdir(self)
+    want, size = {}, {}  # which cache a file holds -> its paths' K/V; its file's bytes
+    for name, seed in (("a", 3), ("b", 4)):
+      pool, cache = build_cache(config, seed=seed)
+      path = os.path.join(tmp, f"{name}.pkv")
+      persist.save_prefix_cache(path, pool, cache)
+      want[name] = {key: gather_prefix(pool, cache, key[0], key[1]) for key in cached_paths(cache)}
+      size[name] = os.path.getsize(path)
+    size_b = size["b"]
+    rng = np.random.default_rng(0)
+    n = int(os.environ.get("PAGED_KV_CRASH_OFFSETS", "0") or 0)
+    offsets = ([-1] + sorted(int(x) for x in rng.integers(0, size_b, n)) if n else
+               [-1, 0, size_b // 2, size_b - 1])
+    seen = collections.Counter()
+    for offset in offsets:
+      path = os.path.join(tmp, f"crash-{offset}.pkv")
+      out = subprocess.run([sys.executable, "-c", _CRASH_CHILD, repo, path, str(offset)],
+                           capture_output=True, text=True, cwd=repo, timeout=300)
+      self.assertEqual(out.returncode, 137, f"offset {offset}: {out.stderr[-2000:]}")
+      self.assertTrue(os.path.exists(path), offset)
+      pool = paged_kv.BlockPool(config)
+      cache = PrefixCache(block_size=config.block_size)
+      persist.load_prefix_cache(path, pool, cache)  # never a torn file under `path`
+      got = {key: gather_prefix(pool, cache, key[0], key[1]) for key in cached_paths(cache)}
+      which = [name for name, w in want.items() if w.keys() == got.keys()]
+      self.assertEqual(which, ["a"], offset)  # killed before the rename: the old file
+      for key, (length, k, v) in want["a"].items():
+        self.assertEqual(got[key][0], length)
+        np.testing.assert_array_equal(got[key][1], k)
+        np.testing.assert_array_equal(got[key][2], v)
+      seen[which[0]] += 1
+      leftovers = [f for f in os.listdir(tmp) if f.startswith(f"crash-{offset}.pkv.tmp")]
+      self.assertLessEqual(len(leftovers), 1)  # the killed save's temporary file at most
+    self.assertEqual(seen["a"], len(offsets))
 
 
 class BitFlipSweepTest(absltest.TestCase):
