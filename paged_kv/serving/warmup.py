@@ -130,7 +130,8 @@ def release_programs() -> None:
   """Drops the compiled programs of the serving path's jitted functions (all shapes).
 
   What a shrink's cut calls: the old pool size's executables (each holding ~30
-  memory mappings on CPU) are dead from then on; `warm` compiles the new size's.
+  memory mappings on CPU) are dead from then on, and so is the cut's own resize;
+  `warm` compiles the new size's.
   Other pools in the process recompile theirs on next use. The freed heap is
   handed back to the OS (`counters.trim_heap`).
   """
@@ -138,8 +139,10 @@ def release_programs() -> None:
   from paged_kv import pool as pool_lib  # pylint: disable=g-import-not-at-top
   from paged_kv.core import commit, kv, segments  # pylint: disable=g-import-not-at-top
   from paged_kv.serving import persist  # pylint: disable=g-import-not-at-top
+  from paged_kv.core import regions  # pylint: disable=g-import-not-at-top
   fns = [commit.commit, segments.reserve_tokens, kv.gather_kv, pool_lib._write_layers,  # pylint: disable=protected-access
-         persist._gather_slots]  # pylint: disable=protected-access
+         persist._gather_slots,  # pylint: disable=protected-access
+         regions.resize_state]  # the cut's own program: one per pair of sizes, used once
   steps = sys.modules.get("paged_kv.model.steps")  # only if a model executor loaded it
   if steps is not None:
     fns.append(steps.forward)
