@@ -967,12 +967,12 @@ class Scheduler:
       # output reserve can pass `submit`'s bound by a block. The reserve guards others'
       # growth (there are none) and the prefix is optional: without both the request
       # asks at most `_alone_need`, which `submit` checked. Admit it so, never stall.
-      if matched:
-        self.stats.prefix_dropped += 1
+      dropped = bool(matched)
       matched, segs, node = 0, segs[:0], None
       need = _cdiv(context.size, self._bs) + 1
       if not self._admit_room(need + self.config.watermark_blocks):
         return None  # only pinned cached blocks can hold the drained pool
+      self.stats.prefix_dropped += dropped
     self._live_used += need
     self._reserve_base += self._reserve_blocks(int(context.size) - matched, out_left)
     if self.cached_pool.continues_tail(segs):

@@ -269,6 +269,8 @@ class IssueJRegressionTest(absltest.TestCase):
     _run(sched, [second])  # raised "scheduler stalled" before the fix
     self.assertEqual(second.stop_reason, "length")
     self.assertLen(second.output, 8)
+    self.assertEqual(sched.stats.prefix_dropped, 1)  # admitted once, without its prefix
+    self.assertEqual(second.hit_tokens, 0)
 
   def test_small_random_pools_never_stall(self):
     """Issue P item 1, broadly: random small pools and configs (block size, base
