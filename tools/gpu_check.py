@@ -306,12 +306,20 @@ def _fmt(x, spec):
   return "" if x is None else format(x, spec)
 
 
+def _measure(x):
+  """A measured number: one decimal from 10 up, else three significant digits, so a
+  small but nonzero rate (a dry run's tiny bytes over a slow CPU) never reads 0.0."""
+  if x is None:
+    return ""
+  return format(x, ".1f") if abs(x) >= 10 else format(x, ".3g")
+
+
 def table_line(o: Outcome, shape_text: str) -> str:
   impl = _KIND_IMPL.get(o.spec.kind) or o.spec.impl or "default"
   if o.resolved_impl and not o.spec.impl:
     impl = f"default: {o.resolved_impl}"
-  cells = (o.spec.id, impl, shape_text, _status_text(o)[:200], _fmt(o.us_per_call, ".1f"),
-           _fmt(o.gbps, ".1f"), _fmt(o.copy_pct, ".1f"), _fmt(o.x_builtin, ".2f"),
+  cells = (o.spec.id, impl, shape_text, _status_text(o)[:200], _measure(o.us_per_call),
+           _measure(o.gbps), _measure(o.copy_pct), _fmt(o.x_builtin, ".2f"),
            _fmt(o.rel_err, ".1e"), o.goal, _fmt(o.wall_s, ".1f"), o.note[:160])
   return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
