@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_kv.core import compact, device_memory, kv, regions, slots
+from paged_kv.core import resize as resize_lib
 from paged_kv.core.commit import commit
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import (OOM_REASONS, BlockInUse, InternalInconsistency, InvalidArgument,
@@ -257,6 +258,7 @@ class BlockPool:
     self._log = ChangeLog(config)
     self._scratch_log = ChangeLog(config)  # a prediction's changes (the device makes them)
     self._checks: collections.deque = collections.deque()
+    self.last_resize: resize_lib.ResizeReport | None = None  # the latest `resize`'s
     if not isinstance(config, PoolConfig):
       raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
     if state is None:
@@ -1198,18 +1200,32 @@ class BlockPool:
     src, dst = host_ops.plan_promotion(self.host, min_readers, max_moves=max_moves)
     return self._move(src, dst, "xla", REGION_BASE, "promote")
 
-  def resize(self, num_blocks: int) -> None:
+  def resize(self, num_blocks: int, *, staging: str = "auto") -> resize_lib.ResizeReport:
     """Shrinks (the cut tail must be free: compact first) or grows the pool.
+
+    The pages get new shapes. `staging` picks how (`paged_kv.core.resize`):
+    `"device"` builds the new pages beside the old ones in one program (fast; the
+    device holds both pools for a moment), `"host"` copies the kept pages to host
+    memory one layer at a time, frees the old pages and uploads them back (device
+    peak: the larger pool plus one layer of K; the kept bytes cross the host link
+    twice), `"auto"` (default) stages only when the device lacks room for the new
+    pages beside the old ones.
+
+    Returns:
+      The `ResizeReport` (path, peak live device bytes, bytes staged, time); also
+      kept as `last_resize`.
 
     Raises:
       InvalidArgument: `num_blocks` not an int above the base pool, or a size the
         config refuses (slots beyond int32, pages beyond `MAX_POOL_BYTES`); the
-        message names the limit.
+        message names the limit; or a bad `staging`.
       InvalidBlock: a block to cut off is still referenced.
       PoolTooLarge: growing needs more memory than the device has free.
+      Nothing changed when it raises.
     """
     num_blocks = _as_int_scalar(num_blocks, "num_blocks", low=1)
     new_config = regions.resized_config(self.config, num_blocks)
+    staged = resize_lib.stages_through_host(self.config, new_config, staging)
     h = self.host
     if num_blocks < self.config.num_blocks:
       tail = h.ref_count[num_blocks:]
@@ -1219,15 +1235,26 @@ class BlockPool:
                            f"{live.size} still referenced (e.g. {live[:8].tolist()}); "
                            "compact first")
     elif num_blocks > self.config.num_blocks:
-      device_memory.check_fits(new_config)  # the grown pages sit beside the old ones
-    state = self.state
-    self._state = _committed(regions.resize_state(state, config=self.config,
-                                                  new_config=new_config))
+      # The grown pages sit beside the old ones, or (staged) replace them, less one
+      # staged layer of K.
+      c = self.config
+      reusable = (c.num_blocks * c.block_bytes * (2 * c.num_layers - 1) // (2 * c.num_layers)
+                  if staged else 0)
+      device_memory.check_fits(new_config, reusable=reusable)
+    # A failed staged resize puts the old pages back into this state before it raises.
+    new_state, report = resize_lib.resize_pool_state(self.state, config=self.config,
+                                                     new_config=new_config,
+                                                     staging="host" if staged else "device")
+    self._state = _committed(new_state)
     self.runtime.dispatch("sync")
+    if report.staged:
+      self.runtime.read("data", 2 * self.config.num_layers)
     self._scratch_log = ChangeLog(new_config)
     self._mirror = h.resized(new_config)
     self.config = new_config
+    self.last_resize = report
     self._done()
+    return report
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,17 +46,23 @@ def pool_bytes(config: PoolConfig) -> int:
   return config.num_blocks * config.block_bytes + meta
 
 
-def check_fits(config: PoolConfig, device: jax.Device | None = None) -> None:
+def check_fits(config: PoolConfig, device: jax.Device | None = None, *,
+               reusable: int = 0) -> None:
   """Raises `PoolTooLarge` when `config`'s pool needs more than `device` has free.
+
+  `reusable`: bytes in use now that are freed before the pool is allocated (a
+  staged resize frees the old pages first), counted as free.
 
   Raises:
     PoolTooLarge: naming the bytes needed and the bytes free.
   """
   free = free_bytes(device)
   need = pool_bytes(config)
-  if free is not None and need > free:
+  if free is not None and need > free + reusable:
+    free += reusable
+    also = f", counting {reusable} bytes it replaces," if reusable else ""
     raise PoolTooLarge(
         f"the pool needs {need} bytes ({need / 2**30:.2f} GiB: {config.num_blocks} blocks of "
         f"{config.block_bytes} bytes) but the device has {free} bytes "
-        f"({free / 2**30:.2f} GiB) free; lower num_blocks (or the model's layers, kv heads, "
+        f"({free / 2**30:.2f} GiB){also} free; lower num_blocks (or the model's layers, kv heads, "
         "head_dim, dtype)")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,9 @@ from paged_kv.core.compact import move_blocks
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument, InvalidBlock
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, BlockMeta, KVPages, PoolState
+
+if TYPE_CHECKING:
+  from paged_kv.core.resize import ResizeReport
 
 
 # ---------------------------------------------------------------------------
@@ -276,6 +280,10 @@ class ShrinkProgress:
       policy's `step_time_share` at `block_bytes`).
     done_step: the step of the cut (-1 while pending).
     cancelled: `Scheduler.cancel_shrink` ended it before the cut.
+    staging: how the cut resizes the pages (`BlockPool.resize`): `"auto"`,
+      `"device"` or `"host"`.
+    cut: the cut's `resize.ResizeReport` (path taken, peak device bytes, bytes
+      staged, seconds); None until the cut.
   """
 
   target: int
@@ -297,6 +305,8 @@ class ShrinkProgress:
   max_step_share: float = 0.0
   done_step: int = -1
   cancelled: bool = False
+  staging: str = "auto"
+  cut: "ResizeReport | None" = None
 
   @property
   def done(self) -> bool:
@@ -365,25 +375,32 @@ def resize_pool(state: PoolState, *, config: PoolConfig, new_config: PoolConfig)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "new_config"))
+def resize_meta(meta: BlockMeta, *, config: PoolConfig, new_config: PoolConfig) -> BlockMeta:
+  """The block metadata of `resize_pool`'s result (cut or padded with free blocks,
+  the free index rebuilt)."""
+  n, new_n = config.num_blocks, new_config.num_blocks
+  if new_n < n:
+    fit = lambda x: x[:new_n]
+  else:
+    fit = lambda x: jnp.concatenate([x, jnp.zeros((new_n - n,) + x.shape[1:], x.dtype)])
+  ref_count, slots, last_use, region = (fit(meta.ref_count), fit(meta.slots),
+                                        fit(meta.last_use), fit(meta.region))
+  free_list, num_free = rebuild_free_list(ref_count, region)
+  return BlockMeta(ref_count=ref_count, slots=slots, last_use=last_use, region=region,
+                   free_list=free_list, num_free=num_free)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "new_config"))
 def resize_state(state: PoolState, *, config: PoolConfig, new_config: PoolConfig) -> PoolState:
   """`resize_pool`'s arrays, jitted (one program per size; nothing checked: a cut
-  tail must be free, which the caller verified)."""
+  tail must be free, which the caller verified). The old and the new pages are
+  both alive while it runs; `resize.resize_state_staged` holds one pool at a time."""
   n, new_n = config.num_blocks, new_config.num_blocks
-  meta = state.meta
   if new_n < n:
-    cut = lambda x: x[:new_n]
-    pages = KVPages(k=state.pages.k[:, :, :new_n], v=state.pages.v[:, :, :new_n])
-    ref_count, slots, last_use, region = (cut(meta.ref_count), cut(meta.slots),
-                                          cut(meta.last_use), cut(meta.region))
+    fit = lambda p: p[:, :, :new_n]
   else:
-    extra = new_n - n
-    grow = lambda x: jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
-    pad_pages = lambda p: jnp.concatenate(
-        [p, jnp.zeros(p.shape[:2] + (extra,) + p.shape[3:], p.dtype)], axis=2)
-    pages = KVPages(k=pad_pages(state.pages.k), v=pad_pages(state.pages.v))
-    ref_count, slots, last_use, region = (grow(meta.ref_count), grow(meta.slots),
-                                          grow(meta.last_use), grow(meta.region))
-  free_list, num_free = rebuild_free_list(ref_count, region)
-  meta = BlockMeta(ref_count=ref_count, slots=slots, last_use=last_use, region=region,
-                   free_list=free_list, num_free=num_free)
+    fit = lambda p: jnp.concatenate(
+        [p, jnp.zeros(p.shape[:2] + (new_n - n,) + p.shape[3:], p.dtype)], axis=2)
+  pages = KVPages(k=fit(state.pages.k), v=fit(state.pages.v))
+  meta = resize_meta(state.meta, config=config, new_config=new_config)
   return dataclasses.replace(state, pages=pages, meta=meta)

@@ -56,6 +56,7 @@ import numpy as np
 from paged_kv.core import compact
 from paged_kv.core.errors import (InternalInconsistency, InvalidArgument, InvariantViolation,
                                   PagedKVError, PoolExhausted)
+from paged_kv.core.resize import ResizeReport
 from paged_kv.core.segment_format import Segments, as_segments, take_tokens
 from paged_kv.pool import BlockPool
 from paged_kv.serving import persist
@@ -517,8 +518,9 @@ class CachedPool:
     self._cache.apply_remap(remap)
     return remap
 
-  def resize(self, num_blocks: int) -> None:
-    """Shrinks or grows the pool (block ids are kept; see `BlockPool.resize`).
+  def resize(self, num_blocks: int, *, staging: str = "auto") -> ResizeReport:
+    """Shrinks or grows the pool (block ids are kept; see `BlockPool.resize`, which
+    also says what `staging` picks); returns the pool's `ResizeReport`.
 
     Block ids do not change, so the tree needs no remap: a cut is refused
     (`InvalidBlock`, nothing changed) while any block above it is referenced,
@@ -526,7 +528,7 @@ class CachedPool:
     with `move_blocks` of a `regions.plan_shrink` plan (`Scheduler.shrink_to`
     does it while serving).
     """
-    self._pool.resize(num_blocks)
+    return self._pool.resize(num_blocks, staging=staging)
 
   # ------------------------------------------------------------------ packing
   def pack(self, candidates: Iterable[PackCandidate]) -> int:

@@ -77,6 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_kv.core import compact, fields, regions
+from paged_kv.core import resize as resize_lib
 from paged_kv.core.config import PoolConfig
 from paged_kv.telemetry import metrics
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted, Status
@@ -1325,7 +1326,7 @@ class Scheduler:
 
   def shrink_to(self, num_blocks: int, policy: compact.CompactionPolicy | None = None, *,
                 block_bytes: int | None = None, evict_cached: bool = True,
-                margin: int | None = None) -> regions.ShrinkProgress:
+                margin: int | None = None, staging: str = "auto") -> regions.ShrinkProgress:
     """Gives memory back while serving: the pool ends with `num_blocks` blocks.
 
     Sets a target; from the next step on, each step (after compaction) moves up
@@ -1357,13 +1358,19 @@ class Scheduler:
       margin: free blocks to keep below the target beyond what the moves need,
         so a step's allocations find room there (default `max_batch` + the
         prefill budget's blocks).
+      staging: how the cut resizes the pages (`BlockPool.resize`): `"host"`
+        holds at most the old pool plus one layer of K on the device (the kept
+        pages go through host memory), `"device"` builds the new pages beside
+        the old ones (fast, both pools at once), `"auto"` stages only when the
+        device lacks room for both. The cut's `ResizeReport` lands in the
+        returned record's `cut`.
 
     Returns:
       The shrink's `regions.ShrinkProgress` (the scheduler updates it).
 
     Raises:
       InvalidArgument: a shrink is pending, `num_blocks` is not an int in
-        `(num_base_blocks, num_blocks)`, a bad `policy`/`block_bytes`/`margin`,
+        `(num_base_blocks, num_blocks)`, a bad `policy`/`block_bytes`/`margin`/`staging`,
         or an executor that holds the pool config without `resize`.
       PoolExhausted: the target cannot hold the live sequences' blocks (or,
         without `evict_cached`, everything referenced now), or a submitted
@@ -1396,6 +1403,8 @@ class Scheduler:
       raise InvalidArgument(f"margin must be an int >= 0, got {margin!r}")
     if not isinstance(evict_cached, (bool, np.bool_)):
       raise InvalidArgument(f"evict_cached must be a bool, got {evict_cached!r}")
+    if not isinstance(staging, str) or staging not in resize_lib.STAGINGS:
+      raise InvalidArgument(f"staging must be one of {resize_lib.STAGINGS}, got {staging!r}")
     if (not callable(getattr(self.executor, "resize", None))
         and isinstance(getattr(self.executor, "config", None), PoolConfig)):
       raise InvalidArgument(f"{type(self.executor).__name__} holds the pool config but has no "
@@ -1415,7 +1424,8 @@ class Scheduler:
     progress = regions.ShrinkProgress(
         target=num_blocks, start_blocks=pc.num_blocks, start_step=self._step,
         max_moves=max_moves, block_bytes=int(block_bytes), margin=int(margin),
-        evict_cached=bool(evict_cached), held_at_start=held_above, held_above=held_above)
+        evict_cached=bool(evict_cached), held_at_start=held_above, held_above=held_above,
+        staging=staging)
     self._shrink_policy = policy
     self._shrink = self.last_shrink = progress
     # Room below the target now, so the next step's allocations already land there.
@@ -1501,14 +1511,17 @@ class Scheduler:
     """Cuts the (free) tail above the target; the executor and the quota follow."""
     old = self.pool.config.num_blocks
     compiles = counters.backend_compiles()  # the cut's own: the resize and the re-warm
-    self.cached_pool.resize(s.target)  # refuses (nothing changed) if the tail is referenced
+    # Refuses (nothing changed) if the tail is referenced.
+    report = self.cached_pool.resize(s.target, staging=s.staging)
     resize = getattr(self.executor, "resize", None)
     if callable(resize):
       try:
         resize(self.pool.config)
       except BaseException:
-        self.cached_pool.resize(old)  # the cut blocks were free: growing back restores them
+        # The cut blocks were free: growing back restores them.
+        self.cached_pool.resize(old, staging=s.staging)
         raise
+    s.cut = report
     if self._quota is not None:
       self._quota.total_blocks = s.target - self.pool.config.num_base_blocks
       self._quota.borrowed = min(self._quota.borrowed, self._quota.cached_quota)

@@ -139,7 +139,7 @@ def release_programs() -> None:
   from paged_kv import pool as pool_lib  # pylint: disable=g-import-not-at-top
   from paged_kv.core import commit, kv, segments  # pylint: disable=g-import-not-at-top
   from paged_kv.serving import persist  # pylint: disable=g-import-not-at-top
-  from paged_kv.core import regions  # pylint: disable=g-import-not-at-top
+  from paged_kv.core import regions, resize  # pylint: disable=g-import-not-at-top
   fns = [commit.commit, segments.reserve_tokens, kv.gather_kv, pool_lib._write_layers,  # pylint: disable=protected-access
          persist._gather_slots,  # pylint: disable=protected-access
          regions.resize_state]  # the cut's own program: one per pair of sizes, used once
@@ -148,6 +148,7 @@ def release_programs() -> None:
     fns.append(steps.forward)
   for fn in fns:
     fn.clear_cache()
+  resize.release_programs()  # a staged cut's per-layer copies
   gc.collect()  # the executables go with their last reference
   counters.trim_heap()  # and their pages back to the OS (RSS), where the libc allows
 

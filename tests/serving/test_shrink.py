@@ -80,7 +80,7 @@ def _referenced(sched) -> np.ndarray:
 
 def _serve(seed: int, *, target: int | None, margin: int = 0,
            policy=compact.CompactionPolicy(budget=3), check=True, config=SCHED,
-           shrink_at=SHRINK_AT, burst=None, wave=(), allow_spill=False):
+           shrink_at=SHRINK_AT, burst=None, wave=(), allow_spill=False, staging="auto"):
   """Runs the burst, a second wave at `shrink_at + 2`, and (optionally) the shrink."""
   pool = paged_kv.BlockPool(CFG)
   executor = ResizingTaggingExecutor(CFG, tenant_of)
@@ -132,7 +132,7 @@ def _serve(seed: int, *, target: int | None, margin: int = 0,
     if step == shrink_at and target is not None:
       live, cached = regions.block_usage(pool.state)
       usage[:] = [live, cached]
-      shrink = sched.shrink_to(target, policy, margin=margin)
+      shrink = sched.shrink_to(target, policy, margin=margin, staging=staging)
       held_above_prev = _referenced(sched) & (np.arange(CFG.num_blocks) >= shrink.target)
       prev_above[0] = held_above_prev
     if step == shrink_at + 2:
@@ -158,9 +158,10 @@ def _runs():
   """The same seed without and with the shrink (shared by the tests: compiles are the cost).
 
   The target is below what live and cached data hold at `SHRINK_AT`, so the
-  shrink both evicts cached-only blocks and moves live ones (3 per step).
+  shrink both evicts cached-only blocks and moves live ones (3 per step). The cut
+  goes through host memory (at most one pool plus one layer on the device).
   """
-  shrunk = _serve(0, target=TARGET, margin=4)
+  shrunk = _serve(0, target=TARGET, margin=4, staging="host")
   return _serve(0, target=None, check=False), shrunk  # the second run is warm
 
 
@@ -186,6 +187,10 @@ class ShrinkWhileServingTest(absltest.TestCase):
                      (1, shrink.moves, CFG.num_blocks - shrink.target, shrink.evicted_blocks))
     self.assertEqual(st.shrink_bytes_moved, shrink.moves * CFG.block_bytes)
     self.assertEqual(shrink.blocks_returned, CFG.num_blocks - shrink.target)
+    cut = shrink.cut  # staged: beside the old state, one layer of K and the new metadata
+    self.assertTrue(cut.staged)
+    self.assertEqual((cut.old_blocks, cut.new_blocks), (CFG.num_blocks, TARGET))
+    self.assertLessEqual(cut.peak_extra_bytes, cut.chunk_bytes + 64 * TARGET)
     self.assertGreater(st.hit_tokens, 0)
     self.assertTrue(all(r.done and r.stop_reason == "length" for r in reqs))
 
@@ -264,7 +269,7 @@ class ShrinkRefusalTest(absltest.TestCase):
       idle.shrink_to(NB + 40)
     self.assertIsNone(idle.shrink_status)
     for kwargs in (dict(policy="fast"), dict(block_bytes=0), dict(margin=-1),
-                   dict(evict_cached="yes")):
+                   dict(evict_cached="yes"), dict(staging="disk"), dict(staging=None)):
       with self.assertRaises(paged_kv.InvalidArgument):
         sched.shrink_to(CFG.num_blocks - 8, **kwargs)
     sched.step()
