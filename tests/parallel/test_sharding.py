@@ -332,12 +332,29 @@ def check_explicit_mesh(ctx) -> None:
   np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+def check_staged_resize(ctx) -> None:
+  """A staged resize (through host memory, one layer at a time) keeps the pages split
+  over heads and equals the one-device device-path resize bit for bit."""
+  from paged_kv.core import regions, resize  # pylint: disable=g-import-not-at-top
+  one, tp, mesh = ctx["one"], ctx["tp"], ctx["mesh"]
+  held = np.flatnonzero(np.asarray(one["compacted"].meta.ref_count))
+  cut = max(int(held.max()) + 1, CONFIG.num_base_blocks + 1)
+  for n in (cut, CONFIG.num_blocks + 8):
+    new = regions.resized_config(CONFIG, n)
+    want = regions.resize_state(one["compacted"], config=CONFIG, new_config=new)
+    got, report = resize.resize_state_staged(_copy(tp["compacted"]), config=CONFIG,
+                                             new_config=new)
+    assert report.staged and report.new_blocks == n, report
+    _assert_pool_sharded(got, mesh, f"staged resize to {n}")
+    _leaves_equal(want, got, f"staged resize to {n}")
+
+
 CHECKS: dict[str, Callable[[dict], None]] = {
     f.__name__.removeprefix("check_"): f for f in (
         check_bit_identical, check_attention, check_layout_kept, check_bytes_per_device,
         check_metadata_identical_on_shards, check_compaction_same_blocks,
         check_no_collectives, check_sharded_move_pages, check_explicit_mesh,
-        check_clear_errors)
+        check_clear_errors, check_staged_resize)
 }
 
 
