@@ -10,15 +10,28 @@ burst finished, the scheduler shrinks (`Scheduler.shrink_to`) to the live demand
 the running sequences hold plus the blocks their outputs will still take) times
 `1 + --headroom`, while serving goes on. The same seed runs again without the shrink.
 
+The simulated pool has the modelled model's layer count (one kv head, head_dim 1), so
+the cut's measured peak of live device bytes (`ResizeReport`, `--stagings`: `host`
+stages the kept pages through host memory one layer at a time, `device` builds the new
+pages beside the old) has the real ratio to the pool; the table gives it, and the
+modelled peak at the real model's size. Step time is modelled at the load of the
+moment, not as a constant: a decode step reads the weights and the live K/V once
+(`(--weight_bytes + live blocks x block bytes) / --bandwidth`), so the steps of a
+shrink, which runs when the pool is mostly idle, are short. Move shares and the cut's
+share (its copy: kept bytes read and written on the device, or down and up the host
+link at `--host_link_bandwidth`) are of that step.
+
 Per run it reports: blocks above the target (the free memory to give back) and how much
 of the pool's free memory that is; steps and modelled bytes moved until 50/90/100% of the
 blocks above the target are free, and the step of the cut (the memory is returned then,
 all at once: shapes change once); modelled step-time share of the moves per step (mean
-and max over the shrink's steps, the policy's bandwidth model); the measured host CPU
+and max over the shrink's steps, of the step at that step's load); the measured host CPU
 time of the shrink's work per move step (median and max: plans, moves, evictions; the
 request and the cut apart, the cut recompiles the step's calls for the new shapes) against
 the median bare step of the run without it, over the same steps; cached blocks evicted for room; requests whose first
-token or finish came later than without the shrink (same seed, same arrivals).
+token or finish came later than without the shrink (same seed, same arrivals). Per cut:
+its path, its measured peak, its modelled peak and copy time at the model's size, and the
+copy's share of the step at the cut's load.
 
 Usage: python examples/bench_shrink.py [--sizes=28610,2048 --seeds=0,1 --step_fractions=0.02]
 """
@@ -46,7 +59,15 @@ _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 _MODEL = flags.DEFINE_list("model", ["32", "8", "128", "2"],
                            "Modelled layers, kv heads, head_dim, bytes per element.")
 _STEP_MS = flags.DEFINE_float("step_ms", compact.DEFAULT_STEP_SECONDS * 1e3,
-                              "Modelled step time, ms.")
+                              "Step time the shrink's byte budget is sized for, ms (the "
+                              "shares are of the step modelled at load).")
+_WEIGHT_BYTES = flags.DEFINE_float("weight_bytes", 8.03e9 * 2, "Model weight bytes a decode "
+                                   "step reads (Llama-3-8B, bf16).")
+_HOST_LINK = flags.DEFINE_float("host_link_bandwidth", 25e9, "Host link bytes/s each way "
+                                "for a staged cut (an assumption: PCIe Gen5 x16 is 64 GB/s "
+                                "nominal per direction).")
+_STAGINGS = flags.DEFINE_list("stagings", ["host"], "How the cut resizes the pages: host, "
+                              "device (each a run).")
 _BANDWIDTH = flags.DEFINE_float("bandwidth", compact.H200_COPY_BANDWIDTH,
                                 "Copy bandwidth, bytes/s, read + write.")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 256, "Sequences per step (burst size); "
@@ -69,6 +90,15 @@ _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's
 def model_block_bytes() -> int:
   layers, heads, dim, itemsize = (int(x) for x in _MODEL.value)
   return 2 * layers * heads * dim * itemsize * _BLOCK_SIZE.value
+
+
+def model_layers() -> int:
+  return int(_MODEL.value[0])
+
+
+def step_seconds_at(live_blocks: int) -> float:
+  """A decode step at this load: the weights and the live K/V read once."""
+  return (_WEIGHT_BYTES.value + live_blocks * model_block_bytes()) / _BANDWIDTH.value
 
 
 def policy_for(step_fraction: float) -> compact.CompactionPolicy:
@@ -107,12 +137,13 @@ def warm_up(config: paged_kv.PoolConfig, max_moves: int) -> None:
   pool.move_blocks(np.asarray(src), np.asarray(dst))
 
 
-def serve(num_blocks: int, seed: int, step_fraction: float | None) -> dict:
+def serve(num_blocks: int, seed: int, step_fraction: float | None,
+          staging: str = "host") -> dict:
   """One run; `step_fraction=None`: no shrink. Returns per-step records and the requests."""
   bs = _BLOCK_SIZE.value
   max_batch = max(8, min(_MAX_BATCH.value, num_blocks // 32))
   share = num_blocks * bs // max_batch
-  config = paged_kv.PoolConfig(num_blocks=num_blocks, block_size=bs, num_layers=1,
+  config = paged_kv.PoolConfig(num_blocks=num_blocks, block_size=bs, num_layers=model_layers(),
                                num_kv_heads=1, head_dim=1, max_seqs=max_batch,
                                max_segments=max(16, 2 * math.ceil(share / bs)))
   bb = model_block_bytes()
@@ -142,10 +173,11 @@ def serve(num_blocks: int, seed: int, step_fraction: float | None) -> dict:
         target = config.num_base_blocks + math.ceil((live + future) * (1 + _HEADROOM.value))
         free_at_start = sched.pool.num_free_blocks + cached
         t0 = time.perf_counter()
-        shrink = sched.shrink_to(target, policy_for(step_fraction), block_bytes=bb)
+        shrink = sched.shrink_to(target, policy_for(step_fraction), block_bytes=bb,
+                                 staging=staging)
         request_seconds = time.perf_counter() - t0
         rows.append(dict(step=-1, moves=0, emptied=shrink.emptied_fraction,
-                         seconds=request_seconds, evicted=shrink.evicted_blocks))
+                         seconds=request_seconds, evicted=shrink.evicted_blocks, live=live))
         info = dict(target=target, live=live, cached=cached, future=future,
                     free_at_start=free_at_start, span=num_blocks - target,
                     held_at_start=shrink.held_at_start)
@@ -154,7 +186,8 @@ def serve(num_blocks: int, seed: int, step_fraction: float | None) -> dict:
     if shrink is not None and (not rows or rows[-1]["emptied"] < 1.0):
       rows.append(dict(step=step - start, moves=shrink.last_moves, emptied=shrink.emptied_fraction,
                        seconds=shrink.move_seconds - before[0],
-                       evicted=shrink.evicted_blocks - before[1]))
+                       evicted=shrink.evicted_blocks - before[1],
+                       live=sched.pool.host.block_usage()[0]))
     step += 1
     if sched.idle and start is not None:
       break
@@ -182,7 +215,17 @@ def summarize(run: dict, base: dict, step_fraction: float) -> dict:
     i = int(hit[0])  # rows[0] is the request itself (its evictions), step 0
     return i, f"{cum[i] * bb / 1e9:.2f}"
 
-  shares = np.array([policy.step_time_share(m, bb) for m in moves]) if moves.size else np.zeros(1)
+  loads = [r["live"] for r in rows[1:]]
+  shares = (np.array([policy.step_time_share(m, bb, step_seconds_at(live))
+                      for m, live in zip(moves, loads)]) if moves.size else np.zeros(1))
+  # The cut: its measured peak (simulated pool, same layer count) and, at the model's
+  # size, its copy as a share of the step at the cut's load and its modelled peak.
+  rep = s.cut
+  old_b, new_b = rep.old_blocks * bb, rep.new_blocks * bb
+  kept = min(old_b, new_b)
+  cut_copy_s = 2 * kept / (_HOST_LINK.value if rep.staged else _BANDWIDTH.value)
+  cut_share = cut_copy_s / step_seconds_at(rows[-1]["live"]) if s.done else float("nan")
+  model_peak = (max(old_b, new_b) + new_b // (2 * model_layers())) if rep.staged else old_b + new_b
   start = run["start"]
   window = base["host"][start:start + max(1, len(rows))]
   bare = float(np.median(window)) if window.size else float("nan")
@@ -213,7 +256,10 @@ def summarize(run: dict, base: dict, step_fraction: float) -> dict:
       cpu_shrink_max_ms=float(shrink_s.max() * 1e3) if shrink_s.size else 0.0,
       cpu_request_ms=rows[0]["seconds"] * 1e3, cpu_bare_ms=bare * 1e3, cut_ms=cut_ms,
       delayed_first=delayed_first, delayed_finish=delayed_finish, max_delay=max_delay,
-      requests=len(run["reqs"]), spilled=s.spilled_blocks, max_moves=s.max_moves)
+      requests=len(run["reqs"]), spilled=s.spilled_blocks, max_moves=s.max_moves,
+      staging="host" if rep.staged else "device", peak_extra=rep.peak_extra_bytes / rep.pages_after,
+      model_peak_gb=model_peak / 1e9, old_gb=old_b / 1e9, cut_copy_ms=cut_copy_s * 1e3,
+      cut_share=cut_share, cut_step_ms=step_seconds_at(rows[-1]["live"]) * 1e3)
 
 
 def main(argv):
@@ -231,12 +277,14 @@ def main(argv):
       t0 = time.perf_counter()
       base = serve(size, seed, None)
       for frac in (float(x) for x in _STEP_FRACTIONS.value):
-        run = serve(size, seed, frac)
-        row = summarize(run, base, frac)
-        row.update(size=size, seed=seed, frac=frac, wall=time.perf_counter() - t0)
-        results.append(row)
-        print(f"  size {size} seed {seed} budget {frac:.3f}: done in {row['wall']:.0f} s "
-              f"(target {row['target']}, {row['requests']} requests)", flush=True)
+        for staging in _STAGINGS.value:
+          run = serve(size, seed, frac, staging)
+          row = summarize(run, base, frac)
+          row.update(size=size, seed=seed, frac=frac, wall=time.perf_counter() - t0)
+          results.append(row)
+          print(f"  size {size} seed {seed} budget {frac:.3f} cut {staging}: done in "
+                f"{row['wall']:.0f} s (target {row['target']}, {row['requests']} requests)",
+                flush=True)
   head = ("blocks  seed budget  target  above(free%)  held  steps50  steps90  steps100 cut  "
           "GB50   GB90   GB100  moves/step  evicted  share mean/max   CPU shrink ms median/max "
           "(request)  cut ms  bare ms  delayed first/finish (max)  spilled")
@@ -252,6 +300,15 @@ def main(argv):
           f"{r['cpu_bare_ms']:7.1f}  "
           f"{r['delayed_first']:5d}/{r['delayed_finish']:d} ({r['max_delay']:d}) of "
           f"{r['requests']}  {r['spilled']:5d}")
+  print()
+  print("The cut (peak: live device bytes beside the old state, measured on the simulated "
+        "pool, / new pages; at the model's size: modelled)")
+  print("blocks  seed budget  cut     peak extra/new  model: old GB  peak GB  copy ms  "
+        "step ms at load  share")
+  for r in results:
+    print(f"{r['size']:6d}  {r['seed']:4d}  {r['frac']:.3f}  {r['staging']:6s}  "
+          f"{r['peak_extra']:14.3f}  {r['old_gb']:13.1f}  {r['model_peak_gb']:7.1f}  "
+          f"{r['cut_copy_ms']:7.1f}  {r['cut_step_ms']:15.2f}  {r['cut_share']:6.0%}")
 
 
 if __name__ == "__main__":

@@ -133,7 +133,9 @@ def test_bench_shrink():
   out = _run("bench_shrink.py", "--sizes=256", "--seeds=0", "--max_batch=16",
              "--after_steps=20", "--prefill_token_budget=1024")
   rows = [l for l in out.splitlines() if l.split()[:2] == ["256", "0"]]
-  assert len(rows) == 1, out
+  assert len(rows) == 2, out  # the run, then its cut
+  cut = rows[1].split()
+  assert cut[3] == "host" and float(cut[4]) < 0.05, out  # one of 32 layers' K, not a pool
   target = int(rows[0].split()[3])
   assert 0 < target < 256, out
   delayed = re.search(r"(\d+)/(\d+) \((\d+)\) of (\d+)", rows[0])
