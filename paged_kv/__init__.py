@@ -30,6 +30,7 @@ from paged_kv.core.invariants import check_invariants
 from paged_kv.core.kv import gather_kv, jit_write_kv, token_slots, write_kv
 from paged_kv.core.regions import (WatermarkQuota, plan_promotion, promote_blocks, resize_pool,
                                    resized_config)
+from paged_kv.core.resize import ResizeReport
 from paged_kv.core.segment_format import (Segments, as_segments, empty_segments, num_tokens,
                                           take_tokens)
 from paged_kv.core.segments import fork, open_sequence, release, reserve_tokens
@@ -54,7 +55,8 @@ __all__ = [
     "write_kv", "jit_write_kv", "gather_kv", "token_slots", "cow_split", "pack_slots",
     "reclaim_slots", "OWNER_EXTERNAL", "compact_permute", "compact_step", "plan_compaction",
     "CompactionPolicy", "fragmentation_ratio", "region_fragmentation", "plan_promotion",
-    "promote_blocks", "resize_pool", "resized_config", "WatermarkQuota", "check_invariants",
+    "promote_blocks", "resize_pool", "resized_config", "ResizeReport", "WatermarkQuota",
+    "check_invariants",
     # status and errors
     "Status", "PagedKVError", "PoolExhausted", "InvalidArgument", "InvalidBlock",
     "InvalidSegment", "InvalidSegmentLayout", "InvalidSequence", "InvariantViolation",
