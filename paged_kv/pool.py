@@ -1225,7 +1225,7 @@ class BlockPool:
     """
     num_blocks = _as_int_scalar(num_blocks, "num_blocks", low=1)
     new_config = regions.resized_config(self.config, num_blocks)
-    staged = resize_lib.stages_through_host(self.config, new_config, staging)
+    staged, budget = resize_lib.plan_staging(self.config, new_config, staging)
     h = self.host
     if num_blocks < self.config.num_blocks:
       tail = h.ref_count[num_blocks:]
@@ -1242,9 +1242,12 @@ class BlockPool:
                   if staged else 0)
       device_memory.check_fits(new_config, reusable=reusable)
     # A failed staged resize puts the old pages back into this state before it raises.
-    new_state, report = resize_lib.resize_pool_state(self.state, config=self.config,
-                                                     new_config=new_config,
-                                                     staging="host" if staged else "device")
+    if staged:
+      new_state, report = resize_lib.resize_state_staged(
+          self.state, config=self.config, new_config=new_config, device_budget=budget)
+    else:
+      new_state, report = resize_lib.resize_state_device(self.state, config=self.config,
+                                                         new_config=new_config)
     self._state = _committed(new_state)
     self.runtime.dispatch("sync")
     if report.staged:

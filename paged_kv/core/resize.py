@@ -6,26 +6,28 @@ pages while the old ones are still alive: for a moment the device holds the old
 pool *and* the new one. On a card whose memory the pool fills (the reason to shrink
 it), that is an out-of-memory in the middle of serving.
 
-`resize_state_staged` never holds two pools: it copies the part of the pages it
-keeps to host memory one layer of K (or V) at a time, frees the old pages, then
-allocates the new ones and uploads the kept part back one layer at a time (each
-upload written in place into the donated new pages). Peak device memory is
-`max(old pool, new pool) + one layer of K of the kept size`, at the price of the
-kept bytes crossing the host link twice (about 1.3 s for 16 GB each way at 25 GB/s,
-against a few ms for the device copy). `resize_pool_state` picks one of the two:
-`staging="auto"` stages only when the device has no room for the new pages beside
-the old ones (`device_memory.free_bytes`), `"device"` and `"host"` force a path.
+`resize_state_staged` never holds two pools. For K, then V, it takes the part of
+each layer it keeps, frees the old array, allocates the new one and writes the kept
+parts into it (in place: the new pages are donated to each write). A kept part waits
+either on the device, within a byte budget, or in host memory. With no budget
+(`staging="host"`) peak device memory is `max(old pool, new pool) + one layer of K
+of the kept size`, and every kept byte crosses the host link twice (about 1.3 s for
+16 GB each way at 25 GB/s, against a few ms for the device copy). With the device's
+free memory as the budget (`staging="auto"` when the new pages do not fit beside the
+old), less crosses: a cut's K frees room that V's kept part then uses.
+`resize_pool_state` picks the path (`plan_staging`): `"auto"` takes the one program
+when the device has room for both pools, `"device"` and `"host"` force a path.
 
 Both report a `ResizeReport`: the path taken, the live device bytes before and at
 the peak (the sum of every live `jax.Array`'s bytes, sampled after each program the
 resize runs; XLA's temporaries inside a program are not seen, which the programs'
 `memory_analysis` bounds: the staged ones alias the pages and allocate no temporary
 of pool size, see tests/core/test_resize.py), the bytes staged through the host and
-the wall time.
+on the device, and the wall time.
 
-A failure while the old pages are already freed (the upload of the new ones) puts
-the old-size pages back from the host copy (the tail a shrink cuts is free: zeros)
-before the error propagates, so a refused resize changes nothing.
+A failure leaves the pool as it was: an array already freed is rebuilt from its
+staged parts (the tail a shrink cuts is free: zeros), one already resized goes back
+to the old size, and the error propagates.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.regions import resize_meta, resize_state
 from paged_kv.core.state import KVPages, PoolState
 
-__all__ = ["ResizeReport", "STAGINGS", "live_device_bytes", "resize_pool_state",
-           "resize_state_staged", "stages_through_host"]
+__all__ = ["ResizeReport", "STAGINGS", "live_device_bytes", "plan_staging",
+           "resize_pool_state", "resize_state_device", "resize_state_staged",
+           "stages_through_host"]
 
 STAGINGS = ("auto", "device", "host")
 
@@ -66,6 +69,8 @@ class ResizeReport:
     chunk_bytes: bytes of one staged chunk (one layer of K or V, kept part); 0
       when not staged.
     host_bytes: bytes copied to the host and back (0 when not staged).
+    device_bytes: bytes of kept chunks that waited on the device instead (within
+      the staging's device budget; 0 when not staged).
     seconds: wall time of the resize, every program waited for.
   """
 
@@ -79,6 +84,7 @@ class ResizeReport:
   chunk_bytes: int
   host_bytes: int
   seconds: float
+  device_bytes: int = 0
 
   @property
   def peak_extra_bytes(self) -> int:
@@ -95,13 +101,15 @@ def _pages_bytes(config: PoolConfig) -> int:
   return config.num_blocks * config.block_bytes  # K and V, every layer
 
 
-def stages_through_host(config: PoolConfig, new_config: PoolConfig, staging: str = "auto", *,
-                        device: jax.Device | None = None) -> bool:
-  """Whether `resize_pool_state(..., staging=staging)` goes through host memory.
+def plan_staging(config: PoolConfig, new_config: PoolConfig, staging: str = "auto", *,
+                 device: jax.Device | None = None) -> tuple[bool, int]:
+  """`(staged, device_budget)`: how `resize_pool_state(..., staging=staging)` resizes.
 
-  `"auto"` stages when the device's free memory (`device_memory.free_bytes`) is
-  short of the new pages plus an eighth of them as headroom; where the free
-  memory is unknown it does not.
+  `"device"`: one program, `(False, 0)`. `"host"`: staged with nothing held on the
+  device, `(True, 0)`. `"auto"`: the one program when the device's free memory
+  (`device_memory.free_bytes`) holds the new pages plus an eighth of them (or is
+  unknown); else staged, holding kept chunks on the device within seven eighths of
+  the free memory less one chunk.
 
   Raises:
     InvalidArgument: `staging` not one of `STAGINGS`.
@@ -109,10 +117,21 @@ def stages_through_host(config: PoolConfig, new_config: PoolConfig, staging: str
   if staging not in STAGINGS:
     raise InvalidArgument(f"staging must be one of {STAGINGS}, got {staging!r}")
   if staging != "auto":
-    return staging == "host"
+    return staging == "host", 0
   free = device_memory.free_bytes(device)
   need = _pages_bytes(new_config)
-  return free is not None and free < need + need // 8
+  if free is None or free >= need + need // 8:
+    return False, 0
+  chunk = min(config.num_blocks, new_config.num_blocks) * config.block_bytes // (
+      2 * config.num_layers)
+  return True, max(0, free * 7 // 8 - chunk)
+
+
+def stages_through_host(config: PoolConfig, new_config: PoolConfig, staging: str = "auto", *,
+                        device: jax.Device | None = None) -> bool:
+  """Whether `resize_pool_state(..., staging=staging)` goes through host memory
+  (`plan_staging`'s first half)."""
+  return plan_staging(config, new_config, staging, device=device)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("keep",))
@@ -152,15 +171,16 @@ class _Peak:
     self.peak = max(self.peak, live_device_bytes())
 
 
-def _upload(host_layers: list[np.ndarray], shape: tuple[int, ...], dtype, sharding,
-            peak: _Peak, fault: Callable[[int], None] | None) -> jax.Array:
-  """New pages of `shape`: zeros, then each host layer written at its layer's start."""
+def _upload(chunks: list, shape: tuple[int, ...], dtype, sharding, peak: _Peak,
+            fault: Callable[[int], None] | None) -> jax.Array:
+  """New pages of `shape`: zeros, then each layer's chunk (a host array or a device
+  array already in place) written at that layer's first blocks."""
   pages = _zeros_program(shape, jnp.dtype(dtype), sharding)()
   peak.see()
-  for layer, chunk in enumerate(host_layers):
+  for layer, chunk in enumerate(chunks):
     if fault is not None:
       fault(layer)
-    piece = jax.device_put(chunk, sharding)
+    piece = chunk if isinstance(chunk, jax.Array) else jax.device_put(chunk, sharding)
     peak.see()
     pages = _put_layer(pages, piece, jnp.int32(layer))
     del piece
@@ -168,15 +188,85 @@ def _upload(host_layers: list[np.ndarray], shape: tuple[int, ...], dtype, shardi
   return pages
 
 
+def _drop(chunks: list) -> None:
+  for chunk in chunks:
+    if isinstance(chunk, jax.Array) and not chunk.is_deleted():
+      chunk.delete()
+
+
+@dataclasses.dataclass
+class _Staged:
+  """What replacing one pages array moved: bytes through the host (both ways) and
+  bytes held on the device while the old array was freed."""
+
+  host_bytes: int = 0
+  device_bytes: int = 0
+  chunk_bytes: int = 0
+
+
+def _replace(arrays: dict[str, jax.Array], name: str, *, keep: int, num_blocks: int,
+             budget: int, peak: _Peak, totals: _Staged,
+             fault: Callable[[int], None] | None) -> None:
+  """`arrays[name]` becomes a copy with `num_blocks` blocks (its first `keep` kept,
+  the rest zeros); the old array is deleted before the new one is allocated.
+
+  Each layer's kept part waits on the device while the chunks held there stay within
+  `budget` bytes, else in host memory. On a failure `arrays[name]` is the old array,
+  rebuilt from the staged chunks where it was already deleted.
+  """
+  old = arrays[name]
+  chunks: list = []
+  held = 0
+  try:
+    for layer in range(old.shape[0]):
+      chunk = _take_layer(old, jnp.int32(layer), keep=keep)
+      peak.see()
+      if held + chunk.nbytes <= budget:
+        held += chunk.nbytes
+        chunks.append(chunk)
+      else:
+        chunks.append(np.array(chunk, copy=True))  # a host copy, not a view of the buffer
+        chunk.delete()
+  except BaseException:
+    _drop(chunks)
+    raise
+  shape, dtype, sharding = old.shape, old.dtype, old.sharding
+  old.delete()
+  try:
+    new = _upload(chunks, shape[:2] + (num_blocks,) + shape[3:], dtype, sharding, peak, fault)
+  except BaseException:
+    # The old array is gone: rebuild it from the staged chunks (a cut tail was free,
+    # so zeros) before the error propagates.
+    arrays[name] = _upload(chunks, shape, dtype, sharding, peak, None)
+    _drop(chunks)
+    raise
+  arrays[name] = new
+  host = sum(c.nbytes for c in chunks if isinstance(c, np.ndarray))
+  totals.host_bytes += 2 * host
+  totals.device_bytes += held
+  totals.chunk_bytes = max(totals.chunk_bytes, chunks[0].nbytes if chunks else 0)
+  _drop(chunks)
+
+
 def resize_state_staged(state: PoolState, *, config: PoolConfig, new_config: PoolConfig,
+                        device_budget: int = 0,
                         _fault: Callable[[int], None] | None = None
                         ) -> tuple[PoolState, ResizeReport]:
-  """`regions.resize_state`'s result with at most one pool and one layer on the device.
+  """`regions.resize_state`'s result without the old and the new pages alive together.
 
-  Consumes `state`: its pages are deleted once their kept part is on the host
-  (like a donated argument). Nothing is checked: a cut tail must be free, which
-  the caller verified (`regions.resize_pool`, `BlockPool.resize`). `_fault`, for
-  tests, is called before each layer's upload.
+  K, then V: each layer's kept part is staged (held on the device within
+  `device_budget` bytes, else copied to host memory), the old array is deleted,
+  the new one allocated and the kept parts written into it in place. With
+  `device_budget=0` the device holds at most the larger pool plus one layer of K;
+  with a budget, at most that plus the budget (pass the device's free memory: K's
+  cut frees room that V's kept part can then use, so less crosses the host link).
+
+  Consumes `state` (its pages are deleted, as a donated argument would be).
+  Nothing is checked: a cut tail must be free, which the caller verified
+  (`regions.resize_pool`, `BlockPool.resize`). A failure leaves `state` as it was:
+  its pages are put back (rebuilt from the staged copy where they were already
+  freed; the one place a state is written to) and the error propagates. `_fault`,
+  for tests, is called before each layer's upload.
 
   Returns:
     The new state and its `ResizeReport`.
@@ -187,64 +277,37 @@ def resize_state_staged(state: PoolState, *, config: PoolConfig, new_config: Poo
   keep = min(old_n, new_n)
   meta = resize_meta(state.meta, config=config, new_config=new_config)
   peak.see()
-  staged: dict[str, list[np.ndarray]] = {}
-  for name in ("k", "v"):
-    old = getattr(state.pages, name)
-    layers = []
-    for layer in range(old.shape[0]):
-      chunk = _take_layer(old, jnp.int32(layer), keep=keep)
-      peak.see()
-      layers.append(np.array(chunk, copy=True))  # a host copy, not a view of the buffer
-      chunk.delete()
-    staged[name] = layers
-  old_k, old_v = state.pages.k, state.pages.v
-  shape, dtype, sharding = old_k.shape, old_k.dtype, old_k.sharding
-  new_shape = shape[:2] + (new_n,) + shape[3:]
-  old_k.delete()
-  old_v.delete()
+  arrays = {"k": state.pages.k, "v": state.pages.v}
+  totals = _Staged()
+  budget = max(0, int(device_budget))
+  done = []
   try:
-    pages = KVPages(k=_upload(staged["k"], new_shape, dtype, sharding, peak, _fault),
-                    v=_upload(staged["v"], new_shape, dtype, sharding, peak, _fault))
+    for name in ("k", "v"):
+      before = arrays[name].nbytes
+      _replace(arrays, name, keep=keep, num_blocks=new_n, budget=budget, peak=peak,
+               totals=totals, fault=_fault)
+      done.append(name)
+      budget = max(0, budget + before - arrays[name].nbytes)  # a cut's freed room
   except BaseException:
-    # The old pages are gone: rebuild them from the host copy (a cut tail was
-    # free, so zeros), leaving the caller's pool as it was, then re-raise.
-    restored = KVPages(k=_upload(staged["k"], shape, dtype, sharding, peak, None),
-                       v=_upload(staged["v"], shape, dtype, sharding, peak, None))
-    object.__setattr__(state, "pages", restored)
+    for name in done:  # back to the old size, through the host (the room is the old pool's)
+      _replace(arrays, name, keep=keep, num_blocks=old_n, budget=0, peak=peak,
+               totals=_Staged(), fault=None)
+    object.__setattr__(state, "pages", KVPages(k=arrays["k"], v=arrays["v"]))
     raise
-  chunk_bytes = staged["k"][0].nbytes if staged["k"] else 0
-  host_bytes = 2 * sum(x.nbytes for layers in staged.values() for x in layers)
   report = ResizeReport(old_blocks=old_n, new_blocks=new_n, staged=True,
                         bytes_before=peak.before, peak_bytes=peak.peak,
                         pages_before=_pages_bytes(config), pages_after=_pages_bytes(new_config),
-                        chunk_bytes=chunk_bytes, host_bytes=host_bytes,
-                        seconds=time.perf_counter() - t0)
-  return dataclasses.replace(state, pages=pages, meta=meta), report
+                        chunk_bytes=totals.chunk_bytes, host_bytes=totals.host_bytes,
+                        device_bytes=totals.device_bytes, seconds=time.perf_counter() - t0)
+  return dataclasses.replace(state, pages=KVPages(k=arrays["k"], v=arrays["v"]),
+                             meta=meta), report
 
 
-def resize_pool_state(state: PoolState, *, config: PoolConfig, new_config: PoolConfig,
-                      staging: str = "auto") -> tuple[PoolState, ResizeReport]:
-  """The pool's arrays at `new_config`'s size, by the path `staging` picks.
+def resize_state_device(state: PoolState, *, config: PoolConfig,
+                        new_config: PoolConfig) -> tuple[PoolState, ResizeReport]:
+  """`regions.resize_state` (one program: old and new pages alive together), measured.
 
-  Consumes `state` (its pages are deleted, as a donated argument would be). A cut
-  tail must be free: the caller checked (`BlockPool.resize`).
-
-  Args:
-    state: the pool's state at `config`.
-    config: its config.
-    new_config: `regions.resized_config(config, n)`.
-    staging: `"device"` (one program; old and new pages live together), `"host"`
-      (`resize_state_staged`: at most one pool plus one layer), or `"auto"`
-      (`stages_through_host`).
-
-  Returns:
-    The new state and its `ResizeReport`.
-
-  Raises:
-    InvalidArgument: a bad `staging`.
-  """
-  if stages_through_host(config, new_config, staging):
-    return resize_state_staged(state, config=config, new_config=new_config)
+  Consumes `state` (its pages are deleted once the new ones are ready)."""
   t0 = time.perf_counter()
   peak = _Peak()
   new = resize_state(state, config=config, new_config=new_config)
@@ -257,3 +320,31 @@ def resize_pool_state(state: PoolState, *, config: PoolConfig, new_config: PoolC
                            pages_before=_pages_bytes(config),
                            pages_after=_pages_bytes(new_config), chunk_bytes=0, host_bytes=0,
                            seconds=time.perf_counter() - t0)
+
+
+def resize_pool_state(state: PoolState, *, config: PoolConfig, new_config: PoolConfig,
+                      staging: str = "auto") -> tuple[PoolState, ResizeReport]:
+  """The pool's arrays at `new_config`'s size, by the path `plan_staging` picks.
+
+  Consumes `state` (its pages are deleted, as a donated argument would be). A cut
+  tail must be free: the caller checked (`BlockPool.resize`).
+
+  Args:
+    state: the pool's state at `config`.
+    config: its config.
+    new_config: `regions.resized_config(config, n)`.
+    staging: `"device"` (one program; old and new pages live together), `"host"`
+      (`resize_state_staged` with no device budget: at most the larger pool plus one
+      layer of K), or `"auto"` (`plan_staging`).
+
+  Returns:
+    The new state and its `ResizeReport`.
+
+  Raises:
+    InvalidArgument: a bad `staging`.
+  """
+  staged, budget = plan_staging(config, new_config, staging)
+  if staged:
+    return resize_state_staged(state, config=config, new_config=new_config,
+                               device_budget=budget)
+  return resize_state_device(state, config=config, new_config=new_config)

@@ -70,10 +70,39 @@ class ResizeTest(parameterized.TestCase):
     report = pool.resize(24, staging="host")
     layer = CONFIG.num_kv_heads * 24 * CONFIG.block_size * CONFIG.head_dim * 4  # f32
     self.assertEqual(report.chunk_bytes, layer)
-    self.assertEqual(report.host_bytes, 2 * 2 * CONFIG.num_layers * layer)  # K and V, both ways
+    # K goes through the host, both ways; V's kept half waits on the device in the room
+    # K's cut freed (48 -> 24 blocks: exactly V's kept part).
+    self.assertEqual(report.host_bytes, 2 * CONFIG.num_layers * layer)
+    self.assertEqual(report.device_bytes, CONFIG.num_layers * layer)
     meta_slack = 48 * 64  # the new block metadata beside the old (a few words per block)
     self.assertLessEqual(report.peak_extra_bytes, layer + meta_slack)
     self.assertLess(report.peak_extra_bytes, report.pages_after // 2)
+
+  def test_a_device_budget_keeps_chunks_on_the_device(self):
+    """Within the budget kept parts wait on the device: fewer bytes cross the host link,
+    the peak grows by at most the budget, and the state is the same."""
+    layer = CONFIG.num_kv_heads * 24 * CONFIG.block_size * CONFIG.head_dim * 4
+    new = regions.resized_config(CONFIG, 24)
+    results = []
+    for budget in (0, 3 * layer):
+      pool, model = _filled_pool()
+      state, report = resize_lib.resize_state_staged(pool.state, config=CONFIG,
+                                                     new_config=new, device_budget=budget)
+      results.append(_arrays(state))
+      self.assertEqual(report.host_bytes, 2 * (CONFIG.num_layers - budget // layer) * layer)
+      self.assertEqual(report.device_bytes, 2 * CONFIG.num_layers * layer - report.host_bytes // 2)
+      self.assertLessEqual(report.peak_extra_bytes, budget + layer + 48 * 64)
+    for a, b in zip(*results):
+      np.testing.assert_array_equal(a, b)
+
+  def test_auto_budget_is_the_free_memory(self):
+    new = regions.resized_config(CONFIG, 24)
+    chunk = 24 * CONFIG.block_bytes // (2 * CONFIG.num_layers)
+    with mock.patch.object(resize_lib.device_memory, "free_bytes", return_value=8000):
+      self.assertEqual(resize_lib.plan_staging(CONFIG, new), (True, 7000 - chunk))
+    with mock.patch.object(resize_lib.device_memory, "free_bytes", return_value=100):
+      self.assertEqual(resize_lib.plan_staging(CONFIG, new), (True, 0))
+    self.assertEqual(resize_lib.plan_staging(CONFIG, new, "host"), (True, 0))
 
   def test_device_path_holds_both_pools_and_the_measure_sees_it(self):
     pool, _ = _filled_pool()
@@ -95,23 +124,28 @@ class ResizeTest(parameterized.TestCase):
     pool.resize(24, staging="host")
     self.assertTrue(old.k.is_deleted() and old.v.is_deleted())
 
-  @parameterized.parameters((24,), (64,))
-  def test_a_failed_upload_leaves_the_pool_as_it_was(self, num_blocks):
+  @parameterized.parameters(
+      (24, "_put_layer", 2),  # K's upload, its old array freed
+      (24, "_put_layer", 6),  # V's upload: K already resized, V's old array freed
+      (24, "_take_layer", 6),  # V's staging: K already resized, V intact
+      (64, "_put_layer", 6),
+      (64, "_take_layer", 7))
+  def test_a_failure_leaves_the_pool_as_it_was(self, num_blocks, program, nth):
     pool, model = _filled_pool()
     before = _arrays(pool.state)
     calls = [0]
-    real = resize_lib._put_layer  # pylint: disable=protected-access
+    real = getattr(resize_lib, program)
 
     def failing(*args, **kwargs):
       calls[0] += 1
-      if calls[0] == 6:  # K uploaded, the second layer of V
+      if calls[0] == nth:
         raise MemoryError("injected")
       return real(*args, **kwargs)
 
-    with mock.patch.object(resize_lib, "_put_layer", failing):
+    with mock.patch.object(resize_lib, program, failing):
       with self.assertRaises(MemoryError):
         pool.resize(num_blocks, staging="host")
-    self.assertGreater(calls[0], 6)  # raised at the 6th, then the old pages went back
+    self.assertGreaterEqual(calls[0], nth)
     self.assertEqual(pool.config, CONFIG)
     self.assertIsNone(pool.last_resize)
     after = _arrays(pool.state)
