@@ -19,10 +19,10 @@ from paged_kv.serving.executor import (DryExecutor, Executor, ModelExecutor, att
                                        attached_state)
 from paged_kv.serving.persist import load_prefix_cache, save_prefix_cache
 from paged_kv.serving.scheduler import (Phase, Request, Scheduler, SchedulerBroken,
-                                        SchedulerConfig, SchedulerStats)
+                                        SchedulerConfig, SchedulerStats, UnknownRequest)
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
 
 __all__ = ["CacheView", "CachedPool", "DryExecutor", "Executor", "ModelExecutor", "Phase",
            "PoolStateLost", "Request", "Scheduler", "SchedulerBroken", "SchedulerConfig",
-           "SchedulerStats", "SwappedKV", "attach_state", "attached_state",
+           "SchedulerStats", "SwappedKV", "UnknownRequest", "attach_state", "attached_state",
            "load_prefix_cache", "save_prefix_cache", "swap_in", "swap_out"]

@@ -105,6 +105,13 @@ MAX_KEPT_SNAPSHOTS = 10_000  # `Scheduler.snapshots` keeps the latest this many
 MAX_KEPT_ALERTS = 10_000  # `Scheduler.alerts` keeps the latest this many
 
 
+class UnknownRequest(PagedKVError, KeyError):
+  """`Scheduler.abort` of an id no unfinished request holds."""
+
+  def __str__(self) -> str:  # KeyError's repr of the message, otherwise
+    return str(self.args[0]) if self.args else ""
+
+
 class SchedulerBroken(PagedKVError):
   """The scheduler refuses further use: its pool's state is gone (see the message)."""
 
@@ -132,6 +139,10 @@ class Phase(enum.Enum):
   FINISHED = "finished"
 
 
+_REQUEST_INPUTS = frozenset(("request_id", "prompt", "max_new_tokens", "namespace",
+                             "forced_output"))
+
+
 @dataclasses.dataclass
 class Request:
   """One generation request and its progress.
@@ -147,6 +158,12 @@ class Request:
       scheduler's latencies are measured on its own clock from `submit_time`.
     forced_output: optional `i32[max_new_tokens]` tokens to emit instead of the
       executor's samples (trace replay, where only lengths are known).
+
+  `Scheduler.submit` validates these inputs once and freezes them: the arrays become
+  read-only copies of the caller's, and assigning an input field afterwards raises
+  `InvalidArgument` (the progress fields below are the scheduler's to write).
+  `stop_reason` says why it finished: `"length"`, `"stop_token"`, `"table_full"` (its
+  row had no room left) or `"abort"` (`Scheduler.abort`).
   """
 
   request_id: Hashable
@@ -165,7 +182,7 @@ class Request:
   swapped: SwappedKV | None = None
   hit_tokens: int = 0
   num_preemptions: int = 0
-  stop_reason: str = ""  # "length", "stop_token", or "table_full" (the row had no room left)
+  stop_reason: str = ""  # "length", "stop_token", "table_full" or "abort"
   submit_step: int = -1
   admit_step: int = -1
   first_token_step: int = -1
@@ -178,6 +195,23 @@ class Request:
 
   def __post_init__(self):
     self.validate()
+
+  def __setattr__(self, name: str, value) -> None:
+    if name in _REQUEST_INPUTS and self.__dict__.get("_frozen", False):
+      raise InvalidArgument(f"request {self.request_id!r} was submitted: its {name} is "
+                            f"frozen (submit a new Request)")
+    object.__setattr__(self, name, value)
+
+  def _freeze(self) -> None:
+    """Read-only copies of the input arrays, and no more assignments to the inputs."""
+    prompt = np.array(self.prompt, copy=True)
+    prompt.flags.writeable = False
+    self.prompt = prompt
+    if self.forced_output is not None:
+      forced = np.array(self.forced_output, copy=True)
+      forced.flags.writeable = False
+      self.forced_output = forced
+    object.__setattr__(self, "_frozen", True)
 
   def validate(self) -> None:
     """Checks (and normalizes) the caller's fields; `Scheduler.submit` calls it again.
@@ -311,7 +345,8 @@ class SchedulerStats:
 
   steps: int = 0
   admitted: int = 0
-  finished: int = 0
+  finished: int = 0  # aborted requests included
+  aborted: int = 0  # `Scheduler.abort` of a request before it finished
   prompt_tokens: int = 0
   hit_tokens: int = 0
   prefill_tokens: int = 0
@@ -377,6 +412,8 @@ class StepReport:
       for every token emitted in this step after a request's first (a request
       preempted in between counts its wait).
     alerts: alerts that fired in this step (edge-triggered, `metrics.AlertMonitor`).
+    tokens: `(request_id, token)` of every token emitted in this step, in order
+      (a stream: `paged_kv.serving.streaming.generate` yields them per request).
   """
 
   step: int
@@ -393,6 +430,7 @@ class StepReport:
   first_token_latencies: tuple
   inter_token_latencies: tuple
   alerts: tuple
+  tokens: tuple = ()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -504,6 +542,7 @@ class Scheduler:
     # id -> request, each object submitted once; weak, so a long-running server does
     # not keep every request it ever served (a dead entry's id may be reused).
     self._submitted: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
+    self._live: dict[Hashable, Request] = {}  # request_id -> a submitted, unfinished request
     gov = config.governance
     pc = cached_pool.config
     self._quota = (gov.quota(pc.num_blocks - pc.num_base_blocks)
@@ -558,9 +597,13 @@ class Scheduler:
   def submit(self, request: Request) -> None:
     """Queues a request (FCFS).
 
+    The request's inputs are validated and frozen (`Request`): later changes to the
+    caller's arrays change nothing, assignments to its input fields are refused.
+
     Raises:
       InvalidArgument: not a `Request`, submitted before (the same object), carrying
-        progress, or bad fields (`Request.validate`).
+        progress, bad fields (`Request.validate`), or an id an unfinished request
+        holds.
       radix.InvalidNamespaceError: the namespace is not a typed key.
       PoolExhausted: it could not run even in an empty pool (so an accepted
         request always runs once the pool drains).
@@ -577,6 +620,13 @@ class Scheduler:
       raise InvalidArgument(f"request {request.request_id!r} carries progress; submit a new "
                             f"Request")
     request.validate()
+    try:
+      live = request.request_id in self._live
+    except TypeError as e:
+      raise InvalidArgument(f"request_id must be hashable, got {request.request_id!r}") from e
+    if live:
+      raise InvalidArgument(f"request id {request.request_id!r} is in use by an unfinished "
+                            f"request; ids are unique among live requests")
     bs, pc = self._bs, self.pool.config
     need = self._alone_need(request)
     if need > pc.num_blocks - pc.num_base_blocks:
@@ -586,10 +636,57 @@ class Scheduler:
     if _cdiv(request.prompt.size + request.max_new_tokens, bs) > pc.max_segments:
       raise PoolExhausted(f"request {request.request_id} may need more than "
                           f"max_segments={pc.max_segments} segments", reason="table_full")
+    request._freeze()  # pylint: disable=protected-access
     self._submitted[id(request)] = request
+    self._live[request.request_id] = request
     request.submit_time = self.clock()
     request.submit_step = self._step
     self.waiting.append(request)
+
+  def abort(self, request_id: Hashable) -> Request:
+    """Ends a request now, in any phase; returns it (`stop_reason="abort"`).
+
+    Waiting: it leaves the queue. Swapped: its host copy of the K/V is dropped.
+    Running (mid-prefill or decoding): like a finished request, its computed
+    tokens go into the prefix cache (cached-only blocks: evictable) and its row and
+    its lock on a cached prefix are released at once. Its tokens so far stay in
+    `output`; it joins `finished` (`take_finished`) and the next step's
+    `StepReport.finished` (so exporters count it). Call it between steps.
+
+    Raises:
+      UnknownRequest: no unfinished request has this id (never submitted, already
+        finished or aborted). Nothing changed.
+      SchedulerBroken: the scheduler refuses further use.
+    """
+    self._check_usable()
+    try:
+      req = self._live.get(request_id)
+    except TypeError:
+      req = None
+    if req is None:
+      raise UnknownRequest(f"no unfinished request has id {request_id!r}")
+    if req.phase == Phase.WAITING:
+      self.waiting.remove(req)
+    elif req.phase == Phase.SWAPPED:
+      self.swapped.remove(req)
+      req.swapped = None
+    else:
+      try:
+        self._store_and_release(req)  # the request stays running until this succeeded
+      except BaseException as exc:
+        self._recover(exc)
+        raise
+      self.running.remove(req)
+      node, req.lock_node, req.seq_id = req.lock_node, None, None
+      if node is not None:
+        self.cached_pool.unlock(node)
+    req.stop_reason = "abort"
+    self.stats.aborted += 1
+    self._now = self.clock()
+    self._mark_finished(req)
+    self._finished_now.remove(req)
+    self._aborted.append(req)  # in the next step's report
+    return req
 
   def _alone_need(self, request: Request) -> int:
     """The rule `submit` and admission share: the most dynamic blocks `request` asks
@@ -648,7 +745,10 @@ class Scheduler:
       raise
 
   def _reset_step_record(self) -> None:
-    self._finished_now: list[Request] = []
+    # Requests aborted since the last step are reported with this one.
+    self._finished_now: list[Request] = list(getattr(self, "_aborted", ()))
+    self._aborted: list[Request] = []
+    self._tokens_now: list[tuple[Hashable, int]] = []
     self._ttft_now: list[float] = []
     self._itl_now: list[float] = []
     self._alerts_now: list[metrics.Alert] = []
@@ -701,7 +801,8 @@ class Scheduler:
           num_running=len(self.running), num_waiting=len(self.waiting),
           num_swapped=len(self.swapped), finished=tuple(self._finished_now),
           first_token_latencies=tuple(self._ttft_now),
-          inter_token_latencies=tuple(self._itl_now), alerts=tuple(self._alerts_now)))
+          inter_token_latencies=tuple(self._itl_now), alerts=tuple(self._alerts_now),
+          tokens=tuple(self._tokens_now)))
 
   def _takes_stats(self) -> bool:
     every = self.config.stats_every
@@ -1160,6 +1261,7 @@ class Scheduler:
     if req.forced_output is not None:
       token = int(req.forced_output[len(req.output)])
     req.output.append(token)
+    self._tokens_now.append((req.request_id, token))
     now = self._now
     if req.first_token_step < 0:
       req.first_token_step = self._step
@@ -1279,6 +1381,8 @@ class Scheduler:
       self.cached_pool.unlock(node)
 
   def _mark_finished(self, req: Request) -> None:
+    if self._live.get(req.request_id) is req:
+      del self._live[req.request_id]
     req.phase = Phase.FINISHED
     req.finish_step = self._step
     req.finish_time = self._now

@@ -55,7 +55,8 @@ STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 
 # Our `Request.stop_reason` -> vLLM's `finished_reason` label value ("stop" is a
 # stop token; the others keep their own name).
-FINISHED_REASONS = {"length": "length", "stop_token": "stop", "table_full": "table_full"}
+FINISHED_REASONS = {"length": "length", "stop_token": "stop", "table_full": "table_full",
+                    "abort": "abort"}
 PREEMPTION_MODES = ("recompute", "swap")
 OTHER_NAMESPACE = "other"  # the namespace label beyond `max_namespaces` distinct values
 
@@ -239,7 +240,7 @@ METRICS: tuple[MetricSpec, ...] = (
        "Seconds a request waited from submission to its first admission.",
        vllm="vllm:request_queue_time_seconds"),
     _m("request_success_total", "counter",
-       "Finished requests by finished_reason (length, stop, table_full) and namespace.",
+       "Finished requests by finished_reason (length, stop, table_full, abort) and namespace.",
        ("finished_reason", "namespace"), vllm="vllm:request_success_total"),
     _m("namespace_prompt_tokens_total", "counter",
        "Prompt tokens of finished requests, by namespace.", ("namespace",)),
