@@ -57,6 +57,36 @@ class ImportTest(absltest.TestCase):
     self.assertEqual(leaked, [], f"importing the core loaded optional packages: {leaked}")
     self.assertIn("jax", report["loaded"])
 
+  def test_model_layer_without_flax_names_the_extra(self):
+    """Without flax, the model layer's names raise an import error with the install
+    hint (flax blocked in the child by a `None` in `sys.modules`)."""
+    program = textwrap.dedent("""
+        import sys
+        sys.modules["flax"] = None
+        import paged_kv.model  # the JAX-only part loads
+        from paged_kv.model import StepMetadata
+        for name in ("PagedAttention", "TinyLlama", "forward"):
+          try:
+            getattr(paged_kv.model, name)
+          except ModuleNotFoundError as e:
+            assert "pip install 'paged-kv[model]'" in str(e) and e.name == "flax", e
+          else:
+            raise AssertionError(name + " loaded without flax")
+        try:
+          from paged_kv.serving import ModelExecutor
+          ModelExecutor(object(), None)
+        except ModuleNotFoundError as e:
+          assert "paged-kv[model]" in str(e), e
+        else:
+          raise AssertionError("ModelExecutor built without flax")
+        print("ok")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", program], cwd=_ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+    self.assertEqual(proc.stdout.strip().splitlines()[-1], "ok")
+
   def test_radix_loads_neither_jax_nor_paged_kv(self):
     program = "import json, sys, radix; print(json.dumps(sorted(sys.modules)))"
     env = dict(os.environ, PYTHONPATH=str(_ROOT))

@@ -18,7 +18,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from paged_kv.model.nnx_import import nnx
 
 from paged_kv.core.state import KVPages
 from paged_kv.model.attention import paged_attention

@@ -29,7 +29,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from paged_kv.model.nnx_import import nnx
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import KVPages

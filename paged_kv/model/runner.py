@@ -20,7 +20,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
-from flax import nnx
+from paged_kv.model.nnx_import import nnx
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import PoolExhausted

@@ -150,7 +150,7 @@ class ModelExecutor:
       impl: attention path (`None`: `paged_kv.model.default_impl()` for the backend).
       interpret: Pallas interpret mode (`None`: on CPU only).
     """
-    from flax import nnx
+    from paged_kv.model.nnx_import import nnx
     from paged_kv.model import llama, steps
     model_config = getattr(model, "config", None)
     if all(hasattr(model_config, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
