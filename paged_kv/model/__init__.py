@@ -4,7 +4,8 @@
   paged_kv.model.metadata   StepMetadata: positions, slot_mapping, cu_q_lens, segment
                             tables, decode/prefill counts (built on host or in jit)
   paged_kv.model.attention  paged_attention (write K/V + attend, mixed batch), default_impl
-  paged_kv.model.ragged     the ragged token layout helpers
+  paged_kv.model.ragged     the ragged token layout helpers (`last_token_index`: each
+                            row's last token in the ragged batch, whose logits sample)
   paged_kv.model.layers     PagedAttention (Flax NNX), apply_rope, causal_attention
   paged_kv.model.llama      the Llama-family reference model (TinyLlama), dense_forward
   paged_kv.model.steps      jitted forward / prefill / decode_step / decode_multi
@@ -22,6 +23,7 @@ import importlib
 from paged_kv.model.attention import default_impl, paged_attention, resolve_impl
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
+from paged_kv.model.ragged import last_token_index
 
 # Names that live in modules importing flax, loaded lazily (PEP 562).
 _LAZY = {
@@ -33,8 +35,8 @@ _LAZY = {
     "generate_dense": "reference", "dense_mismatches": "reference",
 }
 
-__all__ = ["StepMetadata", "StepPlan", "default_impl", "paged_attention", "resolve_impl",
-           *_LAZY]
+__all__ = ["StepMetadata", "StepPlan", "default_impl", "last_token_index", "paged_attention",
+           "resolve_impl", *_LAZY]
 
 
 def __getattr__(name: str):

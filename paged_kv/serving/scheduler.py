@@ -159,6 +159,13 @@ class Request:
     forced_output: optional `i32[max_new_tokens]` tokens to emit instead of the
       executor's samples (trace replay, where only lengths are known).
 
+  Progress, written by the scheduler (read them; do not assign): `phase` (`Phase`),
+  `output` (the tokens emitted so far, a list), `stop_reason` (below), `seq_id` (its
+  pool row while running), `num_cached` (tokens whose K/V is in the pool),
+  `hit_tokens` (prompt tokens matched in the prefix cache), `num_preemptions`,
+  `submit_step` / `admit_step` / `first_token_step` / `finish_step` and the same
+  `*_time`s on the scheduler's clock.
+
   `Scheduler.submit` validates these inputs once and freezes them: the arrays become
   read-only copies of the caller's, and assigning an input field afterwards raises
   `InvalidArgument` (the progress fields below are the scheduler's to write).
@@ -454,6 +461,14 @@ class Scheduler:
   scheduler never handles a `RefDeltas`. `pool` is the `BlockPool` (the executor
   works on `pool.state`), `cached_pool` the bound pair, `cache` a read-only view
   of the prefix cache (None when caching is off).
+
+  Attributes (the queues: read them, change them only through `submit` and `abort`):
+    waiting: `Request`s queued for admission (FCFS; recomputed preemptions first).
+    swapped: requests preempted by swap, their K/V on the host.
+    running: requests holding a pool row (`Request.seq_id`), in admission order; an
+      executor maps a step's batch rows (`StepPlan.seq_ids`: decodes first, then
+      prefill chunks) to requests by that row.
+    finished: requests finished (or aborted) since the last `take_finished()`.
 
   Example:
     pool = BlockPool(PoolConfig(num_blocks=4096, block_size=16, max_seqs=64, ...))

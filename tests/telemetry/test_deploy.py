@@ -23,7 +23,7 @@ except ImportError:  # PyYAML is in the `test` extra
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = _ROOT / "deploy" / "grafana" / "paged_kv.json"
 ALERTS = _ROOT / "deploy" / "prometheus" / "alerts.yml"
-ALERTS_TEST = _ROOT / "deploy" / "prometheus" / "alerts_test.yml"
+ALERTS_TEST = _ROOT / "deploy" / "prometheus" / "tests" / "alerts_test.yml"
 _METRIC_RE = re.compile(r"\bpaged_kv_[a-zA-Z0-9_]+")
 # Grafana's variables, as a query sent to Prometheus would have them.
 _GRAFANA_VARS = {"$__rate_interval": "5m", "$model": ".*", "$replica": ".*"}

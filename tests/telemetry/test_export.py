@@ -162,6 +162,7 @@ class LiveScrapeTest(absltest.TestCase):
                if s.name.endswith("_bucket")]
     self.assertEqual(min(buckets), 0.001)
     self.assertIn(60.0, buckets)
+    self.assertGreaterEqual(max(b for b in buckets if b != float("inf")), 1200.0)  # 20 min
 
   def test_runtime_series_after_warmup(self):
     sched = serving_run.make_scheduler()
