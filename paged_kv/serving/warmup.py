@@ -16,7 +16,11 @@ them:
   write of `persist.CHUNK_TOKENS` tokens;
 * with swap preemption, the K/V gather and layered write at every
   power-of-two length up to a sequence's most tokens (`max_segments *
-  block_size`).
+  block_size`);
+* with tail packing (the cache's `pack_tails`), `slots.pack_slots` and
+  `slots.reclaim_slots` at every power-of-two count of segments
+  (`BlockPool.pack_slots` / `reclaim_slots` pad to those) up to the pool's slots
+  (`num_blocks * block_size`: every cache segment holds a slot of its own).
 
 A shrink's cut changes the pool size, hence every shape: the scheduler then
 releases the old programs (`release_programs`) and warms the new size at once
@@ -108,7 +112,30 @@ def program_runs(sched: "Scheduler", *, persistence: bool = True
       if width >= most:
         break
       width *= 2
+  cache = sched.cache  # a view; None when caching is off
+  if cache is not None and cache.pack_tails:
+    width = 1
+    while True:
+      runs.append((f"pack segments={width}", lambda width=width: _padding_pack(pool, width)))
+      if width >= pc.num_blocks * pc.block_size:
+        break
+      width *= 2
   return runs
+
+
+def _padding_pack(pool, width: int) -> None:
+  """`pack_slots` and `reclaim_slots` on `width` padding entries, padded as
+  `BlockPool.pack_slots` / `reclaim_slots` pad theirs: compiles, changes nothing
+  (`reclaim_slots` given no outside segment changes nothing while the cache holds
+  any, and otherwise recomputes the bits the tables already account for)."""
+  from paged_kv.core import slots  # pylint: disable=g-import-not-at-top
+  neg = np.full((width,), -1, np.int32)
+  zero = np.zeros((width,), np.int32)
+  state, _ = slots.pack_slots(pool.state, neg, zero, neg, zero, zero, config=pool.config,
+                              atomic=True)
+  state, _ = slots.reclaim_slots(state, zero, zero, zero, config=pool.config)
+  pool.state = state  # the mirror reloads from the device
+  pool.runtime.dispatch("sync", 2)
 
 
 def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
@@ -140,8 +167,10 @@ def release_programs() -> None:
   from paged_kv.core import commit, kv, segments  # pylint: disable=g-import-not-at-top
   from paged_kv.serving import persist  # pylint: disable=g-import-not-at-top
   from paged_kv.core import regions, resize  # pylint: disable=g-import-not-at-top
+  from paged_kv.core import slots  # pylint: disable=g-import-not-at-top
   fns = [commit.commit, segments.reserve_tokens, kv.gather_kv, pool_lib._write_layers,  # pylint: disable=protected-access
          persist._gather_slots,  # pylint: disable=protected-access
+         slots.pack_slots, slots.reclaim_slots,
          regions.resize_state]  # the cut's own program: one per pair of sizes, used once
   steps = sys.modules.get("paged_kv.model.steps")  # only if a model executor loaded it
   if steps is not None:

@@ -106,6 +106,22 @@ class SteadyStateTest(absltest.TestCase):
     self.assertEqual(d.num_host_reads, 0, d)
     self.assertEqual(d.dispatches.get("sync", 0), 0, d)
 
+  def test_tail_packing_compiles_nothing_after_warmup(self):
+    """Packing (`pack_slots`) and the slot reclaim before it pad their segments to
+    power-of-two buckets: the warm-up runs every bucket (packing itself is a
+    synchronous transition, so reads and sync dispatches are not counted here)."""
+    sched = _scheduler(pack_tails=True)
+    sched.warmup(progress=False)
+    rng = np.random.default_rng(0)
+    for r in _requests(rng, 60):
+      sched.submit(r)
+    compiles = counters.backend_compiles()
+    sched.run()
+    self.assertGreater(sched.counters.pack_moves, 0, "the workload must pack tails")
+    self.assertEqual(counters.backend_compiles() - compiles, 0, "a compile after warm-up")
+    self.assertEqual(sched.stats.compiles_after_warmup, 0)
+    sched.check_invariants()
+
 
 class VariedRunTest(absltest.TestCase):
 
