@@ -4,6 +4,7 @@
   paged_kv.model.metadata   StepMetadata: positions, slot_mapping, cu_q_lens, segment
                             tables, decode/prefill counts (built on host or in jit)
   paged_kv.model.attention  paged_attention (write K/V + attend, mixed batch), default_impl
+  paged_kv.model.contract   the model contract ModelExecutor calls: PagedModel, check_model
   paged_kv.model.ragged     the ragged token layout helpers (`last_token_index`: each
                             row's last token in the ragged batch, whose logits sample)
   paged_kv.model.layers     PagedAttention (Flax NNX), apply_rope, causal_attention
@@ -12,7 +13,7 @@
   paged_kv.model.runner     PagedRunner, generate_paged (host driver for tests, demos)
   paged_kv.model.reference  generate_dense, dense_mismatches (the dense reference)
 
-The first four need only JAX; the names from the others (which need flax) are
+The first five need only JAX; the names from the others (which need flax) are
 loaded on first use, so `import paged_kv.model` does not import flax.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import importlib
 
 from paged_kv.model.attention import default_impl, paged_attention, resolve_impl
+from paged_kv.model.contract import ModelContractError, PagedModel, check_model
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
 from paged_kv.model.ragged import last_token_index
@@ -35,8 +37,8 @@ _LAZY = {
     "generate_dense": "reference", "dense_mismatches": "reference",
 }
 
-__all__ = ["StepMetadata", "StepPlan", "default_impl", "last_token_index", "paged_attention",
-           "resolve_impl", *_LAZY]
+__all__ = ["ModelContractError", "PagedModel", "StepMetadata", "StepPlan", "check_model",
+           "default_impl", "last_token_index", "paged_attention", "resolve_impl", *_LAZY]
 
 
 def __getattr__(name: str):

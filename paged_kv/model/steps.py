@@ -15,8 +15,10 @@ returned state back, the argument is deleted):
                      reservation fails (the failure is in the returned status).
 
 Inside each step `reserve_tokens` makes room, `StepMetadata.from_reservation` turns
-its output into the step's metadata, and the model (`model(tokens, pages, meta)`,
-e.g. `paged_kv.model.llama.TinyLlama`) writes and attends layer by layer.
+its output into the step's metadata, and the model (`model(tokens, pages, meta,
+impl=impl, interpret=interpret) -> (logits, pages)`: the contract of
+`paged_kv.model.contract`, e.g. `paged_kv.model.llama.TinyLlama`) writes and attends
+layer by layer.
 `params` / `graphdef` are `nnx.split(model)`; the graph definition is static.
 `impl=None` picks `paged_kv.model.attention.default_impl()` for the backend and
 the shape (per shape on a GPU: the first impl that builds).

@@ -127,9 +127,11 @@ class DryExecutor:
 class ModelExecutor:
   """A Flax NNX model as an `Executor`: one jitted mixed step per scheduler step.
 
-  The model is called as `model(tokens i32[T], pages, meta) -> (logits f32[T, vocab],
-  pages)` (the `paged_kv.model.llama.TinyLlama` interface); the next token is the
-  greedy choice after each row's last new token.
+  The model is called as `model(tokens i32[T], pages, meta, impl=, interpret=) ->
+  (logits f32[T, vocab], pages)` inside the jitted step (the contract of
+  `paged_kv.model.contract`, which `paged_kv.model.llama.TinyLlama` meets; checked
+  when the executor is built); the next token is the greedy choice after each row's
+  last new token.
 
   Example:
     sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
@@ -144,17 +146,27 @@ class ModelExecutor:
     """Splits the model for the jitted step.
 
     Args:
-      model: the model; `model.config` is checked against the pool when it has
-        `num_layers`, `num_kv_heads` and `head_dim`.
+      model: the model (an `nnx.Module` meeting `paged_kv.model.contract`);
+        `model.config` is checked against the pool when it has `num_layers`,
+        `num_kv_heads` and `head_dim`.
       pool_config: the pool the scheduler serves from.
       impl: attention path (`None`: `paged_kv.model.default_impl()` for the backend).
       interpret: Pallas interpret mode (`None`: on CPU only).
+
+    Raises:
+      ModelContractError: the model's signature or the result of one abstract step
+        (`contract.check_model`: traced, not compiled) breaks the contract; the
+        message names what.
+      InvalidArgument: `model.config` does not match the pool.
     """
     from paged_kv.model.nnx_import import nnx
-    from paged_kv.model import llama, steps
+    from paged_kv.model import contract, llama, steps
+    if not isinstance(pool_config, PoolConfig):
+      raise InvalidArgument(f"pool_config must be a PoolConfig, got {type(pool_config).__name__}")
     model_config = getattr(model, "config", None)
     if all(hasattr(model_config, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
       llama.check_pool_matches_model(pool_config, model_config)
+    self.vocab_size = contract.check_model(model, pool_config)
     self._forward = steps.forward
     self.graphdef, self.params = nnx.split(model)
     self.config = pool_config

@@ -1,0 +1,137 @@
+"""The model contract: what `ModelExecutor` and the jitted steps call, checked once.
+
+A model served through `paged_kv.serving.ModelExecutor` (or run by
+`paged_kv.model.steps`) is called once per scheduler step, inside jit, as
+
+    logits, pages = model(tokens, pages, meta, impl=impl, interpret=interpret)
+
+  * `tokens`: `i32[T]` the step's new tokens, ragged per `meta.cu_q_lens` (prefill
+    chunks and decode tokens of every row together; padded to a power of two);
+  * `pages`: the pool's `KVPages` (`[num_layers, num_kv_heads, num_blocks,
+    block_size, head_dim]` K and V): each attention layer writes its K/V and reads
+    the context through `paged_attention(q, k, v, pages, layer, meta, impl=impl,
+    interpret=interpret)` (or `layers.PagedAttention`) and passes the returned
+    pages on;
+  * `meta`: the step's `StepMetadata` (positions for RoPE, slots, segment tables);
+  * `impl`, `interpret`: keywords to forward to `paged_attention` (the executor's
+    kernel choice);
+  * returns `(logits f32[T, vocab], pages)`: logits for every token (the step
+    samples after each row's last one: `last_token_index(meta.cu_q_lens, T)`) and
+    the pages after the writes, same shapes and dtypes.
+
+`check_model` checks a model against this once (its signature, then an abstract
+evaluation of one step, `jax.eval_shape`: no compile, no device work) and raises
+`ModelContractError` naming what is wrong. The contract is the `PagedModel`
+protocol, for type checkers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import InvalidArgument
+from paged_kv.core.state import KVPages
+from paged_kv.model.metadata import StepMetadata
+
+__all__ = ["ModelContractError", "PagedModel", "check_model"]
+
+
+class ModelContractError(InvalidArgument):
+  """A model does not meet the contract of `paged_kv.model.contract`."""
+
+
+@runtime_checkable
+class PagedModel(Protocol):
+  """A model `ModelExecutor` can serve (see the module docstring)."""
+
+  def __call__(self, tokens: jax.Array, pages: KVPages, meta: StepMetadata, *,
+               impl: str | None = None, interpret: Any = None) -> tuple[jax.Array, KVPages]:
+    ...
+
+
+def _check_signature(model: Any) -> None:
+  if not callable(model):
+    raise ModelContractError(f"the model must be callable as model(tokens, pages, meta, *, "
+                             f"impl, interpret); got a {type(model).__name__}")
+  try:
+    sig = inspect.signature(model)
+  except (TypeError, ValueError):
+    return  # not introspectable (a builtin, a C extension): the abstract step decides
+  try:
+    sig.bind(0, 0, 0, impl=None, interpret=None)
+  except TypeError as err:
+    raise ModelContractError(
+        f"{type(model).__name__}.__call__{sig} must accept (tokens, pages, meta) and the "
+        f"keywords impl= and interpret= (forward them to paged_attention): {err}") from None
+
+
+def _abstract_step(config: PoolConfig, num_tokens: int) -> tuple:
+  """Abstract `(tokens, pages, meta)` of a decode step of `num_tokens` rows."""
+  shape = (config.num_layers, config.num_kv_heads, config.num_blocks, config.block_size,
+           config.head_dim)
+  page = jax.ShapeDtypeStruct(shape, config.jnp_dtype)
+  pages = KVPages(k=page, v=page)
+  b, t, s = num_tokens, num_tokens, config.max_segments
+  i32 = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.int32)
+  meta = StepMetadata(seq_ids=i32(b), positions=i32(t), slot_mapping=i32(t),
+                      cu_q_lens=i32(b + 1), seg_block=i32(b, s), seg_start=i32(b, s),
+                      seg_length=i32(b, s), num_segments=i32(b), seq_lens=i32(b),
+                      num_decodes=i32(), num_prefills=i32(), max_query_len=1)
+  return i32(t), pages, meta
+
+
+def check_model(model: Any, config: PoolConfig, *, impl: str | None = "xla",
+                interpret: Any = None, num_tokens: int = 8) -> int:
+  """Checks `model` against the contract for a pool of `config`; returns its vocab size.
+
+  The signature first, then one abstract step (`jax.eval_shape` of a decode step of
+  `num_tokens` rows: traced, neither compiled nor run), whose result must be
+  `(logits [num_tokens, vocab] floating, pages)` with the pages' structure, shapes
+  and dtypes unchanged.
+
+  Raises:
+    ModelContractError: naming what is wrong (an exception the model raised while
+      traced is chained).
+  """
+  _check_signature(model)
+  tokens, pages, meta = _abstract_step(config, num_tokens)
+  try:
+    out = jax.eval_shape(lambda t, p, m: model(t, p, m, impl=impl, interpret=interpret),
+                         tokens, pages, meta)
+  except ModelContractError:
+    raise
+  except Exception as err:  # pylint: disable=broad-except
+    raise ModelContractError(
+        f"{type(model).__name__} failed on an abstract step of the pool's shapes (tokens "
+        f"i32[{num_tokens}], pages {pages.k.shape} {config.dtype}): "
+        f"{type(err).__name__}: {err}") from err
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise ModelContractError(f"{type(model).__name__} must return (logits, pages); it "
+                             f"returned {jax.tree.structure(out)}")
+  logits, new_pages = out
+  if isinstance(logits, KVPages):
+    raise ModelContractError(f"{type(model).__name__} returned (pages, logits); the "
+                             f"contract's order is (logits, pages)")
+  if (not hasattr(logits, "shape") or len(logits.shape) != 2
+      or logits.shape[0] != num_tokens or not jnp.issubdtype(logits.dtype, jnp.floating)):
+    raise ModelContractError(
+        f"{type(model).__name__}'s logits must be floating [T={num_tokens}, vocab] (one "
+        f"row per token of the step); got {getattr(logits, 'dtype', type(logits))}"
+        f"{list(getattr(logits, 'shape', ()))}")
+  if not isinstance(new_pages, KVPages):
+    raise ModelContractError(f"{type(model).__name__} must return the pool's KVPages "
+                             f"second; got {type(new_pages).__name__}")
+  for name in ("k", "v"):
+    got, want = getattr(new_pages, name), getattr(pages, name)
+    if got.shape != want.shape or got.dtype != want.dtype:
+      raise ModelContractError(
+          f"{type(model).__name__} returned pages.{name} {got.dtype}{list(got.shape)}; "
+          f"the pool's are {want.dtype}{list(want.shape)} (hand the pages back unchanged "
+          f"in shape: paged_attention writes them in place)")
+  return int(np.asarray(logits.shape[1]))

@@ -1,0 +1,81 @@
+"""The model contract (`paged_kv.model.contract`): a model that meets it serves; each way
+of breaking it is refused when `ModelExecutor` is built, with a message naming it."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+from flax import nnx
+
+import paged_kv
+from paged_kv.model import (LlamaConfig, ModelContractError, PagedModel, TinyLlama,
+                            check_model, pool_config_for)
+from paged_kv.serving import ModelExecutor
+
+CONFIG = LlamaConfig(vocab_size=32, d_model=16, num_layers=1, num_q_heads=2, num_kv_heads=1,
+                     head_dim=8, ffn_dim=32)
+POOL = pool_config_for(CONFIG, num_blocks=16, max_seqs=4, max_segments=8)
+
+
+class Wrapped(nnx.Module):
+  """Delegates to a TinyLlama, then breaks the contract as `how` says."""
+
+  def __init__(self, how: str):
+    self.inner = TinyLlama(CONFIG, rngs=nnx.Rngs(0))
+    self.how = how
+
+  def __call__(self, tokens, pages, meta, *, impl=None, interpret=None):
+    logits, pages = self.inner(tokens, pages, meta, impl=impl, interpret=interpret)
+    if self.how == "swapped":
+      return pages, logits
+    if self.how == "last_only":
+      return logits[:2], pages
+    if self.how == "int_logits":
+      return logits.astype(jnp.int32), pages
+    if self.how == "pages_dtype":
+      return logits, paged_kv.KVPages(k=pages.k.astype(jnp.bfloat16), v=pages.v)
+    if self.how == "one_output":
+      return logits
+    if self.how == "raises":
+      raise RuntimeError("inside the model")
+    return logits, pages
+
+
+class NoKeywords(nnx.Module):
+
+  def __call__(self, tokens, pages, meta):
+    return tokens, pages
+
+
+class ContractTest(parameterized.TestCase):
+
+  def test_the_reference_model_meets_it(self):
+    model = TinyLlama(CONFIG, rngs=nnx.Rngs(0))
+    self.assertIsInstance(model, PagedModel)
+    self.assertEqual(check_model(model, POOL), CONFIG.vocab_size)
+    self.assertEqual(ModelExecutor(model, POOL).vocab_size, CONFIG.vocab_size)
+    self.assertEqual(check_model(Wrapped("ok"), POOL), CONFIG.vocab_size)
+
+  @parameterized.named_parameters(
+      ("swapped", "swapped", r"returned \(pages, logits\)"),
+      ("last_only", "last_only", r"logits must be floating \[T=8, vocab\].*\[2, 32\]"),
+      ("int_logits", "int_logits", r"logits must be floating"),
+      ("pages_dtype", "pages_dtype", r"pages.k bfloat16.*the pool's are float32"),
+      ("one_output", "one_output", r"must return \(logits, pages\)"),
+      ("raises", "raises", r"failed on an abstract step.*RuntimeError: inside the model"))
+  def test_each_breach_is_named(self, how, pattern):
+    with self.assertRaisesRegex(ModelContractError, pattern):
+      ModelExecutor(Wrapped(how), POOL)
+
+  def test_missing_keywords_and_non_callables(self):
+    with self.assertRaisesRegex(ModelContractError, "keywords impl= and interpret="):
+      ModelExecutor(NoKeywords(), POOL)
+    with self.assertRaisesRegex(ModelContractError, "must be callable"):
+      check_model(42, POOL)
+    self.assertTrue(issubclass(ModelContractError, paged_kv.InvalidArgument))
+    with self.assertRaisesRegex(paged_kv.InvalidArgument, "pool_config must be a PoolConfig"):
+      ModelExecutor(TinyLlama(CONFIG, rngs=nnx.Rngs(0)), "pool")
+
+
+if __name__ == "__main__":
+  absltest.main()
