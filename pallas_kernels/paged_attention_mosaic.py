@@ -144,19 +144,6 @@ def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
   return None
 
 
-def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
-  """Why the library's default path (`impl=None`) should skip this kernel at a
-  shape it does build for, or None. The one-warpgroup kernel (head_dim 256:
-  no producer warpgroup fits shared memory) spills registers when compiled for
-  sm_90a (compile tier, ptxas: 255 registers, ~570 spill stores); explicit
-  `impl="mosaic"` still runs it."""
-  warp_specialized, stages = kernel_config(head_dim, dtype)
-  if stages and not warp_specialized:
-    return (f"impl='mosaic' at head_dim {head_dim} (one warpgroup) spills registers "
-            f"when compiled for sm_90a (compile tier); the default path skips it")
-  return None
-
-
 # Kernel -------------------------------------------------------------------------
 
 
