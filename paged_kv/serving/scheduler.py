@@ -1215,7 +1215,7 @@ class Scheduler:
     failed = 0
     bad = (status[:len(decodes)] != Status.OK).tolist()
     tokens = nxt[:len(decodes)].tolist()
-    now, itl = self._now, self._itl_now
+    now, itl, stream = self._now, self._itl_now, self._tokens_now
     for i, (req, is_bad, token) in enumerate(zip(decodes, bad, tokens)):
       if is_bad:
         self._record_failure(req, int(status[i]), req.num_cached + 1)
@@ -1226,6 +1226,7 @@ class Scheduler:
         self._emit(req, token)
       else:  # `_emit`'s common case, inlined (O(batch) Python every step)
         req.output.append(token)
+        stream.append((req.request_id, token))
         itl.append(now - req.last_token_time)
         req.last_token_time = now
     self.stats.decode_tokens += len(decodes) - failed
@@ -1495,7 +1496,9 @@ class Scheduler:
         without `evict_cached`, everything referenced now), or a submitted
         request could not run in a pool of that size (`reason="no_free_block"`).
       SchedulerBroken: the scheduler refuses further use.
-      Nothing changed when it raises.
+      Nothing changed when it raises. Anything else raised while it makes room
+      (an interrupted eviction) is raised after the scheduler was reconciled as
+      `step()` reconciles; no shrink is pending then.
     """
     self._check_usable()
     pc = self.pool.config
@@ -1545,11 +1548,19 @@ class Scheduler:
         max_moves=max_moves, block_bytes=int(block_bytes), margin=int(margin),
         evict_cached=bool(evict_cached), held_at_start=held_above, held_above=held_above,
         staging=staging)
+    previous = self.last_shrink
     self._shrink_policy = policy
     self._shrink = self.last_shrink = progress
     # Room below the target now, so the next step's allocations already land there.
     t0 = time.perf_counter()
-    progress.held_above, _ = self._make_room(progress, *self._shrink_progress(num_blocks))
+    try:
+      progress.held_above, _ = self._make_room(progress, *self._shrink_progress(num_blocks))
+    except BaseException as exc:
+      # Interrupted (the eviction can be, between the cache's side and the pool's):
+      # reconcile as `step()` does, and register no shrink (evictions done stay).
+      self._shrink, self.last_shrink = None, previous
+      self._recover(exc)
+      raise
     progress.move_seconds += time.perf_counter() - t0
     return progress
 

@@ -203,6 +203,16 @@ class StreamTest(absltest.TestCase):
         from_reports.setdefault(rid, []).append(token)
     self.assertEqual(from_reports, {r.request_id: r.output for r in reqs})
 
+  def test_sampled_tokens_stream_too(self):
+    """Requests without forced output take the decode loop's inlined emit."""
+    sched = Scheduler(paged_kv.BlockPool(CFG), DryExecutor(CFG), SCHED)
+    reqs = [Request(f"s{i}", np.arange(3 + i), 5) for i in range(3)]
+    streamed: dict = {}
+    for out in generate(sched, reqs):
+      streamed.setdefault(out.request_id, []).extend(out.new_tokens)
+    self.assertEqual(streamed, {r.request_id: r.output for r in reqs})
+    self.assertTrue(all(len(r.output) == 5 for r in reqs))
+
   def test_abort_while_streaming_ends_that_stream(self):
     sched = Scheduler(paged_kv.BlockPool(CFG), DryExecutor(CFG), SCHED)
     reqs = _requests(3, n=4)
