@@ -6,8 +6,10 @@ exact small integers in float32, so any read through segments can be checked bit
 for bit. A cached prefix reused by another request of the same tenant holds the
 same values (same tokens at the same positions); one reused across tenants, or a
 slot another tenant left behind, shows the wrong tenant. It samples the next token
-deterministically from the last one, inside the tenant's token range, and checks,
-when the pool scrubs, that every slot it is handed reads zero before it writes.
+deterministically from the last one, inside the tenant's token range (or, with
+`vocab`, among `vocab` ids every tenant shares, so a stop token fires in any
+namespace), and checks, when the pool scrubs, that every slot it is handed reads
+zero before it writes.
 
 `check_tags(sched, tenant_of)` reads every live sequence's segments and every
 cache node's segments from the pages and compares them with the tags;
@@ -40,19 +42,29 @@ def tags(tenant: int, tokens: np.ndarray, positions: np.ndarray, layer: int = 0)
                   axis=-1).astype(np.float32)
 
 
-def next_token(tenant: int, token: int, position: int) -> int:
-  """The token the executor samples after `token` at `position`, in the tenant's range."""
-  return tenant * TOKENS_PER_TENANT + (int(token) * 31 + int(position) * 17 + 7) % TOKENS_PER_TENANT
+def next_token(tenant: int, token: int, position: int, vocab: int | None = None) -> int:
+  """The token the executor samples after `token` at `position`: in the tenant's range,
+  or with `vocab` in `[0, vocab)` (the same ids for every tenant)."""
+  mix = int(token) * 31 + int(position) * 17 + 7
+  if vocab:
+    return mix % vocab
+  return tenant * TOKENS_PER_TENANT + mix % TOKENS_PER_TENANT
 
 
 class TaggingExecutor:
-  """`DryExecutor` plus K/V writes of `tags`; set `.sched` once the scheduler exists."""
+  """`DryExecutor` plus K/V writes of `tags`; set `.sched` once the scheduler exists.
 
-  def __init__(self, config: paged_kv.PoolConfig, tenant_of: Callable[[Hashable], int]):
+  `vocab`: sample among `vocab` ids shared by all tenants (`next_token`), e.g. so
+  that a `SchedulerConfig.stop_token` below it fires; None: the tenant's range.
+  """
+
+  def __init__(self, config: paged_kv.PoolConfig, tenant_of: Callable[[Hashable], int],
+               vocab: int | None = None):
     if config.head_dim != TAG_DIM:
       raise ValueError(f"TaggingExecutor needs head_dim={TAG_DIM}")
     self.config = config
     self.tenant_of = tenant_of
+    self.vocab = vocab
     self.sched = None
     self.steps = 0
     self.tokens_written = 0
@@ -88,7 +100,7 @@ class TaggingExecutor:
       toks = tokens[cu[b]:cu[b + 1]]
       pos = int(base[b]) + np.arange(n)
       tenant = self.tenant_of(by_seq[sid].namespace)
-      nxt[b] = next_token(tenant, toks[-1], pos[-1])
+      nxt[b] = next_token(tenant, toks[-1], pos[-1], self.vocab)
       if status[b] != Status.OK:
         continue
       assert n <= width
