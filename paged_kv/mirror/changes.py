@@ -182,6 +182,12 @@ class ChangeLog:
       self._blocks.append(ids)
       self.num_blocks += ids.size
 
+  def touch_owned(self, ids: np.ndarray) -> None:
+    """`touch_blocks` of a fresh `i64[k]` array the caller hands over (no copy)."""
+    if ids.size:
+      self._blocks.append(ids)
+      self.num_blocks += ids.size
+
   def adopt(self, host: "HostState", ids: np.ndarray) -> None:
     """Blocks a jitted step changed on the device as the host predicted: their
     current host values are the device's now; they are checked at the next commit."""

@@ -12,6 +12,15 @@ entries, 1,024 at a million blocks), never a pass over the blocks:
 * `lowest(k)`: the k lowest free blocks (what the device's `take_blocks` hands
   out, lowest address first);
 * `mark(blocks, delta)`: blocks become free (+1) or taken (-1);
+
+A request at a time takes and frees a few to a few dozen blocks per call, where
+each numpy call's fixed cost dominates: `lowest(k)` and `mark` of up to
+`SMALL_BLOCKS` blocks run in plain Python over the words (`_lowest_small`,
+`_mark_small`), starting from a hint (`_low`: no word below it has a free bit,
+lowered by every mark that frees a block) and falling back to the general,
+vectorised code (`_lowest_general`, `_mark_general`) when the window after the
+hint holds too few free blocks; both give the same results
+(`tests/mirror/test_free_index_small.py`).
 * `largest_run()`: the longest run of free blocks (a segment tree over the
   words, `free_runs.FreeRuns`, updated from the words marked since).
 """
@@ -25,6 +34,11 @@ from paged_kv.mirror.free_runs import FreeRuns
 
 _F = FREE_FANOUT
 _BIT = np.uint32(1) << np.arange(_F, dtype=np.uint32)
+# `lowest` / `mark` of at most this many blocks take the plain-Python paths, which
+# read at most this many words after the hint.
+SMALL_BLOCKS = 64
+_NO_BLOCKS = np.zeros((0,), np.int64)
+_NO_BLOCKS.setflags(write=False)
 
 
 def _unpack(words: np.ndarray) -> np.ndarray:
@@ -50,6 +64,7 @@ class HostFreeIndex:
     self.counts = np.array(counts, np.int32)
     self.num_free = int(num_free)
     self._runs: FreeRuns | None = None  # built on the first `largest_run`
+    self._low = 0  # a word index: no word below it has a free bit
 
   @classmethod
   def from_mask(cls, free: np.ndarray) -> "HostFreeIndex":
@@ -84,6 +99,39 @@ class HostFreeIndex:
       return np.zeros((0,), np.int64)
     if k > self.num_free:
       raise ValueError(f"{k} blocks wanted, {self.num_free} free")
+    if k <= SMALL_BLOCKS:
+      out = self._lowest_small(k)
+      if out is not None:
+        return out
+    return self._lowest_general(k)
+
+  def _lowest_small(self, k: int) -> np.ndarray | None:
+    """`lowest(k)` in plain Python over the words from the hint on; None when the
+    `SMALL_BLOCKS` words after the first non-empty one hold fewer than `k` free
+    blocks (the general path then decides). Moves the hint up to that word."""
+    bits = self.bits
+    w = self._low
+    if w >= bits.shape[0] or not bits[w]:
+      nz = np.flatnonzero(bits[w:w + SMALL_BLOCKS])
+      if not nz.size:
+        self._low = min(w + SMALL_BLOCKS, bits.shape[0])  # those words are all empty
+        return None
+      w += int(nz[0])
+    self._low = w
+    out = []
+    for x in bits[w:w + SMALL_BLOCKS].tolist():
+      base = w << 5
+      while x:
+        low = x & -x
+        out.append(base + low.bit_length() - 1)
+        if len(out) == k:
+          return np.array(out, np.int64)
+        x ^= low
+      w += 1
+    return None
+
+  def _lowest_general(self, k: int) -> np.ndarray:
+    """`lowest(k)` by the count levels (`1 <= k <= num_free`)."""
     if k == 1:  # the lowest free block: descend the count levels to its word
       g = 0
       for level in range(len(self.sizes) - 1, 0, -1):
@@ -111,23 +159,59 @@ class HostFreeIndex:
     b = np.asarray(blocks, np.int64).reshape(-1)
     if b.size == 0:
       return
-    if b.size <= 8:  # a few: plain Python beats the ufunc.at calls
-      bits, counts, offsets = self.bits, self.counts, self.offsets
-      for x in b.tolist():
-        bits[x >> 5] ^= _BIT[x & 31]
-        for level in range(1, len(self.sizes)):
-          counts[offsets[level] + x // _F ** (level + 1)] += delta
+    if b.size <= SMALL_BLOCKS:
+      self._mark_small(b.tolist(), delta)
     else:
-      np.bitwise_xor.at(self.bits, b // _F, _BIT[b % _F])
+      self._mark_general(b, delta)
+    self.num_free += int(delta) * int(b.size)
+
+  def _mark_small(self, blocks: list[int], delta: int) -> None:
+    """`mark` of a few distinct blocks in plain Python: one xor per word touched,
+    one add per count entry touched (a word's blocks are counted by its popcount)."""
+    bits, counts = self.bits, self.counts
+    if len(blocks) == 1:
+      x = blocks[0]
+      w = x >> 5
+      bits[w] = int(bits[w]) ^ (1 << (x & 31))
       for level in range(1, len(self.sizes)):
-        size = self.sizes[level]
-        off = self.offsets[level]
-        # A count per group of 32**(level+1) blocks: n / 1024 entries at most.
-        self.counts[off:off + size] += delta * np.bincount(b // _F ** (level + 1),
-                                                           minlength=size).astype(np.int32)
+        counts[self.offsets[level] + (w >> (5 * level))] += delta
+      if delta > 0 and w < self._low:
+        self._low = w
+      if self._runs is not None:
+        self._runs.dirty(np.array([w], np.int64))
+      return
+    per_word: dict[int, int] = {}
+    for x in blocks:
+      w = x >> 5
+      per_word[w] = per_word.get(w, 0) | (1 << (x & 31))
+    for w, m in per_word.items():
+      bits[w] = int(bits[w]) ^ m
+    for level in range(1, len(self.sizes)):
+      off, shift = self.offsets[level], 5 * level
+      per_group: dict[int, int] = {}
+      for w, m in per_word.items():
+        g = w >> shift
+        per_group[g] = per_group.get(g, 0) + m.bit_count()
+      for g, c in per_group.items():
+        counts[off + g] += delta * c
+    if delta > 0:
+      self._low = min(self._low, min(per_word))
+    if self._runs is not None:
+      self._runs.dirty(np.fromiter(per_word, np.int64, len(per_word)))
+
+  def _mark_general(self, b: np.ndarray, delta: int) -> None:
+    """`mark` by `ufunc.at` and a bincount per count level (`b`: `i64`, distinct)."""
+    np.bitwise_xor.at(self.bits, b // _F, _BIT[b % _F])
+    for level in range(1, len(self.sizes)):
+      size = self.sizes[level]
+      off = self.offsets[level]
+      # A count per group of 32**(level+1) blocks: n / 1024 entries at most.
+      self.counts[off:off + size] += delta * np.bincount(b // _F ** (level + 1),
+                                                         minlength=size).astype(np.int32)
+    if delta > 0:
+      self._low = min(self._low, int(b.min()) >> 5)
     if self._runs is not None:
       self._runs.dirty(b // _F)
-    self.num_free += int(delta) * int(b.size)
 
   def largest_run(self) -> int:
     """Length of the longest run of consecutive free blocks.

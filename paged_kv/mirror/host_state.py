@@ -29,6 +29,8 @@ from paged_kv.mirror.ids import aggregate, distinct_mask, sum_by_id  # noqa: F40
 
 _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.setflags(write=False)
+# `change_refs` of at most this many entries takes the plain-Python path.
+SMALL_CHANGES = 32
 
 
 class HostState:
@@ -158,6 +160,13 @@ class HostState:
       d = d.reshape(-1)
     if b.size == 1:
       return self._change_ref(int(b[0]), int(d.reshape(-1)[0]))
+    if b.size <= SMALL_CHANGES:
+      return self._change_refs_small(b, d)
+    return self._change_refs_general(b, d, distinct=distinct)
+
+  def _change_refs_general(self, b: np.ndarray, d: np.ndarray, *,
+                           distinct: bool = False) -> np.ndarray:
+    """`change_refs`, vectorised (`b: i64[k]`, `d`: `i64[k]` or a scalar)."""
     uniq, total = (b, d) if distinct else aggregate(self.stamp, b, d)
     self.log.touch_blocks(self, uniq, distinct=True)
     old = self.ref_count[uniq]
@@ -180,6 +189,45 @@ class HostState:
       self.free.mark(taken[dyn], -1)
       self.num_free_base -= taken.size - int(np.count_nonzero(dyn))
     return freed
+
+  def _change_refs_small(self, b: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """`change_refs` of a few entries (`b: i64[k]`, `d`: `i64[k]` or a scalar): sums
+    per block in a dict, the flips to and from 0 in plain Python."""
+    ids = b.tolist()
+    if d.ndim:
+      acc: dict[int, int] = {}
+      for x, v in zip(ids, d.tolist()):
+        acc[x] = acc.get(x, 0) + v
+    else:
+      acc = dict.fromkeys(ids, 0)
+      v = int(d)
+      for x in ids:
+        acc[x] += v
+    uniq = np.fromiter(acc, np.int64, len(acc))
+    self.log.touch_owned(uniq)
+    rc = self.ref_count
+    old = rc[uniq]
+    new = old + np.fromiter(acc.values(), np.int64, len(acc))
+    rc[uniq] = new
+    freed, taken = [], []
+    for x, o, n in zip(acc, old.tolist(), new.tolist()):
+      if (o == 0) != (n == 0):
+        (freed if n == 0 else taken).append(x)
+    if not freed and not taken:
+      return _NO_IDS
+    region = self.region
+    if freed:
+      f = np.array(freed, np.int64)
+      self.slots[f] = 0
+      self.log.freed(f)
+      dyn = [x for x in freed if region[x] == REGION_DYNAMIC]
+      self.free.mark(np.array(dyn, np.int64), +1)
+      self.num_free_base += len(freed) - len(dyn)
+    if taken:
+      dyn = [x for x in taken if region[x] == REGION_DYNAMIC]
+      self.free.mark(np.array(dyn, np.int64), -1)
+      self.num_free_base -= len(taken) - len(dyn)
+    return np.array(freed, np.int64)
 
   def _change_ref(self, x: int, delta: int) -> np.ndarray:
     """`change_refs` of one block, in plain Python."""
@@ -300,11 +348,11 @@ class HostState:
     self.num_table_blocks += int(np.asarray(cell_blocks).size)
 
   def open_row(self, row: int, block: np.ndarray, start: np.ndarray,
-               length: np.ndarray, *, refs: np.ndarray | None = None) -> None:
-    """Activates inactive `row` with the given segments, each gaining a reference
-    (`write_rows` + `change_refs` of one row, without their batch work); `refs`: the
-    blocks that gain one instead (default `block`; a tail opened on a block the
-    caller already took gains none)."""
+               length: np.ndarray, *, tail_taken: bool = False) -> None:
+    """Activates inactive `row` with the given segments (`i64[k]` each), each gaining
+    a reference (`write_rows` + `change_refs` of one row, without their batch work);
+    `tail_taken`: the last segment's block is one the caller already took (a tail
+    copy), which gains its table reference only."""
     k = int(block.size)
     self.log.touch_row(self, row)
     for a, v in ((self.block, block), (self.start, start), (self.length, length)):
@@ -313,11 +361,24 @@ class HostState:
     self.num_segments[row] = k
     self.seq_len[row] = int(length.sum())
     self.active[row] = True
-    if k:
+    if not k:
+      return
+    refs = block[:-1] if tail_taken else block
+    if refs.size <= SMALL_CHANGES:
       self._change_table_refs(block[:0], block)
-      refs = block if refs is None else refs
       if refs.size:
         self.change_refs(refs, 1)
+      return
+    # Many segments: the blocks summed once for both counts.
+    uniq, count = aggregate(self.stamp, refs, 1)
+    tr = self.table_refs
+    tr[uniq] += count
+    self.num_table_blocks += int(np.count_nonzero(tr[uniq] == count))
+    if tail_taken:
+      x = int(block[-1])
+      tr[x] += 1
+      self.num_table_blocks += int(tr[x] == 1)
+    self._change_refs_general(uniq, count, distinct=True)
 
   def extend_row(self, row: int, tail: int, grow: int, blocks: np.ndarray,
                  lengths: np.ndarray, tokens: int) -> None:
@@ -338,9 +399,10 @@ class HostState:
       self.num_table_blocks += k
     self.seq_len[row] += tokens
 
-  def clear_row(self, row: int) -> np.ndarray:
-    """Ends live `row` (`write_rows(clear=True)` of one row); returns its blocks
-    (`i64`, one entry per segment) for the caller's `change_refs`."""
+  def release_row(self, row: int) -> None:
+    """Ends live `row`: its table entries cleared and one reference less per segment
+    on their blocks (`write_rows(clear=True)` + `change_refs` of one row, the blocks
+    summed once for both counts)."""
     self.log.touch_row(self, row)
     ns = int(self.num_segments[row])
     blocks = self.block[row, :ns].astype(np.int64)
@@ -350,8 +412,15 @@ class HostState:
     self.num_segments[row] = 0
     self.seq_len[row] = 0
     self.active[row] = False
-    self._change_table_refs(blocks, blocks[:0])
-    return blocks
+    if ns <= SMALL_CHANGES:
+      self._change_table_refs(blocks, blocks[:0])
+      self.change_refs(blocks, -1)
+      return
+    uniq, count = aggregate(self.stamp, blocks, 1)
+    tr = self.table_refs
+    tr[uniq] -= count
+    self.num_table_blocks -= int(np.count_nonzero(tr[uniq] == 0))
+    self._change_refs_general(uniq, -count, distinct=True)
 
   def move_tail(self, row: int, tail: int, block: int) -> None:
     """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail

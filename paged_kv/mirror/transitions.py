@@ -439,6 +439,19 @@ def _apply_ref_deltas_fast(h: HostState, block_ids: np.ndarray, deltas: np.ndarr
   is valid (what a prefix cache hands over): a dozen numpy calls. None otherwise (the
   other paths then decide the statuses)."""
   n = h.config.num_blocks
+  k = block_ids.size
+  if 0 < k <= SMALL_DELTAS and deltas.shape == block_ids.shape:  # a few: plain Python
+    ids = block_ids.tolist()
+    if min(ids) < 0 or max(ids) >= n or len(set(ids)) != k:
+      return None
+    for r, d, t in zip(h.ref_count[block_ids].tolist(), deltas.tolist(),
+                       h.table_refs[block_ids].tolist()):
+      new = r + d
+      if new < 0 or new > _I32_MAX or (d > 0 and r == 0) or (d < 0 and new < t):
+        return None
+    if apply:
+      h.change_refs(block_ids, deltas, distinct=True)
+    return np.zeros(k, np.int32)
   if block_ids.size == 0 or block_ids.min() < 0 or block_ids.max() >= n:
     return None
   if block_ids.size > 1 and not distinct_mask(h.stamp, block_ids).all():
@@ -805,7 +818,7 @@ def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start
   h.set_slots(fresh, _int_to_words(_mask_int(0, tl), c.slot_words)[None, :])
   h.log.touch_blocks(h, np.array([tb], np.int64))  # as the split's decref does
   blk[-1], st[-1] = f, 0
-  h.open_row(i, blk, st, ln, refs=blk[:-1])
+  h.open_row(i, blk, st, ln, tail_taken=True)
   return np.array([_OK], np.int32), True
 
 
@@ -883,7 +896,7 @@ def _release_one(h: HostState, i: int) -> np.ndarray:
     return np.array([_OK], np.int32)
   if not _row_ok(h, i, want_active=True):
     return np.array([_INVALID_SEQUENCE], np.int32)
-  h.change_refs(h.clear_row(i), -1)
+  h.release_row(i)
   return np.array([_OK], np.int32)
 
 
