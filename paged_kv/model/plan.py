@@ -20,6 +20,7 @@ import numpy as np
 
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.model import ragged
+from paged_kv.model.sampling import SamplingBatch
 
 
 @jax.tree_util.register_dataclass
@@ -37,12 +38,17 @@ class StepPlan:
     max_query_len: static upper bound of `num_new` (the width of the step's
       `reserve_tokens` call); 1 marks a decode-only batch, for which
       `paged_attention` runs only the decode kernel.
+    sampling: optional per-row `paged_kv.model.sampling.SamplingBatch` (None:
+      greedy, the executor's plain step).
+    num_logprobs: static; top logprobs to return per row with `sampling` (0: none).
   """
 
   seq_ids: jax.Array | np.ndarray
   num_new: jax.Array | np.ndarray
   tokens: jax.Array | np.ndarray
   max_query_len: int = dataclasses.field(metadata=dict(static=True), default=1)
+  sampling: SamplingBatch | None = None
+  num_logprobs: int = dataclasses.field(metadata=dict(static=True), default=0)
 
   @property
   def num_rows(self) -> int:

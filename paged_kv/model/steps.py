@@ -6,7 +6,9 @@ returned state back, the argument is deleted):
 
   * `forward`      — the serving step: one `StepPlan` of prefill chunks and decode
                      tokens together (ragged), ONE forward pass; greedy sample after
-                     each row's last token.
+                     each row's last token. `forward_sampled`: the same with each
+                     row's `plan.sampling` (temperature, top-k/p, min-p, seed) and
+                     logprobs (`paged_kv.model.sampling`).
   * `prefill`      — the same for padded `[B, T]` prompt chunks (a convenience).
   * `decode_step`  — one token per row.
   * `decode_multi` — `lax.scan` over `num_steps` decode steps in one jit: reserve,
@@ -37,7 +39,7 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import Status
 from paged_kv.core.segments import reserve_tokens
 from paged_kv.core.state import PoolState
-from paged_kv.model import ragged
+from paged_kv.model import ragged, sampling
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
 
@@ -85,6 +87,26 @@ def forward(params: nnx.State, state: PoolState, plan: StepPlan, *, graphdef: nn
   """
   return _forward_body(params, state, plan, graphdef=graphdef, config=config, impl=impl,
                        interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("state",))
+def forward_sampled(params: nnx.State, state: PoolState, plan: StepPlan, *,
+                    graphdef: nnx.GraphDef, config: PoolConfig, impl: str | None = None,
+                    interpret=None) -> tuple[PoolState, tuple]:
+  """`forward` with each row's token drawn by its `plan.sampling` parameters.
+
+  Greedy rows (temperature 0) get the same token as `forward`'s. `plan.num_logprobs`
+  (static) top logprobs come back per row.
+
+  Returns:
+    `(state, (next_tokens i32[B], status i32[B], sampling.SampleOutput))`, tokens
+    `-1` for padding, empty and failed rows.
+  """
+  state, (greedy, last_logits, status) = _forward_body(
+      params, state, plan, graphdef=graphdef, config=config, impl=impl, interpret=interpret)
+  out = sampling.sample(last_logits, plan.sampling, num_logprobs=plan.num_logprobs)
+  tokens = jnp.where(greedy >= 0, out.tokens, -1).astype(jnp.int32)
+  return state, (tokens, status, out._replace(tokens=tokens))
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("state",))

@@ -20,9 +20,10 @@ from paged_kv.serving.executor import (DryExecutor, Executor, ModelExecutor, att
 from paged_kv.serving.persist import load_prefix_cache, save_prefix_cache
 from paged_kv.serving.scheduler import (Phase, Request, Scheduler, SchedulerBroken,
                                         SchedulerConfig, SchedulerStats, UnknownRequest)
+from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
 
 __all__ = ["CacheView", "CachedPool", "DryExecutor", "Executor", "ModelExecutor", "Phase",
-           "PoolStateLost", "Request", "Scheduler", "SchedulerBroken", "SchedulerConfig",
+           "PoolStateLost", "Request", "SamplingParams", "Scheduler", "SchedulerBroken", "SchedulerConfig",
            "SchedulerStats", "SwappedKV", "UnknownRequest", "attach_state", "attached_state",
            "load_prefix_cache", "save_prefix_cache", "swap_in", "swap_out"]

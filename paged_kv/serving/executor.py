@@ -91,7 +91,9 @@ class Executor(Protocol):
     Returns:
       `(state, next_tokens i32[B], status i32[B])` (host or device arrays); a
       row whose reservation failed (`status != OK`) is left untouched and its
-      `next_tokens` entry is meaningless.
+      `next_tokens` entry is meaningless. An executor with `samples = True` gets
+      `plan.sampling` (each row's parameters; `paged_kv.model.sampling`) and may
+      return a fourth element, the rows' `SampleOutput` (logprobs).
 
     Raises:
       Anything; raised after the donating call, the exception carries the new
@@ -99,7 +101,8 @@ class Executor(Protocol):
     """
 
   # Optional: `resize(config: PoolConfig) -> None`, for an executor that holds the
-  # pool's config (see the module docstring).
+  # pool's config (see the module docstring); `samples = True`, for one that applies
+  # `plan.sampling` (the scheduler then always hands it one).
 
 
 class DryExecutor:
@@ -168,6 +171,7 @@ class ModelExecutor:
       llama.check_pool_matches_model(pool_config, model_config)
     self.vocab_size = contract.check_model(model, pool_config)
     self._forward = steps.forward
+    self._forward_sampled = steps.forward_sampled
     self.graphdef, self.params = nnx.split(model)
     self.config = pool_config
     self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
@@ -176,8 +180,14 @@ class ModelExecutor:
     """Follows a pool resize: the next step compiles once for `config`'s shapes."""
     self.config = check_resized(self.config, config)
 
-  def step(self, state: PoolState,
-           plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
+  samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
+
+  def step(self, state: PoolState, plan: StepPlan) -> tuple:
+    if plan.sampling is not None:
+      state, (nxt, status, out) = self._forward_sampled(
+          self.params, state, plan, graphdef=self.graphdef, config=self.config,
+          **self.kernel_args)
+      return state, nxt, status, out
     state, (nxt, _, status) = self._forward(self.params, state, plan, graphdef=self.graphdef,
                                             config=self.config, **self.kernel_args)
     # Device arrays: the caller reads the tokens (it needs them) and compares the

@@ -86,6 +86,8 @@ from paged_kv.core.segment_format import Segments
 from paged_kv.serving.cached_pool import CachedPool, CacheView, PoolStateLost, state_lost
 from paged_kv.model import ragged
 from paged_kv.model.plan import StepPlan
+from paged_kv.model.sampling import SamplingBatch
+from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.executor import DryExecutor, Executor, attached_state
 from paged_kv.runtime import counters
 from paged_kv.serving import warmup as warmup_lib
@@ -140,7 +142,7 @@ class Phase(enum.Enum):
 
 
 _REQUEST_INPUTS = frozenset(("request_id", "prompt", "max_new_tokens", "namespace",
-                             "forced_output"))
+                             "forced_output", "sampling"))
 
 
 @dataclasses.dataclass
@@ -158,13 +160,16 @@ class Request:
       scheduler's latencies are measured on its own clock from `submit_time`.
     forced_output: optional `i32[max_new_tokens]` tokens to emit instead of the
       executor's samples (trace replay, where only lengths are known).
+    sampling: how its tokens are drawn (`SamplingParams`; None: greedy), applied
+      by an executor that samples (`ModelExecutor`).
 
   Progress, written by the scheduler (read them; do not assign): `phase` (`Phase`),
   `output` (the tokens emitted so far, a list), `stop_reason` (below), `seq_id` (its
   pool row while running), `num_cached` (tokens whose K/V is in the pool),
   `hit_tokens` (prompt tokens matched in the prefix cache), `num_preemptions`,
   `submit_step` / `admit_step` / `first_token_step` / `finish_step` and the same
-  `*_time`s on the scheduler's clock.
+  `*_time`s on the scheduler's clock, and with `sampling.logprobs = n > 0`
+  `logprobs`: per output token `(its logprob, ((token, logprob), ...) the top n)`.
 
   `Scheduler.submit` validates these inputs once and freezes them: the arrays become
   read-only copies of the caller's, and assigning an input field afterwards raises
@@ -179,6 +184,7 @@ class Request:
   namespace: Hashable = "default"
   arrival: float = 0.0
   forced_output: np.ndarray | None = None
+  sampling: SamplingParams | None = None
   # Progress (set by the scheduler).
   phase: Phase = Phase.WAITING
   output: list = dataclasses.field(default_factory=list)
@@ -199,6 +205,9 @@ class Request:
   first_token_time: float = -1.0
   last_token_time: float = -1.0
   finish_time: float = -1.0
+  logprobs: list = dataclasses.field(default_factory=list)
+  stop_ids: frozenset = frozenset()  # the tokens that end it (set at submit)
+  sample_seed: int = 0  # its sampling seed (`sampling.seed`, else the scheduler's)
 
   def __post_init__(self):
     self.validate()
@@ -236,6 +245,9 @@ class Request:
                             f"int, got {self.max_new_tokens!r}")
     self.max_new_tokens = int(self.max_new_tokens)
     check_namespace(self.namespace)
+    if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+      raise InvalidArgument(f"request {self.request_id!r}: sampling must be a SamplingParams "
+                            f"or None, got {type(self.sampling).__name__}")
     if self.forced_output is not None:
       self.forced_output = _as_token_array(self.forced_output,
                                            f"request {self.request_id!r}: forced_output")
@@ -297,6 +309,10 @@ class SchedulerConfig:
       `Scheduler.take_snapshot()`.
     governance: live/cached quotas with watermarks and the two-phase GC
       (`paged_kv.serving.governance`; None: plain eviction on demand).
+    max_logprobs: the most top logprobs a request may ask for
+      (`SamplingParams.logprobs`); the step computes this many for every row of a
+      sampling executor (a static width: one program), 0 = none.
+    seed: the seeds of requests without one: `seed` + their submit order.
   """
 
   max_batch: int = 32
@@ -316,6 +332,8 @@ class SchedulerConfig:
   stats_budget: float | None = None
   snapshot_every: int = 100
   governance: CacheGovernance | None = None
+  max_logprobs: int = 0
+  seed: int = 0
 
   def __post_init__(self):
     """Checks every field (`paged_kv.core.fields`: `InvalidArgument` naming the field,
@@ -328,7 +346,8 @@ class SchedulerConfig:
                             ("prefill_chunk", 1, fields.I32_MAX), ("promote_every", 1, fields.I32_MAX),
                             ("promote_readers", 0, fields.I32_MAX), ("watermark_blocks", 0, fields.I32_MAX),
                             ("stats_every", 0, fields.I32_MAX), ("snapshot_every", 0, fields.I32_MAX),
-                            ("stop_token", -1, fields.I32_MAX)):
+                            ("stop_token", -1, fields.I32_MAX), ("max_logprobs", 0, 1024),
+                            ("seed", 0, fields.I32_MAX)):
       put(name, fields.check_int(own, name, getattr(self, name), low, high))
     put("preemption", fields.check_choice(own, "preemption", self.preemption, PREEMPTION_MODES))
     put("evict_policy", fields.check_choice(own, "evict_policy", self.evict_policy, POLICIES))
@@ -558,6 +577,7 @@ class Scheduler:
     # not keep every request it ever served (a dead entry's id may be reused).
     self._submitted: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
     self._live: dict[Hashable, Request] = {}  # request_id -> a submitted, unfinished request
+    self._num_submitted = 0
     gov = config.governance
     pc = cached_pool.config
     self._quota = (gov.quota(pc.num_blocks - pc.num_base_blocks)
@@ -651,7 +671,18 @@ class Scheduler:
     if _cdiv(request.prompt.size + request.max_new_tokens, bs) > pc.max_segments:
       raise PoolExhausted(f"request {request.request_id} may need more than "
                           f"max_segments={pc.max_segments} segments", reason="table_full")
+    sp = request.sampling
+    if sp is not None and sp.logprobs > self.config.max_logprobs:
+      raise InvalidArgument(f"request {request.request_id!r} asks {sp.logprobs} logprobs; "
+                            f"SchedulerConfig.max_logprobs is {self.config.max_logprobs}")
     request._freeze()  # pylint: disable=protected-access
+    stops = set(sp.stop_token_ids) if sp is not None else set()
+    if self.config.stop_token >= 0:
+      stops.add(self.config.stop_token)
+    request.stop_ids = frozenset(stops)
+    request.sample_seed = (sp.seed if sp is not None and sp.seed is not None
+                           else (self.config.seed + self._num_submitted) % (2**32))
+    self._num_submitted += 1
     self._submitted[id(request)] = request
     self._live[request.request_id] = request
     request.submit_time = self.clock()
@@ -1152,7 +1183,6 @@ class Scheduler:
   def _decode_batch(self) -> list[Request]:
     """The running requests with a token to decode: prompt done, an output, not
     finished (`_is_finished`, inlined: O(batch) Python every step)."""
-    stop = self.config.stop_token
     out = []
     for r in self.running:
       o = r.output
@@ -1160,7 +1190,7 @@ class Scheduler:
         continue
       if len(o) >= r.max_new_tokens:
         r.stop_reason = "length"
-      elif stop >= 0 and o[-1] == stop:
+      elif r.stop_ids and o[-1] in r.stop_ids:
         r.stop_reason = "stop_token"
       else:
         out.append(r)
@@ -1190,7 +1220,7 @@ class Scheduler:
     pred = self.pool.predict_step(plan.seq_ids, plan.num_new,
                                   max_new_tokens=plan.max_query_len)
     try:
-      state, nxt, dev_status = self.executor.step(pred.state, plan)
+      state, nxt, dev_status, *extra = self.executor.step(pred.state, plan)
     except BaseException as exc:
       # Raised after the donation: the executor's new state (else the old one stands).
       self.pool.abandon_step(attached_state(exc))
@@ -1206,6 +1236,7 @@ class Scheduler:
         raise InvalidArgument(f"executor returned {nxt.shape[0]} tokens / "
                               f"{dev_status.shape[0]} statuses for {num_rows} rows")
       self.pool.adopt_step(state, pred, device_status=dev_status)
+      logprobs = self._read_logprobs(extra, decodes, chunks)
     except BaseException:
       if not pred.adopted:  # the pool never took the step's state: hand it over
         self.pool.abandon_step(state)
@@ -1239,8 +1270,37 @@ class Scheduler:
       self.stats.prefill_tokens += n
       if req.num_cached == req.prefill_target and not req.output:
         self._emit(req, int(nxt[i]))
+    if logprobs is not None:
+      self._record_logprobs(logprobs, decodes, chunks)
     if failed:
       self._relieve_pressure(failed)
+
+  def _read_logprobs(self, extra: list, decodes: list[Request],
+                     chunks: list[tuple[Request, int]]) -> tuple | None:
+    """The step's `SampleOutput` on the host when a row asked for logprobs (one more
+    read of this step's results, counted with the tokens), else None."""
+    if not extra or not self.config.max_logprobs:
+      return None
+    if not any(r.sampling is not None and r.sampling.logprobs
+               for r in (*decodes, *(r for r, _ in chunks))):
+      return None
+    out = extra[0]
+    self.pool.runtime.read("tokens")
+    return (np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs))
+
+  def _record_logprobs(self, logprobs: tuple, decodes: list[Request],
+                       chunks: list[tuple[Request, int]]) -> None:
+    """Appends each emitted token's logprobs to its request (those that asked)."""
+    chosen, top_ids, top_lps = logprobs
+    rows = [(i, r) for i, r in enumerate(decodes)] + [
+        (i, r) for i, (r, _) in enumerate(chunks, start=len(decodes))]
+    for i, r in rows:
+      sp = r.sampling
+      if sp is None or not sp.logprobs or len(r.logprobs) >= len(r.output):
+        continue  # nothing asked, or no token emitted for it in this step
+      n = sp.logprobs
+      r.logprobs.append((float(chosen[i]), tuple(zip(top_ids[i, :n].tolist(),
+                                                     top_lps[i, :n].tolist()))))
 
   def _plan(self, decodes: list[Request], chunks: list[tuple[Request, int]]) -> StepPlan:
     """`StepPlan.build` of the step's rows (decodes, then chunks), from arrays.
@@ -1264,8 +1324,24 @@ class Scheduler:
       tokens[pos:pos + n] = (r.prompt[a:a + n] if a + n <= r.prompt.size
                              else r.tokens[a:a + n])
       pos += n
+    sampling = None
+    if getattr(self.executor, "samples", False):
+      sampling = self._sampling_batch(decodes, chunks)
     return StepPlan(seq_ids=ids, num_new=num_new, tokens=tokens,
-                    max_query_len=self.config.prefill_chunk if chunks else 1)
+                    max_query_len=self.config.prefill_chunk if chunks else 1,
+                    sampling=sampling, num_logprobs=self.config.max_logprobs)
+
+  def _sampling_batch(self, decodes: list[Request],
+                      chunks: list[tuple[Request, int]]) -> SamplingBatch:
+    """The rows' sampling parameters (decodes, then chunks; padding rows greedy)."""
+    batch = SamplingBatch.greedy(self.config.max_batch)
+    rows = decodes + [r for r, _ in chunks]
+    for i, r in enumerate(rows):
+      sp = r.sampling
+      if sp is not None and not sp.greedy:
+        batch.temperature[i], batch.top_k[i], batch.top_p[i] = sp.temperature, sp.top_k, sp.top_p
+        batch.min_p[i], batch.seed[i], batch.index[i] = sp.min_p, r.sample_seed, len(r.output)
+    return batch
 
   def _record_failure(self, req: Request, status: int, seq_len: int) -> None:
     """Counts a failed reservation; a full segment table ends the request (no retry helps)."""
@@ -1291,7 +1367,7 @@ class Scheduler:
     if not req.stop_reason:
       if len(req.output) >= req.max_new_tokens:
         req.stop_reason = "length"
-      elif self.config.stop_token >= 0 and req.output and req.output[-1] == self.config.stop_token:
+      elif req.stop_ids and req.output and req.output[-1] in req.stop_ids:
         req.stop_reason = "stop_token"
     return bool(req.stop_reason)
 
@@ -1377,9 +1453,8 @@ class Scheduler:
       pass  # nowhere to pack now (atomic: nothing changed); the tails stay as they are
 
   def _finish(self) -> None:
-    stop = self.config.stop_token
     done = [r for r in self.running if r.stop_reason or len(r.output) >= r.max_new_tokens
-            or (stop >= 0 and r.output and r.output[-1] == stop)]
+            or (r.stop_ids and r.output and r.output[-1] in r.stop_ids)]
     for r in done:
       self._is_finished(r)  # names the stop reason
     if not done:

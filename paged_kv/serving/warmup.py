@@ -48,6 +48,7 @@ import numpy as np
 from paged_kv.mirror.changes import CommitWidths
 from paged_kv.model import ragged
 from paged_kv.model.plan import StepPlan
+from paged_kv.model.sampling import SamplingBatch
 from paged_kv.runtime import counters
 
 if TYPE_CHECKING:
@@ -141,12 +142,14 @@ def _padding_pack(pool, width: int) -> None:
 def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
   """The executor's step on a plan of padding rows: compiles, changes nothing."""
   b = sched.config.max_batch
+  sampling = (SamplingBatch.greedy(b) if getattr(sched.executor, "samples", False) else None)
   plan = StepPlan(seq_ids=np.full((b,), -1, np.int32), num_new=np.zeros((b,), np.int32),
-                  tokens=np.zeros((width,), np.int32), max_query_len=max_query_len)
+                  tokens=np.zeros((width,), np.int32), max_query_len=max_query_len,
+                  sampling=sampling, num_logprobs=sched.config.max_logprobs)
   pool = sched.pool
   pred = pool.predict_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
   try:
-    state, _, status = sched.executor.step(pred.state, plan)
+    state, _, status, *_ = sched.executor.step(pred.state, plan)
   except BaseException:
     pool.abandon_step(None)
     raise
@@ -174,7 +177,7 @@ def release_programs() -> None:
          regions.resize_state]  # the cut's own program: one per pair of sizes, used once
   steps = sys.modules.get("paged_kv.model.steps")  # only if a model executor loaded it
   if steps is not None:
-    fns.append(steps.forward)
+    fns += [steps.forward, steps.forward_sampled]
   for fn in fns:
     fn.clear_cache()
   resize.release_programs()  # a staged cut's per-layer copies

@@ -1,0 +1,123 @@
+"""Sampling the next token of each row inside the jitted step, and its logprobs.
+
+`SamplingBatch` carries one set of parameters per batch row (arrays: one program
+serves every mix of requests); `sample(logits, batch, num_logprobs=n)` returns the
+tokens and, with `n > 0`, the sampled token's logprob and the top-`n` logprobs.
+
+Per row, with `temperature == 0` the token is the argmax of the logits (the greedy
+path, bit-equal to `argmax` alone); else the logits are divided by the temperature,
+then filtered in this order: top-k (`top_k > 0`: the `k` largest; ties at the k-th
+value are all kept), top-p (`top_p < 1`: the smallest set of most likely tokens whose
+probability reaches `top_p`), min-p (`min_p > 0`: tokens at least `min_p` times as
+likely as the most likely), and one token is drawn from what is left. The draw's key
+is `fold_in(key(seed), index)`: the same seed and output index give the same token
+whatever else is in the batch, so a request is reproducible under its seed.
+
+Logprobs are of the model's raw distribution (`log_softmax(logits)`, before the
+temperature and the filters: vLLM's default `raw_logprobs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["SampleOutput", "SamplingBatch", "sample"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+  """Sampling parameters of each row of a batch (`B` rows).
+
+  Attributes:
+    temperature: `f32[B]`; 0 = greedy.
+    top_k: `i32[B]`; 0 = off.
+    top_p: `f32[B]` in (0, 1]; 1 = off.
+    min_p: `f32[B]` in [0, 1]; 0 = off.
+    seed: `u32[B]` the row's request seed.
+    index: `i32[B]` the index, in its request's output, of the token being sampled.
+  """
+
+  temperature: jax.Array | np.ndarray
+  top_k: jax.Array | np.ndarray
+  top_p: jax.Array | np.ndarray
+  min_p: jax.Array | np.ndarray
+  seed: jax.Array | np.ndarray
+  index: jax.Array | np.ndarray
+
+  @classmethod
+  def greedy(cls, num_rows: int) -> "SamplingBatch":
+    """Every row greedy (host arrays)."""
+    return cls(temperature=np.zeros((num_rows,), np.float32),
+               top_k=np.zeros((num_rows,), np.int32), top_p=np.ones((num_rows,), np.float32),
+               min_p=np.zeros((num_rows,), np.float32), seed=np.zeros((num_rows,), np.uint32),
+               index=np.zeros((num_rows,), np.int32))
+
+
+class SampleOutput(NamedTuple):
+  """`sample`'s result: `tokens i32[B]`; with `num_logprobs = n > 0` also
+  `logprob f32[B]` (of the sampled token), `top_ids i32[B, n]` and
+  `top_logprobs f32[B, n]` (most likely first); else those are `[B, 0]`-shaped zeros."""
+
+  tokens: jax.Array
+  logprob: jax.Array
+  top_ids: jax.Array
+  top_logprobs: jax.Array
+
+
+def _filtered(logits: jax.Array, b: SamplingBatch) -> jax.Array:
+  """The tempered logits with top-k, top-p and min-p applied (`-inf` outside)."""
+  v = logits.shape[-1]
+  t = jnp.where(b.temperature > 0, b.temperature, 1.0).astype(jnp.float32)
+  z = logits / t[:, None]
+  desc = -jnp.sort(-z, axis=-1)  # most likely first
+  k = jnp.where(b.top_k > 0, jnp.minimum(b.top_k, v), v)
+  kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+  desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, -jnp.inf)
+  p = jax.nn.softmax(desc, axis=-1)
+  before = jnp.cumsum(p, axis=-1) - p  # probability of the more likely tokens
+  keep = (before < b.top_p[:, None]) & jnp.isfinite(desc)
+  cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+  z = jnp.where((z >= kth) & (z >= cutoff), z, -jnp.inf)
+  probs = jax.nn.softmax(z, axis=-1)
+  floor = b.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+  return jnp.where(probs >= floor, z, -jnp.inf)
+
+
+def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int = 0) -> SampleOutput:
+  """The next token of each row (see the module docstring).
+
+  Args:
+    logits: `f32[B, V]` each row's logits after its last token.
+    batch: the rows' parameters.
+    num_logprobs: static; how many top logprobs to return per row (0: none).
+
+  Returns:
+    A `SampleOutput`.
+  """
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  hot = batch.temperature > 0
+
+  def drawn():
+    z = _filtered(logits, batch)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+        jnp.asarray(batch.seed, jnp.uint32), jnp.asarray(batch.index, jnp.int32))
+    picks = jax.vmap(jax.random.categorical)(keys, z).astype(jnp.int32)
+    return jnp.where(hot, picks, greedy)
+
+  tokens = jax.lax.cond(jnp.any(hot), drawn, lambda: greedy)
+  b = logits.shape[0]
+  if num_logprobs <= 0:
+    empty_f = jnp.zeros((b, 0), jnp.float32)
+    return SampleOutput(tokens, jnp.zeros((b,), jnp.float32), jnp.zeros((b, 0), jnp.int32),
+                        empty_f)
+  lp = jax.nn.log_softmax(logits, axis=-1)
+  top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
+  chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+  return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)
