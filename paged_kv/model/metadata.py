@@ -85,6 +85,32 @@ class StepMetadata:
     """`i32[B]` tokens of each row in the layout."""
     return self.cu_q_lens[1:] - self.cu_q_lens[:-1]
 
+  def page_table(self, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The rows' segment tables as classic page tables, for other paged kernels.
+
+    A row's table is a page table when every segment starts at slot 0 of its block
+    and all but the last hold `block_size` tokens: then its token `t` is in block
+    `block_tables[b, t // block_size]` at slot `t % block_size` (what JAX's
+    built-in paged attention, vLLM's and FlashInfer's kernels read). Rows that
+    share a slotted block, or hold a short middle segment (a prefix cache hit split
+    mid-block), are not; they get `whole = False`, a zero table and length 0: run
+    them through `paged_attention` instead (or copy their tails whole first).
+
+    Args:
+      block_size: the pool's tokens per block.
+
+    Returns:
+      `(block_tables i32[B, S], seq_lens i32[B], whole bool[B])`; works on the host
+      and inside jit.
+    """
+    seg = jnp.arange(self.seg_block.shape[1], dtype=jnp.int32)[None, :]
+    n = self.num_segments[:, None]
+    valid = seg < n
+    fits = (self.seg_start == 0) & ((seg == n - 1) | (self.seg_length == block_size))
+    whole = jnp.all(jnp.where(valid, fits, True), axis=-1) & (self.num_segments > 0)
+    tables = jnp.where(valid & whole[:, None], self.seg_block, 0).astype(jnp.int32)
+    return tables, jnp.where(whole, self.seq_lens, 0).astype(jnp.int32), whole
+
   @classmethod
   def from_reservation(cls, plan: StepPlan, table: SegmentTable, slot_idx: jax.Array,
                        status: jax.Array) -> "StepMetadata":
