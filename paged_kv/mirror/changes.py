@@ -127,6 +127,7 @@ class ChangeLog:
     # as of the last commit (None until a host is attached; see `reset`).
     self._committed_ref: np.ndarray | None = None
     self._committed_slots: np.ndarray | None = None
+    self._widths: dict[tuple[int, int, int], CommitWidths] = {}  # `batches`' widths by counts
     self.reset(None)
 
   def reset(self, host: "HostState | None") -> None:
@@ -139,13 +140,16 @@ class ChangeLog:
           or self._committed_ref.shape[0] != host.ref_count.shape[0]):
       self._committed_ref = host.ref_count.copy()
       self._committed_slots = host.slots.copy()
-    elif getattr(self, "_blocks", None):
+    elif getattr(self, "_num_touched", 0):
       ids = self.touched_blocks(host)
       self._committed_ref[ids] = host.ref_count[ids]
       self._committed_slots[ids] = host.slots[ids]
     for ids in getattr(self, "_rows", ()):
       self._rmask[ids] = False
-    self._blocks: list[np.ndarray] = []
+    if not hasattr(self, "_touched"):
+      self._touched = np.empty(1024, np.int64)  # the window's touched ids, repeats kept
+    self._num_touched = 0  # entries of `_touched` in use
+    self._distinct: np.ndarray | None = None  # `touched_blocks`' answer, until a touch
     self._rows: list[np.ndarray] = []
     self._old_rows: list[np.ndarray] = []
     self._zero_before: set[int] = set()  # scrub: freed before any page write of the window
@@ -167,6 +171,7 @@ class ChangeLog:
     self.config = config
     self._committed_ref = self._committed_slots = None
     self._block_width = None
+    self._widths = {}
 
   # ------------------------------------------------------------------ recording
   @property
@@ -175,18 +180,24 @@ class ChangeLog:
 
   def touch_blocks(self, host: "HostState", ids: np.ndarray, *, distinct: bool = False) -> None:
     """Records that `ids` (repeats allowed) are about to change; their values before
-    the window are the committed ones, so a touch is one list append."""
+    the window are the committed ones, so a touch is one copy into the window's
+    buffer of touched ids."""
     del host, distinct
-    ids = np.array(ids, np.int64).reshape(-1)  # a copy: the caller may reuse its array
-    if ids.size:
-      self._blocks.append(ids)
-      self.num_blocks += ids.size
+    self.touch_owned(np.asarray(ids, np.int64).reshape(-1))
 
   def touch_owned(self, ids: np.ndarray) -> None:
-    """`touch_blocks` of a fresh `i64[k]` array the caller hands over (no copy)."""
-    if ids.size:
-      self._blocks.append(ids)
-      self.num_blocks += ids.size
+    """`touch_blocks` of an `i64[k]` array (copied into the buffer)."""
+    k = ids.size
+    if k:
+      n = self._num_touched
+      if n + k > self._touched.shape[0]:
+        grown = np.empty(max(2 * self._touched.shape[0], n + k), np.int64)
+        grown[:n] = self._touched[:n]
+        self._touched = grown
+      self._touched[n:n + k] = ids
+      self._num_touched = n + k
+      self._distinct = None
+      self.num_blocks += k
 
   def adopt(self, host: "HostState", ids: np.ndarray) -> None:
     """Blocks a jitted step changed on the device as the host predicted: their
@@ -271,10 +282,10 @@ class ChangeLog:
 
   def touched_blocks(self, host: "HostState") -> np.ndarray:
     """`i64[K]`: the blocks touched in the window, each once (order unspecified)."""
-    if not self._blocks:
-      return np.zeros(0, np.int64)
-    ids = self._blocks[0] if len(self._blocks) == 1 else np.concatenate(self._blocks)
-    return ids[distinct_mask(host.stamp, ids)] if ids.size > 1 else ids
+    if self._distinct is None:
+      ids = self._touched[:self._num_touched]
+      self._distinct = ids[distinct_mask(host.stamp, ids)] if ids.size > 1 else ids.copy()
+    return self._distinct
 
   def free_page_dsts(self, host: "HostState") -> np.ndarray:
     """Blocks the window wrote into that are free again (a new allocation may pick
@@ -301,8 +312,9 @@ class ChangeLog:
       raise RuntimeError("ChangeLog.batches: no committed values (reset(host) first)")
     old_ref = self._committed_ref[blocks]
     old_slots = self._committed_slots[blocks]
-    scrub = np.zeros((blocks.size, 2), bool)  # zero before / after the page writes
+    scrub = None  # bool[K, 2]: zero before / after the page writes (scrubbing pools)
     if self._zero_before or self._zero_after:
+      scrub = np.zeros((blocks.size, 2), bool)
       scrub[:, 0] = np.isin(blocks, list(self._zero_before))
       scrub[:, 1] = np.isin(blocks, list(self._zero_after))
       order = np.argsort(~scrub.any(axis=1), kind="stable")  # scrubbed: in the first chunk
@@ -312,11 +324,16 @@ class ChangeLog:
     old_rows = np.concatenate(self._old_rows) if self._old_rows else np.zeros((0, 3), np.int64)
     copies = np.concatenate(self._copies) if self._copies else np.zeros((0, 5), np.int64)
     moves = np.concatenate(self._moves) if self._moves else np.zeros((0, 2), np.int64)
-    widths = CommitWidths.for_counts(c, rows=rows.size, copies=len(copies), moves=len(moves))
+    key = (rows.size, len(copies), len(moves))
+    widths = self._widths.get(key)
+    if widths is None:
+      widths = CommitWidths.for_counts(c, rows=rows.size, copies=len(copies), moves=len(moves))
+      if not len(moves):  # a few row and copy counts: cached
+        self._widths[key] = widths
     assert rows.size <= widths.rows and len(copies) <= widths.copies
     k = widths.blocks
     chunks = max(1, -(-blocks.size // k))
-    assert scrub.any(axis=1).sum() <= k, "scrubbed blocks beyond one commit"
+    assert scrub is None or scrub.any(axis=1).sum() <= k, "scrubbed blocks beyond one commit"
     out = []
     expected = self.expected if self.expected is not None else host.totals()
     for i in range(chunks):
@@ -325,7 +342,7 @@ class ChangeLog:
       first = i == 0
       out.append(_batch(
           host, widths if first else dataclasses.replace(widths, copies=0, moves=0),
-          ids, old_ref[sl], old_slots[sl], scrub[sl],
+          ids, old_ref[sl], old_slots[sl], None if scrub is None else scrub[sl],
           rows if first else rows[:0], old_rows if first else old_rows[:0],
           copies if first else copies[:0], moves if first else moves[:0],
           expected if first else None))
@@ -340,12 +357,18 @@ def empty_batch(host: "HostState", widths: CommitWidths) -> PackedCommit:
   return PackedCommit(buf, layout)
 
 
-@functools.lru_cache(maxsize=64)
 def _layout(config: PoolConfig, widths: CommitWidths) -> CommitLayout:
   """One layout object per widths (its offsets and template are computed once)."""
-  return CommitLayout(blocks=widths.blocks, rows=widths.rows, copies=widths.copies,
-                      moves=widths.moves, slot_words=config.slot_words,
-                      max_segments=config.max_segments)
+  return _layout_of(widths.blocks, widths.rows, widths.copies, widths.moves,
+                    config.slot_words, config.max_segments)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_of(blocks: int, rows: int, copies: int, moves: int, slot_words: int,
+               max_segments: int) -> CommitLayout:
+  """`_layout`, cached by plain ints (hashing a whole config costs more)."""
+  return CommitLayout(blocks=blocks, rows=rows, copies=copies, moves=moves,
+                      slot_words=slot_words, max_segments=max_segments)
 
 
 def _batch(host: "HostState", widths: CommitWidths, ids, old_ref, old_slots, scrub, rows,
@@ -359,7 +382,7 @@ def _batch(host: "HostState", widths: CommitWidths, ids, old_ref, old_slots, scr
     put("new_ref", host.ref_count[ids])
     put("old_slots", old_slots)
     put("new_slots", host.slots[ids])
-    if scrub.any():
+    if scrub is not None and scrub.any():
       put("scrub_before", scrub[:, 0])
       put("scrub_after", scrub[:, 1])
   if len(rows):
