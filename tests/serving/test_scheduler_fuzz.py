@@ -34,10 +34,11 @@ drawn at random, and each group is forced on in one seed of every three, so any
 three consecutive seeds (the CI sample) turn every feature on. `Totals` counts the
 features each case had and what fired; with `PAGED_KV_FUZZ >= 200` (long mode)
 the test asserts that every feature was on and every event (stop token, full
-segment table and table_full refusal, shrink cut, round trip, swap, promotion, quota hold, GC eviction,
-compaction, packing) happened, so the run cannot silently lose its teeth.
+segment table and table_full refusal, shrink cut and move, round trip, swap,
+promotion, quota hold and eviction, GC eviction, compaction, packing) happened,
+so the run cannot silently lose its teeth.
 
-Scale: `PAGED_KV_FUZZ=N` runs N cases (CI: 3, about 15 s);
+Scale: `PAGED_KV_FUZZ=N` runs N cases (CI: 3, about 30 s of CPU);
 `PAGED_KV_FUZZ_SECONDS=S` stops starting new cases after S seconds;
 `PAGED_KV_FUZZ_SEED=K` shifts the seeds. A failure names its seed and config; rerun one
 case with `PAGED_KV_FUZZ=1 PAGED_KV_FUZZ_SEED=<seed>`.
