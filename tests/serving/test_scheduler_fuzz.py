@@ -278,9 +278,10 @@ class Totals:
   def missing(self) -> list[str]:
     """Features never on and events that never happened (empty: the run had teeth)."""
     out = [f"feature {f!r} never on" for f in FEATURES if not self.features[f]]
-    for name in ("stop_tokens", "table_full_refused", "table_full_rows", "shrink_cuts", "round_trips", "swap_preemptions",
-                 "promotions", "quota_holds", "quota_evicted_blocks", "gc_evicted_tokens",
-                 "compactions", "pack_moves", "shrink_moves", "evictions"):
+    for name in ("stop_tokens", "table_full_refused", "table_full_rows", "shrink_cuts",
+                 "round_trips", "swap_preemptions", "promotions", "quota_holds",
+                 "quota_evicted_blocks", "gc_evicted_tokens", "compactions", "pack_moves",
+                 "shrink_moves", "evictions"):
       if not getattr(self, name):
         out.append(f"no {name}")
     if self.pressure_steps and self.pressure_preemptions < PRESSURE_RATE * self.pressure_steps:
