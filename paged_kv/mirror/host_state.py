@@ -204,13 +204,20 @@ class HostState:
       for x in ids:
         acc[x] += v
     uniq = np.fromiter(acc, np.int64, len(acc))
+    old = self.ref_count[uniq].tolist()
+    return self.set_refs_small(uniq, list(acc), old,
+                               [o + v for o, v in zip(old, acc.values())])
+
+  def set_refs_small(self, uniq: np.ndarray, ids: list[int], old: list[int],
+                     new: list[int]) -> np.ndarray:
+    """`ref_count[ids] = new` for a few distinct blocks whose counts are `old` now
+    (`uniq`: the same ids as an `i64` array; every `new >= 0`, checked by the
+    caller), with `change_refs`' follow-up in plain Python: freed blocks' slots
+    cleared and into the free index, taken ones out of it. Returns the freed blocks."""
     self.log.touch_owned(uniq)
-    rc = self.ref_count
-    old = rc[uniq]
-    new = old + np.fromiter(acc.values(), np.int64, len(acc))
-    rc[uniq] = new
+    self.ref_count[uniq] = new
     freed, taken = [], []
-    for x, o, n in zip(acc, old.tolist(), new.tolist()):
+    for x, o, n in zip(ids, old, new):
       if (o == 0) != (n == 0):
         (freed if n == 0 else taken).append(x)
     if not freed and not taken:
@@ -253,13 +260,16 @@ class HostState:
       self.num_free_base -= 1
     return _NO_IDS
 
-  def take_blocks(self, blocks: np.ndarray) -> None:
-    """Free dynamic `blocks` (distinct) become owned: `ref_count = 1`, out of the index."""
+  def take_blocks(self, blocks: np.ndarray, slots: np.ndarray | None = None) -> None:
+    """Free dynamic `blocks` (distinct) become owned: `ref_count = 1`, out of the index;
+    `slots`: and their slot words become these (`set_slots` in the same touch)."""
     b = np.asarray(blocks, np.int64)
     if b.size == 0:
       return
     self.log.touch_blocks(self, b, distinct=True)
     self.ref_count[b] = 1
+    if slots is not None:
+      self.slots[b] = slots
     self.free.mark(b, -1)
 
   def set_slots(self, blocks: np.ndarray, words: np.ndarray) -> None:
@@ -349,10 +359,11 @@ class HostState:
 
   def open_row(self, row: int, block: np.ndarray, start: np.ndarray,
                length: np.ndarray, *, tail_taken: bool = False) -> None:
-    """Activates inactive `row` with the given segments (`i64[k]` each), each gaining
-    a reference (`write_rows` + `change_refs` of one row, without their batch work);
-    `tail_taken`: the last segment's block is one the caller already took (a tail
-    copy), which gains its table reference only."""
+    """Activates inactive `row` with the given segments (`i64[k]` each) on live blocks
+    (`ref_count > 0`, the caller's check), each gaining a reference (`write_rows` +
+    `change_refs` of one row, without their batch work); `tail_taken`: the last
+    segment's block is one the caller already took (a tail copy), which gains its
+    table reference only."""
     k = int(block.size)
     self.log.touch_row(self, row)
     for a, v in ((self.block, block), (self.start, start), (self.length, length)):
@@ -364,12 +375,13 @@ class HostState:
     if not k:
       return
     refs = block[:-1] if tail_taken else block
-    if refs.size <= SMALL_CHANGES:
+    if refs.size <= 4:
       self._change_table_refs(block[:0], block)
       if refs.size:
         self.change_refs(refs, 1)
       return
-    # Many segments: the blocks summed once for both counts.
+    # The blocks summed once for both counts. They are live (the caller checked
+    # `ref_count > 0`), so no count leaves 0: nothing leaves the free index.
     uniq, count = aggregate(self.stamp, refs, 1)
     tr = self.table_refs
     tr[uniq] += count
@@ -378,7 +390,8 @@ class HostState:
       x = int(block[-1])
       tr[x] += 1
       self.num_table_blocks += int(tr[x] == 1)
-    self._change_refs_general(uniq, count, distinct=True)
+    self.log.touch_owned(uniq)
+    self.ref_count[uniq] += count
 
   def extend_row(self, row: int, tail: int, grow: int, blocks: np.ndarray,
                  lengths: np.ndarray, tokens: int) -> None:

@@ -444,13 +444,15 @@ def _apply_ref_deltas_fast(h: HostState, block_ids: np.ndarray, deltas: np.ndarr
     ids = block_ids.tolist()
     if min(ids) < 0 or max(ids) >= n or len(set(ids)) != k:
       return None
-    for r, d, t in zip(h.ref_count[block_ids].tolist(), deltas.tolist(),
-                       h.table_refs[block_ids].tolist()):
-      new = r + d
-      if new < 0 or new > _I32_MAX or (d > 0 and r == 0) or (d < 0 and new < t):
+    old = h.ref_count[block_ids].tolist()
+    new = []
+    for r, d, t in zip(old, deltas.tolist(), h.table_refs[block_ids].tolist()):
+      x = r + d
+      if x < 0 or x > _I32_MAX or (d > 0 and r == 0) or (d < 0 and x < t):
         return None
+      new.append(x)
     if apply:
-      h.change_refs(block_ids, deltas, distinct=True)
+      h.set_refs_small(block_ids, ids, old, new)
     return np.zeros(k, np.int32)
   if block_ids.size == 0 or block_ids.min() < 0 or block_ids.max() >= n:
     return None
@@ -757,6 +759,18 @@ def _mask_int(start: int, length: int) -> int:
   return ((1 << length) - 1) << start if length > 0 else 0
 
 
+_PREFIX_WORDS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _prefix_words(length: int, num_words: int) -> np.ndarray:
+  """`u32[1, num_words]`: slots `[0, length)` set (cached, read only)."""
+  a = _PREFIX_WORDS.get((length, num_words))
+  if a is None:
+    a = _PREFIX_WORDS[length, num_words] = _int_to_words(_mask_int(0, length), num_words)[None]
+    a.setflags(write=False)
+  return a
+
+
 def _row_ok(h: HostState, i: int, *, want_active: bool) -> bool:
   return 0 <= i < h.config.max_seqs and bool(h.active[i]) == want_active
 
@@ -813,9 +827,8 @@ def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start
   # check found): `cow_split` copies it into the lowest free block.
   fresh = h.free.lowest(1)
   f = int(fresh[0])
-  h.take_blocks(fresh)
+  h.take_blocks(fresh, _prefix_words(tl, c.slot_words))
   h.log.copies(h, np.array([[tb, ts, f, 0, tl]], np.int64))
-  h.set_slots(fresh, _int_to_words(_mask_int(0, tl), c.slot_words)[None, :])
   h.log.touch_blocks(h, np.array([tb], np.int64))  # as the split's decref does
   blk[-1], st[-1] = f, 0
   h.open_row(i, blk, st, ln, tail_taken=True)
@@ -876,15 +889,17 @@ def _reserve_one(h: HostState, i: int, count: int,
   fresh = h.free.lowest(need) if need else _NO_BLOCKS
   lengths = _NO_BLOCKS
   if need:
-    h.take_blocks(fresh)
     out[in_place:count] = (fresh[:, None] * bs + _arange(bs)).reshape(-1)[:rest]
     last = rest - (need - 1) * bs  # full blocks, then the last one's rest
     lengths = np.full(need, bs, np.int64)
     lengths[-1] = last
-    words = np.empty((need, w), np.uint32)
-    words[:] = _int_to_words(_mask_int(0, bs), w)
-    words[-1] = _int_to_words(_mask_int(0, last), w)
-    h.set_slots(fresh, words)
+    if need == 1:
+      words = _prefix_words(last, w)
+    else:
+      words = np.empty((need, w), np.uint32)
+      words[:] = _prefix_words(bs, w)
+      words[-1] = _prefix_words(last, w)
+    h.take_blocks(fresh, words)
   h.extend_row(i, tail, in_place, fresh, lengths, count)
   h.step += 1
   return slot_idx, np.array([_OK], np.int32)
@@ -921,10 +936,9 @@ def _cow_split_one(h: HostState, i: int) -> tuple[np.ndarray, np.ndarray]:
   if h.free.num_free < 1:
     return no, np.array([_NO_FREE_BLOCK], np.int32)
   fresh = h.free.lowest(1)
-  h.take_blocks(fresh)
+  h.take_blocks(fresh, _prefix_words(tl, c.slot_words))
   f = int(fresh[0])
   h.log.copies(h, np.array([[tb, ts, f, 0, tl]], np.int64))
-  h.set_slots(fresh, _int_to_words(_mask_int(0, tl), c.slot_words)[None, :])
   h.move_tail(i, tail, f)
   h._change_ref(tb, -1)  # pylint: disable=protected-access
   return np.ones(1, bool), np.array([_OK], np.int32)

@@ -187,8 +187,8 @@ class ChangeRefsTest(parameterized.TestCase):
     h = HostState.empty(cfg)
     h.take_blocks(np.arange(10))
     called = []
-    small = h._change_refs_small
-    h._change_refs_small = lambda b, d: called.append(b.size) or small(b, d)
+    small = h.set_refs_small
+    h.set_refs_small = lambda b, *rest: called.append(b.size) or small(b, *rest)
     st = T.apply_ref_deltas(h, np.arange(10), np.array([1, -1] * 5))
     np.testing.assert_array_equal(st, np.zeros(10))
     self.assertEqual(called, [10])
