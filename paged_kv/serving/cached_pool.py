@@ -406,23 +406,28 @@ class CachedPool:
   def _insert(self, entries, pin_ttl, release) -> list[InsertOutcome]:
     entries = list(entries)
     segs = self._pool.segments_many([e[2] for e in entries]) if entries else []
-    counts = []
+    counts, helds = [], []
     for (_, tokens, seq_id), sg in zip(entries, segs):
       held = int(sg[:, 2].sum(dtype=np.int64))
       count = int(np.asarray(tokens).reshape(-1).shape[0])
       if count > held:
         raise InvalidArgument(f"insert: {count} tokens given; sequence {seq_id} holds {held}")
       counts.append(count)
+      helds.append(held)
     outcomes: list[InsertOutcome] = []
     inserted = False
     try:
-      for (namespace, tokens, _), sg, count in zip(entries, segs, counts):
-        outcomes.append(self._cache.insert(namespace, tokens, take_tokens(sg, count),
-                                           pin_ttl=pin_ttl))
+      for (namespace, tokens, _), sg, count, held in zip(entries, segs, counts, helds):
+        # The whole sequence (the usual case): its segments as read (a fresh copy).
+        head = sg if count == held else take_tokens(sg, count)
+        outcomes.append(self._cache.insert(namespace, tokens, head, pin_ttl=pin_ttl))
       inserted = True
     finally:  # the tree holds what was inserted: the pool takes those references
-      ids = np.concatenate([o.ref_deltas.block_ids for o in outcomes] + [_NO_IDS])
-      deltas = np.concatenate([o.ref_deltas.deltas for o in outcomes] + [_NO_IDS])
+      if len(outcomes) == 1:
+        ids, deltas = outcomes[0].ref_deltas.block_ids, outcomes[0].ref_deltas.deltas
+      else:
+        ids = np.concatenate([o.ref_deltas.block_ids for o in outcomes] + [_NO_IDS])
+        deltas = np.concatenate([o.ref_deltas.deltas for o in outcomes] + [_NO_IDS])
       if inserted and release is not None:
         self._pool.release(release, ref_deltas=(ids, deltas) if ids.size else None)
       elif ids.size:
