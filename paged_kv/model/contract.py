@@ -3,7 +3,7 @@
 A model served through `paged_kv.serving.ModelExecutor` (or run by
 `paged_kv.model.steps`) is called once per scheduler step, inside jit, as
 
-    logits, pages = model(tokens, pages, meta, impl=impl, interpret=interpret)
+    pages, logits = model(tokens, pages, meta, impl=impl, interpret=interpret)
 
   * `tokens`: `i32[T]` the step's new tokens, ragged per `meta.cu_q_lens` (prefill
     chunks and decode tokens of every row together; padded to a power of two);
@@ -15,13 +15,16 @@ A model served through `paged_kv.serving.ModelExecutor` (or run by
   * `meta`: the step's `StepMetadata` (positions for RoPE, slots, segment tables);
   * `impl`, `interpret`: keywords to forward to `paged_attention` (the executor's
     kernel choice);
-  * returns `(logits f32[T, vocab], pages)`: logits for every token (the step
-    samples after each row's last one: `last_token_index(meta.cu_q_lens, T)`) and
-    the pages after the writes, same shapes and dtypes.
+  * returns `(pages, logits f32[T, vocab])`: the pages after the writes, same
+    shapes and dtypes, and logits for every token (the step samples after each
+    row's last one: `last_token_index(meta.cu_q_lens, T)`). The pages come first,
+    as in every paged_kv call (`fn(state, ...) -> (state, out)`,
+    `paged_attention -> (pages, out)`, `PagedAttention -> (pages, y)`).
 
 `check_model` checks a model against this once (its signature, then an abstract
 evaluation of one step, `jax.eval_shape`: no compile, no device work) and raises
-`ModelContractError` naming what is wrong. The contract is the `PagedModel`
+`ModelContractError` naming what is wrong (the order of paged_kv 0.1,
+`(logits, pages)`, included). The contract is the `PagedModel`
 protocol, for type checkers.
 """
 
@@ -51,7 +54,7 @@ class PagedModel(Protocol):
   """A model `ModelExecutor` can serve (see the module docstring)."""
 
   def __call__(self, tokens: jax.Array, pages: KVPages, meta: StepMetadata, *,
-               impl: str | None = None, interpret: Any = None) -> tuple[jax.Array, KVPages]:
+               impl: str | None = None, interpret: Any = None) -> tuple[KVPages, jax.Array]:
     ...
 
 
@@ -92,7 +95,7 @@ def check_model(model: Any, config: PoolConfig, *, impl: str | None = "xla",
 
   The signature first, then one abstract step (`jax.eval_shape` of a decode step of
   `num_tokens` rows: traced, neither compiled nor run), whose result must be
-  `(logits [num_tokens, vocab] floating, pages)` with the pages' structure, shapes
+  `(pages, logits [num_tokens, vocab] floating)` with the pages' structure, shapes
   and dtypes unchanged.
 
   Raises:
@@ -112,12 +115,13 @@ def check_model(model: Any, config: PoolConfig, *, impl: str | None = "xla",
         f"i32[{num_tokens}], pages {pages.k.shape} {config.dtype}): "
         f"{type(err).__name__}: {err}") from err
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise ModelContractError(f"{type(model).__name__} must return (logits, pages); it "
+    raise ModelContractError(f"{type(model).__name__} must return (pages, logits); it "
                              f"returned {jax.tree.structure(out)}")
-  logits, new_pages = out
+  new_pages, logits = out
   if isinstance(logits, KVPages):
-    raise ModelContractError(f"{type(model).__name__} returned (pages, logits); the "
-                             f"contract's order is (logits, pages)")
+    raise ModelContractError(f"{type(model).__name__} returned (logits, pages); the "
+                             f"contract's order is (pages, logits), the state first as in "
+                             f"every paged_kv call (changed in 0.2)")
   if (not hasattr(logits, "shape") or len(logits.shape) != 2
       or logits.shape[0] != num_tokens or not jnp.issubdtype(logits.dtype, jnp.floating)):
     raise ModelContractError(
@@ -126,7 +130,7 @@ def check_model(model: Any, config: PoolConfig, *, impl: str | None = "xla",
         f"{list(getattr(logits, 'shape', ()))}")
   if not isinstance(new_pages, KVPages):
     raise ModelContractError(f"{type(model).__name__} must return the pool's KVPages "
-                             f"second; got {type(new_pages).__name__}")
+                             f"first; got {type(new_pages).__name__}")
   for name in ("k", "v"):
     got, want = getattr(new_pages, name), getattr(pages, name)
     if got.shape != want.shape or got.dtype != want.dtype:

@@ -5,7 +5,7 @@ projections, grouped-query attention, rotary embeddings on the logical positions
 of `StepMetadata`) whose K/V live in a `paged_kv` pool:
 
     attn = PagedAttention(d_model, num_q_heads, num_kv_heads, head_dim, layer=i, rngs=rngs)
-    y, pages = attn(x, pages, meta)          # x: [T, d_model] ragged tokens of the step
+    pages, y = attn(x, pages, meta)          # x: [T, d_model] ragged tokens of the step
 
 `attn.dense(x, positions, valid)` runs the same weights without a cache (full
 causal attention within `[B, T]` rows): the reference for tests, and training.
@@ -143,7 +143,7 @@ class PagedAttention(nnx.Module):
     return q, k, v
 
   def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *,
-               impl: str | None = None, interpret=None) -> tuple[jax.Array, KVPages]:
+               impl: str | None = None, interpret=None) -> tuple[KVPages, jax.Array]:
     """Attention of the step's ragged tokens through the pool.
 
     Args:
@@ -153,12 +153,13 @@ class PagedAttention(nnx.Module):
       impl, interpret: kernel choice, as in `paged_attention`.
 
     Returns:
-      `(y [T, d_model], pages)`.
+      `(pages, y [T, d_model])`: the pages first, as every paged_kv call returns
+      its state.
     """
     q, k, v = self.project(x, meta.positions)
     pages, o = paged_attention(q, k, v, pages, self.layer, meta, impl=impl, interpret=interpret,
                                sm_scale=self.sm_scale, soft_cap=self.soft_cap)
-    return self.wo(o.reshape(x.shape[0], -1)), pages
+    return pages, self.wo(o.reshape(x.shape[0], -1))
 
   def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
     """Reference without a cache: causal attention within each row of `x [B, T, d_model]`.

@@ -137,9 +137,9 @@ class DecoderBlock(nnx.Module):
     self.mlp = SwiGLU(c, rngs=rngs)
 
   def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *, impl: str | None = None,
-               interpret=None) -> tuple[jax.Array, KVPages]:
-    h, pages = self.attn(self.attn_norm(x), pages, meta, impl=impl, interpret=interpret)
-    return self._mlp(x + h), pages
+               interpret=None) -> tuple[KVPages, jax.Array]:
+    pages, h = self.attn(self.attn_norm(x), pages, meta, impl=impl, interpret=interpret)
+    return pages, self._mlp(x + h)
 
   def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
     return self._mlp(x + self.attn.dense(self.attn_norm(x), positions, valid))
@@ -149,7 +149,7 @@ class DecoderBlock(nnx.Module):
 
 
 class TinyLlama(nnx.Module):
-  """The decoder: `model(tokens, pages, meta) -> (logits, pages)`, or `model.dense(...)`."""
+  """The decoder: `model(tokens, pages, meta) -> (pages, logits)`, or `model.dense(...)`."""
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     dt = config.jnp_dtype
@@ -167,7 +167,7 @@ class TinyLlama(nnx.Module):
                                 param_dtype=dt, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, pages: KVPages, meta: StepMetadata, *,
-               impl: str | None = None, interpret=None) -> tuple[jax.Array, KVPages]:
+               impl: str | None = None, interpret=None) -> tuple[KVPages, jax.Array]:
     """One forward pass of a step's ragged tokens through the pool.
 
     Args:
@@ -178,12 +178,12 @@ class TinyLlama(nnx.Module):
       impl, interpret: attention kernel choice (see `paged_attention`).
 
     Returns:
-      `(logits f32[T, vocab], pages)`.
+      `(pages, logits f32[T, vocab])`.
     """
     x = self._embed(tokens)
     for block in self.layers:
-      x, pages = block(x, pages, meta, impl=impl, interpret=interpret)
-    return self._logits(x), pages
+      pages, x = block(x, pages, meta, impl=impl, interpret=interpret)
+    return pages, self._logits(x)
 
   def dense(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
     """The no-cache reference: causal attention within each row.

@@ -18,7 +18,7 @@ returned state back, the argument is deleted):
 
 Inside each step `reserve_tokens` makes room, `StepMetadata.from_reservation` turns
 its output into the step's metadata, and the model (`model(tokens, pages, meta,
-impl=impl, interpret=interpret) -> (logits, pages)`: the contract of
+impl=impl, interpret=interpret) -> (pages, logits)`: the contract of
 `paged_kv.model.contract`, e.g. `paged_kv.model.llama.TinyLlama`) writes and attends
 layer by layer.
 `params` / `graphdef` are `nnx.split(model)`; the graph definition is static.
@@ -55,7 +55,7 @@ def _forward_body(params: nnx.State, state: PoolState, plan: StepPlan, *,
   state, (slot_idx, status) = reserve_tokens(state, plan.seq_ids, plan.num_new, config=config,
                                              max_new_tokens=plan.max_query_len)
   meta = StepMetadata.from_reservation(plan, state.table, slot_idx, status)
-  logits, pages = model(jnp.asarray(plan.tokens, jnp.int32), state.pages, meta, impl=impl,
+  pages, logits = model(jnp.asarray(plan.tokens, jnp.int32), state.pages, meta, impl=impl,
                         interpret=interpret)
   last_logits = logits[ragged.last_token_index(meta.cu_q_lens, plan.num_tokens)]  # [B, V]
   sampled = (status == Status.OK) & (meta.seq_ids >= 0) & (meta.q_lens > 0)

@@ -25,26 +25,26 @@ class Wrapped(nnx.Module):
     self.how = how
 
   def __call__(self, tokens, pages, meta, *, impl=None, interpret=None):
-    logits, pages = self.inner(tokens, pages, meta, impl=impl, interpret=interpret)
-    if self.how == "swapped":
-      return pages, logits
+    pages, logits = self.inner(tokens, pages, meta, impl=impl, interpret=interpret)
+    if self.how == "swapped":  # paged_kv 0.1's order
+      return logits, pages
     if self.how == "last_only":
-      return logits[:2], pages
+      return pages, logits[:2]
     if self.how == "int_logits":
-      return logits.astype(jnp.int32), pages
+      return pages, logits.astype(jnp.int32)
     if self.how == "pages_dtype":
-      return logits, paged_kv.KVPages(k=pages.k.astype(jnp.bfloat16), v=pages.v)
+      return paged_kv.KVPages(k=pages.k.astype(jnp.bfloat16), v=pages.v), logits
     if self.how == "one_output":
       return logits
     if self.how == "raises":
       raise RuntimeError("inside the model")
-    return logits, pages
+    return pages, logits
 
 
 class NoKeywords(nnx.Module):
 
   def __call__(self, tokens, pages, meta):
-    return tokens, pages
+    return pages, tokens
 
 
 class ContractTest(parameterized.TestCase):
@@ -57,11 +57,11 @@ class ContractTest(parameterized.TestCase):
     self.assertEqual(check_model(Wrapped("ok"), POOL), CONFIG.vocab_size)
 
   @parameterized.named_parameters(
-      ("swapped", "swapped", r"returned \(pages, logits\)"),
+      ("swapped", "swapped", r"returned \(logits, pages\).*order is \(pages, logits\)"),
       ("last_only", "last_only", r"logits must be floating \[T=8, vocab\].*\[2, 32\]"),
       ("int_logits", "int_logits", r"logits must be floating"),
       ("pages_dtype", "pages_dtype", r"pages.k bfloat16.*the pool's are float32"),
-      ("one_output", "one_output", r"must return \(logits, pages\)"),
+      ("one_output", "one_output", r"must return \(pages, logits\)"),
       ("raises", "raises", r"failed on an abstract step.*RuntimeError: inside the model"))
   def test_each_breach_is_named(self, how, pattern):
     with self.assertRaisesRegex(ModelContractError, pattern):

@@ -62,7 +62,7 @@ class PagedAttentionLayerTest(chex.TestCase):
                             max_query_len=8)
       state, meta = _meta(state, plan)
       x = _ragged([seqs[s][lo:hi] for s, lo, hi in step], plan)
-      y, pages = run(params, x, state.pages, meta)
+      pages, y = run(params, x, state.pages, meta)
       state = dataclasses.replace(state, pages=pages)
       cu = np.asarray(meta.cu_q_lens)
       for b, (s, _, _) in enumerate(step):
