@@ -384,6 +384,26 @@ def _is_pow2(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 
 
+def default_path_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
+                         head_dim: int, block_size: int, dtype,
+                         pages_per_step: int | None = None,
+                         platform: str | None = None, q_dtype=None) -> str | None:
+  """`decode_impl_problem`, plus what keeps a library default (`impl=None`) off
+  an impl that builds but is known to be bad at this shape (the Mosaic kernel
+  where it spills registers: `paged_attention_mosaic.mosaic_default_caveat`).
+  None: the default path may pick it."""
+  problem = decode_impl_problem(
+      impl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+      block_size=block_size, dtype=dtype, pages_per_step=pages_per_step,
+      platform=platform, q_dtype=q_dtype)
+  if problem is None and impl == "mosaic":
+    from pallas_kernels import lowering
+    if (platform or lowering.target_platform()) == "cuda":
+      from pallas_kernels import paged_attention_mosaic as pm
+      problem = pm.mosaic_default_caveat(head_dim=head_dim, dtype=dtype)
+  return problem
+
+
 def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
                         head_dim: int, block_size: int, dtype,
                         pages_per_step: int | None = None,

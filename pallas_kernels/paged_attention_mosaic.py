@@ -144,6 +144,20 @@ def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
   return None
 
 
+def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
+  """Why the library's default path (`impl=None`) should skip this kernel at a
+  shape it builds for, or None: head_dim 192 spills registers when compiled for
+  sm_90a (compile tier, ptxas: 248-1,276 B of spill stores over page sizes; the
+  producer-warpgroup kernel, and both splits tried, three warpgroups of 64
+  columns and two of 96, still spill or do not lay out). Explicit
+  `impl="mosaic"` still runs it."""
+  del dtype
+  if head_dim == 192:
+    return (f"impl='mosaic' at head_dim {head_dim} spills registers when compiled for "
+            f"sm_90a (compile tier); the default path skips it")
+  return None
+
+
 # Kernel -------------------------------------------------------------------------
 
 

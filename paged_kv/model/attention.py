@@ -104,7 +104,10 @@ def default_impl(backend: str | None = None, *, num_q_heads: int | None = None,
     (`pallas_kernels.paged_attention.decode_impl_problem`, which matches the
     lowering tier: e.g. Mosaic needs bf16/f16 pages, q in the pages' dtype and
     head_dim a multiple of 64 up to 256, Gemma's 256 included, which compiles
-    without register spills in the compile tier; Triton power-of-two sizes).
+    without register spills in the compile tier; Triton power-of-two sizes),
+    skipping an impl that builds but is known bad at the shape
+    (`default_path_problem`: Mosaic at head_dim 192 spills registers in the
+    compile tier).
     Every fallback warns once, naming the reason, so a valid model shape
     (Phi-3-mini's head_dim 96 gets `"xla"`) never raises, and a slow path is
     never picked silently.
@@ -127,7 +130,7 @@ def default_impl(backend: str | None = None, *, num_q_heads: int | None = None,
     return order[0]
   platform = "cuda" if backend == "gpu" else backend
   problem = functools.partial(
-      decode_kernels.decode_impl_problem, num_q_heads=num_q_heads,
+      decode_kernels.default_path_problem, num_q_heads=num_q_heads,
       num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
       dtype=dtype, q_dtype=q_dtype, platform=platform)
   return _first_that_builds("decode", order, problem)
