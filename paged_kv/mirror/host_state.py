@@ -168,14 +168,20 @@ class HostState:
                            distinct: bool = False) -> np.ndarray:
     """`change_refs`, vectorised (`b: i64[k]`, `d`: `i64[k]` or a scalar)."""
     uniq, total = (b, d) if distinct else aggregate(self.stamp, b, d)
-    self.log.touch_blocks(self, uniq, distinct=True)
     old = self.ref_count[uniq]
-    new = old + total
+    return self.set_refs(uniq, old, old + total)
+
+  def set_refs(self, uniq: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """`ref_count[uniq] = new` for distinct blocks whose counts are `old` now (every
+    `new >= 0`, checked by the caller), with `change_refs`' follow-up: freed blocks'
+    slots cleared and into the free index, taken ones out of it. Returns the freed
+    blocks. Vectorised (`set_refs_small` for a few)."""
+    self.log.touch_blocks(self, uniq, distinct=True)
     self.ref_count[uniq] = new
     was_free, now_free = old == 0, new == 0  # counts are never negative
     flip = was_free != now_free
     if not flip.any():
-      return b[:0]
+      return _NO_IDS
     freed = uniq[flip & now_free]
     taken = uniq[flip & was_free]
     if freed.size:

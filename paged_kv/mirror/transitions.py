@@ -460,12 +460,15 @@ def _apply_ref_deltas_fast(h: HostState, block_ids: np.ndarray, deltas: np.ndarr
     return None
   ref = h.ref_count[block_ids]
   new = ref + deltas
-  bad = (new < 0) | (new > _I32_MAX) | ((deltas > 0) & (ref == 0)) | (
-      (deltas < 0) & (new < h.table_refs[block_ids]))
+  if deltas.max() <= 0:  # decrefs (an eviction): new >= table_refs >= 0 is all to check
+    bad = new < h.table_refs[block_ids]
+  else:
+    bad = (new < 0) | (new > _I32_MAX) | ((deltas > 0) & (ref == 0)) | (
+        (deltas < 0) & (new < h.table_refs[block_ids]))
   if bad.any():
     return None
   if apply:
-    h.change_refs(block_ids, deltas, distinct=True)
+    h.set_refs(block_ids, ref, new)
   return np.zeros(block_ids.size, np.int32)
 
 

@@ -179,6 +179,59 @@ class ChangeRefsTest(parameterized.TestCase):
       h.log.reset(h)
     self.assertGreater(flips, 10)  # blocks freed and taken along the way (the flips ran)
 
+  @parameterized.parameters(0, 1)
+  def test_many_reference_deltas_equal_the_general_path(self, seed):
+    # More than SMALL_DELTAS distinct entries: the vectorised fast path (decrefs only,
+    # or mixed) against the general path (the same entries and a padding -1 entry).
+    cfg = PoolConfig(num_blocks=400, block_size=4, num_layers=1, num_kv_heads=1, head_dim=2,
+                     max_seqs=4, max_segments=64, base_pool_fraction=0.1 * seed,
+                     scrub_freed_blocks=bool(seed))
+    h = HostState.empty(cfg)
+    rng = np.random.default_rng(seed)
+    T.open_rows(h, np.array([0]), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64),
+                np.zeros((1, 1), np.int64), np.array([0]))
+    applied = freed = 0
+    for step in range(250):
+      free = np.flatnonzero((h.ref_count == 0) & (h.region == REGION_DYNAMIC))
+      if free.size > 40 and rng.random() < 0.4:  # the row takes blocks (table references)
+        T.reserve(h, np.array([0]), np.array([int(rng.integers(1, 4 * cfg.block_size))]),
+                  max_new_tokens=16, atomic=True)
+      if h.num_segments[0] > 40 and rng.random() < 0.2:
+        T.release(h, np.array([0]), atomic=True)
+        T.open_rows(h, np.array([0]), np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64),
+                    np.zeros((1, 1), np.int64), np.array([0]))
+      h.log.reset(h)
+      live = np.flatnonzero(h.ref_count > 0)
+      k = int(rng.integers(T.SMALL_DELTAS + 1, 3 * T.SMALL_DELTAS))
+      pick = rng.choice(np.arange(cfg.num_blocks), size=k, replace=False)
+      if live.size >= k and rng.random() < 0.8:
+        pick = rng.choice(live, size=k, replace=False)
+      outside = np.flatnonzero(h.ref_count > h.table_refs)
+      if outside.size > k and rng.random() < 0.3:  # every outside reference dropped
+        pick = rng.choice(outside, size=k, replace=False)  # (frees the unheld blocks)
+        d = h.table_refs[pick].astype(np.int64) - h.ref_count[pick]
+      elif rng.random() < 0.5:  # an eviction's decrefs
+        d = -np.ones(k, np.int64)
+      else:
+        d = rng.integers(-2, 3, size=k)
+      if rng.random() < 0.7:  # the tree's references first (what decrefs may then drop)
+        T.apply_ref_deltas(h, pick[h.ref_count[pick] > 0],
+                           np.full(int((h.ref_count[pick] > 0).sum()), 2))
+        h.log.reset(h)
+      fast, general = copy.deepcopy(h), copy.deepcopy(h)
+      a = T.apply_ref_deltas(fast, pick, d)
+      b = T.apply_ref_deltas(general, np.concatenate([pick, [-1]]),
+                             np.concatenate([d, [0]]))[:k]
+      what = f"seed {seed} step {step}"
+      np.testing.assert_array_equal(a, b, err_msg=what)
+      _same(self, fast, general, what)
+      applied += int(not a.any())
+      freed += int(((h.ref_count[pick] > 0) & (fast.ref_count[pick] == 0)).any())
+      h = fast
+      h.log.reset(h)
+    self.assertGreater(applied, 10)  # the fast path applied ...
+    self.assertGreater(freed, 3)  # ... and freed blocks along the way
+
   def test_reference_deltas_take_the_small_path(self):
     # What a prefix cache hands over: distinct blocks, valid changes. The statuses
     # against the general path on invalid ones are `test_one_row.py`'s.
