@@ -12,17 +12,17 @@ entries, 1,024 at a million blocks), never a pass over the blocks:
 * `lowest(k)`: the k lowest free blocks (what the device's `take_blocks` hands
   out, lowest address first);
 * `mark(blocks, delta)`: blocks become free (+1) or taken (-1);
+* `largest_run()`: the longest run of free blocks (a segment tree over the
+  words, `free_runs.FreeRuns`, updated from the words marked since).
 
 A request at a time takes and frees a few to a few dozen blocks per call, where
 each numpy call's fixed cost dominates: `lowest(k)` and `mark` of up to
 `SMALL_BLOCKS` blocks run in plain Python over the words (`_lowest_small`,
 `_mark_small`), starting from a hint (`_low`: no word below it has a free bit,
 lowered by every mark that frees a block) and falling back to the general,
-vectorised code (`_lowest_general`, `_mark_general`) when the window after the
-hint holds too few free blocks; both give the same results
-(`tests/mirror/test_free_index_small.py`).
-* `largest_run()`: the longest run of free blocks (a segment tree over the
-  words, `free_runs.FreeRuns`, updated from the words marked since).
+vectorised code (`_lowest_general`, `_mark_general`) when the 64 words after the
+first non-empty one hold too few free blocks; both give the same results
+(`tests/mirror/test_small_paths.py`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ _BIT = np.uint32(1) << np.arange(_F, dtype=np.uint32)
 # `lowest` / `mark` of at most this many blocks take the plain-Python paths, which
 # read at most this many words after the hint.
 SMALL_BLOCKS = 64
-_NO_BLOCKS = np.zeros((0,), np.int64)
-_NO_BLOCKS.setflags(write=False)
 
 
 def _unpack(words: np.ndarray) -> np.ndarray:
