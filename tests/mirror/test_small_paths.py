@@ -7,6 +7,8 @@ on copies of the same state and compares every array and the change log.
 `LongRowTest`: a one-row open or release of more than `SMALL_CHANGES` segments
 sums its blocks once for the table and reference counts (`HostState.open_row`,
 `release_row`); compared with the general batch paths (a row padded with `-1`).
+`apply_ref_deltas` of more than `SMALL_DELTAS` distinct entries (an eviction's
+decrefs) takes a vectorised fast path: compared with the general path too.
 
 `HostFreeIndex.lowest(k)` and `mark` of up to `SMALL_BLOCKS` blocks run in
 plain Python from a hint word (`_lowest_small`, `_mark_small`); here two
@@ -165,7 +167,8 @@ class ChangeRefsTest(parameterized.TestCase):
       what = f"seed {seed} step {step}"
       self.assertEqual(sorted(freed_a.tolist()), sorted(freed_b.tolist()), what)
       for f in ("ref_count", "slots", "table_refs"):
-        np.testing.assert_array_equal(getattr(small, f), getattr(general, f), err_msg=f"{what}: {f}")
+        np.testing.assert_array_equal(getattr(small, f), getattr(general, f),
+                                      err_msg=f"{what}: {f}")
       self.assertEqual((small.num_free_base, small.free.num_free),
                        (general.num_free_base, general.free.num_free), what)
       np.testing.assert_array_equal(small.free.bits, general.free.bits, err_msg=what)
