@@ -174,7 +174,7 @@ class RowSpec:
   key: str
   impl: str | None = None
   limit_s: float = 60
-  dry_limit_s: float = 60
+  dry_limit_s: float = 90  # interpret mode on a CPU that may be shared (dry budget: 300 s)
   est_s: float = 10
   copy_ref: str | None = None
   builtin_ref: str | None = None
