@@ -90,7 +90,9 @@ KV_ATOL = 1e-4  # K/V are O(1); the paged and dense paths differ by rounding onl
 TIE_TOL = 1e-4  # dense logits this close are a near-tie rounding may flip
 SAMPLE_SECONDS = 60.0
 MODEL_CI_REQUESTS = 8  # the CI run: this many requests (no warm-up: it takes ~40 s)
-MODEL_CI_BLOCKS = 96  # ... in a pool this small, for pressure (1024 in a timed soak)
+MODEL_CI_BLOCKS = 96  # ... in a pool this small, for pressure
+MODEL_BLOCKS = 384  # a timed soak's pool: the longest request takes 248 blocks; with
+# 1024 the running sequences never filled it (30 minutes: 0 swap preemptions)
 MAPS_FLAT = 1.02  # as examples/soak_runtime.py
 RSS_FLAT = 1.10
 
@@ -447,7 +449,8 @@ class MooncakeSoakTest(absltest.TestCase):
     model = llama.TinyLlama(model_config, rngs=nnx.Rngs(0))
     work = load_workload(MODEL_CI_REQUESTS, model_config.vocab_size)
     config = llama.pool_config_for(
-        model_config, num_blocks=1024 if _SECONDS else MODEL_CI_BLOCKS, block_size=BLOCK_SIZE,
+        model_config, num_blocks=MODEL_BLOCKS if _SECONDS else MODEL_CI_BLOCKS,
+        block_size=BLOCK_SIZE,
         max_seqs=16, max_segments=work.longest // BLOCK_SIZE + 16, base_pool_fraction=0.05,
         scrub_freed_blocks=True)
     executor = ModelExecutor(model, config)
@@ -460,6 +463,9 @@ class MooncakeSoakTest(absltest.TestCase):
     checker = DenseChecker(model, min_width=BLOCK_SIZE if _SECONDS else work.longest)
     if _SECONDS:
       checker.warm(work.longest)  # the checks' programs, before the first sample
+      sched.check_invariants()  # ... and the other checks' (host-side jnp helpers)
+      kv_tags.check_clear_slots_zero(pool)
+      counters.trim_heap()  # the warm-up's freed heap back to the OS before the start
     compiles0 = counters.backend_compiles()
     names = CompileNames()
     names.phase = "serving"
