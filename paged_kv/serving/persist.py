@@ -53,8 +53,9 @@ Everything is validated before the pool is touched: the archive and its members,
 format name and version (checked before the checksum: an unknown version may use
 another checksum scheme), the checksum, the tree structure (by building it on host
 with placeholder blocks), the pool geometry (layers, kv heads, head_dim, dtype), an
-empty target cache with the pool's block size, and room in the pool. A pool too small
-for the whole saved cache is refused (`PoolExhausted`); no subset is loaded.
+empty target cache with the pool's block size, and room in the pool (its free dynamic
+blocks plus its free base-pool blocks). A pool too small for the whole saved cache is
+refused (`PoolExhausted`); no subset is loaded.
 
 Layout on load: each node of ``L`` tokens gets ``L // block_size`` whole blocks plus,
 for the ``L % block_size`` tail, a slot range in a partly filled block (best fit,
@@ -62,8 +63,12 @@ lowest block first), so short nodes share ("slotted") blocks, every node has the
 minimum ``ceil(L / block_size)`` segments, and the whole cache takes the fewest
 blocks this scheme allows. Blocks come from the pool's ordinary allocator
 (`reserve_tokens` on temporary sequences, lowest address first), so in a fresh pool
-the cache occupies the lowest dynamic blocks. The temporary sequences are released
-once the tree's references are applied.
+the cache occupies the lowest dynamic blocks. When the dynamic region runs out
+before the cache is loaded (a cache saved with promoted blocks, restored into a pool
+of the same size), loaded blocks move into free base-pool blocks (`BlockPool.promote`,
+the most referenced first, as promotion had placed them) and a run of whole blocks
+may load in two pieces. The temporary sequences are released once the tree's
+references are applied.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
+from paged_kv.core.state import REGION_BASE
 from paged_kv.pool import BlockPool
 from radix.cache import PrefixCache, RefDeltas
 
@@ -637,8 +643,11 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
 
   Args:
     path: a file written by `save_prefix_cache`.
-    pool: the pool to load into; needs as many free dynamic blocks as the layout takes
-      and one free sequence row (used temporarily).
+    pool: the pool to load into; needs as many free blocks as the layout takes and
+      one free sequence row (used temporarily). Blocks load into the dynamic region;
+      when it is short (a cache saved with promoted blocks, restored into a pool of
+      the same size), loaded blocks move into free base-pool blocks to make room
+      (`BlockPool.promote`: the most referenced first), as promotion had placed them.
     cache: an empty `PrefixCache` with the pool's block size to fill (to choose its
       policy or clock); default a new `PrefixCache(block_size=pool.config.block_size)`.
 
@@ -688,10 +697,11 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
       or not np.array_equal(staged_refs.deltas, expected.deltas)):
     raise CorruptFileError(f"{os.fspath(path)!r}: the rebuilt tree differs from the saved one")
 
-  if layout.num_blocks > pool.num_free_blocks:
+  free_base = _free_base_blocks(pool)
+  if layout.num_blocks > pool.num_free_blocks + free_base:
     raise PoolExhausted(f"the saved cache needs {layout.num_blocks} blocks of "
-                        f"{bs} tokens; the pool has {pool.num_free_blocks} free",
-                        reason="no_free_block")
+                        f"{bs} tokens; the pool has {pool.num_free_blocks} free "
+                        f"(+ {free_base} free in its base region)", reason="no_free_block")
   num_free_rows = config.max_seqs - int(pool.host.active.sum())
   if layout.num_blocks and num_free_rows < 1:
     raise PoolExhausted("loading needs one free sequence row", reason="no_free_row")
@@ -705,6 +715,12 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
   _build_tree(cache, saved, [np.column_stack([physical[s[:, 0]], s[:, 1:]]).astype(np.int32)
                              for s in layout.node_segments])
   return cache
+
+
+def _free_base_blocks(pool: BlockPool) -> int:
+  """Free blocks of the pool's base region (promotion's destinations)."""
+  h = pool.host
+  return int(((h.region == REGION_BASE) & (h.ref_count == 0)).sum())
 
 
 def _write_blocks(pool: BlockPool, saved: _SavedCache, layout: _Layout,
@@ -743,8 +759,31 @@ def _write_blocks(pool: BlockPool, saved: _SavedCache, layout: _Layout,
   open_seqs: list[int] = []
   applied: list[tuple[np.ndarray, np.ndarray]] = []
   try:
-    for g0 in range(0, len(groups), max_batch):
+    g0 = 0
+    while g0 < len(groups):
       batch = groups[g0:g0 + max_batch]
+      need = sum(len(g) for g in batch)
+      if need > pool.num_free_blocks:
+        # The dynamic region is short (a cache saved with promoted blocks): move loaded
+        # blocks into free base-pool blocks, then take the groups that fit.
+        remap = pool.promote(1, max_moves=need - pool.num_free_blocks)
+        physical = np.where(physical >= 0, remap[np.maximum(physical, 0)], physical)
+        applied = [(remap[ids], refs) for ids, refs in applied]
+        fit, room = 0, pool.num_free_blocks
+        while fit < len(batch) and len(batch[fit]) <= room:
+          room -= len(batch[fit])
+          fit += 1
+        if fit < len(batch) and room > 0:
+          # Split the next group after `room` blocks: all but a group's last block are
+          # whole, so its first part loads as a sequence of its own.
+          g = groups[g0 + fit]
+          groups[g0 + fit:g0 + fit + 1] = [g[:room], g[room:]]
+          fit += 1
+        if fit == 0:
+          raise PoolExhausted("no free dynamic block left to load into and no loaded "
+                              "block to move into the base region", reason="no_free_block")
+        batch = groups[g0:g0 + fit]
+      g0 += len(batch)
       src = [np.concatenate([layout.block_tokens[j] for j in g]) for g in batch]
       for _ in batch:
         open_seqs.append(pool.open_sequence())

@@ -16,6 +16,7 @@ import struct
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -91,6 +92,12 @@ def gather_prefix(pool: paged_kv.BlockPool, cache: PrefixCache, ns, tokens):
   return m.length, take(pool.state.pages.k), take(pool.state.pages.v)
 
 
+def _in_base(pool: paged_kv.BlockPool) -> int:
+  """Referenced blocks in the base region."""
+  meta = pool.state.meta
+  return int(((np.asarray(meta.region) == 1) & (np.asarray(meta.ref_count) > 0)).sum())
+
+
 def _tempdir(test: absltest.TestCase) -> str:
   """A directory removed after the test (works under pytest and absltest alike)."""
   tmp = tempfile.TemporaryDirectory()
@@ -151,6 +158,44 @@ class RoundTripTest(parameterized.TestCase):
                          + len(loaded.tree))
     for n in loaded.tree.nodes():
       self.assertLen(n.value, -(-n.num_tokens // dst_block_size))
+
+  def test_promoted_blocks_restore_into_a_pool_of_the_same_config(self):
+    """A cache with promoted blocks in the base region, the dynamic region full too, restores into a fresh pool of the same config (a restart): loaded
+    blocks move into the base region as the dynamic one fills. Before: PoolExhausted."""
+    from paged_kv.serving.cached_pool import CachedPool  # pylint: disable=g-import-not-at-top
+    cfg = paged_kv.PoolConfig(num_blocks=32, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=32, base_pool_fraction=0.25)
+    cp = CachedPool(paged_kv.BlockPool(cfg))
+    rng = np.random.default_rng(0)
+
+    def cache_sequence(tokens):
+      sid = cp.open()
+      slots = np.asarray(cp.pool.reserve_tokens([sid], [len(tokens)]))[0, :len(tokens)]
+      kv = jnp.asarray(rng.standard_normal((1, 1, len(tokens), 2)), jnp.float32)
+      cp.pool.write_kv_layers(slots, kv, kv * 2, seq_ids=sid)
+      cp.insert("ns", np.asarray(tokens, np.int32), sid, release=True)
+
+    cache_sequence(np.arange(16))
+    cp.promote(min_readers=1, max_moves=4)  # its 4 blocks into the base region
+    t = 1000
+    while cp.pool.num_free_blocks >= 4:
+      cache_sequence(np.arange(t, t + 16))
+      t += 16
+    self.assertGreater(_in_base(cp.pool), 0)
+    path = os.path.join(_tempdir(self), "c.pkv")
+    cp.save(path)
+    fresh = CachedPool(paged_kv.BlockPool(cfg))
+    fresh.restore(path)
+    fresh.check_invariants()
+    old_nodes, new_nodes = cached_paths(cp.cache), cached_paths(fresh.cache)
+    self.assertEqual(set(old_nodes), set(new_nodes))
+    for ns, tokens in old_nodes:
+      length, k, v = gather_prefix(cp.pool, cp.cache, ns, tokens)
+      new_length, new_k, new_v = gather_prefix(fresh.pool, fresh.cache, ns, tokens)
+      self.assertEqual(length, new_length)
+      np.testing.assert_array_equal(k, new_k)
+      np.testing.assert_array_equal(v, new_v)
+    self.assertGreater(_in_base(fresh.pool), 0)  # it needed the base region
 
   def test_default_cache_and_empty_cache(self):
     config = paged_kv.PoolConfig(**_SRC)
