@@ -45,7 +45,7 @@ no active row, cache empty, invariants hold, no K/V left in any block.
 
 Scale: `PAGED_KV_SOAK_SECONDS=S` replays the trace (again and again, with new request
 ids) until S seconds have passed, then drains; the default (CI) replays the first
-`PAGED_KV_SOAK_REQUESTS` (default 40 with tags, 16 with the model) requests once;
+`PAGED_KV_SOAK_REQUESTS` (default 40 with tags, 6 with the model) requests once;
 `PAGED_KV_SOAK_TRACE=path` reads another Mooncake-format trace. The tests skip with a
 reason when the trace is not there (a clone without `../shared`).
 
@@ -89,8 +89,9 @@ MODEL_REQUESTS_PER_CHECK = 2  # finished requests whose tokens are (long run; CI
 KV_ATOL = 1e-4  # K/V are O(1); the paged and dense paths differ by rounding only
 TIE_TOL = 1e-4  # dense logits this close are a near-tie rounding may flip
 SAMPLE_SECONDS = 60.0
-MODEL_CI_REQUESTS = 8  # the CI run: this many requests (no warm-up: it takes ~40 s)
-MODEL_CI_BLOCKS = 96  # ... in a pool this small, for pressure
+MODEL_CI_REQUESTS = 6  # the CI run (~20 s): this many requests, no warm-up (~40 s alone)
+MODEL_CI_BLOCKS = 64  # ... in a pool this small, for pressure (evictions; 8 requests in
+# 96 blocks also swap once, but take ~35 s)
 MODEL_BLOCKS = 384  # a timed soak's pool: the longest request takes 248 blocks; with
 # 1024 the running sequences never filled it (30 minutes: 0 swap preemptions)
 MAPS_FLAT = 1.02  # as examples/soak_runtime.py
