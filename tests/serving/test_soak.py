@@ -211,18 +211,12 @@ def run_soak(sched: Scheduler, work: Workload, clock: list, saved: str, *,
 
 def restore_and_drain(test: absltest.TestCase, sched: Scheduler, saved: str,
                       check_restored=None) -> int:
-  """The saved cache restores into a fresh pool (`check_restored(fresh)` then); the
-  whole cache is evicted and the pool is 100% free. Returns the restored tokens.
-
-  The fresh pool has the same geometry and block count but no base region: a load
-  places the cache in dynamic blocks only (`load_prefix_cache`), and a cache whose
-  promoted nodes filled the base region can need more of them than a pool with one
-  has (the model soak's 45-s run saved 976 blocks; 1024 - 51 base = 973 free).
-  """
+  """The saved cache restores into a fresh pool of the same config (its base region
+  too: a cache with promoted blocks fits), `check_restored(fresh)` then; the whole
+  cache is evicted and the pool is 100% free. Returns the restored tokens."""
   pool = sched.pool
   config = pool.config
-  fresh = CachedPool(paged_kv.BlockPool(dataclasses.replace(config, base_pool_fraction=0.0)),
-                     pack_tails=True)
+  fresh = CachedPool(paged_kv.BlockPool(config), pack_tails=True)
   fresh.restore(saved)
   fresh.check_invariants()
   if check_restored is not None:
