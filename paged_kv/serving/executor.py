@@ -131,7 +131,7 @@ class ModelExecutor:
   """A Flax NNX model as an `Executor`: one jitted mixed step per scheduler step.
 
   The model is called as `model(tokens i32[T], pages, meta, impl=, interpret=) ->
-  (logits f32[T, vocab], pages)` inside the jitted step (the contract of
+  (pages, logits f32[T, vocab])` inside the jitted step (the contract of
   `paged_kv.model.contract`, which `paged_kv.model.llama.TinyLlama` meets; checked
   when the executor is built); the next token is the greedy choice after each row's
   last new token.

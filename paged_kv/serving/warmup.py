@@ -115,12 +115,8 @@ def program_runs(sched: "Scheduler", *, persistence: bool = True
       width *= 2
   cache = sched.cache  # a view; None when caching is off
   if cache is not None and cache.pack_tails:
-    width = 1
-    while True:
+    for width in token_buckets(pc.num_blocks * pc.block_size):  # the pool pads to these
       runs.append((f"pack segments={width}", lambda width=width: _padding_pack(pool, width)))
-      if width >= pc.num_blocks * pc.block_size:
-        break
-      width *= 2
   return runs
 
 
