@@ -7,8 +7,9 @@
 VENV    := .venv
 PY      := $(VENV)/bin/python
 # model: flax; scripts: absl-py, tqdm; test: chex, pytest, xdist, hypothesis;
-# metrics: prometheus-client; plots: matplotlib (serve.py and the studies draw PNGs).
-EXTRAS  ?= model,scripts,test,metrics,plots
+# metrics: prometheus-client; plots: matplotlib (serve.py and the studies draw PNGs);
+# hf: safetensors, tokenizers (Hugging Face checkpoints).
+EXTRAS  ?= model,scripts,test,metrics,plots,hf
 comma   := ,
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 # Parallel test workers (pytest-xdist); CI machines have 2 cores.
