@@ -1,0 +1,215 @@
+"""Replica processes behind the router: routing, death, hangs, shutdown, no orphans.
+
+Every test that starts processes checks afterwards that none of them (and no other
+child of the test process) is left, a failing test included (`_no_orphans`). Every
+wait on a replica has a timeout (`reply_timeout_s`, `start_timeout_s`, `drain`'s).
+The replicas share one compilation cache directory per module, so only the first
+set compiles. The traces are synthetic (`trace_files.session_trace`); nothing here
+reads ../shared.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import InvalidArgument
+from paged_kv.serving.replica_worker import ReplicaServer
+from paged_kv.serving.replicas import (ReplicaRequest, ReplicaSet, ReplicaSpec,
+                                       ReplicaStartError)
+from paged_kv.serving.routing import CacheAwareRouter
+from paged_kv.serving.scheduler import SchedulerConfig
+from paged_kv.serving.traces import TokenSource, scaled_prompt
+from tests.serving.trace_files import session_trace
+
+POOL = PoolConfig(num_blocks=256, block_size=16, num_layers=1, num_kv_heads=1, head_dim=2,
+                  dtype="bfloat16", max_seqs=8, max_segments=64)
+SCHED = SchedulerConfig(max_batch=8, prefill_token_budget=256, prefill_chunk=64,
+                        compaction=None, snapshot_every=0)
+SCALE = 64  # a 512-token hash block becomes 8 tokens
+TIMEOUTS = dict(reply_timeout_s=60.0, start_timeout_s=120.0)
+
+
+def _children() -> set[int]:
+  """Pids of this process's child processes (zombies included), from /proc.
+
+  Leaves out `multiprocessing`'s resource tracker: the spawn context starts one per
+  interpreter at the first spawn, and it exits when the interpreter does.
+  """
+  me, out = os.getpid(), set()
+  for name in os.listdir("/proc"):
+    if not name.isdigit():
+      continue
+    try:
+      with open(f"/proc/{name}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+      with open(f"/proc/{name}/cmdline", "rb") as f:
+        cmdline = f.read()
+    except OSError:
+      continue
+    if int(fields[1]) == me and b"resource_tracker" not in cmdline:
+      out.add(int(name))
+  return out
+
+
+@pytest.fixture(autouse=True)
+def _no_orphans():
+  before = _children()
+  yield
+  left = _children() - before
+  assert not left, f"replica processes left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="module", name="cache_dir")
+def _cache_dir(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def _spec(cache_dir: str, **kwargs) -> ReplicaSpec:
+  return ReplicaSpec(POOL, SCHED, warmup=False, compile_cache_dir=cache_dir, **kwargs)
+
+
+def _requests(seed: int, num: int, num_sessions: int = 4,
+              gap_s: float = 0.02) -> list[ReplicaRequest]:
+  rows = session_trace(seed, num=num, num_sessions=num_sessions, partial=True, gap_s=gap_s)
+  tokens = TokenSource(rows)
+  out = []
+  for i, r in enumerate(rows):
+    n = 1 + r.output_length % 4
+    out.append(ReplicaRequest(i, scaled_prompt(r, tokens, SCALE), n, arrival_s=r.arrival_s,
+                              forced_output=tokens.unique(n)))
+  return out
+
+
+def _gone(pid: int) -> bool:
+  return not os.path.exists(f"/proc/{pid}")
+
+
+def _check_results(requests: list[ReplicaRequest], results) -> None:
+  assert sorted(r.request_id for r in results) == [q.request_id for q in requests]
+  by_id = {q.request_id: q for q in requests}
+  for r in results:
+    assert r.stop_reason == "length", r
+    np.testing.assert_array_equal(r.output, by_id[r.request_id].forced_output)
+
+
+def _broken_executor(config):
+  raise RuntimeError(f"no executor for {config.num_blocks} blocks")
+
+
+# ----------------------------------------------------------------------------- in process
+def test_server_commands_in_process():
+  server = ReplicaServer(ReplicaSpec(POOL, SCHED, warmup=False), index=3)
+  reqs = _requests(0, 6, num_sessions=1)
+  assert server.probe("default", reqs[0].prompt) == (0, 0.0)
+  assert server.submit(reqs[0]) is None
+  _, backlog = server.probe("default", None)
+  assert backlog == reqs[0].prompt.size + reqs[0].max_new_tokens
+  reached, results = server.advance(10.0, 1000)
+  assert reached and [r.request_id for r in results] == [0]
+  assert results[0].replica == 3 and results[0].hit_tokens == 0
+  # A read-only probe: the cache's hit statistics do not move.
+  hits = server.scheduler.cache.stats().hit_tokens
+  matched, backlog = server.probe("default", reqs[1].prompt)
+  assert matched > 0 and backlog == 0.0
+  assert server.scheduler.cache.stats().hit_tokens == hits
+  huge = ReplicaRequest("huge", np.arange(POOL.num_blocks * POOL.block_size, dtype=np.int32), 1)
+  assert server.submit(huge).stop_reason == "rejected"
+  assert server.submit(reqs[1]) is None
+  idle, results = server.drain(1000)
+  assert idle and results[0].hit_tokens == matched
+  with pytest.raises(InvalidArgument, match="unknown replica command"):
+    server.handle(("nope",))
+
+
+def test_spec_and_request_validation():
+  with pytest.raises(InvalidArgument, match="clock"):
+    ReplicaSpec(POOL, SCHED, clock="cpu")
+  with pytest.raises(InvalidArgument, match="max_seqs"):
+    ReplicaSpec(POOL, SchedulerConfig(max_batch=16))
+  with pytest.raises(InvalidArgument, match="prompt"):
+    ReplicaRequest(0, np.zeros(0, np.int32), 1)
+  with pytest.raises(InvalidArgument, match="max_new_tokens"):
+    ReplicaRequest(0, np.ones(3, np.int32), 0)
+  with pytest.raises(InvalidArgument, match="same clock"):
+    ReplicaSet([ReplicaSpec(POOL, SCHED), ReplicaSpec(POOL, SCHED, clock="wall")])
+
+
+# ----------------------------------------------------------------------------- processes
+def test_routes_over_processes_and_reuses_prefixes(cache_dir):
+  reqs = _requests(1, 40)
+  with ReplicaSet([_spec(cache_dir)] * 2, CacheAwareRouter(load_weight=0.1),
+                  **TIMEOUTS) as rs:
+    pids = rs.pids
+    routed = [rs.submit(q) for q in reqs]
+    results = rs.drain(timeout_s=120)
+    stats = rs.replica_stats()
+    with pytest.raises(InvalidArgument, match="submitted before"):
+      rs.submit(reqs[0])
+  _check_results(reqs, results)
+  assert all(_gone(pid) for pid in pids)
+  assert set(routed) == {0, 1}  # both used
+  summary = rs.summary()
+  assert summary.hit_tokens > 0 and summary.down == {} and summary.rerouted == 0
+  assert summary.per_replica_requests == tuple(routed.count(i) for i in (0, 1))
+  assert sorted(s["pid"] for s in stats.values()) == sorted(pids)
+  # Each replica's own counters agree with the results it reported.
+  for i, s in stats.items():
+    assert s["hit_tokens"] == sum(r.hit_tokens for r in results if r.replica == i)
+
+
+def test_dead_and_hung_replicas_are_routed_around(cache_dir):
+  """SIGKILL one replica and SIGSTOP another mid-run: the third finishes everything."""
+  reqs = _requests(2, 36)
+  with ReplicaSet([_spec(cache_dir)] * 3, reply_timeout_s=3.0, start_timeout_s=120.0) as rs:
+    pids = rs.pids
+    for q in reqs[:12]:
+      rs.submit(q)
+    busy = max(rs.in_flight().items(), key=lambda kv: kv[1])[0]
+    os.kill(pids[busy], signal.SIGKILL)
+    for q in reqs[12:24]:
+      rs.submit(q)
+    assert busy not in rs.live_indices and "exit" in rs.down[busy], rs.down
+    hung = rs.live_indices[0]
+    os.kill(pids[hung], signal.SIGSTOP)
+    t0 = time.monotonic()
+    for q in reqs[24:]:
+      rs.submit(q)
+    results = rs.drain(timeout_s=120)
+    assert rs.live_indices == [i for i in range(3) if i not in (busy, hung)]
+    assert "no reply within 3 s" in rs.down[hung], rs.down
+    assert time.monotonic() - t0 < 60
+    survivor = rs.live_indices[0]
+  _check_results(reqs, results)
+  assert all(_gone(pid) for pid in pids)
+  summary = rs.summary()
+  assert summary.rerouted > 0
+  # After both failures only the survivor finished requests.
+  late = [r for r in results if r.request_id >= 24]
+  assert {r.replica for r in late} == {survivor}
+
+
+def test_wall_clock_replicas_and_an_exception_inside_the_set(cache_dir):
+  """Wall-clock replicas step on their own; an exception in the block stops them all."""
+  reqs = _requests(4, 12)
+  with pytest.raises(RuntimeError, match="boom"):
+    with ReplicaSet([_spec(cache_dir, clock="wall")] * 2, **TIMEOUTS) as rs:
+      pids = rs.pids
+      for q in reqs:
+        rs.submit(q)
+      results = rs.drain(timeout_s=120)
+      rs.submit(ReplicaRequest("last", reqs[0].prompt, 4))  # in flight when it raises
+      raise RuntimeError("boom")
+  _check_results(reqs, results)
+  assert all(_gone(pid) for pid in pids)
+
+
+def test_a_replica_that_cannot_start_is_a_typed_error(cache_dir):
+  with pytest.raises(ReplicaStartError, match="no executor for 256 blocks"):
+    with ReplicaSet([_spec(cache_dir, executor_factory=_broken_executor)], **TIMEOUTS):
+      pass
