@@ -4,6 +4,8 @@ A model served through `paged_kv.serving.ModelExecutor` (or run by
 `paged_kv.model.steps`) is called once per scheduler step, inside jit, as
 
     pages, logits = model(tokens, pages, meta, impl=impl, interpret=interpret)
+    pages, logits = model(tokens, pages, meta, impl=impl, interpret=interpret,
+                          logits_indices=idx)      # if the model takes the keyword
 
   * `tokens`: `i32[T]` the step's new tokens, ragged per `meta.cu_q_lens` (prefill
     chunks and decode tokens of every row together; padded to a power of two);
@@ -15,11 +17,25 @@ A model served through `paged_kv.serving.ModelExecutor` (or run by
   * `meta`: the step's `StepMetadata` (positions for RoPE, slots, segment tables);
   * `impl`, `interpret`: keywords to forward to `paged_attention` (the executor's
     kernel choice);
-  * returns `(pages, logits f32[T, vocab])`: the pages after the writes, same
-    shapes and dtypes, and logits for every token (the step samples after each
-    row's last one: `last_token_index(meta.cu_q_lens, T)`). The pages come first,
-    as in every paged_kv call (`fn(state, ...) -> (state, out)`,
+  * `logits_indices` (optional, the name vLLM uses): `i32[R]` token indices into
+    `[0, T)`, the tokens whose logits the step needs (each row's last one:
+    `last_token_index(meta.cu_q_lens, T)`, so `R = B`). A model whose `__call__`
+    names this keyword (a parameter of its own; `**kwargs` does not count) is
+    always handed it by the steps and returns logits for those tokens only,
+    `f32[R, vocab]`: it gathers the hidden states `x[logits_indices]` BEFORE the
+    final norm and the output head, so a prefill chunk of T tokens costs the
+    head `R x d_model x vocab`, not `T x d_model x vocab`. A model without the
+    keyword keeps working: it returns all `T` rows and the step gathers.
+  * returns `(pages, logits)`: the pages after the writes, same shapes and
+    dtypes, and floating logits `[T, vocab]` (one row per token), or `[R,
+    vocab]` (one per index) for a model that takes `logits_indices`. The pages
+    come first, as in every paged_kv call (`fn(state, ...) -> (state, out)`,
     `paged_attention -> (pages, out)`, `PagedAttention -> (pages, y)`).
+
+Which form a model uses is decided from its signature (`accepts_logits_indices`),
+statically: the jitted steps read it from the model they rebuild from the static
+graph definition while tracing, so it costs nothing per step and each form
+compiles its own program.
 
 `check_model` checks a model against this once (its signature, then an abstract
 evaluation of one step, `jax.eval_shape`: no compile, no device work) and raises
@@ -42,7 +58,10 @@ from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.state import KVPages
 from paged_kv.model.metadata import StepMetadata
 
-__all__ = ["ModelContractError", "PagedModel", "check_model"]
+__all__ = ["LOGITS_INDICES", "ModelContractError", "PagedModel", "accepts_logits_indices",
+           "check_model"]
+
+LOGITS_INDICES = "logits_indices"  # the optional keyword (vLLM's name)
 
 
 class ModelContractError(InvalidArgument):
@@ -56,6 +75,24 @@ class PagedModel(Protocol):
   def __call__(self, tokens: jax.Array, pages: KVPages, meta: StepMetadata, *,
                impl: str | None = None, interpret: Any = None) -> tuple[KVPages, jax.Array]:
     ...
+
+
+def accepts_logits_indices(model: Any) -> bool:
+  """Whether `model(..., logits_indices=idx)` is the model's own keyword.
+
+  True iff the signature of `model` (its `__call__`) has a parameter named
+  `logits_indices` that can be passed by keyword; a catch-all `**kwargs` does not
+  count (such a model may drop it and return every token's logits). A model whose
+  signature cannot be read is taken not to accept it. Static: the same answer for
+  every instance of a class, so the steps decide it while tracing.
+  """
+  try:
+    params = inspect.signature(model).parameters
+  except (TypeError, ValueError):
+    return False
+  p = params.get(LOGITS_INDICES)
+  return p is not None and p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                      inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _check_signature(model: Any) -> None:
@@ -96,7 +133,9 @@ def check_model(model: Any, config: PoolConfig, *, impl: str | None = "xla",
   The signature first, then one abstract step (`jax.eval_shape` of a decode step of
   `num_tokens` rows: traced, neither compiled nor run), whose result must be
   `(pages, logits [num_tokens, vocab] floating)` with the pages' structure, shapes
-  and dtypes unchanged.
+  and dtypes unchanged. A model that takes `logits_indices` is handed
+  `i32[num_tokens // 2]` indices in that step (fewer than the tokens, so a model
+  that ignores them is caught) and must return `[num_tokens // 2, vocab]` logits.
 
   Raises:
     ModelContractError: naming what is wrong (an exception the model raised while
@@ -104,9 +143,13 @@ def check_model(model: Any, config: PoolConfig, *, impl: str | None = "xla",
   """
   _check_signature(model)
   tokens, pages, meta = _abstract_step(config, num_tokens)
+  indexed = accepts_logits_indices(model)
+  num_rows = max(1, num_tokens // 2) if indexed else num_tokens
+  extra = {LOGITS_INDICES: jax.ShapeDtypeStruct((num_rows,), jnp.int32)} if indexed else {}
   try:
-    out = jax.eval_shape(lambda t, p, m: model(t, p, m, impl=impl, interpret=interpret),
-                         tokens, pages, meta)
+    out = jax.eval_shape(
+        lambda t, p, m, kw: model(t, p, m, impl=impl, interpret=interpret, **kw),
+        tokens, pages, meta, extra)
   except ModelContractError:
     raise
   except Exception as err:  # pylint: disable=broad-except
@@ -123,11 +166,16 @@ def check_model(model: Any, config: PoolConfig, *, impl: str | None = "xla",
                              f"contract's order is (pages, logits), the state first as in "
                              f"every paged_kv call (changed in 0.2)")
   if (not hasattr(logits, "shape") or len(logits.shape) != 2
-      or logits.shape[0] != num_tokens or not jnp.issubdtype(logits.dtype, jnp.floating)):
+      or logits.shape[0] != num_rows or not jnp.issubdtype(logits.dtype, jnp.floating)):
+    got = f"{getattr(logits, 'dtype', type(logits))}{list(getattr(logits, 'shape', ()))}"
+    if indexed:
+      raise ModelContractError(
+          f"{type(model).__name__} takes logits_indices, so its logits must be floating "
+          f"[R={num_rows}, vocab] (one row per index, gathered before the output head; "
+          f"the step had T={num_tokens} tokens); got {got}")
     raise ModelContractError(
         f"{type(model).__name__}'s logits must be floating [T={num_tokens}, vocab] (one "
-        f"row per token of the step); got {getattr(logits, 'dtype', type(logits))}"
-        f"{list(getattr(logits, 'shape', ()))}")
+        f"row per token of the step); got {got}")
   if not isinstance(new_pages, KVPages):
     raise ModelContractError(f"{type(model).__name__} must return the pool's KVPages "
                              f"first; got {type(new_pages).__name__}")

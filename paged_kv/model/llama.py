@@ -167,7 +167,8 @@ class TinyLlama(nnx.Module):
                                 param_dtype=dt, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, pages: KVPages, meta: StepMetadata, *,
-               impl: str | None = None, interpret=None) -> tuple[KVPages, jax.Array]:
+               impl: str | None = None, interpret=None,
+               logits_indices: jax.Array | None = None) -> tuple[KVPages, jax.Array]:
     """One forward pass of a step's ragged tokens through the pool.
 
     Args:
@@ -176,13 +177,18 @@ class TinyLlama(nnx.Module):
       pages: the pool's pages; every layer writes its new K/V into them.
       meta: the step's `StepMetadata`.
       impl, interpret: attention kernel choice (see `paged_attention`).
+      logits_indices: optional `i32[R]` token indices in `[0, T)`: the final norm
+        and the output head run on those tokens' hidden states only (the steps
+        pass each row's last token, `R = B`). None: every token's.
 
     Returns:
-      `(pages, logits f32[T, vocab])`.
+      `(pages, logits f32[T, vocab])`, or `f32[R, vocab]` with `logits_indices`.
     """
     x = self._embed(tokens)
     for block in self.layers:
       pages, x = block(x, pages, meta, impl=impl, interpret=interpret)
+    if logits_indices is not None:
+      x = x[logits_indices]  # [R, d_model]: gathered before the norm and the head
     return pages, self._logits(x)
 
   def dense(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:

@@ -20,7 +20,12 @@ Inside each step `reserve_tokens` makes room, `StepMetadata.from_reservation` tu
 its output into the step's metadata, and the model (`model(tokens, pages, meta,
 impl=impl, interpret=interpret) -> (pages, logits)`: the contract of
 `paged_kv.model.contract`, e.g. `paged_kv.model.llama.TinyLlama`) writes and attends
-layer by layer.
+layer by layer. A model that takes `logits_indices=` (TinyLlama does) is handed each
+row's last token index and computes its output head for those `B` rows only; any
+other model returns logits for all `T` tokens and the step gathers the `B` it
+samples from. Which of the two is decided while tracing, from the model's
+signature (`contract.accepts_logits_indices`), so it is as static as the graph
+definition.
 `params` / `graphdef` are `nnx.split(model)`; the graph definition is static.
 `impl=None` picks `paged_kv.model.attention.default_impl()` for the backend and
 the shape (per shape on a GPU: the first impl that builds).
@@ -39,7 +44,7 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import Status
 from paged_kv.core.segments import reserve_tokens
 from paged_kv.core.state import PoolState
-from paged_kv.model import ragged, sampling
+from paged_kv.model import contract, ragged, sampling
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
 
@@ -55,9 +60,19 @@ def _forward_body(params: nnx.State, state: PoolState, plan: StepPlan, *,
   state, (slot_idx, status) = reserve_tokens(state, plan.seq_ids, plan.num_new, config=config,
                                              max_new_tokens=plan.max_query_len)
   meta = StepMetadata.from_reservation(plan, state.table, slot_idx, status)
-  pages, logits = model(jnp.asarray(plan.tokens, jnp.int32), state.pages, meta, impl=impl,
-                        interpret=interpret)
-  last_logits = logits[ragged.last_token_index(meta.cu_q_lens, plan.num_tokens)]  # [B, V]
+  tokens = jnp.asarray(plan.tokens, jnp.int32)
+  last = ragged.last_token_index(meta.cu_q_lens, plan.num_tokens)  # i32[B]
+  if contract.accepts_logits_indices(model):  # static: the graph definition's class
+    # The model gathers the rows' last hidden states before its output head.
+    pages, last_logits = model(tokens, state.pages, meta, impl=impl, interpret=interpret,
+                               logits_indices=last)
+    if last_logits.shape[:1] != last.shape:
+      raise contract.ModelContractError(
+          f"{type(model).__name__} takes logits_indices i32{list(last.shape)} but returned "
+          f"logits {list(last_logits.shape)}; the contract asks for one row per index")
+  else:
+    pages, logits = model(tokens, state.pages, meta, impl=impl, interpret=interpret)
+    last_logits = logits[last]  # [B, V]
   sampled = (status == Status.OK) & (meta.seq_ids >= 0) & (meta.q_lens > 0)
   next_tokens = jnp.where(sampled, jnp.argmax(last_logits, axis=-1), -1).astype(jnp.int32)
   return dataclasses.replace(state, pages=pages), (next_tokens, last_logits, status)

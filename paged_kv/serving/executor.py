@@ -134,7 +134,11 @@ class ModelExecutor:
   (pages, logits f32[T, vocab])` inside the jitted step (the contract of
   `paged_kv.model.contract`, which `paged_kv.model.llama.TinyLlama` meets; checked
   when the executor is built); the next token is the greedy choice after each row's
-  last new token.
+  last new token. A model whose signature names `logits_indices` (TinyLlama's does)
+  is called with `logits_indices=` each row's last token index `i32[B]` and returns
+  `f32[B, vocab]`: its output head runs on B rows instead of every token of the
+  step's prefill chunks. Which form is read from the signature once, when the
+  executor is built (`uses_logits_indices`), and by the step while tracing.
 
   Example:
     sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
@@ -170,6 +174,7 @@ class ModelExecutor:
     if all(hasattr(model_config, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
       llama.check_pool_matches_model(pool_config, model_config)
     self.vocab_size = contract.check_model(model, pool_config)
+    self.uses_logits_indices = contract.accepts_logits_indices(model)
     self._forward = steps.forward
     self._forward_sampled = steps.forward_sampled
     self.graphdef, self.params = nnx.split(model)
