@@ -18,9 +18,16 @@ scan-equivalent host loop (`--scan` steps of numpy bookkeeping, then one jitted
 scan of `--scan` writes). The script prints what the numbers mean on a CPU and
 what they should mean on a GPU.
 
+Like is compared with like: the per-step jitted call against the per-step host
+baselines (one dispatch per step each), the jitted scan against the host's scan
+(one dispatch per `--scan` steps each); the vectorised numpy baseline comes first,
+because it is the one to beat. `--runs` repeats every pool size (the sizes
+interleaved), and the ratios are reported as medians with [min-max] over the runs,
+each ratio paired within one run.
+
 Usage:
   python examples/bench_allocator.py                       # the full table
-  python examples/bench_allocator.py --pool_sizes=16384 --steps=20   # quick look
+  python examples/bench_allocator.py --pool_sizes=16384 --steps=20 --runs=1  # quick look
 """
 
 from __future__ import annotations
@@ -36,17 +43,21 @@ import numpy as np
 
 import paged_kv
 from paged_kv.core import kv, segments
+from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_integer("batch", 256, "Sequences decoding together.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 _POOL_SIZES = flags.DEFINE_list("pool_sizes", ["16384", "65536", "262144"], "Pools (blocks).")
 _MAX_LEN = flags.DEFINE_integer(
     "max_len", 8192, "Prompt lengths are drawn from 1..max_len, clipped so the batch fills at "
-    "most 85%% of the smallest pool (noted in the output).")
+    "most 85% of the smallest pool (noted in the output).")
 _STEPS = flags.DEFINE_integer("steps", 60, "Timed decode steps (after warm-up).")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 32, "K/V head size (1 layer, 1 kv head).")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _SCAN = flags.DEFINE_integer("scan", 32, "Decode steps per call in the lax.scan variant.")
+_RUNS = flags.DEFINE_integer("runs", 3, "Runs of every pool size (interleaved); ratios are "
+                             "medians [min-max] over the runs.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 
 
 class PythonHostPool:
@@ -266,8 +277,19 @@ What the numbers mean.
 """
 
 
+RATIOS = (
+    # (key, numerator, denominator, what): host time / jitted time, > 1 = jitted faster.
+    ("step_vs_numpy", "np_step", "jit_step", "per step: numpy host + write / jitted"),
+    ("step_vs_python", "py_step", "jit_step", "per step: python host + write / jitted"),
+    ("scan_vs_numpy", "np_scan", "jit_scan", "amortised: numpy host scan / jitted scan"),
+)
+"""The paired ratios: both sides one dispatch per step, or both one per scan."""
+
+
 def main(argv):
   del argv
+  rec = records.Recorder(_RECORD.value, "bench_allocator", flag_values=records.script_flags(),
+                         seeds=[_SEED.value])
   rng = np.random.default_rng(_SEED.value)
   sizes = [int(x) for x in _POOL_SIZES.value]
   b, bs = _BATCH.value, _BLOCK_SIZE.value
@@ -282,21 +304,42 @@ def main(argv):
       f"{min(sizes)}-block pool)")
   print(f"batch={b} block_size={bs} prompt lengths drawn from 1..{hi}{note}: "
         f"{lengths.min()}..{lengths.max()}, sum {lengths.sum()} tokens; {_STEPS.value} timed "
-        f"steps, medians; backend={jax.default_backend()}")
-  rows = [bench_pool(n, lengths, _STEPS.value) for n in sizes]
+        f"steps, medians; {_RUNS.value} runs; backend={jax.default_backend()}", flush=True)
+  rows = []
+  for run in range(_RUNS.value):
+    for n in sizes:
+      r = bench_pool(n, lengths, _STEPS.value)
+      r["run"] = run
+      rows.append(r)
+      print(f"  run {run} pool {n}: jitted {r['jit_step']:.0f} us/step, numpy host "
+            f"{r['np_step']:.0f}, scan {r['jit_scan']:.1f} vs {r['np_scan']:.1f}", flush=True)
   s = _SCAN.value
   print()
-  print("| pool blocks | jitted reserve+write (us) | python host + write (us) | "
-        "numpy host + write (us) | jitted reserve only (us) | python bookkeeping (us) | "
-        f"numpy bookkeeping (us) | jitted, {s}-step scan (us/step) | "
-        f"numpy host, {s} steps + one {s}-write scan (us/step) |")
-  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print("| run | pool blocks | numpy host + write (us) | python host + write (us) | "
+        "jitted reserve+write (us) | numpy bookkeeping (us) | python bookkeeping (us) | "
+        f"jitted reserve only (us) | numpy host, {s} steps + one {s}-write scan (us/step) | "
+        f"jitted, {s}-step scan (us/step) |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for r in rows:
-    print(f"| {r['num_blocks']} | {r['jit_step']:.0f} | {r['py_step']:.0f} | "
-          f"{r['np_step']:.0f} | {r['jit_reserve']:.0f} | {r['py_book']:.0f} | "
-          f"{r['np_book']:.0f} | {r['jit_scan']:.1f} | {r['np_scan']:.1f} |")
+    print(f"| {r['run']} | {r['num_blocks']} | {r['np_step']:.0f} | {r['py_step']:.0f} | "
+          f"{r['jit_step']:.0f} | {r['np_book']:.0f} | {r['py_book']:.0f} | "
+          f"{r['jit_reserve']:.0f} | {r['np_scan']:.1f} | {r['jit_scan']:.1f} |")
+  print()
+  print("Host time / jitted time, paired within each run (> 1: the jitted path is faster), "
+        "median [min-max] over runs:")
+  print("| pool blocks | " + " | ".join(what for _, _, _, what in RATIOS) + " |")
+  print("|---:|" + "---:|" * len(RATIOS))
+  for n in sizes:
+    mine = [r for r in rows if r["num_blocks"] == n]
+    cells = [records.format_median_range([r[a] / r[b] for r in mine], suffix="x")
+             for _, a, b, _ in RATIOS]
+    print(f"| {n} | " + " | ".join(cells) + " |")
   print()
   print(_MEANING.format(scan=s, backend=jax.default_backend()))
+  rec.write({"batch": b, "block_size": bs, "max_len_used": hi,
+             "lengths_min": lengths.min(), "lengths_max": lengths.max(),
+             "lengths_sum": lengths.sum(), "steps": _STEPS.value, "scan": s,
+             "runs": _RUNS.value, "rows": rows})
 
 
 if __name__ == "__main__":

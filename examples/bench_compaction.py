@@ -13,9 +13,11 @@ machine hits all alike), medians and minima of `--reps` rounds:
   baseline the ratio is taken against; and `x[::-1]` (the study's earlier baseline).
 
 Every variant's result is checked (the moved blocks equal the originals) before a
-number is printed.
+number is printed. `--runs` repeats the whole measurement (pool sizes interleaved); the
+ratio to the copy is paired within a run and reported as the median with [min-max]
+over the runs.
 
-Usage: python examples/bench_compaction.py [--pool_sizes=512,4096 --moves=32 --reps=50]
+Usage: python examples/bench_compaction.py [--pool_sizes=512,4096 --moves=32 --reps=50 --runs=3]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 import paged_kv
 from paged_kv.core import alloc, compact, page_copy
+from paged_kv.telemetry import records
 
 _POOL_SIZES = flags.DEFINE_list("pool_sizes", ["512", "4096"], "Pool sizes (blocks).")
 _MOVES = flags.DEFINE_integer("moves", 32, "Block moves per compaction step.")
@@ -37,6 +40,9 @@ _LAYERS = flags.DEFINE_integer("num_layers", 4, "Layers.")
 _HEADS = flags.DEFINE_integer("num_kv_heads", 4, "KV heads.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head size.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "K/V dtype.")
+_RUNS = flags.DEFINE_integer("runs", 3, "Runs of the whole measurement; ratios are medians "
+                             "[min-max] over the runs.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 
 
 def _pool(n: int, moves: int, **dims) -> tuple[paged_kv.PoolConfig, paged_kv.PoolState]:
@@ -159,17 +165,39 @@ def bench(n: int) -> dict:
 
 def main(argv):
   del argv
+  rec = records.Recorder(_RECORD.value, "bench_compaction", flag_values=records.script_flags())
   print(f"device: {jax.devices()[0].platform}; {_MOVES.value} moves of "
         f"{_LAYERS.value}x{_HEADS.value}x16x{_HEAD_DIM.value} {_DTYPE.value} blocks "
-        f"(K and V); medians and minima of {_REPS.value} interleaved rounds")
-  print(f"| pool blocks | MiB moved | variant | median ms | min ms | median / copy | "
-        f"min / copy |")
-  print("|---|---|---|---|---|---|---|")
-  for n in (int(x) for x in _POOL_SIZES.value):
-    res = bench(n)
-    for name, med, low, r_med, r_min in res["rows"]:
-      print(f"| {n} | {res['nbytes'] / 2**20:.1f} | {name} | {med:.3f} | {low:.3f} | "
-            f"{r_med:.2f} | {r_min:.2f} |")
+        f"(K and V); medians and minima of {_REPS.value} interleaved rounds; "
+        f"{_RUNS.value} runs", flush=True)
+  sizes = [int(x) for x in _POOL_SIZES.value]
+  results = []
+  for run in range(_RUNS.value):
+    for n in sizes:
+      res = bench(n)
+      res["run"] = run
+      res["rows"] = [dict(variant=name, median_ms=med, min_ms=low, median_over_copy=r_med,
+                          min_over_copy=r_min) for name, med, low, r_med, r_min in res["rows"]]
+      results.append(res)
+  print("| run | pool blocks | MiB moved | variant | median ms | min ms | median / copy | "
+        "min / copy |")
+  print("|---|---|---|---|---|---|---|---|")
+  for res in results:
+    for r in res["rows"]:
+      print(f"| {res['run']} | {res['n']} | {res['nbytes'] / 2**20:.1f} | {r['variant']} | "
+            f"{r['median_ms']:.3f} | {r['min_ms']:.3f} | {r['median_over_copy']:.2f} | "
+            f"{r['min_over_copy']:.2f} |")
+  print()
+  print("Median / copy's median, paired within each run: median [min-max] over runs")
+  print("| pool blocks | variant | ratio |")
+  print("|---|---|---|")
+  for n in sizes:
+    for name in [r["variant"] for r in results[0]["rows"]]:
+      vals = [r["median_over_copy"] for res in results if res["n"] == n
+              for r in res["rows"] if r["variant"] == name]
+      print(f"| {n} | {name} | {records.format_median_range(vals, suffix='x')} |")
+  rec.write({"moves": _MOVES.value, "runs": _RUNS.value, "reps": _REPS.value,
+             "results": results})
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ sequence through `PagedRunner.decode` (which reads the tokens back after every
 call, as a serving loop must). Before printing, the outputs of every k are checked
 equal to each other and to the dense reference.
 
+Every k is compiled and warmed first; then each repeat times every k once, in turn,
+so the speedup over the first k is paired within a repeat and reported as the median
+with [min-max] over the repeats (tokens/s: medians).
+
 Usage:
   python examples/bench_decode.py [--batch=8 --num_tokens=64 --steps=1,8,32 --repeats=5]
 """
@@ -25,6 +29,7 @@ from flax import nnx
 from paged_kv.model import llama, resolve_impl
 from paged_kv.model.reference import dense_mismatches
 from paged_kv.model.runner import PagedRunner, SequenceRecord
+from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per sequence.")
@@ -37,6 +42,7 @@ _IMPL = flags.DEFINE_enum("impl", None, ["xla", "pallas", "mosaic"],
                           "Attention path (default: per backend, paged_kv.model.default_impl).")
 _INTERPRET = flags.DEFINE_bool("interpret", None, "Pallas interpret mode (default: on CPU).")
 _SEED = flags.DEFINE_integer("seed", 0, "Weights and prompts seed.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 
 
 def _run_once(model, pool_config, prompts, steps_per_call: int) -> tuple[float, list[list[int]]]:
@@ -68,34 +74,42 @@ def main(argv):
   if bad:
     raise app.UsageError(f"--steps {bad}: each k must be >= 1 and divide --num_tokens")
 
-  results = {}
+  rec = records.Recorder(_RECORD.value, "bench_decode", flag_values=records.script_flags(),
+                         seeds=[_SEED.value])
+  times = {k: [] for k in steps}
   reference = None
   for k in steps:
     _run_once(model, pool_config, prompts, k)  # compile and warm up
-    times = []
-    for _ in range(_REPEATS.value):
+  for _ in range(_REPEATS.value):
+    for k in steps:
       seconds, tokens = _run_once(model, pool_config, prompts, k)
-      times.append(seconds)
+      times[k].append(seconds)
       if reference is None:
         reference = tokens
-        records = [SequenceRecord(tokens=t, sampled=[False] * _PROMPT_LEN.value
-                                     + [True] * (len(t) - _PROMPT_LEN.value), remaining=0)
-                   for t in tokens]
-        mismatches = dense_mismatches(model, records)
+        seq_records = [SequenceRecord(tokens=t, sampled=[False] * _PROMPT_LEN.value
+                                      + [True] * (len(t) - _PROMPT_LEN.value), remaining=0)
+                       for t in tokens]
+        mismatches = dense_mismatches(model, seq_records)
         if mismatches:
           raise AssertionError(f"paged decode differs from the dense reference: {mismatches[:5]}")
       elif tokens != reference:
         raise AssertionError(f"k={k} produced different tokens than k={steps[0]}")
-    results[k] = statistics.median(times)
 
   generated = _BATCH.value * _NUM_TOKENS.value
   print(f"batch={_BATCH.value} prompt={_PROMPT_LEN.value} decoded={_NUM_TOKENS.value}/seq "
         f"block_size={bs} layers={_NUM_LAYERS.value} impl={resolve_impl(_IMPL.value)[0]} "
         f"repeats={_REPEATS.value} (median); outputs equal across k and to the dense reference")
-  print(f"{'k':>4} {'median s':>10} {'tokens/s':>10} {'vs k=' + str(steps[0]):>9}")
-  base = results[steps[0]]
+  print(f"{'k':>4} {'median s':>10} {'tokens/s':>10}  vs k={steps[0]}, paired per repeat: "
+        "median [min-max]")
+  base = times[steps[0]]
   for k in steps:
-    print(f"{k:>4} {results[k]:>10.4f} {generated / results[k]:>10.0f} {base / results[k]:>8.2f}x")
+    med = statistics.median(times[k])
+    speedup = records.format_median_range([b / t for b, t in zip(base, times[k])], suffix="x")
+    print(f"{k:>4} {med:>10.4f} {generated / med:>10.0f}  {speedup}")
+  rec.write({"batch": _BATCH.value, "prompt_len": _PROMPT_LEN.value,
+             "num_tokens": _NUM_TOKENS.value, "generated": generated,
+             "impl": resolve_impl(_IMPL.value)[0], "steps": steps,
+             "seconds": {str(k): v for k, v in times.items()}})
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from paged_kv.telemetry import records
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import permute_blocks as pb
 
@@ -53,6 +54,7 @@ _PAGES_PER_STEP = flags.DEFINE_integer(
     "pages_per_step", 0, "Pages per step; 0 = the wrapper's default (None).")
 _RUNS = flags.DEFINE_integer("runs", 10, "Timed runs (median reported).")
 _OUT = flags.DEFINE_string("out", "", "Also write the final table to this file.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 
 _BLOCK = 16
 
@@ -197,6 +199,7 @@ def format_table(rows, bw):
 
 def main(argv):
   del argv
+  rec = records.Recorder(_RECORD.value, "bench_kernels", flag_values=records.script_flags())
   small, interpret, runs = _SMALL.value, _INTERPRET.value, _RUNS.value
   if small:
     cfg = dict(q_heads=8, kv_heads=2, head_dim=32, batches=[2], contexts=[64])
@@ -217,6 +220,12 @@ def main(argv):
   if _OUT.value:
     with open(_OUT.value, "w") as f:
       f.write(" ".join(sys.argv) + "\n\n" + table + "\n")
+  rec.write({"copy_bandwidth": bw, "runs": runs, "rows": [
+      dict(kernel=kind, impl=impl, placement=place, batch_or_moves=a, context_or_layers=b,
+           seconds=t, bytes_per_s=rate, copy_share=frac)
+      for kind, impl, place, a, b, t, rate, frac in rows]},
+            notes=(["interpret mode: a smoke test, not a performance figure"]
+                   if interpret else []))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ blocks, and -1 freeing the 4 blocks `allocate` gave).
 
 The pages are 1 layer x 1 kv head x head_dim 1 (bf16) so a 1M-block pool fits
 anywhere; the bookkeeping does not depend on the page size. On a shared CPU the
-numbers are noisy: repeat with `--rounds` and read the medians.
+numbers are noisy: `--rounds` repeats the whole measurement (sizes interleaved), and the
+largest/smallest ratio is taken per round (paired) and reported as the median with
+[min-max] over the rounds.
 
 Usage:
   python examples/bench_pool_ops.py                            # 4k, 64k, 262k, 1M blocks
@@ -30,11 +32,14 @@ from absl import app, flags
 import numpy as np
 
 import paged_kv
+from paged_kv.telemetry import records
 
 _SIZES = flags.DEFINE_list("sizes", ["4096", "65536", "262144", "1048576"],
                            "Pool sizes in blocks.")
 _REPS = flags.DEFINE_integer("reps", 60, "Timed calls per operation and pool size.")
-_ROUNDS = flags.DEFINE_integer("rounds", 1, "Repeat the whole measurement; medians of all.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Repeat the whole measurement; per-call medians "
+                               "of all, size ratios paired per round.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 _BATCHES = flags.DEFINE_list("batches", ["1", "32", "256"], "Batches for reserve_tokens.")
 _BLOCK_SIZE = 16
 
@@ -112,31 +117,42 @@ def _bench_size(num_blocks: int, reps: int, batches: list[int]) -> dict[str, lis
 
 def main(argv):
   del argv
+  rec = records.Recorder(_RECORD.value, "bench_pool_ops", flag_values=records.script_flags())
   sizes = [int(s) for s in _SIZES.value]
   batches = [int(b) for b in _BATCHES.value]
   times: dict[tuple[str, int], list[float]] = {}
+  per_round: list[dict] = []  # {op: {size: median us}} per round
   ops: list[str] = []
   for _ in range(_ROUNDS.value):
+    meds_round: dict[str, dict[int, float]] = {}
     for n in sizes:
       t0 = time.perf_counter()
       for op, ts in _bench_size(n, _REPS.value, batches).items():
         times.setdefault((op, n), []).extend(ts)
+        meds_round.setdefault(op, {})[n] = float(np.median(ts)) * 1e6
         if op not in ops:
           ops.append(op)
       print(f"  measured {n} blocks in {time.perf_counter() - t0:.1f} s", flush=True)
+    per_round.append(meds_round)
   head = " | ".join(f"{n:>8d} p50 / p99" for n in sizes)
   print(f"\nBlockPool host API, us per call ({paged_kv.__file__}, "
-        f"{_ROUNDS.value} x {_REPS.value} calls)")
+        f"{_ROUNDS.value} x {_REPS.value} calls); last column: per-round ratio of the p50s, "
+        "median [min-max] over rounds")
   print(f"| {'call':<32} | {head} | {sizes[-1]}/{sizes[0]} p50 |")
   print(f"|{'-' * 34}|" + "|".join("-" * 20 for _ in sizes) + f"|{'-' * 15}|")
   for op in ops:
-    cells, meds = [], []
+    cells = []
     for n in sizes:
       us = np.asarray(times[(op, n)]) * 1e6
       med, p99 = float(np.median(us)), float(np.percentile(us, 99))
-      meds.append(med)
       cells.append(f"{med:>9.0f} / {p99:>7.0f}")
-    print(f"| {op:<32} | " + " | ".join(cells) + f" | {meds[-1] / meds[0]:>12.2f}x |")
+    ratio = records.format_median_range(
+        [r[op][sizes[-1]] / r[op][sizes[0]] for r in per_round], suffix="x")
+    print(f"| {op:<32} | " + " | ".join(cells) + f" | {ratio} |")
+  rec.write({"sizes": sizes, "reps": _REPS.value, "rounds": _ROUNDS.value, "ops": ops,
+             "median_us_per_round": per_round,
+             "p99_us": {op: {n: float(np.percentile(np.asarray(times[(op, n)]) * 1e6, 99))
+                             for n in sizes} for op in ops}})
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from paged_kv.telemetry import records
 from pallas_kernels import prefill_attention as pf
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "4", "16"], "Rows per batch.")
@@ -28,6 +29,7 @@ _HEADS = flags.DEFINE_list("heads", ["8", "2"], "q heads, kv heads.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dim.")
 _BLOCK = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 _RUNS = flags.DEFINE_integer("runs", 5, "Timed runs (median).")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 
 
 def row_scan_prefill(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
@@ -82,6 +84,8 @@ def _median_time(fn, args, runs):
 
 def main(argv):
   del argv
+  rec = records.Recorder(_RECORD.value, "bench_prefill_xla", flag_values=records.script_flags())
+  rows = []
   qh, kvh = (int(h) for h in _HEADS.value)
   d, bs, q_len = _HEAD_DIM.value, _BLOCK.value, _Q_LEN.value
   sm_scale = 1 / math.sqrt(d)
@@ -113,6 +117,9 @@ def main(argv):
     t_after = _median_time(after, args, _RUNS.value)
     print(f"| {batch} | {t_before * 1e3:.1f} | {t_after * 1e3:.1f} | "
           f"{t_before / t_after:.1f}x |", flush=True)
+    rows.append(dict(batch=batch, before_s=t_before, after_s=t_after))
+  rec.write({"q_len": q_len, "heads": [qh, kvh], "head_dim": d, "block_size": bs,
+             "rows": rows})
 
 
 if __name__ == "__main__":

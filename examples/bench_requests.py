@@ -105,6 +105,9 @@ _COMPILE = flags.DEFINE_bool("compile", True, "Measure compile time (subprocesse
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False,
                                   "Only time a cold pass over the chat workload (used by "
                                   "the compile-time rows); prints one JSON line.")
+_RECORD = flags.DEFINE_string(  # paged_kv is imported lazily here (the import is timed)
+    "record", None, "Write a JSON record of this run (paged_kv.telemetry.records) to this "
+    "path; a path ending in '/' or naming a directory gets <bench>-<UTC time>.json inside it.")
 _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
                                    "cache (restarts skip XLA compiles).")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
@@ -444,6 +447,10 @@ def main(argv):
   if _COMPILE_CACHE.value:
     from paged_kv.runtime.compile_cache import enable_compilation_cache
     enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  from paged_kv.telemetry import records
+  rec = records.Recorder(_RECORD.value, "bench_requests", flag_values=records.script_flags(),
+                         seeds=[_SEED.value])
+  result = {"workloads": [], "hit_rates": [], "compile": []}
   workloads = []
   for w in _WORKLOADS.value:
     if w == "chat":
@@ -527,14 +534,30 @@ def main(argv):
     print(f"{label:<14} {' '.join(f'{r:.2f}' for r in runs):<24} {np.median(runs):>6.2f} "
           f"{np.median(means):>6.2f}  {by_kind(m.dispatches):<14} {multi:>7.1%}  "
           f"{by_kind(m.reads):<16} {m.compiles:>8}")
+    ops = {}
+    for name in (OURS, HOST):
+      ops[name] = {op: pct(median_over_runs(m.times[name][:, :, j]), 50)
+                   for j, op in enumerate(OPS)}
+    result["workloads"].append(dict(
+        label=label, ratio_by_run=runs, mean_ratio_by_run=means,
+        ours_request_p50_us=pct(median_over_runs(ours), 50),
+        host_request_p50_us=pct(median_over_runs(host), 50), op_p50_us=ops,
+        dispatches_per_request=float(np.mean(sum(m.dispatches.values()))) if m.dispatches
+        else 0.0, multi_dispatch_share=multi,
+        blocking_reads_per_request=float(np.mean(sum(m.reads.values()))) if m.reads else 0.0,
+        compiles=m.compiles))
   print("\nHit rate at bounded capacity (matched / prompt tokens, same requests)")
   for label, name, hit in hit_rows:
     print(f"{label:<14} {name:<36} {hit:.4f}")
+    result["hit_rates"].append(dict(workload=label, path=name, hit_rate=hit))
   if compile_table:
     print("\nCompile time of the serving path (chat workload, fresh processes, s)")
     print(f"{'':<26} {'first request':>14} {'cold extra':>11} {'import':>7}")
     for label, first, extra, imp in compile_table:
       print(f"{label:<26} {first:>14.2f} {extra:>11.2f} {imp:>7.2f}")
+      result["compile"].append(dict(cache=label, first_request_s=first, cold_extra_s=extra,
+                                    import_s=imp))
+  rec.write(result)
 
 
 if __name__ == "__main__":

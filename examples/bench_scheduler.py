@@ -42,7 +42,7 @@ import paged_kv
 from paged_kv.runtime import compile_cache
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
-from paged_kv.telemetry import metrics
+from paged_kv.telemetry import metrics, records
 
 _POOLS = flags.DEFINE_list("pools", ["4096", "65536", "262144", "1048576"],
                            "Pool sizes in blocks.")
@@ -53,6 +53,7 @@ _WARMUP = flags.DEFINE_integer("warmup", 60, "Untimed steps first (compilation).
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per configuration (median of medians).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
                                    "cache (restarts skip XLA compiles).")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
@@ -154,39 +155,55 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
           sched.stats.compiles_after_warmup)
 
 
+FIELDS = ("step_ms", "p90_ms", "executor_ms", "stats_ms", "stats_every", "dispatches",
+          "reads", "compiles")
+"""What `_run` returns, in order (per step)."""
+
+
 def main(argv):
   del argv
   if _COMPILE_CACHE.value:
     compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
-  rows = []
-  for batch in map(int, _BATCH.value):
-    for num_blocks in map(int, _POOLS.value):
-      for mode in _MODES.value:
-        runs = [_run(num_blocks, batch, mode, _SEED.value + r) for r in range(_REPEATS.value)]
-        med, p90, ex, tel, every, disp, reads, comp = (statistics.median(x) for x in zip(*runs))
-        rows.append((batch, num_blocks, mode, med, p90, ex, med - ex, tel, every, disp, reads,
-                     comp))
-        print(f"batch {batch:4d} pool {num_blocks:8d} {mode:6s}: step {med:7.3f} ms "
-              f"(p90 {p90:7.3f}), executor {ex:7.3f} ms, stats {tel:6.3f} ms", flush=True)
+  rec = records.Recorder(_RECORD.value, "bench_scheduler", flag_values=records.script_flags(),
+                         seeds=[_SEED.value + r for r in range(_REPEATS.value)])
+  configs = [(batch, n, mode) for batch in map(int, _BATCH.value)
+             for n in map(int, _POOLS.value) for mode in _MODES.value]
+  runs: dict[tuple, list[tuple]] = {c: [] for c in configs}
+  # Repeats outermost: every configuration runs once per round, so ratios between
+  # configurations are paired within a round (the same minutes of a shared machine).
+  for r in range(_REPEATS.value):
+    for batch, num_blocks, mode in configs:
+      out = _run(num_blocks, batch, mode, _SEED.value + r)
+      runs[(batch, num_blocks, mode)].append(out)
+      print(f"round {r} batch {batch:4d} pool {num_blocks:8d} {mode:6s}: step {out[0]:7.3f} ms "
+            f"(p90 {out[1]:7.3f}), executor {out[2]:7.3f} ms, stats {out[3]:6.3f} ms", flush=True)
   print("\nHost time per scheduler step (ms; median of "
-        f"{_REPEATS.value} runs x {_STEPS.value} steps; DryExecutor). 'executor': its jitted "
+        f"{_REPEATS.value} rounds x {_STEPS.value} steps; DryExecutor). 'executor': its jitted "
         "reserve, waited for (device work; on this CPU it runs on the host), 'host': the "
         "rest; 'stats': the cheap figures' host ms per step (timed directly), 'share': of "
         "the rest of the step, 'every': their interval in steps at the end; 'bk/step': "
         "bookkeeping dispatches per step, 'reads/step': blocking host reads per step, "
-        "'compiles': after warm-up")
+        "'compiles': after warm-up; ratios paired per round, median [min-max]")
   print(f"{'batch':>5} {'blocks':>8} {'mode':>6} {'step':>8} {'p90':>8} {'executor':>8} "
-        f"{'host':>8} {'stats':>7} {'share':>6} {'every':>5} {'vs smallest pool':>16} "
-        f"{'vs off':>7} {'bk/step':>7} {'reads/step':>10} {'compiles':>8}")
-  base = {}
-  for batch, n, mode, med, p90, ex, host, tel, every, disp, reads, comp in rows:
-    base.setdefault((batch, mode), med)
-    off = next(r[3] for r in rows if r[:2] == (batch, n) and r[2] == "off") \
-        if any(r[:3] == (batch, n, "off") for r in rows) else float("nan")
+        f"{'host':>8} {'stats':>7} {'share':>6} {'every':>5} {'vs smallest pool':>24} "
+        f"{'vs off':>24} {'bk/step':>7} {'reads/step':>10} {'compiles':>8}")
+  smallest = int(_POOLS.value[0])
+  for batch, n, mode in configs:
+    mine = runs[(batch, n, mode)]
+    med, p90, ex, tel, every, disp, reads, comp = (statistics.median(x) for x in zip(*mine))
+    vs_small = records.format_median_range(
+        [a[0] / b[0] for a, b in zip(mine, runs[(batch, smallest, mode)])], suffix="x")
+    off = runs.get((batch, n, "off"))
+    vs_off = (records.format_median_range([a[0] / b[0] for a, b in zip(mine, off)], suffix="x")
+              if off else "-")
     share = 100 * tel / max(med - tel, 1e-9)
-    print(f"{batch:5d} {n:8d} {mode:>6} {med:8.3f} {p90:8.3f} {ex:8.3f} {host:8.3f} "
-          f"{tel:7.3f} {share:5.1f}% {every:5.0f} {med / base[(batch, mode)]:15.2f}x "
-          f"{med / off:6.2f}x {disp:7.2f} {reads:10.2f} {comp:8.0f}")
+    print(f"{batch:5d} {n:8d} {mode:>6} {med:8.3f} {p90:8.3f} {ex:8.3f} {med - ex:8.3f} "
+          f"{tel:7.3f} {share:5.1f}% {every:5.0f} {vs_small:>24} {vs_off:>24} {disp:7.2f} "
+          f"{reads:10.2f} {comp:8.0f}")
+  rec.write({"steps": _STEPS.value, "warmup": _WARMUP.value, "repeats": _REPEATS.value,
+             "runs": [dict(batch=b, num_blocks=n, mode=m,
+                           rounds=[dict(zip(FIELDS, out)) for out in runs[(b, n, m)]])
+                      for b, n, m in configs]})
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from paged_kv.core import compact, regions
 from paged_kv.runtime import compile_cache
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.telemetry import records
 
 _SIZES = flags.DEFINE_list("sizes", ["28610", "2048"], "Pool sizes in blocks (28,610: the KV "
                            "share of an 80 GB card for Llama-3-8B at 16-token blocks).")
@@ -80,6 +81,7 @@ _TRICKLE = flags.DEFINE_float("trickle", 0.5, "Short requests arriving per step 
                               "burst (Poisson).")
 _AFTER = flags.DEFINE_integer("after_steps", 120, "Steps served after the shrink request.")
 _PREFILL_BUDGET = flags.DEFINE_integer("prefill_token_budget", 8192, "Prompt tokens per step.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
                                    "cache (restarts skip XLA compiles).")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
@@ -274,6 +276,8 @@ def main(argv):
   if _COMPILE_CACHE.value:
     compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   bb = model_block_bytes()
+  rec = records.Recorder(_RECORD.value, "bench_shrink", flag_values=records.script_flags(),
+                         seeds=[int(x) for x in _SEEDS.value])
   print(f"modelled block: {bb / 2**20:.2f} MiB; step {_STEP_MS.value} ms; bandwidth "
         f"{_BANDWIDTH.value / 1e12:.1f} TB/s; headroom {_HEADROOM.value}; trickle "
         f"{_TRICKLE.value}/step; long share {_LONG_SHARE.value}; finish share "
@@ -317,6 +321,9 @@ def main(argv):
           f"{r['peak_extra']:14.3f}  {r['via_host']:8.0%}  {r['old_gb']:13.1f}  "
           f"{r['model_peak_gb']:7.1f}  "
           f"{r['cut_copy_ms']:7.1f}  {r['cut_step_ms']:15.2f}  {r['cut_share']:6.0%}")
+  rec.write({"block_bytes": bb, "rows": results},
+            notes=["shares and bytes are modelled for the --model at --bandwidth; the "
+                   "CPU times (cpu_*_ms, cut_ms) are measured on this machine"])
 
 
 if __name__ == "__main__":

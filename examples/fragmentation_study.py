@@ -45,7 +45,7 @@ import numpy as np
 import paged_kv
 from paged_kv.core import alloc, compact, segments, slots
 from paged_kv.runtime import compile_cache
-from paged_kv.telemetry import metrics
+from paged_kv.telemetry import metrics, records
 
 try:  # optional: a progress bar
   import tqdm as _tqdm
@@ -99,6 +99,7 @@ _FIT = flags.DEFINE_enum("fit", "first", ["first", "best"], "Which free run a lo
 _TIMING_REPS = flags.DEFINE_integer("timing_reps", 20, "Repetitions of the timing (median).")
 _PARTS = flags.DEFINE_list("parts", ["a", "b", "timing"], "Which parts to run.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar (needs tqdm).")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
                                    "cache (restarts skip XLA compiles).")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
@@ -739,6 +740,11 @@ def main(argv):
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   bs = _BLOCK_SIZE.value
   t_start = time.perf_counter()
+  rec = records.Recorder(_RECORD.value, "fragmentation_study",
+                         flag_values=records.script_flags(),
+                         seeds=[int(x) for x in _CHAT_SEEDS.value] + [_SEED.value])
+  result = {"chat": {"turn_range": [_TURN_MIN.value, _TURN_MAX.value],
+                     "steps": _CHAT_STEPS.value, "blocks": _CHAT_BLOCKS.value, "runs": []}}
 
   # (a) chat, one run per seed.
   turn_range = (_TURN_MIN.value, _TURN_MAX.value)
@@ -760,12 +766,17 @@ def main(argv):
             f"{_fmt(r['oom']):>22}{r['peak']:>21}{r['segments']:>10}{r['packs']:>8}",
             flush=True)
       chat_summary[mode].append((r['internal'].mean(), r['internal'][-1]))
+      result["chat"]["runs"].append(dict(
+          seed=seed, mode=mode, internal_mean=float(r["internal"].mean()),
+          internal_final=float(r["internal"][-1]), oom=dict(r["oom"]), peak=r["peak"],
+          segments=r["segments"], packs=r["packs"]))
     chat_first = chat_first or chat
   for mode, v in chat_summary.items():
     v = np.array(v)
     print(f"  all seeds {mode:<20} mean of means {v[:, 0].mean():.2%}, worst mean "
           f"{v[:, 0].max():.2%}, worst final {v[:, 1].max():.2%}")
   if "b" not in _PARTS.value:
+    rec.write(result)
     return
 
   # (b) long/short mix.
@@ -782,7 +793,8 @@ def main(argv):
         f"{len(reqs)} requests over {_STEPS.value} steps, seed {_SEED.value}; pool {nblk} x "
         f"{bs}-token blocks ({nblk * bb / 1e9:.1f} GB of K/V at {bb / 2**20:.2f} MiB/block); "
         f"budget {example.step_bytes / 1e6:.0f} MB/step = {per_step_moves} moves "
-        f"({_STEP_FRACTION.value:.0%} of {_STEP_MS.value:g} ms at {_BANDWIDTH.value / 1e12:g} "
+        f"({_STEP_FRACTION.value * 100:g}% of {_STEP_MS.value:g} ms at "
+        f"{_BANDWIDTH.value / 1e12:g} "
         f"TB/s), threshold {_THRESHOLD.value}")
   mix, rows = {}, {}
   map_step = _STEPS.value // 2
@@ -818,8 +830,16 @@ def main(argv):
           f"{s['share_mean']:>8.2%}/{s['share_max']:<7.1%}{s['long_runs']:>10.1f}"
           f"{s['conc']:>7.1f}{s['bound']:>7.1f}{s['conc_ratio']:>8.3f}{s['tok_ratio']:>10.3f}")
 
+  result["mix"] = dict(
+      seed=_SEED.value, steps=_STEPS.value, requests=len(reqs),
+      long_fraction=_LONG_FRACTION.value, load=_LOAD.value, long_tokens=long_tok,
+      short_tokens=short_tok, pool_blocks=nblk, block_bytes=bb,
+      step_fraction=_STEP_FRACTION.value, step_ms=_STEP_MS.value,
+      budget_moves=per_step_moves, threshold=_THRESHOLD.value, max_wait=_MAX_WAIT.value,
+      rows=[dict(mode=mode, policy=pol, **s) for (mode, pol), s in rows.items()])
   if "timing" in _PARTS.value:
     timing = time_compaction(_TIMING_REPS.value)
+    result["timing"] = timing
     print(f"\ncompaction step of 32 moves ({timing['bytes'] / 2**20:.1f} MiB, "
           f"{timing['device']}): {timing['compact_s'] * 1e3:.3f} ms; plain copy of the same "
           f"bytes: {timing['copy_s'] * 1e3:.3f} ms; ratio "
@@ -829,6 +849,7 @@ def main(argv):
                  modes, policies)
   print("plots: " + ", ".join(paths))
   print(f"total {time.perf_counter() - t_start:.1f} s")
+  rec.write(result)
 
 
 if __name__ == "__main__":

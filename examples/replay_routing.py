@@ -52,6 +52,7 @@ from paged_kv.serving.routing import (
     RoundRobinRouter,
     Router,
 )
+from paged_kv.telemetry import records
 
 try:
   import tqdm as _tqdm
@@ -104,6 +105,7 @@ _LOAD_WEIGHT = flags.DEFINE_list(
 _TIE_TOKENS = flags.DEFINE_float(
     "tie_tokens", 0.0, "cache_aware: score tolerance for near-ties (tokens)."
 )
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
                                    "cache (restarts skip XLA compiles).")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
@@ -263,6 +265,7 @@ def main(argv: list[str]) -> None:
   if _BLOCK_SIZE.value < 1:
     raise app.UsageError("--block_size must be >= 1")
 
+  rec = records.Recorder(_RECORD.value, "replay_routing", flag_values=records.script_flags())
   requests = traces.load_trace(path, _MAX_REQUESTS.value)
   bound_hit, bound_total = traces.exact_hit_bound(requests)
   print(
@@ -302,6 +305,14 @@ def main(argv: list[str]) -> None:
           f"goal (cache_aware >= 0.90 of global) at {_cap_text(cap)} tokens per "
           f"replica, {st.name}: {ratio:.3f} -> {verdict}"
       )
+  rec.write({"trace": os.path.basename(path), "requests": len(requests),
+             "exact_bound": bound_hit / max(bound_total, 1), "num_replicas": _NUM_REPLICAS.value,
+             "rows": [dict(capacity_per_replica=cap, router=st.name, hit_rate=st.hit_rate,
+                           global_hit_rate=ref.hit_rate, ratio_to_global=_ratio(st, ref),
+                           token_imbalance=st.token_imbalance, work_imbalance=st.work_imbalance,
+                           wait_p50_s=st.wait_percentile(50), wait_p99_s=st.wait_percentile(99),
+                           evicted_tokens=st.evicted_tokens, rejected=st.rejected, wall_s=wall)
+                      for cap, st, ref, wall in rows]})
 
 
 if __name__ == "__main__":

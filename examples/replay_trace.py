@@ -22,6 +22,18 @@ computed from the hash ids: both are printed and the script fails if they disagr
 Engine mode (``--engine``; ``paged_kv.serving.engine_replay``): the real scheduler and
 JAX block pool with a dry executor (memory dynamics with arrival times and output
 lengths, no model math), one row per ``--variants`` entry.
+
+Held-out tuning of the cache governance (``--engine --holdout``): the two-phase GC's TTL
+(``--gc_ttl_grid``) and the quotas' watermarks (``--watermark_grid``) are chosen by hit
+rate on one slice of the trace (``--tune_slice``) and then reported, beside the plain-LRU
+baseline and the published settings, on another (``--eval_slice``), at every
+``--holdout_pools`` size:
+
+  .venv/bin/python examples/replay_trace.py --engine --holdout --tune_slice=0:1500 \
+      --eval_slice=1500:3000 --holdout_pools=32768,65536
+
+``--record=PATH`` writes what was measured, with its provenance, as JSON
+(``paged_kv.telemetry.records``).
 """
 
 from __future__ import annotations
@@ -35,7 +47,9 @@ from absl import app, flags
 
 from paged_kv.runtime import compile_cache
 from paged_kv.serving import engine_replay, replay, traces
+from paged_kv.serving.governance import CacheGovernance
 from paged_kv.serving.replay import ReplayConfig, ReplayResult, replay_sim
+from paged_kv.telemetry import records
 
 try:
   import tqdm as _tqdm
@@ -85,6 +99,24 @@ _VARIANTS = flags.DEFINE_list(
     list(engine_replay.ENGINE_VARIANTS),
     "Engine mode: configurations to compare (paged_kv.serving.engine_replay.ENGINE_VARIANTS).",
 )
+_SKIP_REQUESTS = flags.DEFINE_integer(
+    "skip_requests", 0, "Start at this request of the trace (a later slice; with "
+    "--max_requests, the slice is [skip, skip + max)).")
+_HOLDOUT = flags.DEFINE_bool(
+    "holdout", False, "Engine mode: tune the GC TTL and the quota watermarks on --tune_slice "
+    "and report them on --eval_slice (see the module docstring).")
+_TUNE_SLICE = flags.DEFINE_string("tune_slice", "0:1500", "Holdout: requests [a:b) to tune on.")
+_EVAL_SLICE = flags.DEFINE_string("eval_slice", "1500:3000",
+                                  "Holdout: requests [a:b) to report on.")
+_HOLDOUT_POOLS = flags.DEFINE_list("holdout_pools", ["32768", "65536"],
+                                   "Holdout: pool sizes in tokens (after --token_scale).")
+_GC_TTL_GRID = flags.DEFINE_list("gc_ttl_grid", ["1", "2.5", "5", "10", "20"],
+                                 "Holdout: GC TTLs (trace seconds) tried on the tune slice.")
+_GC_EVERY = flags.DEFINE_integer("gc_every", 16, "Holdout: steps between GC marking passes.")
+_WATERMARK_GRID = flags.DEFINE_list(
+    "watermark_grid", ["0.85/0.5", "0.95/0.7", "0.7/0.3"],
+    "Holdout: quota high/low watermarks tried (quotas + GC at the chosen TTL).")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
                                    "cache (restarts skip XLA compiles).")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
@@ -124,9 +156,20 @@ def format_table(rows: list[tuple[ReplayResult, float | None]]) -> str:
   return "\n".join(lines)
 
 
+def load_slice(path: str, start: int = 0, stop: int | None = None) -> list:
+  """Requests [start, stop) of a trace (stop None: to the end)."""
+  requests = traces.load_trace(path, 0 if stop is None else stop)
+  return requests[start:stop]
+
+
+def _flag_slice() -> tuple[int, int | None]:
+  start = _SKIP_REQUESTS.value
+  return start, (start + _MAX_REQUESTS.value if _MAX_REQUESTS.value else None)
+
+
 def run_trace(path: str, capacities: list[int], base_config: dict) -> list[tuple]:
   """Replays one trace at every capacity; checks the unlimited run against the bound."""
-  requests = traces.load_trace(path, _MAX_REQUESTS.value)
+  requests = load_slice(path, *_flag_slice())
   label = os.path.basename(path)
   bound_hit, bound_total = traces.exact_hit_bound(requests)
   bound = bound_hit / bound_total if bound_total else 0.0
@@ -186,7 +229,7 @@ def run_engine() -> None:
     )
   results = []
   for path in _TRACE.value:
-    requests = traces.load_trace(path, _MAX_REQUESTS.value)
+    requests = load_slice(path, *_flag_slice())
     label = os.path.basename(path)
     for variant in _VARIANTS.value:
       bar = (
@@ -201,28 +244,106 @@ def run_engine() -> None:
           bar.n = s.stats.finished
           bar.refresh()
 
-      r = engine_replay.replay_engine(
-          requests,
-          variant=variant,
-          label=label,
-          pool_tokens=_POOL_TOKENS.value,
-          block_size=_BLOCK_SIZE.value,
-          token_scale=_TOKEN_SCALE.value,
-          step_ms=_STEP_MS.value,
-          max_batch=_MAX_BATCH.value,
-          policy=_POLICY.value,
-          on_step=on_step,
-      )
+      r = _engine(requests, variant, label, _POOL_TOKENS.value, on_step=on_step)
       if bar is not None:
         bar.close()
-      print(
-          f"{r.label} {variant}: {r.finished}/{r.submitted} finished, "
-          f"{r.preemptions} preemptions, hit rate {r.hit_rate:.3f}, {r.wall_s:.0f} s",
-          flush=True,
-      )
       results.append(r)
   print()
   print(format_engine_table(results))
+  return results
+
+
+def _engine(requests, variant: str, label: str, pool_tokens: int, on_step=None):
+  r = engine_replay.replay_engine(
+      requests,
+      variant=variant,
+      label=label,
+      pool_tokens=pool_tokens,
+      block_size=_BLOCK_SIZE.value,
+      token_scale=_TOKEN_SCALE.value,
+      step_ms=_STEP_MS.value,
+      max_batch=_MAX_BATCH.value,
+      policy=_POLICY.value,
+      on_step=on_step,
+  )
+  print(
+      f"{r.label} {variant} pool {pool_tokens}: {r.finished}/{r.submitted} finished, "
+      f"{r.preemptions} preemptions, hit rate {r.hit_rate:.4f}, {r.wall_s:.0f} s",
+      flush=True,
+  )
+  return r
+
+
+def _parse_slice(text: str, name: str) -> tuple[int, int]:
+  try:
+    a, b = (int(x) for x in text.split(":"))
+  except ValueError:
+    raise app.UsageError(f"--{name} must be START:STOP, got {text!r}") from None
+  if not 0 <= a < b:
+    raise app.UsageError(f"--{name} must have 0 <= START < STOP, got {text!r}")
+  return a, b
+
+
+def _variant(name: str, governance: CacheGovernance) -> str:
+  """Registers a governance variant of "compaction" under `name` (the replay looks
+  variants up by name) and returns the name."""
+  base = engine_replay.ENGINE_VARIANTS["compaction"]
+  engine_replay.ENGINE_VARIANTS[name] = engine_replay.EngineVariant(
+      base.pack_tails, base.compaction, base.preemption, base.output_reserve_ratio, governance)
+  return name
+
+
+def run_holdout() -> dict:
+  """Tunes the GC TTL, then the quota watermarks, on one slice; reports on another."""
+  (path,) = _TRACE.value[:1]
+  tune, held = _parse_slice(_TUNE_SLICE.value, "tune_slice"), _parse_slice(
+      _EVAL_SLICE.value, "eval_slice")
+  if tune[1] > held[0] and held[1] > tune[0]:
+    raise app.UsageError("--tune_slice and --eval_slice overlap")
+  label = os.path.basename(path)
+  tune_reqs, eval_reqs = load_slice(path, *tune), load_slice(path, *held)
+  ttls = [float(x) for x in _GC_TTL_GRID.value]
+  marks = [tuple(float(y) for y in x.split("/")) for x in _WATERMARK_GRID.value]
+  published = engine_replay.ENGINE_VARIANTS["gc"].governance
+  out = {"trace": label, "tune_slice": list(tune), "eval_slice": list(held),
+         "gc_every": _GC_EVERY.value, "published_gc_ttl": published.gc_ttl,
+         "published_watermarks": [published.high_watermark, published.low_watermark],
+         "pools": []}
+  for pool in (int(x) for x in _HOLDOUT_POOLS.value):
+    tuning = []
+    base = _engine(tune_reqs, "compaction", f"{label}[tune]", pool)
+    tuning.append(dict(kind="baseline", variant="compaction", result=base))
+    for ttl in ttls:
+      v = _variant(f"gc_ttl={ttl:g}", CacheGovernance(quotas=False, gc_ttl=ttl,
+                                                      gc_every=_GC_EVERY.value))
+      tuning.append(dict(kind="gc", gc_ttl=ttl, variant=v,
+                         result=_engine(tune_reqs, v, f"{label}[tune]", pool)))
+    gc_rows = [t for t in tuning if t["kind"] == "gc"]
+    best_ttl = max(gc_rows, key=lambda t: (t["result"].hit_rate, -t["gc_ttl"]))["gc_ttl"]
+    for hi, lo in marks:
+      v = _variant(f"quotas_gc_wm={hi:g}/{lo:g}", CacheGovernance(
+          gc_ttl=best_ttl, gc_every=_GC_EVERY.value, high_watermark=hi, low_watermark=lo))
+      tuning.append(dict(kind="quotas_gc", watermarks=[hi, lo], gc_ttl=best_ttl, variant=v,
+                         result=_engine(tune_reqs, v, f"{label}[tune]", pool)))
+    q_rows = [t for t in tuning if t["kind"] == "quotas_gc"]
+    best_marks = max(q_rows, key=lambda t: t["result"].hit_rate)["watermarks"]
+    evaluated = []
+    chosen = [("baseline", "compaction"),
+              ("gc, published TTL", "gc"),
+              ("gc, tuned TTL", f"gc_ttl={best_ttl:g}"),
+              ("quotas + gc, published", "quotas_gc"),
+              ("quotas + gc, tuned", f"quotas_gc_wm={best_marks[0]:g}/{best_marks[1]:g}")]
+    for role, v in chosen:
+      evaluated.append(dict(role=role, variant=v,
+                            result=_engine(eval_reqs, v, f"{label}[eval]", pool)))
+    out["pools"].append(dict(pool_tokens=pool, tuned_gc_ttl=best_ttl,
+                             tuned_watermarks=list(best_marks), tuning=tuning,
+                             evaluated=evaluated))
+    print(f"pool {pool}: TTL {best_ttl:g} s and watermarks {best_marks} chosen on requests "
+          f"{tune[0]}-{tune[1]}; on {held[0]}-{held[1]}:")
+    for e in evaluated:
+      print(f"  {e['role']:<26} hit rate {e['result'].hit_rate:.4f}")
+  return out
 
 
 def parse_capacities(values: list[str]) -> list[int]:
@@ -244,8 +365,15 @@ def main(argv: list[str]) -> None:
     sys.exit(f"replay_trace.py: {e}; pass --trace=PATH")
   if _BLOCK_SIZE.value < 1:
     raise app.UsageError("--block_size must be >= 1")
+  rec = records.Recorder(_RECORD.value, "replay_trace", flag_values=records.script_flags())
+  if _ENGINE.value and _HOLDOUT.value:
+    rec.write({"mode": "holdout", **run_holdout()})
+    return
   if _ENGINE.value:
-    run_engine()
+    results = run_engine()
+    rec.write({"mode": "engine", "pool_tokens": _POOL_TOKENS.value,
+               "token_scale": _TOKEN_SCALE.value, "step_ms": _STEP_MS.value,
+               "slice": list(_flag_slice()), "rows": results})
     return
   capacities = parse_capacities(_CAPACITY.value)
   base_config = dict(
@@ -259,6 +387,14 @@ def main(argv: list[str]) -> None:
     rows.extend(run_trace(path, capacities, base_config))
   print()
   print(format_table(rows))
+  rec.write({"mode": "sim", "slice": list(_flag_slice()), "rows": [
+      dict(label=r.label, capacity_tokens=r.capacity_tokens, requests=r.num_requests,
+           hit_rate=r.hit_rate, hit_tokens=r.hit_tokens, prompt_tokens=r.prompt_tokens,
+           exact_bound=bound, evicted_tokens=r.evicted_tokens, evicted_nodes=r.evicted_nodes,
+           rejected=r.rejected, match_p50_us=_pct_us(r.match_s, 50),
+           match_p99_us=_pct_us(r.match_s, 99), insert_p50_us=_pct_us(r.insert_s, 50),
+           insert_p99_us=_pct_us(r.insert_s, 99), wall_s=r.wall_s)
+      for r, bound in rows]})
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ from paged_kv.runtime import compile_cache, counters, host_memory
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.executor import DryExecutor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.telemetry import records
 
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 4096, "Blocks in the pool.")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
@@ -135,6 +136,7 @@ _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/soak_runtime", "Where the CSVs a
                                "go ('': nowhere).")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar during warm-up (tqdm).")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
                                    "cache (restarts skip XLA compiles).")
 _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
@@ -372,6 +374,8 @@ def ratio(a: float, b: float) -> float:
 
 def main(argv):
   del argv
+  rec = records.Recorder(_RECORD.value, "soak_runtime", flag_values=records.script_flags(),
+                         seeds=[_SEED.value])
   if _RETURN_FREED.value:
     host_memory.return_freed_memory()
   if _COMPILE_CACHE.value:
@@ -563,6 +567,13 @@ def main(argv):
   print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
   for r in rows:
     print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+  rec.write({"seconds": seconds, "wall_s": wall, "steps": st.steps,
+             "submitted": workload.submitted, "finished": finished,
+             "cut_s": st.cut_s if cut_done() else None,
+             "compiles_outside_shrink": len(other), "shrink_compiles": shrink_compiles,
+             "shrink_compile_bound": bound, "maps_ratio": maps_ratio,
+             "rss_ratio": rss_ratio, "outside_reads": outside_reads,
+             "first": first, "last": last, "samples": rows})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ the user's cache.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -69,11 +70,24 @@ def _traces(tmp_path):
           write_azure(tmp_path / "lengths.csv", rows))
 
 
-def test_replay_trace_sim(traces):
+def _record(path) -> dict:
+  """A record written by a script's --record (checked for its provenance fields)."""
+  rec = json.loads(pathlib.Path(path).read_text())
+  for key in ("command", "flags", "git", "date", "machine", "jax", "results"):
+    assert key in rec, (key, sorted(rec))
+  assert rec["command"].startswith("python examples/"), rec["command"]
+  return rec
+
+
+def test_replay_trace_sim(traces, tmp_path):
   mooncake, azure = traces
   out = _run("replay_trace.py", f"--trace={mooncake},{azure}", "--capacity_tokens=20000,0",
-             "--progress=false")
+             "--progress=false", f"--record={tmp_path / 'sim.json'}")
   assert "replay and exact bound agree" in out, out
+  rec = _record(tmp_path / "sim.json")
+  assert rec["bench"] == "replay_trace" and rec["flags"]["capacity_tokens"] == ["20000", "0"]
+  unlimited = [r for r in rec["results"]["rows"] if r["capacity_tokens"] == 0]
+  assert [r["hit_rate"] == r["exact_bound"] for r in unlimited] == [True, True], unlimited
   assert "| sessions.jsonl | 20,000 | 40 |" in out, out
   assert "| lengths.csv | unlimited | 40 | 0.0000 |" in out, out
 
@@ -102,14 +116,30 @@ def test_replay_missing_default_trace_is_one_line(tmp_path, script):
 def test_fragmentation_study(tmp_path):
   out = _run("fragmentation_study.py", f"--out_dir={tmp_path}", "--steps=30", "--chat_steps=8",
              "--num_blocks=256", "--timing_reps=2", "--modes=segments,require",
-             "--policies=none,merge_every_step", "--chat_modes=flat,slotted+consolidate")
+             "--policies=none,merge_every_step", "--chat_modes=flat,slotted+consolidate",
+             "--step_fraction=0.005", f"--record={tmp_path / 'study.json'}")
   assert "merge_every_step" in out and "compaction step of 32 moves" in out, out
+  assert "(0.5% of 20 ms" in out, out  # was "0% of 20 ms" (issue R)
+  rec = _record(tmp_path / "study.json")
+  rows = rec["results"]["mix"]["rows"]
+  assert {(r["mode"], r["policy"]) for r in rows} == {
+      (m, p) for m in ("segments", "require") for p in ("none", "merge_every_step")}, rows
+  assert rec["results"]["chat"]["runs"] and rec["results"]["timing"]["copy_s"] > 0
 
 
-def test_bench_allocator():
+def test_bench_allocator(tmp_path):
   out = _run("bench_allocator.py", "--pool_sizes=1024", "--batch=16", "--max_len=64",
-             "--steps=3", "--scan=4")
+             "--steps=3", "--scan=4", "--runs=1", f"--record={tmp_path / 'a.json'}")
   assert "| 1024 |" in out, out
+  (row,) = _record(tmp_path / "a.json")["results"]["rows"]
+  for key in ("np_step", "jit_step", "py_step", "np_scan", "jit_scan"):
+    assert row[key] > 0, row
+
+
+def test_bench_allocator_help_prints_percent_once():
+  proc = _start("bench_allocator.py", "--help")  # absl's --help exits with status 1
+  out = proc.stdout + proc.stderr
+  assert "85%" in out and "85%%" not in out, out
 
 
 def test_bench_decode():
