@@ -1,0 +1,132 @@
+"""The model step on a pool sharded over kv heads, run SPMD on a (global) mesh.
+
+`ShardedModelExecutor` is `paged_kv.serving.executor.ModelExecutor` for a pool
+built by `sharding.init_sharded_pool` (pages split over kv heads along one mesh
+axis, metadata replicated). Under `jax.distributed` the mesh spans every
+process's devices and every process runs the same step (SPMD):
+
+* the weights are replicated on the mesh; each device writes and attends with
+  its own kv heads (the partitioner follows the pages' sharding);
+* the step's outputs (tokens, statuses, logprobs) and the pool's metadata are
+  replicated, so every process reads the same tokens from its own devices, and
+  the pages keep their sharding (`out_shardings` pin both: compile once);
+* `exact=True` (default) gathers each layer's attention output over the heads
+  before the output projection (`PagedAttention.output_sharding`), so the
+  tokens and every layer's K/V are bit-equal to one device. `exact=False` lets
+  the compiler make the projection row-parallel (a partial product and an
+  all-reduce: about half the traffic, but sums in another order, ~1 ulp apart
+  from one device from the second layer on).
+
+What is sharded: the pool's pages (1/n of their bytes per device) and the
+attention over them. What is not: the weights and the rest of the model
+(projections, MLP) are computed replicated on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.kv import gather_kv
+from paged_kv.core.state import PoolState, init_pool
+from paged_kv.model.plan import StepPlan
+from paged_kv.parallel import sharding
+from paged_kv.serving.executor import ModelExecutor
+
+if TYPE_CHECKING:
+  from flax import nnx
+
+__all__ = ["ShardedModelExecutor", "set_attention_output_sharding", "gather_kv_replicated"]
+
+
+def set_attention_output_sharding(model: "nnx.Module", output_sharding) -> int:
+  """Sets `output_sharding` on every `PagedAttention` of `model`; returns how many."""
+  from paged_kv.model.layers import PagedAttention  # pylint: disable=g-import-not-at-top
+  from paged_kv.model.nnx_import import nnx  # pylint: disable=g-import-not-at-top
+  count = 0
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, PagedAttention):
+      node.output_sharding = output_sharding
+      count += 1
+  return count
+
+
+class ShardedModelExecutor(ModelExecutor):
+  """`ModelExecutor` on a pool sharded over kv heads along `axis` of `mesh` (SPMD).
+
+  Example (every process of a `jax.distributed` run, the same arguments):
+    mesh = sharding.make_tp_mesh()                       # all processes' devices
+    pool = BlockPool(config, state=sharding.init_sharded_pool(config, mesh))
+    executor = ShardedModelExecutor(model, config, mesh)
+  """
+
+  def __init__(self, model: "nnx.Module", pool_config: PoolConfig, mesh: Mesh, *,
+               axis: str = sharding.DEFAULT_AXIS, exact: bool = True,
+               impl: str | None = None, interpret: bool | None = None):
+    """Places the weights on `mesh` (replicated) and prepares the pinned-sharding step.
+
+    Args:
+      model, pool_config, impl, interpret: as for `ModelExecutor`; `model` is
+        not changed (a copy gets the attention output sharding).
+      mesh: the pool's mesh (`jax.devices()` of every process under `jax.distributed`).
+      axis: the mesh axis splitting the kv heads.
+      exact: gather the attention output before the output projection
+        (bit-equal to one device); False: the compiler's row-parallel choice.
+
+    Raises:
+      ValueError: `axis` not in `mesh`, or the heads do not split evenly over it.
+      ModelContractError, InvalidArgument: as for `ModelExecutor`.
+    """
+    from paged_kv.model.nnx_import import nnx  # pylint: disable=g-import-not-at-top
+    sharding.validate_heads(pool_config.num_kv_heads, mesh, axis)
+    self.mesh, self.axis, self.exact = mesh, axis, bool(exact)
+    self._replicated = NamedSharding(mesh, P())
+    graphdef, params = nnx.split(model)
+    model = nnx.merge(graphdef, params)  # a copy of the module tree (same arrays)
+    if self.exact:
+      set_attention_output_sharding(model, self._replicated)
+    super().__init__(model, pool_config, impl=impl, interpret=interpret)
+    self.params = jax.device_put(self.params, self._replicated)
+    self._steps: dict[PoolConfig, tuple] = {}
+
+  def _jitted(self) -> tuple:
+    """The greedy and the sampled step for the current config, outputs pinned."""
+    fns = self._steps.get(self.config)
+    if fns is None:
+      state_shardings = sharding.pool_shardings(
+          jax.eval_shape(functools.partial(init_pool, self.config)), self.mesh, axis=self.axis)
+      out = (state_shardings, self._replicated)  # a prefix: every step output replicated
+      statics = ("graphdef", "config", "impl", "interpret")
+      fns = tuple(jax.jit(fn, static_argnames=statics, donate_argnames=("state",),
+                          out_shardings=out) for fn in (self._forward, self._forward_sampled))
+      self._steps[self.config] = fns
+    return fns
+
+  def step(self, state: PoolState, plan: StepPlan) -> tuple:
+    forward, forward_sampled = self._jitted()
+    if plan.sampling is not None:
+      state, (nxt, status, out) = forward_sampled(self.params, state, plan,
+                                                  graphdef=self.graphdef, config=self.config,
+                                                  **self.kernel_args)
+      return state, nxt, status, out
+    state, (nxt, _, status) = forward(self.params, state, plan, graphdef=self.graphdef,
+                                      config=self.config, **self.kernel_args)
+    return state, nxt, status
+
+
+@functools.partial(jax.jit, static_argnames=("max_len", "out_sharding"))
+def _gather(state: PoolState, seq_id: jax.Array, *, max_len: int, out_sharding):
+  k, v, valid = gather_kv(state, seq_id, max_len=max_len)
+  return jax.lax.with_sharding_constraint((k, v, valid), out_sharding)
+
+
+def gather_kv_replicated(state: PoolState, seq_id: int, *, max_len: int,
+                         mesh: Mesh) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`gather_kv` of one sequence, replicated on `mesh` (an all-gather over the heads),
+  so every process can read it (`np.asarray`). For checks, not the serving path."""
+  return _gather(state, jax.numpy.asarray(seq_id, jax.numpy.int32), max_len=max_len,
+                 out_sharding=NamedSharding(mesh, P()))
