@@ -8,12 +8,16 @@
   paged_kv.model.ragged     the ragged token layout helpers (`last_token_index`: each
                             row's last token in the ragged batch, whose logits sample)
   paged_kv.model.layers     PagedAttention (Flax NNX), apply_rope, causal_attention
+  paged_kv.model.rope       RopeScaling, inverse_frequencies (Hugging Face's RoPE scalings)
   paged_kv.model.llama      the Llama-family reference model (TinyLlama), dense_forward
   paged_kv.model.steps      jitted forward / prefill / decode_step / decode_multi
   paged_kv.model.runner     PagedRunner, generate_paged (host driver for tests, demos)
   paged_kv.model.reference  generate_dense, dense_mismatches (the dense reference)
+  paged_kv.model.hf_checkpoint  load_checkpoint: a Hugging Face Llama/Mistral/Qwen2
+                            checkpoint into TinyLlama (the `hf` extra: safetensors)
+  paged_kv.model.tokenizer  Tokenizer over a tokenizer.json (the `hf` extra: tokenizers)
 
-The first five need only JAX; the names from the others (which need flax) are
+The first five (and `rope`) need only JAX; the names from the others (which need flax) are
 loaded on first use, so `import paged_kv.model` does not import flax.
 """
 
@@ -26,6 +30,7 @@ from paged_kv.model.contract import ModelContractError, PagedModel, check_model
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
 from paged_kv.model.ragged import last_token_index
+from paged_kv.model.rope import RopeScaling
 
 # Names that live in modules importing flax, loaded lazily (PEP 562).
 _LAZY = {
@@ -38,7 +43,7 @@ _LAZY = {
 }
 
 __all__ = ["ModelContractError", "PagedModel", "StepMetadata", "StepPlan", "check_model",
-           "default_impl", "last_token_index", "paged_attention", "resolve_impl", *_LAZY]
+           "RopeScaling", "default_impl", "last_token_index", "paged_attention", "resolve_impl", *_LAZY]
 
 
 def __getattr__(name: str):

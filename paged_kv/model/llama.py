@@ -35,6 +35,7 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import KVPages
 from paged_kv.model.layers import PagedAttention, fan_in_init
 from paged_kv.model.metadata import StepMetadata
+from paged_kv.model.rope import RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,13 @@ class LlamaConfig:
     norm_eps: RMSNorm epsilon.
     tie_embeddings: the output head is the transposed input embedding.
     dtype: activation and parameter dtype (`"float32"` for the equivalence tests).
+    rope_scaling: optional `paged_kv.model.rope.RopeScaling` ("linear", "llama3").
+    attention_bias: q, k and v projections have a bias (Qwen2; Llama's
+      `attention_bias` sets this and `attention_out_bias`).
+    attention_out_bias: the output projection has a bias.
+
+  The defaults are the tiny model of the tests; `paged_kv.model.hf_checkpoint`
+  builds one from a Hugging Face `config.json`.
   """
 
   vocab_size: int = 256
@@ -66,6 +74,9 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   dtype: str = "float32"
+  rope_scaling: RopeScaling | None = None
+  attention_bias: bool = False
+  attention_out_bias: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_q_heads", "num_kv_heads",
@@ -78,6 +89,8 @@ class LlamaConfig:
                        f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
 
   @property
   def jnp_dtype(self) -> jnp.dtype:
@@ -132,7 +145,9 @@ class DecoderBlock(nnx.Module):
     c, dt = config, config.jnp_dtype
     self.attn_norm = RMSNorm(c.d_model, eps=c.norm_eps, dtype=dt)
     self.attn = PagedAttention(c.d_model, c.num_q_heads, c.num_kv_heads, c.head_dim, layer=layer,
-                               rope_theta=c.rope_theta, dtype=dt, rngs=rngs)
+                               rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, dtype=dt,
+                               qkv_bias=c.attention_bias, out_bias=c.attention_out_bias,
+                               rngs=rngs)
     self.mlp_norm = RMSNorm(c.d_model, eps=c.norm_eps, dtype=dt)
     self.mlp = SwiGLU(c, rngs=rngs)
 

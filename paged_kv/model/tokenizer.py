@@ -1,0 +1,158 @@
+"""A checkpoint's tokenizer: its `tokenizer.json` through the `tokenizers` library.
+
+`Tokenizer.from_dir(dir)` reads `tokenizer.json` (the fast-tokenizer file Hugging
+Face checkpoints ship) and the special ids: `bos_token_id` and `eos_token_id` (an
+int or a list) from `generation_config.json`, else `config.json`, else the
+`bos_token` / `eos_token` strings of `tokenizer_config.json`. `encode` adds the
+special tokens the file's post-processor says (Llama's BOS; none for Qwen2), as
+`transformers` does. `TextStream` turns generated ids into text as they come,
+holding back a piece that ends inside a multi-byte character.
+
+Needs the `hf` extra (`pip install 'paged-kv[hf]'`: tokenizers). Imports no JAX.
+
+Usage:
+  tok = Tokenizer.from_dir("Llama-3.2-1B")
+  ids = tok.encode("The capital of France is")
+  stream = tok.stream()
+  for token in generated: print(stream.add(token), end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from paged_kv.core.errors import InvalidArgument
+
+__all__ = ["TextStream", "Tokenizer"]
+
+
+def _tokenizers():
+  try:
+    import tokenizers  # pylint: disable=import-outside-toplevel
+  except ModuleNotFoundError as err:
+    if err.name != "tokenizers":
+      raise
+    raise ModuleNotFoundError(
+        "reading a tokenizer.json needs tokenizers; install it with: "
+        "pip install 'paged-kv[hf]'", name="tokenizers") from err
+  return tokenizers
+
+
+def _read_json(file: Path) -> dict:
+  if not file.is_file():
+    return {}
+  with open(file, encoding="utf-8") as f:
+    data = json.load(f)
+  return data if isinstance(data, dict) else {}
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+  values = value if isinstance(value, list) else [value]
+  return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+class Tokenizer:
+  """Encode and decode with a `tokenizers.Tokenizer`, plus the checkpoint's bos/eos ids.
+
+  Attributes:
+    bos_token_id: the beginning-of-sequence id, or None.
+    eos_token_ids: the ids that end generation (`()` if none is known).
+  """
+
+  def __init__(self, tokenizer: Any, *, bos_token_id: int | None = None,
+               eos_token_ids: Iterable[int] = ()):
+    self._tok = tokenizer
+    self.bos_token_id = bos_token_id
+    self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
+  @classmethod
+  def from_file(cls, file: str | os.PathLike, **kwargs) -> "Tokenizer":
+    """A `tokenizer.json` file; `bos_token_id` / `eos_token_ids` as keywords."""
+    file = Path(file)
+    if not file.is_file():
+      raise InvalidArgument(f"no tokenizer file at {file}")
+    return cls(_tokenizers().Tokenizer.from_file(str(file)), **kwargs)
+
+  @classmethod
+  def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+    """The tokenizer of a checkpoint directory (see the module docstring).
+
+    Raises:
+      InvalidArgument: the directory has no `tokenizer.json`.
+    """
+    path = Path(path)
+    file = path / "tokenizer.json"
+    if not file.is_file():
+      raise InvalidArgument(f"{path} has no tokenizer.json (a fast tokenizer file); "
+                            f"pass token ids instead")
+    tok = _tokenizers().Tokenizer.from_file(str(file))
+    bos: int | None = None
+    eos: tuple[int, ...] = ()
+    for name in ("generation_config.json", "config.json"):
+      data = _read_json(path / name)
+      if bos is None and _ids(data.get("bos_token_id")):
+        bos = _ids(data["bos_token_id"])[0]
+      if not eos:
+        eos = _ids(data.get("eos_token_id"))
+    special = _read_json(path / "tokenizer_config.json")
+    for key in ("bos_token", "eos_token"):
+      value = special.get(key)
+      text = value.get("content") if isinstance(value, dict) else value
+      token_id = tok.token_to_id(text) if isinstance(text, str) else None
+      if token_id is not None and key == "bos_token" and bos is None:
+        bos = token_id
+      if token_id is not None and key == "eos_token" and not eos:
+        eos = (token_id,)
+    return cls(tok, bos_token_id=bos, eos_token_ids=eos)
+
+  @property
+  def vocab_size(self) -> int:
+    """Ids the tokenizer knows, added tokens included."""
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """`text` to ids (with the special tokens the file's post-processor adds)."""
+    if not isinstance(text, str):
+      raise InvalidArgument(f"encode takes a str, got {type(text).__name__}")
+    return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+  def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    """Ids to text (special tokens dropped unless `skip_special_tokens=False`)."""
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  def stream(self) -> "TextStream":
+    """A `TextStream` over this tokenizer."""
+    return TextStream(self)
+
+
+class TextStream:
+  """Generated ids to text, piece by piece: `add(id)` returns the text it completes.
+
+  It decodes all ids so far and returns what is new, so a token that only makes
+  sense with its neighbours (SentencePiece's leading space, a byte-fallback piece
+  of a multi-byte character) comes out right; a piece that ends in an incomplete
+  character (U+FFFD) is held until the next id completes it.
+  """
+
+  def __init__(self, tokenizer: Tokenizer):
+    self._tok = tokenizer
+    self._ids: list[int] = []
+    self._text = ""
+
+  def add(self, token_id: int) -> str:
+    self._ids.append(int(token_id))
+    text = self._tok.decode(self._ids)
+    if text.endswith("\ufffd") or not text.startswith(self._text):
+      return ""
+    new, self._text = text[len(self._text):], text
+    return new
+
+  def flush(self) -> str:
+    """What `add` held back (an incomplete character at the end), now."""
+    text = self._tok.decode(self._ids)
+    new = text[len(self._text):] if text.startswith(self._text) else ""
+    self._text = text
+    return new
