@@ -101,16 +101,13 @@ class PagedAttention(nnx.Module):
     wq, wk, wv, wo: `nnx.Linear` projections (`d_model -> heads * head_dim` and
       back); bias-free unless `qkv_bias` (wq, wk, wv) or `out_bias` (wo).
     layer: index of this layer's K/V in the pool (static).
-    activation_sharding: None (default), or a sharding (static) the activations
-      around the attention are constrained to: `q, k, v` after their projections
-      and RoPE, and the attention output before `wo`. On a pool whose pages are
-      split over kv heads (`paged_kv.parallel`), None lets the compiler split the
-      projections by heads too (column-parallel q/k/v, row-parallel `wo` with an
-      all-reduce), whose smaller matmuls and all-reduce round differently from
-      one device (~1 ulp). A replicated `NamedSharding` computes them whole on
-      every device and gathers the attention output: only the attention over
-      the pages runs per shard, bit-equal to one device
-      (`paged_kv.parallel.executor.ShardedModelExecutor(exact=True)`).
+    output_sharding: None (default), or a sharding (static) the attention output
+      `o [T, num_q_heads, head_dim]` is constrained to before `wo`. On a pool
+      whose pages are split over kv heads (`paged_kv.parallel`), None lets the
+      compiler make `wo` row-parallel (a partial product and an all-reduce, which
+      sums in another order than one device: ~1 ulp apart); a replicated
+      `NamedSharding` gathers the heads first and computes `wo` whole, bit-equal
+      to one device (`paged_kv.parallel.executor.ShardedModelExecutor(exact=True)`).
   """
 
   def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -155,7 +152,7 @@ class PagedAttention(nnx.Module):
     self.wk = lin(d_model, num_kv_heads * head_dim, qkv_bias)
     self.wv = lin(d_model, num_kv_heads * head_dim, qkv_bias)
     self.wo = lin(num_q_heads * head_dim, d_model, out_bias)
-    self.activation_sharding = None
+    self.output_sharding = None
 
   def project(self, x: jax.Array,
               positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -183,12 +180,10 @@ class PagedAttention(nnx.Module):
       its state.
     """
     q, k, v = self.project(x, meta.positions)
-    if self.activation_sharding is not None:
-      q, k, v = (jax.lax.with_sharding_constraint(t, self.activation_sharding) for t in (q, k, v))
     pages, o = paged_attention(q, k, v, pages, self.layer, meta, impl=impl, interpret=interpret,
                                sm_scale=self.sm_scale, soft_cap=self.soft_cap)
-    if self.activation_sharding is not None:
-      o = jax.lax.with_sharding_constraint(o, self.activation_sharding)
+    if self.output_sharding is not None:
+      o = jax.lax.with_sharding_constraint(o, self.output_sharding)
     return pages, self.wo(o.reshape(x.shape[0], -1))
 
   def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
