@@ -17,9 +17,11 @@ command until `stop` or until the parent's end of the pipe closes.
 Commands (a tuple, the name first) and replies (`("ok", value)` or
 `("error", text)`):
 
-  * `("advance", now_s, max_steps)`: trace clock only. Steps the scheduler, each
-    step `step_s` of trace time, until its clock reaches `now_s` (an idle scheduler
-    jumps there) or `max_steps` steps ran. Value: `(reached, results)`.
+  * `("advance", now_s, max_steps[, namespace, tokens])`: trace clock only. Steps
+    the scheduler, each step `step_s` of trace time, until its clock reaches `now_s`
+    (an idle scheduler jumps there) or `max_steps` steps ran. Value: `(reached,
+    results, probe)`; with a namespace, `probe` is `probe(namespace, tokens)`'s
+    value once reached (one round trip per request instead of two), else None.
   * `("probe", namespace, tokens)`: the cached prefix of `tokens` (a read-only
     match: no lock, no hit statistics, no LRU touch) and the replica's backlog.
     Value: `(matched_tokens, backlog_tokens)`.
@@ -64,7 +66,7 @@ from paged_kv.serving.executor import DryExecutor, Executor
 from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
 
 __all__ = ["CLOCKS", "ReplicaRequest", "ReplicaResult", "ReplicaServer", "ReplicaSpec",
-           "backlog_tokens", "serve"]
+           "TinyLlamaFactory", "backlog_tokens", "serve"]
 
 CLOCKS = ("trace", "wall")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -78,8 +80,8 @@ class ReplicaSpec:
     pool_config: the replica's own pool.
     scheduler_config: its scheduling and memory policies.
     executor_factory: `f(pool_config) -> Executor`, a picklable callable (a
-      module-level function or a dataclass instance); None: a `DryExecutor`
-      (memory dynamics only, as in trace replay).
+      module-level function or a dataclass instance such as `TinyLlamaFactory`);
+      None: a `DryExecutor` (memory dynamics only, as in trace replay).
     clock: `"trace"` (driven by `advance`) or `"wall"` (`time.monotonic`).
     step_s: trace seconds per scheduler step (trace clock).
     output_weight: backlog per output token still to generate, in prompt tokens.
@@ -116,6 +118,31 @@ class ReplicaSpec:
                             f"{self.output_weight!r}")
     if self.executor_factory is not None and not callable(self.executor_factory):
       raise InvalidArgument("ReplicaSpec.executor_factory must be callable or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyLlamaFactory:
+  """A `ReplicaSpec.executor_factory`: a `ModelExecutor` over `llama.TinyLlama`.
+
+  Every replica built from it holds the same weights (`nnx.Rngs(seed)`), so a request
+  gets the same greedy tokens whichever replica serves it. Imports flax only when
+  called (in the replica process).
+
+  Attributes:
+    model_config: a `paged_kv.model.llama.LlamaConfig` (it must match the pool's
+      layers, kv heads and head dim; `ModelExecutor` checks).
+    seed: the weights' seed.
+  """
+
+  model_config: Any
+  seed: int = 0
+
+  def __call__(self, pool_config: PoolConfig) -> Executor:
+    from paged_kv.model import llama  # pylint: disable=g-import-not-at-top
+    from paged_kv.model.nnx_import import nnx  # pylint: disable=g-import-not-at-top
+    from paged_kv.serving.executor import ModelExecutor  # pylint: disable=g-import-not-at-top
+    return ModelExecutor(llama.TinyLlama(self.model_config, rngs=nnx.Rngs(self.seed)),
+                         pool_config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,8 +255,10 @@ class ReplicaServer:
       return self.stats()
     raise InvalidArgument(f"unknown replica command {name!r}")
 
-  def advance(self, now_s: float, max_steps: int) -> tuple[bool, list[ReplicaResult]]:
-    """Trace clock: steps until the clock reaches `now_s` (or `max_steps` steps)."""
+  def advance(self, now_s: float, max_steps: int, namespace: Hashable | None = None,
+              tokens: np.ndarray | None = None) -> tuple[bool, list[ReplicaResult], Any]:
+    """Trace clock: steps until the clock reaches `now_s` (or `max_steps` steps), then
+    probes when given a namespace. Returns `(reached, results, probe or None)`."""
     if self.spec.clock != "trace":
       raise InvalidArgument("advance needs the trace clock")
     steps = 0
@@ -238,10 +267,11 @@ class ReplicaServer:
         self.now_s = float(now_s)
         break
       if steps >= max_steps:
-        return False, self.take_results()
+        return False, self.take_results(), None
       self._step()
       steps += 1
-    return True, self.take_results()
+    probe = self.probe(namespace, tokens) if namespace is not None else None
+    return True, self.take_results(), probe
 
   def probe(self, namespace: Hashable, tokens: np.ndarray | None) -> tuple[int, float]:
     """(cached prefix of `tokens`, read-only; backlog in tokens)."""

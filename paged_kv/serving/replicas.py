@@ -57,12 +57,12 @@ import numpy as np
 from paged_kv.core.errors import InvalidArgument, PagedKVError
 from paged_kv.serving import replica_worker
 from paged_kv.serving.replica_worker import (ReplicaRequest, ReplicaResult, ReplicaSpec,
-                                             backlog_tokens)
+                                             TinyLlamaFactory, backlog_tokens)
 from paged_kv.serving.routing import CacheAwareRouter, ReplicaView, RoutedRequest, Router
 
 __all__ = ["NoLiveReplica", "Replica", "ReplicaCommandError", "ReplicaDown", "ReplicaError",
            "ReplicaRequest", "ReplicaResult", "ReplicaSet", "ReplicaSetSummary", "ReplicaSpec",
-           "ReplicaStartError", "backlog_tokens"]
+           "ReplicaStartError", "TinyLlamaFactory", "backlog_tokens"]
 
 _STOP_GRACE_S = 5.0  # a stopping replica's time to exit before it is terminated
 _KILL_GRACE_S = 2.0  # after terminate (SIGTERM), before kill (SIGKILL)
@@ -378,10 +378,14 @@ class ReplicaSet:
         raise InvalidArgument(f"requests must arrive in time order: {request.arrival_s} after "
                               f"{self._now_s}")
       self._now_s = float(request.arrival_s)
-      self._advance(self._now_s)
+      probes = self._advance(self._now_s, request)
+    else:
+      probes = None
     self._seen.add(request.request_id)
-    self._reroute_orphans()
-    return self._route(request)
+    if self._orphans:
+      self._reroute_orphans()
+      probes = None  # the backlogs moved
+    return self._route(request, probes)
 
   def drain(self, timeout_s: float | None = None) -> list[ReplicaResult]:
     """Runs until every submitted request has a result; returns all results so far.
@@ -457,18 +461,24 @@ class ReplicaSet:
       raise error
     return replies
 
-  def _advance(self, now_s: float) -> None:
-    """Trace clock: steps every live replica up to `now_s`, in bounded commands."""
-    pending = self.live_indices
+  def _advance(self, now_s: float, request: ReplicaRequest) -> dict[int, tuple]:
+    """Trace clock: steps every live replica up to `now_s`, in bounded commands, and
+    probes each for `request` once there; returns the probes by replica."""
+    tokens = request.prompt if self.router.needs_probe else None
+    message = ("advance", now_s, self.max_steps_per_call, request.namespace, tokens)
+    pending, probes = self.live_indices, {}
     while pending:
-      replies = self._broadcast(pending, ("advance", now_s, self.max_steps_per_call))
+      replies = self._broadcast(pending, message)
       pending = []
-      for i, (reached, results) in replies.items():
+      for i, (reached, results, probe) in replies.items():
         self._collect(i, results)
-        if not reached:
+        if reached:
+          probes[i] = probe
+        else:
           pending.append(i)
+    return {i: p for i, p in probes.items() if i not in self.down}
 
-  def _route(self, request: ReplicaRequest) -> int:
+  def _route(self, request: ReplicaRequest, probes: dict[int, tuple] | None = None) -> int:
     routed = RoutedRequest(tokens=request.prompt, arrival_s=request.arrival_s,
                            num_output_tokens=request.max_new_tokens,
                            namespace=request.namespace)
@@ -477,7 +487,8 @@ class ReplicaSet:
       live = self.live_indices
       if not live:
         raise NoLiveReplica(f"every replica is down: {self.down}")
-      probes = self._broadcast(live, ("probe", request.namespace, tokens))
+      if probes is None or set(probes) != set(live):
+        probes = self._broadcast(live, ("probe", request.namespace, tokens))
       views = [ReplicaView(i, matched, backlog)
                for i, (matched, backlog) in sorted(probes.items())]
       if not views:
@@ -491,6 +502,7 @@ class ReplicaSet:
         rejected = self.replicas[index].call(("submit", request), self.reply_timeout_s)
       except ReplicaDown as e:
         self._mark_down(index, e.reason)
+        probes = None
         continue  # route it again among the others
       if rejected is not None:
         self._record(rejected)
