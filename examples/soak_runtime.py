@@ -469,8 +469,8 @@ def main(argv):
       log.attribute(n0, cut_step=True)
       events.append(("cut", st.cut_step, n0, len(log.events)))
       print(f"pool cut to {sched.pool.config.num_blocks} blocks at {st.cut_s:.0f} s "
-            f"(step {st.cut_step}; {sched.last_shrink.moves} moves, "
-            f"{sched.last_shrink.evicted_blocks} cached blocks evicted)", flush=True)
+            f"(step {st.cut_step}; {sched.shrink_status.moves} moves, "
+            f"{sched.shrink_status.evicted_blocks} cached blocks evicted)", flush=True)
     elif cut_done():
       log.attribute(n0)
     if _SAVE_EVERY.value and st.steps % _SAVE_EVERY.value == 0 and sched.cache is not None:

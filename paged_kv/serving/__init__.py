@@ -3,7 +3,13 @@
   paged_kv.serving.cached_pool  `CachedPool`: a `BlockPool` and its radix prefix cache,
                                 kept in sync (every reference delta applied inside)
   paged_kv.serving.scheduler    `Scheduler`: continuous batching, one mixed forward
-                                pass per step, eviction, preemption, compaction
+                                pass per step: the step loop and the request lifecycle;
+                                its parts decide the KV side: admission, batching,
+                                forward_pass, preemption, eviction, finishing,
+                                maintenance (compaction, promotion), shrink_control,
+                                stats_pacing, step_telemetry, recovery
+  paged_kv.serving.request, scheduler_config, step_report
+                                `Request`, `SchedulerConfig`, `SchedulerStats`/`StepReport`
   paged_kv.serving.executor     `Executor` protocol, `ModelExecutor` (a Flax model),
                                 `DryExecutor` (memory dynamics only, for replay)
   paged_kv.serving.swap         preemption by swap to host memory

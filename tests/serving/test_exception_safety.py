@@ -44,8 +44,9 @@ from absl.testing import absltest
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.mirror import transitions as host_ops
+from paged_kv.serving import admission as admission_mod
 from paged_kv.serving import persist
-from paged_kv.serving import scheduler as scheduler_mod
+from paged_kv.serving import preemption as preemption_mod
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.governance import CacheGovernance
 from paged_kv.serving.scheduler import (DryExecutor, Phase, Request, Scheduler, SchedulerBroken,
@@ -198,9 +199,11 @@ def _sites_patch(inj: Injector):
   """Module-level call sites (swap; the mirror's shrink plans; the save's steps),
   patched for one run. The wrappers count and raise only while the injector is armed."""
   stack = contextlib.ExitStack()
-  stack.enter_context(mock.patch.multiple(
-      scheduler_mod, swap_in=inj.wrap("swap.swap_in", scheduler_mod.swap_in),
-      swap_out=inj.wrap("swap.swap_out", scheduler_mod.swap_out)))
+  # The scheduler's parts that swap: admission swaps in, preemption swaps out.
+  stack.enter_context(mock.patch.object(
+      admission_mod, "swap_in", inj.wrap("swap.swap_in", admission_mod.swap_in)))
+  stack.enter_context(mock.patch.object(
+      preemption_mod, "swap_out", inj.wrap("swap.swap_out", preemption_mod.swap_out)))
   stack.enter_context(mock.patch.multiple(
       host_ops, plan_shrink=inj.wrap("host_ops.plan_shrink", host_ops.plan_shrink),
       shrink_progress=inj.wrap("host_ops.shrink_progress", host_ops.shrink_progress)))

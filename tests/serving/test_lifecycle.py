@@ -40,7 +40,7 @@ def _drain(sched: Scheduler, limit: int = 3000) -> None:
 
 def _assert_empty(test, sched: Scheduler) -> None:
   test.assertEqual(sched.pool.active_sequences().size, 0)
-  sched._evict(CFG.num_blocks)  # pylint: disable=protected-access
+  sched.evictor.evict(CFG.num_blocks)
   test.assertEqual(sched.pool.num_free_blocks, CFG.num_blocks)
   sched.check_invariants()
 

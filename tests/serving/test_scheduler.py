@@ -58,7 +58,7 @@ class SchedulerTest(parameterized.TestCase):
     self.assertGreater(sched.stats.hit_tokens, 0)  # the shared system prompt
     # Only the cache holds blocks at the end; evicting it all empties the pool.
     self.assertEqual(len(pool.active_sequences()), 0)
-    sched._evict(CFG.num_blocks)
+    sched.evictor.evict(CFG.num_blocks)
     self.assertEqual(pool.num_free_blocks, CFG.num_blocks)
 
   def test_take_finished_hands_over_each_request_once(self):

@@ -1,0 +1,108 @@
+"""The rows of a scheduler step: decode tokens and prompt chunks, and their `StepPlan`.
+
+Every running sequence whose prompt is done decodes one token (its pending token
+goes into the cache, the next is sampled); the prompts still being computed get
+chunks of at most `prefill_chunk` tokens, FCFS, under the step's
+`prefill_token_budget`. Decode rows come first (tpu-inference's convention), then
+the chunks; blocks go to rows in this order. Pure functions of the requests and
+the config (the scheduler's step calls them; tests call them alone).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged_kv.model import ragged
+from paged_kv.model.plan import StepPlan
+from paged_kv.model.sampling import SamplingBatch
+from paged_kv.serving.request import Request
+from paged_kv.serving.scheduler_config import SchedulerConfig
+
+Chunks = list[tuple[Request, int]]
+
+
+def prefill_chunks(running: list[Request], config: SchedulerConfig) -> Chunks:
+  """This step's prompt chunks `(request, tokens)`: FCFS under the token budget."""
+  budget = config.prefill_token_budget
+  chunk = config.prefill_chunk
+  chunks = []
+  for req in running:
+    left = req.prefill_target - req.num_cached
+    if left > 0 and budget > 0:
+      n = min(left, chunk, budget)
+      chunks.append((req, n))
+      budget -= n
+  return chunks
+
+
+def decode_batch(running: list[Request]) -> list[Request]:
+  """The running requests with a token to decode: prompt done, an output, not
+  finished (`request.is_finished`, inlined: O(batch) Python every step; it names
+  the stop reason of those that are)."""
+  out = []
+  for r in running:
+    o = r.output
+    if r.num_cached < r.prefill_target or not o or r.stop_reason:
+      continue
+    if len(o) >= r.max_new_tokens:
+      r.stop_reason = "length"
+    elif r.stop_ids and o[-1] in r.stop_ids:
+      r.stop_reason = "stop_token"
+    else:
+      out.append(r)
+  return out
+
+
+def blocks_needed(decodes: list[Request], chunks: Chunks, block_size: int) -> int:
+  """Fresh blocks the rows may take: decodes whose tail block is full, and the blocks
+  the chunks spill into (a shared tail may need one more, found by the reservation)."""
+  bs = block_size
+  cdiv = lambda a: -(-a // bs)
+  return (sum(1 for r in decodes if r.num_cached % bs == 0)
+          + sum(cdiv(r.num_cached + n) - cdiv(r.num_cached) for r, n in chunks))
+
+
+def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, *,
+               sampling: bool) -> StepPlan:
+  """`StepPlan.build` of the step's rows (decodes, then chunks), from arrays.
+
+  The same plan, without `build`'s per-row checks (the rows are running
+  requests' with 1..`prefill_chunk` tokens each) and per-row array copies.
+
+  Args:
+    decodes, chunks: the step's rows.
+    config: the scheduler's config (`max_batch` rows, `prefill_chunk`, `max_logprobs`).
+    sampling: attach the rows' `SamplingBatch` (for an executor that samples).
+  """
+  nd, num_rows = len(decodes), config.max_batch
+  ids = np.full((num_rows,), -1, np.int32)
+  num_new = np.zeros((num_rows,), np.int32)
+  ids[:nd] = [r.seq_id for r in decodes]
+  num_new[:nd] = 1
+  ids[nd:nd + len(chunks)] = [r.seq_id for r, _ in chunks]
+  num_new[nd:nd + len(chunks)] = [n for _, n in chunks]
+  total = nd + sum(n for _, n in chunks)
+  tokens = np.zeros((ragged.bucket(total),), np.int32)  # the width StepPlan.build pads to
+  tokens[:nd] = [r.output[-1] for r in decodes]
+  pos = nd
+  for r, n in chunks:
+    a = r.num_cached
+    tokens[pos:pos + n] = (r.prompt[a:a + n] if a + n <= r.prompt.size
+                           else r.tokens[a:a + n])
+    pos += n
+  batch = sampling_batch(decodes, chunks, config.max_batch) if sampling else None
+  return StepPlan(seq_ids=ids, num_new=num_new, tokens=tokens,
+                  max_query_len=config.prefill_chunk if chunks else 1,
+                  sampling=batch, num_logprobs=config.max_logprobs)
+
+
+def sampling_batch(decodes: list[Request], chunks: Chunks, num_rows: int) -> SamplingBatch:
+  """The rows' sampling parameters (decodes, then chunks; padding rows greedy)."""
+  batch = SamplingBatch.greedy(num_rows)
+  rows = decodes + [r for r, _ in chunks]
+  for i, r in enumerate(rows):
+    sp = r.sampling
+    if sp is not None and not sp.greedy:
+      batch.temperature[i], batch.top_k[i], batch.top_p[i] = sp.temperature, sp.top_k, sp.top_p
+      batch.min_p[i], batch.seed[i], batch.index[i] = sp.min_p, r.sample_seed, len(r.output)
+  return batch

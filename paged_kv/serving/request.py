@@ -1,0 +1,254 @@
+"""A generation request as the scheduler sees it: its inputs (checked and frozen at
+`Scheduler.submit`) and its progress (written by the scheduler).
+
+  * `Request` — one request: prompt, budget, namespace, sampling; then its phase,
+    output, row, cached tokens, latencies and stop reason.
+  * `Phase` — waiting, running, swapped (K/V on the host), finished.
+  * `RequestQueues` — a scheduler's requests by phase; `is_finished` names a stop reason.
+  * `UnknownRequest` — `Scheduler.abort` of an id no unfinished request holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Hashable
+
+import numpy as np
+
+from paged_kv.core.errors import InvalidArgument, PagedKVError
+from paged_kv.serving.sampling_params import SamplingParams
+from paged_kv.serving.swap import SwappedKV
+from radix.tree import check_namespace
+
+_I32 = np.iinfo(np.int32)
+
+
+class UnknownRequest(PagedKVError, KeyError):
+  """`Scheduler.abort` of an id no unfinished request holds."""
+
+  def __str__(self) -> str:  # KeyError's repr of the message, otherwise
+    return str(self.args[0]) if self.args else ""
+
+
+
+
+def is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _as_token_array(x, what: str) -> np.ndarray:
+  """A 1-D int32 copy of integer tokens; refuses floats, bools, 2-D and values outside int32."""
+  a = np.asarray(x)
+  if a.ndim != 1:
+    raise InvalidArgument(f"{what} must be a 1-D array of integer tokens, got shape {a.shape}")
+  if a.size and (a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer)):
+    raise InvalidArgument(f"{what} must hold integer tokens, got dtype {a.dtype}")
+  if a.size and (int(a.min()) < _I32.min or int(a.max()) > _I32.max):
+    raise InvalidArgument(f"{what} has tokens outside int32: {int(a.min())}..{int(a.max())}")
+  return a.astype(np.int32)
+
+
+class Phase(enum.Enum):
+  WAITING = "waiting"
+  RUNNING = "running"
+  SWAPPED = "swapped"
+  FINISHED = "finished"
+
+
+_REQUEST_INPUTS = frozenset(("request_id", "prompt", "max_new_tokens", "namespace",
+                             "forced_output", "sampling"))
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request and its progress.
+
+  Attributes:
+    request_id: caller's id.
+    prompt: `i32[n]` prompt tokens (n >= 1).
+    max_new_tokens: tokens to generate (>= 1).
+    namespace: prefix-cache namespace (tenant / adapter); never matches others. A
+      typed key: `str`, `bytes`, `int` (not bool or a numpy scalar) or a tuple of
+      them (`radix.tree.check_namespace`), so `1`, `1.0` and `True` never share.
+    arrival: arrival time (caller's unit), for the caller's reports; the
+      scheduler's latencies are measured on its own clock from `submit_time`.
+    forced_output: optional `i32[max_new_tokens]` tokens to emit instead of the
+      executor's samples (trace replay, where only lengths are known).
+    sampling: how its tokens are drawn (`SamplingParams`; None: greedy), applied
+      by an executor that samples (`ModelExecutor`).
+
+  Progress, written by the scheduler (read them; do not assign): `phase` (`Phase`),
+  `output` (the tokens emitted so far, a list), `stop_reason` (below), `seq_id` (its
+  pool row while running), `num_cached` (tokens whose K/V is in the pool),
+  `hit_tokens` (prompt tokens matched in the prefix cache), `num_preemptions`,
+  `submit_step` / `admit_step` / `first_token_step` / `finish_step` and the same
+  `*_time`s on the scheduler's clock, and with `sampling.logprobs = n > 0`
+  `logprobs`: per output token `(its logprob, ((token, logprob), ...) the top n)`.
+
+  `Scheduler.submit` validates these inputs once and freezes them: the arrays become
+  read-only copies of the caller's, and assigning an input field afterwards raises
+  `InvalidArgument` (the progress fields below are the scheduler's to write).
+  `stop_reason` says why it finished: `"length"`, `"stop_token"`, `"table_full"` (its
+  row had no room left) or `"abort"` (`Scheduler.abort`).
+  """
+
+  request_id: Hashable
+  prompt: np.ndarray
+  max_new_tokens: int
+  namespace: Hashable = "default"
+  arrival: float = 0.0
+  forced_output: np.ndarray | None = None
+  sampling: SamplingParams | None = None
+  # Progress (set by the scheduler).
+  phase: Phase = Phase.WAITING
+  output: list = dataclasses.field(default_factory=list)
+  seq_id: int | None = None
+  num_cached: int = 0
+  prefill_target: int = 0
+  lock_node: object = None
+  swapped: SwappedKV | None = None
+  hit_tokens: int = 0
+  num_preemptions: int = 0
+  stop_reason: str = ""  # "length", "stop_token", "table_full" or "abort"
+  submit_step: int = -1
+  admit_step: int = -1
+  first_token_step: int = -1
+  finish_step: int = -1
+  submit_time: float = -1.0  # the scheduler's clock at submit
+  admit_time: float = -1.0  # ... at the first admission (queue time = admit - submit)
+  first_token_time: float = -1.0
+  last_token_time: float = -1.0
+  finish_time: float = -1.0
+  logprobs: list = dataclasses.field(default_factory=list)
+  stop_ids: frozenset = frozenset()  # the tokens that end it (set at submit)
+  sample_seed: int = 0  # its sampling seed (`sampling.seed`, else the scheduler's)
+
+  def __post_init__(self):
+    self.validate()
+
+  def __setattr__(self, name: str, value) -> None:
+    if name in _REQUEST_INPUTS and self.__dict__.get("_frozen", False):
+      raise InvalidArgument(f"request {self.request_id!r} was submitted: its {name} is "
+                            f"frozen (submit a new Request)")
+    object.__setattr__(self, name, value)
+
+  def _freeze(self) -> None:
+    """Read-only copies of the input arrays, and no more assignments to the inputs."""
+    prompt = np.array(self.prompt, copy=True)
+    prompt.flags.writeable = False
+    self.prompt = prompt
+    if self.forced_output is not None:
+      forced = np.array(self.forced_output, copy=True)
+      forced.flags.writeable = False
+      self.forced_output = forced
+    object.__setattr__(self, "_frozen", True)
+
+  def validate(self) -> None:
+    """Checks (and normalizes) the caller's fields; `Scheduler.submit` calls it again.
+
+    Raises:
+      InvalidArgument: the prompt is not 1-D integer tokens in int32 (or empty),
+        `max_new_tokens` is not a positive int, or `forced_output` is bad.
+      radix.InvalidNamespaceError: the namespace is not a typed key.
+    """
+    self.prompt = _as_token_array(self.prompt, f"request {self.request_id!r}: prompt")
+    if self.prompt.size < 1:
+      raise InvalidArgument(f"request {self.request_id!r}: empty prompt")
+    if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+      raise InvalidArgument(f"request {self.request_id!r}: max_new_tokens must be a positive "
+                            f"int, got {self.max_new_tokens!r}")
+    self.max_new_tokens = int(self.max_new_tokens)
+    check_namespace(self.namespace)
+    if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+      raise InvalidArgument(f"request {self.request_id!r}: sampling must be a SamplingParams "
+                            f"or None, got {type(self.sampling).__name__}")
+    if self.forced_output is not None:
+      self.forced_output = _as_token_array(self.forced_output,
+                                           f"request {self.request_id!r}: forced_output")
+      if self.forced_output.size < self.max_new_tokens:
+        raise InvalidArgument(f"request {self.request_id!r}: forced_output shorter than "
+                              f"max_new_tokens")
+
+  @property
+  def tokens(self) -> np.ndarray:
+    """Prompt followed by the output so far."""
+    return np.concatenate([self.prompt, np.asarray(self.output, np.int32)])
+
+  @property
+  def done(self) -> bool:
+    return self.phase == Phase.FINISHED
+
+
+
+@dataclasses.dataclass(eq=False)
+class RequestQueues:
+  """A scheduler's requests by phase (the same objects as `Scheduler.waiting`, ...).
+
+  Attributes:
+    waiting: queued for admission (FCFS; recomputed preemptions first).
+    swapped: preempted by swap, their K/V on the host.
+    running: holding a pool row, in admission order.
+    finished: finished (or aborted) since the last `Scheduler.take_finished()`.
+  """
+
+  waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
+  swapped: collections.deque = dataclasses.field(default_factory=collections.deque)
+  running: list = dataclasses.field(default_factory=list)
+  finished: list = dataclasses.field(default_factory=list)
+
+
+def is_finished(req: Request) -> bool:
+  """Whether `req` is done: names its `stop_reason` (`"length"`, `"stop_token"`) the
+  first time it is asked, after the output that ends it."""
+  if not req.stop_reason:
+    if len(req.output) >= req.max_new_tokens:
+      req.stop_reason = "length"
+    elif req.stop_ids and req.output and req.output[-1] in req.stop_ids:
+      req.stop_reason = "stop_token"
+  return bool(req.stop_reason)
+
+
+def check_new(request: Request, submitted, live) -> None:
+  """`Scheduler.submit`'s checks of the request itself (nothing changes).
+
+  Args:
+    request: what was submitted.
+    submitted: the ids (`id()`) of the request objects submitted before.
+    live: the `request_id`s of the unfinished requests.
+
+  Raises:
+    InvalidArgument: not a `Request`, submitted before (the same object), carrying
+      progress, bad fields (`Request.validate`), or an id an unfinished request holds.
+    radix.InvalidNamespaceError: the namespace is not a typed key.
+  """
+  if not isinstance(request, Request):
+    raise InvalidArgument(f"submit takes a Request, got {type(request).__name__}")
+  if id(request) in submitted:
+    raise InvalidArgument(f"request {request.request_id!r} was already submitted (the same "
+                          f"Request object); submit a new Request")
+  if (request.phase != Phase.WAITING or request.output or request.seq_id is not None
+      or request.swapped is not None or request.lock_node is not None):
+    raise InvalidArgument(f"request {request.request_id!r} carries progress; submit a new "
+                          f"Request")
+  request.validate()
+  try:
+    in_use = request.request_id in live
+  except TypeError as e:
+    raise InvalidArgument(f"request_id must be hashable, got {request.request_id!r}") from e
+  if in_use:
+    raise InvalidArgument(f"request id {request.request_id!r} is in use by an unfinished "
+                          f"request; ids are unique among live requests")
+
+
+def seal(request: Request, *, stop_token: int, seed: int) -> None:
+  """Freezes a checked request's inputs and fixes its stop tokens (its sampling's and
+  the scheduler's `stop_token`, -1: none) and its sampling seed (its own, else `seed`)."""
+  request._freeze()  # pylint: disable=protected-access
+  sp = request.sampling
+  stops = set(sp.stop_token_ids) if sp is not None else set()
+  if stop_token >= 0:
+    stops.add(stop_token)
+  request.stop_ids = frozenset(stops)
+  request.sample_seed = sp.seed if sp is not None and sp.seed is not None else seed % (2**32)
