@@ -1,4 +1,5 @@
 # paged_kv: `make demo` runs the demo, `make test` runs the test suite (what CI runs),
+# `make test-fast` all but the slow whole-system runs (the edit-test loop),
 # `make compile-tier` compiles the GPU programs for Hopper without a GPU (CI runs it
 # after the suite; tests_compile/, its own .venv-cuda: tools/compile_tier/setup.sh).
 # demo and test create .venv with a Python >= 3.12 found on this machine (tools/find_python.sh)
@@ -22,7 +23,7 @@ ARGS    ?=
 CUDA_VENV  := .venv-cuda
 CUDA_STAMP := $(CUDA_VENV)/.installed
 
-.PHONY: demo test venv compile-tier clean
+.PHONY: demo test test-fast venv compile-tier clean
 
 venv: $(STAMP)
 
@@ -37,6 +38,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) tests
+
+# The edit-test loop: everything but the whole-system runs (`slow`, tests/conftest.py).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(WORKERS) -m "not slow" tests
 
 $(CUDA_STAMP): tools/compile_tier/requirements.txt tools/compile_tier/setup.sh pyproject.toml
 	tools/compile_tier/setup.sh

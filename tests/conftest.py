@@ -61,3 +61,58 @@ def pytest_runtest_teardown(item, nextitem):
     import jax  # pylint: disable=g-import-not-at-top
     jax.clear_caches()
     gc.collect()
+
+
+# `make test-fast` (`pytest -m "not slow"`, the edit-test loop) leaves out the
+# whole-system runs: the tests below took 5-100 s each on 2 cores (`pytest
+# --durations=100`, 2026-12-03), together about three quarters of the suite's
+# time. `make test` (CI) runs everything. Paths relative to tests/; a directory
+# or a module marks all its tests, `module::Class` a class, `module::test` one test.
+_SLOW = (
+    "examples/",  # the example scripts' smoke runs (subprocesses)
+    "test_readme.py",  # the README's code, run as written
+    "test_pool_stateful.py",  # hypothesis state machines
+    "test_host_memory.py",
+    "mirror/test_transitions_match.py",
+    "kernels/test_gpu_check.py",
+    "kernels/test_mosaic_attention.py",  # Mosaic GPU interpret mode with race checks
+    "parallel/test_sharding.py",
+    "serving/test_scheduler_fuzz.py",
+    "serving/test_soak.py",
+    "serving/test_serving_equivalence.py",
+    "serving/test_exception_safety.py",
+    "serving/test_runtime_discipline.py",
+    "serving/test_tenant_isolation.py",
+    "serving/test_persist.py::BitFlipSweepTest",
+    "serving/test_persist.py::CrashMidSaveTest",
+    "serving/test_sampling.py::ServeTest",
+    "serving/test_shrink.py::ShrinkWhileServingTest",
+    "serving/test_scheduler.py::IssueJRegressionTest",
+    "serving/test_scheduler.py::PackTailsTest",
+    "test_review_regressions.py::test_pack_tails_with_promotion_does_not_crash",
+)
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: a whole-system run; `make test-fast` skips it")
+
+
+def _is_slow(node: str) -> bool:
+  for spec in _SLOW:
+    if spec.endswith("/"):
+      if node.startswith(spec):
+        return True
+    elif node == spec or node.startswith((spec + "::", spec + "[")):
+      return True
+  return False
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  import pytest  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.abspath(__file__))
+  for item in items:
+    rel = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+    node = rel + item.nodeid[item.nodeid.index("::"):] if "::" in item.nodeid else rel
+    if _is_slow(node):
+      item.add_marker(pytest.mark.slow)
