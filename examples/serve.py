@@ -22,8 +22,18 @@ The last line counts what serving cost the host in device terms
 (`paged_kv.runtime.counters`): compiles after the warm-up, blocking reads, and
 bookkeeping dispatches per step.
 
+A real checkpoint: `--checkpoint DIR --prompt "..."` loads a Hugging Face
+Llama-family checkpoint directory (config.json, *.safetensors; Llama, Mistral,
+Qwen2: `paged_kv.model.hf_checkpoint`, the `hf` extra), tokenizes the prompt with
+its tokenizer.json (`paged_kv.model.tokenizer`) and streams the greedy completion
+to stdout as the steps produce it (`paged_kv.serving.streaming.generate`), up to
+`--max_new_tokens` or an end-of-sequence token. Without a tokenizer.json the
+prompt is comma-separated token ids. No warm-up there: one prompt compiles only
+the programs it runs.
+
 Usage:
   python examples/serve.py                              # defaults, ~1-2 min on CPU
+  python examples/serve.py --checkpoint=Llama-3.2-1B --prompt="The capital of France is"
   python examples/serve.py --num_blocks=96 --preemption=swap --prometheus_port=9400
   python examples/serve.py --prometheus_port=9400 --prometheus_addr=0.0.0.0 --linger_s=600
   python examples/serve.py --compile_cache_dir=/tmp/cc   # twice: the second run loads
@@ -95,6 +105,13 @@ _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's
 _RETURN_FREED = flags.DEFINE_bool("return_freed_memory", True, "Fix glibc malloc's "
                                   "thresholds so that freed large buffers go back to the OS "
                                   "(`paged_kv.runtime.host_memory`; keeps RSS flat).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A Hugging Face Llama/Mistral/Qwen2 "
+                                  "checkpoint directory: complete --prompt with it instead of "
+                                  "serving the synthetic chat workload.")
+_PROMPT = flags.DEFINE_string("prompt", None, "The prompt for --checkpoint (text; comma-"
+                              "separated token ids if the checkpoint has no tokenizer.json).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
+                           "--checkpoint's dtype (default: its config.json's torch_dtype).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run every program the serving path can run "
                             "before serving (Scheduler.warmup()); --nowarmup compiles each on "
                             "first use.")
@@ -168,12 +185,68 @@ def _pct(values, q) -> float:
   return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
+def serve_checkpoint(path: Path) -> None:
+  """`--checkpoint`: streams the greedy completion of `--prompt` to stdout."""
+  # The hf extra, only on this path.
+  from paged_kv.model import hf_checkpoint  # pylint: disable=import-outside-toplevel
+  from paged_kv.model.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving.sampling_params import SamplingParams  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving.streaming import generate  # pylint: disable=import-outside-toplevel
+  if _PROMPT.value is None:
+    raise app.UsageError("--checkpoint needs --prompt")
+  tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+  if tok is not None:
+    prompt = tok.encode(_PROMPT.value)
+  else:
+    try:
+      prompt = [int(t) for t in _PROMPT.value.split(",")]
+    except ValueError:
+      raise app.UsageError(f"{path} has no tokenizer.json: --prompt must be comma-separated "
+                           f"token ids") from None
+  if not prompt:
+    raise app.UsageError("--prompt is empty")
+  max_len = len(prompt) + _MAX_NEW.value
+  ckpt = hf_checkpoint.load_checkpoint(path, dtype=_DTYPE.value, max_seq_len=max_len)
+  if max(prompt) >= ckpt.config.vocab_size or min(prompt) < 0:
+    raise app.UsageError(f"prompt token ids must lie in [0, {ckpt.config.vocab_size})")
+  blocks_per_seq = -(-max_len // _BLOCK_SIZE.value)
+  pool_config = llama.pool_config_for(ckpt.config, block_size=_BLOCK_SIZE.value,
+                                      num_blocks=max(_NUM_BLOCKS.value, blocks_per_seq + 1),
+                                      max_seqs=1, max_segments=blocks_per_seq + 2,
+                                      base_pool_fraction=0.0)
+  config = SchedulerConfig(max_batch=1, prefill_chunk=_PREFILL_CHUNK.value,
+                           prefill_token_budget=max(_PREFILL_BUDGET.value,
+                                                    _PREFILL_CHUNK.value))
+  sched = Scheduler(paged_kv.BlockPool(pool_config),
+                    ModelExecutor(ckpt.model, pool_config, impl=_IMPL.value), config)
+  eos = (tok.eos_token_ids if tok is not None else ()) or ckpt.eos_token_ids
+  request = Request("prompt", np.asarray(prompt, np.int32), _MAX_NEW.value,
+                    sampling=SamplingParams(stop_token_ids=tuple(eos)))
+  stream = tok.stream() if tok is not None else None
+  print(_PROMPT.value, end="", flush=True)
+  t0, generated, reason = time.perf_counter(), [], ""
+  for out in generate(sched, [request]):
+    for token in out.new_tokens:
+      generated.append(token)
+      piece = stream.add(token) if stream is not None else f",{token}"
+      print(piece, end="", flush=True)
+    reason = out.stop_reason or reason
+  print(stream.flush() if stream is not None else "", flush=True)
+  wall = time.perf_counter() - t0
+  print(f"[{ckpt.model_type} {ckpt.config.num_layers} layers {ckpt.config.dtype}: "
+        f"{len(prompt)} prompt tokens, {len(generated)} generated in {wall:.1f} s "
+        f"(compiles included), stop: {reason}]")
+
+
 def main(argv):
   del argv
   if _RETURN_FREED.value:
     host_memory.return_freed_memory()
   if _COMPILE_CACHE.value:
     compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  if _CHECKPOINT.value is not None:
+    serve_checkpoint(Path(_CHECKPOINT.value))
+    return
   out_dir = Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
   rng = np.random.default_rng(_SEED.value)
