@@ -97,6 +97,9 @@ _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 128, "Prompt tokens per s
                                       "step (one width for every N: one set of programs).")
 _LOAD_WEIGHT = flags.DEFINE_float("load_weight", 0.1, "CacheAwareRouter: tokens of cached "
                                   "prefix one token of backlog is worth.")
+_OUTPUT_WEIGHT = flags.DEFINE_float("output_weight", 1.0, "Backlog per output token still "
+                                     "to come, in prompt tokens (ReplicaSpec.output_weight; "
+                                     "the simulation's load model uses the same weight).")
 _SIM = flags.DEFINE_bool("sim", True, "Also run the simulation on the same slices.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Replicas compile every serving program before "
                             "the clock starts.")
@@ -111,8 +114,9 @@ _COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's
                                          "(default: $PAGED_KV_COMPILE_CACHE, else "
                                          "~/.cache/paged_kv/jax).")
 _FLAG_HOLDERS = (_TRACE, _NUM_REQUESTS, _OFFSETS, _REPLICAS, _CAPACITY, _TOKEN_SCALE,
-                 _BLOCK_SIZE, _STEP_MS, _CLUSTER_RATE, _MAX_BATCH, _PREFILL_CHUNK, _LOAD_WEIGHT, _SIM, _WARMUP,
-                 _REPLY_TIMEOUT, _START_TIMEOUT, _JSON_OUT, _COMPILE_CACHE, _COMPILE_CACHE_DIR)
+                 _BLOCK_SIZE, _STEP_MS, _CLUSTER_RATE, _MAX_BATCH, _PREFILL_CHUNK, _LOAD_WEIGHT,
+                 _OUTPUT_WEIGHT, _SIM, _WARMUP, _REPLY_TIMEOUT, _START_TIMEOUT, _JSON_OUT,
+                 _COMPILE_CACHE, _COMPILE_CACHE_DIR)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,8 +189,8 @@ def replica_spec(setup: Setup, *, capacity_tokens: int, share: int, num_replicas
   sched = SchedulerConfig(max_batch=max_batch, prefill_token_budget=budget,
                           prefill_chunk=_PREFILL_CHUNK.value, compaction=None, stats_every=0,
                           snapshot_every=0)
-  return ReplicaSpec(pool, sched, step_s=step_s, warmup=_WARMUP.value,
-                     compile_cache_dir=cache_dir)
+  return ReplicaSpec(pool, sched, step_s=step_s, output_weight=_OUTPUT_WEIGHT.value,
+                     warmup=_WARMUP.value, compile_cache_dir=cache_dir)
 
 
 # ----------------------------------------------------------------------------- real
@@ -249,11 +253,12 @@ def run_sim(setup: Setup, num_replicas: int, kind: str) -> Run:
   t0 = time.perf_counter()
   if kind == "global":
     backend = ScaledSimReplica(setup.rows, cap * num_replicas)
-    cluster = GlobalCache(backend, num_replicas=num_replicas, tokens_per_s=rate)
+    cluster = GlobalCache(backend, num_replicas=num_replicas, tokens_per_s=rate,
+                          output_weight=_OUTPUT_WEIGHT.value)
   else:
     backends = [ScaledSimReplica(setup.rows, cap) for _ in range(num_replicas)]
     cluster = ReplicaCluster(backends, CacheAwareRouter(load_weight=_LOAD_WEIGHT.value),
-                             tokens_per_s=rate)
+                             tokens_per_s=rate, output_weight=_OUTPUT_WEIGHT.value)
   for q in setup.requests:
     cluster.submit(RoutedRequest(q.prompt, q.arrival_s, q.max_new_tokens))
   st = cluster.stats
