@@ -10,16 +10,19 @@ process's devices and every process runs the same step (SPMD):
 * the step's outputs (tokens, statuses, logprobs) and the pool's metadata are
   replicated, so every process reads the same tokens from its own devices, and
   the pages keep their sharding (`out_shardings` pin both: compile once);
-* `exact=True` (default) gathers each layer's attention output over the heads
-  before the output projection (`PagedAttention.output_sharding`), so the
-  tokens and every layer's K/V are bit-equal to one device. `exact=False` lets
-  the compiler make the projection row-parallel (a partial product and an
-  all-reduce: about half the traffic, but sums in another order, ~1 ulp apart
-  from one device from the second layer on).
+* `exact=True` (default) keeps every matmul at one device's shapes
+  (`PagedAttention.activation_sharding` replicated): the q/k/v projections are
+  computed whole on every device and sliced to its heads, and each layer's
+  attention output is gathered over the heads before the output projection,
+  so the tokens and every layer's K/V are bit-equal to one device (on CPU with
+  XLA's YNNPACK fusions off, see docs/scaling.md). `exact=False` lets the
+  compiler split the projections by heads (column-parallel q/k/v, row-parallel
+  output projection with an all-reduce: the usual tensor-parallel layout, less
+  compute per device, but ~1 ulp apart from one device).
 
 What is sharded: the pool's pages (1/n of their bytes per device) and the
-attention over them. What is not: the weights and the rest of the model
-(projections, MLP) are computed replicated on every device.
+attention over them. What is not: the weights (replicated); with `exact=True`
+the rest of the model (projections, MLP) runs replicated on every device.
 """
 
 from __future__ import annotations
@@ -40,17 +43,17 @@ from paged_kv.serving.executor import ModelExecutor
 if TYPE_CHECKING:
   from flax import nnx
 
-__all__ = ["ShardedModelExecutor", "set_attention_output_sharding", "gather_kv_replicated"]
+__all__ = ["ShardedModelExecutor", "set_activation_sharding", "gather_kv_replicated"]
 
 
-def set_attention_output_sharding(model: "nnx.Module", output_sharding) -> int:
-  """Sets `output_sharding` on every `PagedAttention` of `model`; returns how many."""
+def set_activation_sharding(model: "nnx.Module", activation_sharding) -> int:
+  """Sets `activation_sharding` on every `PagedAttention` of `model`; returns how many."""
   from paged_kv.model.layers import PagedAttention  # pylint: disable=g-import-not-at-top
   from paged_kv.model.nnx_import import nnx  # pylint: disable=g-import-not-at-top
   count = 0
   for _, node in nnx.iter_graph(model):
     if isinstance(node, PagedAttention):
-      node.output_sharding = output_sharding
+      node.activation_sharding = activation_sharding
       count += 1
   return count
 
@@ -71,11 +74,11 @@ class ShardedModelExecutor(ModelExecutor):
 
     Args:
       model, pool_config, impl, interpret: as for `ModelExecutor`; `model` is
-        not changed (a copy gets the attention output sharding).
+        not changed (a copy gets the activation sharding).
       mesh: the pool's mesh (`jax.devices()` of every process under `jax.distributed`).
       axis: the mesh axis splitting the kv heads.
-      exact: gather the attention output before the output projection
-        (bit-equal to one device); False: the compiler's row-parallel choice.
+      exact: matmuls at one device's shapes, only the attention per shard
+        (bit-equal to one device); False: the compiler's tensor-parallel split.
 
     Raises:
       ValueError: `axis` not in `mesh`, or the heads do not split evenly over it.
@@ -88,7 +91,7 @@ class ShardedModelExecutor(ModelExecutor):
     graphdef, params = nnx.split(model)
     model = nnx.merge(graphdef, params)  # a copy of the module tree (same arrays)
     if self.exact:
-      set_attention_output_sharding(model, self._replicated)
+      set_activation_sharding(model, self._replicated)
     super().__init__(model, pool_config, impl=impl, interpret=interpret)
     self.params = jax.device_put(self.params, self._replicated)
     self._steps: dict[PoolConfig, tuple] = {}

@@ -307,8 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--xla-defaults", action="store_true",
                       help=f"keep XLA:CPU's YNN fusions (without it: {EXACT_CPU_FLAG})")
   args = parser.parse_args(argv)
-  if not args.xla_defaults and "jax" not in sys.modules:
-    # First: XLA stops reading flags after one it cannot parse.
+  if not args.xla_defaults:
+    # Read when JAX's backend starts (nothing here has used a device yet). First:
+    # XLA stops reading flags after one it cannot parse.
     os.environ["XLA_FLAGS"] = f"{EXACT_CPU_FLAG} {os.environ.get('XLA_FLAGS', '')}".strip()
   os.makedirs(args.out, exist_ok=True)
   w = Workload(num_requests=args.requests, new_tokens=args.new_tokens)
