@@ -1,8 +1,9 @@
 """Flax NNX layers a model author builds on: `PagedAttention`, RoPE, the dense reference.
 
-`PagedAttention` is a Llama-style self-attention layer (bias-free q/k/v/o
-projections, grouped-query attention, rotary embeddings on the logical positions
-of `StepMetadata`) whose K/V live in a `paged_kv` pool:
+`PagedAttention` is a Llama-style self-attention layer (q/k/v/o projections,
+bias-free unless asked (Qwen2 has q/k/v biases), grouped-query attention, rotary
+embeddings on the logical positions of `StepMetadata`, optionally scaled as in
+`paged_kv.model.rope`) whose K/V live in a `paged_kv` pool:
 
     attn = PagedAttention(d_model, num_q_heads, num_kv_heads, head_dim, layer=i, rngs=rngs)
     pages, y = attn(x, pages, meta)          # x: [T, d_model] ragged tokens of the step
@@ -23,21 +24,28 @@ from paged_kv.model.nnx_import import nnx
 from paged_kv.core.state import KVPages
 from paged_kv.model.attention import paged_attention
 from paged_kv.model.metadata import StepMetadata
+from paged_kv.model.rope import RopeScaling, inverse_frequencies
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
-  """Rotary embedding ("rotate half" layout).
+def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float,
+               scaling: RopeScaling | None = None) -> jax.Array:
+  """Rotary embedding ("rotate half" layout: Hugging Face Llama's), in float32.
 
   Args:
     x: `[..., heads, head_dim]`.
     positions: `i32[...]` logical position of each token (the leading shape of `x`).
     theta: RoPE base.
+    scaling: optional RoPE scaling ("linear", "llama3"); its frequencies come from
+      `paged_kv.model.rope.inverse_frequencies` (a constant of the program).
 
   Returns:
     `x` rotated, same shape and dtype.
   """
   half = x.shape[-1] // 2
-  inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  if scaling is None:
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  else:
+    inv_freq = jnp.asarray(inverse_frequencies(x.shape[-1], theta=theta, scaling=scaling))
   angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., half]
   cos = jnp.cos(angle)[..., None, :]
   sin = jnp.sin(angle)[..., None, :]
@@ -90,8 +98,8 @@ class PagedAttention(nnx.Module):
   """GQA self-attention over a paged pool: project, RoPE, write K/V + attend, project out.
 
   Attributes:
-    wq, wk, wv, wo: bias-free `nnx.Linear` projections (`d_model -> heads *
-      head_dim` and back).
+    wq, wk, wv, wo: `nnx.Linear` projections (`d_model -> heads * head_dim` and
+      back); bias-free unless `qkv_bias` (wq, wk, wv) or `out_bias` (wo).
     layer: index of this layer's K/V in the pool (static).
     activation_sharding: None (default), or a sharding (static) the activations
       around the attention are constrained to: `q, k, v` after their projections
@@ -107,8 +115,10 @@ class PagedAttention(nnx.Module):
 
   def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
                layer: int, rngs: nnx.Rngs, rope_theta: float = 10000.0,
+               rope_scaling: RopeScaling | None = None,
                dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype | None = None,
-               sm_scale: float | None = None, soft_cap: float | None = None):
+               sm_scale: float | None = None, soft_cap: float | None = None,
+               qkv_bias: bool = False, out_bias: bool = False):
     """Builds the projections.
 
     Args:
@@ -119,8 +129,10 @@ class PagedAttention(nnx.Module):
       layer: this layer's index in the pool, `[0, num_layers)`.
       rngs: parameter initialisation.
       rope_theta: RoPE base.
+      rope_scaling: optional `RopeScaling` of the frequencies (`paged_kv.model.rope`).
       dtype: computation dtype; param_dtype: parameter dtype (default `dtype`).
       sm_scale, soft_cap: as in `paged_attention`.
+      qkv_bias: wq, wk and wv have a bias (Qwen2); out_bias: wo has one.
     """
     if num_q_heads % num_kv_heads:
       raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
@@ -129,17 +141,20 @@ class PagedAttention(nnx.Module):
       raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     if not isinstance(layer, int) or layer < 0:
       raise ValueError(f"layer must be an int >= 0, got {layer!r}")
+    if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+      raise ValueError(f"rope_scaling must be a RopeScaling or None, got {rope_scaling!r}")
     param_dtype = dtype if param_dtype is None else param_dtype
-    lin = lambda i, o: nnx.Linear(i, o, use_bias=False, kernel_init=fan_in_init(i),
-                                  dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    lin = lambda i, o, bias=False: nnx.Linear(i, o, use_bias=bias, kernel_init=fan_in_init(i),
+                                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
     self.layer = layer
     self.rope_theta = rope_theta
+    self.rope_scaling = rope_scaling
     self.sm_scale, self.soft_cap = sm_scale, soft_cap
-    self.wq = lin(d_model, num_q_heads * head_dim)
-    self.wk = lin(d_model, num_kv_heads * head_dim)
-    self.wv = lin(d_model, num_kv_heads * head_dim)
-    self.wo = lin(num_q_heads * head_dim, d_model)
+    self.wq = lin(d_model, num_q_heads * head_dim, qkv_bias)
+    self.wk = lin(d_model, num_kv_heads * head_dim, qkv_bias)
+    self.wv = lin(d_model, num_kv_heads * head_dim, qkv_bias)
+    self.wo = lin(num_q_heads * head_dim, d_model, out_bias)
     self.activation_sharding = None
 
   def project(self, x: jax.Array,
@@ -149,8 +164,8 @@ class PagedAttention(nnx.Module):
     q = self.wq(x).reshape(lead + (self.num_q_heads, self.head_dim))
     k = self.wk(x).reshape(lead + (self.num_kv_heads, self.head_dim))
     v = self.wv(x).reshape(lead + (self.num_kv_heads, self.head_dim))
-    q = apply_rope(q, positions, theta=self.rope_theta)
-    k = apply_rope(k, positions, theta=self.rope_theta)
+    q = apply_rope(q, positions, theta=self.rope_theta, scaling=self.rope_scaling)
+    k = apply_rope(k, positions, theta=self.rope_theta, scaling=self.rope_scaling)
     return q, k, v
 
   def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *,
