@@ -96,25 +96,35 @@ def test_same_tokens_and_logits_with_and_without_indices(model):
     np.testing.assert_allclose(logits_i, logits_g, rtol=1e-5, atol=1e-5)
 
 
-def _head_dot_rows(m, num_rows: int, num_tokens: int) -> list[int]:
-  """Row counts of the compiled prefill step's dots whose output is `[n, vocab]`."""
+def _head_dot_rows(m, num_rows: int, num_tokens: int) -> tuple[list[int], list[int] | None]:
+  """Row counts of the prefill step's matmuls whose output is `[n, vocab]`: in the
+  lowered StableHLO (any backend), and in the compiled HLO on CPU (None elsewhere,
+  where XLA may turn dots into library calls)."""
   graphdef, params = nnx.split(m)
   state = _open(paged_kv.init_pool(POOL), list(range(num_rows)))
   per_row = num_tokens // num_rows
   rows = [(i, list(range(1, per_row + 1))) for i in range(num_rows)]
   plan = StepPlan.build(rows, num_rows=num_rows, max_query_len=per_row, num_tokens=num_tokens)
   assert plan.num_tokens == num_tokens
-  text = steps.forward.lower(params, state, plan, graphdef=graphdef,
-                             config=POOL).compile().as_text()
-  shape = re.compile(rf"=\s*f32\[(\d+),{MODEL_CONFIG.vocab_size}\]\S*\s+dot\(")
-  return sorted(int(m[1]) for m in shape.finditer(text))
+  lowered = steps.forward.lower(params, state, plan, graphdef=graphdef, config=POOL)
+  vocab = MODEL_CONFIG.vocab_size
+  stablehlo = re.compile(rf"stablehlo\.dot_general .*-> tensor<(\d+)x{vocab}xf32>")
+  lowered_rows = sorted(int(m[1]) for m in stablehlo.finditer(lowered.as_text()))
+  if jax.default_backend() != "cpu":
+    return lowered_rows, None
+  hlo = re.compile(rf"=\s*f32\[(\d+),{vocab}\]\S*\s+dot\(")
+  return lowered_rows, sorted(int(m[1]) for m in hlo.finditer(lowered.compile().as_text()))
 
 
 def test_compiled_prefill_runs_the_head_on_the_rows_only(model):
   """T=64 tokens in B=4 rows: the head's dot is [4, vocab]; without the keyword it is
   [64, vocab] (the same probe finds it, so the guard cannot pass by accident)."""
-  assert _head_dot_rows(model, 4, 64) == [4]
-  assert _head_dot_rows(WithoutIndices(model), 4, 64) == [64]
+  lowered, compiled = _head_dot_rows(model, 4, 64)
+  assert lowered == [4]
+  assert compiled in ([4], None)
+  lowered, compiled = _head_dot_rows(WithoutIndices(model), 4, 64)
+  assert lowered == [64]
+  assert compiled in ([64], None)
 
 
 class IgnoresIndices(nnx.Module):
