@@ -188,10 +188,11 @@ def _pct(values, q) -> float:
 def serve_checkpoint(path: Path) -> None:
   """`--checkpoint`: streams the greedy completion of `--prompt` to stdout."""
   # The hf extra, only on this path.
-  from paged_kv.model import hf_checkpoint  # pylint: disable=import-outside-toplevel
-  from paged_kv.model.tokenizer import Tokenizer  # pylint: disable=import-outside-toplevel
-  from paged_kv.serving.sampling_params import SamplingParams  # pylint: disable=import-outside-toplevel
-  from paged_kv.serving.streaming import generate  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from paged_kv.model import hf_checkpoint
+  from paged_kv.model.tokenizer import Tokenizer
+  from paged_kv.serving.sampling_params import SamplingParams
+  from paged_kv.serving.streaming import generate
   if _PROMPT.value is None:
     raise app.UsageError("--checkpoint needs --prompt")
   tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None

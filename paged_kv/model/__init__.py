@@ -43,7 +43,8 @@ _LAZY = {
 }
 
 __all__ = ["ModelContractError", "PagedModel", "StepMetadata", "StepPlan", "check_model",
-           "RopeScaling", "default_impl", "last_token_index", "paged_attention", "resolve_impl", *_LAZY]
+           "RopeScaling", "default_impl", "last_token_index", "paged_attention", "resolve_impl",
+           *_LAZY]
 
 
 def __getattr__(name: str):

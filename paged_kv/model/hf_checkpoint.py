@@ -63,8 +63,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.model.rope import SUPPORTED_ROPE_TYPES, RopeScaling
 

@@ -16,7 +16,8 @@ import pytest
 pytest.importorskip("safetensors", reason="the hf extra (pip install 'paged-kv[hf]')")
 pytest.importorskip("tokenizers", reason="the hf extra (pip install 'paged-kv[hf]')")
 
-from tests.model.hf_files import LLAMA, write_checkpoint, write_tokenizer  # pylint: disable=wrong-import-position
+from tests.model.hf_files import (  # pylint: disable=wrong-import-position
+    LLAMA, write_checkpoint, write_tokenizer)
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT = "the quick brown fox"

@@ -130,8 +130,8 @@ TEXTS = ["the quick brown fox jumps over the lazy dog",
 
 def write_tokenizer(path: Path, *, vocab_size: int = 300, texts=TEXTS) -> None:
   """A byte-level BPE `tokenizer.json` (specials `<unk>`=0, `<s>`=1, `</s>`=2; BOS added)."""
-  from tokenizers import (Tokenizer, decoders, models, pre_tokenizers,  # pylint: disable=import-outside-toplevel
-                          processors, trainers)
+  # pylint: disable=import-outside-toplevel
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
   tok = Tokenizer(models.BPE(unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()

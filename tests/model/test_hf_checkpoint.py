@@ -16,14 +16,14 @@ import pytest
 
 pytest.importorskip("safetensors", reason="the hf extra (pip install 'paged-kv[hf]')")
 
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
-from flax import nnx  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+import jax.numpy as jnp
 
-import paged_kv  # pylint: disable=wrong-import-position
-from paged_kv.model import hf_checkpoint, llama  # pylint: disable=wrong-import-position
-from paged_kv.model.reference import generate_dense  # pylint: disable=wrong-import-position
-from tests.model.hf_files import (LLAMA, MISTRAL, QWEN2, head_dim,  # pylint: disable=wrong-import-position
-                                  hf_weights, write_checkpoint)
+import paged_kv
+from paged_kv.model import hf_checkpoint, llama
+from paged_kv.model.reference import generate_dense
+from tests.model.hf_files import LLAMA, MISTRAL, QWEN2, head_dim, hf_weights, write_checkpoint
+# pylint: enable=wrong-import-position
 
 FAMILIES = {"llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2}
 
@@ -185,9 +185,9 @@ def test_loads_in_the_checkpoint_dtype(checkpoints):
 def test_served_greedy_equals_dense(checkpoints, name):
   """The loaded model through Scheduler + ModelExecutor (paged, logits_indices) generates
   what llama.dense_forward does, token for token."""
-  from paged_kv.serving.executor import ModelExecutor  # pylint: disable=import-outside-toplevel
-  from paged_kv.serving.scheduler import (Request, Scheduler,  # pylint: disable=import-outside-toplevel
-                                          SchedulerConfig)
+  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving.executor import ModelExecutor
+  from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
   path, hf, _ = checkpoints[name]
   ckpt = hf_checkpoint.load_checkpoint(path, dtype="float32", max_seq_len=64)
   rng = np.random.default_rng(1)
