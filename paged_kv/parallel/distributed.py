@@ -11,7 +11,9 @@ in short slices, so it ends with a typed error instead of hanging:
 
 * `ScheduleDiverged`: the processes reported different digests for the same
   exchange (their schedules, or their plans, differ);
-* `PeerFailed`: another process raised and posted its error (`Channel.report_failure`);
+* `PeerFailed`: another process raised and posted its error (`Channel.report_failure`;
+  a process leaving on an error calls `Channel.stop`, which also keeps the
+  leader's process, and the service with it, up until the others have stopped);
 * `PeerTimeout`: a process did not report within the channel's timeout.
 
 A process that dies without a word (killed, segfault) stops sending heartbeats;
@@ -74,13 +76,18 @@ class ScheduleDiverged(DistributedError):
 class PeerFailed(DistributedError):
   """Another process stopped with an error (its own report, or its service gone).
 
+  A process that had not yet read every digest of a diverged exchange learns of
+  the divergence this way (`error_type == "ScheduleDiverged"`).
+
   Attributes:
     process_id: the failed process.
-    reason: its error, as it reported it.
+    reason: its error, as it reported it (`"<type>: <message>"`).
+    error_type: the name of its exception's type ("" when unknown).
   """
 
   def __init__(self, process_id: int, reason: str):
     self.process_id, self.reason = process_id, reason
+    self.error_type = reason.split(":", 1)[0] if ": " in reason else ""
     super().__init__(f"process {process_id} failed: {reason}")
 
 
@@ -265,8 +272,13 @@ class Channel:
       raise ScheduleDiverged(label, -1, {LEADER: got_label, self.group.process_id: label})
     return got
 
-  def exchange(self, value: str, *, label: str = "exchange") -> list[str]:
-    """Every process's `value`, in process order (this one's included)."""
+  def exchange(self, value: str, *, label: str = "exchange", step: int = -1) -> list[str]:
+    """Every process's `value`, in process order (this one's included).
+
+    Raises:
+      ScheduleDiverged: another process made a different call (label) here.
+      PeerFailed, PeerTimeout: see the module docstring.
+    """
     seq = self._next()
     me = self.group.process_id
     self._put(seq, f"{seq}/x/{me}", json.dumps([label, value]))
@@ -279,12 +291,12 @@ class Channel:
     self._collect(seq)  # every process has passed every earlier call
     labels = {pid: lab for pid, (lab, _) in enumerate(out)}
     if len(set(labels.values())) > 1:
-      raise ScheduleDiverged(label, -1, labels)
+      raise ScheduleDiverged(label, step, labels)
     return [v for _, v in out]
 
   def agree(self, label: str, value: str, *, step: int = -1) -> None:
     """Raises `ScheduleDiverged` unless every process passes the same `value` (a digest)."""
-    values = self.exchange(value, label=label)
+    values = self.exchange(value, label=label, step=step)
     if len(set(values)) > 1:
       raise ScheduleDiverged(label, step, dict(enumerate(values)))
 
@@ -296,6 +308,33 @@ class Channel:
     try:
       key = f"{self.namespace}/failed/{self.group.process_id}"
       self._client.key_value_set(key, f"{type(exc).__name__}: {exc}"[:2000], True)
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+  def stop(self, exc: BaseException | None = None, *, linger_s: float = 10.0) -> None:
+    """Leaves a run that failed; call it before the process exits on an error.
+
+    Posts `exc` for the others (`report_failure`), marks this process stopped
+    and, on the leader, whose process hosts the coordination service, waits up
+    to `linger_s` until every other process has stopped too: without the wait
+    the service would vanish under them and they would be aborted by it before
+    reading the error. Best effort: never raises.
+    """
+    if self._client is None:
+      return
+    if exc is not None:
+      self.report_failure(exc)
+    try:
+      self._client.key_value_set(f"{self.namespace}/stopped/{self.group.process_id}", "1", True)
+      if not self.group.is_leader:
+        return
+      deadline = time.monotonic() + linger_s
+      others = self.group.num_processes - 1
+      while time.monotonic() < deadline:
+        stopped = self._client.key_value_dir_get(f"{self.namespace}/stopped/")
+        if len([k for k, _ in stopped if not k.endswith(f"/{self.group.process_id}")]) >= others:
+          return
+        time.sleep(self.poll_s)
     except Exception:  # pylint: disable=broad-except
       pass
 

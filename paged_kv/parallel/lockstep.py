@@ -261,7 +261,8 @@ class LockstepScheduler:
         the leader closed the arrivals.
       Anything `Scheduler.step` raises (the same on every process).
     """
-    return self._guard(lambda: self._step(arrivals, aborts, closed))
+    payload = self._payload(arrivals, aborts, closed)  # a caller's mistake stops nothing
+    return self._guard(lambda: self._step(payload))
 
   def serve(self, arrivals: Callable[[int], Sequence[Request] | None] | None = None, *,
             max_steps: int | None = None,
@@ -303,22 +304,26 @@ class LockstepScheduler:
       self.channel.report_failure(exc)
       raise
 
-  def _step(self, arrivals, aborts, closed: bool) -> LockstepResult:
+  def _payload(self, arrivals, aborts, closed: bool) -> str | None:
+    """The leader's broadcast of this step (None elsewhere), after checking the arguments."""
+    group = self.channel.group
+    if not group.is_leader:
+      if arrivals or aborts or closed:
+        raise InvalidArgument(f"process {group.process_id} is not the leader: arrivals, "
+                              f"aborts and closed come from the leader's broadcast")
+      return None
+    if self.closed and arrivals:
+      raise InvalidArgument("the leader closed the arrivals; no more requests")
+    return _encode_json({
+        "step": self.step_index, "time": float(self._leader_clock()),
+        "closed": bool(closed or self.closed),
+        "requests": [encode_request(r) for r in arrivals],
+        "aborts": [_encode_key(a) for a in aborts]})
+
+  def _step(self, payload: str | None) -> LockstepResult:
     t0 = time.perf_counter()
     wait0 = self.channel.wait_seconds
     group = self.channel.group
-    payload = None
-    if group.is_leader:
-      if self.closed and arrivals:
-        raise InvalidArgument("the leader closed the arrivals; no more requests")
-      payload = _encode_json({
-          "step": self.step_index, "time": float(self._leader_clock()),
-          "closed": bool(closed or self.closed),
-          "requests": [encode_request(r) for r in arrivals],
-          "aborts": [_encode_key(a) for a in aborts]})
-    elif arrivals or aborts or closed:
-      raise InvalidArgument(f"process {group.process_id} is not the leader: arrivals, aborts "
-                            f"and closed come from the leader's broadcast")
     msg = _decode_json(self.channel.broadcast(payload, label=f"arrivals {self.step_index}"))
     if msg["step"] != self.step_index:
       raise ScheduleDiverged("arrivals", self.step_index,

@@ -182,8 +182,8 @@ def _report(rec: _Recorder, done, sched, **extra) -> dict:
                                                 "prefill_tokens")}}
 
 
-def run_lockstep(w: Workload, group, *, kv_every: int = 2, fault: tuple | None = None,
-                 timeout_s: float = 300.0, dry: bool = False) -> tuple[dict, dict]:
+def run_lockstep(w: Workload, channel, *, kv_every: int = 2, fault: tuple | None = None,
+                 dry: bool = False) -> tuple[dict, dict]:
   """This process's part of the lockstep run; returns (report, captured K/V).
 
   `dry`: a `DryExecutor` instead of the model (the pool's bookkeeping only: no
@@ -191,14 +191,14 @@ def run_lockstep(w: Workload, group, *, kv_every: int = 2, fault: tuple | None =
   """
   import jax  # pylint: disable=g-import-not-at-top
   import paged_kv  # pylint: disable=g-import-not-at-top
-  from paged_kv.parallel import distributed, executor, lockstep, sharding  # pylint: disable=g-import-not-at-top
+  from paged_kv.parallel import executor, lockstep, sharding  # pylint: disable=g-import-not-at-top
   from paged_kv.runtime import counters  # pylint: disable=g-import-not-at-top
   from paged_kv.serving.scheduler import Request  # pylint: disable=g-import-not-at-top
   counters.listen_for_compiles()
   pc, sc = configs(w)
   mesh = sharding.make_tp_mesh()  # every process's devices
   pool = paged_kv.BlockPool(pc, state=sharding.init_sharded_pool(pc, mesh))
-  channel = distributed.Channel(group, timeout_s=timeout_s)
+  group = channel.group
   if dry:
     from paged_kv.serving.executor import DryExecutor  # pylint: disable=g-import-not-at-top
     model_executor = DryExecutor(pc)
@@ -322,11 +322,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   group = distributed.initialize(heartbeat_timeout_s=args.heartbeat,
                                  shutdown_timeout_s=max(10, args.heartbeat))
   me = group.process_id
+  channel = distributed.Channel(group, timeout_s=args.timeout)
   try:
-    report, kv = run_lockstep(w, group, kv_every=args.kv_every,
-                              fault=_parse_fault(args.fault), timeout_s=args.timeout,
-                              dry=args.dry)
+    report, kv = run_lockstep(w, channel, kv_every=args.kv_every,
+                              fault=_parse_fault(args.fault), dry=args.dry)
   except BaseException as exc:  # pylint: disable=broad-except
+    channel.stop(exc)  # the leader waits for the others: its process hosts the service
     status = {distributed.ScheduleDiverged: EXIT_DIVERGED,
               distributed.PeerFailed: EXIT_PEER_FAILED,
               distributed.PeerTimeout: EXIT_PEER_TIMEOUT}.get(type(exc), EXIT_ERROR)
