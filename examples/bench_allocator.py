@@ -21,9 +21,10 @@ what they should mean on a GPU.
 Like is compared with like: the per-step jitted call against the per-step host
 baselines (one dispatch per step each), the jitted scan against the host's scan
 (one dispatch per `--scan` steps each); the vectorised numpy baseline comes first,
-because it is the one to beat. `--runs` repeats every pool size (the sizes
-interleaved), and the ratios are reported as medians with [min-max] over the runs,
-each ratio paired within one run.
+because it is the one to beat. Within a run the variants are called in turn, one
+call each per round, so a load spike on a shared machine hits them alike. `--runs`
+repeats every pool size (the sizes interleaved), and the ratios are reported as medians
+with [min-max] over the runs, each ratio paired within one run.
 
 Usage:
   python examples/bench_allocator.py                       # the full table
@@ -136,16 +137,23 @@ class NumpyHostPool(PythonHostPool):
 
 def _growth(steps: int) -> int:
   """Tokens each sequence gains during one `bench_pool` run."""
-  return 10 + 2 * steps + _SCAN.value * (1 + max(3, steps // _SCAN.value))
+  return 10 + 2 * steps + _SCAN.value * (1 + _scan_calls(steps))
 
 
-def _median_us(fn, steps: int) -> float:
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times) * 1e6
+def _scan_calls(steps: int) -> int:
+  """Timed calls of each scan variant in one run."""
+  return max(5, steps // 8)
+
+
+def _interleaved_us(fns, rounds: int) -> list[float]:
+  """Median microseconds per call of each of `fns`, called in turn `rounds` times."""
+  times = [[] for _ in fns]
+  for _ in range(rounds):
+    for fn, out in zip(fns, times):
+      t0 = time.perf_counter()
+      fn()
+      out.append(time.perf_counter() - t0)
+  return [statistics.median(t) * 1e6 for t in times]
 
 
 def bench_pool(num_blocks: int, lengths: np.ndarray, steps: int) -> dict:
@@ -201,21 +209,8 @@ def bench_pool(num_blocks: int, lengths: np.ndarray, steps: int) -> dict:
     holder["state"], status = scan_steps(holder["state"], ids, one, kv_new)
     status.block_until_ready()
 
-  for _ in range(5):
-    run_step()
-    run_reserve()
-  run_scan()
-  jit_step = _median_us(run_step, steps)
-  jit_reserve = _median_us(run_reserve, steps)
-  scan_calls = max(3, steps // _SCAN.value)
-  jit_scan = _median_us(run_scan, scan_calls) / _SCAN.value
-  got = np.asarray(holder["state"].table.seq_len)
-  grown = 10 + 2 * steps + _SCAN.value * (1 + scan_calls)
-  assert (got == lengths + grown).all(), np.unique(got - lengths)
-  paged_kv.check_invariants(holder["state"])
-
-  pages = holder["state"].pages
-  del holder
+  # The host baselines get pages of their own, so every variant can run in turn.
+  hp = {"pages": jax.tree.map(jnp.copy, holder["state"].pages)}
   py = PythonHostPool(num_blocks, bs, b, cfg.max_segments)
   npy = NumpyHostPool(num_blocks, bs, b, cfg.max_segments)
   for s, n in enumerate(lengths):
@@ -232,7 +227,6 @@ def bench_pool(num_blocks: int, lengths: np.ndarray, steps: int) -> dict:
                         slots)[0]
 
   write_scan = jax.jit(_write_steps, donate_argnums=0)
-  hp = {"pages": pages}
 
   def host_step(pool):
     hp["pages"] = write(hp["pages"], pool.decode_step()[:, None], kv_new)
@@ -244,14 +238,24 @@ def bench_pool(num_blocks: int, lengths: np.ndarray, steps: int) -> dict:
     hp["pages"].k.block_until_ready()
 
   for _ in range(5):
+    run_step()
+    run_reserve()
     host_step(py)
     host_step(npy)
+  run_scan()
   host_scan()
-  py_step = _median_us(lambda: host_step(py), steps)
-  np_step = _median_us(lambda: host_step(npy), steps)
-  py_book = _median_us(py.decode_step, steps)
-  np_book = _median_us(npy.decode_step, steps)
-  np_scan = _median_us(host_scan, scan_calls) / _SCAN.value
+  # Interleaved: each timed round calls every variant once, so a load spike on this
+  # shared machine hits all of them alike and the ratios are paired.
+  jit_step, np_step, py_step, jit_reserve, np_book, py_book = _interleaved_us(
+      [run_step, lambda: host_step(npy), lambda: host_step(py), run_reserve,
+       npy.decode_step, py.decode_step], steps)
+  scan_calls = _scan_calls(steps)
+  jit_scan, np_scan = (t / _SCAN.value for t in _interleaved_us([run_scan, host_scan],
+                                                                   scan_calls))
+  got = np.asarray(holder["state"].table.seq_len)
+  grown = 10 + 2 * steps + _SCAN.value * (1 + scan_calls)
+  assert (got == lengths + grown).all(), np.unique(got - lengths)
+  paged_kv.check_invariants(holder["state"])
   return dict(num_blocks=num_blocks, jit_step=jit_step, jit_reserve=jit_reserve,
               jit_scan=jit_scan, py_step=py_step, np_step=np_step, py_book=py_book,
               np_book=np_book, np_scan=np_scan)
