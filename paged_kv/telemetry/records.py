@@ -169,7 +169,8 @@ def _target(path: str | os.PathLike, bench: str, date: datetime.datetime) -> pat
 
 
 class Recorder:
-  """Collects a run's provenance at its start; `write` adds the results and saves.
+  """Collects a run's provenance at its start (date, load, git commit and changed files);
+  `write` adds the results, the end's load and the wall time, and saves.
 
   With `path=None` nothing is written (scripts call it unconditionally).
   """
@@ -183,6 +184,9 @@ class Recorder:
     self.seeds = None if seeds is None else [int(s) for s in seeds]
     self.started = datetime.datetime.now(datetime.timezone.utc)
     self.load_start = _load_avg()
+    # The commit of the code that runs: read now, not when the record is written (a
+    # long run can outlive several commits in a shared tree).
+    self.git = git_info()
     self._t0 = time.perf_counter()
 
   def record(self, results: Any, *, notes: Iterable[str] = ()) -> dict:
@@ -195,7 +199,7 @@ class Recorder:
          else (self.argv[0] if self.argv else "")] + self.argv[1:])
     return {
         "schema": SCHEMA, "bench": self.bench, "command": command, "argv": self.argv,
-        "flags": to_jsonable(self.flag_values), "seeds": self.seeds, "git": git_info(),
+        "flags": to_jsonable(self.flag_values), "seeds": self.seeds, "git": self.git,
         "date": self.started.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "wall_s": round(time.perf_counter() - self._t0, 3), "machine": machine,
         "jax": jax_info(), "notes": list(notes), "results": to_jsonable(results)}

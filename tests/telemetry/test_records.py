@@ -82,6 +82,17 @@ class RecorderTest(absltest.TestCase):
     self.assertTrue(got["jax"]["jax"])  # the version, from the installed distribution
     self.assertGreaterEqual(got["wall_s"], 0)
 
+  def test_commit_is_the_one_at_the_start(self):
+    """A run that outlives a commit records the commit its code was loaded from."""
+    real = records.git_info
+    try:
+      records.git_info = lambda: {"commit": "a" * 40, "dirty": False, "dirty_paths": []}
+      rec = records.Recorder(None, "x")
+      records.git_info = lambda: {"commit": "b" * 40, "dirty": False, "dirty_paths": []}
+      self.assertEqual(rec.record({})["git"]["commit"], "a" * 40)
+    finally:
+      records.git_info = real
+
   def test_directory_path_gets_a_named_file(self):
     with tempfile.TemporaryDirectory() as tmp:
       path = records.Recorder(tmp + "/", "bench_dir").write([1, 2])
