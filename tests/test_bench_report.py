@@ -15,6 +15,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 
 from absl.testing import absltest
 
@@ -73,7 +74,8 @@ class CheckFailsTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    tmp = pathlib.Path(self.create_tempdir().full_path)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="bench_report_"))
+    self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
     self.doc = tmp / "benchmarks.md"
     shutil.copy(bench_report.DOC, self.doc)
     self.records = tmp / "records"

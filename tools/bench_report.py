@@ -84,8 +84,8 @@ def provenance(recs: list[dict]) -> str:
     return ""
   files = sorted({_rel(r["_path"]) for r in recs})
   dates = sorted(r["date"] for r in recs)
-  commits = sorted({_short(r["git"]["commit"]) + ("+dirty" if r["git"].get("dirty") else "")
-                    for r in recs})
+  commits = sorted({_short(r.get("git_at_start", r["git"])["commit"])
+                    + ("+dirty" if r["git"].get("dirty") else "") for r in recs})
   machines = sorted({f"{r['machine'].get('cpu_count')}-core {r['machine'].get('machine')}, "
                      f"{r['jax'].get('backend') or '?'} backend ({r['jax'].get('device_kind')}), "
                      f"JAX {r['jax'].get('jax')}" for r in recs})
@@ -193,7 +193,9 @@ def render_compaction_buys(root):
                   for a, b in pairs)
       conc = sum(abs(a["conc"] - b["conc"]) > 1e-9 for a, b in pairs)
       if mode in ("segments", "prefer"):
-        totals.update(n=n, adm=adm, delay=delay, conc=conc)
+        totals.update(n=n, adm=adm, delay=delay, conc=conc,
+                      frag_down=sum(b["frag_mean"] < a["frag_mean"] for a, b in pairs),
+                      runs_up=sum(b["long_runs"] > a["long_runs"] for a, b in pairs))
       rows.append([MODE_NAMES[mode], POLICY_NAMES[pol], n, f"{adm} of {n}",
                    f"{sum(a['admitted'] for a, _ in pairs)} -> "
                    f"{sum(b['admitted'] for _, b in pairs)}",
@@ -201,14 +203,16 @@ def render_compaction_buys(root):
                    f"{mrange([a['long_runs'] for a, _ in pairs], '{:.1f}', '')} -> "
                    f"{mrange([b['long_runs'] for _, b in pairs], '{:.1f}', '')}"])
   n, adm = totals["n"], totals["adm"]
+  what = (f"it lowered the mean fragmentation ratio in {totals['frag_down']} and raised "
+          f"the runs per long sequence in {totals['runs_up']} of them.")
   if adm == 0 and totals["delay"] == 0 and totals["conc"] == 0:
     claim = (f"With segment tables, and with contiguous runs only preferred, compaction "
              f"changed no admission, no delay and no concurrency in any of these {n} runs; "
-             "it lowered the fragmentation ratio and raised the runs per long sequence.")
+             + what)
   else:
     claim = (f"With segment tables or contiguous runs preferred, compaction changed "
              f"admission in {adm}, delay in {totals['delay']} and concurrency in "
-             f"{totals['conc']} of {n} runs.")
+             f"{totals['conc']} of {n} runs; " + what)
   req = []
   for (lp, m, p), v in sorted(runs.items()):
     if m != "require" or p == "none":
@@ -365,15 +369,17 @@ def _engine_row(x, label=None):
 
 
 def _engine_render(root, name):
-  recs = [r for r in _load("engine_replay", root) if pathlib.Path(r["_path"]).stem == name]
+  """The rows of every engine_replay record named `name` or `name_*` (one per trace)."""
+  recs = [r for r in _load("engine_replay", root)
+          if re.fullmatch(re.escape(name) + r"(_\w+)?", pathlib.Path(r["_path"]).stem)]
   if not recs:
     raise FileNotFoundError(f"no engine_replay record {name}")
   res = recs[0]["results"]
   intro = (f"First {res['slice'][1] or 'all'} requests of each trace, lengths divided by "
            f"{res['token_scale']}, a pool of {res['pool_tokens']:,} tokens, "
            f"{res['step_ms']:g} ms of trace time per step.")
-  return "\n\n".join([intro, table(ENGINE_HEAD, [_engine_row(x) for x in res["rows"]]),
-                      provenance(recs)])
+  rows = [_engine_row(x) for r in recs for x in r["results"]["rows"]]
+  return "\n\n".join([intro, table(ENGINE_HEAD, rows), provenance(recs)])
 
 
 def render_engine_scaled(root):
@@ -538,7 +544,7 @@ def render_shrink(root):
   head = ["step modelled for the budget (ms)", "seed", "budget (share of that step)", "cut",
           "blocks above the target (share of free)", "steps to 90% empty / to the cut",
           "GB moved", "moves: share of the step at its load, mean / max",
-          "cut: copy at 8B scale (ms)", "cut: share of the step at its load",
+          "cut: copy at 8B scale (ms)", "cut: its copy in steps at the cut's load",
           "peak at 8B scale (GB; old pool)", "requests delayed (first token / finish)"]
   rows = []
   for r in recs:
@@ -547,7 +553,7 @@ def render_shrink(root):
                    x["staging"], f"{x['span']:,} ({pct(x['free_share'], 0)})",
                    f"{x['r90'][0]} / {x['cut']}", f"{x['gb_moved']:.1f}",
                    f"{pct(x['share_mean'], 1)} / {pct(x['share_max'], 1)}",
-                   f"{x['cut_copy_ms']:.1f}", pct(x["cut_share"], 0),
+                   f"{x['cut_copy_ms']:.1f}", f"{x['cut_share']:.1f} steps",
                    f"{x['model_peak_gb']:.1f} ({x['old_gb']:.1f})",
                    f"{x['delayed_first']} / {x['delayed_finish']} of {x['requests']}"])
   return "\n\n".join([table(head, rows),
