@@ -2,7 +2,9 @@
 
 Every fenced ```python block of README.md is executed, in order, in one fresh
 interpreter (blocks share a namespace, as a reader pasting them into one session
-would). A block fenced as ```python no-run is skipped (none should be needed).
+would). A block fenced as ```python no-run is skipped: only the Hugging Face checkpoint
+example, which needs a checkpoint on disk (tests/model/test_hf_checkpoint.py makes the
+same calls on tiny checkpoints it writes).
 """
 
 from __future__ import annotations
