@@ -182,9 +182,14 @@ class LockstepScheduler:
     group = distributed.initialize()
     channel = distributed.Channel(group)
     ls = LockstepScheduler(pool, executor, SchedulerConfig(...), channel=channel)
-    while not ls.done:
-      arrivals = source.poll() if group.is_leader else ()
-      result = ls.step(arrivals, closed=group.is_leader and source.exhausted)
+    try:
+      while not ls.done:
+        arrivals = source.poll() if group.is_leader else ()
+        result = ls.step(arrivals, closed=group.is_leader and source.exhausted)
+    except BaseException as exc:
+      channel.stop(exc)  # tell the others; the leader waits for them before exiting
+      raise
+    distributed.shutdown()
 
   Attributes:
     scheduler: the `Scheduler` (read it; do not step or submit to it directly).
