@@ -55,8 +55,7 @@ def test_decode_pallas(shape):
   assert not prog.mosaic_kernels()
 
 
-_MOSAIC = [pytest.param(a, marks=tier.KNOWN_MOSAIC_D256_SPILL) if a.head_dim == 256 else a
-           for a in DECODE if _mosaic_builds(a)]
+_MOSAIC = [a for a in DECODE if _mosaic_builds(a)]
 
 
 @pytest.mark.parametrize("shape", _MOSAIC, ids=lambda a: a.id)
