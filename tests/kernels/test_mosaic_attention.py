@@ -46,6 +46,7 @@ _CASES = [
     (jnp.float16, 5, None, 2, 64),
     (jnp.bfloat16, 8, 3.0, 1, 64),
     (jnp.bfloat16, 2, None, 2, 256),
+    (jnp.float16, 1, 5.0, 1, 256),
 ]
 
 
