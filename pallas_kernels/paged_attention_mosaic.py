@@ -146,13 +146,14 @@ def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
 
 def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
   """Why the library's default path (`impl=None`) should skip this kernel at a
-  shape it does build for, or None. The one-warpgroup kernel (head_dim 256:
-  no producer warpgroup fits shared memory) spills registers when compiled for
-  sm_90a (compile tier, ptxas: 255 registers, ~570 spill stores), and the
-  producer-warpgroup kernel at head_dim 192 spills too (248-1,276 B over page
-  sizes); explicit `impl="mosaic"` still runs them."""
-  warp_specialized, stages = kernel_config(head_dim, dtype)
-  if stages and (not warp_specialized or head_dim == 192):
+  shape it does build for, or None. The producer-warpgroup kernel at head_dim
+  192 spills registers when compiled for sm_90a (compile tier, ptxas: 232
+  registers, 248-1,276 B of spill over page sizes; three warpgroups of 64 and
+  two of 96 columns spilled too); head_dim 256 (two warpgroups splitting the
+  head dim: 208-218 registers, no spill) and 64/128 do not. Explicit
+  `impl="mosaic"` still runs 192."""
+  del dtype  # the same at bf16 and f16
+  if head_dim == 192:
     return (f"impl='mosaic' at head_dim {head_dim} spills registers when compiled for "
             f"sm_90a (compile tier); the default path skips it")
   return None
