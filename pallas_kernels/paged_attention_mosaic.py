@@ -63,7 +63,11 @@ yet timed on a GPU.
 
 Interpreter notes (JAX 0.11.2 and 0.12 on CPU): `pl.program_id` is always 0
 there, so programs read their coordinates with `lax.axis_index`; its wgmma reads
-both operands from SMEM.
+both operands from SMEM. It runs each warpgroup as a CPU program of its own whose
+barrier waits block an XLA:CPU pool thread: with pools of one thread per core (2
+on a small machine) the two warpgroups could deadlock, so interpret mode wants
+`lowering.reserve_cpu_threads_for_gpu_interpreter()` (8 threads) before JAX
+creates its CPU client (the tests and `gpu_check --dry` call it).
 """
 
 from __future__ import annotations
