@@ -16,6 +16,9 @@ passing is necessary, not sufficient.
     `pallas_kernels.compile_tier` compiles on from there).
   * `gpu_interpret_params(...)`: `plgpu.InterpretGPUParams` with the keywords the
     installed JAX knows (`on_race` is new in 0.12; the GPU machine runs 0.11.2).
+  * `reserve_cpu_threads_for_gpu_interpreter()`: sizes XLA:CPU's thread pools for
+    the GPU interpreter before the CPU client exists (see below); the tests'
+    conftest and `tools/gpu_check.py --dry` call it.
 
 Which impl builds for a shape: `paged_attention.lowerable_decode_impls` /
 `decode_impl_problem` and `permute_blocks.lowerable_permute_impls` /
@@ -27,6 +30,8 @@ Verified with JAX 0.12.0.1 and 0.11.2.
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 
 import jax
 
@@ -85,6 +90,76 @@ def lower_for_gpu(fn, *args, device_kind: str = H200[0], num_cores: int = 132):
 
 # Interpreter ------------------------------------------------------------------
 
+# XLA:CPU thread pools the Mosaic GPU interpreter needs (see
+# `reserve_cpu_threads_for_gpu_interpreter`).
+INTERPRETER_CPU_THREADS = 8
+_POOL_ENV = ("PJRT_NPROC", "NPROC")  # read by XLA's DefaultThreadPoolSize, in order
+
+
+def _cpu_pool_threads() -> int:
+  """Threads of XLA:CPU's intra-op pool: counted (`/proc`, Linux) once the CPU
+  client exists; before, what a client created now gets: `PJRT_NPROC`, then
+  `NPROC`, else one per schedulable core."""
+  if _cpu_client_created():
+    try:
+      tasks = os.listdir("/proc/self/task")
+      names = []
+      for t in tasks:
+        try:
+          with open(f"/proc/self/task/{t}/comm") as f:
+            names.append(f.read())
+        except OSError:
+          continue  # a thread that ended meanwhile
+      counted = sum("XLAEigen" in n for n in names)
+      if counted:
+        return counted
+    except OSError:
+      pass
+  for name in _POOL_ENV:
+    value = os.environ.get(name, "")
+    if value.isdigit() and int(value) > 0:
+      return int(value)
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    return os.cpu_count() or 1
+
+
+def _cpu_client_created() -> bool:
+  from jax._src import xla_bridge  # private; `_backends` in 0.11.2 and 0.12
+
+  return bool(getattr(xla_bridge, "_backends", None))
+
+
+def reserve_cpu_threads_for_gpu_interpreter(
+    threads: int = INTERPRETER_CPU_THREADS) -> bool:
+  """Makes XLA:CPU's thread pools at least `threads` wide (`PJRT_NPROC`) for
+  the Mosaic GPU interpreter, if the CPU client does not exist yet and neither
+  `PJRT_NPROC` nor `NPROC` is set. Returns whether the pools will be that wide
+  (False: the client exists with fewer threads, or a smaller size was set;
+  nothing changed).
+
+  Why: the interpreter runs each warpgroup of a kernel with `num_threads > 1`
+  as its own CPU program (`thread_map`), and a barrier wait blocks the XLA:CPU
+  thread it runs on until the other warpgroup arrives. XLA:CPU sizes its
+  intra-op and execution pools by the core count (2 threads on a 2-core
+  machine). When the calling program's own callback and one warpgroup's
+  blocked barrier wait hold both threads, the other warpgroup's program never
+  gets a thread, and the kernel hangs (seen as intermittent hangs of the
+  gpu_check dry rows; thread dumps: one warpgroup in `Barrier.wait`, the
+  other's program never started). More threads than blocked callbacks remove
+  the deadlock; on a GPU nothing here runs.
+  """
+  if _cpu_pool_threads() >= threads:
+    return True
+  if _cpu_client_created() or any(os.environ.get(n) for n in _POOL_ENV):
+    return False  # too late, or the user's own choice
+  os.environ["PJRT_NPROC"] = str(threads)
+  return True
+
+
+_warned_threads: list[bool] = []
+
 
 def gpu_interpret_params(**kwargs):
   """`plgpu.InterpretGPUParams(**kwargs)` minus the keywords this JAX lacks
@@ -92,6 +167,14 @@ def gpu_interpret_params(**kwargs):
   raised, and `get_races()` reports them)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
+  if _cpu_pool_threads() < INTERPRETER_CPU_THREADS and not _warned_threads:
+    _warned_threads.append(True)
+    warnings.warn(
+        f"the Mosaic GPU interpreter may deadlock with XLA:CPU thread pools of "
+        f"{_cpu_pool_threads()} threads (a warpgroup blocked in a barrier wait "
+        f"holds one); set PJRT_NPROC={INTERPRETER_CPU_THREADS} before JAX creates "
+        f"its CPU client, or call "
+        f"lowering.reserve_cpu_threads_for_gpu_interpreter() first", stacklevel=2)
   known = {f.name for f in dataclasses.fields(plgpu.InterpretGPUParams)}
   return plgpu.InterpretGPUParams(
       **{k: v for k, v in kwargs.items() if k in known})

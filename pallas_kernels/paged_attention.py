@@ -390,7 +390,8 @@ def default_path_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
                          platform: str | None = None, q_dtype=None) -> str | None:
   """`decode_impl_problem`, plus what keeps a library default (`impl=None`) off
   an impl that builds but is known to be bad at this shape (the Mosaic kernel
-  where it spills registers: `paged_attention_mosaic.mosaic_default_caveat`).
+  at head_dim 192, where it spills registers:
+  `paged_attention_mosaic.mosaic_default_caveat`).
   None: the default path may pick it."""
   problem = decode_impl_problem(
       impl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

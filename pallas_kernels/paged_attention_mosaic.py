@@ -40,9 +40,16 @@ lower for Hopper:
     refills a ring slot as soon as the consumer warpgroup (232 registers)
     arrives on that slot's `k_free` / `v_free` barrier; 4 stages = 256 keys in
     flight per program;
-  * head_dim 256: one warpgroup (2 stages), whose ring and P buffer live in one
-    `pl.run_scoped` region and the f32 output tile in another, so they share
-    shared memory.
+  * head_dim 256 (no producer warpgroup fits shared memory): two warpgroups
+    split the head dim, each holding the f32 accumulator of 128 output columns
+    (64 registers a thread; one warpgroup with all 256 columns needed 255
+    registers and spilled 548 B). Both compute the whole S = Q K^T and softmax
+    (the same values: the QK product is a small share of the work), each its
+    own P buffer, V half (own TMA copies and barriers) and output half;
+    warpgroup 0 issues the copies and refills a slot once both have arrived
+    on its `free` barrier, which both wait on. 2 stages; the ring and P
+    buffers live in one `pl.run_scoped` region and the f32 output tile in
+    another, so they share shared memory.
 Not done: a Mosaic prefill (extend) kernel; a persistent grid.
 
 Shapes it builds for (`mosaic_problem`): bf16/f16, head_dim a multiple of 64 up
@@ -51,12 +58,16 @@ tier for H100/H200 with JAX 0.11.2 and 0.12. Verified numerically in the GPU
 interpreter (`plgpu.InterpretGPUParams(detect_races=True)`, race-free) against
 the float64 reference with NaN in every unused slot (tests/kernels/
 test_mosaic_attention.py). Compiled for sm_90a through ptxas in the compile tier
-(`tests_compile/test_kernels.py`: no spills at head_dim 64 and 128; head_dim 256
-spills, a strict xfail). Not yet timed on a GPU.
+(`tests_compile/test_kernels.py`: no spills at head_dim 64, 128 and 256). Not
+yet timed on a GPU.
 
 Interpreter notes (JAX 0.11.2 and 0.12 on CPU): `pl.program_id` is always 0
 there, so programs read their coordinates with `lax.axis_index`; its wgmma reads
-both operands from SMEM.
+both operands from SMEM. It runs each warpgroup as a CPU program of its own whose
+barrier waits block an XLA:CPU pool thread: with pools of one thread per core (2
+on a small machine) the two warpgroups could deadlock, so interpret mode wants
+`lowering.reserve_cpu_threads_for_gpu_interpreter()` (8 threads) before JAX
+creates its CPU client (the tests and `gpu_check --dry` call it).
 """
 
 from __future__ import annotations
@@ -90,16 +101,20 @@ def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized):
   out = BLOCK_ROWS * head_dim * 4
   if warp_specialized:  # one collective scope: nothing shares memory
     return table + q + BLOCK_ROWS * 4 + ring + probs + out
-  return table + q + BLOCK_ROWS * 4 + max(ring + probs, out)
+  # Two column halves: a P buffer each; ring + P share memory with the output.
+  return table + q + BLOCK_ROWS * 4 + max(ring + 2 * probs, out)
 
 
 def kernel_config(head_dim: int, dtype) -> tuple[bool, int]:
   """(warp specialized, ring stages) for this head_dim: a producer warpgroup
   with the deepest ring (<= `MAX_STAGES`, >= 2) that fits `SMEM_BUDGET` when
-  one does (head_dim <= 128), else one warpgroup whose ring and output tile
-  share memory (head_dim 256). (False, 0) if nothing fits."""
+  one does (head_dim <= 192), else two warpgroups splitting the head dim in
+  halves of a multiple of 64 columns, whose ring and output tile share memory
+  (head_dim 256). (False, 0) if nothing fits."""
   itemsize = jnp.dtype(dtype).itemsize
   for ws in (True, False):
+    if not ws and head_dim % 128:
+      continue  # halves of whole 64-column swizzled tiles
     for stages in range(MAX_STAGES, 1, -1):
       if _smem_bytes(head_dim, itemsize, stages,
                      warp_specialized=ws) <= SMEM_BUDGET:
@@ -135,13 +150,14 @@ def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
 
 def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
   """Why the library's default path (`impl=None`) should skip this kernel at a
-  shape it does build for, or None. The one-warpgroup kernel (head_dim 256:
-  no producer warpgroup fits shared memory) spills registers when compiled for
-  sm_90a (compile tier, ptxas: 255 registers, ~570 spill stores), and the
-  producer-warpgroup kernel at head_dim 192 spills too (248-1,276 B over page
-  sizes); explicit `impl="mosaic"` still runs them."""
-  warp_specialized, stages = kernel_config(head_dim, dtype)
-  if stages and (not warp_specialized or head_dim == 192):
+  shape it does build for, or None. The producer-warpgroup kernel at head_dim
+  192 spills registers when compiled for sm_90a (compile tier, ptxas: 232
+  registers, 248-1,276 B of spill over page sizes; three warpgroups of 64 and
+  two of 96 columns spilled too); head_dim 256 (two warpgroups splitting the
+  head dim: 208-218 registers, no spill) and 64/128 do not. Explicit
+  `impl="mosaic"` still runs 192."""
+  del dtype  # the same at bf16 and f16
+  if head_dim == 192:
     return (f"impl='mosaic' at head_dim {head_dim} spills registers when compiled for "
             f"sm_90a (compile tier); the default path skips it")
   return None
@@ -155,50 +171,69 @@ def mosaic_paged_attention_kernel(
     q_gmem,  # [B, KVH, 64, D] (group rows, zero padded)
     k_gmem,  # [L * KVH, num_blocks, bs, D] (layer-major, every layer)
     v_gmem,  # [L * KVH, num_blocks, bs, D]
-    o_gmem,  # f32[B, KVH, NS, 64, D] normalised output of each split
+    o_gmem,  # f32[B, KVH, NS, H, 64, D / H] normalised output of each split (H column halves)
     lse_gmem,  # f32[B, KVH, NS, 64] log2-sum-exp2 of each split (-inf: empty)
     *, sm_scale, soft_cap, pages_per_step, num_stages, chunks,
     warp_specialized, num_kv_heads):
   """Program (row, kv head, split): attention of the padded group over the
   split's segments, written as a normalised tile plus its LSE.
 
+  Two warpgroups ("wg") either way.
   `warp_specialized`: warpgroup 1 (the producer, few registers) issues the
   table/query copies and every K/V page copy, refilling a ring slot once the
   consumer has arrived on that slot's `k_free` / `v_free` barrier; warpgroup 0
-  (the consumer) waits on the page barriers and does the math. Otherwise one
-  warpgroup does both, refilling a slot right after its P V product.
+  (the consumer) waits on the page barriers and does the math over every
+  column. Otherwise (head_dim 256) both warpgroups are consumers, each owning
+  half of the head dim (`H` = 2 column halves): each computes the whole S and
+  softmax (the same values), and P V and the f32 accumulator for its half, so
+  that no thread holds more than a 64 x 128 accumulator; warpgroup 0 also
+  issues every copy, refilling a slot once both have arrived on its `free`
+  barrier (which both wait on: the output tile, written last, shares memory
+  with the ring).
   """
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
   row = jax.lax.axis_index("row")
   head = jax.lax.axis_index("head")
   split = jax.lax.axis_index("split")
+  wg = jax.lax.axis_index("wg")
   num_blocks, block_size, head_dim = k_gmem.shape[1:]
   num_pages, rows, lanes = pages_per_step, BLOCK_ROWS, TABLE_LANES
+  num_halves, cols = o_gmem.shape[3], o_gmem.shape[5]  # cols = head_dim / halves
   dtype = k_gmem.dtype
   wgmma = plgpu.Layout.WGMMA
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   if warp_specialized:
-    wg = jax.lax.axis_index("wg")
     as_producer, as_consumer = pl.when(wg == 1), pl.when(wg == 0)
-  else:  # one warpgroup plays both parts
-    as_producer = as_consumer = lambda f: f()
+    half = 0  # the consumer owns every column
+  else:  # warpgroup 0 issues the copies; both compute
+    as_producer, as_consumer = pl.when(wg == 0), lambda f: f()
+    half = wg
 
   def store_output(o_smem, lse_smem, acc, m_i, l_i):
-    """Normalised tile and its LSE, registers -> SMEM -> GMEM (TMA)."""
+    """Normalised tile (this warpgroup's columns) and its LSE, registers ->
+    SMEM -> GMEM (TMA)."""
     empty = l_i == 0  # a split with no segment
     safe_l = jnp.where(empty, 1.0, l_i)
-    o_smem[...] = acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0])
-    lse_smem[...] = jnp.where(empty, _NEG_INF, m_i + jnp.log2(safe_l))
+    o_smem.at[half][...] = acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0])
+
+    @pl.when(wg == 0)  # both hold the same LSE
+    def _():
+      lse_smem[...] = jnp.where(empty, _NEG_INF, m_i + jnp.log2(safe_l))
+
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[row, head, split])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
+    plgpu.copy_smem_to_gmem(o_smem.at[half], o_gmem.at[row, head, split, half])
+
+    @pl.when(wg == 0)
+    def _():
+      plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
+
     plgpu.wait_smem_to_gmem(0)
 
   def program(table_smem, q_smem, lse_smem, in_barriers, k_barriers, v_barriers,
               k_free, v_free, k_ring, v_ring, p_smem, o_smem):
     """The whole program over its buffers (`o_smem` None: allocated at the end,
-    sharing memory with the ring)."""
+    sharing memory with the ring; `v_free` None: `k_free` frees both)."""
     @as_producer
     def _():
       plgpu.copy_gmem_to_smem(table_gmem.at[row, split], table_smem,
@@ -213,33 +248,45 @@ def mosaic_paged_attention_kernel(
     def entry(r, idx):
       return table_smem[r, idx // lanes, idx % lanes]
 
-    def issue(step, slot, gmem, ring, barriers):
-      """TMA-loads the pages of stage `step` (block 0 for padding entries)."""
+    def page(step, p):
+      """Block of page `p` of stage `step` (block 0 for padding entries)."""
+      idx = step * num_pages + p
+      return jnp.clip(jnp.where(idx < count, entry(0, idx), 0), 0, num_blocks - 1)
+
+    def issue_k(step, slot):
       for p in range(num_pages):
-        idx = step * num_pages + p
-        blk = jnp.clip(jnp.where(idx < count, entry(0, idx), 0), 0,
-                       num_blocks - 1)
-        plgpu.copy_gmem_to_smem(gmem.at[page_row, blk],
-                                ring.at[slot, pl.ds(p * block_size, block_size)],
-                                barriers.at[slot * num_pages + p])
+        plgpu.copy_gmem_to_smem(k_gmem.at[page_row, page(step, p)],
+                                k_ring.at[slot, pl.ds(p * block_size, block_size)],
+                                k_barriers.at[slot * num_pages + p])
+
+    def issue_v(step, slot):
+      """Each column half of each page is its own copy and barrier."""
+      for h in range(num_halves):
+        for p in range(num_pages):
+          src = v_gmem.at[page_row, page(step, p)]
+          if num_halves > 1:
+            src = src.at[:, pl.ds(h * cols, cols)]
+          plgpu.copy_gmem_to_smem(
+              src, v_ring.at[slot, h, pl.ds(p * block_size, block_size)],
+              v_barriers.at[(slot * num_halves + h) * num_pages + p])
 
     def issue_stage(step, slot):
-      issue(step, slot, k_gmem, k_ring, k_barriers)
-      issue(step, slot, v_gmem, v_ring, v_barriers)
+      issue_k(step, slot)
+      issue_v(step, slot)
 
     def page_mask(step, shape, dim):
       """bool[shape] in the WGMMA layout: is key `iota(dim)` of stage `step` a
       live slot; and whether the stage is made of whole valid pages."""
       key = plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma)
-      page = key // block_size
-      slot = key - page * block_size
+      page_of_key = key // block_size
+      slot = key - page_of_key * block_size
       mask, full = None, True
       for p in range(num_pages):
         idx = step * num_pages + p
         live = idx < count
         start = entry(1, idx)
         end = start + entry(2, idx)
-        m = (page == p) & (slot >= start) & (slot < end) & live
+        m = (page_of_key == p) & (slot >= start) & (slot < end) & live
         mask = m if mask is None else mask | m
         full = full & live & (start == 0) & (end == block_size)
       return mask, full
@@ -257,9 +304,9 @@ def mosaic_paged_attention_kernel(
         def refill(step, carry):
           slot = jax.lax.rem(step, num_stages)
           plgpu.barrier_wait(k_free.at[slot])
-          issue(step, slot, k_gmem, k_ring, k_barriers)
+          issue_k(step, slot)
           plgpu.barrier_wait(v_free.at[slot])
-          issue(step, slot, v_gmem, v_ring, v_barriers)
+          issue_v(step, slot)
           return carry
 
         jax.lax.fori_loop(num_stages, jnp.maximum(num_steps, num_stages),
@@ -304,31 +351,36 @@ def mosaic_paged_attention_kernel(
       probs = jnp.exp2(s - jax.lax.broadcast_in_dim(m_new, s.shape, [0]))
       l_new = l_i * alpha + probs.sum(axis=1)
       acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p_smem[...] = probs.astype(dtype)
+      p_smem.at[half][...] = probs.astype(dtype)
+      v_slot = v_ring.at[slot, half]
       for p in range(num_pages):
-        plgpu.barrier_wait(v_barriers.at[slot * num_pages + p])
+        plgpu.barrier_wait(
+            v_barriers.at[(slot * num_halves + half) * num_pages + p])
 
       @pl.when(jnp.logical_not(full))
       def _():
         # Masked V rows may hold NaN; 0 * NaN would leak through P V.
-        vmask, _ = page_mask(step, (BLOCK_KV, head_dim), 0)
-        v = plgpu.load(v_ring.at[slot], layout=wgmma)
-        v_ring.at[slot][...] = jnp.where(vmask, v, jnp.zeros((), v.dtype))
+        vmask, _ = page_mask(step, (BLOCK_KV, cols), 0)
+        v = plgpu.load(v_slot, layout=wgmma)
+        v_slot[...] = jnp.where(vmask, v, jnp.zeros((), v.dtype))
 
       plgpu.commit_smem()  # generic-proxy SMEM writes before the wgmma reads
 
       def compute_pv(acc_ref):
-        plgpu.wgmma(acc_ref, p_smem, v_ring.at[slot])
+        plgpu.wgmma(acc_ref, p_smem.at[half], v_slot)
         return acc_ref[...]
 
-      acc = acc + pl.run_scoped(compute_pv,
-                                plgpu.ACC((rows, head_dim), jnp.float32))
+      acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((rows, cols), jnp.float32))
       if warp_specialized:
         plgpu.barrier_arrive(v_free.at[slot])
       else:
-        # The slot is consumed: refill it with a later stage. The fence orders
-        # this thread's generic-proxy accesses before the TMA write.
-        @pl.when(step + num_stages < num_steps)
+        # Both warpgroups are done with the slot (each fenced its generic-proxy
+        # accesses above); warpgroup 0 refills it with a later stage, after a
+        # fence of its own accesses before the TMA write.
+        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_wait(k_free.at[slot])
+
+        @pl.when((wg == 0) & (step + num_stages < num_steps))
         def _():
           plgpu.commit_smem()
           issue_stage(step + num_stages, slot)
@@ -340,7 +392,7 @@ def mosaic_paged_attention_kernel(
         plgpu.set_max_registers(232, action="increase")
       plgpu.barrier_wait(in_barriers.at[1])
       init = (
-          plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), wgmma),
+          plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), wgmma),
           plgpu.layout_cast(jnp.full((rows,), _NEG_INF, jnp.float32),
                             wgmma.reduce(1)),
           plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), wgmma.reduce(1)))
@@ -359,28 +411,34 @@ def mosaic_paged_attention_kernel(
            smem((rows,), jnp.float32),
            plgpu.Barrier(num_arrivals=1, num_barriers=2),
            plgpu.Barrier(num_arrivals=1, num_barriers=num_stages * num_pages),
-           plgpu.Barrier(num_arrivals=1, num_barriers=num_stages * num_pages)]
+           plgpu.Barrier(num_arrivals=1,
+                         num_barriers=num_stages * num_halves * num_pages)]
   ring = [smem((num_stages, BLOCK_KV, head_dim), transforms=tiled),
-          smem((num_stages, BLOCK_KV, head_dim), transforms=tiled),
-          smem((rows, BLOCK_KV), transforms=tiled)]
+          smem((num_stages, num_halves, BLOCK_KV, cols), transforms=tiled),
+          smem((num_halves, rows, BLOCK_KV), transforms=tiled)]
+  out = smem((num_halves, rows, cols), jnp.float32)
   if warp_specialized:
     pl.run_scoped(
         program, *fixed,
         plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
-        *ring, smem((rows, head_dim), jnp.float32), collective_axes="wg")
+        *ring, out, collective_axes="wg")
     return
 
-  def single(table_smem, q_smem, lse_smem, in_barriers, k_barriers, v_barriers):
+  def halves(table_smem, q_smem, lse_smem, in_barriers, k_barriers, v_barriers,
+             free):
     acc, m_i, l_i = pl.run_scoped(
         lambda *r: program(table_smem, q_smem, lse_smem, in_barriers,
-                           k_barriers, v_barriers, None, None, *r, None),
-        *ring)
-    # The output tile shares memory with the ring, released above.
+                           k_barriers, v_barriers, free, None, *r, None),
+        *ring, collective_axes="wg")
+    # The output tile shares memory with the ring, released above (both
+    # warpgroups waited on the last stage's `free` barrier).
     pl.run_scoped(lambda o_smem: store_output(o_smem, lse_smem, acc, m_i, l_i),
-                  smem((rows, head_dim), jnp.float32))
+                  out, collective_axes="wg")
 
-  pl.run_scoped(single, *fixed)
+  pl.run_scoped(halves, *fixed,
+                plgpu.Barrier(num_arrivals=num_halves, num_barriers=num_stages),
+                collective_axes="wg")
 
 
 # Wrapper --------------------------------------------------------------------------
@@ -499,15 +557,19 @@ def mosaic_paged_attention(
                              warp_specialized=warp_specialized,
                              num_kv_heads=num_kv_heads)
   tile = (batch, num_kv_heads, num_splits, BLOCK_ROWS)
-  threads = dict(num_threads=2, thread_name="wg") if warp_specialized else {}
+  num_halves = 1 if warp_specialized else 2
   o, lse = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(tile + (head_dim,), jnp.float32),
+      out_type=(jax.ShapeDtypeStruct(
+          (batch, num_kv_heads, num_splits, num_halves, BLOCK_ROWS,
+           head_dim // num_halves), jnp.float32),
                 jax.ShapeDtypeStruct(tile, jnp.float32)),
       grid=(batch, num_kv_heads, num_splits),
       grid_names=("row", "head", "split"),
+      num_threads=2,
+      thread_name="wg",
       interpret=interpret,
-      **threads,
   )(table, qg, k_rows, v_rows)
+  o = jnp.moveaxis(o, 3, 4).reshape(tile + (head_dim,))  # column halves side by side
   out = merge_splits_log2(o, lse, axis=2)[:, :, :group]  # [B, KVH, G, D]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -1,6 +1,6 @@
 """Test-session settings shared by every test module.
 
-Two things, both about running ~750 tests in two long-lived xdist workers on a
+Three things, all about running ~750 tests in two long-lived xdist workers on a
 2-core CPU machine:
 
 1. **Memory mappings.** Every XLA CPU executable holds about 30 memory mappings
@@ -21,6 +21,11 @@ Two things, both about running ~750 tests in two long-lived xdist workers on a
    60 s -> 46 s, one run each; the whole suite 24.5 -> 16.7 min with this file).
    It changes how fast the CPU code is, not what it computes.
    ``PAGED_KV_TEST_XLA_OPT=default`` keeps XLA's default.
+
+3. **Thread pools for the Mosaic GPU interpreter.** XLA:CPU's pools get
+   ``PJRT_NPROC=8`` threads (unless set) before the CPU client exists: with one
+   per core (2 here) a kernel whose warpgroups wait on each other's barriers could
+   deadlock in interpret mode (``pallas_kernels/lowering.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ if os.environ.get("PAGED_KV_TEST_XLA_OPT", "") != "default":
   _flags = os.environ.get("XLA_FLAGS", "")
   if _OPT_FLAG not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} {_OPT_FLAG}=0".strip()
+
+# The Mosaic GPU interpreter (interpret-mode kernel tests) needs XLA:CPU thread
+# pools wider than this 2-core machine's 2 threads, set before JAX creates its CPU
+# client (`lowering.reserve_cpu_threads_for_gpu_interpreter` says why).
+from pallas_kernels import lowering as _lowering  # noqa: E402
+
+_lowering.reserve_cpu_threads_for_gpu_interpreter()
 
 _MAPS = "/proc/self/maps"
 

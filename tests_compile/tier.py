@@ -1,5 +1,6 @@
 """Shared pieces of the compile tier's tests: compiling (timed), abstract
-arguments at real-model shapes, the copy threshold, and the known defects.
+arguments at real-model shapes, the copy threshold, and how known defects are
+marked (none now).
 
 Thresholds. A step may copy what belongs to this step (its queries, its
 tokens' K/V, tables, partial results), never a share of the pool: every copy,
@@ -18,7 +19,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from pallas_kernels import compile_tier
 
@@ -167,11 +167,9 @@ class Attn:
             self.pages()] + self.tables()
 
 
-# Known defects, each asserted honestly and expected to fail until fixed: strict,
-# so a fix turns the test into an error (XPASS) and the mark must go. (The
-# per-layer pool copy, the missing split-K and the refused head_dim 96 were
-# marked so until issue M fixed them.)
-KNOWN_MOSAIC_D256_SPILL = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="known defect (d): the Mosaic GPU decode kernel at head_dim 256 (one "
-           "warpgroup, 255 registers) spills registers to local memory")
+# Known defects are marked here as strict xfails (`pytest.mark.xfail(strict=True,
+# raises=AssertionError)`), asserted honestly and expected to fail until fixed, so
+# that a fix turns the test into an error (XPASS) and the mark must go. None now:
+# the per-layer pool copy, the missing split-K, the refused head_dim 96 and the
+# Mosaic decode kernel's register spill at head_dim 256 were marked so until
+# fixed.

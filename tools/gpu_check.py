@@ -106,6 +106,11 @@ def worker_main(dry: bool, proto_fd: int, parent: int) -> int:
     proto.write(json.dumps(msg) + "\n")
     proto.flush()
 
+  if dry:
+    # Before JAX creates its CPU client: the Mosaic GPU interpreter deadlocks in
+    # XLA:CPU pools of one thread per core on a small machine (lowering.py says why).
+    from pallas_kernels import lowering
+    lowering.reserve_cpu_threads_for_gpu_interpreter()
   import jax  # the device is initialised here, inside the start limit
   import jaxlib
   dev = jax.devices()[0]

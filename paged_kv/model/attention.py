@@ -105,8 +105,8 @@ def default_impl(backend: str | None = None, *, num_q_heads: int | None = None,
     lowering tier: e.g. Mosaic needs bf16/f16 pages, q in the pages' dtype and
     head_dim a multiple of 64 up to 256; Triton power-of-two sizes), skipping
     an impl that builds but is known bad at the shape (`default_path_problem`:
-    Mosaic at head_dim 192 and 256 spills registers in the compile tier, so
-    Gemma's 256 gets Triton).
+    Mosaic at head_dim 192 spills registers in the compile tier; Gemma's 256,
+    two warpgroups splitting the head dim, does not and gets Mosaic).
     Every fallback warns once, naming the reason, so a valid model shape
     (Phi-3-mini's head_dim 96 gets `"xla"`) never raises, and a slow path is
     never picked silently.

@@ -39,12 +39,14 @@ def _race_params():
 
 _CASES = [
     # (dtype, group, soft_cap, num_splits, head_dim). head_dim 64 runs the
-    # warp-specialized kernel (producer warpgroup), 256 the one-warpgroup one.
+    # warp-specialized kernel (producer warpgroup), 256 the one whose two
+    # warpgroups split the head dim.
     (jnp.bfloat16, 4, None, 1, 64),
     (jnp.bfloat16, 1, 5.0, 3, 64),
     (jnp.float16, 5, None, 2, 64),
     (jnp.bfloat16, 8, 3.0, 1, 64),
     (jnp.bfloat16, 2, None, 2, 256),
+    (jnp.float16, 1, 5.0, 1, 256),
 ]
 
 
@@ -89,7 +91,8 @@ def test_mosaic_race_detector_sees_missing_proxy_fence(monkeypatch, head_dim):
   """Negative control: without the `commit_smem` fences, the TMA refill of a
   ring slot races with the kernel's generic-proxy accesses of that slot, and
   the detector must say so; the clean runs above are not a detector that sees
-  nothing. Both kernels (warp-specialized at 64, one warpgroup at 256)."""
+  nothing. Both kernels (warp-specialized at 64, head dim split over two
+  warpgroups at 256)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   monkeypatch.setattr(plgpu, "commit_smem", lambda: None)
