@@ -97,7 +97,7 @@ _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 128, "Prompt tokens per s
                                       "step (one width for every N: one set of programs).")
 _LOAD_WEIGHT = flags.DEFINE_float("load_weight", 0.1, "CacheAwareRouter: tokens of cached "
                                   "prefix one token of backlog is worth.")
-_OUTPUT_WEIGHT = flags.DEFINE_float("output_weight", 1.0, "Backlog per output token still "
+_OUTPUT_WEIGHT = flags.DEFINE_float("output_weight", 0.0, "Backlog per output token still "
                                      "to come, in prompt tokens (ReplicaSpec.output_weight; "
                                      "the simulation's load model uses the same weight).")
 _SIM = flags.DEFINE_bool("sim", True, "Also run the simulation on the same slices.")

@@ -104,7 +104,8 @@ def _broken_executor(config):
 
 # ----------------------------------------------------------------------------- in process
 def test_server_commands_in_process():
-  server = ReplicaServer(ReplicaSpec(POOL, SCHED, warmup=False), index=3)
+  # Outputs still to come count at weight 1 here (the default, 0, counts prompts only).
+  server = ReplicaServer(ReplicaSpec(POOL, SCHED, warmup=False, output_weight=1.0), index=3)
   reqs = _requests(0, 6, num_sessions=1)
   assert server.probe("default", reqs[0].prompt) == (0, 0.0)
   assert server.submit(reqs[0]) is None
