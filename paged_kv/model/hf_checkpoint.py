@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_kv.core.errors import InvalidArgument
+from paged_kv.model import optional_import
 from paged_kv.model.rope import SUPPORTED_ROPE_TYPES, RopeScaling
 
 __all__ = ["CheckpointMismatch", "HFCheckpoint", "UnsupportedCheckpoint", "load_checkpoint",
@@ -86,15 +87,8 @@ class CheckpointMismatch(InvalidArgument):
 
 
 def _safetensors():
-  try:
-    import safetensors  # pylint: disable=import-outside-toplevel
-  except ModuleNotFoundError as err:
-    if err.name != "safetensors":
-      raise
-    raise ModuleNotFoundError(
-        "loading a Hugging Face checkpoint needs safetensors; install it with: "
-        "pip install 'paged-kv[hf]'", name="safetensors") from err
-  return safetensors
+  return optional_import.require("safetensors", needed_for="loading a Hugging Face checkpoint",
+                                 extra="hf")
 
 
 def _listed(names) -> str:

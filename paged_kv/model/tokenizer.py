@@ -25,20 +25,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from paged_kv.core.errors import InvalidArgument
+from paged_kv.model import optional_import
 
 __all__ = ["TextStream", "Tokenizer"]
 
 
 def _tokenizers():
-  try:
-    import tokenizers  # pylint: disable=import-outside-toplevel
-  except ModuleNotFoundError as err:
-    if err.name != "tokenizers":
-      raise
-    raise ModuleNotFoundError(
-        "reading a tokenizer.json needs tokenizers; install it with: "
-        "pip install 'paged-kv[hf]'", name="tokenizers") from err
-  return tokenizers
+  return optional_import.require("tokenizers", needed_for="reading a tokenizer.json", extra="hf")
 
 
 def _read_json(file: Path) -> dict:
