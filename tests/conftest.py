@@ -76,9 +76,8 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 # `make test-fast` (`pytest -m "not slow"`, the edit-test loop) leaves out the
-# whole-system runs: the tests below took 5-100 s each on 2 cores (`pytest
-# --durations=100`, 2026-12-03), together about three quarters of the suite's
-# time. `make test` (CI) runs everything. Paths relative to tests/; a directory
+# whole-system runs and the slowest unit tests: the tests below took 3-100 s each on
+# 2 cores (`pytest --durations=100`, 2026-12-03), together most of the suite's time. `make test` (CI) runs everything. Paths relative to tests/; a directory
 # or a module marks all its tests, `module::Class` a class, `module::test` one test.
 _SLOW = (
     "examples/",  # the example scripts' smoke runs (subprocesses)
@@ -102,6 +101,49 @@ _SLOW = (
     "serving/test_scheduler.py::IssueJRegressionTest",
     "serving/test_scheduler.py::PackTailsTest",
     "test_review_regressions.py::test_pack_tails_with_promotion_does_not_crash",
+    # 3-10 s each (the same measurement), and the session-10 tests of 4-18 s.
+    "test_review_regressions.py::test_guard_scrub_zeroes_every_free_block_after_moves_and_keeps_live_kv",
+    "test_review_regressions.py::test_recompute_preemption_with_cache_preempts_only_what_is_needed",
+    "test_review_regressions.py::test_allocate_best_fit_prefers_shortest_run_on_large_pool",
+    "test_input_validation.py::NoOpMoveTest",
+    "test_input_validation.py::ApplyRefDeltasTransitionTest",
+    "test_imports.py::ImportTest::test_core_loads_no_optional_dependency",
+    "test_imports.py::ImportTest::test_nothing_imports_examples",
+    "core/test_transitions.py::TransitionTest::test_reserve_failures_leave_rows_untouched__without_jit",
+    "core/test_transitions.py::TransitionTest::test_reserve_failures_leave_rows_untouched__with_jit",
+    "core/test_transitions.py::TransitionTest::test_allocate_lowest_first_and_contiguous__without_jit",
+    "core/test_free_index.py::AllocateTest",
+    "core/test_slots.py::PackSlotsTest::test_external_short_segments_share_one_fresh_block__without_jit",
+    "core/test_slots.py::CowSplitTest::test_forked_tail_is_copied_and_appends_continue_in_place__without_jit",
+    "model/test_model_equivalence.py::test_steps_donate_state_and_compile_once",
+    "model/test_model_equivalence.py::test_shared_prefixes_match_dense",
+    "model/test_steps.py::test_mixed_step_matches_dense_and_compiles_once",
+    "model/test_layers.py::PagedAttentionLayerTest::test_paged_steps_equal_dense_attention__with_jit",
+    "model/test_hf_checkpoint.py::test_served_greedy_equals_dense",
+    "model/test_logits_indices.py::test_same_tokens_and_logits_with_and_without_indices",
+    "model/test_logits_indices.py::test_compiled_prefill_runs_the_head_on_the_rows_only",
+    "kernels/test_prefill_attention.py::test_prefill_tile_does_not_stream_future_pages",
+    "kernels/test_prefill_attention.py::test_pallas_default_tile_matches_reference",
+    "serving/test_replicas.py::test_dead_and_hung_replicas_are_routed_around",
+    "serving/test_replicas.py::test_routes_over_processes_and_reuses_prefixes",
+    "serving/test_replicas.py::test_wall_clock_replicas_and_an_exception_inside_the_set",
+    "serving/test_replicas.py::test_server_commands_in_process",
+    "parallel/test_lockstep.py::test_one_process_lockstep_equals_plain_scheduler",
+    "serving/test_scheduler.py::PromotionTest",
+    "serving/test_scheduler.py::SchedulerTest::test_compaction_runs_and_cache_follows_remap",
+    "serving/test_scheduler.py::SchedulerTest::test_namespaces_do_not_share",
+    "serving/test_scheduler.py::SchedulerTest::test_unlimited_pool_hits_exact_prefix_bound",
+    "serving/test_step_report.py::StepStatsTest",
+    "serving/test_step_report.py::StepReportTest::test_stats_budget_paces_the_figures",
+    "serving/test_step_report.py::StepReportTest::test_alerts_fire_in_the_step_they_cross",
+    "serving/test_step_report.py::NoPerBlockHostReadsTest",
+    "serving/test_engine_replay.py::EngineReplayTest::test_small_trace_finishes_with_hits",
+    "serving/test_lifecycle.py::AbortTest::test_abort_a_swapped_request",
+    "serving/test_routing.py::ScriptTest",
+    "serving/test_governance.py::QuotaTest::test_a_tiny_quota_never_stalls",
+    "telemetry/test_plots.py",
+    "telemetry/test_deploy.py::DashboardTest::test_every_metric_used_is_served",
+    "telemetry/test_export.py::LiveScrapeTest::test_runtime_series_after_warmup",
 )
 
 
