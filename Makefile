@@ -1,5 +1,7 @@
-# paged_kv: `make demo` runs the demo, `make test` runs the test suite (what CI runs),
-# `make test-fast` all but the slow whole-system runs (the edit-test loop),
+# paged_kv: `make demo` runs the demo, `make test` runs the test suite but its long
+# tier, `make test-long` the long tier (CI runs both: every test once; the tiers are
+# listed in tests/conftest.py), `make test-fast` all but the slow whole-system runs
+# (the edit-test loop),
 # `make compile-tier` compiles the GPU programs for Hopper without a GPU (CI runs it
 # after the suite; tests_compile/, its own .venv-cuda: tools/compile_tier/setup.sh).
 # demo and test create .venv with a Python >= 3.12 found on this machine (tools/find_python.sh)
@@ -23,7 +25,7 @@ ARGS    ?=
 CUDA_VENV  := .venv-cuda
 CUDA_STAMP := $(CUDA_VENV)/.installed
 
-.PHONY: demo test test-fast venv compile-tier clean
+.PHONY: demo test test-long test-fast venv compile-tier clean
 
 venv: $(STAMP)
 
@@ -37,7 +39,11 @@ demo: $(STAMP)
 	$(PY) examples/serve.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(WORKERS) tests
+	$(PY) -m pytest -q -n $(WORKERS) -m "not long" tests
+
+# The long tier: larger repeats of behaviours `make test` checks, and multi-process runs.
+test-long: $(STAMP)
+	$(PY) -m pytest -q -n $(WORKERS) -m long tests
 
 # The edit-test loop: everything but the whole-system runs (`slow`, tests/conftest.py).
 test-fast: $(STAMP)
