@@ -151,7 +151,9 @@ _SLOW = (
 # repeat, at larger size, a behaviour `make test` already checks (for each family below,
 # what stays in `make test` is named), and the multi-process runs. Each took 10-150 s on
 # two idle cores (`pytest --durations=0`, 2026-12-03: together 614 of the suite's
-# 1,700 test-seconds). A long test is slow too (`make test-fast` skips it).
+# 1,700 test-seconds). A long test is slow too (`make test-fast` skips it). A test
+# module may also mark some of its cases `pytest.mark.long` itself (the Mosaic kernel's
+# interpret-mode cases with other dtypes and groups).
 _LONG = (
     # 2- and 4-process lockstep runs (their CPU is outside the xdist workers);
     # make test keeps parallel/test_lockstep.py (one process, the same protocol).
@@ -212,7 +214,7 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     rel = os.path.relpath(str(item.path), root).replace(os.sep, "/")
     node = rel + item.nodeid[item.nodeid.index("::"):] if "::" in item.nodeid else rel
-    if matches(node, _LONG):
+    if matches(node, _LONG) or item.get_closest_marker("long"):
       item.add_marker(pytest.mark.long)
       item.add_marker(pytest.mark.slow)
     elif matches(node, _SLOW):
