@@ -217,7 +217,8 @@ def serve_checkpoint(path: Path) -> None:
                                       base_pool_fraction=0.0)
   config = SchedulerConfig(max_batch=1, prefill_chunk=_PREFILL_CHUNK.value,
                            prefill_token_budget=max(_PREFILL_BUDGET.value,
-                                                    _PREFILL_CHUNK.value))
+                                                    _PREFILL_CHUNK.value),
+                           max_seq_len=ckpt.max_seq_len)
   sched = Scheduler(paged_kv.BlockPool(pool_config),
                     ModelExecutor(ckpt.model, pool_config, impl=_IMPL.value), config)
   eos = (tok.eos_token_ids if tok is not None else ()) or ckpt.eos_token_ids

@@ -102,8 +102,16 @@ class Admission:
     Raises:
       PoolExhausted: it could not run even in an empty pool (`"no_free_block"`), or
         its segment table could overflow (`"table_full"`).
-      InvalidArgument: it asks more logprobs than `SchedulerConfig.max_logprobs`.
+      InvalidArgument: it asks more logprobs than `SchedulerConfig.max_logprobs`, or
+        a sequence longer than `SchedulerConfig.max_seq_len`.
     """
+    limit = self.config.max_seq_len
+    if limit is not None and request.prompt.size + request.max_new_tokens > limit:
+      raise InvalidArgument(
+          f"request {request.request_id!r} asks for {request.prompt.size} prompt + "
+          f"{request.max_new_tokens} new tokens = "
+          f"{request.prompt.size + request.max_new_tokens}; SchedulerConfig.max_seq_len is "
+          f"{limit}")
     pc = self.pool.config
     need = self.alone_need(request)
     if need > pc.num_blocks - pc.num_base_blocks:

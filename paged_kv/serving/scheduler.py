@@ -214,7 +214,7 @@ class Scheduler:
     Raises:
       InvalidArgument: not a `Request`, submitted before (the same object), carrying
         progress, bad fields (`Request.validate`), an id an unfinished request
-        holds, or more logprobs than `SchedulerConfig.max_logprobs`.
+        holds, more logprobs or tokens than `SchedulerConfig.max_logprobs`/`max_seq_len`.
       radix.InvalidNamespaceError: the namespace is not a typed key.
       PoolExhausted: it could not run even in an empty pool (so an accepted
         request always runs once the pool drains).

@@ -60,6 +60,10 @@ class SchedulerConfig:
       (`SamplingParams.logprobs`); the step computes this many for every row of a
       sampling executor (a static width: one program), 0 = none.
     seed: the seeds of requests without one: `seed` + their submit order.
+    max_seq_len: the longest sequence a request may ask for (prompt +
+      `max_new_tokens`), e.g. a checkpoint's context length
+      (`hf_checkpoint.HFCheckpoint.max_seq_len`): `submit` refuses a longer one.
+      None: only the pool bounds it.
   """
 
   max_batch: int = 32
@@ -81,6 +85,7 @@ class SchedulerConfig:
   governance: CacheGovernance | None = None
   max_logprobs: int = 0
   seed: int = 0
+  max_seq_len: int | None = None
 
   def __post_init__(self):
     """Checks every field (`paged_kv.core.fields`: `InvalidArgument` naming the field,
@@ -96,6 +101,7 @@ class SchedulerConfig:
                             ("stop_token", -1, fields.I32_MAX), ("max_logprobs", 0, 1024),
                             ("seed", 0, fields.I32_MAX)):
       put(name, fields.check_int(own, name, getattr(self, name), low, high))
+    put("max_seq_len", fields.check_int(own, "max_seq_len", self.max_seq_len, 1, optional=True))
     put("preemption", fields.check_choice(own, "preemption", self.preemption, PREEMPTION_MODES))
     put("evict_policy", fields.check_choice(own, "evict_policy", self.evict_policy, POLICIES))
     for name in ("enable_prefix_cache", "pack_tails"):

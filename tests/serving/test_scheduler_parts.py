@@ -142,6 +142,26 @@ class AdmissionTest(absltest.TestCase):
       p.admission.check_fits(Request(1, np.arange(4, dtype=np.int32), 2,
                                      sampling=paged_kv.serving.SamplingParams(logprobs=2)))
 
+  def test_max_seq_len_bounds_prompt_plus_output(self):
+    p = Parts(SchedulerConfig(max_batch=4, compaction=None, max_seq_len=12))
+    p.admission.check_fits(Request(0, np.arange(8, dtype=np.int32), 4))  # 12: fits
+    with self.assertRaisesRegex(InvalidArgument, r"8 prompt \+ 5 new tokens = 13; .*max_seq_len is 12"):
+      p.admission.check_fits(Request(1, np.arange(8, dtype=np.int32), 5))
+    for bad in (0, -1, 2.5, True):
+      with self.assertRaisesRegex(InvalidArgument, "max_seq_len"):
+        SchedulerConfig(max_seq_len=bad)
+
+  def test_a_too_long_request_is_refused_and_nothing_changes(self):
+    sched = Scheduler(paged_kv.BlockPool(CFG), None,
+                      SchedulerConfig(max_batch=4, compaction=None, max_seq_len=12))
+    long = Request("long", np.arange(10, dtype=np.int32), 3)
+    with self.assertRaisesRegex(InvalidArgument, "max_seq_len"):
+      sched.submit(long)
+    self.assertEqual((list(sched.waiting), sched.idle), ([], True))
+    long.max_new_tokens = 2  # not sealed: the caller may fix it and submit again
+    sched.submit(long)
+    self.assertEqual(list(sched.waiting), [long])
+
   def test_a_request_alone_is_admitted_without_its_reserve(self):
     p = Parts(SchedulerConfig(max_batch=4, output_reserve_ratio=1.0, compaction=None))
     # Context 22 blocks + output reserve 11 > 31 dynamic blocks, but it is alone.
