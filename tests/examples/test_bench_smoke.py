@@ -48,6 +48,7 @@ def test_bench_requests_smoke(tmp_path):
   blocking read per warm request, compiles nothing when warm, and every table prints."""
   env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu",
              PAGED_KV_COMPILE_CACHE=str(tmp_path / "jax_cache"))
+  env.pop("PAGED_KV_DEBUG", None)  # the production path's counts (debug mode syncs)
   proc = subprocess.run(
       [sys.executable, str(_ROOT / "examples" / "bench_requests.py"), "--workloads=chat",
        "--chat_conversations=3", "--chat_turns=3", "--repeats=2",

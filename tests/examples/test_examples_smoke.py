@@ -148,7 +148,8 @@ def test_bench_decode():
   assert "tokens/s" in out or "tok/s" in out, out
 
 
-def test_bench_scheduler():
+def test_bench_scheduler(monkeypatch):
+  monkeypatch.delenv("PAGED_KV_DEBUG", raising=False)  # production counts (debug mode syncs)
   out = _run("bench_scheduler.py", "--pools=1024", "--batch=8", "--modes=off,stats,budget",
              "--steps=4", "--warmup=3", "--repeats=1")
   rows = [l.split() for l in out.splitlines() if l.split()[:2] == ["8", "1024"]]

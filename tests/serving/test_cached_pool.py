@@ -211,6 +211,8 @@ class CachedPoolTest(parameterized.TestCase):
   def test_evict_reads_the_mirror_not_the_device(self):
     """Eviction takes the pool's counts from the host mirror (the array itself, no
     copy and no device read) and frees exactly what it reports."""
+    self.pool = paged_kv.BlockPool(CONFIG, debug=False)  # the production path's counts
+    self.cp = CachedPool(self.pool, clock=lambda: self.now)
     for i in range(5):
       serve(self.cp, "a", [i] * 8)  # two blocks each
     self.pool.flush()

@@ -46,7 +46,9 @@ def _requests(rng, n, start=0):
 
 
 def _scheduler(config=CFG, **kw) -> Scheduler:
-  pool = paged_kv.BlockPool(config)
+  # The counts are the production path's: debug mode (`PAGED_KV_DEBUG=1` in the
+  # environment) syncs every call on purpose.
+  pool = paged_kv.BlockPool(config, debug=False)
   sched_config = SchedulerConfig(max_batch=8, prefill_chunk=8, prefill_token_budget=24,
                                  compaction=compact.CompactionPolicy(threshold=0.2, budget=4),
                                  **kw)
