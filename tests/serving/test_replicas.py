@@ -129,6 +129,29 @@ def test_server_commands_in_process():
     server.handle(("nope",))
 
 
+def test_tiny_llama_factory_serves_the_seeded_model_greedily():
+  """A replica built from `TinyLlamaFactory` (the factory pickled and rebuilt, as a
+  spawned replica gets it) gives the dense reference's greedy tokens of the model
+  with the same seed."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from paged_kv.model import llama  # pylint: disable=g-import-not-at-top
+  from paged_kv.model.reference import generate_dense  # pylint: disable=g-import-not-at-top
+  from paged_kv.serving.replica_worker import TinyLlamaFactory  # pylint: disable=g-import-not-at-top
+  cfg = llama.LlamaConfig(num_layers=1, dtype="float32")
+  pool = llama.pool_config_for(cfg, num_blocks=32, block_size=4, max_seqs=2, max_segments=8)
+  factory = pickle.loads(pickle.dumps(TinyLlamaFactory(cfg, seed=3)))
+  server = ReplicaServer(ReplicaSpec(pool, SchedulerConfig(max_batch=2, prefill_token_budget=16,
+                                                           prefill_chunk=8, compaction=None),
+                                     warmup=False, executor_factory=factory), index=0)
+  prompt = np.array([5, 9, 2, 7, 7, 1], np.int32)
+  assert server.submit(ReplicaRequest("r", prompt, 4)) is None
+  idle, results = server.drain(100)
+  want = generate_dense(llama.TinyLlama(cfg, rngs=nnx.Rngs(3)), [prompt.tolist()], 4)[0]
+  assert idle and [r.stop_reason for r in results] == ["length"]
+  assert prompt.tolist() + results[0].output.tolist() == want
+
+
 def test_spec_and_request_validation():
   with pytest.raises(InvalidArgument, match="clock"):
     ReplicaSpec(POOL, SCHED, clock="cpu")
