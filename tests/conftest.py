@@ -142,6 +142,15 @@ _SLOW = (
     "telemetry/test_plots.py",
     "telemetry/test_deploy.py::DashboardTest::test_every_metric_used_is_served",
     "telemetry/test_export.py::LiveScrapeTest::test_runtime_series_after_warmup",
+    # 3-7 s each in `make test-fast` (--durations=40, 2026-12-03, session 11).
+    "serving/test_shrink.py::ShrinkWaitsForLiveDataTest::test_live_growth_past_the_target_waits_and_loses_nothing",
+    "serving/test_replicas.py::test_tiny_llama_factory_serves_the_seeded_model_greedily",
+    "model/test_layers.py::PagedAttentionLayerTest::test_paged_steps_equal_dense_attention__without_jit",
+    "model/test_model_equivalence.py::test_fork_then_both_branches_continue",
+    "serving/test_governance.py::QuotaTest::test_cached_blocks_above_the_cached_quota_are_evicted",
+    "core/test_transitions.py::TransitionTest::test_allocate_require_contiguous__without_jit",
+    "model/test_attention.py::PagedAttentionTest::test_mixed_batch_matches_dense_reference_pallas__without_jit",
+    "telemetry/test_deploy.py::AlertRulesTest::test_every_metric_used_is_served",
 )
 
 
