@@ -86,6 +86,7 @@ def _soak(tmp_path_factory) -> SoakRun:
   env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu",
              PAGED_KV_COMPILE_CACHE=str(tmp / "jax_cache"))
   env.pop("PAGED_KV_SOAK_SECONDS", None)  # the long soak's knob: this run stays short
+  env.pop("PAGED_KV_DEBUG", None)  # the production path's reads and compiles (debug mode syncs)
   proc = subprocess.run([sys.executable, str(_ROOT / "examples" / "soak_runtime.py"), *ARGS,
                          f"--out_dir={tmp / 'out'}"], cwd=_ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
