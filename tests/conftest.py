@@ -158,9 +158,9 @@ _SLOW = (
 # it with a second command (`make test-long`, `.ci/run`): `-m long` and `-m "not long"`
 # are complements, so CI runs every test once. The long tier holds the runs that
 # repeat, at larger size, a behaviour `make test` already checks (for each family below,
-# what stays in `make test` is named), and the multi-process runs. Each took 10-150 s on
-# two idle cores (`pytest --durations=0`, 2026-12-03: together 614 of the suite's
-# 1,700 test-seconds). A long test is slow too (`make test-fast` skips it). A test
+# what stays in `make test` is named), and the multi-process runs. Each took 7-70 s on
+# two idle cores (`pytest --durations=0`, 2026-12-03: together about 660 of the
+# suite's 1,700 test-seconds). A long test is slow too (`make test-fast` skips it). A test
 # module may also mark some of its cases `pytest.mark.long` itself (the Mosaic kernel's
 # interpret-mode cases with other dtypes and groups).
 _LONG = (
@@ -170,7 +170,8 @@ _LONG = (
     # The two largest example runs; make test keeps the other examples' smoke runs.
     "examples/test_examples_smoke.py::test_serve",
     "examples/test_examples_smoke.py::test_fragmentation_study",
-    # One soak workload read by four tests; make test keeps serving/test_runtime_discipline.py.
+    # The soaks (a varied runtime workload read by four tests; the Mooncake trace);
+    # make test keeps serving/test_runtime_discipline.py and the scheduler's tests.
     "examples/test_soak_runtime.py",
     "serving/test_soak.py",
     # gpu_check.sh --dry over every row; make test keeps its subset and plan tests.

@@ -16,7 +16,6 @@ and the model so each step function compiles once for the whole file.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,7 +197,7 @@ def test_steps_donate_state_and_compile_once(model):
 def test_pallas_kernels_match_dense(model):
   """The same shared-prefix generation through the Pallas kernels (interpret on CPU).
 
-  About 30 s on CPU: in the long tier (tests/conftest.py), which CI runs.
+  13-30 s on CPU: in the long tier (tests/conftest.py), which CI runs.
   """
   prompts, prefixes = shared_prefix_requests()
   prompts, prefixes = prompts[:2], prefixes[:2]
