@@ -1,7 +1,7 @@
 """Test-session settings shared by every test module.
 
-Three things, all about running ~750 tests in two long-lived xdist workers on a
-2-core CPU machine:
+Four things, all about running ~1,160 tests in two long-lived xdist workers on a
+2-core CPU machine (the fourth, the tiers `slow` and `long`, is at the end of the file):
 
 1. **Memory mappings.** Every XLA CPU executable holds about 30 memory mappings
    (measured: 300 small jitted programs took a process from 422 to 10,384 lines of
