@@ -25,6 +25,32 @@ from paged_kv.model.sampling import SamplingBatch
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class CarriedTokens:
+  """Tokens a step takes from an earlier step's output, without a trip to the host.
+
+  The overlapped serving loop dispatches step t+1 before it reads step t's sampled
+  tokens: a decode row's input token is then still on the device.
+
+  Attributes:
+    prev: `i32[P]` the earlier step's last sampled token per row (a device array).
+    src: `i32[T]` for each position of `StepPlan.tokens`: the index into `prev`
+      whose token goes there, or `-1` to keep the plan's own token.
+  """
+
+  prev: jax.Array | np.ndarray
+  src: jax.Array | np.ndarray
+
+  def resolve(self, tokens):
+    """`tokens` with the carried positions filled from `prev` (traced or eager)."""
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    src = jnp.asarray(self.src, jnp.int32)
+    prev = jnp.asarray(self.prev, jnp.int32)
+    taken = prev[jnp.clip(src, 0, prev.shape[0] - 1)]
+    return jnp.where(src >= 0, taken, jnp.asarray(tokens, jnp.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
   """The rows and new tokens of one forward pass.
 
@@ -41,6 +67,10 @@ class StepPlan:
     sampling: optional per-row `paged_kv.model.sampling.SamplingBatch` (None:
       greedy, the executor's plain step).
     num_logprobs: static; top logprobs to return per row with `sampling` (0: none).
+    carried: optional `CarriedTokens`: positions of `tokens` that come from an
+      earlier step's device output (the overlapped loop's decode tokens); `tokens`
+      holds placeholders there. An executor with `carries_tokens = True` resolves
+      them inside its step; for any other the scheduler resolves them first.
   """
 
   seq_ids: jax.Array | np.ndarray
@@ -49,6 +79,7 @@ class StepPlan:
   max_query_len: int = dataclasses.field(metadata=dict(static=True), default=1)
   sampling: SamplingBatch | None = None
   num_logprobs: int = dataclasses.field(metadata=dict(static=True), default=0)
+  carried: CarriedTokens | None = None
 
   @property
   def num_rows(self) -> int:

@@ -64,6 +64,16 @@ class SchedulerConfig:
       `max_new_tokens`), e.g. a checkpoint's context length
       (`hf_checkpoint.HFCheckpoint.max_seq_len`): `submit` refuses a longer one.
       None: only the pool bounds it.
+    overlap: plan and dispatch step t+1 before reading step t's sampled tokens,
+      which stay on the device and feed step t+1 (`paged_kv.model.plan.CarriedTokens`);
+      the host reads step t's tokens while t+1 runs. Outputs equal the
+      synchronous loop's (`overlap=False`); a stop is seen one step late and the
+      token produced past it is dropped (never streamed, never cached).
+    decode_steps: the most decode steps one dispatch may run (k): when a step has
+      no prompt chunk and nothing waits for admission, an executor with
+      `decode_steps` runs k steps in one call (allocation inside the jitted
+      step). Bounds how late a stop is seen and how tokens are grouped when
+      streamed; 1 = one step per dispatch. Tokens equal k = 1's.
   """
 
   max_batch: int = 32
@@ -86,6 +96,8 @@ class SchedulerConfig:
   max_logprobs: int = 0
   seed: int = 0
   max_seq_len: int | None = None
+  overlap: bool = False
+  decode_steps: int = 1
 
   def __post_init__(self):
     """Checks every field (`paged_kv.core.fields`: `InvalidArgument` naming the field,
@@ -99,12 +111,12 @@ class SchedulerConfig:
                             ("promote_readers", 0, fields.I32_MAX), ("watermark_blocks", 0, fields.I32_MAX),
                             ("stats_every", 0, fields.I32_MAX), ("snapshot_every", 0, fields.I32_MAX),
                             ("stop_token", -1, fields.I32_MAX), ("max_logprobs", 0, 1024),
-                            ("seed", 0, fields.I32_MAX)):
+                            ("seed", 0, fields.I32_MAX), ("decode_steps", 1, 1024)):
       put(name, fields.check_int(own, name, getattr(self, name), low, high))
     put("max_seq_len", fields.check_int(own, "max_seq_len", self.max_seq_len, 1, optional=True))
     put("preemption", fields.check_choice(own, "preemption", self.preemption, PREEMPTION_MODES))
     put("evict_policy", fields.check_choice(own, "evict_policy", self.evict_policy, POLICIES))
-    for name in ("enable_prefix_cache", "pack_tails"):
+    for name in ("enable_prefix_cache", "pack_tails", "overlap"):
       put(name, fields.check_bool(own, name, getattr(self, name)))
     put("output_reserve_ratio", fields.check_number(own, "output_reserve_ratio",
                                                     self.output_reserve_ratio, 0.0, 1.0))
