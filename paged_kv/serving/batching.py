@@ -36,20 +36,28 @@ def prefill_chunks(running: list[Request], config: SchedulerConfig) -> Chunks:
 
 
 def decode_batch(running: list[Request]) -> list[Request]:
-  """The running requests with a token to decode: prompt done, an output, not
-  finished (`request.is_finished`, inlined: O(batch) Python every step; it names
-  the stop reason of those that are)."""
+  """The running requests with a token to decode: prompt done, a pending token (read
+  or still on the device), tokens left to generate, not finished
+  (`request.is_finished`, inlined: O(batch) Python every step; it names the stop
+  reason of those that are, once every token they sampled was read)."""
   out = []
   for r in running:
     o = r.output
-    if r.num_cached < r.prefill_target or not o or r.stop_reason:
+    if r.num_cached < r.prefill_target or r.stop_reason:
       continue
-    if len(o) >= r.max_new_tokens:
-      r.stop_reason = "length"
-    elif r.stop_ids and o[-1] in r.stop_ids:
-      r.stop_reason = "stop_token"
-    else:
-      out.append(r)
+    flying = r.in_flight
+    if not flying:
+      if not o:
+        continue
+      if len(o) >= r.max_new_tokens:
+        r.stop_reason = "length"
+        continue
+      if r.stop_ids and o[-1] in r.stop_ids:
+        r.stop_reason = "stop_token"
+        continue
+    elif len(o) + flying >= r.max_new_tokens:
+      continue  # its last token is on the device: it finishes once read
+    out.append(r)
   return out
 
 
@@ -62,8 +70,15 @@ def blocks_needed(decodes: list[Request], chunks: Chunks, block_size: int) -> in
           + sum(cdiv(r.num_cached + n) - cdiv(r.num_cached) for r, n in chunks))
 
 
+def blocks_needed_for(decodes: list[Request], steps: list[int], block_size: int) -> int:
+  """Fresh blocks `steps[i]` more decode tokens of each of `decodes` may take."""
+  bs = block_size
+  return sum(-(-(r.num_cached + n) // bs) - -(-r.num_cached // bs)
+             for r, n in zip(decodes, steps))
+
+
 def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, *,
-               sampling: bool) -> StepPlan:
+               sampling: bool, num_tokens: int | None = None) -> StepPlan:
   """`StepPlan.build` of the step's rows (decodes, then chunks), from arrays.
 
   The same plan, without `build`'s per-row checks (the rows are running
@@ -73,6 +88,7 @@ def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, 
     decodes, chunks: the step's rows.
     config: the scheduler's config (`max_batch` rows, `prefill_chunk`, `max_logprobs`).
     sampling: attach the rows' `SamplingBatch` (for an executor that samples).
+    num_tokens: the token width (default: the total's `ragged.bucket`).
   """
   nd, num_rows = len(decodes), config.max_batch
   ids = np.full((num_rows,), -1, np.int32)
@@ -82,8 +98,9 @@ def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, 
   ids[nd:nd + len(chunks)] = [r.seq_id for r, _ in chunks]
   num_new[nd:nd + len(chunks)] = [n for _, n in chunks]
   total = nd + sum(n for _, n in chunks)
-  tokens = np.zeros((ragged.bucket(total),), np.int32)  # the width StepPlan.build pads to
-  tokens[:nd] = [r.output[-1] for r in decodes]
+  width = ragged.bucket(total) if num_tokens is None else num_tokens
+  tokens = np.zeros((width,), np.int32)  # the width StepPlan.build pads to
+  tokens[:nd] = [pending_token(r) for r in decodes]
   pos = nd
   for r, n in chunks:
     a = r.num_cached
@@ -96,6 +113,16 @@ def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, 
                   sampling=batch, num_logprobs=config.max_logprobs)
 
 
+def pending_token(r: Request) -> int:
+  """A decode row's input token as the host knows it: its last output (a forced one
+  is known before it is read); 0 stands in for a token still on the device."""
+  if not r.in_flight:
+    return r.output[-1]
+  if r.forced_output is not None:
+    return int(r.forced_output[len(r.output) + r.in_flight - 1])
+  return 0
+
+
 def sampling_batch(decodes: list[Request], chunks: Chunks, num_rows: int) -> SamplingBatch:
   """The rows' sampling parameters (decodes, then chunks; padding rows greedy)."""
   batch = SamplingBatch.greedy(num_rows)
@@ -104,5 +131,6 @@ def sampling_batch(decodes: list[Request], chunks: Chunks, num_rows: int) -> Sam
     sp = r.sampling
     if sp is not None and not sp.greedy:
       batch.temperature[i], batch.top_k[i], batch.top_p[i] = sp.temperature, sp.top_k, sp.top_p
-      batch.min_p[i], batch.seed[i], batch.index[i] = sp.min_p, r.sample_seed, len(r.output)
+      batch.min_p[i], batch.seed[i] = sp.min_p, r.sample_seed
+      batch.index[i] = len(r.output) + r.in_flight
   return batch

@@ -15,7 +15,8 @@ from typing import Callable
 
 from paged_kv.core.errors import PoolExhausted
 from paged_kv.serving.cached_pool import CachedPool
-from paged_kv.serving.request import Request, RequestQueues, is_finished
+from paged_kv.serving.request import (Request, RequestQueues, cacheable_tokens, drop_in_flight,
+                                      is_finished)
 from paged_kv.serving.step_report import StepRecord
 from paged_kv.telemetry import metrics
 
@@ -48,9 +49,9 @@ class Finishing:
   def store_and_release(self, req: Request) -> None:
     """Inserts the sequence's cached tokens into the cache, then releases its row."""
     pack = ()
-    if self.caching and req.num_cached > 0:
-      outcome = self.cached_pool.insert(req.namespace, req.tokens[:req.num_cached], req.seq_id,
-                                        release=True)
+    n = cacheable_tokens(req)
+    if self.caching and n > 0:
+      outcome = self.cached_pool.insert(req.namespace, req.tokens[:n], req.seq_id, release=True)
       pack = outcome.pack
     else:
       self.cached_pool.release([req.seq_id])
@@ -62,6 +63,7 @@ class Finishing:
     its lock on a cached prefix (it stays running if the release raises)."""
     self.store_and_release(req)
     self.queues.running.remove(req)
+    drop_in_flight(req)
     node, req.lock_node, req.seq_id = req.lock_node, None, None
     if node is not None:
       self.cached_pool.unlock(node)
@@ -72,8 +74,12 @@ class Finishing:
     if len(reqs) == 1:
       return self.store_and_release(reqs[0])
     pack = []
-    entries = [(r.namespace, r.tokens[:r.num_cached], r.seq_id) for r in reqs
-               if r.num_cached > 0] if self.caching else []
+    entries = []
+    if self.caching:
+      for r in reqs:
+        n = cacheable_tokens(r)
+        if n > 0:
+          entries.append((r.namespace, r.tokens[:n], r.seq_id))
     for outcome in self.cached_pool.insert_and_release(entries, [r.seq_id for r in reqs]):
       pack.extend(outcome.pack)
     if pack:
@@ -108,6 +114,7 @@ class Finishing:
     running[:] = [r for r in running if id(r) not in gone]
     nodes = []
     for req in done:
+      drop_in_flight(req)
       node, req.lock_node, req.seq_id = req.lock_node, None, None
       self.on_finished(req)
       if node is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.eviction import Evictor
 from paged_kv.serving.finishing import Finishing
-from paged_kv.serving.request import Phase, Request, RequestQueues
+from paged_kv.serving.request import Phase, Request, RequestQueues, drop_in_flight
 from paged_kv.serving.scheduler_config import SchedulerConfig
 from paged_kv.serving.step_report import SchedulerStats
 from paged_kv.serving.swap import swap_out
@@ -63,6 +63,7 @@ class Preemption:
       req.num_cached = 0
       req.phase = Phase.WAITING
       q.waiting.appendleft(req)
+    drop_in_flight(req)  # (recompute resamples them: the same tokens)
     self.stats.preemptions += 1
     req.num_preemptions += 1
     node, req.lock_node, req.seq_id = req.lock_node, None, None

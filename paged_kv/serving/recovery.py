@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from paged_kv.serving.cached_pool import CachedPool, PoolStateLost, state_lost
-from paged_kv.serving.request import Phase, Request, RequestQueues, is_finished
+from paged_kv.serving.request import Phase, Request, RequestQueues, drop_in_flight, is_finished
 
 
 def recover(cached_pool: CachedPool, queues: RequestQueues, exc: BaseException,
@@ -63,3 +63,18 @@ def reconcile_rows(pool, queues: RequestQueues, on_finished: Callable[[Request],
   stray = [int(r) for r in np.flatnonzero(active) if int(r) not in owned]
   if stray:
     pool.release(stray)
+
+
+def requeue(finishing, queues: RequestQueues, requests: list[Request]) -> None:
+  """Takes running `requests` off their rows for recompute: their computed tokens that
+  the host knows go into the cache, the rest is computed again once re-admitted."""
+  for req in requests:
+    finishing.store_and_release(req)
+    queues.running.remove(req)
+    drop_in_flight(req)
+    node, req.lock_node, req.seq_id = req.lock_node, None, None
+    if node is not None:
+      finishing.cached_pool.unlock(node)
+    req.num_cached = 0
+    req.phase = Phase.WAITING
+    queues.waiting.appendleft(req)

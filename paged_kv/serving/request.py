@@ -86,6 +86,9 @@ class Request:
   `submit_step` / `admit_step` / `first_token_step` / `finish_step` and the same
   `*_time`s on the scheduler's clock, and with `sampling.logprobs = n > 0`
   `logprobs`: per output token `(its logprob, ((token, logprob), ...) the top n)`.
+  In the overlapped loop (`SchedulerConfig.overlap`) `in_flight` counts tokens
+  sampled on the device but not read yet (not in `output`); `num_cached` then
+  includes tokens whose ids the host has not read.
 
   `Scheduler.submit` validates these inputs once and freezes them: the arrays become
   read-only copies of the caller's, and assigning an input field afterwards raises
@@ -124,6 +127,9 @@ class Request:
   logprobs: list = dataclasses.field(default_factory=list)
   stop_ids: frozenset = frozenset()  # the tokens that end it (set at submit)
   sample_seed: int = 0  # its sampling seed (`sampling.seed`, else the scheduler's)
+  in_flight: int = 0  # tokens sampled on the device, not read yet
+  carry_row: int = -1  # its row in the newest unread step (where its next input token is)
+  epoch: int = 0  # bumped when its unread tokens are dropped (finish, preemption, abort)
 
   def __post_init__(self):
     self.validate()
@@ -197,6 +203,22 @@ class RequestQueues:
   swapped: collections.deque = dataclasses.field(default_factory=collections.deque)
   running: list = dataclasses.field(default_factory=list)
   finished: list = dataclasses.field(default_factory=list)
+
+
+def drop_in_flight(req: Request) -> None:
+  """Forgets the tokens `req` has on the device and not read yet: when they are read,
+  they are dropped (the request finished, was aborted or preempted meanwhile)."""
+  req.in_flight = 0
+  req.carry_row = -1
+  req.epoch += 1
+
+
+def cacheable_tokens(req: Request) -> int:
+  """How many of `req.tokens` to store in the prefix cache: those whose K/V its row
+  holds (`num_cached`), but never its last output token (pending: sampled, not cached,
+  in the synchronous loop) and never a token the host has not read."""
+  known = int(req.prompt.size) + len(req.output)
+  return min(req.num_cached, known - 1 if req.output else known)
 
 
 def is_finished(req: Request) -> bool:

@@ -12,7 +12,11 @@
    decode token of every running sequence whose prompt is done and the next
    prompt chunks under the token budget, in one mixed batch. Under pressure,
    cached blocks are evicted, then the newest sequences are preempted by
-   recompute or swap (`preemption.Preemption`).
+   recompute or swap (`preemption.Preemption`). Overlapped
+   (`SchedulerConfig.overlap`, the default), the step is dispatched before the
+   previous step's tokens are read, and those feed it on the device; with
+   `decode_steps = k`, a step with no prompt chunk and nothing waiting runs k
+   decode steps in one dispatch.
 3. **Finish** (`finishing.Finishing`): a finished sequence's cached tokens go into
    the radix cache (optionally its short tail packed into a slotted block), then
    its row is released.
@@ -191,10 +195,8 @@ class Scheduler:
     """A read-only view of the prefix cache; None when caching is off."""
     return self.cached_pool.cache if self._caching else None
 
-  @property
-  def idle(self) -> bool:
-    return not (self.waiting or self.swapped or self.running)
-
+  idle = property(lambda self: not (self.waiting or self.swapped or self.running),
+                  doc="Nothing waiting, swapped or running.")
   snapshots = property(lambda self: self.telemetry.snapshots,
                        doc="The latest `PoolSnapshot`s (at most `MAX_KEPT_SNAPSHOTS`).")
   alerts = property(lambda self: self.telemetry.alerts,
@@ -366,8 +368,11 @@ class Scheduler:
   def _recover(self, exc: BaseException) -> None:
     """Reconciles requests, rows, locks and the cache after `exc` interrupted a step."""
     self.num_recoveries += 1
+    self.record.interrupted = True
     try:
+      lost = self.forward_pass.salvage()  # keeps the tokens of the steps that ran
       recovery.recover(self.cached_pool, self.queues, exc, self._mark_finished)
+      recovery.requeue(self.finishing, self.queues, [r for r in lost if r in self.running])
     except BaseException as failure:  # pylint: disable=broad-except
       self._broken = (f"recovery from {type(exc).__name__}({exc}) failed with "
                       f"{type(failure).__name__}: {failure}")
@@ -438,8 +443,7 @@ class Scheduler:
     self.shrink_control.step(self.executor)
 
   def _rewarm(self, compiles_before: int) -> None:
-    """After a cut: the programs of the old size are dead; release them and compile
-    the new size's set now (a warm-up of the new config, not counted after warm-up)."""
+    """After a cut: releases the old size's programs and warms the new size's now."""
     if self.warmup_report is None:
       return
     warmup_lib.release_programs()

@@ -96,7 +96,7 @@ class SchedulerConfig:
   max_logprobs: int = 0
   seed: int = 0
   max_seq_len: int | None = None
-  overlap: bool = False
+  overlap: bool = True
   decode_steps: int = 1
 
   def __post_init__(self):

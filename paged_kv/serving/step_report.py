@@ -110,7 +110,8 @@ class StepRecord:
     step: the step's id (the next one's between steps).
     now: the scheduler's clock at the step's start, then after its forward pass.
     finished, tokens, first_token_latencies, inter_token_latencies, alerts: as in
-      `StepReport`, gathered during the step (`begin` empties them).
+      `StepReport`, gathered during the step (`begin` empties them, unless the
+      step before raised: `interrupted`).
   """
 
   step: int = 0
@@ -121,10 +122,17 @@ class StepRecord:
   inter_token_latencies: list = dataclasses.field(default_factory=list)
   alerts: list = dataclasses.field(default_factory=list)
   aborted: list = dataclasses.field(default_factory=list)  # since the last step: in the next
+  interrupted: bool = False  # the step raised: the next report carries what it gathered
 
   def begin(self, now: float) -> None:
-    """Starts a step's record at `now`; requests aborted since the last step lead it."""
+    """Starts a step's record at `now`; requests aborted since the last step lead it,
+    and what a step that raised gathered (no report went out for it) is kept."""
     self.now = now
+    if self.interrupted:
+      self.interrupted = False
+      self.finished += self.aborted
+      self.aborted = []
+      return
     self.finished, self.aborted = self.aborted, []
     self.tokens, self.first_token_latencies, self.inter_token_latencies = [], [], []
     self.alerts = []

@@ -11,7 +11,10 @@ them:
 * the executor's step for every plan shape the scheduler builds: `max_batch`
   rows, `max_query_len` 1 (decode only) or `prefill_chunk`, and the token
   buckets `ragged.bucket` gives each (an executor that ignores the tokens, as
-  `DryExecutor` does, compiles once per `max_query_len`);
+  `DryExecutor` does, compiles once per `max_query_len`); in the overlapped
+  loop the plans carry tokens (`CarriedTokens`), as the warm-up's do;
+* with `decode_steps = k > 1`, the executor's k-step decode at `max_batch` tokens
+  and the gather of each row's last token;
 * persistence (`CachedPool.save` / `restore`): one K/V gather and one layered
   write of `persist.CHUNK_TOKENS` tokens;
 * with swap preemption, the K/V gather and layered write at every
@@ -101,6 +104,9 @@ def program_runs(sched: "Scheduler", *, persistence: bool = True
         seen_dry.add(mql)
       runs.append((f"step tokens={width} max_query_len={mql}",
                    lambda width=width, mql=mql: _padding_step(sched, width, mql)))
+  k = cfg.decode_steps
+  if k > 1 and hasattr(sched.executor, "decode_steps"):
+    runs.append((f"decode steps={k} tokens={cfg.max_batch}", lambda: _padding_steps(sched, k)))
   if persistence:
     from paged_kv.serving import persist  # pylint: disable=g-import-not-at-top
     runs.append((f"persistence chunk={persist.CHUNK_TOKENS}",
@@ -135,13 +141,19 @@ def _padding_pack(pool, width: int) -> None:
   pool.runtime.dispatch("sync", 2)
 
 
-def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
-  """The executor's step on a plan of padding rows: compiles, changes nothing."""
+def _padding_plan(sched: "Scheduler", width: int, max_query_len: int) -> StepPlan:
+  """A plan of padding rows shaped as the scheduler's (`ForwardPass`) plans are."""
   b = sched.config.max_batch
   sampling = (SamplingBatch.greedy(b) if getattr(sched.executor, "samples", False) else None)
   plan = StepPlan(seq_ids=np.full((b,), -1, np.int32), num_new=np.zeros((b,), np.int32),
                   tokens=np.zeros((width,), np.int32), max_query_len=max_query_len,
                   sampling=sampling, num_logprobs=sched.config.max_logprobs)
+  return sched.forward_pass._with_carried(sched.executor, plan, [])  # pylint: disable=protected-access
+
+
+def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
+  """The executor's step on a plan of padding rows: compiles, changes nothing."""
+  plan = _padding_plan(sched, width, max_query_len)
   pool = sched.pool
   pred = pool.predict_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
   try:
@@ -150,6 +162,26 @@ def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
     pool.abandon_step(None)
     raise
   pool.adopt_step(state, pred, device_status=status)
+
+
+def _padding_steps(sched: "Scheduler", k: int) -> None:
+  """The executor's `decode_steps` (k steps) on padding rows, and the gather of each
+  row's last token that feeds the next step: compiles, changes nothing."""
+  from paged_kv.serving import forward_pass  # pylint: disable=g-import-not-at-top
+  b = sched.config.max_batch
+  plan = _padding_plan(sched, b, 1)
+  pool = sched.pool
+  remaining = np.zeros((b,), np.int32)
+  pred = sched.forward_pass._predict_multi(np.asarray(plan.seq_ids), remaining, k)  # pylint: disable=protected-access
+  try:
+    state, tokens, status, *_ = sched.executor.decode_steps(pred.state, plan, remaining,
+                                                            num_steps=k)
+  except BaseException:
+    pool.abandon_step(None)
+    raise
+  pool.adopt_step(state, pred, device_status=status)
+  if getattr(sched.executor, "uses_tokens", True):
+    forward_pass._last_tokens(tokens, remaining)  # pylint: disable=protected-access
 
 
 def release_programs() -> None:
@@ -171,6 +203,8 @@ def release_programs() -> None:
          persist._gather_slots,  # pylint: disable=protected-access
          slots.pack_slots, slots.reclaim_slots,
          regions.resize_state]  # the cut's own program: one per pair of sizes, used once
+  from paged_kv.serving import forward_pass  # pylint: disable=g-import-not-at-top
+  fns += [forward_pass._last_tokens, forward_pass._resolve_carried]  # pylint: disable=protected-access
   steps = sys.modules.get("paged_kv.model.steps")  # only if a model executor loaded it
   if steps is not None:
     fns += [steps.forward, steps.forward_sampled]
