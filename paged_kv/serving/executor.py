@@ -6,9 +6,18 @@
   * `DryExecutor` — memory dynamics only (reserves the slots, computes nothing),
     for trace replay and scheduler tests.
   * `ModelExecutor` — a Flax NNX model (e.g. `paged_kv.model.llama.TinyLlama`)
-    through the jitted mixed step `paged_kv.model.steps.forward`, greedy sampling.
+    through its bound jitted steps (`paged_kv.model.steps.bind`: built once, a
+    call hashes nothing, microseconds of host time whatever the model's depth).
 
 This module imports no flax: `ModelExecutor` loads the model steps when built.
+
+Optional attributes the scheduler reads:
+
+  * `samples = True`: the executor applies `plan.sampling` (the scheduler then
+    always hands it one) and may return the rows' `SampleOutput` fourth.
+  * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
+    the device from the previous step's `next_tokens`) inside its jitted step;
+    for any other the scheduler resolves them first.
 
 The executor contract (what keeps a failed step from destroying the pool):
 
@@ -25,7 +34,7 @@ The executor contract (what keeps a failed step from destroying the pool):
      naming the deleted buffers, instead of failing later on deleted arrays.
 
 Pool resizes (`Scheduler.shrink_to`): an executor that holds the pool's config
-(both library executors do: it is a static argument of their jitted step) has
+(both library executors do: their jitted steps are built for it) has
 `resize(config)`, which the scheduler calls right after the pool changed size;
 the next `step` then runs (and compiles once) at the new shapes. An executor
 with a `config` but no `resize` cannot follow, and the scheduler refuses to
@@ -101,14 +110,14 @@ class Executor(Protocol):
     """
 
   # Optional: `resize(config: PoolConfig) -> None`, for an executor that holds the
-  # pool's config (see the module docstring); `samples = True`, for one that applies
-  # `plan.sampling` (the scheduler then always hands it one).
+  # pool's config; `samples` and `carries_tokens` (the module docstring).
 
 
 class DryExecutor:
   """Memory dynamics only: reserves the slots, computes nothing, samples token 0."""
 
   uses_tokens = False  # one program per `max_query_len`, whatever the token width
+  carries_tokens = True  # it reads no tokens, so carried ones need no resolving
 
   def __init__(self, config: PoolConfig):
     self.config = config
@@ -140,22 +149,29 @@ class ModelExecutor:
   step's prefill chunks. Which form is read from the signature once, when the
   executor is built (`uses_logits_indices`), and by the step while tracing.
 
+  The steps are bound once (`steps`: a `paged_kv.model.steps.ModelSteps`; a resize
+  binds anew): a step call hashes nothing and flattens no parameter tree.
+
   Example:
     sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
 
-  Compilations: one per `(num_tokens, max_query_len)` of the plans it sees; the
+  Compilations: one per `(num_tokens, max_query_len)` of the plans it sees (and
+  per sampling / logprobs width / carried tokens: the plan's tree structure); the
   scheduler rounds `num_tokens` up to a power of two and uses two values of
   `max_query_len` (1 for decode-only steps, `prefill_chunk` otherwise).
   """
 
+  samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
+  carries_tokens = True  # `plan.carried` is resolved inside the jitted step
+
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
                impl: str | None = None, interpret: bool | None = None):
-    """Splits the model for the jitted step.
+    """Checks the model and binds its steps to the pool's config.
 
     Args:
       model: the model (an `nnx.Module` meeting `paged_kv.model.contract`);
         `model.config` is checked against the pool when it has `num_layers`,
-        `num_kv_heads` and `head_dim`.
+        `num_kv_heads` and `head_dim`. Its parameters are read now.
       pool_config: the pool the scheduler serves from.
       impl: attention path (`None`: `paged_kv.model.default_impl()` for the backend).
       interpret: Pallas interpret mode (`None`: on CPU only).
@@ -166,7 +182,6 @@ class ModelExecutor:
         message names what.
       InvalidArgument: `model.config` does not match the pool.
     """
-    from paged_kv.model.nnx_import import nnx
     from paged_kv.model import contract, llama, steps
     if not isinstance(pool_config, PoolConfig):
       raise InvalidArgument(f"pool_config must be a PoolConfig, got {type(pool_config).__name__}")
@@ -175,26 +190,37 @@ class ModelExecutor:
       llama.check_pool_matches_model(pool_config, model_config)
     self.vocab_size = contract.check_model(model, pool_config)
     self.uses_logits_indices = contract.accepts_logits_indices(model)
-    self._forward = steps.forward
-    self._forward_sampled = steps.forward_sampled
-    self.graphdef, self.params = nnx.split(model)
     self.config = pool_config
     self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
+    self.steps = steps.bind(model, pool_config, out_shardings=self._out_shardings(pool_config),
+                            **self.kernel_args)
+
+  def _out_shardings(self, config: PoolConfig):
+    """The programs' `out_shardings` for `config` (None: the compiler's choice)."""
+    del config
+    return None
+
+  @property
+  def graphdef(self) -> "nnx.GraphDef":
+    """The model's graph definition."""
+    return self.steps.graphdef
+
+  @property
+  def params(self) -> "nnx.State":
+    """The model's parameters (rebuilt from the bound arrays; not for the step loop)."""
+    return self.steps.params
 
   def resize(self, config: PoolConfig) -> None:
-    """Follows a pool resize: the next step compiles once for `config`'s shapes."""
+    """Follows a pool resize: binds the steps anew (the old size's programs go with
+    the old binding); the next step compiles once for `config`'s shapes."""
     self.config = check_resized(self.config, config)
-
-  samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
+    self.steps = self.steps.replace(config=config, out_shardings=self._out_shardings(config))
 
   def step(self, state: PoolState, plan: StepPlan) -> tuple:
     if plan.sampling is not None:
-      state, (nxt, status, out) = self._forward_sampled(
-          self.params, state, plan, graphdef=self.graphdef, config=self.config,
-          **self.kernel_args)
+      state, (nxt, status, out) = self.steps.forward_sampled(state, plan)
       return state, nxt, status, out
-    state, (nxt, _, status) = self._forward(self.params, state, plan, graphdef=self.graphdef,
-                                            config=self.config, **self.kernel_args)
+    state, (nxt, _, status) = self.steps.forward(state, plan)
     # Device arrays: the caller reads the tokens (it needs them) and compares the
     # status with its own prediction once ready.
     return state, nxt, status
