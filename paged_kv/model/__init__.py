@@ -13,6 +13,7 @@
   paged_kv.model.steps      jitted forward / prefill / decode_step / decode_multi;
                             bind(model, config) -> ModelSteps: the same, built once
                             (the fast path: a call hashes nothing, flat in depth)
+  paged_kv.model.multistep  scan_decode: k decode steps in one program (which rows run)
   paged_kv.model.runner     PagedRunner, generate_paged (host driver for tests, demos)
   paged_kv.model.reference  generate_dense, dense_mismatches (the dense reference)
   paged_kv.model.hf_checkpoint  load_checkpoint: a Hugging Face Llama/Mistral/Qwen2

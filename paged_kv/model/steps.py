@@ -14,6 +14,12 @@ updates the pages in place; hand the returned state back, the argument is delete
                         reserve, write, attend and sample on device, no host round
                         trip; rows stop when their budget is spent, on a stop token,
                         or when a reservation fails (the failure is in the status).
+  * `decode_steps`    — the serving loop's k decode steps per dispatch
+                        (`ModelSteps.decode_steps`, `run_decode_steps`): a decode
+                        `StepPlan` (with its sampling) run k times, each row's input
+                        its previous sampled token; the rows of each step follow from
+                        `remaining` and the statuses alone (no stop token), so the
+                        host predicts every reservation (`paged_kv.model.multistep`).
 
 Two ways to call them:
 
@@ -64,7 +70,7 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.core.segments import reserve_tokens
 from paged_kv.core.state import PoolState
-from paged_kv.model import contract, ragged, sampling
+from paged_kv.model import contract, multistep, ragged, sampling
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
 
@@ -140,6 +146,58 @@ def _decode_multi_body(model, state, seq_ids, tokens, remaining, *, num_steps: i
       body, (state, jnp.asarray(tokens, jnp.int32), jnp.asarray(remaining, jnp.int32)), None,
       length=num_steps)
   return state, (new_tokens, status, tokens, remaining)
+
+
+def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Array, *,
+                     config: PoolConfig, num_steps: int, impl: str | None = None,
+                     interpret=None) -> tuple[PoolState, tuple]:
+  """`num_steps` decode steps of a decode plan in one `lax.scan` (pure; jit it).
+
+  Row b runs step j iff `plan.seq_ids[b] >= 0`, `j < remaining[b]` and none of its
+  earlier reservations failed (`paged_kv.model.multistep.scan_decode`); a row that
+  samples a stop token keeps running. Step j reserves one slot per running row
+  (`reserve_tokens(..., num_new=1, max_new_tokens=1)`) and runs `forward` (or
+  `forward_sampled` with `plan.sampling`, its output index `index + j`) on the rows'
+  previous tokens; step 0's are the plan's (`plan.carried` resolved).
+
+  Args:
+    model: the model (`nnx.merge`d inside the caller's trace).
+    state: the pool.
+    plan: a decode plan: `max_query_len == 1`, row b's token at position b of
+      `plan.tokens` (rows at `b >= num_tokens` have none: padding). `num_new` is
+      not read (every running row decodes one token).
+    remaining: `i32[B]` the most steps each row runs.
+    config, impl, interpret: as in `forward`.
+    num_steps: static number of steps k.
+
+  Returns:
+    `(state, (tokens i32[k, B], status i32[k, B]))`, plus a `SampleOutput` with
+    a leading k axis when `plan.sampling` is given: tokens `-1` where the row did
+    not run or its reservation failed, status `OK` for rows that did not run.
+  """
+  kwargs = dict(config=config, impl=impl, interpret=interpret)
+  b, t = plan.num_rows, plan.num_tokens
+  tokens = jnp.asarray(plan.tokens, jnp.int32)
+  if plan.carried is not None:
+    tokens = plan.carried.resolve(tokens)
+  tokens = tokens[:b] if t >= b else jnp.pad(tokens, (0, b - t))
+  sampled = plan.sampling is not None
+
+  def step(state, ids, tokens, j):
+    one = dataclasses.replace(_decode_plan(ids, tokens), num_logprobs=plan.num_logprobs)
+    if not sampled:
+      state, (nxt, _, status) = _forward_body(model, state, one, **kwargs)
+      return state, (nxt, status, None)
+    one = dataclasses.replace(one, sampling=dataclasses.replace(
+        plan.sampling, index=jnp.asarray(plan.sampling.index, jnp.int32) + j))
+    state, (nxt, status, out) = _sampled_body(model, state, one, **kwargs)
+    return state, (nxt, status, out)
+
+  state, (toks, status, out) = multistep.scan_decode(step, state, plan.seq_ids, tokens,
+                                                     remaining, num_steps=num_steps)
+  if not sampled:
+    return state, (toks, status)
+  return state, (toks, status, out._replace(tokens=toks))
 
 
 # Module-level steps (slow: the graph definition is hashed on every call) -----------------
@@ -298,11 +356,16 @@ def _programs(graphdef: nnx.GraphDef, treedef, *, config: PoolConfig, impl: str 
     return _decode_multi_body(model(leaves), state, seq_ids, tokens, remaining,
                               num_steps=num_steps, stop_token=stop_token, **kwargs)
 
+  def decode_steps(leaves, state, plan, remaining, *, num_steps):
+    return run_decode_steps(model(leaves), state, plan, remaining, num_steps=num_steps,
+                            **kwargs)
+
   extra = {} if out_shardings is None else dict(out_shardings=out_shardings)
   jit = lambda fn, statics=(): jax.jit(fn, donate_argnums=1, static_argnames=statics, **extra)
   return dict(forward=jit(forward), forward_sampled=jit(forward_sampled), prefill=jit(prefill),
               decode_step=jit(decode_step),
-              decode_multi=jit(decode_multi, ("num_steps", "stop_token")))
+              decode_multi=jit(decode_multi, ("num_steps", "stop_token")),
+              decode_steps=jit(decode_steps, ("num_steps",)))
 
 
 class ModelSteps:
@@ -416,6 +479,17 @@ class ModelSteps:
     """`decode_multi`, bound (one program per `(num_steps, stop_token)`)."""
     return self.jitted["decode_multi"](self.leaves, state, seq_ids, tokens, remaining,
                                        num_steps=num_steps, stop_token=stop_token)
+
+  def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *, num_steps: int):
+    """`run_decode_steps`, bound: `(state, (tokens i32[k, B], status i32[k, B]))`, plus
+    the `SampleOutput` (leading k axis) when `plan.sampling` is given.
+
+    Raises:
+      InvalidArgument: `num_steps` is not an int >= 1, `plan.max_query_len != 1`
+        or `remaining` is not `[B]`-shaped (before the call: `state` is intact).
+    """
+    multistep.check_decode_steps(plan, remaining, num_steps)
+    return self.jitted["decode_steps"](self.leaves, state, plan, remaining, num_steps=num_steps)
 
 
 def bind(model: nnx.Module, config: PoolConfig, *, impl: str | None = None, interpret=None,

@@ -2,7 +2,8 @@
 
   * `Executor` — the protocol the `Scheduler` calls: `step(state, plan) -> (state,
     next_tokens, status)` for a `paged_kv.model.StepPlan` holding the step's
-    prefill chunks and decode tokens together.
+    prefill chunks and decode tokens together; optionally `decode_steps(state,
+    plan, remaining, *, num_steps)`: k decode steps in one dispatch.
   * `DryExecutor` — memory dynamics only (reserves the slots, computes nothing),
     for trace replay and scheduler tests.
   * `ModelExecutor` — a Flax NNX model (e.g. `paged_kv.model.llama.TinyLlama`)
@@ -18,6 +19,16 @@ Optional attributes the scheduler reads:
   * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
     the device from the previous step's `next_tokens`) inside its jitted step;
     for any other the scheduler resolves them first.
+  * `decode_steps(state, plan, remaining, *, num_steps)`: `num_steps` (k) decode
+    steps of a decode plan in one dispatch. Row b runs step j iff `seq_ids[b] >=
+    0`, `j < remaining[b]` and none of its earlier reservations failed; step j
+    reserves with `reserve_tokens(state, where(live_j, seq_ids, -1), ones,
+    max_new_tokens=1)` (what the host predicts on its mirror; a stop token does
+    not end a row: the host drops tokens past a stop) and its input tokens are
+    step j-1's samples. Returns `(state, tokens i32[k, B], status i32[k, B])`,
+    plus a `SampleOutput` with a leading k axis when `plan.sampling` is given;
+    the same contract as `step` (donation, `attach_state`). Tokens equal k
+    single steps'.
 
 The executor contract (what keeps a failed step from destroying the pool):
 
@@ -46,12 +57,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
+import jax
 import numpy as np
 
 from paged_kv.core import segments
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.state import PoolState
+from paged_kv.model import multistep
 from paged_kv.model.plan import StepPlan
 
 if TYPE_CHECKING:
@@ -110,7 +123,7 @@ class Executor(Protocol):
     """
 
   # Optional: `resize(config: PoolConfig) -> None`, for an executor that holds the
-  # pool's config; `samples` and `carries_tokens` (the module docstring).
+  # pool's config; `samples`, `carries_tokens` and `decode_steps` (the module docstring).
 
 
 class DryExecutor:
@@ -121,10 +134,12 @@ class DryExecutor:
 
   def __init__(self, config: PoolConfig):
     self.config = config
+    self._decode_steps = _reserve_steps_program(config)
 
   def resize(self, config: PoolConfig) -> None:
     """Follows a pool resize: later steps run at `config`'s shapes."""
     self.config = check_resized(self.config, config)
+    self._decode_steps = _reserve_steps_program(self.config)
 
   def step(self, state: PoolState,
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
@@ -134,6 +149,32 @@ class DryExecutor:
     # The status stays on the device: the scheduler predicted it on its host mirror
     # and compares the two once the device is done (no wait).
     return state, np.zeros(plan.seq_ids.shape, np.int32), status
+
+  def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
+                   num_steps: int) -> tuple[PoolState, np.ndarray, Any]:
+    """`num_steps` decode steps' reservations in one jitted program (`lax.scan`).
+
+    Returns:
+      `(state, tokens, status i32[k, B])`: host zeros for the tokens (the host
+      knows which rows ran from its own prediction), the device's statuses.
+
+    Raises:
+      InvalidArgument: as `paged_kv.model.multistep.check_decode_steps` (before
+        the call: `state` is intact).
+    """
+    multistep.check_decode_steps(plan, remaining, num_steps)
+    state, status = self._decode_steps(state, plan.seq_ids, remaining, num_steps=num_steps)
+    return state, np.zeros((num_steps, plan.num_rows), np.int32), status
+
+
+def _reserve_steps_program(config: PoolConfig):
+  """`multistep.reserve_decode_steps` jitted for `config` (closed over: not hashed per call)."""
+
+  def run(state, seq_ids, remaining, *, num_steps):
+    return multistep.reserve_decode_steps(state, seq_ids, remaining, config=config,
+                                          num_steps=num_steps)
+
+  return jax.jit(run, static_argnames=("num_steps",), donate_argnums=0)
 
 
 class ModelExecutor:
@@ -158,7 +199,8 @@ class ModelExecutor:
   Compilations: one per `(num_tokens, max_query_len)` of the plans it sees (and
   per sampling / logprobs width / carried tokens: the plan's tree structure); the
   scheduler rounds `num_tokens` up to a power of two and uses two values of
-  `max_query_len` (1 for decode-only steps, `prefill_chunk` otherwise).
+  `max_query_len` (1 for decode-only steps, `prefill_chunk` otherwise); one per
+  `num_steps` for `decode_steps`.
   """
 
   samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
@@ -224,3 +266,18 @@ class ModelExecutor:
     # Device arrays: the caller reads the tokens (it needs them) and compares the
     # status with its own prediction once ready.
     return state, nxt, status
+
+  def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
+                   num_steps: int) -> tuple:
+    """`num_steps` decode steps in one dispatch (see the module docstring).
+
+    Returns:
+      `(state, tokens i32[k, B], status i32[k, B])`, and the `SampleOutput`
+      (leading k axis) fourth when `plan.sampling` is given; device arrays.
+
+    Raises:
+      InvalidArgument: not a decode plan, `num_steps < 1` or `remaining` not
+        `[B]` (before the call: `state` is intact).
+    """
+    state, out = self.steps.decode_steps(state, plan, remaining, num_steps=num_steps)
+    return (state, *out)
