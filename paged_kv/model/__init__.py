@@ -10,7 +10,10 @@
   paged_kv.model.layers     PagedAttention (Flax NNX), apply_rope, causal_attention
   paged_kv.model.rope       RopeScaling, inverse_frequencies (Hugging Face's RoPE scalings)
   paged_kv.model.llama      the Llama-family reference model (TinyLlama), dense_forward
-  paged_kv.model.steps      jitted forward / prefill / decode_step / decode_multi
+  paged_kv.model.steps      jitted forward / prefill / decode_step / decode_multi;
+                            bind(model, config) -> ModelSteps: the same, built once
+                            (the fast path: a call hashes nothing, flat in depth)
+  paged_kv.model.multistep  scan_decode: k decode steps in one program (which rows run)
   paged_kv.model.runner     PagedRunner, generate_paged (host driver for tests, demos)
   paged_kv.model.reference  generate_dense, dense_mismatches (the dense reference)
   paged_kv.model.hf_checkpoint  load_checkpoint: a Hugging Face Llama/Mistral/Qwen2
@@ -38,6 +41,7 @@ _LAZY = {
     "LlamaConfig": "llama", "TinyLlama": "llama", "dense_forward": "llama",
     "pool_config_for": "llama", "check_pool_matches_model": "llama",
     "forward": "steps", "prefill": "steps", "decode_step": "steps", "decode_multi": "steps",
+    "ModelSteps": "steps", "bind": "steps",
     "PagedRunner": "runner", "SequenceRecord": "runner", "generate_paged": "runner",
     "generate_dense": "reference", "dense_mismatches": "reference",
 }

@@ -20,7 +20,6 @@ import dataclasses
 from typing import Callable, Sequence
 
 import numpy as np
-from paged_kv.model.nnx_import import nnx
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import PoolExhausted
@@ -30,7 +29,7 @@ from paged_kv.core.state import PoolState, init_pool
 from paged_kv.model import llama
 from paged_kv.model.llama import check_pool_matches_model
 from paged_kv.model.ragged import bucket
-from paged_kv.model.steps import NO_STOP_TOKEN, decode_multi, decode_step, prefill
+from paged_kv.model.steps import NO_STOP_TOKEN, bind
 from paged_kv.core.segment_format import Segments, empty_segments, take_tokens
 from paged_kv.pool import raise_for_status
 
@@ -87,6 +86,8 @@ class PagedRunner:
   Every call has one shape: batches are padded to `max_seqs` rows and prefill
   chunks to `prefill_chunk` tokens, so each step function compiles once per
   runner configuration (and once per `steps_per_call` for `decode_multi`).
+  The steps are bound once (`steps`, `paged_kv.model.steps.bind`): a call costs
+  the host microseconds whatever the model's depth.
   """
 
   def __init__(self, model: llama.TinyLlama, pool_config: PoolConfig,
@@ -94,12 +95,12 @@ class PagedRunner:
                stop_token: int = NO_STOP_TOKEN, impl: str | None = None,
                interpret: bool | None = None):
     check_pool_matches_model(pool_config, model.config)
-    self.graphdef, self.params = nnx.split(model)
     self.config = pool_config
     self.state = init_pool(pool_config) if state is None else state
     self.prefill_chunk = prefill_chunk
     self.stop_token = stop_token
     self.kernel_args = dict(impl=impl, interpret=interpret)
+    self.steps = bind(model, pool_config, **self.kernel_args)
     self.records: dict[int, SequenceRecord] = {}
     self._cached: dict[int, int] = {}  # tokens of each live sequence in the cache
     self._pending: dict[int, bool] = {}  # its last token is sampled/forced, not yet cached
@@ -108,6 +109,16 @@ class PagedRunner:
     self._preempted_pending: dict[int, bool] = {}
 
   # -- queries ------------------------------------------------------------------------
+  @property
+  def graphdef(self):
+    """The model's graph definition (`nnx.split(model)[0]`)."""
+    return self.steps.graphdef
+
+  @property
+  def params(self):
+    """The model's parameters (rebuilt from the bound arrays)."""
+    return self.steps.params
+
   @property
   def live(self) -> list[int]:
     """Live sequence rows, ascending."""
@@ -190,9 +201,7 @@ class PagedRunner:
       for i, s in enumerate(todo):
         ids[i], num[i] = s, len(chunks[s])
         toks[i, :num[i]] = chunks[s]
-      self.state, (nxt, _, status) = prefill(self.params, self.state, ids, toks, num,
-                                             graphdef=self.graphdef, config=self.config,
-                                             **self.kernel_args)
+      self.state, (nxt, _, status) = self.steps.prefill(self.state, ids, toks, num)
       status, nxt = np.asarray(status), np.asarray(nxt)
       raise_for_status(status[:len(todo)], "prefill")
       for i, s in enumerate(todo):
@@ -235,14 +244,11 @@ class PagedRunner:
       rec = self.records[s]
       ids[i], last[i], budget[i] = s, rec.tokens[-1], rec.remaining
     if k == 1 and self.stop_token == NO_STOP_TOKEN:
-      self.state, (nxt, _, status) = decode_step(self.params, self.state, ids, last,
-                                                 graphdef=self.graphdef, config=self.config,
-                                                 **self.kernel_args)
+      self.state, (nxt, _, status) = self.steps.decode_step(self.state, ids, last)
       new_tokens, status = np.asarray(nxt)[None], np.asarray(status)[None]
     else:
-      self.state, (new_tokens, status, _, _) = decode_multi(
-          self.params, self.state, ids, last, np.minimum(budget, k), graphdef=self.graphdef,
-          config=self.config, num_steps=k, stop_token=self.stop_token, **self.kernel_args)
+      self.state, (new_tokens, status, _, _) = self.steps.decode_multi(
+          self.state, ids, last, np.minimum(budget, k), num_steps=k, stop_token=self.stop_token)
       new_tokens, status = np.asarray(new_tokens), np.asarray(status)
     for i, s in enumerate(batch):
       rec = self.records[s]

@@ -1,20 +1,44 @@
 """Jitted model steps over a pool: reserve, write K/V, attend and sample in one jit.
 
-Every step is `fn(params, state, ..., *, graphdef, config, impl, interpret) ->
-(state, out)` with the pool state donated (XLA updates the pages in place; hand the
-returned state back, the argument is deleted):
+Every step is `fn(state, ...) -> (state, out)` with the pool state donated (XLA
+updates the pages in place; hand the returned state back, the argument is deleted):
 
-  * `forward`      — the serving step: one `StepPlan` of prefill chunks and decode
-                     tokens together (ragged), ONE forward pass; greedy sample after
-                     each row's last token. `forward_sampled`: the same with each
-                     row's `plan.sampling` (temperature, top-k/p, min-p, seed) and
-                     logprobs (`paged_kv.model.sampling`).
-  * `prefill`      — the same for padded `[B, T]` prompt chunks (a convenience).
-  * `decode_step`  — one token per row.
-  * `decode_multi` — `lax.scan` over `num_steps` decode steps in one jit: reserve,
-                     write, attend and sample on device, no host round trip; rows
-                     stop when their budget is spent, on a stop token, or when a
-                     reservation fails (the failure is in the returned status).
+  * `forward`         — the serving step: one `StepPlan` of prefill chunks and decode
+                        tokens together (ragged), ONE forward pass; greedy sample
+                        after each row's last token. `forward_sampled`: the same with
+                        each row's `plan.sampling` (temperature, top-k/p, min-p, seed)
+                        and logprobs (`paged_kv.model.sampling`).
+  * `prefill`         — the same for padded `[B, T]` prompt chunks (a convenience).
+  * `decode_step`     — one token per row.
+  * `decode_multi`    — `lax.scan` over `num_steps` greedy decode steps in one jit:
+                        reserve, write, attend and sample on device, no host round
+                        trip; rows stop when their budget is spent, on a stop token,
+                        or when a reservation fails (the failure is in the status).
+  * `decode_steps`    — the serving loop's k decode steps per dispatch
+                        (`ModelSteps.decode_steps`, `run_decode_steps`): a decode
+                        `StepPlan` (with its sampling) run k times, each row's input
+                        its previous sampled token; the rows of each step follow from
+                        `remaining` and the statuses alone (no stop token), so the
+                        host predicts every reservation (`paged_kv.model.multistep`).
+
+Two ways to call them:
+
+  * **Bound (fast): `steps = bind(model, config)`** gives a `ModelSteps` whose
+    methods are the steps (`steps.forward(state, plan)`, ...). Its jitted programs
+    are built once, with the graph definition, the pool config and the kernel choice
+    closed over, and the parameters flattened once into a tuple of arrays: a call
+    hashes nothing and rebuilds no pytree that grows with the model, so its host
+    cost (microseconds) does not grow with depth. `ModelExecutor` and `PagedRunner`
+    use this. Each binding compiles its own programs, once per shape.
+  * **Module-level (slow): `forward(params, state, plan, *, graphdef, config, ...)`**
+    and the others take `params` / `graphdef` (`nnx.split(model)`) with the graph
+    definition a static argument: every call hashes it and flattens `params` in
+    Python (milliseconds at 16+ layers). Kept for one-off calls and for users'
+    own jits; do not use them in a loop.
+
+A plan's `carried` tokens (`paged_kv.model.plan.CarriedTokens`: tokens still on
+the device from an earlier step) are resolved inside the jitted step, in the same
+program.
 
 Inside each step `reserve_tokens` makes room, `StepMetadata.from_reservation` turns
 its output into the step's metadata, and the model (`model(tokens, pages, meta,
@@ -26,25 +50,27 @@ other model returns logits for all `T` tokens and the step gathers the `B` it
 samples from. Which of the two is decided while tracing, from the model's
 signature (`contract.accepts_logits_indices`), so it is as static as the graph
 definition.
-`params` / `graphdef` are `nnx.split(model)`; the graph definition is static.
 `impl=None` picks `paged_kv.model.attention.default_impl()` for the backend and
 the shape (per shape on a GPU: the first impl that builds).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import weakref
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from paged_kv.model.nnx_import import nnx
 
 from paged_kv.core.config import PoolConfig
-from paged_kv.core.errors import Status
+from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.core.segments import reserve_tokens
 from paged_kv.core.state import PoolState
-from paged_kv.model import contract, ragged, sampling
+from paged_kv.model import contract, multistep, ragged, sampling
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
 
@@ -52,15 +78,18 @@ NO_STOP_TOKEN = -1
 _STATICS = ("graphdef", "config", "impl", "interpret")
 
 
-def _forward_body(params: nnx.State, state: PoolState, plan: StepPlan, *,
-                  graphdef: nnx.GraphDef, config: PoolConfig, impl: str | None,
-                  interpret) -> tuple[PoolState, tuple[jax.Array, ...]]:
+# Traced bodies, shared by the bound and the module-level steps ---------------------------
+
+
+def _forward_body(model, state: PoolState, plan: StepPlan, *, config: PoolConfig,
+                  impl: str | None, interpret) -> tuple[PoolState, tuple[jax.Array, ...]]:
   """Reserve, metadata, model, greedy sample (traced; shared by every step)."""
-  model = nnx.merge(graphdef, params)
   state, (slot_idx, status) = reserve_tokens(state, plan.seq_ids, plan.num_new, config=config,
                                              max_new_tokens=plan.max_query_len)
   meta = StepMetadata.from_reservation(plan, state.table, slot_idx, status)
   tokens = jnp.asarray(plan.tokens, jnp.int32)
+  if plan.carried is not None:
+    tokens = plan.carried.resolve(tokens)
   last = ragged.last_token_index(meta.cu_q_lens, plan.num_tokens)  # i32[B]
   if contract.accepts_logits_indices(model):  # static: the graph definition's class
     # The model gathers the rows' last hidden states before its output head.
@@ -78,11 +107,110 @@ def _forward_body(params: nnx.State, state: PoolState, plan: StepPlan, *,
   return dataclasses.replace(state, pages=pages), (next_tokens, last_logits, status)
 
 
+def _sampled_body(model, state: PoolState, plan: StepPlan, **kwargs) -> tuple[PoolState, tuple]:
+  """`_forward_body`, each row's token drawn by `plan.sampling`."""
+  state, (greedy, last_logits, status) = _forward_body(model, state, plan, **kwargs)
+  out = sampling.sample(last_logits, plan.sampling, num_logprobs=plan.num_logprobs)
+  tokens = jnp.where(greedy >= 0, out.tokens, -1).astype(jnp.int32)
+  return state, (tokens, status, out._replace(tokens=tokens))
+
+
+def _prefill_plan(seq_ids, tokens, num_new) -> StepPlan:
+  flat, _ = ragged.to_ragged(jnp.asarray(tokens, jnp.int32), jnp.asarray(num_new, jnp.int32))
+  return StepPlan(seq_ids=seq_ids, num_new=num_new, tokens=flat, max_query_len=tokens.shape[1])
+
+
+def _decode_plan(seq_ids, tokens) -> StepPlan:
+  """One decode step's plan: row b's token is token b of the layout."""
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  return StepPlan(seq_ids=seq_ids, num_new=jnp.ones_like(seq_ids),
+                  tokens=jnp.asarray(tokens, jnp.int32), max_query_len=1)
+
+
+def _decode_multi_body(model, state, seq_ids, tokens, remaining, *, num_steps: int,
+                       stop_token: int, **kwargs):
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+
+  def body(carry, _):
+    state, tokens, remaining = carry
+    live = (seq_ids >= 0) & (remaining > 0)
+    state, (sampled, _, status) = _forward_body(
+        model, state, _decode_plan(jnp.where(live, seq_ids, -1), tokens), **kwargs)
+    ok = live & (status == Status.OK)
+    stopped = sampled == stop_token if stop_token != NO_STOP_TOKEN else jnp.zeros_like(ok)
+    remaining = jnp.where(ok & ~stopped, remaining - 1, jnp.where(live, 0, remaining))
+    tokens = jnp.where(ok, sampled, tokens)
+    return (state, tokens, remaining), (jnp.where(ok, sampled, -1), status)
+
+  (state, tokens, remaining), (new_tokens, status) = jax.lax.scan(
+      body, (state, jnp.asarray(tokens, jnp.int32), jnp.asarray(remaining, jnp.int32)), None,
+      length=num_steps)
+  return state, (new_tokens, status, tokens, remaining)
+
+
+def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Array, *,
+                     config: PoolConfig, num_steps: int, impl: str | None = None,
+                     interpret=None) -> tuple[PoolState, tuple]:
+  """`num_steps` decode steps of a decode plan in one `lax.scan` (pure; jit it).
+
+  Row b runs step j iff `plan.seq_ids[b] >= 0`, `j < remaining[b]` and none of its
+  earlier reservations failed (`paged_kv.model.multistep.scan_decode`); a row that
+  samples a stop token keeps running. Step j reserves one slot per running row
+  (`reserve_tokens(..., num_new=1, max_new_tokens=1)`) and runs `forward` (or
+  `forward_sampled` with `plan.sampling`, its output index `index + j`) on the rows'
+  previous tokens; step 0's are the plan's (`plan.carried` resolved).
+
+  Args:
+    model: the model (`nnx.merge`d inside the caller's trace).
+    state: the pool.
+    plan: a decode plan: `max_query_len == 1`, row b's token at position b of
+      `plan.tokens` (rows at `b >= num_tokens` have none: padding). `num_new` is
+      not read (every running row decodes one token).
+    remaining: `i32[B]` the most steps each row runs.
+    config, impl, interpret: as in `forward`.
+    num_steps: static number of steps k.
+
+  Returns:
+    `(state, (tokens i32[k, B], status i32[k, B]))`, plus a `SampleOutput` with
+    a leading k axis when `plan.sampling` is given: tokens `-1` where the row did
+    not run or its reservation failed, status `OK` for rows that did not run.
+  """
+  kwargs = dict(config=config, impl=impl, interpret=interpret)
+  b, t = plan.num_rows, plan.num_tokens
+  tokens = jnp.asarray(plan.tokens, jnp.int32)
+  if plan.carried is not None:
+    tokens = plan.carried.resolve(tokens)
+  tokens = tokens[:b] if t >= b else jnp.pad(tokens, (0, b - t))
+  sampled = plan.sampling is not None
+
+  def step(state, ids, tokens, j):
+    one = dataclasses.replace(_decode_plan(ids, tokens), num_logprobs=plan.num_logprobs)
+    if not sampled:
+      state, (nxt, _, status) = _forward_body(model, state, one, **kwargs)
+      return state, (nxt, status, None)
+    one = dataclasses.replace(one, sampling=dataclasses.replace(
+        plan.sampling, index=jnp.asarray(plan.sampling.index, jnp.int32) + j))
+    state, (nxt, status, out) = _sampled_body(model, state, one, **kwargs)
+    return state, (nxt, status, out)
+
+  state, (toks, status, out) = multistep.scan_decode(step, state, plan.seq_ids, tokens,
+                                                     remaining, num_steps=num_steps)
+  if not sampled:
+    return state, (toks, status)
+  return state, (toks, status, out._replace(tokens=toks))
+
+
+# Module-level steps (slow: the graph definition is hashed on every call) -----------------
+
+
 @functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("state",))
 def forward(params: nnx.State, state: PoolState, plan: StepPlan, *, graphdef: nnx.GraphDef,
             config: PoolConfig, impl: str | None = None,
             interpret=None) -> tuple[PoolState, tuple[jax.Array, ...]]:
   """One mixed step: prefill chunks and decode tokens of `plan` in one forward pass.
+
+  Slow path: hashes `graphdef` and flattens `params` on every call; in a loop use
+  `bind(model, config).forward(state, plan)` (the same program, microseconds).
 
   Args:
     params: model parameters (`nnx.split(model)[1]`).
@@ -100,7 +228,7 @@ def forward(params: nnx.State, state: PoolState, plan: StepPlan, *, graphdef: nn
     failed rows), the logits it came from, and `reserve_tokens`' status (a failed
     row is left as it was).
   """
-  return _forward_body(params, state, plan, graphdef=graphdef, config=config, impl=impl,
+  return _forward_body(nnx.merge(graphdef, params), state, plan, config=config, impl=impl,
                        interpret=interpret)
 
 
@@ -111,17 +239,15 @@ def forward_sampled(params: nnx.State, state: PoolState, plan: StepPlan, *,
   """`forward` with each row's token drawn by its `plan.sampling` parameters.
 
   Greedy rows (temperature 0) get the same token as `forward`'s. `plan.num_logprobs`
-  (static) top logprobs come back per row.
+  (static) top logprobs come back per row. Slow path (see `forward`);
+  `ModelSteps.forward_sampled` is the fast one.
 
   Returns:
     `(state, (next_tokens i32[B], status i32[B], sampling.SampleOutput))`, tokens
     `-1` for padding, empty and failed rows.
   """
-  state, (greedy, last_logits, status) = _forward_body(
-      params, state, plan, graphdef=graphdef, config=config, impl=impl, interpret=interpret)
-  out = sampling.sample(last_logits, plan.sampling, num_logprobs=plan.num_logprobs)
-  tokens = jnp.where(greedy >= 0, out.tokens, -1).astype(jnp.int32)
-  return state, (tokens, status, out._replace(tokens=tokens))
+  return _sampled_body(nnx.merge(graphdef, params), state, plan, config=config, impl=impl,
+                       interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("state",))
@@ -129,6 +255,8 @@ def prefill(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens: jax
             num_new: jax.Array, *, graphdef: nnx.GraphDef, config: PoolConfig,
             impl: str | None = None, interpret=None) -> tuple[PoolState, tuple[jax.Array, ...]]:
   """`forward` for padded prompt chunks: `tokens i32[B, T]`, `num_new[b]` of row b's.
+
+  Slow path (see `forward`); `ModelSteps.prefill` is the fast one.
 
   Args:
     params, state, graphdef, config, impl, interpret: as in `forward`.
@@ -139,18 +267,9 @@ def prefill(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens: jax
   Returns:
     As `forward`.
   """
-  flat, _ = ragged.to_ragged(jnp.asarray(tokens, jnp.int32), jnp.asarray(num_new, jnp.int32))
-  plan = StepPlan(seq_ids=seq_ids, num_new=num_new, tokens=flat, max_query_len=tokens.shape[1])
-  return _forward_body(params, state, plan, graphdef=graphdef, config=config, impl=impl,
+  return _forward_body(nnx.merge(graphdef, params), state,
+                       _prefill_plan(seq_ids, tokens, num_new), config=config, impl=impl,
                        interpret=interpret)
-
-
-def _decode_body(params, state, seq_ids, tokens, **kwargs):
-  """One decode step (traced): row b's token is token b of the layout."""
-  seq_ids = jnp.asarray(seq_ids, jnp.int32)
-  plan = StepPlan(seq_ids=seq_ids, num_new=jnp.ones_like(seq_ids),
-                  tokens=jnp.asarray(tokens, jnp.int32), max_query_len=1)
-  return _forward_body(params, state, plan, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=_STATICS, donate_argnames=("state",))
@@ -158,6 +277,8 @@ def decode_step(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens:
                 graphdef: nnx.GraphDef, config: PoolConfig, impl: str | None = None,
                 interpret=None) -> tuple[PoolState, tuple[jax.Array, ...]]:
   """One greedy decode step for a batch: reserve, write K/V, attend, sample.
+
+  Slow path (see `forward`); `ModelSteps.decode_step` is the fast one.
 
   Args:
     params, state, graphdef, config, impl, interpret: as in `forward`.
@@ -168,8 +289,8 @@ def decode_step(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens:
     `(state, (next_tokens i32[B], logits f32[B, vocab], status i32[B]))`;
     `next_tokens` is `-1` for padding and for rows whose reservation failed.
   """
-  return _decode_body(params, state, seq_ids, tokens, graphdef=graphdef, config=config,
-                      impl=impl, interpret=interpret)
+  return _forward_body(nnx.merge(graphdef, params), state, _decode_plan(seq_ids, tokens),
+                       config=config, impl=impl, interpret=interpret)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",),
@@ -182,7 +303,8 @@ def decode_multi(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens
 
   A row takes part in a step while it has budget left (`remaining > 0`); it stops
   after sampling `stop_token` (if not `-1`) or when its reservation fails, whose
-  status is reported at that step.
+  status is reported at that step. Slow path (see `forward`);
+  `ModelSteps.decode_multi` is the fast one.
 
   Args:
     params, state, graphdef, config, impl, interpret: as in `forward`.
@@ -198,21 +320,194 @@ def decode_multi(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens
     the row did not run or failed), the reservation status of each step, each
     row's last sampled token and its remaining budget (0 after a stop or failure).
   """
-  seq_ids = jnp.asarray(seq_ids, jnp.int32)
-  kwargs = dict(graphdef=graphdef, config=config, impl=impl, interpret=interpret)
+  return _decode_multi_body(nnx.merge(graphdef, params), state, seq_ids, tokens, remaining,
+                            num_steps=num_steps, stop_token=stop_token, config=config,
+                            impl=impl, interpret=interpret)
 
-  def body(carry, _):
-    state, tokens, remaining = carry
-    live = (seq_ids >= 0) & (remaining > 0)
-    state, (sampled, _, status) = _decode_body(params, state, jnp.where(live, seq_ids, -1),
-                                               tokens, **kwargs)
-    ok = live & (status == Status.OK)
-    stopped = sampled == stop_token if stop_token != NO_STOP_TOKEN else jnp.zeros_like(ok)
-    remaining = jnp.where(ok & ~stopped, remaining - 1, jnp.where(live, 0, remaining))
-    tokens = jnp.where(ok, sampled, tokens)
-    return (state, tokens, remaining), (jnp.where(ok, sampled, -1), status)
 
-  (state, tokens, remaining), (new_tokens, status) = jax.lax.scan(
-      body, (state, jnp.asarray(tokens, jnp.int32), jnp.asarray(remaining, jnp.int32)), None,
-      length=num_steps)
-  return state, (new_tokens, status, tokens, remaining)
+# Bound steps (fast) ----------------------------------------------------------------------
+
+_BINDINGS: "weakref.WeakSet[ModelSteps]" = weakref.WeakSet()
+
+
+def _programs(graphdef: nnx.GraphDef, treedef, *, config: PoolConfig, impl: str | None,
+              interpret, out_shardings) -> dict[str, Any]:
+  """The jitted programs of one binding: `fn(leaves, state, ...)`, statics closed over.
+
+  The closures hold no reference to the `ModelSteps`, so a binding's programs (and
+  their executables) go with it.
+  """
+  kwargs = dict(config=config, impl=impl, interpret=interpret)
+  model = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+  def forward(leaves, state, plan):
+    return _forward_body(model(leaves), state, plan, **kwargs)
+
+  def forward_sampled(leaves, state, plan):
+    return _sampled_body(model(leaves), state, plan, **kwargs)
+
+  def prefill(leaves, state, seq_ids, tokens, num_new):
+    return _forward_body(model(leaves), state, _prefill_plan(seq_ids, tokens, num_new), **kwargs)
+
+  def decode_step(leaves, state, seq_ids, tokens):
+    return _forward_body(model(leaves), state, _decode_plan(seq_ids, tokens), **kwargs)
+
+  def decode_multi(leaves, state, seq_ids, tokens, remaining, *, num_steps, stop_token):
+    return _decode_multi_body(model(leaves), state, seq_ids, tokens, remaining,
+                              num_steps=num_steps, stop_token=stop_token, **kwargs)
+
+  def decode_steps(leaves, state, plan, remaining, *, num_steps):
+    return run_decode_steps(model(leaves), state, plan, remaining, num_steps=num_steps,
+                            **kwargs)
+
+  extra = {} if out_shardings is None else dict(out_shardings=out_shardings)
+  jit = lambda fn, statics=(): jax.jit(fn, donate_argnums=1, static_argnames=statics, **extra)
+  return dict(forward=jit(forward), forward_sampled=jit(forward_sampled), prefill=jit(prefill),
+              decode_step=jit(decode_step),
+              decode_multi=jit(decode_multi, ("num_steps", "stop_token")),
+              decode_steps=jit(decode_steps, ("num_steps",)))
+
+
+class ModelSteps:
+  """The jitted steps of one model over one pool config, built once (the fast path).
+
+  Each method is one jitted call with the semantics of the module-level function
+  of the same name, minus `params` / `graphdef` / `config` / `impl` / `interpret`:
+  those are bound. The graph definition and the statics are closed over and the
+  parameters are held as a flat tuple of arrays (`leaves`, flattened once), so a
+  call hashes nothing and rebuilds no pytree that grows with the model; the
+  parameter tree is rebuilt from `treedef` inside the trace only.
+
+  Example:
+    steps = bind(model, pool_config)
+    state, (next_tokens, logits, status) = steps.forward(state, plan)
+
+  Attributes:
+    graphdef: the model's graph definition (`nnx.split(model)[0]`).
+    config: the pool config the programs are built for.
+    leaves: the parameters' arrays (`jax.tree.leaves(params)`); `set_params`
+      replaces them (same structure: the programs are kept).
+    treedef: their tree structure.
+    jitted: the programs by step name (`fn(leaves, state, ...)`: `lower`,
+      `_cache_size`, `clear_cache` for checks).
+  """
+
+  def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: PoolConfig, *,
+               impl: str | None = None, interpret=None, out_shardings=None):
+    """Flattens `params` and builds the (lazily compiled) programs.
+
+    Args:
+      graphdef, params: `nnx.split(model)`.
+      config: the pool config.
+      impl, interpret: the kernel choice, as in `forward`.
+      out_shardings: optional `out_shardings` of every program (a prefix of
+        `(state, out)`: the sharded executor pins its outputs with it).
+
+    Raises:
+      InvalidArgument: `config` is not a `PoolConfig`.
+    """
+    if not isinstance(config, PoolConfig):
+      raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
+    leaves, self.treedef = jax.tree.flatten(params)
+    self.leaves = tuple(leaves)
+    self.graphdef = graphdef
+    self.config = config
+    self.impl, self.interpret, self.out_shardings = impl, interpret, out_shardings
+    self._build()
+
+  def _build(self) -> None:
+    self.jitted = _programs(self.graphdef, self.treedef, config=self.config, impl=self.impl,
+                            interpret=self.interpret, out_shardings=self.out_shardings)
+    _BINDINGS.add(self)
+
+  @property
+  def params(self) -> nnx.State:
+    """The parameter tree (rebuilt from `leaves`; not for the step loop)."""
+    return jax.tree.unflatten(self.treedef, self.leaves)
+
+  def set_params(self, params: nnx.State) -> None:
+    """Replaces the parameters (e.g. after a training step or a `device_put`).
+
+    Raises:
+      InvalidArgument: `params` has another tree structure than the bound ones.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    if treedef != self.treedef:
+      raise InvalidArgument("set_params needs the bound parameters' tree structure")
+    self.leaves = tuple(leaves)
+
+  def replace(self, *, config: PoolConfig | None = None, out_shardings=None) -> "ModelSteps":
+    """A binding of the same model and parameters (not re-flattened) at another
+    `config` / `out_shardings`, with programs of its own (this one's are untouched)."""
+    other = copy.copy(self)
+    if config is not None:
+      if not isinstance(config, PoolConfig):
+        raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
+      other.config = config
+    if out_shardings is not None:
+      other.out_shardings = out_shardings
+    other._build()  # pylint: disable=protected-access
+    return other
+
+  def cache_size(self) -> int:
+    """Compiled entries of this binding's programs (a recompile guard counts them)."""
+    return sum(fn._cache_size() for fn in self.jitted.values())  # pylint: disable=protected-access
+
+  def clear_cache(self) -> None:
+    """Drops this binding's compiled programs (they recompile on next use)."""
+    for fn in self.jitted.values():
+      fn.clear_cache()
+
+  def forward(self, state: PoolState, plan: StepPlan):
+    """`forward(params, state, plan, ...)`, bound: `(state, (next_tokens, last_logits, status))`."""
+    return self.jitted["forward"](self.leaves, state, plan)
+
+  def forward_sampled(self, state: PoolState, plan: StepPlan):
+    """`forward_sampled`, bound: `(state, (next_tokens, status, SampleOutput))`."""
+    return self.jitted["forward_sampled"](self.leaves, state, plan)
+
+  def prefill(self, state: PoolState, seq_ids, tokens, num_new):
+    """`prefill`, bound."""
+    return self.jitted["prefill"](self.leaves, state, seq_ids, tokens, num_new)
+
+  def decode_step(self, state: PoolState, seq_ids, tokens):
+    """`decode_step`, bound."""
+    return self.jitted["decode_step"](self.leaves, state, seq_ids, tokens)
+
+  def decode_multi(self, state: PoolState, seq_ids, tokens, remaining, *, num_steps: int,
+                   stop_token: int = NO_STOP_TOKEN):
+    """`decode_multi`, bound (one program per `(num_steps, stop_token)`)."""
+    return self.jitted["decode_multi"](self.leaves, state, seq_ids, tokens, remaining,
+                                       num_steps=num_steps, stop_token=stop_token)
+
+  def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *, num_steps: int):
+    """`run_decode_steps`, bound: `(state, (tokens i32[k, B], status i32[k, B]))`, plus
+    the `SampleOutput` (leading k axis) when `plan.sampling` is given.
+
+    Raises:
+      InvalidArgument: `num_steps` is not an int >= 1, `plan.max_query_len != 1`
+        or `remaining` is not `[B]`-shaped (before the call: `state` is intact).
+    """
+    multistep.check_decode_steps(plan, remaining, num_steps)
+    return self.jitted["decode_steps"](self.leaves, state, plan, remaining, num_steps=num_steps)
+
+
+def bind(model: nnx.Module, config: PoolConfig, *, impl: str | None = None, interpret=None,
+         out_shardings=None) -> ModelSteps:
+  """The fast steps of `model` over a pool of `config` (see `ModelSteps`).
+
+  The model's parameters are read now (`nnx.split`); a later change to `model` is
+  not seen (call `set_params(nnx.state(model))`).
+  """
+  graphdef, params = nnx.split(model)
+  return ModelSteps(graphdef, params, config, impl=impl, interpret=interpret,
+                    out_shardings=out_shardings)
+
+
+def release_programs() -> None:
+  """Drops the compiled programs of every step: the module-level functions' and
+  those of every live `ModelSteps` (they recompile on next use)."""
+  for fn in (forward, forward_sampled, prefill, decode_step, decode_multi):
+    fn.clear_cache()
+  for steps in list(_BINDINGS):
+    steps.clear_cache()

@@ -36,7 +36,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.kv import gather_kv
 from paged_kv.core.state import PoolState, init_pool
-from paged_kv.model.plan import StepPlan
 from paged_kv.parallel import sharding
 from paged_kv.serving.executor import ModelExecutor
 
@@ -65,6 +64,9 @@ class ShardedModelExecutor(ModelExecutor):
     mesh = sharding.make_tp_mesh()                       # all processes' devices
     pool = BlockPool(config, state=sharding.init_sharded_pool(config, mesh))
     executor = ShardedModelExecutor(model, config, mesh)
+
+  Its steps (`step`, `decode_steps`) are `ModelExecutor`'s, bound with the
+  outputs' shardings pinned and the weights placed on the mesh once.
   """
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, mesh: Mesh, *,
@@ -93,32 +95,14 @@ class ShardedModelExecutor(ModelExecutor):
     if self.exact:
       set_activation_sharding(model, self._replicated)
     super().__init__(model, pool_config, impl=impl, interpret=interpret)
-    self.params = jax.device_put(self.params, self._replicated)
-    self._steps: dict[PoolConfig, tuple] = {}
+    self.steps.set_params(jax.device_put(self.steps.params, self._replicated))
 
-  def _jitted(self) -> tuple:
-    """The greedy and the sampled step for the current config, outputs pinned."""
-    fns = self._steps.get(self.config)
-    if fns is None:
-      state_shardings = sharding.pool_shardings(
-          jax.eval_shape(functools.partial(init_pool, self.config)), self.mesh, axis=self.axis)
-      out = (state_shardings, self._replicated)  # a prefix: every step output replicated
-      statics = ("graphdef", "config", "impl", "interpret")
-      fns = tuple(jax.jit(fn, static_argnames=statics, donate_argnames=("state",),
-                          out_shardings=out) for fn in (self._forward, self._forward_sampled))
-      self._steps[self.config] = fns
-    return fns
-
-  def step(self, state: PoolState, plan: StepPlan) -> tuple:
-    forward, forward_sampled = self._jitted()
-    if plan.sampling is not None:
-      state, (nxt, status, out) = forward_sampled(self.params, state, plan,
-                                                  graphdef=self.graphdef, config=self.config,
-                                                  **self.kernel_args)
-      return state, nxt, status, out
-    state, (nxt, _, status) = forward(self.params, state, plan, graphdef=self.graphdef,
-                                      config=self.config, **self.kernel_args)
-    return state, nxt, status
+  def _out_shardings(self, config: PoolConfig):
+    """Every step output replicated, the pool's pages sharded over `axis` (pinned:
+    compile once)."""
+    state_shardings = sharding.pool_shardings(
+        jax.eval_shape(functools.partial(init_pool, config)), self.mesh, axis=self.axis)
+    return (state_shardings, self._replicated)  # a prefix of every step's (state, out)
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "out_sharding"))

@@ -2,13 +2,33 @@
 
   * `Executor` — the protocol the `Scheduler` calls: `step(state, plan) -> (state,
     next_tokens, status)` for a `paged_kv.model.StepPlan` holding the step's
-    prefill chunks and decode tokens together.
+    prefill chunks and decode tokens together; optionally `decode_steps(state,
+    plan, remaining, *, num_steps)`: k decode steps in one dispatch.
   * `DryExecutor` — memory dynamics only (reserves the slots, computes nothing),
     for trace replay and scheduler tests.
   * `ModelExecutor` — a Flax NNX model (e.g. `paged_kv.model.llama.TinyLlama`)
-    through the jitted mixed step `paged_kv.model.steps.forward`, greedy sampling.
+    through its bound jitted steps (`paged_kv.model.steps.bind`: built once, a
+    call hashes nothing, microseconds of host time whatever the model's depth).
 
 This module imports no flax: `ModelExecutor` loads the model steps when built.
+
+Optional attributes the scheduler reads:
+
+  * `samples = True`: the executor applies `plan.sampling` (the scheduler then
+    always hands it one) and may return the rows' `SampleOutput` fourth.
+  * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
+    the device from the previous step's `next_tokens`) inside its jitted step;
+    for any other the scheduler resolves them first.
+  * `decode_steps(state, plan, remaining, *, num_steps)`: `num_steps` (k) decode
+    steps of a decode plan in one dispatch. Row b runs step j iff `seq_ids[b] >=
+    0`, `j < remaining[b]` and none of its earlier reservations failed; step j
+    reserves with `reserve_tokens(state, where(live_j, seq_ids, -1), ones,
+    max_new_tokens=1)` (what the host predicts on its mirror; a stop token does
+    not end a row: the host drops tokens past a stop) and its input tokens are
+    step j-1's samples. Returns `(state, tokens i32[k, B], status i32[k, B])`,
+    plus a `SampleOutput` with a leading k axis when `plan.sampling` is given;
+    the same contract as `step` (donation, `attach_state`). Tokens equal k
+    single steps'.
 
 The executor contract (what keeps a failed step from destroying the pool):
 
@@ -25,7 +45,7 @@ The executor contract (what keeps a failed step from destroying the pool):
      naming the deleted buffers, instead of failing later on deleted arrays.
 
 Pool resizes (`Scheduler.shrink_to`): an executor that holds the pool's config
-(both library executors do: it is a static argument of their jitted step) has
+(both library executors do: their jitted steps are built for it) has
 `resize(config)`, which the scheduler calls right after the pool changed size;
 the next `step` then runs (and compiles once) at the new shapes. An executor
 with a `config` but no `resize` cannot follow, and the scheduler refuses to
@@ -37,12 +57,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Protocol
 
+import jax
 import numpy as np
 
 from paged_kv.core import segments
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.state import PoolState
+from paged_kv.model import multistep
 from paged_kv.model.plan import StepPlan
 
 if TYPE_CHECKING:
@@ -101,21 +123,23 @@ class Executor(Protocol):
     """
 
   # Optional: `resize(config: PoolConfig) -> None`, for an executor that holds the
-  # pool's config (see the module docstring); `samples = True`, for one that applies
-  # `plan.sampling` (the scheduler then always hands it one).
+  # pool's config; `samples`, `carries_tokens` and `decode_steps` (the module docstring).
 
 
 class DryExecutor:
   """Memory dynamics only: reserves the slots, computes nothing, samples token 0."""
 
   uses_tokens = False  # one program per `max_query_len`, whatever the token width
+  carries_tokens = True  # it reads no tokens, so carried ones need no resolving
 
   def __init__(self, config: PoolConfig):
     self.config = config
+    self._decode_steps = _reserve_steps_program(config)
 
   def resize(self, config: PoolConfig) -> None:
     """Follows a pool resize: later steps run at `config`'s shapes."""
     self.config = check_resized(self.config, config)
+    self._decode_steps = _reserve_steps_program(self.config)
 
   def step(self, state: PoolState,
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
@@ -125,6 +149,32 @@ class DryExecutor:
     # The status stays on the device: the scheduler predicted it on its host mirror
     # and compares the two once the device is done (no wait).
     return state, np.zeros(plan.seq_ids.shape, np.int32), status
+
+  def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
+                   num_steps: int) -> tuple[PoolState, np.ndarray, Any]:
+    """`num_steps` decode steps' reservations in one jitted program (`lax.scan`).
+
+    Returns:
+      `(state, tokens, status i32[k, B])`: host zeros for the tokens (the host
+      knows which rows ran from its own prediction), the device's statuses.
+
+    Raises:
+      InvalidArgument: as `paged_kv.model.multistep.check_decode_steps` (before
+        the call: `state` is intact).
+    """
+    multistep.check_decode_steps(plan, remaining, num_steps)
+    state, status = self._decode_steps(state, plan.seq_ids, remaining, num_steps=num_steps)
+    return state, np.zeros((num_steps, plan.num_rows), np.int32), status
+
+
+def _reserve_steps_program(config: PoolConfig):
+  """`multistep.reserve_decode_steps` jitted for `config` (closed over: not hashed per call)."""
+
+  def run(state, seq_ids, remaining, *, num_steps):
+    return multistep.reserve_decode_steps(state, seq_ids, remaining, config=config,
+                                          num_steps=num_steps)
+
+  return jax.jit(run, static_argnames=("num_steps",), donate_argnums=0)
 
 
 class ModelExecutor:
@@ -140,22 +190,30 @@ class ModelExecutor:
   step's prefill chunks. Which form is read from the signature once, when the
   executor is built (`uses_logits_indices`), and by the step while tracing.
 
+  The steps are bound once (`steps`: a `paged_kv.model.steps.ModelSteps`; a resize
+  binds anew): a step call hashes nothing and flattens no parameter tree.
+
   Example:
     sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
 
-  Compilations: one per `(num_tokens, max_query_len)` of the plans it sees; the
+  Compilations: one per `(num_tokens, max_query_len)` of the plans it sees (and
+  per sampling / logprobs width / carried tokens: the plan's tree structure); the
   scheduler rounds `num_tokens` up to a power of two and uses two values of
-  `max_query_len` (1 for decode-only steps, `prefill_chunk` otherwise).
+  `max_query_len` (1 for decode-only steps, `prefill_chunk` otherwise); one per
+  `num_steps` for `decode_steps`.
   """
+
+  samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
+  carries_tokens = True  # `plan.carried` is resolved inside the jitted step
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
                impl: str | None = None, interpret: bool | None = None):
-    """Splits the model for the jitted step.
+    """Checks the model and binds its steps to the pool's config.
 
     Args:
       model: the model (an `nnx.Module` meeting `paged_kv.model.contract`);
         `model.config` is checked against the pool when it has `num_layers`,
-        `num_kv_heads` and `head_dim`.
+        `num_kv_heads` and `head_dim`. Its parameters are read now.
       pool_config: the pool the scheduler serves from.
       impl: attention path (`None`: `paged_kv.model.default_impl()` for the backend).
       interpret: Pallas interpret mode (`None`: on CPU only).
@@ -166,7 +224,6 @@ class ModelExecutor:
         message names what.
       InvalidArgument: `model.config` does not match the pool.
     """
-    from paged_kv.model.nnx_import import nnx
     from paged_kv.model import contract, llama, steps
     if not isinstance(pool_config, PoolConfig):
       raise InvalidArgument(f"pool_config must be a PoolConfig, got {type(pool_config).__name__}")
@@ -175,26 +232,52 @@ class ModelExecutor:
       llama.check_pool_matches_model(pool_config, model_config)
     self.vocab_size = contract.check_model(model, pool_config)
     self.uses_logits_indices = contract.accepts_logits_indices(model)
-    self._forward = steps.forward
-    self._forward_sampled = steps.forward_sampled
-    self.graphdef, self.params = nnx.split(model)
     self.config = pool_config
     self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
+    self.steps = steps.bind(model, pool_config, out_shardings=self._out_shardings(pool_config),
+                            **self.kernel_args)
+
+  def _out_shardings(self, config: PoolConfig):
+    """The programs' `out_shardings` for `config` (None: the compiler's choice)."""
+    del config
+    return None
+
+  @property
+  def graphdef(self) -> "nnx.GraphDef":
+    """The model's graph definition."""
+    return self.steps.graphdef
+
+  @property
+  def params(self) -> "nnx.State":
+    """The model's parameters (rebuilt from the bound arrays; not for the step loop)."""
+    return self.steps.params
 
   def resize(self, config: PoolConfig) -> None:
-    """Follows a pool resize: the next step compiles once for `config`'s shapes."""
+    """Follows a pool resize: binds the steps anew (the old size's programs go with
+    the old binding); the next step compiles once for `config`'s shapes."""
     self.config = check_resized(self.config, config)
-
-  samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
+    self.steps = self.steps.replace(config=config, out_shardings=self._out_shardings(config))
 
   def step(self, state: PoolState, plan: StepPlan) -> tuple:
     if plan.sampling is not None:
-      state, (nxt, status, out) = self._forward_sampled(
-          self.params, state, plan, graphdef=self.graphdef, config=self.config,
-          **self.kernel_args)
+      state, (nxt, status, out) = self.steps.forward_sampled(state, plan)
       return state, nxt, status, out
-    state, (nxt, _, status) = self._forward(self.params, state, plan, graphdef=self.graphdef,
-                                            config=self.config, **self.kernel_args)
+    state, (nxt, _, status) = self.steps.forward(state, plan)
     # Device arrays: the caller reads the tokens (it needs them) and compares the
     # status with its own prediction once ready.
     return state, nxt, status
+
+  def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
+                   num_steps: int) -> tuple:
+    """`num_steps` decode steps in one dispatch (see the module docstring).
+
+    Returns:
+      `(state, tokens i32[k, B], status i32[k, B])`, and the `SampleOutput`
+      (leading k axis) fourth when `plan.sampling` is given; device arrays.
+
+    Raises:
+      InvalidArgument: not a decode plan, `num_steps < 1` or `remaining` not
+        `[B]` (before the call: `state` is intact).
+    """
+    state, out = self.steps.decode_steps(state, plan, remaining, num_steps=num_steps)
+    return (state, *out)

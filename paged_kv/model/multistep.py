@@ -1,0 +1,110 @@
+"""Several decode steps in one jitted program: which rows run each step.
+
+`scan_decode(step, state, seq_ids, tokens, remaining, *, num_steps)` runs `num_steps`
+decode steps in a `lax.scan`. Row b runs step j iff `seq_ids[b] >= 0`,
+`j < remaining[b]` and none of its earlier steps' reservations failed; a row that
+samples a stop token keeps running (the host drops the tokens past a stop), so the
+rows of every step follow from the inputs and the statuses alone, and the host can
+predict each step's reservation on its mirror. Each step's input token of a row is
+its previous step's sampled token.
+
+`reserve_decode_steps` is the same schedule with reservations only (one slot per
+running row per step): the memory dynamics of k decode steps, no model.
+
+Needs only JAX (no flax): `paged_kv.serving.executor.DryExecutor` uses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import InvalidArgument, Status
+from paged_kv.core.segments import reserve_tokens
+from paged_kv.core.state import PoolState
+
+# step(state, seq_ids i32[B], tokens i32[B], j) -> (state, (sampled i32[B], status i32[B], extra))
+DecodeFn = Callable[[PoolState, jax.Array, jax.Array, jax.Array],
+                    tuple[PoolState, tuple[jax.Array, jax.Array, Any]]]
+
+
+def check_decode_steps(plan, remaining, num_steps) -> None:
+  """Host check of a `decode_steps(state, plan, remaining, *, num_steps)` call.
+
+  Raises:
+    InvalidArgument: `num_steps` is not an int >= 1, `plan.max_query_len != 1`
+      (not a decode plan) or `remaining` is not `[B]`-shaped.
+  """
+  if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+    raise InvalidArgument(f"num_steps must be an int >= 1, got {num_steps!r}")
+  if plan.max_query_len != 1:
+    raise InvalidArgument(f"decode_steps takes a decode plan (max_query_len 1), got "
+                          f"max_query_len={plan.max_query_len}")
+  shape = tuple(getattr(remaining, "shape", ()))
+  if shape != (plan.num_rows,):
+    raise InvalidArgument(f"remaining must be i32[{plan.num_rows}] (one per row), got shape "
+                          f"{shape}")
+
+
+def scan_decode(step: DecodeFn, state: PoolState, seq_ids: jax.Array, tokens: jax.Array,
+                remaining: jax.Array, *, num_steps: int
+                ) -> tuple[PoolState, tuple[jax.Array, jax.Array, Any]]:
+  """`num_steps` decode steps of a batch in one `lax.scan` (see the module docstring).
+
+  Args:
+    step: one decode step; called (traced once) with `seq_ids` where the rows that
+      do not run are `-1`, each row's input token and the step index `j` (`i32[]`).
+      Returns the state, each row's sampled token, its reservation status and any
+      pytree `extra` (stacked over the steps).
+    state: the pool.
+    seq_ids: `i32[B]` rows (`-1` = padding).
+    tokens: `i32[B]` each row's input token of step 0.
+    remaining: `i32[B]` the most steps each row runs.
+    num_steps: static number of steps k.
+
+  Returns:
+    `(state, (tokens i32[k, B], status i32[k, B], extra))`: each step's sampled
+    token (`-1` where the row did not run or its reservation failed) and status
+    (`OK` for rows that did not run).
+  """
+  seq_ids = jnp.asarray(seq_ids, jnp.int32)
+  remaining = jnp.asarray(remaining, jnp.int32)
+
+  def body(carry, j):
+    state, tokens, failed = carry
+    live = (seq_ids >= 0) & (j < remaining) & ~failed
+    state, (sampled, status, extra) = step(state, jnp.where(live, seq_ids, -1), tokens, j)
+    ok = live & (status == Status.OK)
+    failed = failed | (live & (status != Status.OK))
+    tokens = jnp.where(ok, sampled, tokens)
+    return (state, tokens, failed), (jnp.where(ok, sampled, -1).astype(jnp.int32),
+                                     jnp.asarray(status, jnp.int32), extra)
+
+  init = (state, jnp.asarray(tokens, jnp.int32), jnp.zeros(seq_ids.shape, bool))
+  (state, _, _), out = jax.lax.scan(body, init, jnp.arange(num_steps, dtype=jnp.int32))
+  return state, out
+
+
+def reserve_decode_steps(state: PoolState, seq_ids: jax.Array, remaining: jax.Array, *,
+                         config: PoolConfig,
+                         num_steps: int) -> tuple[PoolState, jax.Array]:
+  """The reservations of `num_steps` decode steps (`scan_decode`'s rows), no model.
+
+  Step j is `reserve_tokens(state, where(live_j, seq_ids, -1), ones, max_new_tokens=1)`.
+
+  Returns:
+    `(state, status i32[k, B])`: each step's reservation status.
+  """
+  ones = jnp.ones(jnp.shape(seq_ids), jnp.int32)
+
+  def step(state, ids, tokens, j):
+    del j
+    state, (_, status) = reserve_tokens(state, ids, ones, config=config, max_new_tokens=1)
+    return state, (tokens, status, None)
+
+  state, (_, status, _) = scan_decode(step, state, seq_ids, jnp.zeros_like(ones), remaining,
+                                      num_steps=num_steps)
+  return state, status
