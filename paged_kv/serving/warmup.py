@@ -205,11 +205,11 @@ def release_programs() -> None:
          regions.resize_state]  # the cut's own program: one per pair of sizes, used once
   from paged_kv.serving import forward_pass  # pylint: disable=g-import-not-at-top
   fns += [forward_pass._last_tokens, forward_pass._resolve_carried]  # pylint: disable=protected-access
-  steps = sys.modules.get("paged_kv.model.steps")  # only if a model executor loaded it
-  if steps is not None:
-    fns += [steps.forward, steps.forward_sampled]
   for fn in fns:
     fn.clear_cache()
+  steps = sys.modules.get("paged_kv.model.steps")  # only if a model executor loaded it
+  if steps is not None:
+    steps.release_programs()  # the module's and every bound executor's
   resize.release_programs()  # a staged cut's per-layer copies
   gc.collect()  # the executables go with their last reference
   counters.trim_heap()  # and their pages back to the OS (RSS), where the libc allows
