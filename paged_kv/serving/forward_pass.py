@@ -263,9 +263,11 @@ class ForwardPass:
 
   # ------------------------------------------------------------------ dispatch helpers
   def _with_carried(self, executor: Executor, plan, decodes: list[Request]):
-    """In the overlapped loop, `plan` with its decode rows' unread input tokens taken
-    from the newest flight on the device (every step carries, so one program serves)."""
-    if not self.config.overlap or not getattr(executor, "uses_tokens", True):
+    """`plan` with its decode rows' unread input tokens taken from the newest flight
+    on the device. Every plan for an executor that carries tokens carries them (none
+    in the synchronous loop), so both loops run the same programs."""
+    carries = getattr(executor, "carries_tokens", False)
+    if (not (self.config.overlap or carries)) or not getattr(executor, "uses_tokens", True):
       return plan
     src = np.full(np.shape(plan.tokens), -1, np.int32)
     for i, r in enumerate(decodes):
@@ -273,7 +275,7 @@ class ForwardPass:
         src[i] = r.carry_row
     prev = self.flights[-1].last if self.flights else self._placeholder(plan)
     carried = CarriedTokens(prev=prev, src=src)
-    if getattr(executor, "carries_tokens", False):
+    if carries:
       return dataclasses.replace(plan, carried=carried)
     self.pool.runtime.dispatch("data")
     return dataclasses.replace(plan, tokens=_resolve_carried(carried, plan.tokens))
