@@ -170,9 +170,9 @@ def _checkpoint(on_gpu: bool) -> tuple[pathlib.Path, str, float, str | None]:
   return path, f"random {shape} ({dtype})", time.perf_counter() - t0, tmp
 
 
-def _hf_compare(path, workloads: dict[int, sb.Workload], rows: list[dict]) -> str:
-  """Adds transformers' verdicts to `rows` (greedy and teacher-forced, the first
-  `--hf_requests` requests of each batch row); returns the line that says what ran."""
+def _hf_compare(path, workloads: dict[int, sb.Workload], runs: list[dict]) -> str:
+  """Adds transformers' verdicts to `runs` (their first `--hf_requests` requests);
+  returns the line that says what ran."""
   if not _HF_COMPARE.value:
     return "transformers comparison off (--nohf_compare)."
   why = hf_reference.available()
@@ -181,28 +181,20 @@ def _hf_compare(path, workloads: dict[int, sb.Workload], rows: list[dict]) -> st
   n = _HF_REQUESTS.value or None
   print("transformers: loading the checkpoint ...", flush=True)
   ref = hf_reference.Reference(path)
-  prompts = {b: w.prompts[:n] for b, w in workloads.items()}
-  flat = [p for ps in prompts.values() for p in ps]
-  lens = [o for w in workloads.values() for o in w.output_lens[:n]]
-  print(f"transformers generate: {len(flat)} requests ...", flush=True)
-  greedy = ref.greedy(flat, lens, batch_size=_HF_BATCH.value)
-  theirs, at = {}, 0
-  for b, ps in prompts.items():
-    theirs[b] = greedy.outputs[at:at + len(ps)]
-    at += len(ps)
-  for row in rows:
-    b = row["batch"]
-    ours = row["outputs"][:len(theirs[b])]
-    equal, diffs = hf_reference.compare(ours, theirs[b])
-    check = ref.check(prompts[b], ours, tie_tolerance=_HF_TIE.value)
-    row.update(hf_compared=len(ours), hf_equal=equal, hf_first_diffs=diffs[:8],
-               hf_tokens=check.tokens, hf_tokens_off=len(check.off), hf_off=check.off[:8])
+  print("transformers: generate and teacher-forced check ...", flush=True)
+  verdicts, rate = sb.compare_with_reference(
+      ref, {b: w.prompts for b, w in workloads.items()},
+      {b: w.output_lens for b, w in workloads.items()},
+      {(x["batch"], x["loop"]): x["outputs"][:n] for x in runs},
+      tie_tolerance=_HF_TIE.value, batch_size=_HF_BATCH.value)
   ref.close()
-  return (f"transformers {ref.version} ({ref.device}, {ref.dtype}): generate "
-          f"{sum(lens) / max(greedy.seconds, 1e-9):,.0f} tokens/s; '= HF': requests whose "
-          f"greedy tokens all equal transformers' generate; 'argmax': our tokens that are "
-          f"transformers' argmax given our sequence (teacher-forced, ties within "
-          f"{_HF_TIE.value:g} std of the position's logits allowed).")
+  for x in runs:
+    x["hf"] = verdicts[x["batch"], x["loop"]]
+  return (f"transformers {ref.version} ({ref.device}, {ref.dtype}): generate {rate:,.0f} "
+          f"tokens/s; '= HF': requests whose greedy tokens all equal transformers' "
+          f"generate; 'argmax': our tokens that are transformers' argmax given our "
+          f"sequence (teacher-forced, ties within {_HF_TIE.value:g} std of the position's "
+          f"logits allowed).")
 
 
 def main(argv):
@@ -324,10 +316,9 @@ def main(argv):
   for r in rows:
     dev = (f" {r['device_step_ms']:7.2f} {r['serving_over_device']:6.2f}x"
            if _DEVICE_STEP.value else "")
-    hf_row = next((x for x in runs[r["batch"], r["loop"]] if x["round"] == 0), r)
-    match = f"{hf_row['hf_equal']}/{hf_row['hf_compared']}" if "hf_equal" in hf_row else "-"
-    argmax = (f"{hf_row['hf_tokens'] - hf_row['hf_tokens_off']}/{hf_row['hf_tokens']}"
-              if "hf_tokens" in hf_row else "-")
+    hf = next((x for x in runs[r["batch"], r["loop"]] if x["round"] == 0), r).get("hf")
+    match = f"{hf['equal']}/{hf['compared']}" if hf else "-"
+    argmax = f"{hf['tokens'] - hf['tokens_off']}/{hf['tokens']}" if hf else "-"
     print(f"{r['batch']:5d} {r['loop']:>10} {r['decode_steps']:2d} {r['requests']:5d} "
           f"{r['tokens_per_s']:10.1f} {r['ttft_p50_ms']:9.2f} {r['ttft_p99_ms']:9.2f} "
           f"{r['tpot_p50_ms']:9.2f} {r['tpot_p99_ms']:9.2f} {r['step_p50_ms']:9.2f} "

@@ -13,6 +13,9 @@
   * `device_step_seconds` — the device's own decode step for a batch:
     `PagedRunner.decode` with `steps_per_call` steps per jitted call
     (`decode_multi`), no scheduler.
+  * `compare_with_reference` — served tokens against a reference implementation
+    (`paged_kv.model.hf_reference.Reference`: transformers), greedy and
+    teacher-forced.
 
 Definitions (those of vLLM's serving benchmark): output tokens/s = output
 tokens / wall time of the run; TTFT = first token - submit; TPOT = (last token -
@@ -274,3 +277,45 @@ def ceiling(tokens_per_s: float, step_bytes: int, rate: float, batch: int) -> tu
   floor_s = step_bytes / rate
   top = batch / floor_s
   return top, (tokens_per_s / top if top > 0 else math.nan)
+
+
+def compare_with_reference(ref, prompts: dict, output_lens: dict, outputs: dict, *,
+                           tie_tolerance: float = 0.1, batch_size: int = 64
+                           ) -> tuple[dict, float]:
+  """Served outputs against `ref` (`hf_reference.Reference` or the same interface).
+
+  Args:
+    ref: has `greedy(prompts, output_lens, batch_size=)` and `check(prompts, outputs,
+      tie_tolerance=)`.
+    prompts: `{prompt set: [prompt, ...]}`.
+    output_lens: `{prompt set: [tokens to generate, ...]}`.
+    outputs: `{(prompt set, label): [served output, ...]}`, the first
+      `len(outputs[...])` prompts of the set (e.g. one entry per loop).
+    tie_tolerance: the teacher-forced check's near-tie allowance (in standard
+      deviations of the position's logits).
+    batch_size: requests per reference `generate` call.
+
+  Returns:
+    `({(prompt set, label): verdict}, reference tokens/s)`; a verdict holds
+    `compared`, `equal` (requests whose greedy tokens equal the reference's in full),
+    `first_diffs` ((request, position) of the first 8 others), `tokens` checked
+    teacher-forced, `tokens_off` and `off` (the first 8: request, position, gap).
+  """
+  from paged_kv.model import hf_reference  # pylint: disable=import-outside-toplevel
+  sizes = {p: max((len(o) for (q, _), o in outputs.items() if q == p), default=0)
+           for p in prompts}
+  flat = [x for p in prompts for x in prompts[p][:sizes[p]]]
+  lens = [x for p in prompts for x in output_lens[p][:sizes[p]]]
+  greedy = ref.greedy(flat, lens, batch_size=batch_size)
+  theirs, at = {}, 0
+  for p in prompts:
+    theirs[p] = greedy.outputs[at:at + sizes[p]]
+    at += sizes[p]
+  verdicts = {}
+  for (p, label), ours in outputs.items():
+    equal, diffs = hf_reference.compare(ours, theirs[p][:len(ours)])
+    check = ref.check(prompts[p][:len(ours)], ours, tie_tolerance=tie_tolerance)
+    verdicts[p, label] = dict(compared=len(ours), equal=equal, first_diffs=diffs[:8],
+                              tokens=check.tokens, tokens_off=len(check.off),
+                              off=check.off[:8])
+  return verdicts, sum(lens) / max(greedy.seconds, 1e-9)
