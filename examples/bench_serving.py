@@ -299,7 +299,7 @@ def main(argv):
   for loop in loops:
     print(f"Warm-up ({loop}): {warm[loop].programs} programs, {warm[loop].compiles} compiled, "
           f"{warm[loop].cache_loads} from the persistent cache, {warm[loop].seconds:.1f} s.")
-  print(f"Ceiling: weights read per decode step {weight_bytes / 1e9:.3f} GB + K/V "
+  print(f"Ceiling: weights read per decode step {weight_bytes / 1e6:,.1f} MB + K/V "
         f"{kv_token} bytes per token of context, at a copy rate of {gbps:.1f} GB/s "
         f"(x + 1 over {copy_bytes >> 20} MiB, measured here)"
         + ("; on a CPU the % of the ceiling is only indicative." if not on_gpu else "."))
