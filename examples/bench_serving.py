@@ -15,8 +15,10 @@ request generates its full output length.
 The sweep: for each `--batch` B, B requests are kept in flight (a finished one is
 replaced by the next; vLLM's `--max-concurrency`). ONE program set serves the whole
 sweep: the scheduler's `max_batch` is the largest B and smaller B only run fewer
-rows, so nothing recompiles between batches (`Scheduler.warmup()` compiles the set
-once, before the first row). Each batch row gets prompts of its own (no prefix-cache
+rows, so nothing recompiles between batches (`--warmup=full`: `Scheduler.warmup()`
+compiles the set once, before the first row; `--warmup=serve`: each row's workload
+shape is served once untimed, other prompts of the same lengths, which compiles only
+the programs the rows run: fewer at a large `max_batch`). Each batch row gets prompts of its own (no prefix-cache
 hits from an earlier row) and an untimed run of B short requests first. For each
 loop in `--overlap` (the synchronous loop, the overlapped one, or both, each with
 its own scheduler and pool over one shared executor) and `--decode_steps`
@@ -69,7 +71,7 @@ import jax
 from absl import app, flags
 
 from paged_kv.model import hf_checkpoint, hf_reference, random_checkpoint
-from paged_kv.runtime import compile_cache
+from paged_kv.runtime import compile_cache, counters
 from paged_kv.serving import serving_bench as sb
 from paged_kv.serving.executor import ModelExecutor
 from paged_kv.serving.scheduler import SchedulerConfig
@@ -110,6 +112,9 @@ _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prompt tokens per s
 _PREFILL_BUDGET = flags.DEFINE_integer("prefill_token_budget", 2048, "Prompt tokens per step.")
 _IMPL = flags.DEFINE_enum("impl", None, ["xla", "pallas", "mosaic"],
                           "Attention path (default: paged_kv.model.default_impl).")
+_WARMUP = flags.DEFINE_enum("warmup", "full", ["full", "serve"], "full: Scheduler.warmup() "
+                            "(every program of the config); serve: an untimed pass of each "
+                            "row's workload shape before its first round.")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Rounds over every (batch, loop), each with "
                                 "prompts of its own and the loops in turn first; the table "
                                 "shows each row's median round by tokens/s.")
@@ -197,6 +202,16 @@ def _hf_compare(path, workloads: dict[int, sb.Workload], runs: list[dict]) -> st
           f"logits allowed).")
 
 
+def _serve_warmup(sched, workload: sb.Workload, batch: int, first_id: int, warm: dict):
+  """`--warmup=serve`: serves `workload` untimed; adds its compiles and time to `warm`."""
+  compiles, loads, t0 = counters.backend_compiles(), counters.cache_loads(), time.perf_counter()
+  sb.run_closed_loop(sched, workload, batch, first_id=first_id)
+  warm.update(requests=warm["requests"] + len(workload),
+              compiles=warm["compiles"] + counters.backend_compiles() - compiles,
+              cache_loads=warm["cache_loads"] + counters.cache_loads() - loads,
+              seconds=warm["seconds"] + time.perf_counter() - t0)
+
+
 def main(argv):
   del argv
   if _COMPILE_CACHE.value:
@@ -232,9 +247,14 @@ def main(argv):
           compaction=None, overlap=LOOPS[loop], decode_steps=_DECODE_STEPS.value,
           max_seq_len=max_len)
       scheds[loop] = sb.build_scheduler(executor, pool_config, sched_config)
-      print(f"warm-up ({loop}) ...", flush=True)
-      warm[loop] = scheds[loop].warmup(progress=False, persistence=False)
-      print(f"  {warm[loop]}", flush=True)
+      if _WARMUP.value == "full":
+        print(f"warm-up ({loop}) ...", flush=True)
+        w = scheds[loop].warmup(progress=False, persistence=False)
+        warm[loop] = dict(mode="full", programs=w.programs, compiles=w.compiles,
+                          cache_loads=w.cache_loads, seconds=w.seconds)
+        print(f"  {w}", flush=True)
+      else:
+        warm[loop] = dict(mode="serve", requests=0, compiles=0, cache_loads=0, seconds=0.0)
     copy_bytes = (_COPY_MIB.value or (2048 if on_gpu else 128)) << 20
     rate = sb.copy_rate(copy_bytes)
     weight_bytes = sb.weight_bytes_per_step(ckpt.model)
@@ -255,6 +275,10 @@ def main(argv):
                                      seed=_SEED.value + 100_000 + 1000 * r + b)
         for loop in (loops if r % 2 == 0 else loops[::-1]):
           sched = scheds[loop]
+          if _WARMUP.value == "serve" and r == 0:
+            _serve_warmup(sched, sb.shadow_workload(wl, vocab, seed=_SEED.value + 200_000 + b),
+                          b, next_id[loop], warm[loop])
+            next_id[loop] += len(wl)
           sb.warm_run(sched, warm_wl, b, first_id=next_id[loop])
           next_id[loop] += len(warm_wl)
           res = sb.run_closed_loop(sched, wl, b, first_id=next_id[loop])
@@ -297,8 +321,11 @@ def main(argv):
         f"{pool_config.block_size}; max_batch {max(batches)} for every row, prefill chunk "
         f"{_PREFILL_CHUNK.value}, budget {max(_PREFILL_BUDGET.value, _PREFILL_CHUNK.value)}.")
   for loop in loops:
-    print(f"Warm-up ({loop}): {warm[loop].programs} programs, {warm[loop].compiles} compiled, "
-          f"{warm[loop].cache_loads} from the persistent cache, {warm[loop].seconds:.1f} s.")
+    w = warm[loop]
+    what = (f"{w['programs']} programs" if w["mode"] == "full" else
+            f"each row's workload shape served untimed ({w['requests']} requests)")
+    print(f"Warm-up ({loop}): {what}, {w['compiles']} compiled, {w['cache_loads']} from the "
+          f"persistent cache, {w['seconds']:.1f} s.")
   print(f"Ceiling: weights read per decode step {weight_bytes / 1e6:,.1f} MB + K/V "
         f"{kv_token} bytes per token of context, at a copy rate of {gbps:.1f} GB/s "
         f"(x + 1 over {copy_bytes >> 20} MiB, measured here)"
@@ -332,9 +359,7 @@ def main(argv):
                            head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, dtype=cfg.dtype,
                            write_s=write_s, load_s=load_s),
              "workload": workloads[batches[0], 0].source, "num_blocks": pool_config.num_blocks,
-             "warmup": {loop: dict(programs=w.programs, compiles=w.compiles,
-                                   cache_loads=w.cache_loads, seconds=w.seconds)
-                        for loop, w in warm.items()},
+             "warmup": warm,
              "copy": dict(bytes=copy_bytes, bytes_per_s=rate), "weight_bytes": weight_bytes,
              "kv_bytes_per_token": kv_token, "loops_agree": all(agree),
              "runs": [dict(batch=b, loop=loop, rounds=xs) for (b, loop), xs in runs.items()],

@@ -16,11 +16,12 @@ x 8k, batch 1 x 128k and a mixed prefill+decode step, fp8 (e4m3) pages, head
 dims 64 and 256, and the block permutation at 32, 256 and 1,024 moves.
 Then the serving rows (`gpu_check_rows.serving_rows`, ids `serving/...`;
 `--skip=serving/` leaves them out): a random Llama-3.2-1B-shaped checkpoint
-written and loaded, the device's own decode step at batch 1 and 64
-(`decode_multi`, 16 steps per call), one warm-up of the synchronous and the
-overlapped loop, each loop at batch 1 and 64 (tokens/s, step p50/p90, TTFT,
-TPOT, % of the bandwidth ceiling in `% copy`, step / device step against the
-goal), and the served tokens against transformers on the same checkpoint.
+written and loaded, the device's own decode step at batch 64 and 1
+(`decode_multi`, 16 steps per call), then the overlapped loop and the synchronous
+one, each warmed by a row of its own and run at batch 64 and 1 (tokens/s, step
+p50/p90, TTFT, TPOT, % of the bandwidth ceiling in `% copy`, step / device step
+against the goal, tokens equal between the loops), and the served tokens against
+transformers on the same checkpoint.
 
 How it runs: this process imports no JAX. One worker process
 (`--worker`, JAX and the device there) runs the rows one at a time; each row
@@ -278,7 +279,7 @@ _COLUMNS = ("row", "impl", "shape", "status", "us/call", "GB/s", "% copy", "x bu
 _KIND_IMPL = {"copy": "x + 1 (xla)", "builtin": "jax builtin",
               "dense": "jax.nn.dot_product_attention",
               "serving_checkpoint": "write + load_checkpoint",
-              "serving_warmup": "Scheduler.warmup", "serving_device": "decode_multi k=16",
+              "serving_warmup": "untimed serving pass", "serving_device": "decode_multi k=16",
               "serving_hf": "transformers"}
 
 

@@ -176,10 +176,6 @@ class ServingShape:
             f"chunk {self.prefill_chunk} budget {self.prefill_budget}, block {self.block_size}")
 
 
-SERVING_BATCHES = (1, 64)
-"""Concurrent requests of the serving rows (dry mode: 1 and 2)."""
-
-
 def _serving_shapes(dry: bool) -> dict:
   if dry:
     base = dict(model="tiny", dtype="float32", max_batch=2, prompt_len=16, output_len=8,
@@ -289,13 +285,19 @@ def _perm_rows(key, copy_ref):
           for impl in ("xla", "pallas", "mosaic")]
 
 
+SERVING_LOOPS = (("overlapped", True), ("sync", False))
+"""The loops the serving rows measure, in order (`SchedulerConfig.overlap`)."""
+
+
 def serving_rows() -> list[RowSpec]:
   """The serving rows (ids start with `serving/`, so `--skip=serving/` leaves them
-  out): the 1B shape at batch 1 and 64 through the synchronous and the overlapped
-  loop, after the checkpoint (written and loaded once per worker), the device's own
-  decode step per batch and one warm-up of both loops' schedulers (one program set
-  at max_batch 64 for both batches); then transformers on the same checkpoint.
-  Estimates are for an H200 (the 1B warm-up: ~6 s per program)."""
+  out): the 1B shape at batch 64 and 1 through the overlapped and the synchronous
+  loop, after the checkpoint (written and loaded once per worker) and the device's own
+  decode step per batch; each loop's scheduler (max_batch 64 for both batches) is
+  warmed by a row of its own that serves both batches' workload shapes untimed, so it
+  compiles only the ~9 model programs they run (`Scheduler.warmup()` compiles all 18
+  buckets, ~2.5 min per loop at 1B on the H200); then transformers on the same
+  checkpoint. Estimates are for an H200 (~9 s per 1B model program)."""
   rows = [
       RowSpec("serving/copy/1b", "copy", "serving-1b-b64", limit_s=30, est_s=3),
       RowSpec("serving/checkpoint/1b", "serving_checkpoint", "serving-1b", limit_s=150,
@@ -303,16 +305,17 @@ def serving_rows() -> list[RowSpec]:
   ]
   for b in ("b64", "b1"):
     rows.append(RowSpec(f"serving/device/1b-{b}", "serving_device", f"serving-1b-{b}",
-                        limit_s=90, est_s=25,
-                        copy_ref="serving/copy/1b", needs=("serving/checkpoint/1b",)))
-  rows.append(RowSpec("serving/warmup/1b", "serving_warmup", "serving-1b", limit_s=300,
-                      dry_limit_s=150, est_s=170, needs=("serving/checkpoint/1b",)))
-  for b in ("b64", "b1"):
-    for loop in ("sync", "overlapped"):
+                        limit_s=90, est_s=25, copy_ref="serving/copy/1b",
+                        needs=("serving/checkpoint/1b",)))
+  for loop, _ in SERVING_LOOPS:
+    rows.append(RowSpec(f"serving/warmup/1b-{loop}", "serving_warmup", "serving-1b", loop,
+                        limit_s=180, dry_limit_s=150, est_s=95,
+                        needs=("serving/checkpoint/1b",)))
+    for b in ("b64", "b1"):
       rows.append(RowSpec(f"serving/1b-{b}/{loop}", "serving", f"serving-1b-{b}", loop,
                           limit_s=60, est_s=8, copy_ref="serving/copy/1b",
                           device_ref=f"serving/device/1b-{b}",
-                          needs=("serving/warmup/1b",),
+                          needs=(f"serving/warmup/1b-{loop}",),
                           goals={"serving_over_device": 1.1}))
   rows.append(RowSpec("serving/transformers/1b", "serving_hf", "serving-1b", limit_s=90,
                       est_s=25, needs=("serving/checkpoint/1b",)))
@@ -1070,8 +1073,9 @@ def run_perm(spec: RowSpec, shape: PermShape, *, dry, iters, repeats) -> Result:
 
 class _Serving:
   """What the serving rows build once per worker and share: the checkpoint, the
-  model, the executor, one warm scheduler per loop, each batch's prompts and the
-  outputs served so far (a fresh worker, after a failed row, builds them again)."""
+  model, the executor, one warm scheduler per loop and the outputs served so far. A
+  fresh worker (after a failed row) loads the checkpoint again; a timed row whose
+  loop's warm-up row did not run in it skips."""
   root = None
   path = None
   ckpt = None
@@ -1133,32 +1137,46 @@ def _serving_workload(shape: ServingShape):
                             seed=1 + shape.batch)
 
 
-def _serving_scheds(shape: ServingShape, dry):
-  """One warm scheduler per loop over one executor (programs shared); built once."""
+def _serving_sched(shape: ServingShape, dry, loop: str, *, build: bool):
+  """The warm scheduler of `loop`; with `build`, made and warmed (once per worker)
+  over the one executor every loop shares (so they share programs)."""
   from paged_kv.serving import serving_bench as sb
   from paged_kv.serving.executor import ModelExecutor
   from paged_kv.serving.scheduler import SchedulerConfig
-  if _Serving.scheds:
-    return _Serving.scheds
+  if loop in _Serving.scheds:
+    return _Serving.scheds[loop]
+  if not build:
+    raise Skip(f"the {loop} loop's warm-up row did not run in this worker")
   ckpt = _serving_model(shape, dry)
   max_len = shape.prompt_len + shape.output_len
-  _Serving.pool_config = sb.serving_pool_config(
-      ckpt.config, max_batch=shape.max_batch, max_seq_len=max_len,
-      block_size=shape.block_size)
-  _Serving.executor = ModelExecutor(ckpt.model, _Serving.pool_config)
-  notes = []
-  for loop, overlap in (("sync", False), ("overlapped", True)):
-    sched = sb.build_scheduler(_Serving.executor, _Serving.pool_config, SchedulerConfig(
-        max_batch=shape.max_batch, prefill_chunk=shape.prefill_chunk,
-        prefill_token_budget=shape.prefill_budget, compaction=None, overlap=overlap,
-        max_seq_len=max_len))
-    report = sched.warmup(progress=False, persistence=False)
-    notes.append(f"{loop}: {report.programs} programs, {report.compiles} compiled, "
-                 f"{report.cache_loads} cache loads, {report.seconds:.1f} s")
-    _Serving.scheds[loop] = sched
-    _Serving.next_id[loop] = 0
-  _Serving.notes["warmup"] = "; ".join(notes)
-  return _Serving.scheds
+  if _Serving.executor is None:
+    _Serving.pool_config = sb.serving_pool_config(
+        ckpt.config, max_batch=shape.max_batch, max_seq_len=max_len,
+        block_size=shape.block_size)
+    _Serving.executor = ModelExecutor(ckpt.model, _Serving.pool_config)
+  sched = sb.build_scheduler(_Serving.executor, _Serving.pool_config, SchedulerConfig(
+      max_batch=shape.max_batch, prefill_chunk=shape.prefill_chunk,
+      prefill_token_budget=shape.prefill_budget, compaction=None,
+      overlap=dict(SERVING_LOOPS)[loop], max_seq_len=max_len))
+  # Warmed by serving: an untimed pass of every batch's workload shape compiles the
+  # programs the timed rows run (Scheduler.warmup() would compile every bucket).
+  from paged_kv.runtime import counters
+  t0, next_id = time.perf_counter(), 0
+  compiles, loads = counters.backend_compiles(), counters.cache_loads()
+  vocab = shape.hf_config["vocab_size"]
+  for s in _serving_shapes(dry).values():
+    if s.batch:
+      wl = sb.shadow_workload(_serving_workload(s), vocab, seed=20_000 + s.batch)
+      sb.run_closed_loop(sched, wl, s.batch, first_id=next_id)
+      next_id += len(wl)
+  _Serving.notes[f"warmup-{loop}"] = (
+      f"served each batch's workload shape untimed: {next_id} requests, "
+      f"{counters.backend_compiles() - compiles} compiles, "
+      f"{counters.cache_loads() - loads} from the persistent cache, "
+      f"{time.perf_counter() - t0:.1f} s")
+  _Serving.scheds[loop] = sched
+  _Serving.next_id[loop] = next_id
+  return sched
 
 
 def run_serving_checkpoint(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
@@ -1169,10 +1187,10 @@ def run_serving_checkpoint(spec: RowSpec, shape: ServingShape, *, dry, **_) -> R
 
 
 def run_serving_warmup(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
-  """`Scheduler.warmup()` of the synchronous and the overlapped loop's schedulers."""
-  del spec
-  _serving_scheds(shape, dry)
-  return Result(note=_Serving.notes["warmup"])
+  """The loop `spec.impl`'s scheduler, warmed by serving each batch's workload shape
+  once untimed (other prompts of the same lengths)."""
+  _serving_sched(shape, dry, spec.impl, build=True)
+  return Result(note=_Serving.notes[f"warmup-{spec.impl}"])
 
 
 def run_serving_device(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
@@ -1190,27 +1208,24 @@ def run_serving_device(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Resul
 
 
 def run_serving(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
-  """`batch` requests in flight through the loop `spec.impl`, after an untimed run of
-  `batch` short requests. us/call: wall time per `batch` output tokens (so `% copy`
+  """`batch` requests in flight through the loop `spec.impl` (warmed by its warm-up
+  row). us/call: wall time per `batch` output tokens (so `% copy`
   is the share of the bandwidth ceiling reached); step p50 in `step_us`."""
   from paged_kv.serving import serving_bench as sb
   loop = spec.impl
-  sched = _serving_scheds(shape, dry)[loop]
+  sched = _serving_sched(shape, dry, loop, build=False)
   wl = _serving_workload(shape)
-  vocab = shape.hf_config["vocab_size"]
-  warm = sb.random_workload(shape.batch, shape.prompt_len, 4, vocab, seed=10_000 + shape.batch)
-  sb.warm_run(sched, warm, shape.batch, first_id=_Serving.next_id[loop])
-  _Serving.next_id[loop] += len(warm)
   res = sb.run_closed_loop(sched, wl, shape.batch, first_id=_Serving.next_id[loop])
   _Serving.next_id[loop] += len(wl)
   _Serving.outputs[shape.batch, loop] = res.outputs
-  other = _Serving.outputs.get((shape.batch, "sync"))
-  if loop != "sync" and other is not None and other != res.outputs:
-    bad = sum(a != b for a, b in zip(other, res.outputs))
-    raise Wrong(f"{bad} of {len(other)} requests' tokens differ from the synchronous loop's")
+  other, other_out = next(((l, o) for (b, l), o in _Serving.outputs.items()
+                           if b == shape.batch and l != loop), (None, None))
+  if other_out is not None and other_out != res.outputs:
+    bad = sum(a != b for a, b in zip(other_out, res.outputs))
+    raise Wrong(f"{bad} of {len(other_out)} requests' tokens differ from the {other} loop's")
   f = res.figures()
   note = (f"{f['tokens_per_s']:,.0f} tok/s; step {f['step_p50_ms']:.2f}/{f['step_p90_ms']:.2f}"
-          f" ms (p50/p90)" + ("; tokens = sync" if loop != "sync" and other is not None else "")
+          f" ms (p50/p90)" + (f"; tokens = {other}" if other is not None else "")
           + f"; TTFT {f['ttft_p50_ms']:.1f}/{f['ttft_p99_ms']:.1f} ms, TPOT "
           f"{f['tpot_p50_ms']:.2f}/{f['tpot_p99_ms']:.2f} ms (p50/p99); {f['steps']} steps, "
           f"{f['compiles']} compiles, {f['host_reads_per_step']:.2f} reads/step")
@@ -1228,24 +1243,27 @@ def run_serving_hf(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
   why = hf_reference.available()
   if why:
     raise Skip(why)
-  served = {b: out for (b, loop), out in _Serving.outputs.items() if loop == "sync"}
+  served = {}
+  for (b, loop), out in _Serving.outputs.items():
+    served.setdefault(b, (loop, out))
   if not served:
-    raise Skip("no synchronous serving row ran in this worker")
+    raise Skip("no serving row ran in this worker")
   _serving_model(shape, dry)
   ref = hf_reference.Reference(_Serving.path)
   n = 4 if dry else 16
   workloads = {b: _serving_workload(dataclasses.replace(shape, batch=b,
                                                         num_requests=len(outs)))
-               for b, outs in served.items()}
+               for b, (_, outs) in served.items()}
   verdicts, rate = sb.compare_with_reference(
       ref, {b: w.prompts for b, w in workloads.items()},
       {b: w.output_lens for b, w in workloads.items()},
-      {(b, "sync"): outs[:n] for b, outs in served.items()})
+      {(b, loop): outs[:n] for b, (loop, outs) in served.items()})
   ref.close()
   tokens = sum(v["tokens"] for v in verdicts.values())
   off = [(b, *x) for (b, _), v in sorted(verdicts.items()) for x in v["off"]]
   num_off = sum(v["tokens_off"] for v in verdicts.values())
-  parts = [f"batch {b}: {v['equal']}/{v['compared']}" for (b, _), v in sorted(verdicts.items())]
+  parts = [f"batch {b} ({loop}): {v['equal']}/{v['compared']}"
+           for (b, loop), v in sorted(verdicts.items())]
   note = (f"transformers {ref.version} ({ref.device}, {ref.dtype}): greedy generate equal in "
           f"full for {', '.join(parts)} requests; teacher-forced {tokens - num_off}/{tokens} "
           f"tokens its argmax (ties <= 0.1 std); generate {rate:,.0f} tok/s")

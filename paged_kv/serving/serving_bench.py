@@ -198,6 +198,16 @@ def run_closed_loop(sched: Scheduler, workload: Workload, batch: int, *,
                    outputs=[[int(t) for t in r.output] for r in reqs])
 
 
+def shadow_workload(workload: Workload, vocab_size: int, seed: int) -> Workload:
+  """A workload of the same prompt and output lengths with fresh random prompts:
+  served untimed, it runs (and compiles) the steps `workload` will, without giving
+  its prompts prefix-cache hits."""
+  rng = np.random.default_rng(seed)
+  prompts = tuple(rng.integers(FIRST_TOKEN_ID, vocab_size, len(p)).astype(np.int32)
+                  for p in workload.prompts)
+  return Workload(prompts, workload.output_lens, f"shadow of {workload.source}")
+
+
 def warm_run(sched: Scheduler, workload: Workload, batch: int, *, first_id: int,
              output_len: int = 4) -> None:
   """An untimed run of `min(batch, len(workload))` requests of `output_len` tokens."""

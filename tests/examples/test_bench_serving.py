@@ -79,9 +79,10 @@ def test_trace_workload(tmp_path, cache):
   trace = write_mooncake(tmp_path / "trace.jsonl", session_trace(seed=0, num=12,
                                                                  num_sessions=3))
   out = _run(cache, "--batch=2", "--num_requests=3", "--overlap=sync", f"--trace={trace}",
-             "--trace_scale=8", "--nohf_compare")
+             "--trace_scale=8", "--nohf_compare", "--warmup=serve")
   (row,) = _table(out)
   assert row[:4] == ["2", "sync", "1", "3"] and float(row[4]) > 0, out
   assert row[12] == "0", row
   assert "Workload: trace a Mooncake .jsonl or Azure .csv request trace, requests 0-3" in out
   assert "transformers comparison off (--nohf_compare)." in out
+  assert "Warm-up (sync): each row's workload shape served untimed (3 requests)" in out

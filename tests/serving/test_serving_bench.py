@@ -27,6 +27,14 @@ def test_random_workload():
   assert all(np.array_equal(a, b) for a, b in zip(wl.prompts, again.prompts))
 
 
+def test_shadow_workload_has_the_lengths_and_other_prompts():
+  wl = sb.Workload(
+      (np.arange(3, 8, dtype=np.int32), np.arange(3, 6, dtype=np.int32)), (4, 2), "x")
+  shadow = sb.shadow_workload(wl, 1000, seed=1)
+  assert [len(p) for p in shadow.prompts] == [5, 3] and shadow.output_lens == (4, 2)
+  assert not any(np.array_equal(a, b) for a, b in zip(wl.prompts, shadow.prompts))
+
+
 def test_trace_workload_keeps_shared_prefixes_and_caps(tmp_path):
   path = write_mooncake(tmp_path / "t.jsonl", session_trace(seed=1, num=20, num_sessions=3))
   wl = sb.trace_workload(path, 6, 1000, scale=16, max_prompt_len=64, max_output_len=8)
