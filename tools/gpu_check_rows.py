@@ -11,12 +11,17 @@ issue-22 rework both): `paged_kv.model.attention.paged_attention(q, k, v, pages,
 layer, meta, impl=...)`, `paged_kv.model.attention.default_impl`,
 `pallas_kernels.permute_blocks.permute_blocks(pages, src, dst, impl=...,
 interpret=...)`, and JAX's `jax.experimental.pallas.ops.gpu.paged_attention`.
+The serving rows use `paged_kv.model.random_checkpoint`, `hf_checkpoint`,
+`paged_kv.serving.serving_bench` (Scheduler + ModelExecutor, `PagedRunner`) and
+`paged_kv.model.hf_reference` (transformers).
 
 Byte counts: attention rows count whole blocks touched (K and V, every block a
 row's segments name, read once); a permutation moves `moves x layers x heads`
 chunks, read and written; a copy reads and writes its buffer. `% copy` compares
 the row with a plain device copy (`x + 1` on bf16) moving the same number of
-bytes (`copy/<key>` rows).
+bytes (`copy/<key>` rows). A serving row's bytes are those one decode step reads
+(weights + the batch's K/V at its mean context); its `us/call` is the wall time per
+`batch` output tokens, so `% copy` is the share of the bandwidth ceiling.
 """
 
 from __future__ import annotations
