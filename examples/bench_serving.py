@@ -15,14 +15,16 @@ request generates its full output length.
 The sweep: for each `--batch` B, B requests are kept in flight (a finished one is
 replaced by the next; vLLM's `--max-concurrency`). ONE program set serves the whole
 sweep: the scheduler's `max_batch` is the largest B and smaller B only run fewer
-rows, so nothing recompiles between batches (`--warmup=full`: `Scheduler.warmup()`
-compiles the set once, before the first row; `--warmup=serve`: each row's workload
-shape is served once untimed, other prompts of the same lengths, which compiles only
-the programs the rows run: fewer at a large `max_batch`). Each batch row gets prompts of its own (no prefix-cache
-hits from an earlier row) and an untimed run of B short requests first. For each
-loop in `--overlap` (the synchronous loop, the overlapped one, or both, each with
-its own scheduler and pool over one shared executor) and `--decode_steps`
-(`SchedulerConfig.overlap`, `decode_steps`), the same rows run.
+rows, so nothing recompiles between batches. `--warmup=full` compiles the set once
+with `Scheduler.warmup()` before the first row; `--warmup=serve` serves each row's
+workload shape once untimed (other prompts of the same lengths), which compiles only
+the programs the rows run (fewer at a large `max_batch`). Each batch row gets prompts
+of its own (no prefix-cache hits from an earlier row) and an untimed run of B short
+requests first. For each loop in `--overlap` (the synchronous loop, the overlapped
+one, or both, each with its own scheduler and pool over one shared executor) and
+`--decode_steps` (`SchedulerConfig.overlap`, `decode_steps`), the same rows run;
+`--repeats` rounds (prompts of their own, the loops' order alternating) give each row
+its median round by tokens/s.
 
 Figures per (batch, loop) row: output tokens/s (output tokens / the run's wall
 time), TTFT and TPOT p50/p99 (per request, on the scheduler's clock; TPOT = (last -
@@ -301,8 +303,11 @@ def main(argv):
         rounds = sorted(runs[b, loop], key=lambda x: x["tokens_per_s"])
         rows.append(dict(rounds[len(rounds) // 2], rounds=len(rounds)))
     first = {b: workloads[b, 0] for b in batches}
-    hf_note = _hf_compare(path, first, [x for (b, _), xs in runs.items() for x in xs
-                                        if x["round"] == 0])
+    try:
+      hf_note = _hf_compare(path, first, [x for (b, _), xs in runs.items() for x in xs
+                                          if x["round"] == 0])
+    except Exception as e:  # pylint: disable=broad-except  # the table still prints
+      hf_note = f"transformers comparison failed: {type(e).__name__}: {e}"
   finally:
     if tmp is not None:
       shutil.rmtree(tmp, ignore_errors=True)
