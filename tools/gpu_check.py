@@ -62,6 +62,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -548,6 +549,10 @@ def driver_main(dry: bool) -> int:
       mode="dry mode (CPU, tiny shapes, interpret mode; numbers mean nothing)" if dry
       else "full run", dry=dry, command=" ".join(sys.argv), budget_s=budget, iters=iters,
       repeats=repeats, limits=limits, nvidia_smi="" if dry else _nvidia_smi()), shapes)
+  serving_dir = None
+  if dry:  # the serving rows' checkpoint: this run's own, removed at its end
+    serving_dir = tempfile.mkdtemp(prefix="paged_kv_gpu_check_")
+    os.environ[rows_lib.SERVING_DIR_ENV] = serving_dir
   worker = Worker(dry=dry, log_path=log_path)
   done: dict[str, Outcome] = {}
   aborted = ""
@@ -622,6 +627,8 @@ def driver_main(dry: bool) -> int:
     aborted = f"interrupted by {e}"
   finally:
     worker.kill()
+    if serving_dir is not None:
+      shutil.rmtree(serving_dir, ignore_errors=True)
     for s, h in old.items():
       signal.signal(s, h)
   if not header_written:

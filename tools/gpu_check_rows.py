@@ -1076,6 +1076,10 @@ def run_perm(spec: RowSpec, shape: PermShape, *, dry, iters, repeats) -> Result:
 # Rows: serving ----------------------------------------------------------------------
 
 
+SERVING_DIR_ENV = "GPU_CHECK_SERVING_DIR"
+"""Set by the driver in dry mode: the serving rows' folder, removed when it ends."""
+
+
 class _Serving:
   """What the serving rows build once per worker and share: the checkpoint, the
   model, the executor, one warm scheduler per loop and the outputs served so far. A
@@ -1094,13 +1098,15 @@ class _Serving:
 
 def _serving_root(dry):
   """Where the checkpoint (and, on a GPU, JAX's compilation cache) live: a fixed
-  folder under the temp dir on a GPU (a fresh worker reuses them), a new one in dry
-  mode. Never under $OUT (2.5 GB would travel back)."""
+  folder under the temp dir on a GPU (a fresh worker, or a second run, reuses them),
+  the driver's own temporary one in dry mode (`SERVING_DIR_ENV`, removed at its end).
+  Never under $OUT (2.5 GB would travel back)."""
   import pathlib
   import tempfile
+  del dry
   if _Serving.root is None:
-    _Serving.root = (pathlib.Path(tempfile.mkdtemp(prefix="paged_kv_gpu_check_")) if dry
-                     else pathlib.Path(tempfile.gettempdir()) / "paged_kv_gpu_check")
+    _Serving.root = pathlib.Path(os.environ.get(SERVING_DIR_ENV) or (
+        pathlib.Path(tempfile.gettempdir()) / "paged_kv_gpu_check"))
   return _Serving.root
 
 
