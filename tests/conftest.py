@@ -118,6 +118,7 @@ _SLOW = (
     "model/test_steps.py::test_mixed_step_matches_dense_and_compiles_once",
     "model/test_layers.py::PagedAttentionLayerTest::test_paged_steps_equal_dense_attention__with_jit",
     "model/test_hf_checkpoint.py::test_served_greedy_equals_dense",
+    "model/test_random_checkpoint.py::test_served_tokens_equal_the_dense_reference_and_follow_the_context",
     "model/test_logits_indices.py::test_same_tokens_and_logits_with_and_without_indices",
     "model/test_logits_indices.py::test_compiled_prefill_runs_the_head_on_the_rows_only",
     "kernels/test_prefill_attention.py::test_prefill_tile_does_not_stream_future_pages",

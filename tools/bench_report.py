@@ -573,6 +573,39 @@ def render_shrink(root):
                       "returns at the cut, all at once.", provenance(recs)])
 
 
+def render_serving(root):
+  recs = _load("serving", root)
+  head = ["model", "batch", "loop", "tokens/s: median [min-max] over rounds",
+          "overlapped / sync tokens/s, paired per round", "step p50 (ms)",
+          "TTFT p50 / p99 (ms)", "TPOT p50 / p99 (ms)", "% of the bandwidth ceiling",
+          "compiles", "= HF greedy / argmax"]
+  rows = []
+  for r in recs:
+    res = r["results"]
+    m = res["model"]
+    model = f"{m['source']}, {m['num_layers']} layers, d_model {m['d_model']}"
+    runs = {(x["batch"], x["loop"]): sorted(x["rounds"], key=lambda y: y["round"])
+            for x in res["runs"]}
+    for (b, loop), rounds in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1] != "sync")):
+      med = lambda k, rounds=rounds: statistics.median(x[k] for x in rounds)
+      sync = runs.get((b, "sync"))
+      paired = (mrange([a["tokens_per_s"] / s["tokens_per_s"] for a, s in zip(rounds, sync)])
+                if sync and loop != "sync" else "-")
+      hf = rounds[0].get("hf")
+      rows.append([model, b, loop, mrange([x["tokens_per_s"] for x in rounds], fmt="{:,.0f}",
+                                          suffix=""),
+                   paired, f"{med('step_p50_ms'):.2f}",
+                   f"{med('ttft_p50_ms'):.1f} / {med('ttft_p99_ms'):.1f}",
+                   f"{med('tpot_p50_ms'):.2f} / {med('tpot_p99_ms'):.2f}",
+                   pct(med("ceiling_share")), max(x["compiles"] for x in rounds),
+                   f"{hf['equal']}/{hf['compared']} / {hf['tokens'] - hf['tokens_off']}/"
+                   f"{hf['tokens']}" if hf else "-"])
+  notes = sorted({n for r in recs for n in r.get("notes", [])} | {
+      r["results"]["hf_note"] for r in recs})
+  notes = " ".join(n if n.endswith(".") else n + "." for n in notes)
+  return "\n\n".join([table(head, rows), notes, provenance(recs)])
+
+
 RENDERERS = {
     "fragmentation_mix": render_fragmentation_mix,
     "compaction_buys": render_compaction_buys,
@@ -590,6 +623,7 @@ RENDERERS = {
     "scheduler": render_scheduler,
     "requests": render_requests,
     "shrink": render_shrink,
+    "serving": render_serving,
 }
 
 

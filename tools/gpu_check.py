@@ -14,6 +14,14 @@ on the same pages, dense attention on contiguous K/V, the model-facing layer
 at a Llama-3-8B layer's shape (32/8 heads, D128, bf16, block 16) for batch 64
 x 8k, batch 1 x 128k and a mixed prefill+decode step, fp8 (e4m3) pages, head
 dims 64 and 256, and the block permutation at 32, 256 and 1,024 moves.
+Then the serving rows (`gpu_check_rows.serving_rows`, ids `serving/...`;
+`--skip=serving/` leaves them out): a random Llama-3.2-1B-shaped checkpoint
+written and loaded, the device's own decode step at batch 64 and 1
+(`decode_multi`, 16 steps per call), then the overlapped loop and the synchronous
+one, each warmed by a row of its own and run at batch 64 and 1 (tokens/s, step
+p50/p90, TTFT, TPOT, % of the bandwidth ceiling in `% copy`, step / device step
+against the goal, tokens equal between the loops), and the served tokens against
+transformers on the same checkpoint.
 
 How it runs: this process imports no JAX. One worker process
 (`--worker`, JAX and the device there) runs the rows one at a time; each row
@@ -54,6 +62,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -63,6 +72,8 @@ from absl import app, flags
 import gpu_check_rows as rows_lib  # beside this script (its folder is sys.path[0])
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
+BUDGET_S = 540.0  # the kernel rows (~85 s on an H200) and the serving rows (~6 min)
+DRY_BUDGET_S = 480.0
 
 _DRY = flags.DEFINE_bool("dry", None, "Tiny shapes on the CPU (interpret mode); "
                          "default: $GPU_CHECK_DRY (or $DRY) set to 1.")
@@ -70,7 +81,7 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Output folder; default $OUT, el
                                "out/gpu_check under the repository.")
 _BUDGET = flags.DEFINE_float("budget_s", None, "Wall budget of the whole check: no row "
                              "starts unless what is left covers its limit. Default "
-                             "$GPU_CHECK_BUDGET_S, else 450 (dry: 300).")
+                             "$GPU_CHECK_BUDGET_S, else 540 (dry: 480).")
 _ITERS = flags.DEFINE_integer("iters", None, "Calls per timed batch (default 20; dry 1).")
 _REPEATS = flags.DEFINE_integer("repeats", None, "Timed batches, median (default 5; dry 1).")
 _ONLY = flags.DEFINE_list("only", [], "Run only rows whose id contains one of these "
@@ -267,7 +278,10 @@ _COLUMNS = ("row", "impl", "shape", "status", "us/call", "GB/s", "% copy", "x bu
 
 # What the reference rows run (their RowSpec.impl is None, not the library default).
 _KIND_IMPL = {"copy": "x + 1 (xla)", "builtin": "jax builtin",
-              "dense": "jax.nn.dot_product_attention"}
+              "dense": "jax.nn.dot_product_attention",
+              "serving_checkpoint": "write + load_checkpoint",
+              "serving_warmup": "untimed serving pass", "serving_device": "decode_multi k=16",
+              "serving_hf": "transformers"}
 
 
 def _cell(x) -> str:
@@ -291,6 +305,8 @@ class Outcome:
   x_builtin: float | None = None
   goal: str = ""
   goal_missed: bool = False
+  step_us: float | None = None
+  x_device: float | None = None
 
   @property
   def failed(self) -> bool:
@@ -325,12 +341,13 @@ def table_line(o: Outcome, shape_text: str) -> str:
     impl = f"default: {o.resolved_impl}"
   cells = (o.spec.id, impl, shape_text, _status_text(o)[:200], _measure(o.us_per_call),
            _measure(o.gbps), _measure(o.copy_pct), _fmt(o.x_builtin, ".2f"),
-           _fmt(o.rel_err, ".1e"), o.goal, _fmt(o.wall_s, ".1f"), o.note[:160])
+           _fmt(o.rel_err, ".1e"), o.goal, _fmt(o.wall_s, ".1f"), o.note[:240])
   return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def _evaluate(o: Outcome, done: dict):
-  """GB/s, % of the same-bytes copy, ratio to JAX's built-in, the goals."""
+  """GB/s, % of the same-bytes copy, ratio to JAX's built-in, serving step over the
+  device step, the goals."""
   if o.status != "ok" or not o.us_per_call or not o.nbytes:
     return
   o.gbps = o.nbytes / (o.us_per_call * 1e-6) / 1e9
@@ -340,16 +357,24 @@ def _evaluate(o: Outcome, done: dict):
   ref = done.get(o.spec.builtin_ref)
   if ref is not None and ref.status == "ok" and ref.us_per_call:
     o.x_builtin = ref.us_per_call / o.us_per_call
+  ref = done.get(o.spec.device_ref)
+  if ref is not None and ref.status == "ok" and ref.us_per_call and o.step_us:
+    o.x_device = o.step_us / ref.us_per_call
+    o.note = f"step {o.x_device:.2f}x device; {o.note}"
   if not o.spec.goals:
     return
   parts, missed = [], False
   for name, want in o.spec.goals.items():
-    got = o.copy_pct if name == "copy_pct" else o.x_builtin
-    text = f">= {want}%" if name == "copy_pct" else f">= {want}x builtin"
+    if name == "serving_over_device":
+      got, text = o.x_device, f"step <= {want}x device"
+    elif name == "copy_pct":
+      got, text = o.copy_pct, f">= {want}%"
+    else:
+      got, text = o.x_builtin, f">= {want}x builtin"
     if got is None:
       parts.append(f"{text}: n/a")
       continue
-    ok = got >= want
+    ok = got <= want if name == "serving_over_device" else got >= want
     missed |= not ok
     parts.append(f"{text}: {'met' if ok else 'MISSED'}")
   o.goal = "; ".join(parts)
@@ -464,7 +489,7 @@ class Report:
       text.append("failed: " + ", ".join(o.spec.id for o in failed))
     if goals:
       dry = " (dry mode: meaningless)" if self.meta.get("dry") else ""
-      text.append(f"goals (issue 22){dry}: {len(goals) - len(missed)} of {len(goals)} rows "
+      text.append(f"goals (issues 22, T){dry}: {len(goals) - len(missed)} of {len(goals)} rows "
                   "met theirs" + (f"; missed: {', '.join(missed)}" if missed else ""))
     self._append("\n".join(text))
     self._write_json()
@@ -482,7 +507,8 @@ class Report:
 def _outcome_json(o: Outcome) -> dict:
   d = {k: v for k, v in dataclasses.asdict(o).items() if k != "spec"}
   d.update(id=o.spec.id, kind=o.spec.kind, impl=o.spec.impl, shape_key=o.spec.key,
-           copy_ref=o.spec.copy_ref, builtin_ref=o.spec.builtin_ref, goals=o.spec.goals)
+           copy_ref=o.spec.copy_ref, builtin_ref=o.spec.builtin_ref,
+           device_ref=o.spec.device_ref, goals=o.spec.goals)
   return d
 
 
@@ -500,7 +526,7 @@ def driver_main(dry: bool) -> int:
   out_dir = pathlib.Path(_OUT_DIR.value or os.environ.get("OUT") or _ROOT / "out" / "gpu_check")
   out_dir.mkdir(parents=True, exist_ok=True)
   budget = _BUDGET.value or float(os.environ.get("GPU_CHECK_BUDGET_S") or 0) or (
-      300.0 if dry else 450.0)
+      DRY_BUDGET_S if dry else BUDGET_S)
   iters = _ITERS.value or (1 if dry else 20)
   repeats = _REPEATS.value or (1 if dry else 5)
   start_limit = _START_LIMIT.value
@@ -523,6 +549,10 @@ def driver_main(dry: bool) -> int:
       mode="dry mode (CPU, tiny shapes, interpret mode; numbers mean nothing)" if dry
       else "full run", dry=dry, command=" ".join(sys.argv), budget_s=budget, iters=iters,
       repeats=repeats, limits=limits, nvidia_smi="" if dry else _nvidia_smi()), shapes)
+  serving_dir = None
+  if dry:  # the serving rows' checkpoint: this run's own, removed at its end
+    serving_dir = tempfile.mkdtemp(prefix="paged_kv_gpu_check_")
+    os.environ[rows_lib.SERVING_DIR_ENV] = serving_dir
   worker = Worker(dry=dry, log_path=log_path)
   done: dict[str, Outcome] = {}
   aborted = ""
@@ -572,7 +602,7 @@ def driver_main(dry: bool) -> int:
           msg = worker.run(spec.id, limit, iters=iters, repeats=repeats,
                            inject=injections.get(spec.id))
           fields = {k: msg.get(k) for k in ("reason", "us_per_call", "nbytes", "rel_err",
-                                            "resolved_impl")}
+                                            "resolved_impl", "step_us")}
           outcome = Outcome(spec, msg["status"], **{k: v for k, v in fields.items()
                                                      if v is not None},
                             note=msg.get("note") or "", wall_s=time.monotonic() - t0,
@@ -597,6 +627,8 @@ def driver_main(dry: bool) -> int:
     aborted = f"interrupted by {e}"
   finally:
     worker.kill()
+    if serving_dir is not None:
+      shutil.rmtree(serving_dir, ignore_errors=True)
     for s, h in old.items():
       signal.signal(s, h)
   if not header_written:

@@ -11,12 +11,17 @@ issue-22 rework both): `paged_kv.model.attention.paged_attention(q, k, v, pages,
 layer, meta, impl=...)`, `paged_kv.model.attention.default_impl`,
 `pallas_kernels.permute_blocks.permute_blocks(pages, src, dst, impl=...,
 interpret=...)`, and JAX's `jax.experimental.pallas.ops.gpu.paged_attention`.
+The serving rows use `paged_kv.model.random_checkpoint`, `hf_checkpoint`,
+`paged_kv.serving.serving_bench` (Scheduler + ModelExecutor, `PagedRunner`) and
+`paged_kv.model.hf_reference` (transformers).
 
 Byte counts: attention rows count whole blocks touched (K and V, every block a
 row's segments name, read once); a permutation moves `moves x layers x heads`
 chunks, read and written; a copy reads and writes its buffer. `% copy` compares
 the row with a plain device copy (`x + 1` on bf16) moving the same number of
-bytes (`copy/<key>` rows).
+bytes (`copy/<key>` rows). A serving row's bytes are those one decode step reads
+(weights + the batch's K/V at its mean context); its `us/call` is the wall time per
+`batch` output tokens, so `% copy` is the share of the bandwidth ceiling.
 """
 
 from __future__ import annotations
@@ -110,9 +115,90 @@ class PermShape:
             f"x{self.num_blocks}x{self.block_size}x{self.head_dim} {self.dtype}")
 
 
+def _random_checkpoint():
+  """`paged_kv/model/random_checkpoint.py` loaded by its path (numpy only): the driver
+  sizes the serving rows without importing JAX."""
+  import importlib.util
+  import pathlib
+  import sys
+  name = "_gpu_check_random_checkpoint"
+  if name not in sys.modules:
+    path = pathlib.Path(__file__).resolve().parents[1] / "paged_kv/model/random_checkpoint.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingShape:
+  """A serving run: a random Hugging Face checkpoint of shape `model`
+  (`paged_kv.model.random_checkpoint`) in `dtype`, served by `Scheduler` +
+  `ModelExecutor` at `max_batch` (one program set for every batch), `batch`
+  requests in flight (0: the rows shared by every batch), `num_requests` random
+  prompts of `prompt_len` tokens generating `output_len` each."""
+  model: str
+  dtype: str
+  batch: int
+  max_batch: int
+  prompt_len: int
+  output_len: int
+  num_requests: int
+  prefill_chunk: int
+  prefill_budget: int
+  block_size: int = 16
+
+  @property
+  def hf_config(self) -> dict:
+    return _random_checkpoint().hf_config(self.model, dtype=self.dtype)
+
+  @property
+  def weight_bytes(self) -> int:
+    """Parameters a decode step reads: all but an untied input embedding."""
+    hf = self.hf_config
+    n = _random_checkpoint().num_parameters(hf)
+    if not hf["tie_word_embeddings"]:
+      n -= hf["vocab_size"] * hf["hidden_size"]
+    return n * (4 if self.dtype == "float32" else 2)
+
+  @property
+  def nbytes(self) -> int:
+    """Weights + the K/V of `max(batch, 1)` rows at the mean context (prompt + half
+    the output): what one decode step reads."""
+    hf = self.hf_config
+    d = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    kv = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * d * (
+        4 if self.dtype == "float32" else 2)
+    return int(self.weight_bytes
+               + max(self.batch, 1) * (self.prompt_len + self.output_len / 2) * kv)
+
+  def describe(self) -> str:
+    rows = (f"batch {self.batch}: {self.num_requests} requests of " if self.batch
+            else "requests of ")
+    return (f"random {self.model} checkpoint ({self.dtype}), max_batch {self.max_batch}, "
+            f"{rows}{self.prompt_len} prompt + {self.output_len} output tokens, prefill "
+            f"chunk {self.prefill_chunk} budget {self.prefill_budget}, block {self.block_size}")
+
+
+def _serving_shapes(dry: bool) -> dict:
+  if dry:
+    base = dict(model="tiny", dtype="float32", max_batch=2, prompt_len=16, output_len=8,
+                prefill_chunk=16, prefill_budget=16)
+    batches = {"b1": 1, "b64": 2}
+  else:
+    base = dict(model="llama-3.2-1b", dtype="bfloat16", max_batch=64, prompt_len=512,
+                output_len=128, prefill_chunk=512, prefill_budget=512)
+    batches = {"b1": 1, "b64": 64}
+  out = {"serving-1b": ServingShape(batch=0, num_requests=0, **base)}
+  for name, b in batches.items():
+    out[f"serving-1b-{name}"] = ServingShape(batch=b, num_requests=max(2 * b, 4), **base)
+  return out
+
+
 def shapes(dry: bool) -> dict:
-  """Shape key -> AttnShape | PermShape. Keys are the same in both modes; the
-  dry mode's shapes are tiny (CPU, interpret mode), same structure."""
+  """Shape key -> AttnShape | PermShape | ServingShape. Keys are the same in both
+  modes; the dry mode's shapes are tiny (CPU, interpret mode), same structure."""
   if dry:
     llama = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=BF16)
     b1 = dict(decode_rows=1, decode_ctx=256)
@@ -149,6 +235,7 @@ def shapes(dry: bool) -> dict:
   }
   for key, (m, nb) in moves.items():
     out[key] = PermShape(num_moves=m, num_blocks=nb, **perm)
+  out.update(_serving_shapes(dry))
   return out
 
 
@@ -166,8 +253,10 @@ class RowSpec:
   limit_s / dry_limit_s: wall limit of the row (worker kill past it).
   est_s: expected wall seconds on an H200 (compile + check + timing).
   copy_ref / builtin_ref: rows this one's `% copy` and `x builtin` divide by.
+  device_ref: the device-step row a serving row's step is compared with.
   needs: rows that, if they hung or crashed, make this one skip (same kernel).
-  goals: {"copy_pct": min %, "x_builtin": min ratio} from issue 22.
+  goals: {"copy_pct": min %, "x_builtin": min ratio} from issue 22;
+    {"serving_over_device": max ratio} (serving step p50 / device step).
   """
   id: str
   kind: str
@@ -178,6 +267,7 @@ class RowSpec:
   est_s: float = 10
   copy_ref: str | None = None
   builtin_ref: str | None = None
+  device_ref: str | None = None
   needs: tuple[str, ...] = ()
   goals: dict | None = None
 
@@ -200,9 +290,47 @@ def _perm_rows(key, copy_ref):
           for impl in ("xla", "pallas", "mosaic")]
 
 
+SERVING_LOOPS = (("overlapped", True), ("sync", False))
+"""The loops the serving rows measure, in order (`SchedulerConfig.overlap`)."""
+
+
+def serving_rows() -> list[RowSpec]:
+  """The serving rows (ids start with `serving/`, so `--skip=serving/` leaves them
+  out): the 1B shape at batch 64 and 1 through the overlapped and the synchronous
+  loop, after the checkpoint (written and loaded once per worker) and the device's own
+  decode step per batch; each loop's scheduler (max_batch 64 for both batches) is
+  warmed by a row of its own that serves both batches' workload shapes untimed, so it
+  compiles only the ~9 model programs they run (`Scheduler.warmup()` compiles all 18
+  buckets, ~2.5 min per loop at 1B on the H200); then transformers on the same
+  checkpoint. Estimates are for an H200 (~9 s per 1B model program)."""
+  rows = [
+      RowSpec("serving/copy/1b", "copy", "serving-1b-b64", limit_s=30, est_s=3),
+      RowSpec("serving/checkpoint/1b", "serving_checkpoint", "serving-1b", limit_s=150,
+              est_s=40),
+  ]
+  for b in ("b64", "b1"):
+    rows.append(RowSpec(f"serving/device/1b-{b}", "serving_device", f"serving-1b-{b}",
+                        limit_s=90, est_s=25, copy_ref="serving/copy/1b",
+                        needs=("serving/checkpoint/1b",)))
+  for loop, _ in SERVING_LOOPS:
+    rows.append(RowSpec(f"serving/warmup/1b-{loop}", "serving_warmup", "serving-1b", loop,
+                        limit_s=180, dry_limit_s=150, est_s=95,
+                        needs=("serving/checkpoint/1b",)))
+    for b in ("b64", "b1"):
+      rows.append(RowSpec(f"serving/1b-{b}/{loop}", "serving", f"serving-1b-{b}", loop,
+                          limit_s=60, est_s=8, copy_ref="serving/copy/1b",
+                          device_ref=f"serving/device/1b-{b}",
+                          needs=(f"serving/warmup/1b-{loop}",),
+                          goals={"serving_over_device": 1.1}))
+  rows.append(RowSpec("serving/transformers/1b", "serving_hf", "serving-1b", limit_s=90,
+                      est_s=25, needs=("serving/checkpoint/1b",)))
+  return rows
+
+
 def plan(dry: bool = False) -> list[RowSpec]:
   """Every row, cheapest first: correctness at small shapes (each impl), then
-  timings in order of bytes moved, each shape's same-bytes copy first."""
+  timings in order of bytes moved, each shape's same-bytes copy first; then the
+  serving rows (`serving_rows`)."""
   del dry  # same rows in both modes (tiny shapes in dry mode)
   decode_impls = ("pallas", "mosaic", "xla")
   rows = [
@@ -254,6 +382,7 @@ def plan(dry: bool = False) -> list[RowSpec]:
       RowSpec("copy/b64x8k-d256", "copy", "b64x8k-d256", limit_s=30, est_s=3),
       *_layer_rows("b64x8k-d256", (None,), copy_ref="copy/b64x8k-d256", limit=75,
                    est=12),
+      *serving_rows(),
   ]
   ids = [r.id for r in rows]
   assert len(set(ids)) == len(ids), "duplicate row ids"
@@ -282,6 +411,7 @@ class Result:
   rel_err: float | None = None
   resolved_impl: str | None = None
   note: str = ""
+  step_us: float | None = None  # serving rows: the scheduler step's p50
 
 
 def _jax():
@@ -943,9 +1073,223 @@ def run_perm(spec: RowSpec, shape: PermShape, *, dry, iters, repeats) -> Result:
   return Result(t * 1e6, shape.nbytes, 0.0)
 
 
+# Rows: serving ----------------------------------------------------------------------
+
+
+SERVING_DIR_ENV = "GPU_CHECK_SERVING_DIR"
+"""Set by the driver in dry mode: the serving rows' folder, removed when it ends."""
+
+
+class _Serving:
+  """What the serving rows build once per worker and share: the checkpoint, the
+  model, the executor, one warm scheduler per loop and the outputs served so far. A
+  fresh worker (after a failed row) loads the checkpoint again; a timed row whose
+  loop's warm-up row did not run in it skips."""
+  root = None
+  path = None
+  ckpt = None
+  executor = None
+  pool_config = None
+  scheds: dict = {}
+  next_id: dict = {}
+  outputs: dict = {}
+  notes: dict = {}
+
+
+def _serving_root(dry):
+  """Where the checkpoint (and, on a GPU, JAX's compilation cache) live: a fixed
+  folder under the temp dir on a GPU (a fresh worker, or a second run, reuses them),
+  the driver's own temporary one in dry mode (`SERVING_DIR_ENV`, removed at its end).
+  Never under $OUT (2.5 GB would travel back)."""
+  import pathlib
+  import tempfile
+  del dry
+  if _Serving.root is None:
+    _Serving.root = pathlib.Path(os.environ.get(SERVING_DIR_ENV) or (
+        pathlib.Path(tempfile.gettempdir()) / "paged_kv_gpu_check"))
+  return _Serving.root
+
+
+def _serving_model(shape: ServingShape, dry):
+  """The checkpoint, written (or found complete) and loaded once per worker."""
+  import json
+  from paged_kv.model import hf_checkpoint, random_checkpoint
+  from paged_kv.runtime import compile_cache
+  if _Serving.ckpt is not None:
+    return _Serving.ckpt
+  root = _serving_root(dry)
+  if not dry:
+    compile_cache.enable_compilation_cache(str(root / "jax_cache"))
+  hf = random_checkpoint.hf_config(shape.model, dtype=shape.dtype)
+  path = root / f"{shape.model}-{shape.dtype}-seed0"
+  t0 = time.perf_counter()
+  config = path / "config.json"
+  reused = config.is_file() and json.loads(config.read_text()) == hf
+  if not reused:
+    random_checkpoint.write_random_checkpoint(path, hf, seed=0)
+  write_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  _Serving.ckpt = hf_checkpoint.load_checkpoint(
+      path, max_seq_len=shape.prompt_len + shape.output_len)
+  _Serving.path = path
+  _Serving.notes["checkpoint"] = (
+      f"{random_checkpoint.num_parameters(hf):,} parameters, "
+      f"{'found' if reused else f'written in {write_s:.1f} s'}, loaded in "
+      f"{time.perf_counter() - t0:.1f} s")
+  return _Serving.ckpt
+
+
+def _serving_workload(shape: ServingShape):
+  """Batch `shape.batch`'s prompts: the same for both loops, none shared with the
+  other batch (no prefix-cache hits from another row)."""
+  from paged_kv.serving import serving_bench as sb
+  vocab = shape.hf_config["vocab_size"]
+  return sb.random_workload(shape.num_requests, shape.prompt_len, shape.output_len, vocab,
+                            seed=1 + shape.batch)
+
+
+def _serving_sched(shape: ServingShape, dry, loop: str, *, build: bool):
+  """The warm scheduler of `loop`; with `build`, made and warmed (once per worker)
+  over the one executor every loop shares (so they share programs)."""
+  from paged_kv.serving import serving_bench as sb
+  from paged_kv.serving.executor import ModelExecutor
+  from paged_kv.serving.scheduler import SchedulerConfig
+  if loop in _Serving.scheds:
+    return _Serving.scheds[loop]
+  if not build:
+    raise Skip(f"the {loop} loop's warm-up row did not run in this worker")
+  ckpt = _serving_model(shape, dry)
+  max_len = shape.prompt_len + shape.output_len
+  if _Serving.executor is None:
+    _Serving.pool_config = sb.serving_pool_config(
+        ckpt.config, max_batch=shape.max_batch, max_seq_len=max_len,
+        block_size=shape.block_size)
+    _Serving.executor = ModelExecutor(ckpt.model, _Serving.pool_config)
+  sched = sb.build_scheduler(_Serving.executor, _Serving.pool_config, SchedulerConfig(
+      max_batch=shape.max_batch, prefill_chunk=shape.prefill_chunk,
+      prefill_token_budget=shape.prefill_budget, compaction=None,
+      overlap=dict(SERVING_LOOPS)[loop], max_seq_len=max_len))
+  # Warmed by serving: an untimed pass of every batch's workload shape compiles the
+  # programs the timed rows run (Scheduler.warmup() would compile every bucket).
+  from paged_kv.runtime import counters
+  t0, next_id = time.perf_counter(), 0
+  compiles, loads = counters.backend_compiles(), counters.cache_loads()
+  vocab = shape.hf_config["vocab_size"]
+  for s in _serving_shapes(dry).values():
+    if s.batch:
+      wl = sb.shadow_workload(_serving_workload(s), vocab, seed=20_000 + s.batch)
+      sb.run_closed_loop(sched, wl, s.batch, first_id=next_id)
+      next_id += len(wl)
+  _Serving.notes[f"warmup-{loop}"] = (
+      f"served each batch's workload shape untimed: {next_id} requests, "
+      f"{counters.backend_compiles() - compiles} compiles, "
+      f"{counters.cache_loads() - loads} from the persistent cache, "
+      f"{time.perf_counter() - t0:.1f} s")
+  _Serving.scheds[loop] = sched
+  _Serving.next_id[loop] = next_id
+  return sched
+
+
+def run_serving_checkpoint(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
+  """Writes the random checkpoint (or finds it) and loads it with `load_checkpoint`."""
+  del spec
+  _serving_model(shape, dry)
+  return Result(note=_Serving.notes["checkpoint"])
+
+
+def run_serving_warmup(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
+  """The loop `spec.impl`'s scheduler, warmed by serving each batch's workload shape
+  once untimed (other prompts of the same lengths)."""
+  _serving_sched(shape, dry, spec.impl, build=True)
+  return Result(note=_Serving.notes[f"warmup-{spec.impl}"])
+
+
+def run_serving_device(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
+  """The device's own decode step for the batch: `PagedRunner.decode`, 16 steps per
+  jitted call (`decode_multi`), no scheduler."""
+  from paged_kv.serving import serving_bench as sb
+  del spec
+  ckpt = _serving_model(shape, dry)
+  prompts = _serving_workload(shape).prompts[:shape.batch]
+  seconds = sb.device_step_seconds(ckpt.model, prompts, block_size=shape.block_size,
+                                   steps_per_call=16, calls=1 if dry else 4,
+                                   prefill_chunk=shape.prefill_chunk)
+  return Result(us_per_call=1e6 * seconds, nbytes=shape.nbytes,
+                note=f"PagedRunner.decode, 16 steps per call, batch {shape.batch}")
+
+
+def run_serving(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
+  """`batch` requests in flight through the loop `spec.impl` (warmed by its warm-up
+  row). us/call: wall time per `batch` output tokens (so `% copy`
+  is the share of the bandwidth ceiling reached); step p50 in `step_us`."""
+  from paged_kv.serving import serving_bench as sb
+  loop = spec.impl
+  sched = _serving_sched(shape, dry, loop, build=False)
+  wl = _serving_workload(shape)
+  res = sb.run_closed_loop(sched, wl, shape.batch, first_id=_Serving.next_id[loop])
+  _Serving.next_id[loop] += len(wl)
+  _Serving.outputs[shape.batch, loop] = res.outputs
+  other, other_out = next(((l, o) for (b, l), o in _Serving.outputs.items()
+                           if b == shape.batch and l != loop), (None, None))
+  if other_out is not None and other_out != res.outputs:
+    bad = sum(a != b for a, b in zip(other_out, res.outputs))
+    raise Wrong(f"{bad} of {len(other_out)} requests' tokens differ from the {other} loop's")
+  f = res.figures()
+  note = (f"{f['tokens_per_s']:,.0f} tok/s; step {f['step_p50_ms']:.2f}/{f['step_p90_ms']:.2f}"
+          f" ms (p50/p90)" + (f"; tokens = {other}" if other is not None else "")
+          + f"; TTFT {f['ttft_p50_ms']:.1f}/{f['ttft_p99_ms']:.1f} ms, TPOT "
+          f"{f['tpot_p50_ms']:.2f}/{f['tpot_p99_ms']:.2f} ms (p50/p99); {f['steps']} steps, "
+          f"{f['compiles']} compiles, {f['host_reads_per_step']:.2f} reads/step")
+  return Result(us_per_call=1e6 * shape.batch / res.tokens_per_s, nbytes=shape.nbytes,
+                step_us=1e3 * f["step_p50_ms"], note=note)
+
+
+def run_serving_hf(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
+  """The served tokens against transformers on the same checkpoint: its greedy
+  `generate` (requests equal in full) and teacher-forced (each token transformers'
+  argmax given our sequence, near-ties allowed); wrong tokens fail the row."""
+  from paged_kv.model import hf_reference
+  from paged_kv.serving import serving_bench as sb
+  del spec
+  why = hf_reference.available()
+  if why:
+    raise Skip(why)
+  served = {}
+  for (b, loop), out in _Serving.outputs.items():
+    served.setdefault(b, (loop, out))
+  if not served:
+    raise Skip("no serving row ran in this worker")
+  _serving_model(shape, dry)
+  ref = hf_reference.Reference(_Serving.path)
+  n = 4 if dry else 16
+  workloads = {b: _serving_workload(dataclasses.replace(shape, batch=b,
+                                                        num_requests=len(outs)))
+               for b, (_, outs) in served.items()}
+  verdicts, rate = sb.compare_with_reference(
+      ref, {b: w.prompts for b, w in workloads.items()},
+      {b: w.output_lens for b, w in workloads.items()},
+      {(b, loop): outs[:n] for b, (loop, outs) in served.items()})
+  ref.close()
+  tokens = sum(v["tokens"] for v in verdicts.values())
+  off = [(b, *x) for (b, _), v in sorted(verdicts.items()) for x in v["off"]]
+  num_off = sum(v["tokens_off"] for v in verdicts.values())
+  parts = [f"batch {b} ({loop}): {v['equal']}/{v['compared']}"
+           for (b, loop), v in sorted(verdicts.items())]
+  note = (f"transformers {ref.version} ({ref.device}, {ref.dtype}): greedy generate equal in "
+          f"full for {', '.join(parts)} requests; teacher-forced {tokens - num_off}/{tokens} "
+          f"tokens its argmax (ties <= 0.1 std); generate {rate:,.0f} tok/s")
+  if num_off:
+    raise Wrong(f"{num_off} of {tokens} tokens are not transformers' argmax (first: batch "
+                f"{off[0][0]} request {off[0][1]} position {off[0][2]}, {off[0][3]:.2f} std); "
+                f"{note}")
+  return Result(rel_err=num_off / max(tokens, 1), note=note)
+
+
 RUNNERS = {"check_attn": run_check_attn, "check_perm": run_check_perm, "copy": run_copy,
            "builtin": run_builtin, "dense": run_dense, "layer": run_layer,
-           "perm": run_perm}
+           "perm": run_perm, "serving_checkpoint": run_serving_checkpoint,
+           "serving_warmup": run_serving_warmup, "serving_device": run_serving_device,
+           "serving": run_serving, "serving_hf": run_serving_hf}
 
 
 def run_row(spec: RowSpec, *, dry: bool, iters: int, repeats: int,

@@ -19,6 +19,10 @@
   paged_kv.model.hf_checkpoint  load_checkpoint: a Hugging Face Llama/Mistral/Qwen2
                             checkpoint into TinyLlama (the `hf` extra: safetensors)
   paged_kv.model.tokenizer  Tokenizer over a tokenizer.json (the `hf` extra: tokenizers)
+  paged_kv.model.random_checkpoint  a random checkpoint with a real model's shape, written
+                            as transformers names it (numpy + safetensors)
+  paged_kv.model.hf_reference  transformers on the same checkpoint: greedy generate and a
+                            teacher-forced check of our tokens (torch, transformers)
 
 The first five (and `rope`) need only JAX; the names from the others (which need flax) are
 loaded on first use, so `import paged_kv.model` does not import flax.
