@@ -9,13 +9,13 @@ Per depth, the same plan (`--batch` decode rows) goes through both in the same r
   * counted per call: the graph definition's `__hash__` calls and the Python function
     calls (`sys.setprofile`), exact;
   * timed: `--calls` back-to-back calls per repeat, then `block_until_ready`; the
-    median over `--repeats` of the mean per call (the paths take turns within a
-    repeat). XLA:CPU runs small programs inline in the calling thread, so the timing
+    median over `--repeats` of the mean per call (depths and paths take turns
+    within a repeat). XLA:CPU runs small programs inline in the calling thread, so the timing
     uses a hollow model (TinyLlama's parameters, a step that computes nothing per
-    layer): what is left is the host's work. "args" times a jitted identity taking
-    the same parameter arrays: the C++ argument handling JAX's dispatch does per
-    array (a model with stacked, scanned layers has a fixed number of them), which
-    "after" pays too; "after - args" is the rest, flat in depth.
+    layer): what is left is the host's work. "fixed" is "after" with the
+    parameters of the smallest depth's model on the same pool: the call without
+    the C++ argument handling JAX's dispatch does per parameter array (a model
+    with stacked, scanned layers has a fixed number of them); it is flat in depth.
 Before any number is printed, the real tiny model's outputs of both paths are
 checked equal (tokens, logits, pool state).
 
@@ -115,7 +115,8 @@ def _count(call, graphdef) -> tuple[int, int]:
   return hashes[0], calls[0]
 
 
-def _measure(num_layers: int) -> dict:
+def _setup(num_layers: int, fixed_layers: int) -> tuple[dict, tuple]:
+  """A depth's row (counts filled in) and its compiled, warm `(name, call)` paths."""
   mc, pc = _configs(num_layers)
   model = HollowLlama(mc, rngs=nnx.Rngs(_SEED.value))
   graphdef, params = nnx.split(model)
@@ -134,29 +135,32 @@ def _measure(num_layers: int) -> dict:
     holder["state"], out = bound.forward(holder["state"], plan)
     return out
 
-  identity = jax.jit(lambda leaves, x: x, donate_argnums=1)
-  holder["x"] = jnp.zeros((), jnp.int32)
+  fixed_steps = steps.bind(HollowLlama(_configs(fixed_layers)[0], rngs=nnx.Rngs(_SEED.value)),
+                           pc)
 
-  def args():
-    holder["x"] = identity(bound.leaves, holder["x"])
-    return holder["x"]
+  def fixed():
+    holder["state"], out = fixed_steps.forward(holder["state"], plan)
+    return out
 
-  row = {"layers": num_layers, "param_arrays": len(bound.leaves)}
-  paths = (("before", before), ("after", after), ("args", args))
+  row = {"layers": num_layers, "param_arrays": len(bound.leaves),
+         "fixed_arrays": len(fixed_steps.leaves)}
+  paths = (("before", before), ("after", after), ("fixed", fixed))
   for name, fn in paths:
     jax.block_until_ready(fn())  # compile
     jax.block_until_ready(fn())
     row[f"{name}_us"] = []
   for name, fn in paths[:2]:
     row[f"{name}_hashes"], row[f"{name}_python_calls"] = _count(fn, graphdef)
-  for _ in range(_REPEATS.value):
-    for name, fn in paths:
-      start = time.perf_counter()
-      for _ in range(_CALLS.value):
-        out = fn()
-      jax.block_until_ready(out)
-      row[f"{name}_us"].append((time.perf_counter() - start) / _CALLS.value * 1e6)
-  return row
+  return row, paths
+
+
+def _time(fn) -> float:
+  """Mean microseconds per call of `--calls` back-to-back calls, results waited for."""
+  start = time.perf_counter()
+  for _ in range(_CALLS.value):
+    out = fn()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / _CALLS.value * 1e6
 
 
 def main(argv):
@@ -166,23 +170,29 @@ def main(argv):
                          seeds=[_SEED.value])
   for num_layers in layers:
     _check_equal(num_layers)
-  rows = [_measure(n) for n in layers]
+  setups = [_setup(n, layers[0]) for n in layers]
+  for _ in range(_REPEATS.value):  # depths and paths take turns within a repeat
+    for row, paths in setups:
+      for name, fn in paths:
+        row[f"{name}_us"].append(_time(fn))
+  rows = [row for row, _ in setups]
   print(f"batch={_BATCH.value} calls={_CALLS.value} repeats={_REPEATS.value} (median of the "
         f"per-call mean); backend {jax.default_backend()}; outputs of both paths equal")
   print(f"{'layers':>6} {'arrays':>6} {'hashes/call':>12} {'py calls/call':>14} "
-        f"{'before us':>10} {'after us':>9} {'speedup':>8} {'args us':>8} "
-        f"{'after-args':>10} {'vs first':>9}")
+        f"{'before us':>10} {'after us':>9} {'speedup':>8} "
+        f"{'fixed us (' + str(rows[0]['fixed_arrays']) + ' arrays)':>22} {'vs first':>9}")
   med = lambda r, k: statistics.median(r[f"{k}_us"])
-  rest = lambda r: statistics.median(a - g for a, g in zip(r["after_us"], r["args_us"]))
   for r in rows:
     b, a = med(r, "before"), med(r, "after")
+    vs = records.format_median_range([x / f for x, f in zip(r["fixed_us"], rows[0]["fixed_us"])],
+                                     suffix="x")
     print(f"{r['layers']:>6} {r['param_arrays']:>6} "
           f"{r['before_hashes']:>5} -> {r['after_hashes']:<4} "
           f"{r['before_python_calls']:>6} -> {r['after_python_calls']:<5} "
-          f"{b:>10.1f} {a:>9.1f} {b / a:>7.1f}x {med(r, 'args'):>8.1f} {rest(r):>10.1f} "
-          f"{rest(r) / rest(rows[0]):>8.2f}x")
+          f"{b:>10.1f} {a:>9.1f} {b / a:>7.1f}x {med(r, 'fixed'):>22.1f} {vs}")
   rec.write({"batch": _BATCH.value, "calls": _CALLS.value, "rows": rows},
-            notes=["hollow model for the timings: TinyLlama's parameters, no per-layer work"])
+            notes=["hollow model for the timings: TinyLlama's parameters, no per-layer work",
+                   "fixed: the smallest depth's parameters on each depth's pool"])
 
 
 if __name__ == "__main__":

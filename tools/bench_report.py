@@ -495,6 +495,24 @@ def render_decode(root):
   return "\n\n".join([table(head, rows), provenance(recs)])
 
 
+def render_dispatch(root):
+  recs = _load("dispatch", root)
+  rows_in = recs[-1]["results"]["rows"]
+  first = rows_in[0]
+  head = ["layers", "parameter arrays", "graph hashes per call: before -> after",
+          "Python calls per call: before -> after", "before us (median)", "after us (median)",
+          f"fixed us, {first['fixed_arrays']} arrays (median)",
+          f"fixed vs {first['layers']} layers, per repeat"]
+  rows = []
+  for r in rows_in:
+    med = lambda k, r=r: f"{statistics.median(r[f'{k}_us']):,.0f}"
+    rows.append([r["layers"], r["param_arrays"], f"{r['before_hashes']} -> {r['after_hashes']}",
+                 f"{r['before_python_calls']:,} -> {r['after_python_calls']}", med("before"),
+                 med("after"), med("fixed"),
+                 mrange([x / f for x, f in zip(r["fixed_us"], first["fixed_us"])])])
+  return "\n\n".join([table(head, rows), provenance(recs)])
+
+
 def render_pool_ops(root):
   recs = _load("pool_ops", root)
   r = recs[-1]
@@ -619,6 +637,7 @@ RENDERERS = {
     "governance": render_governance,
     "allocator": render_allocator,
     "decode": render_decode,
+    "dispatch": render_dispatch,
     "pool_ops": render_pool_ops,
     "scheduler": render_scheduler,
     "requests": render_requests,

@@ -25,10 +25,11 @@ Optional attributes the scheduler reads:
     reserves with `reserve_tokens(state, where(live_j, seq_ids, -1), ones,
     max_new_tokens=1)` (what the host predicts on its mirror; a stop token does
     not end a row: the host drops tokens past a stop) and its input tokens are
-    step j-1's samples. Returns `(state, tokens i32[k, B], status i32[k, B])`,
-    plus a `SampleOutput` with a leading k axis when `plan.sampling` is given;
-    the same contract as `step` (donation, `attach_state`). Tokens equal k
-    single steps'.
+    step j-1's samples (step 0's: the plan's, row b's at position b). Returns
+    `(state, tokens i32[k, B], status i32[k, B])`, plus a `SampleOutput` with a
+    leading k axis when `plan.sampling` is given; a token where the row did not
+    run or failed is meaningless (`ModelExecutor`: -1). The same contract as
+    `step` (donation, `attach_state`). Tokens equal k single steps'.
 
 The executor contract (what keeps a failed step from destroying the pool):
 
