@@ -458,6 +458,12 @@ class ModelSteps:
     for fn in self.jitted.values():
       fn.clear_cache()
 
+  def lower(self, name: str, state: PoolState, *args, **kwargs) -> jax.stages.Lowered:
+    """The program `name` lowered for these arguments (nothing runs, nothing is
+    donated): `.compile()` fills the cache the call then hits, so a warm-up can
+    compile several programs at once on threads."""
+    return self.jitted[name].lower(self.leaves, state, *args, **kwargs)
+
   def forward(self, state: PoolState, plan: StepPlan):
     """`forward(params, state, plan, ...)`, bound: `(state, (next_tokens, last_logits, status))`."""
     return self.jitted["forward"](self.leaves, state, plan)

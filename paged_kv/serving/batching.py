@@ -70,6 +70,41 @@ def blocks_needed(decodes: list[Request], chunks: Chunks, block_size: int) -> in
           + sum(cdiv(r.num_cached + n) - cdiv(r.num_cached) for r, n in chunks))
 
 
+MAX_MIXED_WIDTHS = 6
+"""Token widths of the mixed (prefill + decode) step programs, at most."""
+
+
+def token_widths(config: SchedulerConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """The token widths of a scheduler's step programs: `(decode-only, mixed)`.
+
+  A decode-only step pads its tokens to `max_batch` (one program; its cost is the
+  weights' read, which padding rows do not add to). A mixed step pads to the
+  smallest of at most `MAX_MIXED_WIDTHS` widths: the most a step holds
+  (`max_batch + prefill_token_budget`), then its halves (multiples of 16) down to
+  `max(16, max_batch)`: padding at most doubles a step's tokens (+16), and one
+  configuration compiles at most 1 + `MAX_MIXED_WIDTHS` step programs (+ the
+  k-step decode's one).
+  """
+  top = config.max_batch + config.prefill_token_budget
+  floor = min(top, max(16, config.max_batch))
+  mixed = {top}
+  for i in range(1, MAX_MIXED_WIDTHS):
+    width = -(-top // (16 << i)) * 16  # top / 2^i, rounded up to a multiple of 16
+    if width < floor:
+      break
+    if width < top:
+      mixed.add(width)
+  return (config.max_batch,), tuple(sorted(mixed))
+
+
+def width_for(total: int, widths: tuple[int, ...]) -> int:
+  """The smallest of `widths` (ascending) holding `total` tokens."""
+  for w in widths:
+    if w >= total:
+      return w
+  raise ValueError(f"{total} tokens exceed the widest step ({widths[-1]})")
+
+
 def blocks_needed_for(decodes: list[Request], steps: list[int], block_size: int) -> int:
   """Fresh blocks `steps[i]` more decode tokens of each of `decodes` may take."""
   bs = block_size
@@ -88,7 +123,7 @@ def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, 
     decodes, chunks: the step's rows.
     config: the scheduler's config (`max_batch` rows, `prefill_chunk`, `max_logprobs`).
     sampling: attach the rows' `SamplingBatch` (for an executor that samples).
-    num_tokens: the token width (default: the total's `ragged.bucket`).
+    num_tokens: the token width (default: `width_for` the total among `token_widths`).
   """
   nd, num_rows = len(decodes), config.max_batch
   ids = np.full((num_rows,), -1, np.int32)
@@ -98,7 +133,10 @@ def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, 
   ids[nd:nd + len(chunks)] = [r.seq_id for r, _ in chunks]
   num_new[nd:nd + len(chunks)] = [n for _, n in chunks]
   total = nd + sum(n for _, n in chunks)
-  width = ragged.bucket(total) if num_tokens is None else num_tokens
+  if num_tokens is None:
+    decode, mixed = token_widths(config)
+    num_tokens = width_for(total, mixed if chunks else decode)
+  width = num_tokens
   tokens = np.zeros((width,), np.int32)  # the width StepPlan.build pads to
   tokens[:nd] = [pending_token(r) for r in decodes]
   pos = nd

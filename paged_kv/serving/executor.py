@@ -30,6 +30,9 @@ Optional attributes the scheduler reads:
     leading k axis when `plan.sampling` is given; a token where the row did not
     run or failed is meaningless (`ModelExecutor`: -1). The same contract as
     `step` (donation, `attach_state`). Tokens equal k single steps'.
+  * `lower_step(state, plan)` / `lower_decode_steps(...)`: the programs lowered,
+    not run (`jax.stages.Lowered`), so that `Scheduler.warmup` compiles them
+    concurrently before it runs each once.
 
 The executor contract (what keeps a failed step from destroying the pool):
 
@@ -267,6 +270,17 @@ class ModelExecutor:
     # Device arrays: the caller reads the tokens (it needs them) and compares the
     # status with its own prediction once ready.
     return state, nxt, status
+
+  def lower_step(self, state: PoolState, plan: StepPlan):
+    """`step`'s program for `plan`'s shapes, lowered (not run: `state` is kept), for a
+    warm-up that compiles programs concurrently (`jax.stages.Lowered.compile`)."""
+    return self.steps.lower("forward" if plan.sampling is None else "forward_sampled",
+                            state, plan)
+
+  def lower_decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
+                         num_steps: int):
+    """`decode_steps`' program, lowered (see `lower_step`)."""
+    return self.steps.lower("decode_steps", state, plan, remaining, num_steps=num_steps)
 
   def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
                    num_steps: int) -> tuple:

@@ -10,8 +10,8 @@ them:
   compaction, promotion and a shrink's moves round up to;
 * the executor's step for every plan shape the scheduler builds: `max_batch`
   rows, `max_query_len` 1 (decode only) or `prefill_chunk`, and the token
-  buckets `ragged.bucket` gives each (an executor that ignores the tokens, as
-  `DryExecutor` does, compiles once per `max_query_len`); in the overlapped
+  widths `batching.token_widths` gives each (an executor that ignores the tokens,
+  as `DryExecutor` does, compiles once per `max_query_len`); in the overlapped
   loop the plans carry tokens (`CarriedTokens`), as the warm-up's do;
 * with `decode_steps = k > 1`, the executor's k-step decode at `max_batch` tokens
   and the gather of each row's last token;
@@ -31,17 +31,22 @@ releases the old programs (`release_programs`) and warms the new size at once
 
 Each run changes nothing: commits of padding only, steps whose rows are all
 padding (`-1`), a gather of row 0 written back to no slot. `warm(scheduler)`
-runs them all (with a progress bar when tqdm is installed) and reports how many
-programs ran, how many XLA compiles they caused (0 when JAX's persistent
-compilation cache held them all: loads instead) and how long it took. After it,
+first lowers the executor's step programs (the expensive ones; an executor with
+`lower_step`) and compiles them concurrently on threads (XLA compiles are
+independent and release Python's lock), then runs every program once (with a
+progress bar when tqdm is installed), and reports how many programs ran, how
+many XLA compiles they caused (0 when JAX's persistent compilation cache held
+them all: loads instead) and how long it took. After it,
 a run the configs admit compiles nothing new; `SchedulerStats.compiles_after_warmup`
 and the tests check that by counting.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -53,6 +58,7 @@ from paged_kv.model import ragged
 from paged_kv.model.plan import StepPlan
 from paged_kv.model.sampling import SamplingBatch
 from paged_kv.runtime import counters
+from paged_kv.serving import batching
 
 if TYPE_CHECKING:
   from paged_kv.serving.scheduler import Scheduler
@@ -84,45 +90,67 @@ def token_buckets(max_tokens: int) -> list[int]:
   return [1 << i for i in range(ragged.bucket(max_tokens).bit_length())]
 
 
-def program_runs(sched: "Scheduler", *, persistence: bool = True
-                 ) -> list[tuple[str, Callable[[], None]]]:
-  """`(name, run)` for every program the scheduler's serving path can run
-  (`persistence`: and `CachedPool.save` / `restore`'s chunked K/V gather and write)."""
+@dataclasses.dataclass(frozen=True)
+class ProgramRun:
+  """One program of the serving path: `run()` runs it once on padding (changing
+  nothing); `lower()`, where given, lowers it without running it (to compile it
+  ahead, concurrently with others)."""
+
+  name: str
+  run: Callable[[], None]
+  lower: Callable[[], object] | None = None
+
+
+def program_runs(sched: "Scheduler", *, persistence: bool = True) -> list[ProgramRun]:
+  """Every program the scheduler's serving path can run (`persistence`: and
+  `CachedPool.save` / `restore`'s chunked K/V gather and write)."""
   pool, cfg = sched.pool, sched.config
   pc = pool.config
-  runs: list[tuple[str, Callable[[], None]]] = []
+  runs: list[ProgramRun] = []
   for w in CommitWidths.all_for(pc):
-    runs.append((f"commit rows={w.rows} copies={w.copies} moves={w.moves}",
-                 lambda w=w: pool.warm_commit(w)))
+    runs.append(ProgramRun(f"commit rows={w.rows} copies={w.copies} moves={w.moves}",
+                           lambda w=w: pool.warm_commit(w)))
   seen_dry = set()
-  for mql, most in ((1, cfg.max_batch), (cfg.prefill_chunk,
-                                         cfg.max_batch + cfg.prefill_token_budget)):
-    for width in token_buckets(most):
+  decode_widths, mixed_widths = batching.token_widths(cfg)
+  for mql, widths in ((1, decode_widths), (cfg.prefill_chunk, mixed_widths)):
+    for width in widths:
       if not getattr(sched.executor, "uses_tokens", True):
         if mql in seen_dry:
           continue
         seen_dry.add(mql)
-      runs.append((f"step tokens={width} max_query_len={mql}",
-                   lambda width=width, mql=mql: _padding_step(sched, width, mql)))
+      lower = None
+      if hasattr(sched.executor, "lower_step"):
+        lower = lambda width=width, mql=mql: sched.executor.lower_step(
+            pool.state, _padding_plan(sched, width, mql))
+      runs.append(ProgramRun(f"step tokens={width} max_query_len={mql}",
+                             lambda width=width, mql=mql: _padding_step(sched, width, mql),
+                             lower))
   k = cfg.decode_steps
   if k > 1 and hasattr(sched.executor, "decode_steps"):
-    runs.append((f"decode steps={k} tokens={cfg.max_batch}", lambda: _padding_steps(sched, k)))
+    lower = None
+    if hasattr(sched.executor, "lower_decode_steps"):
+      lower = lambda: sched.executor.lower_decode_steps(
+          pool.state, _padding_plan(sched, cfg.max_batch, 1),
+          np.zeros((cfg.max_batch,), np.int32), num_steps=k)
+    runs.append(ProgramRun(f"decode steps={k} tokens={cfg.max_batch}",
+                           lambda: _padding_steps(sched, k), lower))
   if persistence:
     from paged_kv.serving import persist  # pylint: disable=g-import-not-at-top
-    runs.append((f"persistence chunk={persist.CHUNK_TOKENS}",
-                 lambda: persist.warm_programs(pool)))
+    runs.append(ProgramRun(f"persistence chunk={persist.CHUNK_TOKENS}",
+                           lambda: persist.warm_programs(pool)))
   if cfg.preemption == "swap":
     most = pc.max_segments * pc.block_size
     width = 16
     while True:
-      runs.append((f"swap tokens={width}", lambda width=width: pool.warm_data(width)))
+      runs.append(ProgramRun(f"swap tokens={width}", lambda width=width: pool.warm_data(width)))
       if width >= most:
         break
       width *= 2
   cache = sched.cache  # a view; None when caching is off
   if cache is not None and cache.pack_tails:
     for width in token_buckets(pc.num_blocks * pc.block_size):  # the pool pads to these
-      runs.append((f"pack segments={width}", lambda width=width: _padding_pack(pool, width)))
+      runs.append(ProgramRun(f"pack segments={width}",
+                             lambda width=width: _padding_pack(pool, width)))
   return runs
 
 
@@ -215,24 +243,45 @@ def release_programs() -> None:
   counters.trim_heap()  # and their pages back to the OS (RSS), where the libc allows
 
 
-def warm(sched: "Scheduler", *, progress: bool = True,
-         persistence: bool = True) -> WarmupReport:
-  """Runs every program of `program_runs(sched)` once; see the module docstring."""
+def warm(sched: "Scheduler", *, progress: bool = True, persistence: bool = True,
+         threads: int | None = None) -> WarmupReport:
+  """Compiles and runs once every program of `program_runs(sched)`.
+
+  The programs that can be lowered without running (the executor's steps: the
+  expensive ones) are lowered one after the other (tracing holds Python's lock),
+  then compiled concurrently on `threads` threads (default: one per program, at
+  most the CPUs; XLA compiles release the lock); then every program runs once, the
+  compiled ones found in JAX's cache. See the module docstring.
+  """
   runs = program_runs(sched, persistence=persistence)
   c0, l0, t0 = counters.backend_compiles(), counters.cache_loads(), time.perf_counter()
+  ahead = [r for r in runs if r.lower is not None]
+  if threads is None:
+    threads = min(len(ahead), os.cpu_count() or 1)
   bar = None
   if progress:
     try:
       from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
-      bar = tqdm(total=len(runs), desc="warm-up", unit="program", leave=False)
+      bar = tqdm(total=len(runs) + (len(ahead) if threads > 1 else 0), desc="warm-up",
+                 unit="program", leave=False)
     except ImportError:
       bar = None
-  for name, run in runs:
+
+  def advance(name: str) -> None:
     if bar is not None:
       bar.set_postfix_str(name, refresh=False)
-    run()
-    if bar is not None:
       bar.update(1)
+
+  if threads > 1 and ahead:
+    lowered = [(r.name, r.lower()) for r in ahead]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      futures = {pool.submit(low.compile): name for name, low in lowered}
+      for done in concurrent.futures.as_completed(futures):
+        done.result()
+        advance(f"compiled {futures[done]}")
+  for r in runs:
+    r.run()
+    advance(r.name)
   if bar is not None:
     bar.close()
   sched.pool.verify()  # the warm-up changed nothing: checked, and every result waited for
