@@ -256,7 +256,8 @@ class BlockPool:
     self.runtime = RuntimeCounters()
     self.debug = debug_default() if debug is None else bool(debug)
     self._log = ChangeLog(config)
-    self._scratch_log = ChangeLog(config)  # a prediction's changes (the device makes them)
+    # A prediction's changes (the device makes them): the touched blocks only.
+    self._scratch_log = ChangeLog(config, rows=False)
     self._checks: collections.deque = collections.deque()
     self.last_resize: resize_lib.ResizeReport | None = None  # the latest `resize`'s
     if not isinstance(config, PoolConfig):
@@ -1252,7 +1253,7 @@ class BlockPool:
     self.runtime.dispatch("sync")
     if report.staged:
       self.runtime.read("data", 2 * self.config.num_layers)
-    self._scratch_log = ChangeLog(new_config)
+    self._scratch_log = ChangeLog(new_config, rows=False)
     self._mirror = h.resized(new_config)
     self.config = new_config
     self.last_resize = report

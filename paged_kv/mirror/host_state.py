@@ -285,6 +285,17 @@ class HostState:
     self.log.touch_blocks(self, b)
     self.slots[b] = words
 
+  def set_slot_bits(self, blocks: np.ndarray, slots: np.ndarray) -> None:
+    """Sets slot `slots[i]` of block `blocks[i]` (distinct blocks)."""
+    b = np.asarray(blocks, np.int64)
+    if b.size == 0:
+      return
+    self.log.touch_owned(b)
+    s = np.asarray(slots).astype(np.uint32)
+    flat = self.slots.reshape(-1)
+    at = b * self.config.slot_words + (s >> 5) if self.config.slot_words > 1 else b
+    flat[at] |= np.uint32(1) << (s & 31)
+
   def write_rows(self, rows: np.ndarray, *, block=None, start=None, length=None,
                  num_segments=None, seq_len=None, active=None, clear: bool = False) -> None:
     """Writes whole table rows (distinct `rows`); `clear` zeroes them (a release).

@@ -33,6 +33,8 @@ _REF_UNDERFLOW, _REF_OVERFLOW = int(Status.REF_UNDERFLOW), int(Status.REF_OVERFL
 _BLOCK_IN_USE = int(Status.BLOCK_IN_USE)
 # Non-atomic reservations of more rows than this try the in-place decode path first.
 DECODE_FAST_MIN = 8
+# Rows the decode path leaves, up to this many, are reserved one at a time in plain Python.
+SMALL_RESERVE = 16
 # Reference deltas of at most this many entries take the plain-Python path.
 SMALL_DELTAS = 32
 
@@ -212,91 +214,97 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
   The blocks it takes and the tail blocks it appends to are in the mirror's change
   log: what a prediction's caller verifies later.
 
-  Not atomic (a step's prediction), the rows that decode one token in place (a
-  free slot right after the tail of an exclusive tail block: most rows of a
-  decode step) take a short path first; the rest go through the general one.
-  Both give what the general path alone gives: in-place rows take no block, so
-  the others' first-come-first-served grants are the same. When every other row
-  is padding or decodes one token into one fresh block, and the free blocks
-  suffice, those take the short path too (the lowest free blocks in batch order,
-  as the general path hands them out).
+  Not atomic (a step's prediction), the rows that decode one token take a short
+  path first (`_decode_fast`): in place (a free slot right after the tail of an
+  exclusive tail block: most rows of a decode step), or into one fresh block when
+  those rows come before every other row of the batch and the free blocks suffice
+  (the lowest free blocks in batch order, as the general path hands them out). The
+  rows left go through the general path, one row at a time when they are few
+  (`_reserve_rows`). All give what the general path alone gives: in-place rows
+  take no block, so the others' first-come-first-served grants are the same.
   """
   ids = np.asarray(ids, np.int64)
   num_new = np.asarray(num_new, np.int64)
   if ids.size == 1:
     return _reserve_one(h, int(ids[0]), int(num_new[0]), max_new_tokens)
   if not atomic and ids.size > DECODE_FAST_MIN and max_new_tokens >= 1:
-    fast = _decode_fast(h, ids, num_new)
-    if fast is not None:
-      rows, slots, done = fast
-      step = h.step
-      slot_idx = np.full((ids.shape[0], max_new_tokens), -1, np.int32)
+    slot_idx = np.full((ids.shape[0], max_new_tokens), -1, np.int32)
+    rest = _decode_fast(h, ids, num_new, slot_idx)
+    if rest is not None:
       status = np.zeros(ids.shape, np.int32)  # OK
-      if not done:
-        rest = np.ones(ids.shape, bool)
-        rest[rows] = False
+      step = h.step
+      if rest.size > SMALL_RESERVE:
         slot_idx[rest], status[rest] = _reserve(h, ids[rest], num_new[rest],
                                                 max_new_tokens=max_new_tokens, atomic=False)
-      slot_idx[rows, 0] = slots
-      if h.step == step and rows.size:  # the clock moves once per reservation that
-        h.step += 1                     # placed a token
+      elif rest.size:
+        slot_idx[rest], status[rest] = _reserve_rows(h, ids[rest].tolist(),
+                                                     num_new[rest].tolist(), max_new_tokens)
+      h.step = step + 1  # the short path placed a token: the clock moves once per reservation
       return slot_idx, status
   return _reserve(h, ids, num_new, max_new_tokens=max_new_tokens, atomic=atomic)
 
 
-def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray):
+def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
+                 slot_idx: np.ndarray) -> np.ndarray | None:
   """The short path of a non-atomic reservation's one-token rows (see `reserve`).
 
-  Returns `(batch positions, slots, done)` of the rows it applied (`done`: every
-  row of the batch is served, the others being padding), or None when it
-  applied none. A row decodes in place when its id is valid, active and not
-  repeated in the batch, it asks for one token, and its tail block is exclusive
-  (one reference, dynamic) with the slot right after the tail free: exactly the
-  rows the general path grows in place. Such a row without that room (or
-  without a segment) and with room in its table takes a fresh block; those are
-  applied only when they and the in-place rows are all the batch has.
+  Writes the slots of the rows it applies into `slot_idx[:, 0]` and returns the
+  batch positions of the rows it left (padding excluded), or None when it applied
+  none. A row decodes in place when its id is valid, active and not repeated in
+  the batch, it asks for one token, and its tail block is exclusive (one
+  reference, dynamic) with the slot right after the tail free: exactly the rows
+  the general path grows in place. Such a row without that room (or without a
+  segment) and with room in its table takes a fresh block; those are applied
+  only when they all come before every other (non-padding) row of the batch and
+  the free blocks suffice for them.
   """
   c = h.config
-  bs, m, s = c.block_size, c.max_segments, c.max_seqs
+  bs, m, s, w = c.block_size, c.max_segments, c.max_seqs, c.slot_words
   one = (num_new == 1) & (ids >= 0) & (ids < s)
   if not one.any():
     return None
-  row = _clamp(ids, 0, s - 1)
-  ns = h.num_segments[row].astype(np.int64)
-  one &= h.active[row] & ~_repeated(ids)
-  tail = _clamp(ns - 1, 0, m - 1)
-  tb = h.block[row, tail].astype(np.int64)
-  pos = (h.start[row, tail] + h.length[row, tail]).astype(np.int64)
-  cp = _clamp(pos, 0, bs - 1)
-  free_slot = ((h.slots[tb, cp // 32] >> (cp % 32).astype(np.uint32)) & 1) == 0
-  room = ((ns > 0) & (pos < bs) & (h.ref_count[tb] == 1) & (h.region[tb] == REGION_DYNAMIC)
-          & free_slot)
+  row = np.where(one, ids, 0)
+  one &= h.active[row]
+  one &= ~_repeated(ids)
+  ns = h.num_segments[row]
+  tail = np.maximum(ns - 1, 0)  # num_segments <= max_segments
+  flat = row * m + tail
+  tb = h.block.reshape(-1)[flat]
+  pos = h.start.reshape(-1)[flat] + h.length.reshape(-1)[flat]
+  cp = np.minimum(pos, bs - 1).astype(np.uint32)
+  if w == 1:
+    word = h.slots.reshape(-1)[tb]
+  else:
+    word = h.slots.reshape(-1)[tb * w + (cp >> 5)]
+  room = ((word >> (cp & 31)) & 1) == 0
+  room &= (pos < bs) & (ns > 0)
+  room &= h.ref_count[tb] == 1
+  room &= h.region[tb] == REGION_DYNAMIC
   in_place = one & room
   fresh = one & ~room & (ns < m)
-  done = bool(np.all(in_place | fresh | (ids == -1))) and int(fresh.sum()) <= h.free.num_free
-  if not done:
-    fresh[:] = False
-  sel = np.flatnonzero(in_place | fresh)
-  if sel.size == 0:
+  other = (ids != -1) & ~in_place & ~fresh
+  nf = int(np.count_nonzero(fresh))
+  if nf and (nf > h.free.num_free or (other.any() and int(np.flatnonzero(fresh)[-1])
+                                                      > int(other.argmax()))):
+    other |= fresh  # the general path decides their grants
+    nf = 0
+  ip = np.flatnonzero(in_place)
+  if not ip.size and not nf:
     return None
-  slots = np.empty(sel.size, np.int64)
-  ip = in_place[sel]
-  if ip.any():
-    g = sel[ip]
-    b, p = tb[g], pos[g]
-    h.set_slots(b, h.slots[b] | range_mask(p, np.ones_like(p), c.slot_words))
-    h.grow_tails(row[g], tail[g])
-    slots[ip] = b * bs + p
-  if not ip.all():
-    g = sel[~ip]  # ascending: the lowest free blocks in batch order
-    new = h.free.lowest(g.size)
-    h.take_blocks(new)
-    h.set_slots(new, range_mask(np.zeros_like(new), np.ones_like(new), c.slot_words))
-    ones = np.ones(g.size, np.int64)
-    h.extend_rows(row[g], tail[g], np.zeros(g.size, np.int64), np.arange(g.size), ns[g], new,
-                  ones, ones, ones)
-    slots[~ip] = new * bs
-  return sel, slots.astype(np.int32), done
+  if ip.size:
+    b, p = tb[ip], pos[ip]
+    h.set_slot_bits(b, p)
+    h.grow_tails(row[ip], tail[ip])
+    slot_idx[ip, 0] = b * bs + p
+  if nf:
+    g = np.flatnonzero(fresh)  # ascending: the lowest free blocks in batch order
+    new = h.free.lowest(nf)
+    h.take_blocks(new, _prefix_words(1, w))
+    ones = np.ones(nf, np.int64)
+    h.extend_rows(row[g], tail[g], np.zeros(nf, np.int64), _arange(nf), ns[g], new, ones, ones,
+                  ones)
+    slot_idx[g, 0] = new * bs
+  return np.flatnonzero(other)
 
 
 def _repeated(ids: np.ndarray) -> np.ndarray:
@@ -889,23 +897,98 @@ def _reserve_one(h: HostState, i: int, count: int,
     out[:in_place] = np.arange(tb * bs + pos, tb * bs + pos + in_place)
     h.set_slots(np.array([tb], np.int64),
                 _int_to_words(tail_bits | _mask_int(pos, in_place), w)[None, :])
-  fresh = h.free.lowest(need) if need else _NO_BLOCKS
-  lengths = _NO_BLOCKS
+  fresh, lengths = _NO_BLOCKS, _NO_BLOCKS
   if need:
+    fresh, lengths = _take_fresh(h, need, rest)
     out[in_place:count] = (fresh[:, None] * bs + _arange(bs)).reshape(-1)[:rest]
-    last = rest - (need - 1) * bs  # full blocks, then the last one's rest
-    lengths = np.full(need, bs, np.int64)
-    lengths[-1] = last
-    if need == 1:
-      words = _prefix_words(last, w)
-    else:
-      words = np.empty((need, w), np.uint32)
-      words[:] = _prefix_words(bs, w)
-      words[-1] = _prefix_words(last, w)
-    h.take_blocks(fresh, words)
   h.extend_row(i, tail, in_place, fresh, lengths, count)
   h.step += 1
   return slot_idx, np.array([_OK], np.int32)
+
+
+def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
+                  max_new_tokens: int) -> tuple[np.ndarray, list[int]]:
+  """`reserve(atomic=False)` of a few rows, one at a time in plain Python; returns
+  `(slot_idx i32[k, T], status)`. The clock is the caller's to move.
+
+  The general path decides every row on the state before the call and grants
+  blocks first come first served, prefix-greedy: a valid row gets its blocks iff
+  the needs of the valid rows up to it fit the free blocks. Row by row gives the
+  same: the rows are distinct (a repeat is refused), a row reads only its own
+  entries and its tail block (an exclusive tail is no other row's, a fresh block
+  was free), and the lowest free blocks left after the rows before it are the
+  ones the general path hands it.
+  """
+  c = h.config
+  bs, m, s = c.block_size, c.max_segments, c.max_seqs
+  slot_idx = np.full((len(ids), max_new_tokens), -1, np.int32)
+  status = [_OK] * len(ids)
+  seen: set[int] = set()
+  num_free = h.free.num_free
+  wanted = 0  # blocks the valid rows so far ask for
+  active = h.active
+  for j, (i, count) in enumerate(zip(ids, counts)):
+    if i == -1:
+      continue
+    first = i not in seen
+    seen.add(i)
+    if not (first and 0 <= i < s and active[i]):
+      status[j] = _INVALID_SEQUENCE
+      continue
+    if count < 0 or count > max_new_tokens:
+      status[j] = _INVALID_COUNT
+      continue
+    ns = int(h.num_segments[i])
+    tail = max(ns - 1, 0)
+    tb = int(h.block[i, tail])
+    pos = int(h.start[i, tail]) + int(h.length[i, tail])
+    room = 0
+    if ns > 0 and int(h.ref_count[tb]) == 1 and int(h.region[tb]) == REGION_DYNAMIC:
+      tail_bits = _words_to_int(h.slots[tb])
+      after = tail_bits >> pos
+      room = ((after & -after).bit_length() - 1) if after else bs - pos
+      room = max(min(room, bs - pos), 0)
+    in_place = min(count, room)
+    rest = count - in_place
+    need = -(-rest // bs)
+    if ns + need > m:
+      status[j] = _TABLE_FULL
+      continue
+    wanted += need
+    if need and wanted > num_free:
+      status[j] = _NO_FREE_BLOCK
+      continue
+    if count == 0:
+      continue
+    out = slot_idx[j]
+    if in_place:
+      out[:in_place] = _arange(in_place) + (tb * bs + pos)
+      h.set_slots(np.array([tb], np.int64),
+                  _int_to_words(tail_bits | _mask_int(pos, in_place), c.slot_words)[None, :])
+    fresh, lengths = _NO_BLOCKS, _NO_BLOCKS
+    if need:
+      fresh, lengths = _take_fresh(h, need, rest)
+      out[in_place:count] = (fresh[:, None] * bs + _arange(bs)).reshape(-1)[:rest]
+    h.extend_row(i, tail, in_place, fresh, lengths, count)
+  return slot_idx, status
+
+
+def _take_fresh(h: HostState, need: int, rest: int) -> tuple[np.ndarray, np.ndarray]:
+  """Takes the `need` lowest free blocks for `rest` tokens from slot 0 on (full
+  blocks, then the last one's rest), their slots set; returns `(blocks, lengths)`."""
+  bs, w = h.config.block_size, h.config.slot_words
+  fresh = h.free.lowest(need)
+  last = rest - (need - 1) * bs
+  lengths = np.full(need, bs, np.int64)
+  lengths[-1] = last
+  if need == 1:
+    words = _prefix_words(last, w)
+  else:
+    words = np.empty((need, w), np.uint32)
+    words[:] = _prefix_words(bs, w)
+    words[-1] = _prefix_words(last, w)
+  h.take_blocks(fresh, words)
+  return fresh, lengths
 
 
 def _release_one(h: HostState, i: int) -> np.ndarray:
