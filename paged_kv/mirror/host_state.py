@@ -125,7 +125,11 @@ class HostState:
   def row_segments(self, row: int) -> np.ndarray:
     """`i32[k, 3]` the used `(block, start, length)` of one row (a copy)."""
     k = int(self.num_segments[row])
-    return np.stack([self.block[row, :k], self.start[row, :k], self.length[row, :k]], axis=1)
+    out = np.empty((k, 3), np.int32)
+    out[:, 0] = self.block[row, :k]
+    out[:, 1] = self.start[row, :k]
+    out[:, 2] = self.length[row, :k]
+    return out
 
   def dynamic(self, blocks: np.ndarray) -> np.ndarray:
     return self.region[blocks] == REGION_DYNAMIC

@@ -526,9 +526,25 @@ def _summed_per_id(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
                       deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """`segments.release_with_refs`; returns `(row_status, ref_status)`."""
+  """`segments.release_with_refs`; returns `(row_status, ref_status)`.
+
+  A few distinct live rows with valid deltas (what a scheduler's finishing
+  sequences hand over) take a short path: the deltas applied, then the rows
+  released one by one (the same end state as the batch release).
+  """
   ids = np.asarray(ids, np.int64)
   block_ids = np.asarray(block_ids, np.int64)
+  if ids.size <= SMALL_DELTAS:
+    rows = ids.tolist()
+    s, active = h.config.max_seqs, h.active
+    if (len(set(rows)) == len(rows) and all(0 <= i < s and active[i] for i in rows)):
+      ref_status = _apply_ref_deltas_fast(h, block_ids, np.asarray(deltas, np.int64),
+                                          apply=True)
+      if ref_status is not None or not block_ids.size:
+        for i in rows:
+          h.release_row(i)
+        return (np.zeros(ids.shape, np.int32),
+                np.zeros(block_ids.shape, np.int32) if ref_status is None else ref_status)
   rows = row_status(h, ids, want_active=True)
   rows_ok = bool(np.all(rows == _OK))
   ref_status = apply_ref_deltas(h, np.where(rows_ok, block_ids, -1), deltas, apply=False)
@@ -846,9 +862,30 @@ def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start
   return np.array([_OK], np.int32), True
 
 
+def open_segments_status(h: HostState, blk: np.ndarray, st: np.ndarray, ln: np.ndarray) -> int:
+  """The status an open on these segments gets from its segment checks (`_open_one`'s,
+  without the row's): live blocks, well-formed segments on written slots."""
+  return _check_open_segments(h, np.asarray(blk, np.int64), np.asarray(st, np.int64),
+                              np.asarray(ln, np.int64))
+
+
 def _check_open_segments(h: HostState, blk: np.ndarray, st: np.ndarray, ln: np.ndarray) -> int:
   """The segment checks of `_open_one` (int64 arrays, at least one segment)."""
   c = h.config
+  if blk.size <= SMALL_DELTAS:  # a few: plain Python
+    n, bs = c.num_blocks, c.block_size
+    b, s, l = blk.tolist(), st.tolist(), ln.tolist()
+    if min(b) < 0 or max(b) >= n or min(h.ref_count[blk].tolist()) <= 0:
+      return _INVALID_BLOCK
+    if min(s) < 0 or max(s) >= bs or min(l) < 1 or any(x > bs - y for x, y in zip(l, s)):
+      return _INVALID_SEGMENT
+    words = h.slots[blk]
+    held = (words[:, 0].tolist() if c.slot_words == 1 else [_words_to_int(w) for w in words])
+    for w, y, x in zip(held, s, l):
+      mask = ((1 << x) - 1) << y
+      if w & mask != mask:
+        return _INVALID_SEGMENT
+    return _OK
   if blk.min() < 0 or blk.max() >= c.num_blocks or (h.ref_count[blk] <= 0).any():
     return _INVALID_BLOCK
   if st.min() < 0 or (st >= c.block_size).any() or ln.min() < 1 or (
