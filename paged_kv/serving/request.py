@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import operator
 from typing import Hashable
 
 import numpy as np
@@ -125,14 +126,10 @@ class Request:
   stop_ids: frozenset = frozenset()  # the tokens that end it (set at submit)
   sample_seed: int = 0  # its sampling seed (`sampling.seed`, else the scheduler's)
 
+  _frozen = False  # set by `_freeze` (`Scheduler.submit`)
+
   def __post_init__(self):
     self.validate()
-
-  def __setattr__(self, name: str, value) -> None:
-    if name in _REQUEST_INPUTS and self.__dict__.get("_frozen", False):
-      raise InvalidArgument(f"request {self.request_id!r} was submitted: its {name} is "
-                            f"frozen (submit a new Request)")
-    object.__setattr__(self, name, value)
 
   def _freeze(self) -> None:
     """Read-only copies of the input arrays, and no more assignments to the inputs."""
@@ -179,6 +176,26 @@ class Request:
   @property
   def done(self) -> bool:
     return self.phase == Phase.FINISHED
+
+
+def _input_field(name: str) -> property:
+  """The attribute of input field `name`: read as a plain attribute (its value lives
+  in the instance under `_<name>`), assigned until the request is frozen. Only the
+  inputs are guarded, so the scheduler's writes of progress fields stay plain
+  attribute writes."""
+  key = "_" + name
+
+  def assign(self, value) -> None:
+    if self._frozen:
+      raise InvalidArgument(f"request {self.request_id!r} was submitted: its {name} is "
+                            f"frozen (submit a new Request)")
+    object.__setattr__(self, key, value)
+
+  return property(operator.attrgetter(key), assign, doc=f"The request's `{name}` (an input).")
+
+
+for _name in _REQUEST_INPUTS:
+  setattr(Request, _name, _input_field(_name))
 
 
 
