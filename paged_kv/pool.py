@@ -681,7 +681,10 @@ class BlockPool:
       blk = segs[:, 0]
       if self._log.page_conflict(blk[-1:], self._log.free_page_dsts(h), copies=1):
         self.flush()  # the copy must not read or write a block the window's copies wrote
-      status, _ = host_ops.open_one_copying_tail(h, row, blk, segs[:, 1], segs[:, 2])
+      status, _ = host_ops.open_one_copying_tail(h, row, blk, segs[:, 1], segs[:, 2],
+                                                 checked=checked)
+    elif checked:
+      status = host_ops.open_checked(h, row, segs[:, 0], segs[:, 1], segs[:, 2])
     else:
       status = host_ops.open_rows(h, np.array([row]), segs[None, :, 0], segs[None, :, 1],
                                   segs[None, :, 2], np.array([k]))

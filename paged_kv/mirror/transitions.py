@@ -802,8 +802,16 @@ def _row_ok(h: HostState, i: int, *, want_active: bool) -> bool:
   return 0 <= i < h.config.max_seqs and bool(h.active[i]) == want_active
 
 
+def open_checked(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
+                 seg_length: np.ndarray) -> np.ndarray:
+  """`open_rows` of one row whose segments passed `open_segments_status` (not
+  checked again); returns `status i32[1]`."""
+  return _open_one(h, i, seg_block, seg_start, seg_length, int(seg_block.shape[0]),
+                   checked=True)
+
+
 def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
-              seg_length: np.ndarray, k: int) -> np.ndarray:
+              seg_length: np.ndarray, k: int, *, checked: bool = False) -> np.ndarray:
   """`open_rows` of one row (`k` segments, in `seg_*[:k]`)."""
   c = h.config
   n, bs, m = c.num_blocks, c.block_size, c.max_segments
@@ -816,7 +824,7 @@ def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray
   blk = seg_block[:k].astype(np.int64)
   st = seg_start[:k].astype(np.int64)
   ln = seg_length[:k].astype(np.int64)
-  if k:
+  if k and not checked:
     status = _check_open_segments(h, blk, st, ln)
     if status != _OK:
       return np.array([status], np.int32)
@@ -825,11 +833,13 @@ def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray
 
 
 def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
-                          seg_length: np.ndarray) -> tuple[np.ndarray, bool]:
+                          seg_length: np.ndarray, *,
+                          checked: bool = False) -> tuple[np.ndarray, bool]:
   """`open_rows` of one row followed by `cow_split(atomic=False)` of it, in one pass
   (the row opens on the copy: no reference taken on the tail block only to be
   dropped). Returns `(status i32[1], copied)`, as the two calls one after the
-  other give (`copied`: the cow_split's `split`); refused: nothing changes."""
+  other give (`copied`: the cow_split's `split`); refused: nothing changes.
+  `checked`: the segments passed `open_segments_status` (not checked again)."""
   k = int(seg_block.shape[0])
   c = h.config
   bs = c.block_size
@@ -847,7 +857,7 @@ def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start
   blk = seg_block.astype(np.int64)
   st = seg_start.astype(np.int64)
   ln = seg_length.astype(np.int64)
-  status = _check_open_segments(h, blk, st, ln)
+  status = _OK if checked else _check_open_segments(h, blk, st, ln)
   if status != _OK:
     return np.array([status], np.int32), False
   # After the open the tail block has >= 2 references (this row's and the holder's the

@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import operator
 from typing import Hashable
 
 import numpy as np
@@ -178,11 +177,11 @@ class Request:
     return self.phase == Phase.FINISHED
 
 
-def _input_field(name: str) -> property:
-  """The attribute of input field `name`: read as a plain attribute (its value lives
-  in the instance under `_<name>`), assigned until the request is frozen. Only the
-  inputs are guarded, so the scheduler's writes of progress fields stay plain
-  attribute writes."""
+def _input_field(name: str, read) -> property:
+  """The attribute of input field `name`, its value in the instance under `_<name>`
+  (`read` returns it: a Python function, whose property reads the interpreter
+  specializes), assigned until the request is frozen. Only the inputs are guarded,
+  so the scheduler's writes of progress fields stay plain attribute writes."""
   key = "_" + name
 
   def assign(self, value) -> None:
@@ -191,11 +190,16 @@ def _input_field(name: str) -> property:
                             f"frozen (submit a new Request)")
     object.__setattr__(self, key, value)
 
-  return property(operator.attrgetter(key), assign, doc=f"The request's `{name}` (an input).")
+  return property(read, assign, doc=f"The request's `{name}` (an input).")
 
 
-for _name in _REQUEST_INPUTS:
-  setattr(Request, _name, _input_field(_name))
+Request.request_id = _input_field("request_id", lambda self: self._request_id)
+Request.prompt = _input_field("prompt", lambda self: self._prompt)
+Request.max_new_tokens = _input_field("max_new_tokens", lambda self: self._max_new_tokens)
+Request.namespace = _input_field("namespace", lambda self: self._namespace)
+Request.forced_output = _input_field("forced_output", lambda self: self._forced_output)
+Request.sampling = _input_field("sampling", lambda self: self._sampling)
+assert all(isinstance(getattr(Request, name), property) for name in _REQUEST_INPUTS)
 
 
 
