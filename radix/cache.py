@@ -827,8 +827,9 @@ class PrefixCache:
     touched: list[np.ndarray] = []  # entries of _scratch / _known to reset
     prefetch = 8
     # A host array (or no) ref_count: each node is taken in plain Python, the tree's
-    # references chosen so far counted per block in `pending`. A lookup: numpy, the
-    # counts in `_scratch`, the lookup's answers in `_known`.
+    # references chosen so far counted per block in `pending`, until a node longer
+    # than `SMALL_SEGMENTS`. Then, or with a lookup: numpy, the counts in `_scratch`
+    # (a lookup's answers in `_known`).
     plain = not callable(ref_count)
     pending: dict[int, int] = {}
 
@@ -864,14 +865,22 @@ class PrefixCache:
         node = next_node()
         if node is None:
           break
+        if plain and node.value.shape[0] > SMALL_SEGMENTS:
+          # A long node: the vectorised path from here on, the counts so far moved over.
+          plain = False
+          if pending:
+            ids = np.fromiter(pending, np.int64, len(pending))
+            self._grow(int(ids.max()) + 1)
+            self._scratch[ids] += np.fromiter(pending.values(), np.int64, len(pending))
+            touched.append(ids)
         if plain:  # a host ref_count (or none): the node's segments one by one
           k, n_segs, tokens, freed = self._take_plain(node.value, pending, tokens, freed,
                                                       num_blocks, ref_count, num_tokens,
                                                       countable, trim)
         else:
-          k, n_segs, tokens, freed = self._take_looked_up(node.value, counts, touched, tokens,
-                                                          freed, num_blocks, num_tokens,
-                                                          countable, trim)
+          k, n_segs, tokens, freed = self._take_looked_up(
+              node.value, None if ref_count is None else counts, touched, tokens, freed,
+              num_blocks, num_tokens, countable, trim)
         first = n_segs - k
         chosen.append((node, first))
         if first > 0:
@@ -891,13 +900,13 @@ class PrefixCache:
         tree.lru_push(node)  # nothing changed yet: the commit removes the chosen ones
     return chosen, freed
 
-  def _take_looked_up(self, segs: np.ndarray, counts: Callable[[np.ndarray], np.ndarray],
-                      touched: list, tokens: int, freed: int, num_blocks: int | None,
+  def _take_looked_up(self, segs: np.ndarray, counts: Callable[[np.ndarray], np.ndarray] | None,
+                      touched: list, tokens: int, freed: int | None, num_blocks: int | None,
                       num_tokens: int | None, countable: np.ndarray | None,
-                      trim: bool) -> tuple[int, int, int, int]:
-    """`_take_plain` with counts from a lookup (`counts(blocks)`), vectorised; the
-    tree's references chosen so far are counted in `_scratch` (its entries to reset
-    appended to `touched`)."""
+                      trim: bool) -> tuple[int, int, int, int | None]:
+    """`_take_plain`, vectorised, with counts from `counts(blocks)` (None: no
+    ref_count); the tree's references chosen so far are counted in `_scratch` (its
+    entries to reset appended to `touched`)."""
     rev = segs[::-1]  # tail first
     blocks = rev[:, 0].astype(np.int64)
     self._grow(int(blocks.max()) + 1)
@@ -905,6 +914,13 @@ class PrefixCache:
     cum_tokens = tokens + np.cumsum(rev[:, 2], dtype=np.int64)
     if num_tokens is not None:
       stop |= cum_tokens >= num_tokens
+    k = blocks.shape[0]
+    if counts is None:
+      if trim and stop.any():
+        k = int(np.argmax(stop)) + 1
+      np.add.at(self._scratch, blocks[:k], 1)
+      touched.append(blocks[:k])
+      return k, blocks.shape[0], int(cum_tokens[k - 1]), freed
     rc = counts(blocks)
     if np.unique(blocks).shape[0] == blocks.shape[0]:
       repeat = 0
@@ -926,7 +942,6 @@ class PrefixCache:
     cum_freed = freed + np.cumsum(now_free, dtype=np.int64)
     if num_blocks is not None:
       stop |= cum_freed >= num_blocks
-    k = blocks.shape[0]
     if trim and stop.any():
       k = int(np.argmax(stop)) + 1
     taken = blocks[:k]

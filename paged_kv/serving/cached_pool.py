@@ -426,7 +426,7 @@ class CachedPool:
     segs = self._pool.segments_many([e[2] for e in entries]) if entries else []
     counts, helds = [], []
     for (_, tokens, seq_id), sg in zip(entries, segs):
-      held = sum(sg[:, 2].tolist())
+      held = sum(sg[:, 2].tolist()) if len(sg) <= 64 else int(sg[:, 2].sum(dtype=np.int64))
       count = (tokens.shape[0] if type(tokens) is np.ndarray and tokens.ndim == 1
                else int(np.asarray(tokens).reshape(-1).shape[0]))
       if count > held:

@@ -8,6 +8,7 @@ Hypothesis budget: ``PAGED_KV_HYPOTHESIS_EXAMPLES`` (default 100) examples.
 """
 
 import os
+from unittest import mock
 
 import numpy as np
 from absl.testing import absltest, parameterized
@@ -647,8 +648,9 @@ class PlainSelectTest(parameterized.TestCase):
   node): the same nodes, trims, tokens and freed blocks, with a `countable` mask,
   token targets, and blocks a node holds twice."""
 
-  @parameterized.parameters(0, 1, 2)
-  def test_same_choice_as_a_lookup(self, seed):
+  @parameterized.parameters((0, 64), (1, 64), (2, 64), (0, 2), (1, 3))
+  def test_same_choice_as_a_lookup(self, seed, small):
+    self.enter_context(mock.patch.object(radix_cache, "SMALL_SEGMENTS", small))
     rng = np.random.default_rng(seed)
     clock = Clock()
     pool = SimPool(num_blocks=40, block_size=4)
