@@ -399,7 +399,13 @@ class HostState:
     if refs.size <= 4:
       self._change_table_refs(block[:0], block)
       if refs.size:
-        self.change_refs(refs, 1)
+        # Live blocks (the caller's check): no count leaves 0, nothing leaves the index.
+        r = refs.astype(np.int64)
+        self.log.touch_owned(r)
+        if refs.size == 1 or len(set(ids := r.tolist())) == len(ids):
+          self.ref_count[r] += 1
+        else:
+          np.add.at(self.ref_count, r, 1)
       return
     # The blocks summed once for both counts. They are live (the caller checked
     # `ref_count > 0`), so no count leaves 0: nothing leaves the free index.
