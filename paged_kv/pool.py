@@ -75,6 +75,8 @@ def _pad(a: np.ndarray, size: int, fill: int) -> np.ndarray:
 
 _I32 = np.iinfo(np.int32)
 _I32_MIN, _I32_MAX = int(_I32.min), int(_I32.max)
+# Id arguments of at most this many entries are checked in plain Python.
+_SMALL_IDS = 32
 
 
 def _as_int_array(x, name: str) -> np.ndarray:
@@ -83,8 +85,15 @@ def _as_int_array(x, name: str) -> np.ndarray:
   The range is checked on the values as given, before any cast, so an unsigned
   `2**64 - 1` is reported as itself (not as the `-1` a cast would make of it).
   """
-  if type(x) is np.ndarray and x.dtype == np.int32 and x.ndim == 1:
-    return x.astype(np.int64)  # int32: nothing to check (the prefix cache's ids)
+  if type(x) is np.ndarray and x.ndim == 1:
+    if x.dtype == np.int32:
+      return x.astype(np.int64)  # int32: nothing to check (the prefix cache's ids)
+    if x.dtype == np.int64 and x.size <= _SMALL_IDS:  # a few: the range in plain Python
+      if not x.size or _I32_MIN <= min(v := x.tolist()) and max(v) <= _I32_MAX:
+        return x.copy()
+  elif type(x) is list and len(x) <= _SMALL_IDS and all(type(v) is int for v in x):
+    if not x or _I32_MIN <= min(x) and max(x) <= _I32_MAX:
+      return np.array(x, np.int64)
   try:
     a = np.asarray(x)
   except (TypeError, ValueError) as e:
@@ -256,7 +265,8 @@ class BlockPool:
     self.runtime = RuntimeCounters()
     self.debug = debug_default() if debug is None else bool(debug)
     self._log = ChangeLog(config)
-    self._scratch_log = ChangeLog(config)  # a prediction's changes (the device makes them)
+    # A prediction's changes (the device makes them): the touched blocks only.
+    self._scratch_log = ChangeLog(config, rows=False)
     self._checks: collections.deque = collections.deque()
     self.last_resize: resize_lib.ResizeReport | None = None  # the latest `resize`'s
     if not isinstance(config, PoolConfig):
@@ -458,6 +468,18 @@ class BlockPool:
     return np.flatnonzero(self.host.active)
 
   def _check_ids(self, ids: np.ndarray, *, active: bool | None) -> None:
+    if ids.size <= _SMALL_IDS:  # a few: the same checks in plain Python
+      lst = ids.tolist()
+      if lst and (min(lst) < 0 or max(lst) >= self.config.max_seqs):
+        raise InvalidSequence(f"sequence ids {lst} outside [0, {self.config.max_seqs})")
+      if len(set(lst)) != len(lst):
+        raise InvalidSequence(f"repeated sequence ids in {lst}")
+      if active is not None and lst:
+        act = self.host.active
+        bad = [i for i in lst if bool(act[i]) != active]
+        if bad:
+          raise InvalidSequence(f"sequences {bad} are {'not ' if active else ''}active")
+      return
     if ids.size and (ids.min() < 0 or ids.max() >= self.config.max_seqs):
       raise InvalidSequence(f"sequence ids {ids.tolist()} outside [0, {self.config.max_seqs})")
     if len(set(ids.tolist())) != ids.size:
@@ -640,39 +662,82 @@ class BlockPool:
     self._done()
     return ids
 
-  def _open_one(self, segments, *, copy_tail: bool = False) -> int | None:
+  def _open_one(self, segments, *, copy_tail: bool = False, checked: bool = False) -> int | None:
     """`open_sequences` of one row in the lowest free row, without the batch work
     (`copy_tail`: and the tail copy of `open_sequence`); None when the general path
     must decide (a problem to report, or segments whose blocks no outside holder
-    vouches for: the dead-slot check); nothing changed then."""
+    vouches for: the dead-slot check); nothing changed then. `checked`: the
+    segments passed `_opens_alone` and a row is free."""
     segs = empty_segments() if segments is None else _fast_segments(segments)
     if segs is None:
       return None
     h = self.host
-    c = self.config
     free = ~h.active
     row = int(free.argmax())
-    k = segs.shape[0]
-    if not free[row] or k > c.max_segments:
+    if not checked and (not free[row] or not self._opens_alone(segs, full=False)):
       return None
-    blk = segs[:, 0]
-    if k:
-      if blk.min() < 0 or blk.max() >= c.num_blocks:
-        return None
-      ref = h.ref_count[blk]
-      if (ref <= h.table_refs[blk]).any():  # unheld blocks (or free ones): the full check
-        return None
+    k = segs.shape[0]
     if copy_tail and k:
+      blk = segs[:, 0]
       if self._log.page_conflict(blk[-1:], self._log.free_page_dsts(h), copies=1):
         self.flush()  # the copy must not read or write a block the window's copies wrote
-      status, _ = host_ops.open_one_copying_tail(h, row, blk, segs[:, 1], segs[:, 2])
+      status, _ = host_ops.open_one_copying_tail(h, row, blk, segs[:, 1], segs[:, 2],
+                                                 checked=checked)
+    elif checked:
+      status = host_ops.open_checked(h, row, segs[:, 0], segs[:, 1], segs[:, 2])
     else:
-      status = host_ops.open_rows(h, np.array([row]), blk[None], segs[None, :, 1],
+      status = host_ops.open_rows(h, np.array([row]), segs[None, :, 0], segs[None, :, 1],
                                   segs[None, :, 2], np.array([k]))
     if status[0]:
       return None  # refused, nothing applied: the general path raises its error
     self._done()
     return row
+
+  def _opens_alone(self, segs: np.ndarray, *, full: bool = True) -> bool:
+    """Whether a row opens on `segs` (`i32[k, 3]`) without the general path: at most
+    `max_segments`, on blocks that something outside the tables holds (no dead-slot
+    question), and (`full`) the open's own checks pass (`host_ops.open_segments_status`;
+    else the open itself runs them and refuses with nothing changed)."""
+    c = self.config
+    k = segs.shape[0]
+    if k > c.max_segments:
+      return False
+    if not k:
+      return True
+    h = self.host
+    blk = segs[:, 0]
+    if k <= _SMALL_IDS:
+      b = blk.tolist()
+      if min(b) < 0 or max(b) >= c.num_blocks:
+        return False
+      if any(r <= t for r, t in zip(h.ref_count[blk].tolist(), h.table_refs[blk].tolist())):
+        return False  # unheld blocks (or free ones): the full check
+    else:
+      if blk.min() < 0 or blk.max() >= c.num_blocks:
+        return False
+      if (h.ref_count[blk] <= h.table_refs[blk]).any():
+        return False
+    return not full or host_ops.open_segments_status(h, blk, segs[:, 1], segs[:, 2]) == int(
+        Status.OK)
+
+  def _open_few(self, segments: Sequence, copy_tails: Sequence[bool]) -> np.ndarray | None:
+    """`open_sequences(segments)` in the lowest free rows, then `cow_split(rows marked
+    in copy_tails, skip_exhausted=True)`, one row at a time (`_open_one`: the same
+    rows, blocks and copies, since an open changes nothing another row's checks
+    read); None when a row needs the general path (nothing changed then)."""
+    h = self.host
+    if int(np.count_nonzero(~h.active)) < len(segments):
+      return None
+    segs = [empty_segments() if x is None else _fast_segments(x) for x in segments]
+    if any(x is None or not self._opens_alone(x) for x in segs):
+      return None
+    rows = []
+    for x, copy_tail in zip(segs, copy_tails):
+      row = self._open_one(x, copy_tail=copy_tail, checked=True)
+      if row is None:
+        raise InternalInconsistency("open: a row checked to open was refused")
+      rows.append(row)
+    return np.array(rows, np.int64)
 
   def reserve_tokens(self, seq_ids, num_new) -> np.ndarray:
     """Room for `num_new[i]` more tokens of each sequence; returns `slot_idx i32[B, T]`.
@@ -1252,7 +1317,7 @@ class BlockPool:
     self.runtime.dispatch("sync")
     if report.staged:
       self.runtime.read("data", 2 * self.config.num_layers)
-    self._scratch_log = ChangeLog(new_config)
+    self._scratch_log = ChangeLog(new_config, rows=False)
     self._mirror = h.resized(new_config)
     self.config = new_config
     self.last_resize = report

@@ -114,6 +114,11 @@ POLICIES = ("lru", "cost")
 GRANULARITIES = ("block", "node")
 GC_ORDERS = ("high_first", "low_first")
 
+# `RefDeltas.from_pairs` of at most this many entries sums them in a dict.
+SMALL_PAIRS = 64
+# Segment arrays of at most this many rows are checked and walked in plain Python.
+SMALL_SEGMENTS = 64
+
 _EMPTY_SEGMENTS = np.zeros((0, 3), np.int32)
 _EMPTY_IDS = np.zeros((0,), np.int32)
 _I32 = np.iinfo(np.int32)
@@ -152,6 +157,19 @@ def as_segments(segments: Any, *, block_size: int, name: str = "segments") -> Se
       tuple of three 1-D arrays (the column layout), negative block or start,
       length < 1, or ``start + length > block_size``.
   """
+  if (type(segments) is np.ndarray and segments.dtype == np.int32 and segments.ndim == 2
+      and segments.shape[1] == 3 and 0 < segments.shape[0] <= SMALL_SEGMENTS
+      and segments.flags.c_contiguous):
+    # What the pool hands out: the bounds checked row by row, no conversion.
+    rows = segments.tolist()
+    if any(b < 0 for b, _, _ in rows):
+      raise InvalidSegmentsError(f"{name}: segment block ids must be >= 0")
+    if any(st < 0 or ln < 1 or st + ln > block_size for _, st, ln in rows):
+      raise InvalidSegmentsError(
+          f"every segment needs start >= 0, length >= 1, start + length <= "
+          f"block_size={block_size}"
+      )
+    return segments
   if isinstance(segments, tuple) and len(segments) == 3 and all(
       getattr(x, "ndim", None) == 1 for x in segments):
     shapes = ", ".join(str(tuple(x.shape)) for x in segments)
@@ -187,11 +205,25 @@ def as_segments(segments: Any, *, block_size: int, name: str = "segments") -> Se
   return np.ascontiguousarray(arr, dtype=np.int32)
 
 
-def _cut(segs: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray, bool]:
-  """Splits ``segs`` (int32[n, 3]) after ``offset`` tokens: (head, tail, cut_made)."""
+def _split_point(segs: np.ndarray, offset: int) -> tuple[int, int]:
+  """``(i, begin)``: the segments wholly within the first ``offset`` tokens and the
+  tokens they cover (``segs`` int32[n, 3])."""
+  if segs.shape[0] <= SMALL_SEGMENTS:
+    i = begin = 0
+    for length in segs[:, 2].tolist():
+      if begin + length > offset:
+        break
+      begin += length
+      i += 1
+    return i, begin
   ends = np.cumsum(segs[:, 2], dtype=np.int64)
   i = int(np.searchsorted(ends, offset, side="right"))
-  begin = int(ends[i - 1]) if i > 0 else 0
+  return i, int(ends[i - 1]) if i > 0 else 0
+
+
+def _cut(segs: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray, bool]:
+  """Splits ``segs`` (int32[n, 3]) after ``offset`` tokens: (head, tail, cut_made)."""
+  i, begin = _split_point(segs, offset)
   if begin == offset:
     return segs[:i], segs[i:], False
   k = offset - begin
@@ -221,15 +253,21 @@ class RefDeltas:
   def from_pairs(block_ids: Any, deltas: Any) -> RefDeltas:
     """Aggregates (possibly repeated) block ids with their deltas."""
     block_ids = np.asarray(block_ids, np.int64).reshape(-1)
-    deltas = np.broadcast_to(np.asarray(deltas, np.int64), block_ids.shape)
     if block_ids.size == 0:
       return RefDeltas.empty()
-    if block_ids.size <= 16:  # a few (a split's cut, a match's incref): no sort of arrays
+    deltas = np.asarray(deltas, np.int64)
+    if block_ids.size <= SMALL_PAIRS:  # a few (an insert, an eviction): a dict, no sort of arrays
       acc: dict[int, int] = {}
-      for b, d in zip(block_ids.tolist(), deltas.tolist()):
-        acc[b] = acc.get(b, 0) + d
+      if deltas.ndim == 0:
+        d = int(deltas)
+        for b in block_ids.tolist():
+          acc[b] = acc.get(b, 0) + d
+      else:
+        for b, d in zip(block_ids.tolist(), np.broadcast_to(deltas, block_ids.shape).tolist()):
+          acc[b] = acc.get(b, 0) + d
       keys = [b for b in sorted(acc) if acc[b]]
       return RefDeltas(np.array(keys, np.int32), np.array([acc[b] for b in keys], np.int32))
+    deltas = np.broadcast_to(deltas, block_ids.shape)
     uniq, inv = np.unique(block_ids, return_inverse=True)
     summed = np.bincount(inv, weights=deltas, minlength=uniq.size).astype(np.int64)
     keep = summed != 0
@@ -534,7 +572,8 @@ class PrefixCache:
     """
     tokens = as_tokens(tokens)
     segs = as_segments(segments, block_size=self.block_size)
-    covered = int(segs[:, 2].sum(dtype=np.int64))
+    covered = (sum(segs[:, 2].tolist()) if segs.shape[0] <= SMALL_SEGMENTS
+               else int(segs[:, 2].sum(dtype=np.int64)))
     if covered != tokens.shape[0]:
       raise InvalidSegmentsError(
           f"segments cover {covered} tokens but {tokens.shape[0]} tokens given"
@@ -590,11 +629,9 @@ class PrefixCache:
     """
     if node is None or node.parent is None or prefix_len <= 0:
       return []
-    ends = np.cumsum(segs[:, 2], dtype=np.int64)
-    i = int(np.searchsorted(ends, prefix_len, side="right"))
+    i, t0 = _split_point(segs, prefix_len)
     if i >= segs.shape[0]:
       return []
-    t0 = int(ends[i - 1]) if i > 0 else 0
     k = prefix_len - t0
     if k <= 0:
       return []  # the cut falls on a segment boundary: nothing straddles
@@ -789,6 +826,12 @@ class PrefixCache:
     trim = granularity == "block"
     touched: list[np.ndarray] = []  # entries of _scratch / _known to reset
     prefetch = 8
+    # A host array (or no) ref_count: each node is taken in plain Python, the tree's
+    # references chosen so far counted per block in `pending`, until a node longer
+    # than `SMALL_SEGMENTS`. Then, or with a lookup: numpy, the counts in `_scratch`
+    # (a lookup's answers in `_known`).
+    plain = not callable(ref_count)
+    pending: dict[int, int] = {}
 
     def counts(blocks: np.ndarray) -> np.ndarray:
       nonlocal prefetch
@@ -822,45 +865,23 @@ class PrefixCache:
         node = next_node()
         if node is None:
           break
-        rev = node.value[::-1]  # tail first
-        blocks = rev[:, 0].astype(np.int64)
-        self._grow(int(blocks.max()) + 1)
-        stop = np.zeros(blocks.shape, bool)
-        cum_tokens = tokens + np.cumsum(rev[:, 2], dtype=np.int64)
-        if num_tokens is not None:
-          stop |= cum_tokens >= num_tokens
-        if ref_count is not None:
-          rc = counts(blocks)
-          if np.unique(blocks).shape[0] == blocks.shape[0]:
-            repeat = 0
-          else:  # a block held twice by this node: count its references in order
-            seen: dict[int, int] = {}
-            repeat = np.zeros(blocks.shape, np.int64)
-            for j, b in enumerate(blocks.tolist()):
-              repeat[j] = seen.get(b, 0)
-              seen[b] = repeat[j] + 1
-          left = rc - (self._scratch[blocks] + repeat + 1)
-          if (left < 0).any():
-            b = int(blocks[np.argmax(left < 0)])
-            raise RefCountMismatchError(
-                f"ref_count[{b}]={int(rc[np.argmax(left < 0)])} is below the tree's "
-                f"references on it")
-          now_free = left == 0
-          if countable is not None:
-            now_free &= countable[blocks]
-          cum_freed = freed + np.cumsum(now_free, dtype=np.int64)
-          if num_blocks is not None:
-            stop |= cum_freed >= num_blocks
-        k = blocks.shape[0]
-        if trim and stop.any():
-          k = int(np.argmax(stop)) + 1
-        taken = blocks[:k]
-        np.add.at(self._scratch, taken, 1)
-        touched.append(taken)
-        tokens = int(cum_tokens[k - 1])
-        if ref_count is not None:
-          freed = int(cum_freed[k - 1])
-        first = blocks.shape[0] - k
+        if plain and node.value.shape[0] > SMALL_SEGMENTS:
+          # A long node: the vectorised path from here on, the counts so far moved over.
+          plain = False
+          if pending:
+            ids = np.fromiter(pending, np.int64, len(pending))
+            self._grow(int(ids.max()) + 1)
+            self._scratch[ids] += np.fromiter(pending.values(), np.int64, len(pending))
+            touched.append(ids)
+        if plain:  # a host ref_count (or none): the node's segments one by one
+          k, n_segs, tokens, freed = self._take_plain(node.value, pending, tokens, freed,
+                                                      num_blocks, ref_count, num_tokens,
+                                                      countable, trim)
+        else:
+          k, n_segs, tokens, freed = self._take_looked_up(
+              node.value, None if ref_count is None else counts, touched, tokens, freed,
+              num_blocks, num_tokens, countable, trim)
+        first = n_segs - k
         chosen.append((node, first))
         if first > 0:
           break  # the node is trimmed: the target is met
@@ -878,6 +899,106 @@ class PrefixCache:
       for node in taken_off:
         tree.lru_push(node)  # nothing changed yet: the commit removes the chosen ones
     return chosen, freed
+
+  def _take_looked_up(self, segs: np.ndarray, counts: Callable[[np.ndarray], np.ndarray] | None,
+                      touched: list, tokens: int, freed: int | None, num_blocks: int | None,
+                      num_tokens: int | None, countable: np.ndarray | None,
+                      trim: bool) -> tuple[int, int, int, int | None]:
+    """`_take_plain`, vectorised, with counts from `counts(blocks)` (None: no
+    ref_count); the tree's references chosen so far are counted in `_scratch` (its
+    entries to reset appended to `touched`)."""
+    rev = segs[::-1]  # tail first
+    blocks = rev[:, 0].astype(np.int64)
+    self._grow(int(blocks.max()) + 1)
+    stop = np.zeros(blocks.shape, bool)
+    cum_tokens = tokens + np.cumsum(rev[:, 2], dtype=np.int64)
+    if num_tokens is not None:
+      stop |= cum_tokens >= num_tokens
+    k = blocks.shape[0]
+    if counts is None:
+      if trim and stop.any():
+        k = int(np.argmax(stop)) + 1
+      np.add.at(self._scratch, blocks[:k], 1)
+      touched.append(blocks[:k])
+      return k, blocks.shape[0], int(cum_tokens[k - 1]), freed
+    rc = counts(blocks)
+    if np.unique(blocks).shape[0] == blocks.shape[0]:
+      repeat = 0
+    else:  # a block held twice by this node: count its references in order
+      seen: dict[int, int] = {}
+      repeat = np.zeros(blocks.shape, np.int64)
+      for j, b in enumerate(blocks.tolist()):
+        repeat[j] = seen.get(b, 0)
+        seen[b] = repeat[j] + 1
+    left = rc - (self._scratch[blocks] + repeat + 1)
+    if (left < 0).any():
+      b = int(blocks[np.argmax(left < 0)])
+      raise RefCountMismatchError(
+          f"ref_count[{b}]={int(rc[np.argmax(left < 0)])} is below the tree's "
+          f"references on it")
+    now_free = left == 0
+    if countable is not None:
+      now_free &= countable[blocks]
+    cum_freed = freed + np.cumsum(now_free, dtype=np.int64)
+    if num_blocks is not None:
+      stop |= cum_freed >= num_blocks
+    if trim and stop.any():
+      k = int(np.argmax(stop)) + 1
+    taken = blocks[:k]
+    np.add.at(self._scratch, taken, 1)
+    touched.append(taken)
+    return k, blocks.shape[0], int(cum_tokens[k - 1]), int(cum_freed[k - 1])
+
+  @staticmethod
+  def _take_plain(segs: np.ndarray, pending: dict[int, int], tokens: int, freed: int | None,
+                  num_blocks: int | None, ref_count: np.ndarray | None,
+                  num_tokens: int | None, countable: np.ndarray | None,
+                  trim: bool) -> tuple[int, int, int, int | None]:
+    """One node of `_select` with a host `ref_count` (or none), in plain Python.
+
+    The node's segments go tail first; each drops one tree reference on its block
+    (`pending` counts the ones this selection dropped before, and is updated for
+    the segments taken). Returns `(k, num_segments, tokens, freed)`: the first `k`
+    segments (tail first) are taken, the totals after them.
+
+    Raises:
+      RefCountMismatchError: a block's `ref_count` is below the tree's references
+        on it (checked on every segment of the node), or beyond `ref_count`.
+    """
+    rows = segs.tolist()
+    rows.reverse()
+    n = len(rows)
+    if ref_count is not None:
+      blocks = [r[0] for r in rows]
+      top = max(blocks)
+      if top >= ref_count.shape[0]:
+        raise RefCountMismatchError(f"tree references block {top} but ref_count has "
+                                    f"{ref_count.shape[0]} entries")
+      rc = ref_count[blocks].tolist()
+      dyn = countable[blocks].tolist() if countable is not None else None
+      seen: dict[int, int] = {}
+      lefts = []
+      for b, r in zip(blocks, rc):
+        before = seen.get(b, 0)
+        seen[b] = before + 1
+        left = r - (pending.get(b, 0) + before + 1)
+        if left < 0:
+          raise RefCountMismatchError(f"ref_count[{b}]={r} is below the tree's references on it")
+        lefts.append(left)
+    k = n
+    for j in range(n):
+      tokens += rows[j][2]
+      stop = num_tokens is not None and tokens >= num_tokens
+      if ref_count is not None:
+        if lefts[j] == 0 and (dyn is None or dyn[j]):
+          freed += 1
+        stop = stop or (num_blocks is not None and freed >= num_blocks)
+      if trim and stop:
+        k = j + 1
+        break
+    for r in rows[:k]:
+      pending[r[0]] = pending.get(r[0], 0) + 1
+    return k, n, tokens, freed
 
   def _grow(self, size: int) -> None:
     """Makes the per-block scratch arrays cover block ids below ``size``."""

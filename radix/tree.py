@@ -252,7 +252,12 @@ class HitStats:
     return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
   def __add__(self, other: HitStats) -> HitStats:
-    return HitStats(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+    return HitStats(self.num_queries + other.num_queries,
+                    self.num_hit_queries + other.num_hit_queries,
+                    self.query_tokens + other.query_tokens, self.hit_tokens + other.hit_tokens)
+
+
+_NO_HITS = HitStats()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,8 +516,10 @@ class RadixTree:
         self._touch(node, now)
         node.hit_count += 1
         node.hit_tokens += node.num_tokens if i + 1 < len(path) else off
-      prev = self._stats.get(namespace, HitStats())
-      self._stats[namespace] = prev + HitStats(1, int(length > 0), int(tokens.shape[0]), length)
+      prev = self._stats.get(namespace, _NO_HITS)
+      self._stats[namespace] = HitStats(prev.num_queries + 1, prev.num_hit_queries + (length > 0),
+                                        prev.query_tokens + int(tokens.shape[0]),
+                                        prev.hit_tokens + length)
     return PrefixMatch(length=length, path=tuple(n.node_id for n in path), last_offset=off)
 
   # ------------------------------------------------------------------ updates

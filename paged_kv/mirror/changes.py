@@ -117,10 +117,17 @@ class CommitWidths:
 
 
 class ChangeLog:
-  """Changes of a `HostState` since the last commit (see the module docstring)."""
+  """Changes of a `HostState` since the last commit (see the module docstring).
 
-  def __init__(self, config: PoolConfig):
+  Args:
+    config: the pool's config.
+    rows: record touched rows; False for a log that only collects the touched
+      blocks (a step's prediction, whose rows the device's own step writes).
+  """
+
+  def __init__(self, config: PoolConfig, *, rows: bool = True):
     self.config = config
+    self.records_rows = rows
     self._rmask = np.zeros(config.max_seqs, bool)
     self._block_width: int | None = None
     # What the device holds of every block's (ref_count, slots): the mirror's values
@@ -210,7 +217,7 @@ class ChangeLog:
 
   def touch_row(self, host: "HostState", row: int) -> None:
     """`touch_rows` of one row."""
-    if not self._rmask[row]:
+    if self.records_rows and not self._rmask[row]:
       self._rmask[row] = True
       self._rows.append(np.array([row], np.int64))
       self._old_rows.append(np.array([[host.num_segments[row], host.seq_len[row],
@@ -218,6 +225,8 @@ class ChangeLog:
       self.num_rows += 1
 
   def touch_rows(self, host: "HostState", rows: np.ndarray) -> None:
+    if not self.records_rows:
+      return
     rows = np.asarray(rows, np.int64)
     new = rows[~self._rmask[rows]]
     if new.size:

@@ -125,7 +125,11 @@ class HostState:
   def row_segments(self, row: int) -> np.ndarray:
     """`i32[k, 3]` the used `(block, start, length)` of one row (a copy)."""
     k = int(self.num_segments[row])
-    return np.stack([self.block[row, :k], self.start[row, :k], self.length[row, :k]], axis=1)
+    out = np.empty((k, 3), np.int32)
+    out[:, 0] = self.block[row, :k]
+    out[:, 1] = self.start[row, :k]
+    out[:, 2] = self.length[row, :k]
+    return out
 
   def dynamic(self, blocks: np.ndarray) -> np.ndarray:
     return self.region[blocks] == REGION_DYNAMIC
@@ -285,6 +289,17 @@ class HostState:
     self.log.touch_blocks(self, b)
     self.slots[b] = words
 
+  def set_slot_bits(self, blocks: np.ndarray, slots: np.ndarray) -> None:
+    """Sets slot `slots[i]` of block `blocks[i]` (distinct blocks)."""
+    b = np.asarray(blocks, np.int64)
+    if b.size == 0:
+      return
+    self.log.touch_owned(b)
+    s = np.asarray(slots).astype(np.uint32)
+    flat = self.slots.reshape(-1)
+    at = b * self.config.slot_words + (s >> 5) if self.config.slot_words > 1 else b
+    flat[at] |= np.uint32(1) << (s & 31)
+
   def write_rows(self, rows: np.ndarray, *, block=None, start=None, length=None,
                  num_segments=None, seq_len=None, active=None, clear: bool = False) -> None:
     """Writes whole table rows (distinct `rows`); `clear` zeroes them (a release).
@@ -384,7 +399,13 @@ class HostState:
     if refs.size <= 4:
       self._change_table_refs(block[:0], block)
       if refs.size:
-        self.change_refs(refs, 1)
+        # Live blocks (the caller's check): no count leaves 0, nothing leaves the index.
+        r = refs.astype(np.int64)
+        self.log.touch_owned(r)
+        if refs.size == 1 or len(set(ids := r.tolist())) == len(ids):
+          self.ref_count[r] += 1
+        else:
+          np.add.at(self.ref_count, r, 1)
       return
     # The blocks summed once for both counts. They are live (the caller checked
     # `ref_count > 0`), so no count leaves 0: nothing leaves the free index.

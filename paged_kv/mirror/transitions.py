@@ -33,6 +33,8 @@ _REF_UNDERFLOW, _REF_OVERFLOW = int(Status.REF_UNDERFLOW), int(Status.REF_OVERFL
 _BLOCK_IN_USE = int(Status.BLOCK_IN_USE)
 # Non-atomic reservations of more rows than this try the in-place decode path first.
 DECODE_FAST_MIN = 8
+# Rows the decode path leaves, up to this many, are reserved one at a time in plain Python.
+SMALL_RESERVE = 16
 # Reference deltas of at most this many entries take the plain-Python path.
 SMALL_DELTAS = 32
 
@@ -212,91 +214,97 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
   The blocks it takes and the tail blocks it appends to are in the mirror's change
   log: what a prediction's caller verifies later.
 
-  Not atomic (a step's prediction), the rows that decode one token in place (a
-  free slot right after the tail of an exclusive tail block: most rows of a
-  decode step) take a short path first; the rest go through the general one.
-  Both give what the general path alone gives: in-place rows take no block, so
-  the others' first-come-first-served grants are the same. When every other row
-  is padding or decodes one token into one fresh block, and the free blocks
-  suffice, those take the short path too (the lowest free blocks in batch order,
-  as the general path hands them out).
+  Not atomic (a step's prediction), the rows that decode one token take a short
+  path first (`_decode_fast`): in place (a free slot right after the tail of an
+  exclusive tail block: most rows of a decode step), or into one fresh block when
+  those rows come before every other row of the batch and the free blocks suffice
+  (the lowest free blocks in batch order, as the general path hands them out). The
+  rows left go through the general path, one row at a time when they are few
+  (`_reserve_rows`). All give what the general path alone gives: in-place rows
+  take no block, so the others' first-come-first-served grants are the same.
   """
   ids = np.asarray(ids, np.int64)
   num_new = np.asarray(num_new, np.int64)
   if ids.size == 1:
     return _reserve_one(h, int(ids[0]), int(num_new[0]), max_new_tokens)
   if not atomic and ids.size > DECODE_FAST_MIN and max_new_tokens >= 1:
-    fast = _decode_fast(h, ids, num_new)
-    if fast is not None:
-      rows, slots, done = fast
-      step = h.step
-      slot_idx = np.full((ids.shape[0], max_new_tokens), -1, np.int32)
+    slot_idx = np.full((ids.shape[0], max_new_tokens), -1, np.int32)
+    rest = _decode_fast(h, ids, num_new, slot_idx)
+    if rest is not None:
       status = np.zeros(ids.shape, np.int32)  # OK
-      if not done:
-        rest = np.ones(ids.shape, bool)
-        rest[rows] = False
+      step = h.step
+      if rest.size > SMALL_RESERVE:
         slot_idx[rest], status[rest] = _reserve(h, ids[rest], num_new[rest],
                                                 max_new_tokens=max_new_tokens, atomic=False)
-      slot_idx[rows, 0] = slots
-      if h.step == step and rows.size:  # the clock moves once per reservation that
-        h.step += 1                     # placed a token
+      elif rest.size:
+        slot_idx[rest], status[rest] = _reserve_rows(h, ids[rest].tolist(),
+                                                     num_new[rest].tolist(), max_new_tokens)
+      h.step = step + 1  # the short path placed a token: the clock moves once per reservation
       return slot_idx, status
   return _reserve(h, ids, num_new, max_new_tokens=max_new_tokens, atomic=atomic)
 
 
-def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray):
+def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
+                 slot_idx: np.ndarray) -> np.ndarray | None:
   """The short path of a non-atomic reservation's one-token rows (see `reserve`).
 
-  Returns `(batch positions, slots, done)` of the rows it applied (`done`: every
-  row of the batch is served, the others being padding), or None when it
-  applied none. A row decodes in place when its id is valid, active and not
-  repeated in the batch, it asks for one token, and its tail block is exclusive
-  (one reference, dynamic) with the slot right after the tail free: exactly the
-  rows the general path grows in place. Such a row without that room (or
-  without a segment) and with room in its table takes a fresh block; those are
-  applied only when they and the in-place rows are all the batch has.
+  Writes the slots of the rows it applies into `slot_idx[:, 0]` and returns the
+  batch positions of the rows it left (padding excluded), or None when it applied
+  none. A row decodes in place when its id is valid, active and not repeated in
+  the batch, it asks for one token, and its tail block is exclusive (one
+  reference, dynamic) with the slot right after the tail free: exactly the rows
+  the general path grows in place. Such a row without that room (or without a
+  segment) and with room in its table takes a fresh block; those are applied
+  only when they all come before every other (non-padding) row of the batch and
+  the free blocks suffice for them.
   """
   c = h.config
-  bs, m, s = c.block_size, c.max_segments, c.max_seqs
+  bs, m, s, w = c.block_size, c.max_segments, c.max_seqs, c.slot_words
   one = (num_new == 1) & (ids >= 0) & (ids < s)
   if not one.any():
     return None
-  row = _clamp(ids, 0, s - 1)
-  ns = h.num_segments[row].astype(np.int64)
-  one &= h.active[row] & ~_repeated(ids)
-  tail = _clamp(ns - 1, 0, m - 1)
-  tb = h.block[row, tail].astype(np.int64)
-  pos = (h.start[row, tail] + h.length[row, tail]).astype(np.int64)
-  cp = _clamp(pos, 0, bs - 1)
-  free_slot = ((h.slots[tb, cp // 32] >> (cp % 32).astype(np.uint32)) & 1) == 0
-  room = ((ns > 0) & (pos < bs) & (h.ref_count[tb] == 1) & (h.region[tb] == REGION_DYNAMIC)
-          & free_slot)
+  row = np.where(one, ids, 0)
+  one &= h.active[row]
+  one &= ~_repeated(ids)
+  ns = h.num_segments[row]
+  tail = np.maximum(ns - 1, 0)  # num_segments <= max_segments
+  flat = row * m + tail
+  tb = h.block.reshape(-1)[flat]
+  pos = h.start.reshape(-1)[flat] + h.length.reshape(-1)[flat]
+  cp = np.minimum(pos, bs - 1).astype(np.uint32)
+  if w == 1:
+    word = h.slots.reshape(-1)[tb]
+  else:
+    word = h.slots.reshape(-1)[tb * w + (cp >> 5)]
+  room = ((word >> (cp & 31)) & 1) == 0
+  room &= (pos < bs) & (ns > 0)
+  room &= h.ref_count[tb] == 1
+  room &= h.region[tb] == REGION_DYNAMIC
   in_place = one & room
   fresh = one & ~room & (ns < m)
-  done = bool(np.all(in_place | fresh | (ids == -1))) and int(fresh.sum()) <= h.free.num_free
-  if not done:
-    fresh[:] = False
-  sel = np.flatnonzero(in_place | fresh)
-  if sel.size == 0:
+  other = (ids != -1) & ~in_place & ~fresh
+  nf = int(np.count_nonzero(fresh))
+  if nf and (nf > h.free.num_free or (other.any() and int(np.flatnonzero(fresh)[-1])
+                                                      > int(other.argmax()))):
+    other |= fresh  # the general path decides their grants
+    nf = 0
+  ip = np.flatnonzero(in_place)
+  if not ip.size and not nf:
     return None
-  slots = np.empty(sel.size, np.int64)
-  ip = in_place[sel]
-  if ip.any():
-    g = sel[ip]
-    b, p = tb[g], pos[g]
-    h.set_slots(b, h.slots[b] | range_mask(p, np.ones_like(p), c.slot_words))
-    h.grow_tails(row[g], tail[g])
-    slots[ip] = b * bs + p
-  if not ip.all():
-    g = sel[~ip]  # ascending: the lowest free blocks in batch order
-    new = h.free.lowest(g.size)
-    h.take_blocks(new)
-    h.set_slots(new, range_mask(np.zeros_like(new), np.ones_like(new), c.slot_words))
-    ones = np.ones(g.size, np.int64)
-    h.extend_rows(row[g], tail[g], np.zeros(g.size, np.int64), np.arange(g.size), ns[g], new,
-                  ones, ones, ones)
-    slots[~ip] = new * bs
-  return sel, slots.astype(np.int32), done
+  if ip.size:
+    b, p = tb[ip], pos[ip]
+    h.set_slot_bits(b, p)
+    h.grow_tails(row[ip], tail[ip])
+    slot_idx[ip, 0] = b * bs + p
+  if nf:
+    g = np.flatnonzero(fresh)  # ascending: the lowest free blocks in batch order
+    new = h.free.lowest(nf)
+    h.take_blocks(new, _prefix_words(1, w))
+    ones = np.ones(nf, np.int64)
+    h.extend_rows(row[g], tail[g], np.zeros(nf, np.int64), _arange(nf), ns[g], new, ones, ones,
+                  ones)
+    slot_idx[g, 0] = new * bs
+  return np.flatnonzero(other)
 
 
 def _repeated(ids: np.ndarray) -> np.ndarray:
@@ -518,9 +526,25 @@ def _summed_per_id(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
                       deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """`segments.release_with_refs`; returns `(row_status, ref_status)`."""
+  """`segments.release_with_refs`; returns `(row_status, ref_status)`.
+
+  A few distinct live rows with valid deltas (what a scheduler's finishing
+  sequences hand over) take a short path: the deltas applied, then the rows
+  released one by one (the same end state as the batch release).
+  """
   ids = np.asarray(ids, np.int64)
   block_ids = np.asarray(block_ids, np.int64)
+  if ids.size <= SMALL_DELTAS:
+    rows = ids.tolist()
+    s, active = h.config.max_seqs, h.active
+    if (len(set(rows)) == len(rows) and all(0 <= i < s and active[i] for i in rows)):
+      ref_status = _apply_ref_deltas_fast(h, block_ids, np.asarray(deltas, np.int64),
+                                          apply=True)
+      if ref_status is not None or not block_ids.size:
+        for i in rows:
+          h.release_row(i)
+        return (np.zeros(ids.shape, np.int32),
+                np.zeros(block_ids.shape, np.int32) if ref_status is None else ref_status)
   rows = row_status(h, ids, want_active=True)
   rows_ok = bool(np.all(rows == _OK))
   ref_status = apply_ref_deltas(h, np.where(rows_ok, block_ids, -1), deltas, apply=False)
@@ -778,8 +802,16 @@ def _row_ok(h: HostState, i: int, *, want_active: bool) -> bool:
   return 0 <= i < h.config.max_seqs and bool(h.active[i]) == want_active
 
 
+def open_checked(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
+                 seg_length: np.ndarray) -> np.ndarray:
+  """`open_rows` of one row whose segments passed `open_segments_status` (not
+  checked again); returns `status i32[1]`."""
+  return _open_one(h, i, seg_block, seg_start, seg_length, int(seg_block.shape[0]),
+                   checked=True)
+
+
 def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
-              seg_length: np.ndarray, k: int) -> np.ndarray:
+              seg_length: np.ndarray, k: int, *, checked: bool = False) -> np.ndarray:
   """`open_rows` of one row (`k` segments, in `seg_*[:k]`)."""
   c = h.config
   n, bs, m = c.num_blocks, c.block_size, c.max_segments
@@ -792,7 +824,7 @@ def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray
   blk = seg_block[:k].astype(np.int64)
   st = seg_start[:k].astype(np.int64)
   ln = seg_length[:k].astype(np.int64)
-  if k:
+  if k and not checked:
     status = _check_open_segments(h, blk, st, ln)
     if status != _OK:
       return np.array([status], np.int32)
@@ -801,11 +833,13 @@ def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray
 
 
 def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
-                          seg_length: np.ndarray) -> tuple[np.ndarray, bool]:
+                          seg_length: np.ndarray, *,
+                          checked: bool = False) -> tuple[np.ndarray, bool]:
   """`open_rows` of one row followed by `cow_split(atomic=False)` of it, in one pass
   (the row opens on the copy: no reference taken on the tail block only to be
   dropped). Returns `(status i32[1], copied)`, as the two calls one after the
-  other give (`copied`: the cow_split's `split`); refused: nothing changes."""
+  other give (`copied`: the cow_split's `split`); refused: nothing changes.
+  `checked`: the segments passed `open_segments_status` (not checked again)."""
   k = int(seg_block.shape[0])
   c = h.config
   bs = c.block_size
@@ -823,7 +857,7 @@ def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start
   blk = seg_block.astype(np.int64)
   st = seg_start.astype(np.int64)
   ln = seg_length.astype(np.int64)
-  status = _check_open_segments(h, blk, st, ln)
+  status = _OK if checked else _check_open_segments(h, blk, st, ln)
   if status != _OK:
     return np.array([status], np.int32), False
   # After the open the tail block has >= 2 references (this row's and the holder's the
@@ -838,9 +872,30 @@ def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start
   return np.array([_OK], np.int32), True
 
 
+def open_segments_status(h: HostState, blk: np.ndarray, st: np.ndarray, ln: np.ndarray) -> int:
+  """The status an open on these segments gets from its segment checks (`_open_one`'s,
+  without the row's): live blocks, well-formed segments on written slots."""
+  return _check_open_segments(h, np.asarray(blk, np.int64), np.asarray(st, np.int64),
+                              np.asarray(ln, np.int64))
+
+
 def _check_open_segments(h: HostState, blk: np.ndarray, st: np.ndarray, ln: np.ndarray) -> int:
   """The segment checks of `_open_one` (int64 arrays, at least one segment)."""
   c = h.config
+  if blk.size <= SMALL_DELTAS:  # a few: plain Python
+    n, bs = c.num_blocks, c.block_size
+    b, s, l = blk.tolist(), st.tolist(), ln.tolist()
+    if min(b) < 0 or max(b) >= n or min(h.ref_count[blk].tolist()) <= 0:
+      return _INVALID_BLOCK
+    if min(s) < 0 or max(s) >= bs or min(l) < 1 or any(x > bs - y for x, y in zip(l, s)):
+      return _INVALID_SEGMENT
+    words = h.slots[blk]
+    held = (words[:, 0].tolist() if c.slot_words == 1 else [_words_to_int(w) for w in words])
+    for w, y, x in zip(held, s, l):
+      mask = ((1 << x) - 1) << y
+      if w & mask != mask:
+        return _INVALID_SEGMENT
+    return _OK
   if blk.min() < 0 or blk.max() >= c.num_blocks or (h.ref_count[blk] <= 0).any():
     return _INVALID_BLOCK
   if st.min() < 0 or (st >= c.block_size).any() or ln.min() < 1 or (
@@ -889,23 +944,98 @@ def _reserve_one(h: HostState, i: int, count: int,
     out[:in_place] = np.arange(tb * bs + pos, tb * bs + pos + in_place)
     h.set_slots(np.array([tb], np.int64),
                 _int_to_words(tail_bits | _mask_int(pos, in_place), w)[None, :])
-  fresh = h.free.lowest(need) if need else _NO_BLOCKS
-  lengths = _NO_BLOCKS
+  fresh, lengths = _NO_BLOCKS, _NO_BLOCKS
   if need:
+    fresh, lengths = _take_fresh(h, need, rest)
     out[in_place:count] = (fresh[:, None] * bs + _arange(bs)).reshape(-1)[:rest]
-    last = rest - (need - 1) * bs  # full blocks, then the last one's rest
-    lengths = np.full(need, bs, np.int64)
-    lengths[-1] = last
-    if need == 1:
-      words = _prefix_words(last, w)
-    else:
-      words = np.empty((need, w), np.uint32)
-      words[:] = _prefix_words(bs, w)
-      words[-1] = _prefix_words(last, w)
-    h.take_blocks(fresh, words)
   h.extend_row(i, tail, in_place, fresh, lengths, count)
   h.step += 1
   return slot_idx, np.array([_OK], np.int32)
+
+
+def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
+                  max_new_tokens: int) -> tuple[np.ndarray, list[int]]:
+  """`reserve(atomic=False)` of a few rows, one at a time in plain Python; returns
+  `(slot_idx i32[k, T], status)`. The clock is the caller's to move.
+
+  The general path decides every row on the state before the call and grants
+  blocks first come first served, prefix-greedy: a valid row gets its blocks iff
+  the needs of the valid rows up to it fit the free blocks. Row by row gives the
+  same: the rows are distinct (a repeat is refused), a row reads only its own
+  entries and its tail block (an exclusive tail is no other row's, a fresh block
+  was free), and the lowest free blocks left after the rows before it are the
+  ones the general path hands it.
+  """
+  c = h.config
+  bs, m, s = c.block_size, c.max_segments, c.max_seqs
+  slot_idx = np.full((len(ids), max_new_tokens), -1, np.int32)
+  status = [_OK] * len(ids)
+  seen: set[int] = set()
+  num_free = h.free.num_free
+  wanted = 0  # blocks the valid rows so far ask for
+  active = h.active
+  for j, (i, count) in enumerate(zip(ids, counts)):
+    if i == -1:
+      continue
+    first = i not in seen
+    seen.add(i)
+    if not (first and 0 <= i < s and active[i]):
+      status[j] = _INVALID_SEQUENCE
+      continue
+    if count < 0 or count > max_new_tokens:
+      status[j] = _INVALID_COUNT
+      continue
+    ns = int(h.num_segments[i])
+    tail = max(ns - 1, 0)
+    tb = int(h.block[i, tail])
+    pos = int(h.start[i, tail]) + int(h.length[i, tail])
+    room = 0
+    if ns > 0 and int(h.ref_count[tb]) == 1 and int(h.region[tb]) == REGION_DYNAMIC:
+      tail_bits = _words_to_int(h.slots[tb])
+      after = tail_bits >> pos
+      room = ((after & -after).bit_length() - 1) if after else bs - pos
+      room = max(min(room, bs - pos), 0)
+    in_place = min(count, room)
+    rest = count - in_place
+    need = -(-rest // bs)
+    if ns + need > m:
+      status[j] = _TABLE_FULL
+      continue
+    wanted += need
+    if need and wanted > num_free:
+      status[j] = _NO_FREE_BLOCK
+      continue
+    if count == 0:
+      continue
+    out = slot_idx[j]
+    if in_place:
+      out[:in_place] = _arange(in_place) + (tb * bs + pos)
+      h.set_slots(np.array([tb], np.int64),
+                  _int_to_words(tail_bits | _mask_int(pos, in_place), c.slot_words)[None, :])
+    fresh, lengths = _NO_BLOCKS, _NO_BLOCKS
+    if need:
+      fresh, lengths = _take_fresh(h, need, rest)
+      out[in_place:count] = (fresh[:, None] * bs + _arange(bs)).reshape(-1)[:rest]
+    h.extend_row(i, tail, in_place, fresh, lengths, count)
+  return slot_idx, status
+
+
+def _take_fresh(h: HostState, need: int, rest: int) -> tuple[np.ndarray, np.ndarray]:
+  """Takes the `need` lowest free blocks for `rest` tokens from slot 0 on (full
+  blocks, then the last one's rest), their slots set; returns `(blocks, lengths)`."""
+  bs, w = h.config.block_size, h.config.slot_words
+  fresh = h.free.lowest(need)
+  last = rest - (need - 1) * bs
+  lengths = np.full(need, bs, np.int64)
+  lengths[-1] = last
+  if need == 1:
+    words = _prefix_words(last, w)
+  else:
+    words = np.empty((need, w), np.uint32)
+    words[:] = _prefix_words(bs, w)
+    words[-1] = _prefix_words(last, w)
+  h.take_blocks(fresh, words)
+  return fresh, lengths
 
 
 def _release_one(h: HostState, i: int) -> np.ndarray:

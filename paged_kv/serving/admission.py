@@ -314,10 +314,19 @@ class Admission:
     """`sum(request_reserve(r) for r in requests)`, inlined: O(batch) Python every
     step that admits, so without two calls per request."""
     bs, ratio, total = self.block_size, self.config.output_reserve_ratio, 0
+    if not ratio:  # the uncomputed prompts only
+      for r in requests:
+        tokens = r.prefill_target - r.num_cached
+        if tokens > 0:
+          total += -(-tokens // bs) + 1
+      return total
     for r in requests:
-      tokens = max(r.prefill_target - r.num_cached, 0)
-      if ratio:
-        tokens += int(ratio * max(r.max_new_tokens - len(r.output), 0))
+      tokens = r.prefill_target - r.num_cached
+      if tokens < 0:
+        tokens = 0
+      out = r.max_new_tokens - len(r.output)
+      if out > 0:
+        tokens += int(ratio * out)
       if tokens:
         total += -(-tokens // bs) + 1
     return total

@@ -68,6 +68,8 @@ from radix.tree import HitStats, NodeId, RadixTree, StaleNodeError
 __all__ = ["CacheView", "CachedPool", "PoolStateLost", "state_lost"]
 
 _NO_IDS = np.zeros((0,), np.int32)
+# `open_many` of at most this many rows opens them one at a time.
+_SMALL_OPENS = 16
 
 
 class PoolStateLost(PagedKVError):
@@ -307,6 +309,22 @@ class CachedPool:
       row = self._pool.open_sequence(segs, copy_tail=tail is not None)
       self._continuable.discard(tail)
       return np.array([row], np.int64)
+    if seq_ids is None and len(segments) <= _SMALL_OPENS:
+      # A few rows (a step's admissions): each opens alone, its tail copied when
+      # continuable (the first row on a given tail).
+      tails = []
+      for segs in segments:
+        tail = None
+        if self._continuable and segs is not None and len(segs):
+          tail = tuple(np.asarray(segs)[-1].tolist())
+          if tail not in self._continuable or tail in tails:
+            tail = None
+        tails.append(tail)
+      rows = self._pool._open_few(segments, [t is not None for t in tails])  # pylint: disable=protected-access
+      if rows is not None:
+        for tail in tails:
+          self._continuable.discard(tail)
+        return rows
     rows = self._pool.open_sequences(segments, seq_ids)
     if self._continuable:
       copy = []
@@ -408,8 +426,9 @@ class CachedPool:
     segs = self._pool.segments_many([e[2] for e in entries]) if entries else []
     counts, helds = [], []
     for (_, tokens, seq_id), sg in zip(entries, segs):
-      held = int(sg[:, 2].sum(dtype=np.int64))
-      count = int(np.asarray(tokens).reshape(-1).shape[0])
+      held = sum(sg[:, 2].tolist()) if len(sg) <= 64 else int(sg[:, 2].sum(dtype=np.int64))
+      count = (tokens.shape[0] if type(tokens) is np.ndarray and tokens.ndim == 1
+               else int(np.asarray(tokens).reshape(-1).shape[0]))
       if count > held:
         raise InvalidArgument(f"insert: {count} tokens given; sequence {seq_id} holds {held}")
       counts.append(count)

@@ -131,14 +131,10 @@ class Request:
   carry_row: int = -1  # its row in the newest unread step (where its next input token is)
   epoch: int = 0  # bumped when its unread tokens are dropped (finish, preemption, abort)
 
+  _frozen = False  # set by `_freeze` (`Scheduler.submit`)
+
   def __post_init__(self):
     self.validate()
-
-  def __setattr__(self, name: str, value) -> None:
-    if name in _REQUEST_INPUTS and self.__dict__.get("_frozen", False):
-      raise InvalidArgument(f"request {self.request_id!r} was submitted: its {name} is "
-                            f"frozen (submit a new Request)")
-    object.__setattr__(self, name, value)
 
   def _freeze(self) -> None:
     """Read-only copies of the input arrays, and no more assignments to the inputs."""
@@ -185,6 +181,31 @@ class Request:
   @property
   def done(self) -> bool:
     return self.phase == Phase.FINISHED
+
+
+def _input_field(name: str, read) -> property:
+  """The attribute of input field `name`, its value in the instance under `_<name>`
+  (`read` returns it: a Python function, whose property reads the interpreter
+  specializes), assigned until the request is frozen. Only the inputs are guarded,
+  so the scheduler's writes of progress fields stay plain attribute writes."""
+  key = "_" + name
+
+  def assign(self, value) -> None:
+    if self._frozen:
+      raise InvalidArgument(f"request {self.request_id!r} was submitted: its {name} is "
+                            f"frozen (submit a new Request)")
+    object.__setattr__(self, key, value)
+
+  return property(read, assign, doc=f"The request's `{name}` (an input).")
+
+
+Request.request_id = _input_field("request_id", lambda self: self._request_id)
+Request.prompt = _input_field("prompt", lambda self: self._prompt)
+Request.max_new_tokens = _input_field("max_new_tokens", lambda self: self._max_new_tokens)
+Request.namespace = _input_field("namespace", lambda self: self._namespace)
+Request.forced_output = _input_field("forced_output", lambda self: self._forced_output)
+Request.sampling = _input_field("sampling", lambda self: self._sampling)
+assert all(isinstance(getattr(Request, name), property) for name in _REQUEST_INPUTS)
 
 
 

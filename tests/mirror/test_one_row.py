@@ -20,6 +20,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from paged_kv.core.config import PoolConfig
+from paged_kv.core.errors import Status
 from paged_kv.mirror import transitions as T
 from paged_kv.mirror.host_state import HostState
 
@@ -165,3 +166,78 @@ class DecodeBatchTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class ReserveRowsTest(parameterized.TestCase):
+  """The row-at-a-time path of a non-atomic reservation (`_reserve_rows`, what the
+  rows a decode step's short path leaves take: prompt chunks, rows needing blocks)
+  against the general path: many tokens per row, repeated, inactive and
+  out-of-range rows, full tables and too few free blocks for every row."""
+
+  @parameterized.parameters(0, 1, 2)
+  def test_rows_equal_the_general_path(self, seed):
+    cfg = PoolConfig(num_blocks=(16, 24, 28)[seed], block_size=4, num_layers=1,
+                     num_kv_heads=1, head_dim=2, max_seqs=10, max_segments=5,
+                     base_pool_fraction=0.2 * (seed == 1))
+    h = HostState.empty(cfg)
+    rng = np.random.default_rng(seed)
+    applied = refused = 0
+    for step in range(300):
+      inactive, live = np.flatnonzero(~h.active), np.flatnonzero(h.active)
+      if inactive.size and (live.size < 5 or rng.random() < 0.3):
+        src = int(rng.choice(live)) if live.size and rng.random() < 0.6 else None
+        k = int(rng.integers(0, h.num_segments[src] + 1)) if src is not None else 0
+        segs = (np.stack([h.block[src, :k], h.start[src, :k], h.length[src, :k]])[:, None, :]
+                if k else np.zeros((3, 1, 1), np.int64))
+        T.open_rows(h, inactive[:1], *segs, np.array([k]))
+      if live.size and rng.random() < 0.2:
+        T.release(h, np.array([int(rng.choice(live))]), atomic=True)
+      live = np.flatnonzero(h.active)
+      k = int(rng.integers(1, T.SMALL_RESERVE + 1))
+      ids = rng.choice(np.concatenate([live, [-1]]), size=k)
+      if rng.random() < 0.2:
+        ids[0] = rng.integers(-1, cfg.max_seqs + 1)  # inactive or out of range
+      cnt = rng.integers(-1 if rng.random() < 0.05 else 0, 14, size=k)
+      lean, general = copy.deepcopy(h), copy.deepcopy(h)
+      a_slots, a_status = T._reserve_rows(lean, ids.tolist(), cnt.tolist(), 12)  # pylint: disable=protected-access
+      b_slots, b_status = T._reserve(general, ids, cnt, max_new_tokens=12, atomic=False)  # pylint: disable=protected-access
+      what = f"seed {seed} step {step}"
+      np.testing.assert_array_equal(a_slots, b_slots, err_msg=what)
+      np.testing.assert_array_equal(np.asarray(a_status, np.int32), b_status, err_msg=what)
+      if general.step != h.step:  # the general path moves the clock itself
+        lean.step += 1
+      _same(self, lean, general, what)
+      applied += int(np.any((b_status == 0) & (cnt > 0) & (ids >= 0)))
+      refused += int(np.any(b_status == int(Status.NO_FREE_BLOCK)))
+      h = lean
+      h.log.reset(h)
+    self.assertGreater(applied, 60)
+    self.assertGreater(refused, 5)
+
+  def test_a_decode_step_with_chunks_takes_the_short_paths(self):
+    """Decode rows (in place or into a fresh block) before prompt chunks: the decode
+    rows are applied by `_decode_fast`, the chunks row by row; the general path is
+    not called, and the result is the general path's."""
+    cfg = PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=2,
+                     max_seqs=16, max_segments=8)
+    h = HostState.empty(cfg)
+    T.open_rows(h, np.arange(16), np.zeros((16, 1), np.int64), np.zeros((16, 1), np.int64),
+                np.zeros((16, 1), np.int64), np.zeros(16, np.int64))
+    T.reserve(h, np.arange(16), np.array([4] * 6 + [2] * 6 + [0] * 4), max_new_tokens=4,
+              atomic=False)
+    h.log.reset(h)
+    ids = np.arange(16)
+    cnt = np.array([1] * 12 + [3, 7, 0, 5])  # 6 fresh-block decodes, 6 in place, chunks
+    general = copy.deepcopy(h)
+    calls = []
+    real = T._reserve  # pylint: disable=protected-access
+    T._reserve = lambda *a, **k: calls.append(1) or real(*a, **k)  # pylint: disable=protected-access
+    try:
+      a = T.reserve(h, ids, cnt, max_new_tokens=8, atomic=False)
+    finally:
+      T._reserve = real  # pylint: disable=protected-access
+    b = real(general, ids, cnt, max_new_tokens=8, atomic=False)
+    self.assertEqual(calls, [])
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    _same(self, h, general, "decode step with chunks")

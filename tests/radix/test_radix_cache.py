@@ -8,6 +8,7 @@ Hypothesis budget: ``PAGED_KV_HYPOTHESIS_EXAMPLES`` (default 100) examples.
 """
 
 import os
+from unittest import mock
 
 import numpy as np
 from absl.testing import absltest, parameterized
@@ -639,6 +640,79 @@ class LruIndexTest(parameterized.TestCase):
       pool.check(cache)
     self.assertGreater(compared, 30)
     self.assertGreater(chosen_total, 60)
+
+
+class PlainSelectTest(parameterized.TestCase):
+  """Eviction with a host `ref_count` array (each node's segments in plain Python,
+  `PrefixCache._take_plain`) against the same eviction through a lookup (numpy per
+  node): the same nodes, trims, tokens and freed blocks, with a `countable` mask,
+  token targets, and blocks a node holds twice."""
+
+  @parameterized.parameters((0, 64), (1, 64), (2, 64), (0, 2), (1, 3))
+  def test_same_choice_as_a_lookup(self, seed, small):
+    self.enter_context(mock.patch.object(radix_cache, "SMALL_SEGMENTS", small))
+    rng = np.random.default_rng(seed)
+    clock = Clock()
+    pool = SimPool(num_blocks=40, block_size=4)
+    cache = PrefixCache(block_size=4, clock=clock)
+    countable = rng.random(40) < 0.8
+    prefixes = [rng.integers(0, 50, int(rng.integers(2, 12))) for _ in range(5)]
+    compared = 0
+    for step in range(300):
+      clock.now += 1.0
+      ns = str(rng.choice(["a", "b"]))
+      tokens = np.concatenate([prefixes[int(rng.integers(5))],
+                               rng.integers(0, 50, int(rng.integers(0, 10)))])
+      m = cache.match(ns, tokens, split=bool(rng.random() < 0.3))
+      pool.apply_tree_deltas(m.ref_deltas)
+      seq = pool.open_sequence(m.segments)
+      need = -(-(tokens.shape[0] - m.length) // 4) + 1
+      now = clock()
+      eligible = lambda n: n.lock_ref == 0 and not n.is_pinned(now)
+      for target, num_tokens, mask in ((need + int(rng.integers(0, 4)), None, None),
+                                       (need, None, countable),
+                                       (None, int(rng.integers(1, 30)), countable)):
+        for trim in ("block", "node"):
+          rc = pool.ref_count if target is not None or rng.random() < 0.5 else None
+          a = cache._select(eligible, radix_cache._lru_key, target, rc, num_tokens, mask,  # pylint: disable=protected-access
+                            trim, lru_index=rc is not None)
+          lookup = (lambda ids: pool.ref_count[ids]) if rc is not None else None
+          if lookup is None:  # no counts: the plain path too; compare with the heap order
+            b = cache._select(eligible, radix_cache._lru_key, target, None, num_tokens, mask,  # pylint: disable=protected-access
+                              trim)
+          else:
+            b = cache._select(eligible, radix_cache._lru_key, target, lookup, num_tokens, mask,  # pylint: disable=protected-access
+                              trim)
+          what = f"seed {seed} step {step} {target} {num_tokens} {trim}"
+          self.assertEqual([(n.node_id, f) for n, f in a[0]], [(n.node_id, f) for n, f in b[0]],
+                           what)
+          self.assertEqual(a[1], b[1], what)
+          compared += bool(a[0])
+      if pool.num_free < need:
+        ev = cache.evict(num_blocks=need - pool.num_free, ref_count=pool.ref_count)
+        pool.apply_tree_deltas(ev.ref_deltas)
+      if pool.append(seq, kv_of(ns, tokens)[m.length:]):
+        out = cache.insert(ns, tokens, pool.tables[seq])
+        pool.apply_tree_deltas(out.ref_deltas)
+      if m.node is not None:
+        cache.unlock(m.node)
+      pool.release(seq)
+      pool.check(cache)
+    self.assertGreater(compared, 300)
+
+  def test_counts_below_the_tree_are_refused(self):
+    pool = SimPool(num_blocks=16, block_size=4)
+    cache = PrefixCache(block_size=4, clock=Clock())
+    _fill(pool, cache, "ns", list(range(10)))
+    low = pool.ref_count.copy()
+    low[low > 0] -= 1
+    low[cache.segment_refs()[0, 0]] = 0
+    for rc in (low, lambda ids: low[ids]):
+      with self.assertRaisesRegex(RefCountMismatchError, "below the tree"):
+        cache.evict(num_blocks=1, ref_count=rc)
+    with self.assertRaisesRegex(RefCountMismatchError, "but ref_count has"):
+      cache.evict(num_blocks=1, ref_count=np.zeros(1, np.int64))
+    self.assertEqual(len(cache.tree), 1)  # nothing changed
 
 
 class CacheMachine(RuleBasedStateMachine):

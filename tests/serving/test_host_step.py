@@ -1,0 +1,152 @@
+"""The host side of a scheduler step, counted (not timed).
+
+* A step's reservation, decided on the host mirror (`BlockPool.predict_step`), runs
+  the same Python code at any batch size: no per-row Python call or numpy call on
+  one row's entries (the number of Python-level calls is the same at 16 and 64 rows).
+* In a steady serving loop (admission with cached prefixes, chunked prefill,
+  decode, finishing into the cache, eviction) no step takes a general batch path
+  of the mirror (`row_status`, the general `_reserve`, `open_sequences`) or the
+  radix cache's lookup path: admissions open one row at a time, finishing
+  sequences are released on a short path, eviction reads the mirror's counts.
+* Writing a request's progress fields runs no Python code (only its inputs are
+  guarded after `submit`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import numpy as np
+from absl.testing import absltest
+
+import paged_kv
+from paged_kv.core import compact
+from paged_kv.mirror import transitions
+from paged_kv.serving.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
+from radix.cache import PrefixCache
+
+
+def _count_calls(fn, where: tuple[str, ...] = ("",)) -> int:
+  """Python-level calls (`sys.setprofile` "call" events) made while `fn()` runs, of
+  functions whose file's path contains one of `where`."""
+  calls = 0
+
+  def profile(frame, event, arg):
+    nonlocal calls
+    if event == "call" and any(w in frame.f_code.co_filename for w in where):
+      calls += 1
+
+  sys.setprofile(profile)
+  try:
+    fn()
+  finally:
+    sys.setprofile(None)
+  return calls
+
+
+def _prediction_calls(batch: int) -> int:
+  """Python calls (the library's own functions) of one decode step's prediction over
+  `batch` rows: every row one token, all in place but four that need a fresh block."""
+  cfg = paged_kv.PoolConfig(num_blocks=8 * batch, block_size=4, num_layers=1, num_kv_heads=1,
+                            head_dim=2, max_seqs=batch, max_segments=8)
+  pool = paged_kv.BlockPool(cfg, debug=False)
+  rows = np.array([pool.open_sequence() for _ in range(batch)])
+  pool.reserve_tokens(rows, np.where(np.arange(batch) < 4, 4, 2))  # 4 full tails
+  pool.flush()
+  ones = np.ones(batch, np.int32)
+  out = {}
+  calls = _count_calls(lambda: out.setdefault(
+      "pred", pool.predict_step(rows, ones, max_new_tokens=1)), ("/paged_kv/", "/radix/"))
+  pred = out["pred"]
+  np.testing.assert_array_equal(pred.status, 0)
+  assert (pred.slot_idx[:, 0] >= 0).all()
+  return calls
+
+
+class PredictionTest(absltest.TestCase):
+
+  def test_the_prediction_does_the_same_python_work_at_any_batch(self):
+    _prediction_calls(40)  # the first call fills caches
+    small, large = _prediction_calls(40), _prediction_calls(160)
+    self.assertEqual(small, large)
+    self.assertLess(small, 60)
+
+
+class SteadyLoopTest(absltest.TestCase):
+
+  def test_no_general_batch_path_in_a_steady_loop(self):
+    bs, batch = 4, 16
+    cfg = paged_kv.PoolConfig(num_blocks=160, block_size=bs, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=batch, max_segments=32)
+    sched = Scheduler(paged_kv.BlockPool(cfg, debug=False), DryExecutor(cfg), SchedulerConfig(
+        max_batch=batch, prefill_chunk=4 * bs, prefill_token_budget=8 * bs, compaction=None,
+        output_reserve_ratio=0.0, stats_every=0, snapshot_every=0))
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 1000, 4 * bs)
+    count = [0]
+
+    def top_up():
+      while len(sched.running) + len(sched.waiting) < batch:
+        prompt = np.concatenate([system, rng.integers(0, 1000, int(rng.integers(1, 3 * bs)))])
+        sched.submit(Request(count[0], prompt, int(rng.integers(4, 24))))
+        count[0] += 1
+
+    for _ in range(40):  # past the first admissions, the cache full
+      top_up()
+      sched.step()
+    watched = {
+        (transitions, "row_status"): "general", (transitions, "_reserve"): "general",
+        (paged_kv.BlockPool, "open_sequences"): "general",
+        (PrefixCache, "_take_looked_up"): "general",
+        (transitions, "_reserve_rows"): "short", (paged_kv.BlockPool, "_open_few"): "short",
+        (PrefixCache, "_take_plain"): "short", (transitions, "_decode_fast"): "short"}
+    calls = {key: 0 for key in watched}
+    originals = {(owner, name): inspect.getattr_static(owner, name) for owner, name in watched}
+
+    def counting(key):
+      fn = getattr(*key)
+
+      def wrapper(*args, **kwargs):
+        calls[key] += 1
+        return fn(*args, **kwargs)
+      return staticmethod(wrapper) if isinstance(originals[key], staticmethod) else wrapper
+
+    for (owner, name) in watched:
+      setattr(owner, name, counting((owner, name)))
+    try:
+      for _ in range(60):
+        top_up()
+        sched.step()
+    finally:
+      for (owner, name), fn in originals.items():
+        setattr(owner, name, fn)
+    sched.check_invariants()
+    for (owner, name), kind in watched.items():
+      n = calls[(owner, name)]
+      if kind == "general":
+        self.assertEqual(n, 0, f"{name} ran {n} times in 60 steady steps")
+      else:
+        self.assertGreater(n, 0, f"the workload never took {name}")
+
+
+class RequestWriteTest(absltest.TestCase):
+
+  def test_progress_writes_run_no_python(self):
+    sched = Scheduler(paged_kv.BlockPool(paged_kv.PoolConfig(
+        num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=2, max_seqs=4,
+        max_segments=8)), DryExecutor.__new__(DryExecutor), SchedulerConfig(max_batch=4))
+    req = Request("a", np.arange(6), 4)
+    sched.submit(req)
+
+    def write():
+      req.num_cached += 1
+      req.last_token_time = 1.0
+      req.first_token_step = 3
+    self.assertEqual(_count_calls(write, ("/paged_kv/", "/radix/")), 0)
+    with self.assertRaisesRegex(paged_kv.InvalidArgument, "frozen"):
+      req.max_new_tokens = 9
+
+
+if __name__ == "__main__":
+  absltest.main()
