@@ -117,6 +117,15 @@ def _run(model: llama.TinyLlama, program: str, compiled) -> list[np.ndarray]:
   return [np.asarray(x) for x in outs] + [np.asarray(state.pages.k), np.asarray(state.pages.v)]
 
 
+def _check_equal(outs: dict[str, list[np.ndarray]], what: str) -> None:
+  """Every layout's outputs equal the first's (nothing to compare when empty)."""
+  layouts = list(outs)
+  for layout in layouts[1:]:
+    for a, b in zip(outs[layouts[0]], outs[layout]):
+      if a.shape != b.shape or not np.array_equal(a, b):
+        raise AssertionError(f"{what}: {layout} differs from {layouts[0]}")
+
+
 def _warmup(model: llama.TinyLlama) -> tuple[float, int, int]:
   """`(seconds, programs, compiles)` of `Scheduler.warmup()`, every cache cleared first."""
   # pylint: disable=import-outside-toplevel
@@ -165,12 +174,7 @@ def main(argv):
           if repeat == 0:
             outs[layout] = _run(models[n][layout], program, compiled)
           del compiled
-        first, *others = outs.values()
-        for layout, got in zip(list(outs)[1:], others):
-          for a, b in zip(first, got):
-            if a.shape != b.shape or not np.array_equal(a, b):
-              raise AssertionError(f"{n} layers, {program}: {layout} differs from "
-                                   f"{list(outs)[0]}")
+        _check_equal(outs, f"{n} layers, {program}")
 
   warm: dict[tuple[int, str], list[tuple[float, int, int]]] = {}
   for _ in range(_WARMUP_REPEATS.value if warm_depths else 0):
