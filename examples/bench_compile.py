@@ -39,7 +39,8 @@ import paged_kv
 from paged_kv.model import StepPlan, llama, steps
 from paged_kv.telemetry import records
 
-_LAYERS = flags.DEFINE_list("layers", ["2", "8", "32"], "Model depths.")
+_LAYERS = flags.DEFINE_list("layers", ["2", "8", "32"],
+                            "Model depths of the compile table (empty: warm-ups only).")
 _LAYOUTS = flags.DEFINE_list("layouts", ["scanned", "unrolled"],
                              "Layer layouts: scanned (lax.scan), unrolled.")
 _PROGRAMS = flags.DEFINE_list("programs", ["forward", "decode"],
@@ -156,7 +157,7 @@ def main(argv):
   warm_depths = [int(x) for x in _WARMUP_LAYERS.value]
   bad = [x for x in _LAYOUTS.value if x not in _SCAN] + [
       x for x in _PROGRAMS.value if x not in ("forward", "decode")]
-  if bad or not depths or any(n < 1 for n in depths + warm_depths):
+  if bad or not depths + warm_depths or any(n < 1 for n in depths + warm_depths):
     raise app.UsageError(f"bad --layers/--warmup_layers/--layouts/--programs: {bad or depths}")
   rec = records.Recorder(_RECORD.value, "bench_compile", flag_values=records.script_flags(),
                          seeds=[_SEED.value])
@@ -182,13 +183,14 @@ def main(argv):
       for layout in _LAYOUTS.value:
         warm.setdefault((n, layout), []).append(_warmup(models[n][layout]))
 
-  print(f"tiny width (d_model 64), max_batch={_MAX_BATCH.value}, forward: "
-        f"{_NUM_TOKENS.value} tokens, chunk {_PREFILL_CHUNK.value}; fresh compiles "
-        f"(trace+lower+compile), {_REPEATS.value} repeats, median [min-max]; outputs equal "
-        f"across layouts; backend {jax.default_backend()}")
-  print(f"{'program':>8} {'layout':>9} {'layers':>6} {'compile s':>22} {'vs first depth':>14}")
   rows = []
-  for program in _PROGRAMS.value:
+  if depths:
+    print(f"tiny width (d_model 64), max_batch={_MAX_BATCH.value}, forward: "
+          f"{_NUM_TOKENS.value} tokens, chunk {_PREFILL_CHUNK.value}; fresh compiles "
+          f"(trace+lower+compile), {_REPEATS.value} repeats, median [min-max]; outputs "
+          f"equal across layouts; backend {jax.default_backend()}")
+    print(f"{'program':>8} {'layout':>9} {'layers':>6} {'compile s':>22} {'vs first depth':>14}")
+  for program in _PROGRAMS.value if depths else ():
     for layout in _LAYOUTS.value:
       base = seconds[(depths[0], layout, program)]
       for n in depths:
