@@ -5,17 +5,22 @@ an H200 with the pool donated.
     real-model shapes, decode-only and mixed prefill/decode;
   * one decoder layer of the reference model (`llama.DecoderBlock`);
   * the reference model's jitted steps: `decode_step`, `prefill`, `forward`
-    (mixed) and `decode_multi` (a `lax.scan` of decode steps).
+    (mixed) and `decode_multi` (a `lax.scan` of decode steps), with the layers
+    scanned (the default: the pages ride in the scan's carry), and `forward`
+    with the layers unrolled (`scan_layers=False`).
 
 Each: it compiles; the donated pages are written in place (aliased in -> out);
-no copy and no scratch grows with the pool (`tier.assert_no_pool_copy`); and
-at batch 1 the decode kernel's grid covers the SMs (split-K). Each of these
+no copy and no scratch grows with the pool (`tier.assert_no_pool_copy`); the
+scanned steps keep the layers' loop after XLA's passes (one loop of
+`num_layers` trips); and at batch 1 the decode kernel's grid covers the SMs
+(split-K). Each of these
 failed on the main of 2026-12-02 (a per-layer pool copy, no split-K, head_dim 96
 refused) and passes since the fixes of issue M.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -131,9 +136,12 @@ def test_head_dim_96_builds_on_the_default_path():
 
 # Llama-3-8B attention (32/8 heads of 128, bf16, 16-token blocks) in a narrow,
 # shallow model: the compile covers every op of a layer without 32 layers of
-# 4096-wide matmuls. The pool holds 16,384 blocks (536 MB of K per layer).
-MODEL = llama.LlamaConfig(vocab_size=256, d_model=512, num_layers=2, num_q_heads=32,
-                          num_kv_heads=8, head_dim=128, ffn_dim=1024, dtype="bfloat16")
+# 4096-wide matmuls. The pool holds 16,384 blocks (536 MB of K per layer). Three
+# layers: a trip count no other loop of the steps has.
+MODEL = llama.LlamaConfig(vocab_size=256, d_model=512, num_layers=3, num_q_heads=32,
+                          num_kv_heads=8, head_dim=128, ffn_dim=1024, dtype="bfloat16",
+                          scan_layers=True)
+UNROLLED = dataclasses.replace(MODEL, scan_layers=False)
 POOL = llama.pool_config_for(MODEL, num_blocks=16384, block_size=16, max_seqs=64,
                              max_segments=512)
 LAYER_POOL_BYTES = 8 * 16384 * 16 * 128 * 2
@@ -145,8 +153,8 @@ def _shapes(tree):
 
 
 @functools.lru_cache(maxsize=None)
-def _model():
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: llama.TinyLlama(MODEL,
+def _model(config: llama.LlamaConfig = MODEL):
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: llama.TinyLlama(config,
                                                                       rngs=nnx.Rngs(0))))
   return graphdef, _shapes(params), _shapes(jax.eval_shape(lambda: paged_kv.init_pool(POOL)))
 
@@ -158,7 +166,7 @@ def _layer_call(params, x, pages, meta, *, graphdef):
 
 @functools.lru_cache(maxsize=None)
 def _step_program(step: str):
-  graphdef, params, state = _model()
+  graphdef, params, state = _model(UNROLLED if step == "forward_unrolled" else MODEL)
   ids = S((ROWS,), I32)
   kw = dict(graphdef=graphdef, config=POOL)
   if step == "layer":
@@ -173,7 +181,7 @@ def _step_program(step: str):
   if step == "prefill":
     return tier.compile_program(steps.prefill, params, state, ids, S((ROWS, CHUNK), I32),
                                 ids, **kw)
-  if step == "forward":  # 12 decodes and 4 prefill chunks of <= 64 tokens
+  if step in ("forward", "forward_unrolled"):  # 12 decodes, 4 prefill chunks of <= 64 tokens
     plan = StepPlan(seq_ids=ids, num_new=ids, tokens=S((512,), I32), max_query_len=CHUNK)
     return tier.compile_program(steps.forward, params, state, plan, **kw)
   if step == "decode_multi":
@@ -182,7 +190,8 @@ def _step_program(step: str):
   raise ValueError(step)
 
 
-STEPS = ["layer", "decode_step", "prefill", "forward", "decode_multi"]
+STEPS = ["layer", "decode_step", "prefill", "forward", "decode_multi", "forward_unrolled"]
+SCANNED = ["decode_step", "prefill", "forward", "decode_multi"]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -192,8 +201,17 @@ def test_model_step_compiles_in_place(step):
   tier.assert_aliased(prog, (f"{prefix}.k", f"{prefix}.v"),
                       2 * MODEL.num_layers * LAYER_POOL_BYTES)
   assert tier.has_kernel(prog, "paged_attention"), prog.summary()
-  assert tier.has_kernel(prog, "prefill_attention") == (step in ("prefill", "forward"))
+  assert tier.has_kernel(prog, "prefill_attention") == (
+      step in ("prefill", "forward", "forward_unrolled"))
   tier.assert_no_spills(prog)
+
+
+@pytest.mark.parametrize("step", SCANNED + ["forward_unrolled"])
+def test_model_step_keeps_the_layer_scan(step):
+  """The scanned steps run their layers as one loop of `num_layers` trips in the
+  compiled program (not unrolled by XLA); the unrolled model has no such loop."""
+  trips = tier.loop_trip_counts(_step_program(step))
+  assert trips.count(MODEL.num_layers) == (1 if step in SCANNED else 0), trips
 
 
 @pytest.mark.parametrize("step", STEPS)

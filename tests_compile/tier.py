@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +92,19 @@ def assert_no_spills(prog: compile_tier.CompiledProgram) -> None:
       f"{prog.output[-2000:]}")
   spills = [r for r in reports if r.spill_bytes]
   assert not spills, f"Mosaic GPU kernel spills registers: {spills}"
+
+
+def loop_trip_counts(prog: compile_tier.CompiledProgram) -> list[int]:
+  """Known trip counts of the program's while loops (the entry's and those nested in
+  loop bodies and branches), -1 for a loop XLA gives none."""
+  module = compile_tier.parse_hlo(prog.hlo)
+  trips = []
+  for comp in module.control_flow():
+    for ins in module.computations[comp]:
+      if ins.opcode == "while":
+        m = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.text)
+        trips.append(int(m.group(1)) if m else -1)
+  return trips
 
 
 def decode_programs(prog: compile_tier.CompiledProgram) -> int:

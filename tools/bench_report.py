@@ -511,6 +511,53 @@ def render_dispatch(root):
                  med("after"), med("fixed"),
                  mrange([x / f for x, f in zip(r["fixed_us"], first["fixed_us"])])])
   return "\n\n".join([table(head, rows), provenance(recs)])
+def render_compile(root):
+  recs = _load("compile", root)
+  compiled = [r for r in recs if r["results"]["compile"]]
+  parts = []
+  if compiled:
+    res = compiled[-1]["results"]
+    depths = sorted({x["num_layers"] for x in res["compile"]})
+    by = {(x["program"], x["layout"], x["num_layers"]): x["seconds"] for x in res["compile"]}
+    head = (["program", "layout"] + [f"{n} layers: s" for n in depths]
+            + [f"{depths[-1]} / {depths[0]} layers (medians)"])
+    rows, flat = [], []
+    for program, layout in dict.fromkeys((x["program"], x["layout"]) for x in res["compile"]):
+      ratio = (statistics.median(by[(program, layout, depths[-1])])
+               / statistics.median(by[(program, layout, depths[0])]))
+      rows.append([program, layout, *[mrange(by[(program, layout, n)], fmt="{:.1f}", suffix="")
+                                      for n in depths], f"{ratio:.2f}x"])
+      if layout == "scanned":
+        flat.append(f"{program} {ratio:.2f}x")
+    parts.append(table(head, rows))
+    if flat:
+      parts.append(f"Scanned, {depths[-1]} / {depths[0]} layers: {', '.join(flat)} (goal: "
+                   f"close to 1x).")
+  for r in recs:
+    if not r["results"]["warmup"]:
+      continue
+    warm = {(x["layout"], x["num_layers"]): x for x in r["results"]["warmup"]}
+    wdepths = sorted({n for _, n in warm})
+    repeats = len(r["results"]["warmup"][0]["seconds"])
+    whead = (["layout"] + [f"{n} layers: s (programs, compiles)" for n in wdepths]
+             + [f"{wdepths[-1]} / {wdepths[0]} layers"])
+    wrows, verdicts = [], []
+    for layout in dict.fromkeys(l for l, _ in warm):
+      s = {n: warm[(layout, n)]["seconds"] for n in wdepths}
+      cells = [(mrange(s[n], fmt="{:.1f}", suffix="") if repeats > 1
+                else f"{s[n][0]:.1f}") + f" ({warm[(layout, n)]['programs']}, "
+               f"{max(warm[(layout, n)]['compiles'])})" for n in wdepths]
+      ratio = statistics.median(s[wdepths[-1]]) / statistics.median(s[wdepths[0]])
+      wrows.append([layout, *cells, f"{ratio:.2f}x"])
+      if layout == "scanned" and (wdepths[0], wdepths[-1]) == (2, 32) and repeats >= 3:
+        verdicts.append(f"{ratio:.2f}x, {verdict(ratio, 1.15, at_most=True)}")
+    parts.append(f"`Scheduler.warmup()`, fresh compiles, {repeats} run"
+                 f"{'s' if repeats > 1 else ''} each ({_rel(r['_path'])}):\n\n"
+                 + table(whead, wrows))
+    if verdicts:
+      parts.append(f"Goal (issue V: warm-up at 32 layers <= 1.15x its time at 2), scanned: "
+                   f"{verdicts[0]}.")
+  return "\n\n".join(parts + [provenance(recs)])
 
 
 def render_pool_ops(root):
@@ -638,6 +685,7 @@ RENDERERS = {
     "allocator": render_allocator,
     "decode": render_decode,
     "dispatch": render_dispatch,
+    "compile": render_compile,
     "pool_ops": render_pool_ops,
     "scheduler": render_scheduler,
     "requests": render_requests,

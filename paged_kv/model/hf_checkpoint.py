@@ -30,6 +30,12 @@ attention with "rotate half" RoPE, SwiGLU, tied or untied output head):
   model.norm.weight                                  final_norm.weight
   lm_head.weight                                     lm_head.kernel (.T; absent if tied)
 
+The table names the unrolled layout (`LlamaConfig.scan_layers=False`). The scanned
+one (the default) has one parameter per row, every layer's tensor stacked on a
+leading axis in layer order (`layers.attn.wq.kernel` is `[num_layers, in, out]`):
+the stack is built on the host, one layer's tensor at a time, and moved to the
+device once, so the device never holds the weights twice.
+
 What is not implemented raises `UnsupportedCheckpoint` naming the field, never
 silently ignored: another `model_type`, `hidden_act` other than silu, `mlp_bias`,
 `partial_rotary_factor` < 1, quantized weights, RoPE scalings other than linear and
@@ -57,6 +63,7 @@ Usage:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -282,7 +289,8 @@ def llama_config_from_hf(hf: dict, *, dtype: str | None = None,
 
 
 def tensor_names(config) -> dict[tuple, tuple[str, bool]]:
-  """Every parameter of `TinyLlama(config)`: its path -> `(tensor name, transposed)`."""
+  """Every parameter of `TinyLlama(config)`, path in the unrolled layout (`("layers",
+  i, ...)`, whatever `config.scan_layers` says) -> `(tensor name, transposed)`."""
   names: dict[tuple, tuple[str, bool]] = {("embed", "embedding"): ("model.embed_tokens.weight",
                                                                    False),
                                           ("final_norm", "weight"): ("model.norm.weight", False)}
@@ -355,8 +363,13 @@ def _expected_shape(path: tuple, config) -> tuple[int, ...]:
   return shapes.get(leaf, (c.d_model,))  # the norms' weights
 
 
+def _model_path(path: tuple, scan_layers: bool) -> tuple:
+  """The model's parameter holding `tensor_names`' (unrolled) `path`."""
+  return ("layers",) + path[2:] if scan_layers and path[0] == "layers" else path
+
+
 def load_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
-                    max_seq_len: int | None = None) -> HFCheckpoint:
+                    max_seq_len: int | None = None, scan_layers: bool = True) -> HFCheckpoint:
   """Loads a Hugging Face Llama/Mistral/Qwen2 checkpoint directory into `TinyLlama`.
 
   Args:
@@ -365,6 +378,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
     max_seq_len: the longest sequence (prompt + output) to serve; None: the
       config's `max_position_embeddings`. A model with a sliding window loads only
       if it fits the window.
+    scan_layers: the layers' layout (`LlamaConfig.scan_layers`): stacked weights,
+      one device array each, run by a scan; False: one module per layer.
 
   Returns:
     An `HFCheckpoint` (the model, its `LlamaConfig`, bos/eos ids, `max_seq_len`).
@@ -376,12 +391,16 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
     InvalidArgument: not a checkpoint directory, or a malformed config.
   """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
   from paged_kv.model.llama import TinyLlama  # pylint: disable=import-outside-toplevel
   from paged_kv.model.nnx_import import nnx  # pylint: disable=import-outside-toplevel
   st = _safetensors()
   path = Path(path)
   hf = read_hf_config(path)
+  if not isinstance(scan_layers, bool):
+    raise InvalidArgument(f"scan_layers must be a bool, got {scan_layers!r}")
   config, max_seq_len = llama_config_from_hf(hf, dtype=dtype, max_seq_len=max_seq_len)
+  config = dataclasses.replace(config, scan_layers=scan_layers)
   names = tensor_names(config)
   files = _tensor_files(path)
   wanted = {name for name, _ in names.values()}
@@ -400,28 +419,45 @@ def load_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
   abstract = nnx.eval_shape(lambda: TinyLlama(config, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   flat = list(nnx.to_flat_state(state))
-  ours = {p for p, _ in flat}
-  if ours != names.keys():  # the mapping and the model disagree: a bug here, not the user's
-    raise AssertionError(f"tensor_names out of date: {sorted(ours ^ names.keys())}")
+  sources: dict[tuple, list[tuple]] = {}  # model parameter -> its tensors' paths, layer order
+  for p in sorted(names, key=lambda p: p[1] if p[0] == "layers" else -1):
+    sources.setdefault(_model_path(p, scan_layers), []).append(p)
+  if {p for p, _ in flat} != sources.keys():  # a bug here, not the user's
+    raise AssertionError(f"tensor_names out of date: "
+                         f"{sorted(map(str, {p for p, _ in flat} ^ sources.keys()))}")
   target = jnp.dtype(config.dtype)
-  by_file: dict[Path, list[tuple]] = {}
-  for p, _ in flat:
-    by_file.setdefault(files[names[p][0]], []).append(p)
   arrays: dict[tuple, Any] = {}
-  for file, params in by_file.items():
-    with st.safe_open(str(file), framework="numpy") as f:
-      for p in params:
-        name, transposed = names[p]
-        view = f.get_slice(name)
-        if view.get_dtype() not in _TENSOR_DTYPES:
-          raise CheckpointMismatch(f"{name} in {file.name} is {view.get_dtype()}; paged_kv "
-                                   f"reads {', '.join(_TENSOR_DTYPES)} tensors")
-        shape, want = tuple(view.get_shape()), _expected_shape(p, config)
-        if shape != want:
-          raise CheckpointMismatch(f"{name} in {file.name} has shape {list(shape)}; the "
-                                   f"config implies {list(want)}")
-        x = f.get_tensor(name)
-        arrays[p] = jnp.asarray((x.T if transposed else x).astype(target))
+  with contextlib.ExitStack() as stack:
+    opened: dict[Path, Any] = {}
+
+    def read(p: tuple) -> Any:
+      """Tensor of `p` on the host, checked, as `[in, out]` (a transposed view)."""
+      name, transposed = names[p]
+      file = files[name]
+      if file not in opened:
+        opened[file] = stack.enter_context(st.safe_open(str(file), framework="numpy"))
+      view = opened[file].get_slice(name)
+      if view.get_dtype() not in _TENSOR_DTYPES:
+        raise CheckpointMismatch(f"{name} in {file.name} is {view.get_dtype()}; paged_kv "
+                                 f"reads {', '.join(_TENSOR_DTYPES)} tensors")
+      shape, want = tuple(view.get_shape()), _expected_shape(p, config)
+      if shape != want:
+        raise CheckpointMismatch(f"{name} in {file.name} has shape {list(shape)}; the "
+                                 f"config implies {list(want)}")
+      x = opened[file].get_tensor(name)
+      return x.T if transposed else x
+
+    for p, _ in flat:
+      parts = sources[p]
+      if p[0] == "layers" and scan_layers:  # stacked on the host, one layer at a time
+        first = read(parts[0])
+        host = np.empty((len(parts),) + first.shape, target)
+        host[0] = first  # cast to `target` by the assignment
+        for i, part in enumerate(parts[1:], 1):
+          host[i] = read(part)
+      else:
+        host = read(parts[0]).astype(target)
+      arrays[p] = jnp.asarray(host)  # one device array per parameter
   loaded = nnx.from_flat_state([(p, var.replace(arrays[p])) for p, var in flat])
   model = nnx.merge(graphdef, loaded)
   eos = hf.get("eos_token_id")

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from paged_kv.model.nnx_import import nnx
 
+from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.state import KVPages
 from paged_kv.model.attention import paged_attention
 from paged_kv.model.metadata import StepMetadata
@@ -100,7 +101,9 @@ class PagedAttention(nnx.Module):
   Attributes:
     wq, wk, wv, wo: `nnx.Linear` projections (`d_model -> heads * head_dim` and
       back); bias-free unless `qkv_bias` (wq, wk, wv) or `out_bias` (wo).
-    layer: index of this layer's K/V in the pool (static).
+    layer: index of this layer's K/V in the pool (static), or None when each
+      call names it (`layer=`: the layers of a scanned decoder share one module
+      and take the scan's index).
     activation_sharding: None (default), or a sharding (static) the activations
       around the attention are constrained to: `q, k, v` after their projections
       and RoPE, and the attention output before `wo`. On a pool whose pages are
@@ -114,7 +117,7 @@ class PagedAttention(nnx.Module):
   """
 
   def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
-               layer: int, rngs: nnx.Rngs, rope_theta: float = 10000.0,
+               layer: int | None, rngs: nnx.Rngs, rope_theta: float = 10000.0,
                rope_scaling: RopeScaling | None = None,
                dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype | None = None,
                sm_scale: float | None = None, soft_cap: float | None = None,
@@ -126,7 +129,8 @@ class PagedAttention(nnx.Module):
       num_q_heads: query heads, a multiple of `num_kv_heads` (GQA).
       num_kv_heads: key/value heads (the pool's `num_kv_heads`).
       head_dim: size of one head (even, for RoPE; the pool's `head_dim`).
-      layer: this layer's index in the pool, `[0, num_layers)`.
+      layer: this layer's index in the pool, `[0, num_layers)`; None: given by
+        each call (`layer=`).
       rngs: parameter initialisation.
       rope_theta: RoPE base.
       rope_scaling: optional `RopeScaling` of the frequencies (`paged_kv.model.rope`).
@@ -139,8 +143,8 @@ class PagedAttention(nnx.Module):
                        f"num_kv_heads={num_kv_heads}")
     if head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
-    if not isinstance(layer, int) or layer < 0:
-      raise ValueError(f"layer must be an int >= 0, got {layer!r}")
+    if layer is not None and (not isinstance(layer, int) or layer < 0):
+      raise ValueError(f"layer must be an int >= 0 or None, got {layer!r}")
     if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
       raise ValueError(f"rope_scaling must be a RopeScaling or None, got {rope_scaling!r}")
     param_dtype = dtype if param_dtype is None else param_dtype
@@ -169,23 +173,32 @@ class PagedAttention(nnx.Module):
     return q, k, v
 
   def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *,
-               impl: str | None = None, interpret=None) -> tuple[KVPages, jax.Array]:
+               layer: int | jax.Array | None = None, impl: str | None = None,
+               interpret=None) -> tuple[KVPages, jax.Array]:
     """Attention of the step's ragged tokens through the pool.
 
     Args:
       x: `[T, d_model]` the step's tokens, ragged per `meta.cu_q_lens`.
       pages: the pool's pages; this layer's new K/V are written into them.
       meta: the step's `StepMetadata` (positions for RoPE, slots, segment tables).
+      layer: the pool layer to write and read (an int or a traced i32 scalar,
+        e.g. a `lax.scan` index); None: `self.layer`.
       impl, interpret: kernel choice, as in `paged_attention`.
 
     Returns:
       `(pages, y [T, d_model])`: the pages first, as every paged_kv call returns
       its state.
+
+    Raises:
+      InvalidArgument: no layer, neither here nor in the constructor.
     """
+    layer = self.layer if layer is None else layer
+    if layer is None:
+      raise InvalidArgument("PagedAttention(layer=None) needs layer= at each call")
     q, k, v = self.project(x, meta.positions)
     if self.activation_sharding is not None:
       q, k, v = (jax.lax.with_sharding_constraint(t, self.activation_sharding) for t in (q, k, v))
-    pages, o = paged_attention(q, k, v, pages, self.layer, meta, impl=impl, interpret=interpret,
+    pages, o = paged_attention(q, k, v, pages, layer, meta, impl=impl, interpret=interpret,
                                sm_scale=self.sm_scale, soft_cap=self.soft_cap)
     if self.activation_sharding is not None:
       o = jax.lax.with_sharding_constraint(o, self.activation_sharding)

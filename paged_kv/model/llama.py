@@ -8,6 +8,16 @@ tests need no training. With random weights the output head is untied by default
 a tied random embedding makes the model copy its input token forever, which would
 hide attention bugs, while an untied one gives varied, context-dependent greedy text.
 
+The layers are scanned by default (`LlamaConfig.scan_layers`): one `DecoderBlock`
+whose parameters are stacked on a leading layer axis (`[num_layers, ...]` each,
+built by `nnx.vmap` over split rngs), run by `lax.scan`. Every program then
+holds one layer's body, so compile time stays flat in depth; the pages ride in
+the scan's carry and layer l writes and reads its slice in place (the kernels
+take the stacked pages and the scan index, never `pages.k[l]`). With
+`scan_layers=False` the layers are `num_layers` modules unrolled in Python, the
+same weights in another layout (`convert_layers` moves between the two) and the
+same outputs.
+
 Two ways to run the same weights:
 
   * `model(tokens, pages, meta)`: a step's ragged tokens `i32[T]` (prefill chunks
@@ -58,6 +68,9 @@ class LlamaConfig:
     attention_bias: q, k and v projections have a bias (Qwen2; Llama's
       `attention_bias` sets this and `attention_out_bias`).
     attention_out_bias: the output projection has a bias.
+    scan_layers: the layers are one module with stacked parameters run by
+      `lax.scan` (compile time flat in depth); False: `num_layers` modules
+      unrolled into every program.
 
   The defaults are the tiny model of the tests; `paged_kv.model.hf_checkpoint`
   builds one from a Hugging Face `config.json`.
@@ -77,6 +90,7 @@ class LlamaConfig:
   rope_scaling: RopeScaling | None = None
   attention_bias: bool = False
   attention_out_bias: bool = False
+  scan_layers: bool = True
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_q_heads", "num_kv_heads",
@@ -91,6 +105,8 @@ class LlamaConfig:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"scan_layers must be a bool, got {self.scan_layers!r}")
 
   @property
   def jnp_dtype(self) -> jnp.dtype:
@@ -139,9 +155,13 @@ class SwiGLU(nnx.Module):
 
 
 class DecoderBlock(nnx.Module):
-  """Pre-norm residual block: `PagedAttention` then SwiGLU."""
+  """Pre-norm residual block: `PagedAttention` then SwiGLU.
 
-  def __init__(self, config: LlamaConfig, *, layer: int, rngs: nnx.Rngs):
+  `layer` is the block's pool layer, or None for the stacked block of a scanned
+  decoder (each call then passes `layer=`).
+  """
+
+  def __init__(self, config: LlamaConfig, *, layer: int | None, rngs: nnx.Rngs):
     c, dt = config, config.jnp_dtype
     self.attn_norm = RMSNorm(c.d_model, eps=c.norm_eps, dtype=dt)
     self.attn = PagedAttention(c.d_model, c.num_q_heads, c.num_kv_heads, c.head_dim, layer=layer,
@@ -151,9 +171,11 @@ class DecoderBlock(nnx.Module):
     self.mlp_norm = RMSNorm(c.d_model, eps=c.norm_eps, dtype=dt)
     self.mlp = SwiGLU(c, rngs=rngs)
 
-  def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *, impl: str | None = None,
+  def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *,
+               layer: int | jax.Array | None = None, impl: str | None = None,
                interpret=None) -> tuple[KVPages, jax.Array]:
-    pages, h = self.attn(self.attn_norm(x), pages, meta, impl=impl, interpret=interpret)
+    pages, h = self.attn(self.attn_norm(x), pages, meta, layer=layer, impl=impl,
+                         interpret=interpret)
     return pages, self._mlp(x + h)
 
   def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
@@ -163,16 +185,38 @@ class DecoderBlock(nnx.Module):
     return x + self.mlp(self.mlp_norm(x))
 
 
+def stacked_blocks(config: LlamaConfig, *, rngs: nnx.Rngs) -> DecoderBlock:
+  """`config.num_layers` blocks as one `DecoderBlock` (`layer=None`) whose every
+  parameter has a leading layer axis, each layer initialised from its own split
+  of `rngs`."""
+
+  @nnx.split_rngs(splits=config.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs: nnx.Rngs) -> DecoderBlock:
+    return DecoderBlock(config, layer=None, rngs=rngs)
+
+  return make(rngs)
+
+
 class TinyLlama(nnx.Module):
-  """The decoder: `model(tokens, pages, meta) -> (pages, logits)`, or `model.dense(...)`."""
+  """The decoder: `model(tokens, pages, meta) -> (pages, logits)`, or `model.dense(...)`.
+
+  Attributes:
+    layers: with `config.scan_layers`, one `DecoderBlock` of stacked parameters
+      (`stacked_blocks`); else an `nnx.List` of `num_layers` blocks. `block(i)`
+      gives layer i in either layout.
+  """
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
     dt = config.jnp_dtype
     self.config = config
     self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dt, param_dtype=dt,
                            embedding_init=jax.nn.initializers.normal(stddev=1.0), rngs=rngs)
-    self.layers = nnx.List([DecoderBlock(config, layer=i, rngs=rngs)
-                            for i in range(config.num_layers)])
+    if config.scan_layers:
+      self.layers = stacked_blocks(config, rngs=rngs)
+    else:
+      self.layers = nnx.List([DecoderBlock(config, layer=i, rngs=rngs)
+                              for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps, dtype=dt)
     if config.tie_embeddings:
       self.lm_head = None
@@ -200,8 +244,17 @@ class TinyLlama(nnx.Module):
       `(pages, logits f32[T, vocab])`, or `f32[R, vocab]` with `logits_indices`.
     """
     x = self._embed(tokens)
-    for block in self.layers:
-      pages, x = block(x, pages, meta, impl=impl, interpret=interpret)
+    if self.config.scan_layers:
+
+      def layer_step(block, layer, carry):
+        x, pages = carry
+        pages, x = block(x, pages, meta, layer=layer, impl=impl, interpret=interpret)
+        return x, pages
+
+      x, pages = self._scan(layer_step, (x, pages))
+    else:
+      for block in self.layers:
+        pages, x = block(x, pages, meta, impl=impl, interpret=interpret)
     if logits_indices is not None:
       x = x[logits_indices]  # [R, d_model]: gathered before the norm and the head
     return pages, self._logits(x)
@@ -218,9 +271,39 @@ class TinyLlama(nnx.Module):
       `logits f32[B, T, vocab]`.
     """
     x = self._embed(tokens)
+    if self.config.scan_layers:
+      return self._logits(self._scan(lambda block, _, x: block.dense(x, positions, valid), x))
     for block in self.layers:
       x = block.dense(x, positions, valid)
     return self._logits(x)
+
+  def block(self, i: int) -> DecoderBlock:
+    """Layer `i` as a `DecoderBlock` of its own (pool layer `i`).
+
+    Unrolled: the model's own block. Scanned: a new block holding layer `i`'s
+    slice of the stacked parameters (copies; for references and tests).
+    """
+    if not isinstance(i, int) or not 0 <= i < self.config.num_layers:
+      raise IndexError(f"layer {i!r} outside [0, {self.config.num_layers})")
+    if not self.config.scan_layers:
+      return self.layers[i]
+    graphdef, params = nnx.split(self.layers)
+    block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
+    block.attn.layer = i
+    return block
+
+  def _scan(self, layer_step, carry):
+    """`carry = layer_step(block, layer, carry)` for every layer in order, as one
+    `lax.scan` over the stacked parameters (`layer`: the traced index)."""
+    graphdef, params = nnx.split(self.layers)
+
+    def body(carry, xs):
+      layer_params, layer = xs
+      return layer_step(nnx.merge(graphdef, layer_params), layer, carry), None
+
+    layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    carry, _ = jax.lax.scan(body, carry, (params, layers))
+    return carry
 
   def _embed(self, tokens: jax.Array) -> jax.Array:
     return self.embed(jnp.clip(tokens, 0, self.config.vocab_size - 1))
@@ -247,3 +330,28 @@ def dense_forward(model: TinyLlama, tokens: jax.Array, lengths: jax.Array) -> ja
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   return model.dense(tokens, positions, positions < lengths[:, None])
+
+
+def convert_layers(model: TinyLlama, *, scan_layers: bool) -> TinyLlama:
+  """`model`'s weights in the scanned (`scan_layers`) or unrolled layout.
+
+  A new model (stacked or unstacked copies of the layer weights, the others
+  shared), or `model` itself when it already has that layout. Attributes set
+  after construction (e.g. `PagedAttention.activation_sharding`) are not carried.
+  """
+  if model.config.scan_layers == scan_layers:
+    return model
+  config = dataclasses.replace(model.config, scan_layers=scan_layers)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: TinyLlama(config, rngs=nnx.Rngs(0))))
+  source = dict(nnx.to_flat_state(nnx.state(model)))
+  values = []
+  for path, var in nnx.to_flat_state(abstract):
+    if path[0] != "layers":
+      value = source[path].get_value()
+    elif scan_layers:  # ("layers", *rest) <- ("layers", i, *rest)
+      value = jnp.stack([source[("layers", i) + path[1:]].get_value()
+                         for i in range(config.num_layers)])
+    else:  # ("layers", i, *rest) <- ("layers", *rest)[i]
+      value = source[("layers",) + path[2:]].get_value()[path[1]]
+    values.append((path, var.replace(value)))
+  return nnx.merge(graphdef, nnx.from_flat_state(values))

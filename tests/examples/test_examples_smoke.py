@@ -148,6 +148,16 @@ def test_bench_decode():
   assert "tokens/s" in out or "tok/s" in out, out
 
 
+def test_bench_compile(tmp_path):
+  out = _run("bench_compile.py", "--layers=1", "--programs=decode", "--repeats=2",
+             "--max_batch=2", "--num_blocks=16", f"--record={tmp_path}/")
+  rows = [l.split() for l in out.splitlines() if l.split()[:1] == ["decode"]]
+  assert [(r[1], r[2]) for r in rows] == [("scanned", "1"), ("unrolled", "1")], out
+  record = json.loads(next(tmp_path.glob("bench_compile-*.json")).read_text())
+  assert [len(r["seconds"]) for r in record["results"]["compile"]] == [2, 2]
+  assert record["results"]["warmup"] == []
+
+
 def test_bench_scheduler(monkeypatch):
   monkeypatch.delenv("PAGED_KV_DEBUG", raising=False)  # production counts (debug mode syncs)
   out = _run("bench_scheduler.py", "--pools=1024", "--batch=8", "--modes=off,stats,budget",

@@ -138,11 +138,16 @@ def test_rope_scaling_reference_bands():
   np.testing.assert_allclose(ours, inv, rtol=1e-6)
 
 
+LAYOUTS = {"scanned": True, "unrolled": False}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_layer_and_logits_match_the_transformers_formulas(checkpoints, name):
+def test_layer_and_logits_match_the_transformers_formulas(checkpoints, name, layout):
   path, hf, weights = checkpoints[name]
-  ckpt = hf_checkpoint.load_checkpoint(path, dtype="float32")
+  ckpt = hf_checkpoint.load_checkpoint(path, dtype="float32", scan_layers=LAYOUTS[layout])
   assert ckpt.model_type == name and ckpt.config.dtype == "float32"
+  assert ckpt.config.scan_layers == LAYOUTS[layout]
   assert ckpt.eos_token_ids == (2,)
   model = ckpt.model
   rng = np.random.default_rng(7)
@@ -152,8 +157,8 @@ def test_layer_and_logits_match_the_transformers_formulas(checkpoints, name):
   w64 = {k: v.astype(np.float64) for k, v in weights.items()}
   x = w64["model.embed_tokens.weight"][tokens]
   positions = jnp.arange(t, dtype=jnp.int32)[None]
-  ours = model.layers[0].dense(jnp.asarray(x[None], jnp.float32), positions,
-                               jnp.ones((1, t), bool))
+  ours = model.block(0).dense(jnp.asarray(x[None], jnp.float32), positions,
+                              jnp.ones((1, t), bool))
   np.testing.assert_allclose(np.asarray(ours[0]), ref_layer(w64, hf, 0, x), rtol=2e-4,
                              atol=2e-4)
   # The whole model.
@@ -171,7 +176,13 @@ def test_loads_in_the_checkpoint_dtype(checkpoints):
   path, hf, weights = checkpoints["mistral"]  # stored bf16, config torch_dtype bfloat16
   ckpt = hf_checkpoint.load_checkpoint(path)
   assert ckpt.config.dtype == "bfloat16" and ckpt.config.head_dim == 24
-  kernel = ckpt.model.layers[1].attn.wk.kernel.get_value()
+  stacked = ckpt.model.layers.attn.wk.kernel.get_value()  # scanned by default
+  assert stacked.dtype == jnp.bfloat16 and stacked.shape == (2, 64, 24)  # [L, in, out]
+  for layer in range(2):
+    np.testing.assert_array_equal(np.asarray(stacked[layer], np.float32),
+                                  weights[f"model.layers.{layer}.self_attn.k_proj.weight"].T)
+  unrolled = hf_checkpoint.load_checkpoint(path, scan_layers=False)
+  kernel = unrolled.model.layers[1].attn.wk.kernel.get_value()
   assert kernel.dtype == jnp.bfloat16 and kernel.shape == (64, 24)  # [in, out]: transposed
   np.testing.assert_array_equal(np.asarray(kernel, np.float32),
                                 weights["model.layers.1.self_attn.k_proj.weight"].T)
@@ -181,15 +192,17 @@ def test_loads_in_the_checkpoint_dtype(checkpoints):
   assert tied.bos_token_id is None
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_served_greedy_equals_dense(checkpoints, name):
+def test_served_greedy_equals_dense(checkpoints, name, layout):
   """The loaded model through Scheduler + ModelExecutor (paged, logits_indices) generates
-  what llama.dense_forward does, token for token."""
+  what llama.dense_forward does, token for token, in either layer layout."""
   # pylint: disable=import-outside-toplevel
   from paged_kv.serving.executor import ModelExecutor
   from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
   path, hf, _ = checkpoints[name]
-  ckpt = hf_checkpoint.load_checkpoint(path, dtype="float32", max_seq_len=64)
+  ckpt = hf_checkpoint.load_checkpoint(path, dtype="float32", max_seq_len=64,
+                                       scan_layers=LAYOUTS[layout])
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, hf["vocab_size"], n).tolist() for n in (11, 5, 17)]
   new_tokens = 6
@@ -210,6 +223,35 @@ def test_served_greedy_equals_dense(checkpoints, name):
   assert sched.idle
   for r, w in zip(reqs, want):
     assert list(r.prompt) + list(r.output) == w
+
+
+def test_stacked_weights_go_to_the_device_once(checkpoints, monkeypatch):
+  """Scanned layout: each stacked weight is built on the host and moved in one transfer
+  of its `[num_layers, ...]` shape (no per-layer device arrays stacked on the device),
+  with every layer's tensor in its place."""
+  path, hf, weights = checkpoints["qwen2"]  # 3 layers, q/k/v biases, tied, 2 shards
+  sent = []
+  real = jnp.asarray
+
+  def spy(x, *args, **kwargs):
+    if isinstance(x, np.ndarray):
+      sent.append(x.shape)
+    return real(x, *args, **kwargs)
+
+  monkeypatch.setattr(jnp, "asarray", spy)
+  ckpt = hf_checkpoint.load_checkpoint(path, dtype="float32")
+  monkeypatch.undo()
+  from paged_kv.model.nnx_import import nnx  # pylint: disable=import-outside-toplevel
+  params = dict(nnx.to_flat_state(nnx.state(ckpt.model)))
+  assert sorted(sent) == sorted(v.get_value().shape for v in params.values())
+  layers = hf["num_hidden_layers"]
+  stacked = {p: v.get_value() for p, v in params.items() if p[0] == "layers"}
+  assert len(stacked) == 12 and all(a.shape[0] == layers for a in stacked.values())
+  np.testing.assert_array_equal(np.asarray(stacked[("layers", "attn", "wq", "bias")]),
+                                np.stack([weights[f"model.layers.{i}.self_attn.q_proj.bias"]
+                                          for i in range(layers)]).astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(stacked[("layers", "mlp", "down", "kernel")][2]),
+                                weights["model.layers.2.mlp.down_proj.weight"].T)
 
 
 # --- what is refused ----------------------------------------------------------------------

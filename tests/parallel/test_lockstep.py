@@ -148,7 +148,9 @@ def test_sharded_executor_leaves_the_model_alone():
   model = llama.TinyLlama(mc, rngs=nnx.Rngs(0))
   pc = llama.pool_config_for(mc, num_blocks=8, block_size=4, max_seqs=2, max_segments=4)
   ex = executor.ShardedModelExecutor(model, pc, sharding.make_tp_mesh(1))
-  assert all(layer.attn.activation_sharding is None for layer in model.layers)
+  from paged_kv.model.layers import PagedAttention  # pylint: disable=g-import-not-at-top
+  attns = [n for _, n in nnx.iter_graph(model) if isinstance(n, PagedAttention)]
+  assert attns and all(a.activation_sharding is None for a in attns)
   with pytest.raises(ValueError, match="no axis"):
     executor.ShardedModelExecutor(model, pc, sharding.make_tp_mesh(1, axis="model"))
   assert ex.exact and ex.samples

@@ -248,7 +248,8 @@ def _dense_kv_and_logits():
     valid = positions < lengths[:, None]
     x = model._embed(tokens)
     ks, vs = [], []
-    for block in model.layers:
+    for layer in range(model.config.num_layers):
+      block = model.block(layer)
       _, k, v = block.attn.project(block.attn_norm(x), positions)
       ks.append(k[0])
       vs.append(v[0])

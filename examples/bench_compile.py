@@ -1,0 +1,222 @@
+"""Compile time of the model's steps against depth: scanned layers vs unrolled.
+
+For the tiny-width Llama (`llama.LlamaConfig` defaults but `num_layers`) at each
+depth of `--layers`, in both layouts (`scan_layers=True`: one stacked block run by
+`lax.scan`; False: the layers unrolled into the program), times a fresh compile
+(trace, lower, XLA compile; `jax.clear_caches()` first, the persistent cache off)
+of:
+
+  * `forward`: one mixed step (`paged_kv.model.steps.forward`) of `--max_batch` rows,
+    `--prefill_chunk` tokens per row at most, `--num_tokens` tokens: a quarter of the
+    rows prefill, the rest decode;
+  * `decode`: one decode step (`steps.decode_step`) of `--max_batch` rows.
+
+Each repeat compiles every (depth, layout, program) once, in turn; the table gives
+the median [min-max] over the repeats and the ratio of each depth's median to the
+first depth's. Before the table, every compiled program runs once on the same
+weights in both layouts and their tokens, logits and pages must be equal.
+
+`--warmup_layers` also times `Scheduler.warmup()` (every serving program of a
+scheduler of `--max_batch` rows, `--prefill_chunk`, `--prefill_token_budget`) at
+those depths in both layouts, `--warmup_repeats` times each.
+
+Usage:
+  python examples/bench_compile.py [--layers=2,8,32 --repeats=3 --warmup_layers=2,32]
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from absl import app, flags
+import jax
+import numpy as np
+from flax import nnx
+
+import paged_kv
+from paged_kv.model import StepPlan, llama, steps
+from paged_kv.telemetry import records
+
+_LAYERS = flags.DEFINE_list("layers", ["2", "8", "32"],
+                            "Model depths of the compile table (empty: warm-ups only).")
+_LAYOUTS = flags.DEFINE_list("layouts", ["scanned", "unrolled"],
+                             "Layer layouts: scanned (lax.scan), unrolled.")
+_PROGRAMS = flags.DEFINE_list("programs", ["forward", "decode"],
+                              "Programs: forward (mixed step), decode (decode_step).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Fresh compiles per (depth, layout, program).")
+_MAX_BATCH = flags.DEFINE_integer("max_batch", 16, "Rows per step.")
+_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 128, "Most tokens of a row per step.")
+_NUM_TOKENS = flags.DEFINE_integer("num_tokens", 256, "Tokens of the mixed step.")
+_PREFILL_BUDGET = flags.DEFINE_integer("prefill_token_budget", 256,
+                                       "Scheduler's prompt tokens per step (warm-up).")
+_NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 256, "Blocks in the pool.")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_WARMUP_LAYERS = flags.DEFINE_list("warmup_layers", [],
+                                   "Depths at which to time Scheduler.warmup() too.")
+_WARMUP_REPEATS = flags.DEFINE_integer("warmup_repeats", 1, "Warm-ups per depth and layout.")
+_SEED = flags.DEFINE_integer("seed", 0, "Weights and tokens seed.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+
+_SCAN = {"scanned": True, "unrolled": False}
+
+
+def _pool_config(model_config: llama.LlamaConfig) -> paged_kv.PoolConfig:
+  per_row = math.ceil((_PREFILL_CHUNK.value + 1) / _BLOCK_SIZE.value) + 1
+  return llama.pool_config_for(model_config, num_blocks=_NUM_BLOCKS.value,
+                               block_size=_BLOCK_SIZE.value, max_seqs=_MAX_BATCH.value,
+                               max_segments=per_row)
+
+
+def _models(num_layers: int) -> dict[str, llama.TinyLlama]:
+  """The same weights in every layout asked for."""
+  scanned = llama.TinyLlama(llama.LlamaConfig(num_layers=num_layers),
+                            rngs=nnx.Rngs(_SEED.value))
+  return {layout: llama.convert_layers(scanned, scan_layers=_SCAN[layout])
+          for layout in _LAYOUTS.value}
+
+
+def _inputs(pool_config: paged_kv.PoolConfig, program: str):
+  """`(state, args)`: a pool with every row open, and the program's other arguments."""
+  b = _MAX_BATCH.value
+  z = np.zeros((b, 1), np.int32)
+  state, _ = paged_kv.open_sequence(paged_kv.init_pool(pool_config), np.arange(b, dtype=np.int32),
+                                    z, z, z, np.zeros((b,), np.int32), config=pool_config)
+  rng = np.random.default_rng(_SEED.value)
+  tok = lambda n: rng.integers(1, 256, n).tolist()
+  if program == "decode":
+    return state, (np.arange(b, dtype=np.int32), np.asarray(tok(b), np.int32))
+  num_prefill = max(1, b // 4)
+  chunk = min(_PREFILL_CHUNK.value, (_NUM_TOKENS.value - (b - num_prefill)) // num_prefill)
+  rows = [(i, tok(1)) for i in range(b - num_prefill)]
+  rows += [(i, tok(chunk)) for i in range(b - num_prefill, b)]
+  return state, (StepPlan.build(rows, num_rows=b, max_query_len=_PREFILL_CHUNK.value,
+                                num_tokens=_NUM_TOKENS.value),)
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _compile(model: llama.TinyLlama, program: str, inputs):
+  """`(seconds, compiled)`: one fresh trace + lower + compile for `inputs`' shapes."""
+  graphdef, params = nnx.split(model)
+  fn = steps.forward if program == "forward" else steps.decode_step
+  state, args = _abstract(inputs)
+  jax.clear_caches()
+  start = time.perf_counter()
+  compiled = fn.lower(_abstract(params), state, *args, graphdef=graphdef,
+                      config=_pool_config(model.config)).compile()
+  return time.perf_counter() - start, compiled
+
+
+def _run(model: llama.TinyLlama, program: str, compiled) -> list[np.ndarray]:
+  """The compiled program's outputs and pages, on a fresh pool."""
+  state, args = _inputs(_pool_config(model.config), program)
+  state, outs = compiled(nnx.split(model)[1], state, *args)
+  return [np.asarray(x) for x in outs] + [np.asarray(state.pages.k), np.asarray(state.pages.v)]
+
+
+def _check_equal(outs: dict[str, list[np.ndarray]], what: str) -> None:
+  """Every layout's outputs equal the first's (nothing to compare when empty)."""
+  layouts = list(outs)
+  for layout in layouts[1:]:
+    for a, b in zip(outs[layouts[0]], outs[layout]):
+      if a.shape != b.shape or not np.array_equal(a, b):
+        raise AssertionError(f"{what}: {layout} differs from {layouts[0]}")
+
+
+def _warmup(model: llama.TinyLlama) -> tuple[float, int, int]:
+  """`(seconds, programs, compiles)` of `Scheduler.warmup()`, every cache cleared first."""
+  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving import warmup as warmup_lib
+  from paged_kv.serving.executor import ModelExecutor
+  from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
+  pool_config = _pool_config(model.config)
+  sched = Scheduler(paged_kv.BlockPool(pool_config), ModelExecutor(model, pool_config),
+                    SchedulerConfig(max_batch=_MAX_BATCH.value,
+                                    prefill_chunk=_PREFILL_CHUNK.value,
+                                    prefill_token_budget=_PREFILL_BUDGET.value))
+  warmup_lib.release_programs()
+  jax.clear_caches()
+  report = sched.warmup(progress=False)
+  if report.cache_loads:
+    raise AssertionError(f"warm-up loaded {report.cache_loads} programs from a cache")
+  return report.seconds, report.programs, report.compiles
+
+
+def _ratio(values: list[float], base: list[float]) -> str:
+  return f"{statistics.median(values) / statistics.median(base):.2f}x"
+
+
+def main(argv):
+  del argv
+  jax.config.update("jax_enable_compilation_cache", False)
+  depths = [int(x) for x in _LAYERS.value]
+  warm_depths = [int(x) for x in _WARMUP_LAYERS.value]
+  bad = [x for x in _LAYOUTS.value if x not in _SCAN] + [
+      x for x in _PROGRAMS.value if x not in ("forward", "decode")]
+  if bad or not depths + warm_depths or any(n < 1 for n in depths + warm_depths):
+    raise app.UsageError(f"bad --layers/--warmup_layers/--layouts/--programs: {bad or depths}")
+  rec = records.Recorder(_RECORD.value, "bench_compile", flag_values=records.script_flags(),
+                         seeds=[_SEED.value])
+  models = {n: _models(n) for n in sorted(set(depths + warm_depths))}
+
+  seconds: dict[tuple[int, str, str], list[float]] = {}
+  for repeat in range(_REPEATS.value):
+    for n in depths:
+      for program in _PROGRAMS.value:
+        outs = {}
+        inputs = _inputs(_pool_config(models[n][_LAYOUTS.value[0]].config), program)
+        for layout in _LAYOUTS.value:
+          s, compiled = _compile(models[n][layout], program, inputs)
+          seconds.setdefault((n, layout, program), []).append(s)
+          if repeat == 0:
+            outs[layout] = _run(models[n][layout], program, compiled)
+          del compiled
+        _check_equal(outs, f"{n} layers, {program}")
+
+  warm: dict[tuple[int, str], list[tuple[float, int, int]]] = {}
+  for _ in range(_WARMUP_REPEATS.value if warm_depths else 0):
+    for n in warm_depths:
+      for layout in _LAYOUTS.value:
+        warm.setdefault((n, layout), []).append(_warmup(models[n][layout]))
+
+  rows = []
+  if depths:
+    print(f"tiny width (d_model 64), max_batch={_MAX_BATCH.value}, forward: "
+          f"{_NUM_TOKENS.value} tokens, chunk {_PREFILL_CHUNK.value}; fresh compiles "
+          f"(trace+lower+compile), {_REPEATS.value} repeats, median [min-max]; outputs "
+          f"equal across layouts; backend {jax.default_backend()}")
+    print(f"{'program':>8} {'layout':>9} {'layers':>6} {'compile s':>22} {'vs first depth':>14}")
+  for program in _PROGRAMS.value if depths else ():
+    for layout in _LAYOUTS.value:
+      base = seconds[(depths[0], layout, program)]
+      for n in depths:
+        s = seconds[(n, layout, program)]
+        print(f"{program:>8} {layout:>9} {n:>6} {records.format_median_range(s, suffix=' s'):>22} "
+              f"{_ratio(s, base):>14}")
+        rows.append({"program": program, "layout": layout, "num_layers": n, "seconds": s})
+  warm_rows = []
+  if warm:
+    print(f"\nScheduler.warmup() (max_batch {_MAX_BATCH.value}, prefill chunk "
+          f"{_PREFILL_CHUNK.value}, budget {_PREFILL_BUDGET.value}), median of "
+          f"{_WARMUP_REPEATS.value}")
+    print(f"{'layout':>9} {'layers':>6} {'programs':>8} {'compiles':>8} {'seconds':>9} "
+          f"{'vs first depth':>14}")
+    for layout in _LAYOUTS.value:
+      base = [r[0] for r in warm[(warm_depths[0], layout)]]
+      for n in warm_depths:
+        runs = warm[(n, layout)]
+        s = [r[0] for r in runs]
+        print(f"{layout:>9} {n:>6} {runs[0][1]:>8} {runs[0][2]:>8} "
+              f"{statistics.median(s):>9.1f} {_ratio(s, base):>14}")
+        warm_rows.append({"layout": layout, "num_layers": n, "seconds": s,
+                          "programs": runs[0][1], "compiles": [r[2] for r in runs]})
+  rec.write({"compile": rows, "warmup": warm_rows},
+            notes=["fresh compiles: jax.clear_caches() before each, persistent cache off"])
+
+
+if __name__ == "__main__":
+  app.run(main)
