@@ -82,7 +82,11 @@ def _workload(seed: int = 0, n: int = 10) -> list[Request]:
   return reqs
 
 
-def _config(mode: str, overlap: bool = True) -> SchedulerConfig:
+def _config(mode: str, overlap: bool | None = None) -> SchedulerConfig:
+  # The shrink scenario is timed in steps of the synchronous loop (the overlapped
+  # one finishes a request a step later, so less is free at SHRINK_AT).
+  if overlap is None:
+    overlap = mode != "shrink"
   governance = None
   if mode == "governance":  # a tight live quota (holds), a small cached one, GC every step
     governance = CacheGovernance(live_fraction=0.5, max_step=1, gc_ttl=2.0, gc_every=1)
@@ -164,7 +168,7 @@ def _armed(inj: Injector, fn):
   return wrapper
 
 
-def _build(mode: str, inj: Injector, overlap: bool = True):
+def _build(mode: str, inj: Injector, overlap: bool | None = None):
   tagged = mode in TAGGED_MODES
   cfg = TAG_CFG if tagged else CFG
   pool = paged_kv.BlockPool(cfg)
@@ -516,9 +520,7 @@ class ShrinkToInterruptedTest(absltest.TestCase):
     pool counting references the tree no longer held (`InvariantViolation`), and the
     shrink pending. `shrink_to` now reconciles like `step()` and registers no shrink."""
     inj = Injector("cache.evict", 1, KeyboardInterrupt, "after")
-    # Timed in steps of the synchronous loop (the overlapped one finishes a request
-    # a step later, so less is free at SHRINK_AT).
-    sched = _build("shrink", inj, overlap=False)
+    sched = _build("shrink", inj)
     reqs = _workload()
     for r in reqs:
       sched.submit(r)
