@@ -429,11 +429,17 @@ class ModelSteps:
     """Replaces the parameters (e.g. after a training step or a `device_put`).
 
     Raises:
-      InvalidArgument: `params` has another tree structure than the bound ones.
+      InvalidArgument: `params` has another tree structure, or a parameter another
+        shape or dtype, than the bound ones.
     """
     leaves, treedef = jax.tree.flatten(params)
     if treedef != self.treedef:
       raise InvalidArgument("set_params needs the bound parameters' tree structure")
+    for i, (new, old) in enumerate(zip(leaves, self.leaves)):
+      if jnp.shape(new) != jnp.shape(old) or jnp.result_type(new) != jnp.result_type(old):
+        raise InvalidArgument(f"set_params: parameter {i} has shape {jnp.shape(new)} "
+                              f"{jnp.result_type(new)}, the bound one {jnp.shape(old)} "
+                              f"{jnp.result_type(old)}")
     self.leaves = tuple(leaves)
 
   def replace(self, *, config: PoolConfig | None = None, out_shardings=None) -> "ModelSteps":

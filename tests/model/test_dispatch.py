@@ -27,14 +27,17 @@ from paged_kv.serving.executor import ModelExecutor
 B = 4
 
 
-def _configs(num_layers: int):
+def _configs(num_layers: int, scan_layers: bool = False):
+  # Unrolled by default: a parameter tree that grows with depth (as many users'
+  # models do) is what the bound steps must keep off the call path.
   mc = llama.LlamaConfig(num_layers=num_layers, d_model=8, num_q_heads=1, num_kv_heads=1,
-                         head_dim=8, ffn_dim=8, vocab_size=16)
+                         head_dim=8, ffn_dim=8, vocab_size=16, scan_layers=scan_layers)
   return mc, llama.pool_config_for(mc, num_blocks=16, block_size=4, max_seqs=B, max_segments=4)
 
 
-def _model(num_layers: int) -> tuple[llama.TinyLlama, paged_kv.PoolConfig]:
-  mc, pc = _configs(num_layers)
+def _model(num_layers: int, scan_layers: bool = False
+           ) -> tuple[llama.TinyLlama, paged_kv.PoolConfig]:
+  mc, pc = _configs(num_layers, scan_layers)
   return llama.TinyLlama(mc, rngs=nnx.Rngs(0)), pc
 
 
@@ -191,4 +194,8 @@ def test_set_params_checks_the_structure():
     bound.set_params(nnx.state(other))
   with pytest.raises(paged_kv.InvalidArgument):
     steps.bind(model, "pool")
+  scanned, spc = _model(2, scan_layers=True)
+  deeper, _ = _model(3, scan_layers=True)  # the same tree, stacked 3 deep
+  with pytest.raises(paged_kv.InvalidArgument, match="shape"):
+    steps.bind(scanned, spc).set_params(nnx.state(deeper))
   bound.set_params(nnx.state(model))  # the same structure: accepted

@@ -105,7 +105,7 @@ def _step_eqns(num_layers: int, scan_layers: bool) -> int:
   state = jax.eval_shape(lambda: paged_kv.init_pool(pool))
   plan = StepPlan.build([(0, [1, 2, 3]), (1, [4])], num_rows=2, max_query_len=4)
   jaxpr = jax.make_jaxpr(lambda p, s, q: steps._forward_body(  # pylint: disable=protected-access
-      p, s, q, graphdef=graphdef, config=pool, impl=None, interpret=None))(params, state, plan)
+      nnx.merge(graphdef, p), s, q, config=pool, impl=None, interpret=None))(params, state, plan)
   return _count_eqns(jaxpr.jaxpr)
 
 

@@ -84,7 +84,7 @@ class BatchingTest(absltest.TestCase):
     np.testing.assert_array_equal(plan.num_new, [1, 5, 0, 0])
     np.testing.assert_array_equal(plan.tokens[:6], [42, 2, 3, 4, 5, 6])
     self.assertEqual((plan.max_query_len, plan.sampling), (8, None))
-    self.assertEqual(len(plan.tokens), 8)  # padded to a power of two
+    self.assertEqual(len(plan.tokens), batching.width_for(6, batching.token_widths(cfg)[1]))
 
   def test_blocks_needed_counts_full_tails_and_spills(self):
     full = _running(0, 4, cached=8, output=[1])  # 8 cached tokens: the next needs a block
