@@ -86,10 +86,11 @@ class CommitWidths:
   @staticmethod
   def move_buckets(config: PoolConfig) -> list[int]:
     """Move widths: 64, 512, 4096, ... (x8) up to the most moves a plan can hold
-    (`num_blocks // 2`, rounded up to a power of two), that one included."""
+    (`num_blocks // 2`, rounded up to a power of two), that one included; a width
+    at least half of that one is left out (the last pads at most 2x: one program less)."""
     cap = _pow2(max(config.num_blocks // 2, 1), MIN_MOVE_WIDTH)
     out, w = [], MIN_MOVE_WIDTH
-    while w < cap:
+    while 2 * w < cap:
       out.append(w)
       w *= 8
     return out + [cap]
