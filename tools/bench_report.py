@@ -560,6 +560,21 @@ def render_compile(root):
   return "\n\n".join(parts + [provenance(recs)])
 
 
+def render_overlap(root):
+  recs = _load("overlap", root)
+  head = ["batch", "D ms", "loop", "ms per device step", "vs max(host, D)", "vs host + D",
+          "goal (overlapped <= 1.15x max)"]
+  rows = []
+  for r in recs:
+    res = r["results"]
+    for row in res["rows"]:
+      overlapped = row["loop"].startswith("overlap") and row["device_ms"] > 0
+      rows.append([res["batch"], f"{row['device_ms']:.0f}", row["loop"],
+                   f"{row['step_ms']:.3f}", f"{row['vs_max']:.3f}", f"{row['vs_sum']:.3f}",
+                   verdict(row["vs_max"], 1.15, at_most=True) if overlapped else ""])
+  return "\n\n".join([table(head, rows), provenance(recs)])
+
+
 def render_pool_ops(root):
   recs = _load("pool_ops", root)
   r = recs[-1]
@@ -686,6 +701,7 @@ RENDERERS = {
     "decode": render_decode,
     "dispatch": render_dispatch,
     "compile": render_compile,
+    "overlap": render_overlap,
     "pool_ops": render_pool_ops,
     "scheduler": render_scheduler,
     "requests": render_requests,

@@ -56,10 +56,12 @@ class LatencyExecutor(DryExecutor):
     self.events = events
     self._free_at = 0.0
     self._steps = 0
+    self.device_steps = 0  # decode steps run (k per `decode_steps` call)
 
   def _finish(self, tokens: np.ndarray, num_steps: int) -> PendingTokens:
     now = time.perf_counter()
     self._free_at = max(now, self._free_at) + num_steps * self.step_seconds
+    self.device_steps += num_steps
     n = self._steps
     self._steps += 1
     if self.events is not None:
