@@ -686,7 +686,27 @@ def render_serving(root):
   return "\n\n".join([table(head, rows), notes, provenance(recs)])
 
 
+def render_gpu_check(root):
+  recs = _load("gpu_check", root)
+  parts = []
+  for r in recs:
+    res = r["results"]
+    summ = res["summary"]
+    head = ["row", "impl", "us/call", "GB/s", "% of a same-bytes copy", "x JAX built-in",
+            "goal"]
+    rows = [[x["id"], x.get("resolved_impl") or x.get("impl") or "-",
+             num(x["us_per_call"], "{:,.1f}"), num(x["gbps"], "{:,.0f}"),
+             num(x["copy_pct"], "{:.1f}"), num(x["x_builtin"], "{:.2f}"), x.get("goal") or ""]
+            for x in res["rows"] if x.get("gbps") is not None]
+    parts.append(f"{res['device_kind']}, {res['mode']} ({_rel(r['_path'])}): "
+                 f"{summ['passed']} of {summ['rows']} rows correct, {summ['failed']} failed, "
+                 f"{summ['skipped']} skipped, {summ['timeouts']} timed out; goals missed: "
+                 f"{', '.join(summ['goals_missed']) or 'none'}.\n\n" + table(head, rows))
+  return "\n\n".join(parts + [provenance(recs)])
+
+
 RENDERERS = {
+    "gpu_check": render_gpu_check,
     "fragmentation_mix": render_fragmentation_mix,
     "compaction_buys": render_compaction_buys,
     "fragmentation_budget": render_fragmentation_budget,
