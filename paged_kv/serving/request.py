@@ -57,6 +57,11 @@ class Phase(enum.Enum):
   FINISHED = "finished"
 
 
+def _progress(default):
+  """A progress field: the scheduler's to set, not a constructor argument."""
+  return dataclasses.field(default=default, init=False)
+
+
 _REQUEST_INPUTS = frozenset(("request_id", "prompt", "max_new_tokens", "namespace",
                              "forced_output", "sampling"))
 
@@ -79,7 +84,8 @@ class Request:
     sampling: how its tokens are drawn (`SamplingParams`; None: greedy), applied
       by an executor that samples (`ModelExecutor`).
 
-  Progress, written by the scheduler (read them; do not assign): `phase` (`Phase`),
+  Progress, written by the scheduler (read them; do not assign; they are not
+  constructor arguments): `phase` (`Phase`),
   `output` (the tokens emitted so far, a list), `stop_reason` (below), `seq_id` (its
   pool row while running), `num_cached` (tokens whose K/V is in the pool),
   `hit_tokens` (prompt tokens matched in the prefix cache), `num_preemptions`,
@@ -105,31 +111,31 @@ class Request:
   forced_output: np.ndarray | None = None
   sampling: SamplingParams | None = None
   # Progress (set by the scheduler).
-  phase: Phase = Phase.WAITING
-  output: list = dataclasses.field(default_factory=list)
-  seq_id: int | None = None
-  num_cached: int = 0
-  prefill_target: int = 0
-  lock_node: object = None
-  swapped: SwappedKV | None = None
-  hit_tokens: int = 0
-  num_preemptions: int = 0
-  stop_reason: str = ""  # "length", "stop_token", "table_full" or "abort"
-  submit_step: int = -1
-  admit_step: int = -1
-  first_token_step: int = -1
-  finish_step: int = -1
-  submit_time: float = -1.0  # the scheduler's clock at submit
-  admit_time: float = -1.0  # ... at the first admission (queue time = admit - submit)
-  first_token_time: float = -1.0
-  last_token_time: float = -1.0
-  finish_time: float = -1.0
-  logprobs: list = dataclasses.field(default_factory=list)
-  stop_ids: frozenset = frozenset()  # the tokens that end it (set at submit)
-  sample_seed: int = 0  # its sampling seed (`sampling.seed`, else the scheduler's)
-  in_flight: int = 0  # tokens sampled on the device, not read yet
-  carry_row: int = -1  # its row in the newest unread step (where its next input token is)
-  epoch: int = 0  # bumped when its unread tokens are dropped (finish, preemption, abort)
+  phase: Phase = _progress(Phase.WAITING)
+  output: list = dataclasses.field(default_factory=list, init=False)
+  seq_id: int | None = _progress(None)
+  num_cached: int = _progress(0)
+  prefill_target: int = _progress(0)
+  lock_node: object = _progress(None)
+  swapped: SwappedKV | None = _progress(None)
+  hit_tokens: int = _progress(0)
+  num_preemptions: int = _progress(0)
+  stop_reason: str = _progress("")  # "length", "stop_token", "table_full" or "abort"
+  submit_step: int = _progress(-1)
+  admit_step: int = _progress(-1)
+  first_token_step: int = _progress(-1)
+  finish_step: int = _progress(-1)
+  submit_time: float = _progress(-1.0)  # the scheduler's clock at submit
+  admit_time: float = _progress(-1.0)  # ... at the first admission (queue time = admit - submit)
+  first_token_time: float = _progress(-1.0)
+  last_token_time: float = _progress(-1.0)
+  finish_time: float = _progress(-1.0)
+  logprobs: list = dataclasses.field(default_factory=list, init=False)
+  stop_ids: frozenset = _progress(frozenset())  # the tokens that end it (set at submit)
+  sample_seed: int = _progress(0)  # its sampling seed (`sampling.seed`, else the scheduler's)
+  in_flight: int = _progress(0)  # tokens sampled on the device, not read yet
+  carry_row: int = _progress(-1)  # its row in the newest unread step (where its next input token is)
+  epoch: int = _progress(0)  # bumped when its unread tokens are dropped (finish, preemption, abort)
 
   _frozen = False  # set by `_freeze` (`Scheduler.submit`)
 

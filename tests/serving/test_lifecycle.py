@@ -7,6 +7,8 @@ get without it, and once drained the pool holds nothing but the cache (evicted: 
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -159,6 +161,13 @@ class SubmitTest(absltest.TestCase):
     _drain(sched)
     self.assertTrue(req.done and other.done)
     self.assertEqual(len(req.output), 3)
+
+  def test_constructor_takes_the_inputs_only(self):
+    params = list(inspect.signature(Request).parameters)
+    self.assertEqual(params, ["request_id", "prompt", "max_new_tokens", "namespace", "arrival",
+                              "forced_output", "sampling"])
+    with self.assertRaises(TypeError):
+      Request("a", np.arange(3), 2, num_cached=2)  # progress is the scheduler's
 
   def test_ids_are_unique_among_live_requests(self):
     sched = Scheduler(paged_kv.BlockPool(CFG), DryExecutor(CFG), SCHED)
