@@ -686,6 +686,17 @@ def render_serving(root):
   return "\n\n".join([table(head, rows), notes, provenance(recs)])
 
 
+def render_cold_start(root):
+  recs = _load("cold_start", root)
+  head = ["model", "batch", "cache", "import s", "load s", "warm-up s", "first token s",
+          "programs", "compiled", "loaded"]
+  rows = [[r["results"]["model"], x["batch"], x["cache"], f"{x['import_s']:.1f}",
+           f"{x['load_s']:.1f}", f"{x['warmup_s']:.1f}", f"{x['first_token_s']:.1f}",
+           x["programs"], x["compiles"], x["cache_loads"]]
+          for r in recs for x in r["results"]["rows"]]
+  return "\n\n".join([table(head, rows), provenance(recs)])
+
+
 def render_gpu_check(root):
   recs = _load("gpu_check", root)
   parts = []
@@ -707,6 +718,7 @@ def render_gpu_check(root):
 
 RENDERERS = {
     "gpu_check": render_gpu_check,
+    "cold_start": render_cold_start,
     "fragmentation_mix": render_fragmentation_mix,
     "compaction_buys": render_compaction_buys,
     "fragmentation_budget": render_fragmentation_budget,

@@ -1,0 +1,206 @@
+"""Cold start: from process start to the first token, with and without the compile cache.
+
+Each measurement is a fresh Python process (the parent only launches them and
+collects what they print): import the library, load a Llama-shaped Hugging Face
+checkpoint (`--shape`, written once by the parent with
+`paged_kv.model.random_checkpoint`, or `--checkpoint DIR`), build the pool,
+`ModelExecutor` and `Scheduler` (`max_batch` = the row's batch), run
+`Scheduler.warmup()`, then submit one request and step until its first token.
+Per (batch, cache) row it prints the seconds from the launch to each milestone
+(`import`, `load`, `warm-up` alone, `first token`), the warm-up's programs, XLA
+compiles and persistent-cache loads.
+
+`cold`: the process starts with an empty persistent compilation cache (a new
+directory), so every program compiles (and is written to the cache). `cache`: a
+second process with the same directory and config loads every program from it
+(issue V: it compiles none). `--cache=off` adds a run with the cache disabled.
+
+Usage:
+  .venv/bin/python examples/bench_cold_start.py                   # CPU: tiny, batch 16
+  python examples/bench_cold_start.py --shape=llama-3.2-1b --batch=64,256   # a GPU
+  .venv/bin/python examples/bench_cold_start.py --repeats=3 --record=docs/records/cold_start/
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+_SHAPE = flags.DEFINE_string("shape", None, "A random checkpoint's shape "
+                             "(paged_kv.model.random_checkpoint.SHAPES; default: "
+                             "llama-3.2-1b on a GPU, tiny on a CPU).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Read this Hugging Face checkpoint "
+                                  "directory instead of writing a random one.")
+_DTYPE = flags.DEFINE_string("dtype", None, "The random checkpoint's dtype (default: bfloat16 "
+                             "on a GPU, float32 on a CPU).")
+_BATCH = flags.DEFINE_list("batch", ["16"], "Schedulers' max_batch, one row each.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "The first request's prompt tokens.")
+_MAX_SEQ_LEN = flags.DEFINE_integer("max_seq_len", 256, "Tokens per sequence the pool is "
+                                    "sized for.")
+_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 128, "SchedulerConfig.prefill_chunk.")
+_PREFILL_BUDGET = flags.DEFINE_integer("prefill_token_budget", 256,
+                                       "SchedulerConfig.prefill_token_budget.")
+_CACHE = flags.DEFINE_list("cache", ["cold", "cache"], "Runs per row: cold (an empty "
+                           "persistent cache), cache (the cold run's cache), off (none).")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Rounds (each with a fresh cache directory).")
+_SEED = flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+_TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "Wall limit of one process.")
+_RECORD = flags.DEFINE_string("record", None, "Directory (or file) for the JSON record.")
+_CHILD = flags.DEFINE_string("child", None, "Internal: run one measurement with these "
+                             "JSON arguments and print its milestones.")
+
+MODES = ("cold", "cache", "off")
+
+
+def child(args: dict) -> None:
+  """One cold start in this process; prints one JSON line of milestones (wall clock,
+  seconds since the epoch, so the parent subtracts its launch time)."""
+  marks = {"started": time.time()}
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from paged_kv.model import hf_checkpoint  # pylint: disable=import-outside-toplevel
+  from paged_kv.runtime import compile_cache  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving import serving_bench as sb  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving.executor import ModelExecutor  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving.scheduler import (Request, SchedulerConfig)  # pylint: disable=import-outside-toplevel
+  marks["import"] = time.time()
+  if args["cache_dir"]:
+    compile_cache.enable_compilation_cache(args["cache_dir"])
+  else:
+    compile_cache.disable_compilation_cache()
+  ckpt = hf_checkpoint.load_checkpoint(args["checkpoint"], max_seq_len=args["max_seq_len"])
+  jax.block_until_ready(jax.tree.leaves(ckpt.model))
+  marks["load"] = time.time()
+  batch = args["batch"]
+  pool_config = sb.serving_pool_config(ckpt.config, max_batch=batch,
+                                       max_seq_len=args["max_seq_len"])
+  sched = sb.build_scheduler(
+      ModelExecutor(ckpt.model, pool_config), pool_config,
+      SchedulerConfig(max_batch=batch, prefill_chunk=args["prefill_chunk"],
+                      prefill_token_budget=max(args["prefill_budget"], args["prefill_chunk"]),
+                      max_seq_len=args["max_seq_len"]))
+  marks["built"] = time.time()
+  report = sched.warmup(progress=False, persistence=False)
+  marks["warmup"] = time.time()
+  rng = np.random.default_rng(args["seed"])
+  prompt = rng.integers(3, ckpt.config.vocab_size, args["prompt_len"]).astype(np.int32)
+  req = Request(0, prompt, 4)
+  sched.submit(req)
+  while not req.output:
+    sched.step()
+  marks["first_token"] = time.time()
+  print("MILESTONES " + json.dumps(dict(marks=marks, programs=report.programs,
+                                        compiles=report.compiles,
+                                        cache_loads=report.cache_loads,
+                                        warmup_s=report.seconds,
+                                        backend=jax.default_backend())), flush=True)
+
+
+def _launch(args: dict) -> dict:
+  """Runs `child(args)` in a fresh interpreter; its milestones relative to the launch."""
+  env = dict(os.environ)
+  root = str(pathlib.Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+  t0 = time.time()
+  proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], env=env,
+                        capture_output=True, text=True, timeout=_TIMEOUT.value, check=False)
+  line = next((l for l in proc.stdout.splitlines() if l.startswith("MILESTONES ")), None)
+  if proc.returncode != 0 or line is None:
+    raise RuntimeError(f"the measured process failed (exit {proc.returncode}):\n"
+                       f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+  out = json.loads(line[len("MILESTONES "):])
+  marks = out.pop("marks")
+  out.update({k: marks[k] - t0 for k in ("started", "import", "load", "first_token")})
+  out["build_s"] = marks["built"] - marks["load"]
+  return out
+
+
+def _checkpoint(on_gpu: bool, tmp: pathlib.Path) -> tuple[str, str]:
+  """(checkpoint directory, what it is)."""
+  if _CHECKPOINT.value:
+    return _CHECKPOINT.value, f"checkpoint {_CHECKPOINT.value}"
+  from paged_kv.model import random_checkpoint  # pylint: disable=import-outside-toplevel
+  shape = _SHAPE.value or ("llama-3.2-1b" if on_gpu else "tiny")
+  dtype = _DTYPE.value or ("bfloat16" if on_gpu else "float32")
+  if shape not in random_checkpoint.SHAPES:
+    raise app.UsageError(f"--shape must be one of {sorted(random_checkpoint.SHAPES)}")
+  hf = random_checkpoint.hf_config(shape, dtype=dtype)
+  path = tmp / "checkpoint"
+  random_checkpoint.write_random_checkpoint(path, hf, seed=_SEED.value)
+  return str(path), f"random {shape} ({dtype})"
+
+
+def main(argv):
+  del argv
+  if _CHILD.value is not None:
+    child(json.loads(_CHILD.value))
+    return
+  bad = [m for m in _CACHE.value if m not in MODES]
+  if bad or not _CACHE.value:
+    raise app.UsageError(f"--cache takes {MODES}, got {_CACHE.value}")
+  if "cache" in _CACHE.value and "cold" not in _CACHE.value:
+    raise app.UsageError("--cache=cache needs cold too (the cold run fills the cache)")
+  try:
+    batches = sorted({int(b) for b in _BATCH.value})
+  except ValueError as e:
+    raise app.UsageError(f"--batch: {e}") from e
+  if not batches or min(batches) < 1 or _REPEATS.value < 1:
+    raise app.UsageError("--batch values and --repeats must be >= 1")
+  import jax  # pylint: disable=import-outside-toplevel
+  from paged_kv.telemetry import records  # pylint: disable=import-outside-toplevel
+  on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+  rec = records.Recorder(_RECORD.value, "bench_cold_start", flag_values=records.script_flags(),
+                         seeds=[_SEED.value])
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix="paged_kv_cold_start_"))
+  runs = []
+  try:
+    path, what = _checkpoint(on_gpu, tmp)
+    for r in range(_REPEATS.value):
+      for b in batches:
+        cache_dir = tmp / f"cache-{r}-{b}"
+        for mode in [m for m in MODES if m in _CACHE.value]:
+          args = dict(checkpoint=path, batch=b, prompt_len=_PROMPT_LEN.value,
+                      max_seq_len=_MAX_SEQ_LEN.value, prefill_chunk=_PREFILL_CHUNK.value,
+                      prefill_budget=_PREFILL_BUDGET.value, seed=_SEED.value,
+                      cache_dir=None if mode == "off" else str(cache_dir))
+          out = dict(_launch(args), batch=b, cache=mode, round=r)
+          runs.append(out)
+          print(f"round {r} batch {b:4d} {mode:5s}: first token {out['first_token']:7.1f} s "
+                f"(warm-up {out['warmup_s']:.1f} s: {out['programs']} programs, "
+                f"{out['compiles']} compiled, {out['cache_loads']} loaded)", flush=True)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+  print(f"\nCold start ({what}; seconds from the process's launch, median of "
+        f"{_REPEATS.value}; prompt {_PROMPT_LEN.value} tokens, prefill chunk "
+        f"{_PREFILL_CHUNK.value}, budget {_PREFILL_BUDGET.value})")
+  print(f"{'batch':>5} {'cache':>5} {'import':>7} {'load':>7} {'warm-up':>8} {'first token':>12}"
+        f" {'programs':>8} {'compiles':>8} {'loaded':>7}")
+  rows = []
+  for b in batches:
+    for mode in [m for m in MODES if m in _CACHE.value]:
+      xs = [x for x in runs if x["batch"] == b and x["cache"] == mode]
+      med = lambda k, xs=xs: statistics.median(x[k] for x in xs)
+      row = dict(batch=b, cache=mode, import_s=med("import"), load_s=med("load"),
+                 warmup_s=med("warmup_s"), first_token_s=med("first_token"),
+                 programs=xs[0]["programs"], compiles=max(x["compiles"] for x in xs),
+                 cache_loads=min(x["cache_loads"] for x in xs), rounds=len(xs))
+      rows.append(row)
+      print(f"{b:5d} {mode:>5} {row['import_s']:7.1f} {row['load_s']:7.1f} "
+            f"{row['warmup_s']:8.1f} {row['first_token_s']:12.1f} {row['programs']:8d} "
+            f"{row['compiles']:8d} {row['cache_loads']:7d}")
+  rec.write({"model": what, "backend": runs[0]["backend"], "rows": rows, "runs": runs})
+
+
+if __name__ == "__main__":
+  app.run(main)
