@@ -10,6 +10,8 @@ the config (the scheduler's step calls them; tests call them alone).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from paged_kv.model import ragged
@@ -21,30 +23,47 @@ from paged_kv.serving.scheduler_config import SchedulerConfig
 Chunks = list[tuple[Request, int]]
 
 
-def prefill_chunks(running: list[Request], config: SchedulerConfig) -> Chunks:
-  """This step's prompt chunks `(request, tokens)`: FCFS under the token budget."""
-  budget = config.prefill_token_budget
-  chunk = config.prefill_chunk
-  chunks = []
-  for req in running:
-    left = req.prefill_target - req.num_cached
-    if left > 0 and budget > 0:
-      n = min(left, chunk, budget)
-      chunks.append((req, n))
-      budget -= n
-  return chunks
+@dataclasses.dataclass
+class StepRows:
+  """One step's rows, found in one pass over the running requests (`step_rows`).
+
+  Attributes:
+    decodes: the requests that decode a token (`decode_batch`), in running order.
+    chunks: the prompt chunks `(request, tokens)` (`prefill_chunks`).
+    seq_ids: the decodes' pool rows.
+    pending: the decodes' input tokens as the host knows them (`pending_token`).
+    carry: each decode's row in the newest unread step, where its input token is
+      (-1: the host knows it).
+    fresh_blocks: the blocks the rows may take (`blocks_needed`).
+  """
+
+  decodes: list[Request]
+  chunks: Chunks
+  seq_ids: list[int]
+  pending: list[int]
+  carry: list[int]
+  fresh_blocks: int
 
 
-def decode_batch(running: list[Request]) -> list[Request]:
-  """The running requests with a token to decode: prompt done, a pending token (read
-  or still on the device), tokens left to generate, not finished
-  (`request.is_finished`, inlined: O(batch) Python every step; it names the stop
-  reason of those that are, once every token they sampled was read)."""
-  out = []
+def step_rows(running: list[Request], *, prefill_chunk: int, prefill_token_budget: int,
+              block_size: int) -> StepRows:
+  """The step's decode rows and prompt chunks (`decode_batch`, `prefill_chunks`), with
+  what the plan needs of each decode row, in one pass (O(batch) Python every step)."""
+  budget, bs = prefill_token_budget, block_size
+  decodes, chunks, ids, pending, carry = [], [], [], [], []
+  fresh = 0
   for r in running:
-    o = r.output
-    if r.num_cached < r.prefill_target or r.stop_reason:
+    num_cached, target = r.num_cached, r.prefill_target
+    if num_cached < target:
+      if budget > 0:
+        n = min(target - num_cached, prefill_chunk, budget)
+        chunks.append((r, n))
+        budget -= n
+        fresh += -(-(num_cached + n) // bs) - -(-num_cached // bs)
       continue
+    if r.stop_reason:
+      continue
+    o = r.output
     flying = r.in_flight
     if not flying:
       if not o:
@@ -52,13 +71,40 @@ def decode_batch(running: list[Request]) -> list[Request]:
       if len(o) >= r.max_new_tokens:
         r.stop_reason = "length"
         continue
-      if r.stop_ids and o[-1] in r.stop_ids:
+      token = o[-1]
+      if r.stop_ids and token in r.stop_ids:
         r.stop_reason = "stop_token"
         continue
+      src = -1
     elif len(o) + flying >= r.max_new_tokens:
       continue  # its last token is on the device: it finishes once read
-    out.append(r)
-  return out
+    else:
+      forced = r.forced_output
+      if forced is None:
+        token, src = 0, r.carry_row
+      else:
+        token, src = int(forced[len(o) + flying - 1]), -1
+    decodes.append(r)
+    ids.append(r.seq_id)
+    pending.append(token)
+    carry.append(src)
+    if num_cached % bs == 0:
+      fresh += 1
+  return StepRows(decodes, chunks, ids, pending, carry, fresh)
+
+
+def prefill_chunks(running: list[Request], config: SchedulerConfig) -> Chunks:
+  """This step's prompt chunks `(request, tokens)`: FCFS under the token budget."""
+  return step_rows(running, prefill_chunk=config.prefill_chunk,
+                   prefill_token_budget=config.prefill_token_budget, block_size=1).chunks
+
+
+def decode_batch(running: list[Request]) -> list[Request]:
+  """The running requests with a token to decode: prompt done, a pending token (read
+  or still on the device), tokens left to generate, not finished
+  (`request.is_finished`, inlined: it names the stop reason of those that are, once
+  every token they sampled was read)."""
+  return step_rows(running, prefill_chunk=0, prefill_token_budget=0, block_size=1).decodes
 
 
 def blocks_needed(decodes: list[Request], chunks: Chunks, block_size: int) -> int:
@@ -114,21 +160,30 @@ def blocks_needed_for(decodes: list[Request], steps: list[int], block_size: int)
 
 def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, *,
                sampling: bool, num_tokens: int | None = None) -> StepPlan:
+  """`StepPlan.build` of the step's rows (decodes, then chunks): `plan_rows` of them."""
+  rows = StepRows(decodes, chunks, [r.seq_id for r in decodes],
+                  [pending_token(r) for r in decodes], [], 0)
+  return plan_rows(rows, config, sampling=sampling, num_tokens=num_tokens)
+
+
+def plan_rows(rows: StepRows, config: SchedulerConfig, *, sampling: bool,
+              num_tokens: int | None = None) -> StepPlan:
   """`StepPlan.build` of the step's rows (decodes, then chunks), from arrays.
 
   The same plan, without `build`'s per-row checks (the rows are running
   requests' with 1..`prefill_chunk` tokens each) and per-row array copies.
 
   Args:
-    decodes, chunks: the step's rows.
+    rows: the step's rows.
     config: the scheduler's config (`max_batch` rows, `prefill_chunk`, `max_logprobs`).
     sampling: attach the rows' `SamplingBatch` (for an executor that samples).
     num_tokens: the token width (default: `width_for` the total among `token_widths`).
   """
+  decodes, chunks = rows.decodes, rows.chunks
   nd, num_rows = len(decodes), config.max_batch
   ids = np.full((num_rows,), -1, np.int32)
   num_new = np.zeros((num_rows,), np.int32)
-  ids[:nd] = [r.seq_id for r in decodes]
+  ids[:nd] = rows.seq_ids
   num_new[:nd] = 1
   ids[nd:nd + len(chunks)] = [r.seq_id for r, _ in chunks]
   num_new[nd:nd + len(chunks)] = [n for _, n in chunks]
@@ -138,7 +193,7 @@ def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, 
     num_tokens = width_for(total, mixed if chunks else decode)
   width = num_tokens
   tokens = np.zeros((width,), np.int32)  # the width StepPlan.build pads to
-  tokens[:nd] = [pending_token(r) for r in decodes]
+  tokens[:nd] = rows.pending
   pos = nd
   for r, n in chunks:
     a = r.num_cached

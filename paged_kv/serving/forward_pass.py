@@ -130,32 +130,39 @@ class ForwardPass:
 
   def dispatch(self, executor: Executor) -> bool:
     """Plans the step's rows and dispatches them; False when there was nothing to run."""
-    running, config = self.queues.running, self.config
-    decodes, chunks = batching.decode_batch(running), batching.prefill_chunks(running, config)
+    rows = self._rows()
+    decodes, chunks = rows.decodes, rows.chunks
     if not decodes and not chunks:
       return False
+    config = self.config
     if self._multi_step(executor, decodes, chunks):
       steps = [min(config.decode_steps, r.max_new_tokens - len(r.output) - r.in_flight)
                for r in decodes]
       if self.evictor.ensure_free(batching.blocks_needed_for(decodes, steps,
                                                              self.pool.config.block_size)):
-        self._dispatch_multi(executor, decodes, steps)
+        self._dispatch_multi(executor, rows, steps)
         return True
-    need = batching.blocks_needed(decodes, chunks, self.pool.config.block_size)
+    need = rows.fresh_blocks
     if not self.evictor.ensure_free(need):
       self._relieve(need - self.pool.num_free_blocks)
-      decodes, chunks = batching.decode_batch(running), batching.prefill_chunks(running, config)
-      if not decodes and not chunks:
+      rows = self._rows()
+      if not rows.decodes and not rows.chunks:
         return False
-    self._dispatch_one(executor, decodes, chunks)
+    self._dispatch_one(executor, rows)
     return True
 
-  def _dispatch_one(self, executor: Executor, decodes: list[Request],
-                    chunks: batching.Chunks) -> None:
-    """One forward pass of `decodes` and `chunks`."""
-    plan = batching.build_plan(decodes, chunks, self.config,
-                               sampling=getattr(executor, "samples", False))
-    plan = self._with_carried(executor, plan, decodes)
+  def _rows(self) -> batching.StepRows:
+    """This step's rows (`batching.step_rows` of the running requests)."""
+    config = self.config
+    return batching.step_rows(self.queues.running, prefill_chunk=config.prefill_chunk,
+                              prefill_token_budget=config.prefill_token_budget,
+                              block_size=self.pool.config.block_size)
+
+  def _dispatch_one(self, executor: Executor, rows: batching.StepRows) -> None:
+    """One forward pass of the step's decodes and chunks."""
+    decodes, chunks = rows.decodes, rows.chunks
+    plan = batching.plan_rows(rows, self.config, sampling=getattr(executor, "samples", False))
+    plan = self._with_carried(executor, plan, rows)
     pred = self.pool.predict_step(plan.seq_ids, plan.num_new,
                                   max_new_tokens=plan.max_query_len)
     nxt, extra = self._call(executor, pred, lambda s: executor.step(s, plan),
@@ -205,13 +212,15 @@ class ForwardPass:
       return False  # the device would feed its own samples, not the forced tokens
     return any(r.max_new_tokens - len(r.output) - r.in_flight > 1 for r in decodes)
 
-  def _dispatch_multi(self, executor: Executor, decodes: list[Request],
+  def _dispatch_multi(self, executor: Executor, rows: batching.StepRows,
                       steps: list[int]) -> None:
-    """`steps[i]` decode steps of `decodes[i]` (at most `decode_steps`) in one dispatch."""
+    """`steps[i]` decode steps of `rows.decodes[i]` (at most `decode_steps`) in one
+    dispatch (the step has no chunks)."""
     k = self.config.decode_steps
-    plan = batching.build_plan(decodes, [], self.config, num_tokens=self.config.max_batch,
-                               sampling=getattr(executor, "samples", False))
-    plan = self._with_carried(executor, plan, decodes)
+    decodes = rows.decodes
+    plan = batching.plan_rows(rows, self.config, num_tokens=self.config.max_batch,
+                              sampling=getattr(executor, "samples", False))
+    plan = self._with_carried(executor, plan, rows)
     seq_ids = np.asarray(plan.seq_ids)
     remaining = np.zeros(seq_ids.shape, np.int32)
     remaining[:len(decodes)] = steps
@@ -262,17 +271,15 @@ class ForwardPass:
                           touched_blocks=np.unique(np.concatenate(touched)))
 
   # ------------------------------------------------------------------ dispatch helpers
-  def _with_carried(self, executor: Executor, plan, decodes: list[Request]):
+  def _with_carried(self, executor: Executor, plan, rows: batching.StepRows):
     """`plan` with its decode rows' unread input tokens taken from the newest flight
-    on the device. Every plan for an executor that carries tokens carries them (none
-    in the synchronous loop), so both loops run the same programs."""
+    on the device (`rows.carry`). Every plan for an executor that carries tokens
+    carries them (none in the synchronous loop), so both loops run the same programs."""
     carries = getattr(executor, "carries_tokens", False)
     if (not (self.config.overlap or carries)) or not getattr(executor, "uses_tokens", True):
       return plan
     src = np.full(np.shape(plan.tokens), -1, np.int32)
-    for i, r in enumerate(decodes):
-      if r.in_flight and r.forced_output is None:
-        src[i] = r.carry_row
+    src[:len(rows.carry)] = rows.carry
     prev = self.flights[-1].last if self.flights else self._placeholder(plan)
     carried = CarriedTokens(prev=prev, src=src)
     if carries:

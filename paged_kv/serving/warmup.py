@@ -176,7 +176,8 @@ def _padding_plan(sched: "Scheduler", width: int, max_query_len: int) -> StepPla
   plan = StepPlan(seq_ids=np.full((b,), -1, np.int32), num_new=np.zeros((b,), np.int32),
                   tokens=np.zeros((width,), np.int32), max_query_len=max_query_len,
                   sampling=sampling, num_logprobs=sched.config.max_logprobs)
-  return sched.forward_pass._with_carried(sched.executor, plan, [])  # pylint: disable=protected-access
+  no_rows = batching.StepRows([], [], [], [], [], 0)
+  return sched.forward_pass._with_carried(sched.executor, plan, no_rows)  # pylint: disable=protected-access
 
 
 def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
