@@ -1,7 +1,7 @@
 """Cold start: from process start to the first token, with and without the compile cache.
 
-Each measurement is a fresh Python process (the parent only launches them and
-collects what they print): import the library, load a Llama-shaped Hugging Face
+Each measurement is a fresh Python process (`paged_kv.serving.cold_start.measure`;
+the parent only launches them and collects what they print): import the library, load a Llama-shaped Hugging Face
 checkpoint (`--shape`, written once by the parent with
 `paged_kv.model.random_checkpoint`, or `--checkpoint DIR`), build the pool,
 `ModelExecutor` and `Scheduler` (`max_batch` = the row's batch), run
@@ -23,15 +23,10 @@ Usage:
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
 from absl import app, flags
 
@@ -55,73 +50,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 1, "Rounds (each with a fresh cache d
 _SEED = flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "Wall limit of one process.")
 _RECORD = flags.DEFINE_string("record", None, "Directory (or file) for the JSON record.")
-_CHILD = flags.DEFINE_string("child", None, "Internal: run one measurement with these "
-                             "JSON arguments and print its milestones.")
-
 MODES = ("cold", "cache", "off")
-
-
-def child(args: dict) -> None:
-  """One cold start in this process; prints one JSON line of milestones (wall clock,
-  seconds since the epoch, so the parent subtracts its launch time)."""
-  marks = {"started": time.time()}
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  from paged_kv.model import hf_checkpoint  # pylint: disable=import-outside-toplevel
-  from paged_kv.runtime import compile_cache  # pylint: disable=import-outside-toplevel
-  from paged_kv.serving import serving_bench as sb  # pylint: disable=import-outside-toplevel
-  from paged_kv.serving.executor import ModelExecutor  # pylint: disable=import-outside-toplevel
-  from paged_kv.serving.scheduler import (Request, SchedulerConfig)  # pylint: disable=import-outside-toplevel
-  marks["import"] = time.time()
-  if args["cache_dir"]:
-    compile_cache.enable_compilation_cache(args["cache_dir"])
-  else:
-    compile_cache.disable_compilation_cache()
-  ckpt = hf_checkpoint.load_checkpoint(args["checkpoint"], max_seq_len=args["max_seq_len"])
-  jax.block_until_ready(jax.tree.leaves(ckpt.model))
-  marks["load"] = time.time()
-  batch = args["batch"]
-  pool_config = sb.serving_pool_config(ckpt.config, max_batch=batch,
-                                       max_seq_len=args["max_seq_len"])
-  sched = sb.build_scheduler(
-      ModelExecutor(ckpt.model, pool_config), pool_config,
-      SchedulerConfig(max_batch=batch, prefill_chunk=args["prefill_chunk"],
-                      prefill_token_budget=max(args["prefill_budget"], args["prefill_chunk"]),
-                      max_seq_len=args["max_seq_len"]))
-  marks["built"] = time.time()
-  report = sched.warmup(progress=False, persistence=False)
-  marks["warmup"] = time.time()
-  rng = np.random.default_rng(args["seed"])
-  prompt = rng.integers(3, ckpt.config.vocab_size, args["prompt_len"]).astype(np.int32)
-  req = Request(0, prompt, 4)
-  sched.submit(req)
-  while not req.output:
-    sched.step()
-  marks["first_token"] = time.time()
-  print("MILESTONES " + json.dumps(dict(marks=marks, programs=report.programs,
-                                        compiles=report.compiles,
-                                        cache_loads=report.cache_loads,
-                                        warmup_s=report.seconds,
-                                        backend=jax.default_backend())), flush=True)
-
-
-def _launch(args: dict) -> dict:
-  """Runs `child(args)` in a fresh interpreter; its milestones relative to the launch."""
-  env = dict(os.environ)
-  root = str(pathlib.Path(__file__).resolve().parents[1])
-  env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-  t0 = time.time()
-  proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], env=env,
-                        capture_output=True, text=True, timeout=_TIMEOUT.value, check=False)
-  line = next((l for l in proc.stdout.splitlines() if l.startswith("MILESTONES ")), None)
-  if proc.returncode != 0 or line is None:
-    raise RuntimeError(f"the measured process failed (exit {proc.returncode}):\n"
-                       f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-  out = json.loads(line[len("MILESTONES "):])
-  marks = out.pop("marks")
-  out.update({k: marks[k] - t0 for k in ("started", "import", "load", "first_token")})
-  out["build_s"] = marks["built"] - marks["load"]
-  return out
 
 
 def _checkpoint(on_gpu: bool, tmp: pathlib.Path) -> tuple[str, str]:
@@ -141,9 +70,6 @@ def _checkpoint(on_gpu: bool, tmp: pathlib.Path) -> tuple[str, str]:
 
 def main(argv):
   del argv
-  if _CHILD.value is not None:
-    child(json.loads(_CHILD.value))
-    return
   bad = [m for m in _CACHE.value if m not in MODES]
   if bad or not _CACHE.value:
     raise app.UsageError(f"--cache takes {MODES}, got {_CACHE.value}")
@@ -156,6 +82,7 @@ def main(argv):
   if not batches or min(batches) < 1 or _REPEATS.value < 1:
     raise app.UsageError("--batch values and --repeats must be >= 1")
   import jax  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving import cold_start  # pylint: disable=import-outside-toplevel
   from paged_kv.telemetry import records  # pylint: disable=import-outside-toplevel
   on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
   rec = records.Recorder(_RECORD.value, "bench_cold_start", flag_values=records.script_flags(),
@@ -168,11 +95,13 @@ def main(argv):
       for b in batches:
         cache_dir = tmp / f"cache-{r}-{b}"
         for mode in [m for m in MODES if m in _CACHE.value]:
-          args = dict(checkpoint=path, batch=b, prompt_len=_PROMPT_LEN.value,
-                      max_seq_len=_MAX_SEQ_LEN.value, prefill_chunk=_PREFILL_CHUNK.value,
-                      prefill_budget=_PREFILL_BUDGET.value, seed=_SEED.value,
-                      cache_dir=None if mode == "off" else str(cache_dir))
-          out = dict(_launch(args), batch=b, cache=mode, round=r)
+          spec = cold_start.ColdStartSpec(
+              checkpoint=path, max_batch=b, max_seq_len=_MAX_SEQ_LEN.value,
+              prefill_chunk=_PREFILL_CHUNK.value, prefill_token_budget=_PREFILL_BUDGET.value,
+              prompt_len=_PROMPT_LEN.value, seed=_SEED.value,
+              cache_dir=None if mode == "off" else str(cache_dir))
+          out = dict(cold_start.measure(spec, timeout_s=_TIMEOUT.value), batch=b, cache=mode,
+                     round=r)
           runs.append(out)
           print(f"round {r} batch {b:4d} {mode:5s}: first token {out['first_token']:7.1f} s "
                 f"(warm-up {out['warmup_s']:.1f} s: {out['programs']} programs, "

@@ -281,7 +281,7 @@ _KIND_IMPL = {"copy": "x + 1 (xla)", "builtin": "jax builtin",
               "dense": "jax.nn.dot_product_attention",
               "serving_checkpoint": "write + load_checkpoint",
               "serving_warmup": "untimed serving pass", "serving_device": "decode_multi k=16",
-              "serving_hf": "transformers"}
+              "serving_hf": "transformers", "serving_cold_start": "fresh processes"}
 
 
 def _cell(x) -> str:

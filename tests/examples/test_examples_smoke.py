@@ -158,6 +158,23 @@ def test_bench_compile(tmp_path):
   assert record["results"]["warmup"] == []
 
 
+def test_bench_cold_start(tmp_path):
+  out = _run("bench_cold_start.py", "--batch=2", "--cache=off", "--max_seq_len=32",
+             "--prompt_len=8", "--prefill_chunk=16", "--prefill_token_budget=16",
+             f"--record={tmp_path}/")
+  rows = [l.split() for l in out.splitlines() if l.split()[:2] == ["2", "off"]]
+  assert len(rows) == 1 and int(rows[0][6]) == int(rows[0][7]) > 0, out  # all compiled
+  record = json.loads(next(tmp_path.glob("bench_cold_start-*.json")).read_text())
+  (row,) = record["results"]["rows"]
+  assert row["import_s"] < row["load_s"] < row["first_token_s"] and row["cache_loads"] == 0
+
+
+def test_bench_overlap():
+  out = _run("bench_overlap.py", "--batch=4", "--steps=3", "--warmup=2", "--repeats=1",
+             "--device_ms=0,2")
+  assert re.search(r"^\s+2\.0\s+overlap\s+[\d.]+", out, re.M), out
+
+
 def test_bench_scheduler(monkeypatch):
   monkeypatch.delenv("PAGED_KV_DEBUG", raising=False)  # production counts (debug mode syncs)
   out = _run("bench_scheduler.py", "--pools=1024", "--batch=8", "--modes=off,stats,budget",
