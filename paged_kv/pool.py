@@ -385,6 +385,12 @@ class BlockPool:
     self.runtime.dispatch("commit")
     self._checks.append(("commit (warm-up)", mismatch, None))
 
+  def lower_commit(self, widths: CommitWidths) -> jax.stages.Lowered:
+    """The commit program of `widths`, lowered (not run): `warm_commit` compiles it,
+    or a warm-up compiles it ahead, concurrently with other programs."""
+    return commit.lower(self.unflushed_state, empty_batch(self.host, widths),
+                        config=self.config)
+
   def warm_data(self, length: int) -> None:
     """Runs (compiles) the K/V gather and the layered write at the power-of-two
     bucket of `length` tokens (swap, persistence), changing nothing."""

@@ -31,7 +31,7 @@ releases the old programs (`release_programs`) and warms the new size at once
 
 Each run changes nothing: commits of padding only, steps whose rows are all
 padding (`-1`), a gather of row 0 written back to no slot. `warm(scheduler)`
-first lowers the executor's step programs (the expensive ones; an executor with
+first lowers the commits and the executor's step programs (an executor with
 `lower_step`) and compiles them concurrently on threads (XLA compiles are
 independent and release Python's lock), then runs every program once (with a
 progress bar when tqdm is installed), and reports how many programs ran, how
@@ -109,7 +109,7 @@ def program_runs(sched: "Scheduler", *, persistence: bool = True) -> list[Progra
   runs: list[ProgramRun] = []
   for w in CommitWidths.all_for(pc):
     runs.append(ProgramRun(f"commit rows={w.rows} copies={w.copies} moves={w.moves}",
-                           lambda w=w: pool.warm_commit(w)))
+                           lambda w=w: pool.warm_commit(w), lambda w=w: pool.lower_commit(w)))
   seen_dry = set()
   decode_widths, mixed_widths = batching.token_widths(cfg)
   for mql, widths in ((1, decode_widths), (cfg.prefill_chunk, mixed_widths)):
@@ -248,8 +248,8 @@ def warm(sched: "Scheduler", *, progress: bool = True, persistence: bool = True,
          threads: int | None = None) -> WarmupReport:
   """Compiles and runs once every program of `program_runs(sched)`.
 
-  The programs that can be lowered without running (the executor's steps: the
-  expensive ones) are lowered one after the other (tracing holds Python's lock),
+  The programs that can be lowered without running (the commits and the executor's
+  steps) are lowered one after the other (tracing holds Python's lock),
   then compiled concurrently on `threads` threads (default: one per program, at
   most the CPUs; XLA compiles release the lock); then every program runs once, the
   compiled ones found in JAX's cache. See the module docstring.

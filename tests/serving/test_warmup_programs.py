@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 
 import paged_kv
+from paged_kv.mirror.changes import CommitWidths
 from paged_kv.model import llama
 from paged_kv.runtime import counters
 from paged_kv.serving import batching, warmup
@@ -76,8 +77,9 @@ class _CompileCounting:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_steps_compile_ahead_on_threads_and_not_when_run(threads):
   sched = _scheduler()
-  steps = [r for r in warmup.program_runs(sched) if r.lower is not None]
-  assert 1 < len(steps) <= 8
+  ahead = [r for r in warmup.program_runs(sched) if r.lower is not None]
+  steps = [r for r in ahead if not r.name.startswith("commit")]
+  assert 1 < len(steps) <= 8 and len(ahead) > len(steps)  # the commits compile ahead too
   counting = _CompileCounting(sched.executor)
   report = warmup.warm(sched, progress=False, threads=threads)
   assert report.programs == len(warmup.program_runs(sched))
@@ -93,6 +95,16 @@ def test_steps_compile_ahead_on_threads_and_not_when_run(threads):
   sched.run()
   assert sched.stats.compiles_after_warmup == 0
   assert sched.executor.steps.cache_size() == len(steps)
+
+
+def test_a_commit_lowered_ahead_is_not_compiled_again_when_run():
+  pool = _scheduler().pool
+  widths = CommitWidths.all_for(pool.config)[1]
+  c0 = counters.backend_compiles()
+  pool.lower_commit(widths).compile()
+  c1 = counters.backend_compiles()
+  pool.warm_commit(widths)
+  assert (c1 - c0, counters.backend_compiles() - c1) == (1, 0)
 
 
 _CHILD = """
