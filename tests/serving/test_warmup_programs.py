@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -100,11 +101,12 @@ def test_steps_compile_ahead_on_threads_and_not_when_run(threads):
 def test_a_commit_lowered_ahead_is_not_compiled_again_when_run():
   pool = _scheduler().pool
   widths = CommitWidths.all_for(pool.config)[1]
-  c0 = counters.backend_compiles()
+  jax.clear_caches()  # another test in this process may have compiled it
+  c0 = counters.backend_compiles() + counters.cache_loads()
   pool.lower_commit(widths).compile()
-  c1 = counters.backend_compiles()
+  c1 = counters.backend_compiles() + counters.cache_loads()
   pool.warm_commit(widths)
-  assert (c1 - c0, counters.backend_compiles() - c1) == (1, 0)
+  assert (c1 - c0, counters.backend_compiles() + counters.cache_loads() - c1) == (1, 0)
 
 
 _CHILD = """
