@@ -187,8 +187,9 @@ class ModelExecutor:
   The model is called as `model(tokens i32[T], pages, meta, impl=, interpret=) ->
   (pages, logits f32[T, vocab])` inside the jitted step (the contract of
   `paged_kv.model.contract`, which `paged_kv.model.llama.TinyLlama` meets; checked
-  when the executor is built); the next token is the greedy choice after each row's
-  last new token. A model whose signature names `logits_indices` (TinyLlama's does)
+  when the executor is built); the next token is drawn after each row's last new
+  token by the row's `plan.sampling` (`paged_kv.model.sampling`: greedy, the argmax,
+  for a request without `SamplingParams`). A model whose signature names `logits_indices` (TinyLlama's does)
   is called with `logits_indices=` each row's last token index `i32[B]` and returns
   `f32[B, vocab]`: its output head runs on B rows instead of every token of the
   step's prefill chunks. Which form is read from the signature once, when the
@@ -223,9 +224,9 @@ class ModelExecutor:
       interpret: Pallas interpret mode (`None`: on CPU only).
 
     Raises:
-      ModelContractError: the model's signature or the result of one abstract step
-        (`contract.check_model`: traced, not compiled) breaks the contract; the
-        message names what.
+      ModelContractError: the model's signature or its abstract decode, prefill
+        and mixed steps (`contract.check_model`: traced, not compiled) break the
+        contract; the message names what.
       InvalidArgument: `model.config` does not match the pool.
     """
     from paged_kv.model import contract, llama, steps
