@@ -14,6 +14,9 @@ This module imports no flax: `ModelExecutor` loads the model steps when built.
 
 Optional attributes the scheduler reads:
 
+  * `vocab_size: int`: the model's vocabulary; `Scheduler.submit` refuses a request
+    with a token id outside `[0, vocab_size)` (`paged_kv.serving.request_checks`).
+    `ModelExecutor` has it (the model's logits width, read by the contract check).
   * `samples = True`: the executor applies `plan.sampling` (the scheduler then
     always hands it one) and may return the rows' `SampleOutput` fourth.
   * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
