@@ -210,7 +210,7 @@ def _check_layers(name: str, config: PoolConfig, marks: list) -> None:
 def _trace_step(model: Any, config: PoolConfig, step: tuple, *, impl, interpret,
                 indexed: bool):
   """One abstract step traced (`jax.make_jaxpr`: neither compiled nor run), with
-  `paged_attention`'s layer markers; `(jaxpr, out shapes, num_rows, num_tokens)`."""
+  `paged_attention`'s layer markers: `(closed jaxpr, out shapes, abstract pages)`."""
   from paged_kv.model import attention  # pylint: disable=import-outside-toplevel
   step_name, num_rows, num_tokens, max_query_len = step
   tokens, pages, meta = _abstract_step(config, num_rows, num_tokens, max_query_len)

@@ -8,7 +8,10 @@ same end, the one that starts first). The text it hands out never contains a sto
 string: it holds back a tail that could still become the start of one, and when a
 stop string completes the text ends right before it (vLLM's default,
 `include_stop_str_in_output=False`). The tokens are kept: the request's `output`
-ends with the token that completed the stop string, as vLLM's `token_ids` do.
+ends with the token that completed the stop string, as vLLM's `token_ids` do (with
+`SchedulerConfig.decode_steps = k`, tokens one dispatch produced after it, at most
+k - 1, stay in `output` too: the scan sees a step's tokens together; the text is
+cut at the stop string all the same).
 
 `StopStringWatch` is the scheduler's side (`Scheduler(..., tokenizer=)`): `submit`
 registers each request that has stop strings, and `Finishing.finish` calls `scan()`
