@@ -17,6 +17,9 @@ Optional attributes the scheduler reads:
   * `vocab_size: int`: the model's vocabulary; `Scheduler.submit` refuses a request
     with a token id outside `[0, vocab_size)` (`paged_kv.serving.request_checks`).
     `ModelExecutor` has it (the model's logits width, read by the contract check).
+  * `tokenizer`: decodes output ids to text (`paged_kv.model.tokenizer.Tokenizer`
+    or anything with its `stream()`); requests with stop strings
+    (`SamplingParams.stop`) need it (`paged_kv.serving.stop_strings`).
   * `samples = True`: the executor applies `plan.sampling` (the scheduler then
     always hands it one) and may return the rows' `SampleOutput` fourth.
   * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
@@ -215,7 +218,7 @@ class ModelExecutor:
   carries_tokens = True  # `plan.carried` is resolved inside the jitted step
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
-               impl: str | None = None, interpret: bool | None = None):
+               impl: str | None = None, interpret: bool | None = None, tokenizer=None):
     """Checks the model and binds its steps to the pool's config.
 
     Args:
@@ -225,6 +228,8 @@ class ModelExecutor:
       pool_config: the pool the scheduler serves from.
       impl: attention path (`None`: `paged_kv.model.default_impl()` for the backend).
       interpret: Pallas interpret mode (`None`: on CPU only).
+      tokenizer: the model's tokenizer (a `paged_kv.model.tokenizer.Tokenizer`), for
+        stop strings; None: requests with stop strings are refused at submit.
 
     Raises:
       ModelContractError: the model's signature or its abstract decode, prefill
@@ -240,6 +245,7 @@ class ModelExecutor:
       llama.check_pool_matches_model(pool_config, model_config)
     self.vocab_size = contract.check_model(model, pool_config)
     self.uses_logits_indices = contract.accepts_logits_indices(model)
+    self.tokenizer = tokenizer
     self.config = pool_config
     self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
     self.steps = steps.bind(model, pool_config, out_shardings=self._out_shardings(pool_config),

@@ -45,7 +45,7 @@ class Finishing:
     self.caching = caching
     self.on_finished = on_finished
     self._last_reclaim = -RECLAIM_EVERY
-    self.stop_strings = None  # a `stop_strings.StopStringWatch` (Scheduler(tokenizer=))
+    self.stop_strings = None  # a `stop_strings.StopStringWatch` (`request_checks.accept`)
 
   def store_and_release(self, req: Request) -> None:
     """Inserts the sequence's cached tokens into the cache, then releases its row."""

@@ -12,8 +12,13 @@ checked).
 Sampling: what the serving loop does not apply is refused by name rather than
 ignored: the presence, frequency and repetition penalties (they need per-row token
 counts on the device, which the step does not hold), `prompt_logprobs` and `n > 1`;
-stop strings need a scheduler with a tokenizer; `min_tokens` must not exceed
+stop strings need an executor with a tokenizer; `min_tokens` must not exceed
 `max_new_tokens`; the logit adjustments must fit the step's width.
+
+`accept(request, scheduler)` is what `Scheduler.submit` calls: these checks, then the
+pool's (`Admission.check_fits`), then the request's stop strings registered with the
+scheduler's `stop_strings.StopStringWatch` (made on first use from the executor's
+`tokenizer`).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ import numpy as np
 
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.serving.sampling_params import MAX_LOGIT_ADJUSTMENTS
+from paged_kv.serving.stop_strings import StopStringWatch
 
 if TYPE_CHECKING:
   from paged_kv.serving.request import Request
+  from paged_kv.serving.scheduler import Scheduler
 
-__all__ = ["check_request", "check_token_ids"]
+__all__ = ["accept", "check_request", "check_token_ids"]
 
 
 def _outside(name: str, ids: np.ndarray, vocab_size: int) -> str | None:
@@ -78,7 +85,7 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
     request: a validated request.
     vocab_size: the executor's `vocab_size` (None: ids unchecked).
     stop_token: `SchedulerConfig.stop_token` (-1: none).
-    has_tokenizer: the scheduler can decode text (stop strings).
+    has_tokenizer: the executor has a `tokenizer` (stop strings).
 
   Raises:
     InvalidArgument: naming the field and why.
@@ -103,8 +110,8 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
                           f"output (each with its own seed; the prefix cache shares the "
                           f"prompt's blocks between them)")
   if sp.stop and not has_tokenizer:
-    raise InvalidArgument(f"request {rid!r}: sampling.stop needs the scheduler to decode "
-                          f"text: build it with Scheduler(..., tokenizer=)")
+    raise InvalidArgument(f"request {rid!r}: sampling.stop needs the executor's tokenizer "
+                          f"to decode text: ModelExecutor(..., tokenizer=)")
   if sp.min_tokens > request.max_new_tokens:
     raise InvalidArgument(f"request {rid!r}: sampling.min_tokens={sp.min_tokens} > "
                           f"max_new_tokens={request.max_new_tokens}")
@@ -118,3 +125,21 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
           f"request {rid!r}: {len(sp.logit_bias or ())} logit_bias entries and {len(stops)} "
           f"stop ids held back by min_tokens make {len(ids)} logit adjustments; at most "
           f"{MAX_LOGIT_ADJUSTMENTS} fit the step")
+
+
+def accept(request: "Request", sched: "Scheduler") -> None:
+  """`Scheduler.submit`'s checks after the request's own (see the module docstring).
+
+  Raises:
+    InvalidArgument: as `check_request`, or `Admission.check_fits`.
+    PoolExhausted: as `Admission.check_fits`.
+  """
+  executor = sched.executor
+  tokenizer = getattr(executor, "tokenizer", None)
+  check_request(request, getattr(executor, "vocab_size", None),
+                stop_token=sched.config.stop_token, has_tokenizer=tokenizer is not None)
+  sched.admission.check_fits(request)
+  if request.sampling is not None and request.sampling.stop:
+    if sched.finishing.stop_strings is None:
+      sched.finishing.stop_strings = StopStringWatch(tokenizer)
+    sched.finishing.stop_strings.register(request)

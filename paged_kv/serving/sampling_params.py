@@ -101,7 +101,7 @@ class SamplingParams:
       end this request; `stop_token_ids` still do.
     prompt_logprobs: logprobs of the prompt's tokens (vLLM's); None: none.
     stop: strings that end the request when the output's text contains one
-      (`stop_reason "stop_string"`): the text stops before it; needs a scheduler
+      (`stop_reason "stop_string"`): the text stops before it; needs an executor
       with a tokenizer (`paged_kv.serving.stop_strings`).
     n: output sequences per prompt (vLLM's); 1.
 

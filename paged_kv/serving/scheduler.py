@@ -57,7 +57,7 @@ from paged_kv.core.errors import InvalidArgument, PagedKVError
 from paged_kv.core.segment_format import Segments
 from paged_kv.pool import BlockPool
 from paged_kv.runtime import counters
-from paged_kv.serving import maintenance, recovery, request_checks, stop_strings
+from paged_kv.serving import maintenance, recovery, request_checks
 from paged_kv.serving import request as request_lib
 from paged_kv.serving import warmup as warmup_lib
 from paged_kv.serving.admission import Admission
@@ -128,7 +128,7 @@ class Scheduler:
                config: SchedulerConfig = SchedulerConfig(), *, cache: PrefixCache | None = None,
                clock: Callable[[], float] = time.monotonic,
                on_snapshot: Callable[[int, metrics.PoolSnapshot, SchedulerStats], None] | None = None,
-               on_step: Callable[[StepReport], None] | None = None, tokenizer=None):
+               on_step: Callable[[StepReport], None] | None = None):
     """Builds a scheduler.
 
     Args:
@@ -143,8 +143,6 @@ class Scheduler:
       on_snapshot: called with `(step, snapshot, stats)` after each snapshot.
       on_step: called with a `StepReport` after every step (also settable
         later as `sched.on_step`; `paged_kv.telemetry.export` exporters attach here).
-      tokenizer: decodes outputs for stop strings (`SamplingParams.stop`;
-        `paged_kv.serving.stop_strings`); None: requests with stop strings are refused.
     """
     if not isinstance(config, SchedulerConfig):
       raise InvalidArgument(f"config must be a SchedulerConfig, got {type(config).__name__}")
@@ -167,8 +165,6 @@ class Scheduler:
                                caching=caching)
     self.finishing = Finishing(cached_pool, counters_, q, record, caching=caching,
                                on_finished=self._mark_finished)
-    self.stop_strings = None if tokenizer is None else stop_strings.StopStringWatch(tokenizer)
-    self.finishing.stop_strings = self.stop_strings
     self.preemption = Preemption(cached_pool, config, stats, self.evictor, self.finishing, q)
     self.forward_pass = ForwardPass(self.pool, config, stats, counters_, self.evictor,
                                     self.preemption, q, record, clock)
@@ -220,9 +216,7 @@ class Scheduler:
     Raises:
       InvalidArgument: not a `Request`, submitted before (the same object), carrying
         progress, bad fields (`Request.validate`), an id an unfinished request
-        holds, more logprobs or tokens than `SchedulerConfig.max_logprobs`/`max_seq_len`,
-        a token id outside the executor's `vocab_size`, sampling the loop does not
-        apply (`serving.request_checks`).
+        holds, too many logprobs or tokens, ids or sampling `request_checks` refuses.
       radix.InvalidNamespaceError: the namespace is not a typed key.
       PoolExhausted: it could not run even in an empty pool (so an accepted
         request always runs once the pool drains).
@@ -230,14 +224,9 @@ class Scheduler:
     """
     self._check_usable()
     request_lib.check_new(request, self._submitted, self._live)
-    request_checks.check_request(request, getattr(self.executor, "vocab_size", None),
-                                 stop_token=self.config.stop_token,
-                                 has_tokenizer=self.stop_strings is not None)
-    self.admission.check_fits(request)
+    request_checks.accept(request, self)  # ids, sampling, the pool's fit; stop strings
     request_lib.seal(request, stop_token=self.config.stop_token,
                      seed=self.config.seed + self._num_submitted)
-    if self.stop_strings is not None:
-      self.stop_strings.register(request)
     self._num_submitted += 1
     self._submitted[id(request)] = request
     self._live[request.request_id] = request

@@ -13,8 +13,9 @@ ends with the token that completed the stop string, as vLLM's `token_ids` do (wi
 k - 1, stay in `output` too: the scan sees a step's tokens together; the text is
 cut at the stop string all the same).
 
-`StopStringWatch` is the scheduler's side (`Scheduler(..., tokenizer=)`): `submit`
-registers each request that has stop strings, and `Finishing.finish` calls `scan()`
+`StopStringWatch` is the scheduler's side, decoding with the executor's `tokenizer`
+(`ModelExecutor(..., tokenizer=)`): `submit` registers each request that has stop
+strings (`request_checks.accept`), and `Finishing.finish` calls `scan()`
 before it looks for finished requests, so a request whose text completed a stop
 string ends in that step with `stop_reason "stop_string"`. Requests without stop
 strings cost nothing. `text_until_stop(tokenizer, output, stops)` gives a finished

@@ -226,12 +226,13 @@ class ServeTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.executor = ModelExecutor(TinyLlama(CONFIG, rngs=nnx.Rngs(0)), POOL)
+    cls.executor = ModelExecutor(TinyLlama(CONFIG, rngs=nnx.Rngs(0)), POOL,
+                                 tokenizer=TOKENIZER)
 
   def _serve(self, reqs, **config):
     sched = Scheduler(paged_kv.BlockPool(POOL), self.executor,
                       SchedulerConfig(max_batch=4, prefill_chunk=8, prefill_token_budget=16,
-                                      **config), tokenizer=TOKENIZER)
+                                      **config))
     for r in reqs:
       sched.submit(r)
     sched.run()

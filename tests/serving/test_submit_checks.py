@@ -55,7 +55,7 @@ class SubmitChecksTest(parameterized.TestCase):
        r"prompt_logprobs is not served yet"),
       ("n", dict(sampling=SamplingParams(n=2)), r"sampling.n=2: submit one request per output"),
       ("stop_strings", dict(sampling=SamplingParams(stop=["."])),
-       r"sampling.stop needs the scheduler to decode text"),
+       r"sampling.stop needs the executor's tokenizer to decode text"),
       ("min_tokens", dict(sampling=SamplingParams(min_tokens=9)),
        r"min_tokens=9 > max_new_tokens=4"),
       ("adjustments", dict(sampling=SamplingParams(
