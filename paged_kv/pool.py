@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -261,6 +261,10 @@ class BlockPool:
 
   def __init__(self, config: PoolConfig, state: PoolState | None = None, *,
                debug: bool | None = None):
+    if not isinstance(config, PoolConfig):
+      raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
+    if debug is not None and not isinstance(debug, (bool, np.bool_)):
+      raise InvalidArgument(f"debug must be a bool or None (PAGED_KV_DEBUG), got {debug!r}")
     self.config = config
     self.runtime = RuntimeCounters()
     self.debug = debug_default() if debug is None else bool(debug)
@@ -269,11 +273,11 @@ class BlockPool:
     self._scratch_log = ChangeLog(config, rows=False)
     self._checks: collections.deque = collections.deque()
     self.last_resize: resize_lib.ResizeReport | None = None  # the latest `resize`'s
-    if not isinstance(config, PoolConfig):
-      raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
+    self._outside_refs: Callable[[], Segments] | None = None  # `bind_outside_references`
     if state is None:
       device_memory.check_fits(config)  # before anything is allocated
-      self._state = _committed(init_pool(config))
+      with device_memory.allocating(config):
+        self._state = _committed(init_pool(config))
       self._mirror: HostState | None = HostState.empty(config, self._log)
     else:
       self._state = _committed(state)
@@ -556,14 +560,31 @@ class BlockPool:
 
     Args:
       extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
-        tables (one reference each, e.g. a prefix cache's); None: only the tables
-        hold references. A `CachedPool` passes its cache's by default.
+        tables (one reference each, e.g. a prefix cache's); None: those of the
+        holder bound by `bind_outside_references` (a `CachedPool` binds its cache),
+        else only the tables hold references.
       extra_blocks: block ids held outside the tables without a segment, one
         reference each: what the caller holds from `allocate()` (the pool does
         not track it). None: none.
     """
+    if extra_segments is None and self._outside_refs is not None:
+      extra_segments = self._outside_refs()
     self.verify()
     check_invariants(self.state, extra_segments, extra_blocks=extra_blocks)
+
+  def bind_outside_references(self, segment_refs: Callable[[], Segments] | None) -> None:
+    """Names the holder of references outside the tables (a prefix cache's).
+
+    `check_invariants()` without `extra_segments` then counts `segment_refs()`'s
+    rows, so the pool under a `CachedPool` (which binds its cache here) checks as
+    healthy by itself. None unbinds.
+
+    Raises:
+      InvalidArgument: `segment_refs` is neither callable nor None.
+    """
+    if segment_refs is not None and not callable(segment_refs):
+      raise InvalidArgument(f"segment_refs must be callable or None, got {segment_refs!r}")
+    self._outside_refs = segment_refs
 
   # -- transitions ---------------------------------------------------------
   def open_sequence(self, segments: Segments | None = None,
@@ -1313,12 +1334,13 @@ class BlockPool:
                   if staged else 0)
       device_memory.check_fits(new_config, reusable=reusable)
     # A failed staged resize puts the old pages back into this state before it raises.
-    if staged:
-      new_state, report = resize_lib.resize_state_staged(
-          self.state, config=self.config, new_config=new_config, device_budget=budget)
-    else:
-      new_state, report = resize_lib.resize_state_device(self.state, config=self.config,
-                                                         new_config=new_config)
+    with device_memory.allocating(new_config):
+      if staged:
+        new_state, report = resize_lib.resize_state_staged(
+            self.state, config=self.config, new_config=new_config, device_budget=budget)
+      else:
+        new_state, report = resize_lib.resize_state_device(self.state, config=self.config,
+                                                           new_config=new_config)
     self._state = _committed(new_state)
     self.runtime.dispatch("sync")
     if report.staged:

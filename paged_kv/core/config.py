@@ -84,6 +84,8 @@ class PoolConfig:
       raise InvalidArgument(
           f"PoolConfig.block_size must be a power of two in [1, 128], got {bs!r}")
     object.__setattr__(self, "block_size", int(bs))
+    if self.dtype is None:  # numpy reads None as float64: name what was given
+      raise InvalidArgument(f"PoolConfig.dtype must be one of {_ALLOWED_DTYPES}, got None")
     if isinstance(self.dtype, str):
       name = self.dtype
     else:

@@ -11,12 +11,14 @@ kernel (`MemAvailable` in `/proc/meminfo`). Where neither is known the check pas
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import PoolTooLarge
 
-__all__ = ["check_fits", "free_bytes", "pool_bytes"]
+__all__ = ["allocating", "check_fits", "free_bytes", "pool_bytes"]
 
 
 def free_bytes(device: jax.Device | None = None) -> int | None:
@@ -66,3 +68,27 @@ def check_fits(config: PoolConfig, device: jax.Device | None = None, *,
         f"{config.block_bytes} bytes) but the device has {free} bytes "
         f"({free / 2**30:.2f} GiB){also} free; lower num_blocks (or the model's layers, kv heads, "
         "head_dim, dtype)")
+
+
+@contextlib.contextmanager
+def allocating(config: PoolConfig):
+  """Turns the allocator's out-of-memory error inside the block into `PoolTooLarge`.
+
+  `check_fits` reads the free memory before the pages are allocated; the allocation
+  can still fail (memory taken meanwhile, fragmentation, a device without the
+  query), and JAX then raises its untyped `RESOURCE_EXHAUSTED` runtime error. That
+  error is chained to the `PoolTooLarge` raised instead.
+
+  Raises:
+    PoolTooLarge: the allocation inside the block ran out of device memory.
+  """
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as err:
+    if "RESOURCE_EXHAUSTED" not in str(err):
+      raise
+    need = pool_bytes(config)
+    raise PoolTooLarge(
+        f"the device ran out of memory allocating the pool ({need} bytes, "
+        f"{need / 2**30:.2f} GiB: {config.num_blocks} blocks of {config.block_bytes} bytes); "
+        f"lower num_blocks (or the model's layers, kv heads, head_dim, dtype)") from err

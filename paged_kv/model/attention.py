@@ -23,6 +23,7 @@ build for the shape).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import warnings
@@ -193,6 +194,12 @@ def _kernel_impls(impl: str | None, interpret, q: jax.Array, pages: KVPages):
   return tuple(resolved)
 
 
+# Set only while `paged_kv.model.contract.check_model` traces a model: each call then
+# hands its `layer` to the probe, which leaves a marker in the traced program.
+LAYER_PROBE: contextvars.ContextVar = contextvars.ContextVar("paged_kv_layer_probe",
+                                                            default=None)
+
+
 def paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k: jax.Array,  # [T, num_kv_heads, head_dim]
@@ -264,6 +271,9 @@ def paged_attention(
   (decode_impl, decode_interpret), (prefill_impl, prefill_interpret) = _kernel_impls(
       impl, interpret, q, pages)
   kernel_args = dict(sm_scale=sm_scale, soft_cap=soft_cap, layer=layer)
+  probe = LAYER_PROBE.get()
+  if probe is not None:
+    probe(layer)
 
   pages = write_kv(pages, layer, meta.slot_mapping, k.astype(pages.k.dtype),
                    v.astype(pages.v.dtype))

@@ -13,8 +13,15 @@ likely as the most likely), and one token is drawn from what is left. The draw's
 is `fold_in(key(seed), index)`: the same seed and output index give the same token
 whatever else is in the batch, so a request is reproducible under its seed.
 
+Before that, each row's logit adjustments (`adjust_ids`, `adjust_vals`: a request's
+`logit_bias`, and `-inf` on its stop tokens while its output is shorter than
+`min_tokens`) are added to its logits, greedy rows included, inside a `lax.cond`
+that a batch without any skips (the default path's tokens and cost stay as they
+were). `apply_penalties` is vLLM's repetition, frequency and presence penalties
+over per-row token counts, for a step that holds them.
+
 Logprobs are of the model's raw distribution (`log_softmax(logits)`, before the
-temperature and the filters: vLLM's default `raw_logprobs`).
+adjustments, the temperature and the filters: vLLM's default `raw_logprobs`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["SampleOutput", "SamplingBatch", "sample"]
+__all__ = ["ADJUST_WIDTH", "SampleOutput", "SamplingBatch", "apply_adjustments",
+           "apply_penalties", "sample"]
+
+# Logit adjustments per row (the width of `adjust_ids`; `SamplingParams`
+# allows as many per request: `MAX_LOGIT_ADJUSTMENTS`).
+ADJUST_WIDTH = 16
 
 
 @jax.tree_util.register_dataclass
@@ -41,6 +53,10 @@ class SamplingBatch:
     min_p: `f32[B]` in [0, 1]; 0 = off.
     seed: `u32[B]` the row's request seed.
     index: `i32[B]` the index, in its request's output, of the token being sampled.
+    adjust_ids: `i32[B, ADJUST_WIDTH]` token ids whose logits are adjusted; -1 = none.
+    adjust_vals: `f32[B, ADJUST_WIDTH]` what is added to each: a finite bias
+      always, `-inf` (a stop token held back) only while `index < min_tokens`.
+    min_tokens: `i32[B]` the output length before which the `-inf` entries apply.
   """
 
   temperature: jax.Array | np.ndarray
@@ -49,14 +65,43 @@ class SamplingBatch:
   min_p: jax.Array | np.ndarray
   seed: jax.Array | np.ndarray
   index: jax.Array | np.ndarray
+  adjust_ids: jax.Array | np.ndarray
+  adjust_vals: jax.Array | np.ndarray
+  min_tokens: jax.Array | np.ndarray
 
   @classmethod
   def greedy(cls, num_rows: int) -> "SamplingBatch":
-    """Every row greedy (host arrays)."""
+    """Every row greedy, no adjustment (host arrays)."""
     return cls(temperature=np.zeros((num_rows,), np.float32),
                top_k=np.zeros((num_rows,), np.int32), top_p=np.ones((num_rows,), np.float32),
                min_p=np.zeros((num_rows,), np.float32), seed=np.zeros((num_rows,), np.uint32),
-               index=np.zeros((num_rows,), np.int32))
+               index=np.zeros((num_rows,), np.int32),
+               adjust_ids=np.full((num_rows, ADJUST_WIDTH), -1, np.int32),
+               adjust_vals=np.zeros((num_rows, ADJUST_WIDTH), np.float32),
+               min_tokens=np.zeros((num_rows,), np.int32))
+
+  def set_row(self, row: int, params, *, seed: int, index: int, stop_ids) -> None:
+    """Fills host row `row` from a request's `SamplingParams` (arrays written in place).
+
+    Args:
+      row: the batch row.
+      params: the request's `paged_kv.serving.SamplingParams`.
+      seed: its sampling seed; index: the output index of the token sampled.
+      stop_ids: its stop tokens (what `min_tokens` holds back).
+    """
+    if not params.greedy:
+      self.temperature[row], self.top_k[row] = params.temperature, params.top_k
+      self.top_p[row], self.min_p[row] = params.top_p, params.min_p
+      self.seed[row], self.index[row] = seed, index
+    if params.logit_bias is None and params.min_tokens == 0:
+      return
+    ids, vals = params.adjustments(stop_ids)
+    if ids:
+      if len(ids) > ADJUST_WIDTH:
+        raise ValueError(f"{len(ids)} logit adjustments > ADJUST_WIDTH={ADJUST_WIDTH}")
+      self.adjust_ids[row, :len(ids)] = ids
+      self.adjust_vals[row, :len(ids)] = vals
+      self.index[row], self.min_tokens[row] = index, params.min_tokens
 
 
 class SampleOutput(NamedTuple):
@@ -89,6 +134,52 @@ def _filtered(logits: jax.Array, b: SamplingBatch) -> jax.Array:
   return jnp.where(probs >= floor, z, -jnp.inf)
 
 
+def apply_adjustments(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+  """`logits f32[B, V]` plus each row's active adjustments (`SamplingBatch.adjust_*`).
+
+  A finite entry is a `logit_bias` and always applies; a `-inf` one holds a stop
+  token back and applies while the row's `index < min_tokens`. Ids outside
+  `[0, V)` (the -1 padding) change nothing.
+  """
+  logits = jnp.asarray(logits, jnp.float32)
+  ids = jnp.asarray(batch.adjust_ids, jnp.int32)
+  vals = jnp.asarray(batch.adjust_vals, jnp.float32)
+  early = (jnp.asarray(batch.index, jnp.int32)
+           < jnp.asarray(batch.min_tokens, jnp.int32))[:, None]
+  active = (ids >= 0) & (jnp.isfinite(vals) | early)
+  rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+  cols = jnp.where(active, ids, logits.shape[-1])  # out of range: dropped
+  return logits.at[rows, cols].add(jnp.where(active, vals, 0.0), mode="drop")
+
+
+def apply_penalties(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array, *,
+                    presence: jax.Array, frequency: jax.Array,
+                    repetition: jax.Array) -> jax.Array:
+  """vLLM's penalties: repetition, then frequency and presence (pure; jit it).
+
+  With `seen = prompt_mask | (output_counts > 0)`, a logit `x` of a seen token
+  becomes `x / repetition` if `x > 0` else `x * repetition`; then
+  `frequency * output_counts` and `presence * (output_counts > 0)` are subtracted.
+
+  Args:
+    logits: `f32[B, V]`.
+    output_counts: `i32[B, V]` how often each token is in the row's output so far.
+    prompt_mask: `bool[B, V]` whether each token is in the row's prompt.
+    presence, frequency, repetition: `f32[B]` (0, 0 and 1: off).
+
+  Returns:
+    `f32[B, V]`: the penalized logits.
+  """
+  logits = jnp.asarray(logits, jnp.float32)
+  counts = jnp.asarray(output_counts)
+  in_output = counts > 0
+  seen = jnp.asarray(prompt_mask, bool) | in_output
+  rep = jnp.asarray(repetition, jnp.float32)[:, None]
+  logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+  logits = logits - jnp.asarray(frequency, jnp.float32)[:, None] * counts.astype(jnp.float32)
+  return logits - jnp.asarray(presence, jnp.float32)[:, None] * in_output.astype(jnp.float32)
+
+
 def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int = 0) -> SampleOutput:
   """The next token of each row (see the module docstring).
 
@@ -100,7 +191,9 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int = 0) ->
   Returns:
     A `SampleOutput`.
   """
-  logits = logits.astype(jnp.float32)
+  raw = logits = jnp.asarray(logits, jnp.float32)
+  adjusted = jnp.any(jnp.asarray(batch.adjust_ids) >= 0)
+  logits = jax.lax.cond(adjusted, lambda: apply_adjustments(raw, batch), lambda: raw)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   hot = batch.temperature > 0
 
@@ -117,7 +210,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int = 0) ->
     empty_f = jnp.zeros((b, 0), jnp.float32)
     return SampleOutput(tokens, jnp.zeros((b,), jnp.float32), jnp.zeros((b, 0), jnp.int32),
                         empty_f)
-  lp = jax.nn.log_softmax(logits, axis=-1)
+  lp = jax.nn.log_softmax(raw, axis=-1)
   top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
   chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
   return SampleOutput(tokens, chosen, top_ids.astype(jnp.int32), top_lp)

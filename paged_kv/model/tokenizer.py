@@ -117,7 +117,8 @@ class Tokenizer:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
   def stream(self) -> "TextStream":
-    """A `TextStream` over this tokenizer."""
+    """A `TextStream` over this tokenizer: `add(token_id) -> str` per generated id,
+    `flush() -> str` at the end (what `add` held back)."""
     return TextStream(self)
 
 
@@ -136,6 +137,8 @@ class TextStream:
     self._text = ""
 
   def add(self, token_id: int) -> str:
+    """Appends one generated id; returns the text it completes ("" while a character
+    is incomplete or a piece only makes sense with the next id)."""
     self._ids.append(int(token_id))
     text = self._tok.decode(self._ids)
     if text.endswith("\ufffd") or not text.startswith(self._text):

@@ -222,8 +222,7 @@ def sampling_batch(decodes: list[Request], chunks: Chunks, num_rows: int) -> Sam
   rows = decodes + [r for r, _ in chunks]
   for i, r in enumerate(rows):
     sp = r.sampling
-    if sp is not None and not sp.greedy:
-      batch.temperature[i], batch.top_k[i], batch.top_p[i] = sp.temperature, sp.top_k, sp.top_p
-      batch.min_p[i], batch.seed[i] = sp.min_p, r.sample_seed
-      batch.index[i] = len(r.output) + r.in_flight
+    if sp is not None:
+      batch.set_row(i, sp, seed=r.sample_seed, index=len(r.output) + r.in_flight,
+                    stop_ids=r.stop_ids)
   return batch

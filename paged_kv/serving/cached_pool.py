@@ -202,6 +202,7 @@ class CachedPool:
       pool.check_invariants(extra_segments=cache.segment_refs())
     self._pool = pool
     self._cache = cache
+    pool.bind_outside_references(cache.segment_refs)  # pool.check_invariants() counts them
     self._view = CacheView(cache)
     self.continue_tails = bool(continue_tails)
     self._continuable: set[tuple[int, int, int]] = set()  # tails `match` found continuable

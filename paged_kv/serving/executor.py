@@ -14,6 +14,12 @@ This module imports no flax: `ModelExecutor` loads the model steps when built.
 
 Optional attributes the scheduler reads:
 
+  * `vocab_size: int`: the model's vocabulary; `Scheduler.submit` refuses a request
+    with a token id outside `[0, vocab_size)` (`paged_kv.serving.request_checks`).
+    `ModelExecutor` has it (the model's logits width, read by the contract check).
+  * `tokenizer`: decodes output ids to text (`paged_kv.model.tokenizer.Tokenizer`
+    or anything with its `stream()`); requests with stop strings
+    (`SamplingParams.stop`) need it (`paged_kv.serving.stop_strings`).
   * `samples = True`: the executor applies `plan.sampling` (the scheduler then
     always hands it one) and may return the rows' `SampleOutput` fourth.
   * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
@@ -187,8 +193,9 @@ class ModelExecutor:
   The model is called as `model(tokens i32[T], pages, meta, impl=, interpret=) ->
   (pages, logits f32[T, vocab])` inside the jitted step (the contract of
   `paged_kv.model.contract`, which `paged_kv.model.llama.TinyLlama` meets; checked
-  when the executor is built); the next token is the greedy choice after each row's
-  last new token. A model whose signature names `logits_indices` (TinyLlama's does)
+  when the executor is built); the next token is drawn after each row's last new
+  token by the row's `plan.sampling` (`paged_kv.model.sampling`: greedy, the argmax,
+  for a request without `SamplingParams`). A model whose signature names `logits_indices` (TinyLlama's does)
   is called with `logits_indices=` each row's last token index `i32[B]` and returns
   `f32[B, vocab]`: its output head runs on B rows instead of every token of the
   step's prefill chunks. Which form is read from the signature once, when the
@@ -211,7 +218,7 @@ class ModelExecutor:
   carries_tokens = True  # `plan.carried` is resolved inside the jitted step
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
-               impl: str | None = None, interpret: bool | None = None):
+               impl: str | None = None, interpret: bool | None = None, tokenizer=None):
     """Checks the model and binds its steps to the pool's config.
 
     Args:
@@ -221,11 +228,13 @@ class ModelExecutor:
       pool_config: the pool the scheduler serves from.
       impl: attention path (`None`: `paged_kv.model.default_impl()` for the backend).
       interpret: Pallas interpret mode (`None`: on CPU only).
+      tokenizer: the model's tokenizer (a `paged_kv.model.tokenizer.Tokenizer`), for
+        stop strings; None: requests with stop strings are refused at submit.
 
     Raises:
-      ModelContractError: the model's signature or the result of one abstract step
-        (`contract.check_model`: traced, not compiled) breaks the contract; the
-        message names what.
+      ModelContractError: the model's signature or its abstract decode, prefill
+        and mixed steps (`contract.check_model`: traced, not compiled) break the
+        contract; the message names what.
       InvalidArgument: `model.config` does not match the pool.
     """
     from paged_kv.model import contract, llama, steps
@@ -236,6 +245,7 @@ class ModelExecutor:
       llama.check_pool_matches_model(pool_config, model_config)
     self.vocab_size = contract.check_model(model, pool_config)
     self.uses_logits_indices = contract.accepts_logits_indices(model)
+    self.tokenizer = tokenizer
     self.config = pool_config
     self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
     self.steps = steps.bind(model, pool_config, out_shardings=self._out_shardings(pool_config),

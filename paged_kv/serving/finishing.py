@@ -45,6 +45,7 @@ class Finishing:
     self.caching = caching
     self.on_finished = on_finished
     self._last_reclaim = -RECLAIM_EVERY
+    self.stop_strings = None  # a `stop_strings.StopStringWatch` (`request_checks.accept`)
 
   def store_and_release(self, req: Request) -> None:
     """Inserts the sequence's cached tokens into the cache, then releases its row."""
@@ -103,6 +104,8 @@ class Finishing:
     """Ends the running requests that are done: stored and released together, then
     handed to `on_finished`, then their cache locks dropped."""
     running = self.queues.running
+    if self.stop_strings:  # requests whose text completed a stop string get their reason
+      self.stop_strings.scan()
     done, keep = [], []
     for r in running:  # `is_finished`, inlined: O(batch) Python every step
       o = r.output

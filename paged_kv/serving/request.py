@@ -293,11 +293,12 @@ def check_new(request: Request, submitted, live) -> None:
 
 def seal(request: Request, *, stop_token: int, seed: int) -> None:
   """Freezes a checked request's inputs and fixes its stop tokens (its sampling's and
-  the scheduler's `stop_token`, -1: none) and its sampling seed (its own, else `seed`)."""
+  the scheduler's `stop_token`, -1: none, unless its sampling has `ignore_eos`) and
+  its sampling seed (its own, else `seed`)."""
   request._freeze()  # pylint: disable=protected-access
   sp = request.sampling
   stops = set(sp.stop_token_ids) if sp is not None else set()
-  if stop_token >= 0:
+  if stop_token >= 0 and not (sp is not None and sp.ignore_eos):
     stops.add(stop_token)
   request.stop_ids = frozenset(stops)
   request.sample_seed = sp.seed if sp is not None and sp.seed is not None else seed % (2**32)

@@ -57,7 +57,7 @@ from paged_kv.core.errors import InvalidArgument, PagedKVError
 from paged_kv.core.segment_format import Segments
 from paged_kv.pool import BlockPool
 from paged_kv.runtime import counters
-from paged_kv.serving import maintenance, recovery
+from paged_kv.serving import maintenance, recovery, request_checks
 from paged_kv.serving import request as request_lib
 from paged_kv.serving import warmup as warmup_lib
 from paged_kv.serving.admission import Admission
@@ -216,7 +216,7 @@ class Scheduler:
     Raises:
       InvalidArgument: not a `Request`, submitted before (the same object), carrying
         progress, bad fields (`Request.validate`), an id an unfinished request
-        holds, more logprobs or tokens than `SchedulerConfig.max_logprobs`/`max_seq_len`.
+        holds, too many logprobs or tokens, ids or sampling `request_checks` refuses.
       radix.InvalidNamespaceError: the namespace is not a typed key.
       PoolExhausted: it could not run even in an empty pool (so an accepted
         request always runs once the pool drains).
@@ -224,7 +224,7 @@ class Scheduler:
     """
     self._check_usable()
     request_lib.check_new(request, self._submitted, self._live)
-    self.admission.check_fits(request)
+    request_checks.accept(request, self)  # ids, sampling, the pool's fit; stop strings
     request_lib.seal(request, stop_token=self.config.stop_token,
                      seed=self.config.seed + self._num_submitted)
     self._num_submitted += 1

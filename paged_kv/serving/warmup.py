@@ -70,8 +70,11 @@ class WarmupReport:
 
   Attributes:
     programs: program runs (one per distinct shape the serving path can take).
-    compiles: XLA backend compiles they caused.
-    cache_loads: executables loaded from the persistent compilation cache instead.
+    compiles: XLA backend compiles during the warm-up: the programs' and those of
+      the helpers they call (eager ops, a gather), so it can exceed `programs`.
+    cache_loads: executables loaded from JAX's persistent compilation cache instead
+      of compiled: an earlier process's, or ones this warm-up's concurrent
+      compiles wrote moments before (so it need not be 0 on an empty cache).
     seconds: wall time.
   """
 
@@ -81,8 +84,9 @@ class WarmupReport:
   seconds: float
 
   def __str__(self) -> str:
-    return (f"warm-up: {self.programs} programs, {self.compiles} compiled, "
-            f"{self.cache_loads} loaded from the persistent cache, {self.seconds:.1f} s")
+    return (f"warm-up: {self.programs} programs run; {self.compiles} XLA compiles (the "
+            f"programs' and their helpers'), {self.cache_loads} executables loaded from the "
+            f"persistent cache, {self.seconds:.1f} s")
 
 
 def token_buckets(max_tokens: int) -> list[int]:

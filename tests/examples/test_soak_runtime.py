@@ -50,7 +50,8 @@ class SoakRun:
     self.stdout = stdout
     self.samples = _read_csv(out_dir / "samples.csv")
     self.compiles = _read_csv(out_dir / "compiles.csv")
-    m = re.search(r"warm-up: (\d+) programs, (\d+) compiled, (\d+) loaded", stdout)
+    m = re.search(r"warm-up: (\d+) programs run; (\d+) XLA compiles .*?, (\d+) executables "
+                  r"loaded", stdout)
     assert m, stdout[-3000:]
     self.warmup_programs = int(m[1])
     self.warmup_executables = int(m[2]) + int(m[3])  # compiled or loaded

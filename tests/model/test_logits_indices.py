@@ -143,7 +143,7 @@ def test_a_model_that_ignores_the_indices_is_refused(model):
   bad = IgnoresIndices(model)
   with pytest.raises(contract.ModelContractError,
                      match=r"takes logits_indices, so its logits must be floating "
-                           r"\[R=4, vocab\].*T=8.*\[8, 384\]"):
+                           r"\[R=1, vocab\].*prefill step \(1 row, T=16 tokens\).*\[16, 384\]"):
     ModelExecutor(bad, POOL)
   # The jitted step checks it too, while tracing (for callers that skip the executor).
   graphdef, params = nnx.split(bad)

@@ -154,7 +154,12 @@ class ServeTest(absltest.TestCase):
     stop = probe.output[2]
     r = Request("s", _prompt(1), 6, sampling=SamplingParams(logprobs=2, stop_token_ids=[stop]))
     q = Request("q", _prompt(2), 4, sampling=SamplingParams(temperature=0.7, seed=1, logprobs=1))
-    sched = _serve([r, q], warm=True)
+    # Logit adjustments ride in the same programs (static widths): nothing compiles.
+    b = Request("b", _prompt(3), 4, sampling=SamplingParams(logit_bias={3: 100.0}, min_tokens=2,
+                                                            stop_token_ids=[3]))
+    sched = _serve([r, q, b], warm=True)
+    self.assertEqual((len(b.output), b.output[2], b.stop_reason), (3, 3, "stop_token"))
+    self.assertNotIn(3, b.output[:2])  # held back until min_tokens, then the bias wins
     self.assertEqual(r.stop_reason, "stop_token")
     self.assertEqual(r.output, probe.output[:probe.output.index(stop) + 1])
     for req, n in ((r, 2), (q, 1)):
