@@ -100,7 +100,8 @@ class Request:
   read-only copies of the caller's, and assigning an input field afterwards raises
   `InvalidArgument` (the progress fields below are the scheduler's to write).
   `stop_reason` says why it finished: `"length"`, `"stop_token"`, `"table_full"` (its
-  row had no room left) or `"abort"` (`Scheduler.abort`).
+  row had no room left), `"stop_string"` (its text completed one of `sampling.stop`)
+  or `"abort"` (`Scheduler.abort`).
   """
 
   request_id: Hashable
@@ -120,7 +121,7 @@ class Request:
   swapped: SwappedKV | None = _progress(None)
   hit_tokens: int = _progress(0)
   num_preemptions: int = _progress(0)
-  stop_reason: str = _progress("")  # "length", "stop_token", "table_full" or "abort"
+  stop_reason: str = _progress("")  # "length", "stop_token", "table_full", "stop_string", "abort"
   submit_step: int = _progress(-1)
   admit_step: int = _progress(-1)
   first_token_step: int = _progress(-1)
