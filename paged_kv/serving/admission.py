@@ -10,7 +10,10 @@ the sequence opens on the matched segments (shared, no copy). With governance's
 quotas the live quota may hold a request back (never when nothing runs).
 
 A request alone in a drained pool is always admitted (`alone_need`: `submit`
-refuses what could not fit an empty pool), so the scheduler never stalls.
+refuses what could not fit an empty pool), so the scheduler never stalls. A request
+in `unshared` (a row that ran alone out of room on a shared layout,
+`Preemption.unstick`) is admitted without a cached prefix, in fresh blocks, until it
+is admitted alone (the oldest row then: never a victim while others run).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class Admission:
     # just-admitted requests, and the free blocks left for the step's admissions.
     self._reserve_base: int | None = None
     self._admit_free: int | None = None
+    # `id()`s of requests to admit without a cached prefix (`Preemption.unstick`).
+    self.unshared: set[int] = set()
 
   @property
   def pool(self):
@@ -253,7 +258,8 @@ class Admission:
     context = req.tokens[:-1] if resumed else req.prompt
     probe = context if resumed else context[:-1]
     matched, segs, node = 0, np.zeros((0, 3), np.int32), None
-    if self.caching and probe.size:
+    unshared = id(req) in self.unshared
+    if self.caching and probe.size and not unshared:
       m = self.cached_pool.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
     # Keep the segment table from overflowing: a matched prefix may hold more segments
@@ -290,6 +296,8 @@ class Admission:
       if not self._admit_room(need + self.config.watermark_blocks):
         return None  # only pinned cached blocks can hold the drained pool
       self.stats.prefix_dropped += dropped
+    if unshared and alone:
+      self.unshared.discard(id(req))
     self.live_used += need
     self._reserve_base += self.reserve_blocks(int(context.size) - matched, out_left)
     if self.cached_pool.continues_tail(segs):

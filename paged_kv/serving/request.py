@@ -94,7 +94,8 @@ class Request:
   read-only copies of the caller's, and assigning an input field afterwards raises
   `InvalidArgument` (the progress fields below are the scheduler's to write).
   `stop_reason` says why it finished: `"length"`, `"stop_token"`, `"table_full"` (its
-  row had no room left) or `"abort"` (`Scheduler.abort`).
+  row had no room left), `"pool_exhausted"` (alone in the pool, it found no block:
+  `error` says why) or `"abort"` (`Scheduler.abort`).
   """
 
   request_id: Hashable
@@ -114,7 +115,8 @@ class Request:
   swapped: SwappedKV | None = None
   hit_tokens: int = 0
   num_preemptions: int = 0
-  stop_reason: str = ""  # "length", "stop_token", "table_full" or "abort"
+  stop_reason: str = ""  # "length", "stop_token", "table_full", "pool_exhausted" or "abort"
+  error: Exception | None = None  # the typed error of a "pool_exhausted" stop
   submit_step: int = -1
   admit_step: int = -1
   first_token_step: int = -1

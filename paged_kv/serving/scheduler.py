@@ -67,6 +67,7 @@ from paged_kv.serving.executor import DryExecutor, Executor  # noqa: F401  (re-e
 from paged_kv.serving.finishing import RECLAIM_EVERY, Finishing  # noqa: F401
 from paged_kv.serving.forward_pass import ForwardPass
 from paged_kv.serving.preemption import Preemption
+from paged_kv.serving.progress import ProgressGuard, SchedulerStalled
 from paged_kv.serving.request import Phase, Request, RequestQueues, UnknownRequest
 from paged_kv.serving.scheduler_config import PREEMPTION_MODES, SchedulerConfig  # noqa: F401
 from paged_kv.serving.shrink_control import ShrinkControl
@@ -78,7 +79,7 @@ from paged_kv.telemetry import metrics
 from radix.cache import PrefixCache
 
 __all__ = ["Phase", "Request", "Scheduler", "SchedulerBroken", "SchedulerConfig",
-           "SchedulerStats", "StepReport", "UnknownRequest"]
+           "SchedulerStalled", "SchedulerStats", "StepReport", "UnknownRequest"]
 
 
 
@@ -165,13 +166,15 @@ class Scheduler:
                                caching=caching)
     self.finishing = Finishing(cached_pool, counters_, q, record, caching=caching,
                                on_finished=self._mark_finished)
-    self.preemption = Preemption(cached_pool, config, stats, self.evictor, self.finishing, q)
+    self.preemption = Preemption(cached_pool, config, stats, self.evictor, self.finishing, q,
+                                 unshared=self.admission.unshared)
     self.forward_pass = ForwardPass(self.pool, config, stats, counters_, self.evictor,
                                     self.preemption, q, record, clock)
     self.shrink_control = ShrinkControl(cached_pool, config, stats, self.evictor,
                                         self.admission, record, caching=caching,
                                         rewarm=self._rewarm)
     self.telemetry = StepTelemetry(cached_pool, config, stats, counters_, record, on_snapshot)
+    self.progress = ProgressGuard(cached_pool, stats, q, config.max_stalled_steps)
     self.on_step = on_step
     # id -> request, each object submitted once; weak, so a long-running server does
     # not keep every request it ever served (a dead entry's id may be reused).
@@ -311,6 +314,8 @@ class Scheduler:
 
     Raises:
       SchedulerBroken: the pool's donated state is gone (now or before).
+      SchedulerStalled: `config.max_stalled_steps` steps in a row made no progress
+        (`paged_kv.serving.progress`); the step itself completed.
       Anything a call site raised (the executor, `on_snapshot`, ...), after recovery.
     """
     self._check_usable()
@@ -319,6 +324,7 @@ class Scheduler:
     except BaseException as exc:
       self._recover(exc)
       raise
+    self.progress.after_step()
 
   def _step_once(self) -> None:
     t0 = time.perf_counter()
