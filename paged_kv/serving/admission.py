@@ -11,7 +11,7 @@ quotas the live quota may hold a request back (never when nothing runs).
 
 A request alone in a drained pool is always admitted (`alone_need`: `submit`
 refuses what could not fit an empty pool), so the scheduler never stalls. A request
-in `unshared` (a row that ran alone out of room on a shared layout,
+in `RequestQueues.unshared` (a row that ran alone out of room on a shared layout,
 `Preemption.unstick`) is admitted without a cached prefix, in fresh blocks, until it
 is admitted alone (the oldest row then: never a victim while others run).
 """
@@ -25,6 +25,7 @@ import numpy as np
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.eviction import Evictor
+from paged_kv.serving.progress import ProgressGuard
 from paged_kv.serving.request import Phase, Request, RequestQueues
 from paged_kv.serving.scheduler_config import SchedulerConfig
 from paged_kv.serving.step_report import SchedulerStats, StepRecord
@@ -69,8 +70,7 @@ class Admission:
     # just-admitted requests, and the free blocks left for the step's admissions.
     self._reserve_base: int | None = None
     self._admit_free: int | None = None
-    # `id()`s of requests to admit without a cached prefix (`Preemption.unstick`).
-    self.unshared: set[int] = set()
+    self.progress = ProgressGuard(cached_pool, stats, queues, config.max_stalled_steps)
 
   @property
   def pool(self):
@@ -133,7 +133,8 @@ class Admission:
 
   # ------------------------------------------------------------------ each step
   def govern(self, figures: metrics.StepStats | None) -> metrics.StepStats | None:
-    """Governance at the start of a step: GC marks, quota update, cached-quota eviction.
+    """The start of a step: the progress guard, then governance (GC marks, quota
+    update, cached-quota eviction).
 
     Args:
       figures: the pool figures of the step's start when the step took them.
@@ -141,7 +142,11 @@ class Admission:
     Returns:
       The figures the quota read (computed from the host mirror when `figures` is
       None), or None without a quota.
+
+    Raises:
+      SchedulerStalled: the steps before made no progress (`ProgressGuard.check`).
     """
+    self.progress.check()
     gov = self.config.governance
     if gov is None or not self.caching:
       return None
@@ -258,7 +263,7 @@ class Admission:
     context = req.tokens[:-1] if resumed else req.prompt
     probe = context if resumed else context[:-1]
     matched, segs, node = 0, np.zeros((0, 3), np.int32), None
-    unshared = id(req) in self.unshared
+    unshared = id(req) in self.queues.unshared
     if self.caching and probe.size and not unshared:
       m = self.cached_pool.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
@@ -297,7 +302,7 @@ class Admission:
         return None  # only pinned cached blocks can hold the drained pool
       self.stats.prefix_dropped += dropped
     if unshared and alone:
-      self.unshared.discard(id(req))
+      self.queues.unshared.discard(id(req))
     self.live_used += need
     self._reserve_base += self.reserve_blocks(int(context.size) - matched, out_left)
     if self.cached_pool.continues_tail(segs):

@@ -13,7 +13,7 @@ more blocks than its tokens fill (a matched prefix of short packed tails: each
 short segment a block of its own), and its lock keeps cached blocks it no longer
 reads (a tail it copied to continue in place). So, in order: its lock is dropped
 and the cache evicted again; then it is preempted by recompute and re-admitted
-without a cached prefix (`Admission.unshared`: fresh, full blocks, at most
+without a cached prefix (`RequestQueues.unshared`: fresh, full blocks, at most
 `Admission.alone_need`, which `submit` checked); a row already laid out so that
 still finds no block (pinned cache entries hold the pool) ends with
 `stop_reason="pool_exhausted"`.
@@ -35,14 +35,7 @@ class Preemption:
   """Frees blocks by eviction, then by preempting the newest sequences."""
 
   def __init__(self, cached_pool: CachedPool, config: SchedulerConfig, stats: SchedulerStats,
-               evictor: Evictor, finishing: Finishing, queues: RequestQueues,
-               unshared: set[int] | None = None):
-    """
-    Args:
-      unshared: `id()`s of requests to re-admit without a cached prefix (shared
-        with `Admission.unshared`; `unstick` adds to it).
-    """
-    self.unshared = set() if unshared is None else unshared
+               evictor: Evictor, finishing: Finishing, queues: RequestQueues):
     self.cached_pool = cached_pool
     self.config = config
     self.stats = stats
@@ -86,7 +79,7 @@ class Preemption:
     if held > -(-req.num_cached // bs):
       # More segments than full blocks would need: a shared layout. Recompute it in
       # fresh blocks (its tokens stay in the cache until admission evicts them).
-      self.unshared.add(id(req))
+      self.queues.unshared.add(id(req))
       self.preempt(req, recompute=True)
       stats.unstick_preemptions += 1
       return

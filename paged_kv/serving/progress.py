@@ -2,11 +2,12 @@
 
 A step *advances* when it computes a token (a prompt chunk or a decode step), or a
 request finishes or is aborted. A step with requests queued or running that does
-none of these is *stalled*; `SchedulerConfig.max_stalled_steps` stalled steps in a
-row raise `SchedulerStalled`, naming what holds the pool. The scheduler's own rules
-(admission of a lone head, `Preemption.unstick`) make every step with work advance
-within a step or two, so the guard is a net: it turns a bug into a typed error
-rather than a `run()` that never returns.
+none of these is *stalled*; after `SchedulerConfig.max_stalled_steps` stalled steps
+in a row, the next step raises `SchedulerStalled` at its start (before it changes
+anything), naming what holds the pool. The scheduler's own rules (admission of a
+lone head, `Preemption.unstick`) make every step with work advance within a step or
+two, so the guard is a net: it turns a bug into a typed error rather than a
+`run()` that never returns.
 """
 
 from __future__ import annotations
@@ -39,22 +40,24 @@ class ProgressGuard:
     self.queues = queues
     self.max_stalled_steps = max_stalled_steps
     self.stalled = 0  # stalled steps in a row so far
-    self._mark = self._progress()
+    self._mark: tuple[int, int, int] | None = None  # the progress counters at the last check
 
   def _progress(self) -> tuple[int, int, int]:
     st = self.stats
     return st.prefill_tokens, st.decode_tokens, st.finished
 
-  def after_step(self) -> None:
-    """Called after each completed step.
+  def check(self) -> None:
+    """Called at the start of every step: counts the step before it.
 
     Raises:
-      SchedulerStalled: this step was the `max_stalled_steps`-th stalled one in a row.
+      SchedulerStalled: the steps before were `max_stalled_steps` stalled ones in a
+        row (the count starts again after the raise).
     """
-    mark = self._progress()
+    mark, before = self._progress(), self._mark
+    self._mark = mark
     q = self.queues
-    if mark != self._mark or not (q.running or q.waiting or q.swapped):
-      self._mark, self.stalled = mark, 0
+    if mark != before or before is None or not (q.running or q.waiting or q.swapped):
+      self.stalled = 0
       return
     self.stalled += 1
     if self.max_stalled_steps and self.stalled >= self.max_stalled_steps:
@@ -78,3 +81,4 @@ class ProgressGuard:
             f"{len(q.swapped)} swapped; {pool.num_free_blocks} free blocks, {evictable} "
             f"evictable in the prefix cache, of {pool.config.num_blocks} "
             f"({pool.config.num_base_blocks} base)")
+

@@ -220,12 +220,15 @@ class RequestQueues:
     swapped: preempted by swap, their K/V on the host.
     running: holding a pool row, in admission order.
     finished: finished (or aborted) since the last `Scheduler.take_finished()`.
+    unshared: `id()`s of queued requests to admit without a cached prefix
+      (`paged_kv.serving.preemption.Preemption.unstick`).
   """
 
   waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
   swapped: collections.deque = dataclasses.field(default_factory=collections.deque)
   running: list = dataclasses.field(default_factory=list)
   finished: list = dataclasses.field(default_factory=list)
+  unshared: set = dataclasses.field(default_factory=set)
 
 
 def drop_in_flight(req: Request) -> None:

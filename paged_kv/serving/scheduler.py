@@ -35,7 +35,10 @@ request leaves `running` only after the calls that can fail succeeded, and the
 step's handler reconciles what a half-done call left (`recovery.recover`). Only
 when the pool's donated state is really gone (an executor raised after donating
 without handing the state back, see `paged_kv.serving.executor`) does the
-scheduler refuse further use, with `SchedulerBroken`.
+scheduler refuse further use, with `SchedulerBroken`. Progress: a step that computes
+no token and finishes nothing while requests wait or run is a bug, never load; after
+`SchedulerConfig.max_stalled_steps` of them the next step raises `SchedulerStalled`
+(`paged_kv.serving.progress`).
 
 The pool and the radix cache are one `CachedPool`: it applies every reference
 delta of the cache (insert, evict, remap, packing) itself. The model is behind an
@@ -61,13 +64,14 @@ from paged_kv.serving import maintenance, recovery
 from paged_kv.serving import request as request_lib
 from paged_kv.serving import warmup as warmup_lib
 from paged_kv.serving.admission import Admission
+from paged_kv.serving.arguments import check_init_args, check_run_args
 from paged_kv.serving.cached_pool import CachedPool, CacheView, state_lost
 from paged_kv.serving.eviction import Evictor
 from paged_kv.serving.executor import DryExecutor, Executor  # noqa: F401  (re-exported)
 from paged_kv.serving.finishing import RECLAIM_EVERY, Finishing  # noqa: F401
 from paged_kv.serving.forward_pass import ForwardPass
 from paged_kv.serving.preemption import Preemption
-from paged_kv.serving.progress import ProgressGuard, SchedulerStalled
+from paged_kv.serving.progress import SchedulerStalled
 from paged_kv.serving.request import Phase, Request, RequestQueues, UnknownRequest
 from paged_kv.serving.scheduler_config import PREEMPTION_MODES, SchedulerConfig  # noqa: F401
 from paged_kv.serving.shrink_control import ShrinkControl
@@ -144,12 +148,11 @@ class Scheduler:
       on_snapshot: called with `(step, snapshot, stats)` after each snapshot.
       on_step: called with a `StepReport` after every step (also settable
         later as `sched.on_step`; `paged_kv.telemetry.export` exporters attach here).
+
+    Raises:
+      InvalidArgument: a bad argument (`paged_kv.serving.arguments.check_init_args`).
     """
-    if not isinstance(config, SchedulerConfig):
-      raise InvalidArgument(f"config must be a SchedulerConfig, got {type(config).__name__}")
-    if not isinstance(pool, (CachedPool, BlockPool)):
-      raise InvalidArgument(f"pool must be a BlockPool or a CachedPool, got "
-                            f"{type(pool).__name__}")
+    check_init_args(pool, config, cache, clock, on_snapshot, on_step)
     config.check_pool(pool.config)
     cached_pool = _bind_cache(pool, cache, config, clock)
     self.cached_pool, self.pool = cached_pool, cached_pool.pool
@@ -166,15 +169,13 @@ class Scheduler:
                                caching=caching)
     self.finishing = Finishing(cached_pool, counters_, q, record, caching=caching,
                                on_finished=self._mark_finished)
-    self.preemption = Preemption(cached_pool, config, stats, self.evictor, self.finishing, q,
-                                 unshared=self.admission.unshared)
+    self.preemption = Preemption(cached_pool, config, stats, self.evictor, self.finishing, q)
     self.forward_pass = ForwardPass(self.pool, config, stats, counters_, self.evictor,
                                     self.preemption, q, record, clock)
     self.shrink_control = ShrinkControl(cached_pool, config, stats, self.evictor,
                                         self.admission, record, caching=caching,
                                         rewarm=self._rewarm)
     self.telemetry = StepTelemetry(cached_pool, config, stats, counters_, record, on_snapshot)
-    self.progress = ProgressGuard(cached_pool, stats, q, config.max_stalled_steps)
     self.on_step = on_step
     # id -> request, each object submitted once; weak, so a long-running server does
     # not keep every request it ever served (a dead entry's id may be reused).
@@ -295,8 +296,9 @@ class Scheduler:
   # ------------------------------------------------------------------ the step loop
   def run(self, *, max_steps: int | None = None,
           before_step: Callable[["Scheduler"], None] | None = None) -> None:
-    """Steps until idle (or `max_steps`); `before_step(self)` may submit arrivals."""
-    n = 0
+    """Steps until idle (or `max_steps`); `before_step(self)` may submit arrivals.
+    Raises `InvalidArgument` for bad arguments (`arguments.check_run_args`)."""
+    n, max_steps = 0, check_run_args(max_steps, before_step)
     while max_steps is None or n < max_steps:
       if before_step is not None:
         before_step(self)
@@ -314,8 +316,6 @@ class Scheduler:
 
     Raises:
       SchedulerBroken: the pool's donated state is gone (now or before).
-      SchedulerStalled: `config.max_stalled_steps` steps in a row made no progress
-        (`paged_kv.serving.progress`); the step itself completed.
       Anything a call site raised (the executor, `on_snapshot`, ...), after recovery.
     """
     self._check_usable()
@@ -324,7 +324,6 @@ class Scheduler:
     except BaseException as exc:
       self._recover(exc)
       raise
-    self.progress.after_step()
 
   def _step_once(self) -> None:
     t0 = time.perf_counter()

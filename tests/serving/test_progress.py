@@ -9,6 +9,7 @@
   `stop_reason="pool_exhausted"` and a `PoolExhausted` naming the cause.
 * The progress guard raises `SchedulerStalled` after `max_stalled_steps` steps that
   computed nothing, naming what holds the pool.
+* `Scheduler`'s and `run`'s arguments are typed (`InvalidArgument`).
 """
 
 from __future__ import annotations
@@ -104,16 +105,37 @@ class ProgressGuardTest(absltest.TestCase):
     sched = scheduler(SchedulerConfig(max_batch=4, max_stalled_steps=5))
     sched.submit(Request("r", np.arange(6, dtype=np.int32), max_new_tokens=4, namespace="a"))
     sched.forward_pass.run = lambda executor: None  # a step loop that never computes
-    for _ in range(4):
+    for _ in range(5):  # 5 stalled steps
       sched.step()
     with self.assertRaises(SchedulerStalled) as ctx:
-      sched.step()
+      sched.step()  # raised at its start, before it changed anything
     self.assertIn("no progress in 5 steps", str(ctx.exception))
     self.assertIn("'r'", str(ctx.exception))
+    self.assertEqual(sched.stats.steps, 5)
+    del sched.forward_pass.run  # the loop computes again: the request finishes
+    sched.run(max_steps=50)
+    self.assertTrue(sched.idle)
 
   def test_max_stalled_steps_is_checked(self):
     with self.assertRaises(InvalidArgument):
       SchedulerConfig(max_stalled_steps=-1)
+
+
+class TypedArgumentsTest(absltest.TestCase):
+
+  def test_run_and_init_arguments_raise_invalid_argument(self):
+    sched = scheduler()
+    for bad in ("x", 1.5, True, -1):
+      with self.assertRaises(InvalidArgument, msg=repr(bad)):
+        sched.run(max_steps=bad)
+    with self.assertRaises(InvalidArgument):
+      sched.run(before_step="not callable")
+    sched.run(max_steps=np.int64(0))  # a numpy int is an int
+    pool = paged_kv.BlockPool(POOL)
+    executor = kv_tags.TaggingExecutor(POOL, TENANT.get)
+    for kwargs in ({"clock": 3.0}, {"on_step": 1}, {"on_snapshot": "x"}, {"cache": {}}):
+      with self.assertRaises(InvalidArgument, msg=repr(kwargs)):
+        Scheduler(pool, executor, CONFIG, **kwargs)
 
 
 if __name__ == "__main__":
