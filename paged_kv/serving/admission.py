@@ -13,7 +13,9 @@ A request alone in a drained pool is always admitted (`alone_need`: `submit`
 refuses what could not fit an empty pool), so the scheduler never stalls. A request
 in `RequestQueues.unshared` (a row that ran alone out of room on a shared layout,
 `Preemption.unstick`) is admitted without a cached prefix, in fresh blocks, until it
-is admitted alone (the oldest row then: never a victim while others run).
+is admitted alone (the oldest row then: never a victim while others run). Room is
+also kept for the running rows' next tokens (`next_token_blocks`), so a newcomer never
+takes the block a running row's next token needs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
+from paged_kv.core.state import REGION_DYNAMIC
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.eviction import Evictor
 from paged_kv.serving.progress import ProgressGuard
@@ -177,7 +180,7 @@ class Admission:
     q = self.queues
     if not (q.waiting or q.swapped) or self.free_rows() <= 0:
       return  # nothing can be admitted (and the reserve sum below is O(batch) Python)
-    self._reserve_base = self.reserve_sum(q.running)
+    self._reserve_base = self.reserve_sum(q.running) + self.next_token_blocks()
     try:
       if self._admit_swapped():
         self._admit_waiting()
@@ -312,6 +315,33 @@ class Admission:
         if self._admit_free > 0:  # the copy takes a block when one is free
           self._admit_free -= 1
     return _Admission(req, segs, node, matched, int(context.size))
+
+  def next_token_blocks(self) -> int:
+    """Fresh blocks the running rows past their prompt take for their next token.
+
+    A row appends in place only to an exclusive dynamic tail block with the slot
+    after its tail free (the reservation's rule, `mirror.transitions`); any other
+    row (a full tail block, or a tail shared with the cache or packed among other
+    segments) takes a fresh block. Admission keeps these free: a newcomer admitted
+    into them would be preempted by the very step that admitted it, and admitted
+    again by the next, with no row advancing.
+    """
+    rows = [r.seq_id for r in self.queues.running if r.num_cached >= r.prefill_target]
+    if not rows:
+      return 0
+    h, c = self.pool.host, self.pool.config
+    bs, w = c.block_size, c.slot_words
+    ids = np.asarray(rows, np.int64)
+    ns = h.num_segments[ids].astype(np.int64)
+    tail = np.maximum(ns - 1, 0)
+    tb = h.block[ids, tail].astype(np.int64)
+    pos = (h.start[ids, tail] + h.length[ids, tail]).astype(np.int64)
+    cp = np.minimum(pos, bs - 1)
+    word = h.slots[tb, cp >> 5] if w > 1 else h.slots[tb, 0]
+    free_slot = ((word >> (cp & 31).astype(np.uint32)) & 1) == 0
+    room = (free_slot & (pos < bs) & (ns > 0) & (h.ref_count[tb] == 1)
+            & (h.region[tb] == REGION_DYNAMIC))
+    return int(np.count_nonzero(~room))
 
   # ------------------------------------------------------------------ the output reserve
   def reserve_blocks(self, prompt_left: int, out_left: int) -> int:

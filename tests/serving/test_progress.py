@@ -5,6 +5,8 @@
   dropped, it is recomputed in fresh blocks, and every request finishes with its
   tagged K/V exact (a 12-block pool of 4-token blocks, recompute preemption, tail
   packing: before, every step failed its reservation and `run()` never returned).
+* A request preempted to make room for a running row's next token is not admitted
+  again into that room (admission keeps the running rows' next-token blocks free).
 * A compact lone row that pinned cache entries keep from its next block ends with
   `stop_reason="pool_exhausted"` and a `PoolExhausted` naming the cause.
 * The progress guard raises `SchedulerStalled` after `max_stalled_steps` steps that
@@ -79,6 +81,25 @@ class UnstickTest(absltest.TestCase):
     self.assertEqual(st.unstick_refusals, 0)
     sched.check_invariants()
     self.assertGreater(kv_tags.check_tags(sched, TENANT.get), 0)  # the cache's K/V
+
+  def test_a_victim_is_not_readmitted_into_the_block_a_running_row_needs(self):
+    # Seed 780's stream: r5's tail segment is shared, so its next token needs a fresh
+    # block the count of full tails misses; r8 was admitted into it, preempted by the
+    # step's failed reservation, admitted again by the next step: every step after
+    # step ~400 preempted once and advanced nothing.
+    clock = [0.0]
+    sched = scheduler(clock=lambda: clock[0])
+    requests = []
+    for r in stream(780):
+      try:
+        sched.submit(r)
+        requests.append(r)
+      except PoolExhausted:
+        pass
+    sched.run(max_steps=1000, before_step=lambda s: clock.__setitem__(0, clock[0] + 1.0))
+    self.assertTrue(sched.idle, f"{sched.stats.preemptions} preemptions in 1000 steps")
+    self.assertEqual([r.stop_reason for r in requests], ["length"] * len(requests))
+    sched.check_invariants()
 
   def test_compact_lone_row_held_by_pinned_entries_ends_typed(self):
     sched = scheduler(clock=lambda: 0.0)
