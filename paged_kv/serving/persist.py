@@ -619,14 +619,19 @@ class _Layout:
     return int(self.fill.shape[0])
 
 
-def _plan_layout(cu_tokens: np.ndarray, block_size: int) -> _Layout:
-  """Whole blocks per node plus best-fit placement of each node's short tail."""
+def _plan_layout(cu_tokens: np.ndarray, block_size: int,
+                 groups: np.ndarray | None = None) -> _Layout:
+  """Whole blocks per node plus best-fit placement of each node's short tail, among
+  the blocks of its group (`groups[i]`, node i's namespace: tenants never share a
+  block; None: one group)."""
   bs = block_size
   fill: list[int] = []
   block_tokens: list[list[np.ndarray]] = []
-  open_by_room: list[list[int]] = [[] for _ in range(bs)]  # room -> heap of block ids
+  rooms: dict[int, list[list[int]]] = {}  # group -> room -> heap of block ids
   node_segments = []
   for i in range(cu_tokens.shape[0] - 1):
+    open_by_room = rooms.setdefault(0 if groups is None else int(groups[i]),
+                                    [[] for _ in range(bs)])
     begin, end = int(cu_tokens[i]), int(cu_tokens[i + 1])
     q, r = divmod(end - begin, bs)
     segs = []
@@ -694,7 +699,8 @@ def _build_tree(cache: PrefixCache, saved: _SavedCache,
 
 # ----------------------------------------------------------------------------- load
 def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
-                      cache: PrefixCache | None = None) -> PrefixCache:
+                      cache: PrefixCache | None = None, *,
+                      mix_namespaces: bool = False) -> PrefixCache:
   """Restores a saved prefix cache into `pool`; returns the cache.
 
   The pool may differ from the saving one in `num_blocks`, `max_seqs`, `max_segments`,
@@ -711,6 +717,9 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
       (`BlockPool.promote`: the most referenced first), as promotion had placed them.
     cache: an empty `PrefixCache` with the pool's block size to fill (to choose its
       policy or clock); default a new `PrefixCache(block_size=pool.config.block_size)`.
+    mix_namespaces: let short tails of different namespaces share a block (fewer
+      blocks; see `CachedPool`'s `mix_namespaces` for the risk). Default: each block
+      holds one namespace's tokens.
 
   Returns:
     The cache holding the loaded tree; `pool.check_invariants(
@@ -745,7 +754,7 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
       raise InvalidArgument(f"load_prefix_cache needs an empty cache; it holds "
                             f"{len(cache.tree)} nodes")
 
-  layout = _plan_layout(saved.cu_tokens, bs)
+  layout = _plan_layout(saved.cu_tokens, bs, None if mix_namespaces else saved.node_namespace)
   # Dry run on host with the virtual block ids: validates the tree before the pool moves.
   staging = PrefixCache(block_size=bs)
   try:

@@ -100,7 +100,7 @@ def _bind_cache(pool: BlockPool | CachedPool, cache: PrefixCache | None,
       raise InvalidArgument("pass the cache inside the CachedPool, not beside it")
     return pool
   return CachedPool(pool, cache, policy=config.evict_policy, pack_tails=config.pack_tails,
-                    clock=clock)
+                    clock=clock, mix_namespaces=config.mix_namespaces)
 
 
 class Scheduler:

@@ -24,6 +24,9 @@ class SchedulerConfig:
     enable_prefix_cache: match prompts in, and insert finished sequences into, the cache.
     evict_policy: `"lru"` or `"cost"`.
     pack_tails: pack a finished sequence's short tail segments into slotted blocks.
+    mix_namespaces: let packing put different namespaces' tails in one block (more
+      blocks saved; `CachedPool`'s `mix_namespaces` says the risk). Default: a block
+      holds one namespace's tokens only.
     compaction: when/how much to compact between steps (None: never).
     promote_readers: every `promote_every` steps, blocks read by at least this
       many references (sequences + cache nodes) move into the base pool
@@ -87,6 +90,7 @@ class SchedulerConfig:
   enable_prefix_cache: bool = True
   evict_policy: str = "lru"
   pack_tails: bool = False
+  mix_namespaces: bool = False
   compaction: compact.CompactionPolicy | None = compact.CompactionPolicy()
   promote_readers: int = 0
   promote_every: int = 16
@@ -122,7 +126,7 @@ class SchedulerConfig:
     put("max_seq_len", fields.check_int(own, "max_seq_len", self.max_seq_len, 1, optional=True))
     put("preemption", fields.check_choice(own, "preemption", self.preemption, PREEMPTION_MODES))
     put("evict_policy", fields.check_choice(own, "evict_policy", self.evict_policy, POLICIES))
-    for name in ("enable_prefix_cache", "pack_tails", "overlap"):
+    for name in ("enable_prefix_cache", "pack_tails", "overlap", "mix_namespaces"):
       put(name, fields.check_bool(own, name, getattr(self, name)))
     put("output_reserve_ratio", fields.check_number(own, "output_reserve_ratio",
                                                     self.output_reserve_ratio, 0.0, 1.0))
