@@ -52,6 +52,7 @@ from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState, init_poo
 from paged_kv.mirror import transitions as host_ops
 from paged_kv.mirror.changes import ChangeLog, CommitWidths, empty_batch
 from paged_kv.mirror.host_state import HostState
+from paged_kv.runtime import executables
 from paged_kv.runtime.counters import RuntimeCounters
 
 DEBUG_ENV = "PAGED_KV_DEBUG"
@@ -271,6 +272,7 @@ class BlockPool:
     self.last_resize: resize_lib.ResizeReport | None = None  # the latest `resize`'s
     if not isinstance(config, PoolConfig):
       raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
+    executables.track_pool(self)  # a new shape's programs stay below the map limit
     if state is None:
       device_memory.check_fits(config)  # before anything is allocated
       self._state = _committed(init_pool(config))
