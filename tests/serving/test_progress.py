@@ -23,6 +23,7 @@ import paged_kv
 from paged_kv.core.errors import InvalidArgument, PoolExhausted
 from paged_kv.serving import Request, Scheduler, SchedulerConfig, SchedulerStalled
 from tests.serving import kv_tags
+from tests.serving.test_scheduler_parts import Parts, _running
 
 NAMESPACES = ("a", "b", "c")
 TENANT = {ns: i for i, ns in enumerate(NAMESPACES)}
@@ -118,6 +119,36 @@ class UnstickTest(absltest.TestCase):
     self.assertIn("pinned", str(big.error))
     self.assertEqual(sched.stats.unstick_refusals, 1)
     sched.check_invariants()
+
+
+class UnstickPartsTest(absltest.TestCase):
+
+  def test_a_lone_row_on_a_shared_layout_is_recomputed_in_fresh_blocks(self):
+    # A row of three 1-token segments in three blocks (a layout of shared tails)
+    # and a pool held elsewhere: no lock to drop, so it is preempted and re-admitted
+    # without its cached prefix, which would bring the same layout back.
+    p = Parts()
+    pool = p.pool
+    helpers = [pool.open_sequence() for _ in range(3)]
+    pool.reserve_tokens(helpers, [1, 1, 1])
+    segs = np.array([[int(pool.segments(h)[0][0]), 0, 1] for h in helpers], np.int32)
+    row = pool.open_sequence(segs)
+    pool.release(helpers)
+    req = _running("frag", 3, cached=3, output=[9], seq_id=row)
+    p.queues.running.append(req)
+    held = pool.allocate(pool.num_free_blocks)  # the rest of the pool, held elsewhere
+    p.preemption.relieve(1)
+    self.assertEqual((p.stats.unstick_unlocks, p.stats.unstick_preemptions), (0, 1))
+    self.assertEqual(list(p.queues.waiting), [req])
+    self.assertIn(id(req), p.queues.unshared)
+    self.assertEqual(p.cp.match("default", np.arange(3, dtype=np.int32), lock=False).length, 3)
+    held = np.asarray(held).reshape(-1)
+    pool.apply_ref_deltas(held, -np.ones_like(held))
+    p.admission.admit()
+    self.assertEqual(p.queues.running, [req])
+    self.assertEqual(req.num_cached, 0)  # the cached prefix was not matched
+    self.assertNotIn(id(req), p.queues.unshared)  # admitted alone: the oldest row now
+    p.cp.check_invariants()
 
 
 class ProgressGuardTest(absltest.TestCase):
