@@ -94,7 +94,9 @@ class Admission:
     admitted on its context and the watermark alone, without a cached prefix (whose
     blocks it would lock): at most `cdiv(prompt + output - 1) + 1` blocks plus the
     watermark, within this bound. So an accepted request always runs once the pool
-    drains.
+    drains. Running alone it stays within it too: a row whose shared layout (short
+    packed tails, a locked prefix) outgrows the pool drops its lock or is recomputed
+    in fresh blocks (`Preemption.unstick`).
     """
     p, m, bs = int(request.prompt.size), int(request.max_new_tokens), self.block_size
     return cdiv(p, bs) + cdiv(m, bs) + 2 + self.config.watermark_blocks

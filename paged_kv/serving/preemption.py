@@ -87,10 +87,10 @@ class Preemption:
     stats.unstick_refusals += 1
     free, evictable = pool.num_free_blocks, self.cached_pool.evictable().num_blocks
     req.error = PoolExhausted(
-        f"request {req.request_id!r} runs alone on {held} blocks for {req.num_cached} "
-        f"tokens and needs {blocks} more; {free} are free and the prefix cache holds the "
-        f"rest ({evictable} evictable): its entries are pinned (`CachedPool.pin`) or in "
-        f"the base region", reason="no_free_block")
+        f"request {req.request_id!r} runs alone, {req.num_cached} tokens in {held} "
+        f"segments, and needs {blocks} more block(s); {free} are free and {evictable} "
+        f"evictable: the rest is held by pinned prefix-cache entries (`CachedPool.pin`), "
+        f"base-region blocks or rows outside this scheduler", reason="no_free_block")
 
   def preempt(self, req: Request, *, recompute: bool = False) -> None:
     """Takes a running request off its row, by swap or by recompute (`recompute`:
