@@ -52,6 +52,7 @@ from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState, init_poo
 from paged_kv.mirror import transitions as host_ops
 from paged_kv.mirror.changes import ChangeLog, CommitWidths, empty_batch
 from paged_kv.mirror.host_state import HostState
+from paged_kv.runtime import executables
 from paged_kv.runtime.counters import RuntimeCounters
 
 DEBUG_ENV = "PAGED_KV_DEBUG"
@@ -274,6 +275,9 @@ class BlockPool:
     self._checks: collections.deque = collections.deque()
     self.last_resize: resize_lib.ResizeReport | None = None  # the latest `resize`'s
     self._outside_refs: Callable[[], Segments] | None = None  # `bind_outside_references`
+    if not isinstance(config, PoolConfig):
+      raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
+    executables.track_pool(self)  # a new shape's programs stay below the map limit
     if state is None:
       device_memory.check_fits(config)  # before anything is allocated
       with device_memory.allocating(config):
@@ -1097,7 +1101,8 @@ class BlockPool:
     self._done()
     return split
 
-  def pack_slots(self, table_segments=(), extra_segments: Segments = ()) -> "PackResult":
+  def pack_slots(self, table_segments=(), extra_segments: Segments = (), *,
+                 groups=None, block_groups=None) -> "PackResult":
     """Packs short segments into slotted blocks (see `paged_kv.core.slots`).
 
     Runs synchronously on the device (the mirror does not model the placement):
@@ -1109,6 +1114,11 @@ class BlockPool:
         sequences (positions in the tables, not segments).
       extra_segments: `i32[E, 3]` `(block, start, length)` rows held outside the
         pool (one reference each, e.g. a prefix-cache node's segment).
+      groups: `int[T + E]` each segment's group (a tenant, >= 0; table segments
+        first), None: all 0.
+      block_groups: `int[num_blocks]` each block's group as a destination (-1:
+        none), None: all 0. A segment goes only to a block of its group or to a
+        fresh one (`paged_kv.core.slots.pack_slots`).
 
     Returns:
       A `PackResult`; the references were already transferred by the pool.
@@ -1152,10 +1162,19 @@ class BlockPool:
     start = np.concatenate([t.start[tab[:, 0], tab[:, 1]], ext[:, 1]])
     length = np.concatenate([t.length[tab[:, 0], tab[:, 1]], ext[:, 2]])
     b = _bucket(k)
+    seg_group = np.zeros((k,), np.int64) if groups is None else np.asarray(groups, np.int64)
+    block_group = (np.zeros((self.config.num_blocks,), np.int32) if block_groups is None
+                   else np.asarray(block_groups, np.int32))
+    if seg_group.shape != (k,) or (seg_group < 0).any() or block_group.shape != (
+        self.config.num_blocks,):
+      raise InvalidArgument(f"pack_slots: groups must be int[{k}] >= 0 and block_groups "
+                            f"int[{self.config.num_blocks}], got shapes {seg_group.shape}, "
+                            f"{block_group.shape}")
     state = self.state
     self._state, (new_block, new_start, status) = slots.pack_slots(
         state, _pad(owner, b, -1), _pad(col, b, 0), _pad(blk, b, -1), _pad(start, b, 0),
-        _pad(length, b, 0), config=self.config, atomic=True)
+        _pad(length, b, 0), _pad(seg_group, b, 0), block_group, config=self.config,
+        atomic=True)
     self._synced("pack_slots")
     status, new_block, new_start = jax.device_get((status, new_block, new_start))
     raise_for_status(np.asarray(status)[:k], "pack_slots")

@@ -152,6 +152,11 @@ _SLOW = (
     "core/test_transitions.py::TransitionTest::test_allocate_require_contiguous__without_jit",
     "model/test_attention.py::PagedAttentionTest::test_mixed_batch_matches_dense_reference_pallas__without_jit",
     "telemetry/test_deploy.py::AlertRulesTest::test_every_metric_used_is_served",
+    # Issue Y's runs of a few seconds each: a mixed-tenant run three times, a child
+    # process building pool shapes, the livelock reproductions.
+    "serving/test_tenant_blocks.py",
+    "test_executables.py",
+    "serving/test_progress.py::UnstickTest",
 )
 
 

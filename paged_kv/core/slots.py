@@ -148,7 +148,8 @@ def cow_split(state: PoolState, seq_ids: jax.Array, *, config: PoolConfig, atomi
 
 
 def _place_segments(occ: jax.Array, eligible: jax.Array, lengths: jax.Array, leader: jax.Array,
-                    free_list: jax.Array, num_free: jax.Array, *,
+                    free_list: jax.Array, num_free: jax.Array, group: jax.Array,
+                    block_group: jax.Array, *,
                     block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Sequential best-fit placement of short segments into free slot ranges.
 
@@ -158,25 +159,30 @@ def _place_segments(occ: jax.Array, eligible: jax.Array, lengths: jax.Array, lea
     lengths: `i32[K]` tokens per segment.
     leader: `bool[K]` entries to place (others are skipped, `-1`).
     free_list, num_free: the free list; fresh blocks are taken from its front.
+    group: `i32[K]` each segment's group (a tenant): it only goes to a block of
+      its group.
+    block_group: `i32[N]` each eligible block's group (-1: no segment's); a fresh
+      block takes the group of the segment that opened it.
     block_size: static slots per block.
 
   Returns:
     `(dest_block, dest_start, occ)`: `i32[K]` each (`-1` = not placed) and the
-    updated occupancy. Each segment goes to the fullest eligible block (or fresh
-    block taken in this call) with a free run long enough, at the first such
-    run; if none fits, to slot 0 of the next fresh block; else it fails.
+    updated occupancy. Each segment goes to the fullest eligible block of its
+    group (or fresh block taken in this call for it) with a free run long enough,
+    at the first such run; if none fits, to slot 0 of the next fresh block; else
+    it fails.
   """
   n, bs = occ.shape
   s_idx = jnp.arange(bs + 1, dtype=jnp.int32)
 
   def body(carry, x):
-    occ, elig, used_fresh = carry
-    length, go = x
+    occ, elig, used_fresh, block_group = carry
+    length, go, g = x
     cum = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), jnp.cumsum(occ, axis=1,
                                                                       dtype=jnp.int32)], axis=1)
     end = jnp.clip(s_idx[:bs] + length, 0, bs)
     clear = (cum[:, end] - cum[:, :bs] == 0) & (s_idx[None, :bs] + length <= bs)
-    fits = elig & jnp.any(clear, axis=1)
+    fits = elig & (block_group == g) & jnp.any(clear, axis=1)
     free_slots = bs - cum[:, bs]
     score = jnp.where(fits, free_slots * n + jnp.arange(n, dtype=jnp.int32), jnp.iinfo(jnp.int32).max)
     best = jnp.argmin(score).astype(jnp.int32)
@@ -194,17 +200,19 @@ def _place_segments(occ: jax.Array, eligible: jax.Array, lengths: jax.Array, lea
     safe = jnp.where(placed, blk, n)
     occ = occ.at[safe].set(occ[jnp.clip(safe, 0, n - 1)] | row_mask, mode="drop")
     elig = elig.at[jnp.where(took_fresh, blk, n)].set(True, mode="drop")
-    return (occ, elig, used_fresh + took_fresh.astype(jnp.int32)), (blk, start)
+    block_group = block_group.at[jnp.where(took_fresh, blk, n)].set(g, mode="drop")
+    return (occ, elig, used_fresh + took_fresh.astype(jnp.int32), block_group), (blk, start)
 
-  (occ, _, _), (dest_block, dest_start) = jax.lax.scan(
-      body, (occ, eligible, jnp.zeros((), jnp.int32)), (lengths, leader))
+  (occ, _, _, _), (dest_block, dest_start) = jax.lax.scan(
+      body, (occ, eligible, jnp.zeros((), jnp.int32), block_group), (lengths, leader, group))
   return dest_block, dest_start, occ
 
 
 @functools.partial(jax.jit, static_argnames=("config", "atomic", "impl", "interpret"),
                    donate_argnames=("state",))
 def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: jax.Array,
-               seg_start: jax.Array, seg_length: jax.Array, *, config: PoolConfig,
+               seg_start: jax.Array, seg_length: jax.Array, seg_group: jax.Array | None = None,
+               block_group: jax.Array | None = None, *, config: PoolConfig,
                atomic: bool = False, impl: str = "xla",
                interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array, jax.Array]]:
   """Copies short segments into free slot ranges of partly used blocks (or fresh ones).
@@ -220,12 +228,20 @@ def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: ja
   block to the new one (old blocks reaching zero are freed) and table rows are
   rewritten; see the module docstring for outside holders.
 
+  Groups keep tenants apart: with `seg_group` and `block_group`, a segment goes
+  only to an eligible block of its own group or to a fresh block, which then
+  takes its group (so two groups never share a block this call fills). Without
+  them every segment and block is group 0.
+
   Args:
     state: the pool (donated).
     owner: `i32[K]` table row, `OWNER_EXTERNAL`, or `-1` (padding).
     col: `i32[K]` segment column of table-owned entries (ignored otherwise).
     seg_block, seg_start, seg_length: `i32[K]` the segment; for a table entry
       it must equal the row's segment at `col`. A table entry may appear once.
+    seg_group: `i32[K]` each segment's group (>= 0), or None: all 0.
+    block_group: `i32[N]` each block's group (-1: a destination for no segment),
+      or None: all 0.
     config: static pool config.
     atomic: apply nothing if any entry fails.
     impl: slot-copy implementation (`"xla"` or `"pallas"`).
@@ -286,8 +302,13 @@ def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: ja
   sources = jnp.zeros((n,), bool).at[jnp.where(valid, seg_block, n)].set(True, mode="drop")
   eligible = ((meta.ref_count > 0) & (meta.region == REGION_DYNAMIC) & jnp.any(occ, axis=1)
               & ~_tail_blocks_mask(state, n) & ~sources)
+  seg_group = (jnp.zeros((k,), jnp.int32) if seg_group is None
+               else jnp.asarray(seg_group, jnp.int32))
+  block_group = (jnp.zeros((n,), jnp.int32) if block_group is None
+                 else jnp.asarray(block_group, jnp.int32))
   dest_block, dest_start, _ = _place_segments(occ, eligible, seg_length, leader, meta.free_list,
-                                              meta.num_free, block_size=bs)
+                                              meta.num_free, seg_group, block_group,
+                                              block_size=bs)
   new_block = jnp.where(valid, dest_block[lead_idx], -1)
   new_start = jnp.where(valid, dest_start[lead_idx], -1)
   placed = valid & (new_block >= 0)

@@ -17,7 +17,10 @@ coordination service's heartbeat), then SIGTERM, then SIGKILL, whole groups. On
 `--timeout`, SIGINT or SIGTERM to the launcher: the same. No process is left behind.
 
 Exit status: 0 when every process exited 0; else the first failing process's
-status (124 on the timeout). One host only: on N hosts, run one process per host
+status (124 on the timeout). The summary printed last names, for every process that
+failed, why: the first failure's exit or signal and last output line; the others,
+stopped by the launcher or aborted by the coordination service after that peer.
+One host only: on N hosts, run one process per host
 with the same three variables (see docs/scaling.md).
 """
 
@@ -57,6 +60,8 @@ class LaunchResult:
     stop_seconds: from the first failure to the last exit (0 without failure).
     tails: the last lines of each process's output.
     coordinator: the `host:port` the processes were given.
+    stopped: the processes the launcher signalled (SIGTERM, then SIGKILL) after the
+      first failure or the timeout, still running then.
   """
 
   returncodes: tuple[int, ...]
@@ -67,6 +72,7 @@ class LaunchResult:
   stop_seconds: float
   tails: tuple[str, ...]
   coordinator: str
+  stopped: tuple[int, ...] = ()
 
   @property
   def ok(self) -> bool:
@@ -83,13 +89,56 @@ class LaunchResult:
     return rc if rc > 0 else 128 - rc
 
   def summary(self) -> str:
-    """One line per process: id, pid, exit status."""
+    """One line per process: id, pid, exit status, and why it ended (`cause`)."""
     lines = [f"launch: {len(self.pids)} processes, coordinator {self.coordinator}, "
              f"{self.seconds:.1f} s" + (", TIMED OUT" if self.timed_out else "")]
     for i, (pid, rc) in enumerate(zip(self.pids, self.returncodes)):
       mark = "  <- first failure" if i == self.first_failure else ""
       lines.append(f"  process {i} (pid {pid}): exit {rc}{mark}")
+      cause = self.cause(i)
+      if cause:
+        lines.append(f"    {cause}")
     return "\n".join(lines)
+
+  def cause(self, i: int) -> str:
+    """Why process `i` ended, in words, naming the peer whose failure ended it ("" for a
+    clean exit). The first failure: its exit or signal and its last output line. The
+    others: stopped by the launcher, aborted by JAX's coordination service (SIGABRT:
+    the service ends every process once a peer stops sending heartbeats), or their own
+    error after the peer's."""
+    rc = self.returncodes[i]
+    if rc == 0:
+      return ""
+    how = _exit_words(rc)
+    last = _last_line(self.tails[i])
+    said = f"; its last output: {last!r}" if last else ""
+    first = self.first_failure
+    if self.timed_out and i in self.stopped:
+      return f"stopped by the launcher: the run passed its timeout ({how})"
+    if first is None or i == first:
+      return f"failed first: {how}{said}"
+    peer = f"process {first} (pid {self.pids[first]}, {_exit_words(self.returncodes[first])})"
+    if i in self.stopped:
+      return f"stopped by the launcher ({how}) after {peer} failed"
+    if rc in (-signal.SIGABRT, 128 + signal.SIGABRT):
+      return (f"aborted ({how}) by JAX's coordination service after {peer} stopped: a "
+              f"peer that dies without a word stops its heartbeats{said}")
+    return f"ended ({how}) after {peer} failed{said}"
+
+
+def _exit_words(rc: int) -> str:
+  """`rc` in words: "exit status N" or "killed by SIGKILL"."""
+  if rc < 0:
+    try:
+      return f"killed by {signal.Signals(-rc).name}"
+    except ValueError:
+      return f"killed by signal {-rc}"
+  return f"exit status {rc}"
+
+
+def _last_line(tail: str) -> str:
+  lines = [line.strip() for line in tail.splitlines() if line.strip()]
+  return lines[-1][:300] if lines else ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -169,6 +218,7 @@ def launch(command: Sequence[str], num_processes: int, *, timeout_s: float = 600
   logs = []
   t0 = time.monotonic()
   first_failure, failed_at, timed_out = None, None, False
+  stopped: tuple[int, ...] = ()
   try:
     for i in range(num_processes):
       child_env = dict(base, **{ENV_COORDINATOR: coordinator,
@@ -196,6 +246,7 @@ def launch(command: Sequence[str], num_processes: int, *, timeout_s: float = 600
         timed_out, stop_at = True, now
         failed_at = now if failed_at is None else failed_at
       if stop_at is not None and now >= stop_at and kill_at is None:
+        stopped = tuple(i for i, p in enumerate(procs) if p.poll() is None)
         for p in procs:
           _signal_group(p, signal.SIGTERM)
         kill_at = now + 3.0
@@ -224,7 +275,8 @@ def launch(command: Sequence[str], num_processes: int, *, timeout_s: float = 600
                       pids=tuple(p.pid for p in procs), first_failure=first_failure,
                       timed_out=timed_out, seconds=end - t0,
                       stop_seconds=(end - failed_at) if failed_at is not None else 0.0,
-                      tails=tuple("".join(t) for t in tails), coordinator=coordinator)
+                      tails=tuple("".join(t) for t in tails), coordinator=coordinator,
+                      stopped=stopped)
 
 
 def _raise_on_sigterm(signum, frame):  # pylint: disable=unused-argument

@@ -25,11 +25,12 @@ from paged_kv.serving.executor import (DryExecutor, Executor, ModelExecutor, att
                                        attached_state)
 from paged_kv.serving.persist import load_prefix_cache, save_prefix_cache
 from paged_kv.serving.scheduler import (Phase, Request, Scheduler, SchedulerBroken,
-                                        SchedulerConfig, SchedulerStats, UnknownRequest)
+                                        SchedulerConfig, SchedulerStalled, SchedulerStats,
+                                        UnknownRequest)
 from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
 
 __all__ = ["CacheView", "CachedPool", "DryExecutor", "Executor", "ModelExecutor", "Phase",
            "PoolStateLost", "Request", "SamplingParams", "Scheduler", "SchedulerBroken", "SchedulerConfig",
-           "SchedulerStats", "SwappedKV", "UnknownRequest", "attach_state", "attached_state",
+           "SchedulerStalled", "SchedulerStats", "SwappedKV", "UnknownRequest", "attach_state", "attached_state",
            "load_prefix_cache", "save_prefix_cache", "swap_in", "swap_out"]

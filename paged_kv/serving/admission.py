@@ -10,7 +10,12 @@ the sequence opens on the matched segments (shared, no copy). With governance's
 quotas the live quota may hold a request back (never when nothing runs).
 
 A request alone in a drained pool is always admitted (`alone_need`: `submit`
-refuses what could not fit an empty pool), so the scheduler never stalls.
+refuses what could not fit an empty pool), so the scheduler never stalls. A request
+in `RequestQueues.unshared` (a row that ran alone out of room on a shared layout,
+`Preemption.unstick`) is admitted without a cached prefix, in fresh blocks, until it
+is admitted alone (the oldest row then: never a victim while others run). Room is
+also kept for the running rows' next tokens (`next_token_blocks`), so a newcomer never
+takes the block a running row's next token needs.
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ from typing import NamedTuple
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
+from paged_kv.core.state import REGION_DYNAMIC
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.eviction import Evictor
+from paged_kv.serving.progress import ProgressGuard
 from paged_kv.serving.request import Phase, Request, RequestQueues
 from paged_kv.serving.scheduler_config import SchedulerConfig
 from paged_kv.serving.step_report import SchedulerStats, StepRecord
@@ -66,6 +73,7 @@ class Admission:
     # just-admitted requests, and the free blocks left for the step's admissions.
     self._reserve_base: int | None = None
     self._admit_free: int | None = None
+    self.progress = ProgressGuard(cached_pool, stats, queues, config.max_stalled_steps)
 
   @property
   def pool(self):
@@ -86,7 +94,9 @@ class Admission:
     admitted on its context and the watermark alone, without a cached prefix (whose
     blocks it would lock): at most `cdiv(prompt + output - 1) + 1` blocks plus the
     watermark, within this bound. So an accepted request always runs once the pool
-    drains.
+    drains. Running alone it stays within it too: a row whose shared layout (short
+    packed tails, a locked prefix) outgrows the pool drops its lock or is recomputed
+    in fresh blocks (`Preemption.unstick`).
     """
     p, m, bs = int(request.prompt.size), int(request.max_new_tokens), self.block_size
     return cdiv(p, bs) + cdiv(m, bs) + 2 + self.config.watermark_blocks
@@ -128,7 +138,8 @@ class Admission:
 
   # ------------------------------------------------------------------ each step
   def govern(self, figures: metrics.StepStats | None) -> metrics.StepStats | None:
-    """Governance at the start of a step: GC marks, quota update, cached-quota eviction.
+    """The start of a step: the progress guard, then governance (GC marks, quota
+    update, cached-quota eviction).
 
     Args:
       figures: the pool figures of the step's start when the step took them.
@@ -136,7 +147,11 @@ class Admission:
     Returns:
       The figures the quota read (computed from the host mirror when `figures` is
       None), or None without a quota.
+
+    Raises:
+      SchedulerStalled: the steps before made no progress (`ProgressGuard.check`).
     """
+    self.progress.check()
     gov = self.config.governance
     if gov is None or not self.caching:
       return None
@@ -167,7 +182,7 @@ class Admission:
     q = self.queues
     if not (q.waiting or q.swapped) or self.free_rows() <= 0:
       return  # nothing can be admitted (and the reserve sum below is O(batch) Python)
-    self._reserve_base = self.reserve_sum(q.running)
+    self._reserve_base = self.reserve_sum(q.running) + self.next_token_blocks()
     try:
       if self._admit_swapped():
         self._admit_waiting()
@@ -253,7 +268,8 @@ class Admission:
     context = req.tokens[:-1] if resumed else req.prompt
     probe = context if resumed else context[:-1]
     matched, segs, node = 0, np.zeros((0, 3), np.int32), None
-    if self.caching and probe.size:
+    unshared = id(req) in self.queues.unshared
+    if self.caching and probe.size and not unshared:
       m = self.cached_pool.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
     # Keep the segment table from overflowing: a matched prefix may hold more segments
@@ -290,6 +306,8 @@ class Admission:
       if not self._admit_room(need + self.config.watermark_blocks):
         return None  # only pinned cached blocks can hold the drained pool
       self.stats.prefix_dropped += dropped
+    if unshared and alone:
+      self.queues.unshared.discard(id(req))
     self.live_used += need
     self._reserve_base += self.reserve_blocks(int(context.size) - matched, out_left)
     if self.cached_pool.continues_tail(segs):
@@ -299,6 +317,33 @@ class Admission:
         if self._admit_free > 0:  # the copy takes a block when one is free
           self._admit_free -= 1
     return _Admission(req, segs, node, matched, int(context.size))
+
+  def next_token_blocks(self) -> int:
+    """Fresh blocks the running rows past their prompt take for their next token.
+
+    A row appends in place only to an exclusive dynamic tail block with the slot
+    after its tail free (the reservation's rule, `mirror.transitions`); any other
+    row (a full tail block, or a tail shared with the cache or packed among other
+    segments) takes a fresh block. Admission keeps these free: a newcomer admitted
+    into them would be preempted by the very step that admitted it, and admitted
+    again by the next, with no row advancing.
+    """
+    rows = [r.seq_id for r in self.queues.running if r.num_cached >= r.prefill_target]
+    if not rows:
+      return 0
+    h, c = self.pool.host, self.pool.config
+    bs, w = c.block_size, c.slot_words
+    ids = np.asarray(rows, np.int64)
+    ns = h.num_segments[ids].astype(np.int64)
+    tail = np.maximum(ns - 1, 0)
+    tb = h.block[ids, tail].astype(np.int64)
+    pos = (h.start[ids, tail] + h.length[ids, tail]).astype(np.int64)
+    cp = np.minimum(pos, bs - 1)
+    word = h.slots[tb, cp >> 5] if w > 1 else h.slots[tb, 0]
+    free_slot = ((word >> (cp & 31).astype(np.uint32)) & 1) == 0
+    room = (free_slot & (pos < bs) & (ns > 0) & (h.ref_count[tb] == 1)
+            & (h.region[tb] == REGION_DYNAMIC))
+    return int(np.count_nonzero(~room))
 
   # ------------------------------------------------------------------ the output reserve
   def reserve_blocks(self, prompt_left: int, out_left: int) -> int:

@@ -183,6 +183,12 @@ class CachedPool:
       `insert` moves the tree's reference onto the copy: the old block's unused
       slots are not kept alive (no dead slots per turn). False: the sequence
       continues in a fresh block and the shared block keeps its unused slots.
+    mix_namespaces: let `pack` (and `restore`'s layout) put different namespaces'
+      tails in one block. Off (the default), a block a tail is packed into holds
+      one namespace's tokens only, as every other block does: tenants never share
+      a physical block. On, packing saves more blocks, at a risk: no slot is ever
+      shared and freed slots are zeroed before reuse when scrubbing, but a masking
+      bug in any attention kernel would then read another tenant's K/V.
 
   Raises:
     InvalidArgument: the cache's block size differs from the pool's.
@@ -191,7 +197,8 @@ class CachedPool:
 
   def __init__(self, pool: BlockPool, cache: PrefixCache | None = None, *,
                policy: str = "lru", pack_tails: bool = False,
-               clock: Callable[[], float] = time.monotonic, continue_tails: bool = True):
+               clock: Callable[[], float] = time.monotonic, continue_tails: bool = True,
+               mix_namespaces: bool = False):
     if cache is None:
       cache = PrefixCache(block_size=pool.config.block_size, policy=policy,
                           pack_tails=pack_tails, clock=clock)
@@ -205,6 +212,9 @@ class CachedPool:
     pool.bind_outside_references(cache.segment_refs)  # pool.check_invariants() counts them
     self._view = CacheView(cache)
     self.continue_tails = bool(continue_tails)
+    if not isinstance(mix_namespaces, bool):
+      raise InvalidArgument(f"mix_namespaces must be a bool, got {mix_namespaces!r}")
+    self.mix_namespaces = mix_namespaces
     self._continuable: set[tuple[int, int, int]] = set()  # tails `match` found continuable
     self._countable_key: tuple[int, int] | None = None
     self._countable_mask = np.zeros((0,), bool)
@@ -581,7 +591,8 @@ class CachedPool:
     if not live:
       return 0
     old = np.array([c.segment for c in live], np.int32)
-    result = self._pool.pack_slots(extra_segments=old)
+    groups, block_groups = self._pack_groups(live)
+    result = self._pool.pack_slots(extra_segments=old, groups=groups, block_groups=block_groups)
     moved = RefDeltas.empty()
     num_moved = 0
     for cand, seg_old, seg_new in zip(live, old, result.extra_segments):
@@ -592,6 +603,32 @@ class CachedPool:
     if not (np.array_equal(moved.block_ids, ids) and np.array_equal(moved.deltas, deltas)):
       raise InvariantViolation("pack: the cache's rebind deltas differ from the pool's moves")
     return num_moved
+
+  def _pack_groups(self, live: list[PackCandidate]) -> tuple[np.ndarray, np.ndarray]:
+    """`pack_slots`' groups: each candidate's namespace (an index), and as a
+    destination each block whose every holder is a cache node of one candidate's
+    namespace (-1 for the others: a block a table row or another namespace holds).
+    All 0 with `mix_namespaces`."""
+    n = self._pool.config.num_blocks
+    if self.mix_namespaces:
+      return np.zeros((len(live),), np.int64), np.zeros((n,), np.int32)
+    tree = self._cache.tree
+    index: dict[Hashable, int] = {}
+    groups = np.array([index.setdefault(tree.node(c.node).namespace, len(index))
+                       for c in live], np.int64)
+    blocks, owners = [], []
+    for node in tree.nodes():
+      if node.value.shape[0]:
+        blocks.append(node.value[:, 0])
+        owners.append(np.full(node.value.shape[0], index.get(node.namespace, -1), np.int64))
+    lowest = np.full((n,), len(index), np.int64)
+    highest = np.full((n,), -1, np.int64)
+    if blocks:
+      b, o = np.concatenate(blocks), np.concatenate(owners)
+      np.minimum.at(lowest, b, o)
+      np.maximum.at(highest, b, o)
+    one = (lowest == highest) & (self._pool.host.table_refs == 0)
+    return groups, np.where(one, highest, -1).astype(np.int32)
 
   def reclaim_slots(self) -> int:
     """Frees slots no live segment (tables or tree) covers; returns how many."""
@@ -675,4 +712,5 @@ class CachedPool:
       InvalidArgument: the cache is not empty. The errors of
       `persist.load_prefix_cache`; on every error the pool and cache are unchanged.
     """
-    persist.load_prefix_cache(path, self._pool, self._cache)
+    persist.load_prefix_cache(path, self._pool, self._cache,
+                              mix_namespaces=self.mix_namespaces)

@@ -80,6 +80,7 @@ import heapq
 import io
 import json
 import os
+import time
 import zipfile
 import zlib
 from collections.abc import Hashable
@@ -106,6 +107,7 @@ __all__ = [
     "UnsupportedVersionError",
     "UnwritableFileError",
     "load_prefix_cache",
+    "remove_stale_temps",
     "save_prefix_cache",
 ]
 
@@ -218,7 +220,8 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
   over `path` and the directory flushed, so a crash at any point leaves under `path`
   either the previous file or the new one, whole (`tests/serving/test_persist.py`
   kills a child mid-save at random bytes). A crash may leave the temporary file
-  (`<path>.tmp-<pid>`); loads never read it.
+  (`<path>.tmp-<pid>`); loads never read it, and every save and load of `path`
+  removes those of dead writers (`remove_stale_temps`).
 
   Args:
     path: destination file (any name; the format is documented in the module docstring).
@@ -297,6 +300,7 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
   if os.path.isdir(path):
     raise UnwritableFileError(errno.EISDIR, f"cannot write a prefix-cache file over the "
                               f"directory {path!r}", path)
+  remove_stale_temps(path)
   tmp = f"{path}.tmp-{os.getpid()}"
   try:
     with open(tmp, "wb") as f:
@@ -325,6 +329,63 @@ def _fsync_dir(directory: str) -> None:
     pass  # some file systems refuse fsync on directories
   finally:
     os.close(fd)
+
+
+STALE_TEMP_SECONDS = 3600.0  # a temporary file untouched this long is stale, whoever wrote it
+
+
+def _pid_running(pid: int) -> bool:
+  """Whether a process with this id runs (or exists and is not ours to signal)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except (PermissionError, OverflowError, ValueError):
+    return pid > 0  # another user's process runs under it (or the id is no pid)
+  return True
+
+
+def remove_stale_temps(path: str | os.PathLike, *,
+                       max_age: float = STALE_TEMP_SECONDS) -> list[str]:
+  """Removes the temporary files dead writers of `path` left; returns their paths.
+
+  A save writes `<path>.tmp-<pid>` and renames it over `path`; a writer killed
+  before the rename leaves it behind, one file per crash. A temporary file of `path`
+  is stale when its pid runs no process (the writer died), or when it was last
+  written more than `max_age` seconds ago (the pid was reused: a live writer
+  touches its file until the rename). Another process's live save is never
+  touched; nor is any other file. Writers in another pid namespace sharing the
+  directory look dead: give each its own path.
+
+  Errors reading the directory or removing a file (read-only media, a file another
+  cleaner removed first) are ignored: the cleanup never fails a save or a load.
+  """
+  try:
+    path = os.path.abspath(os.fspath(path))
+  except TypeError:
+    return []
+  directory, prefix = os.path.dirname(path), os.path.basename(path) + ".tmp-"
+  try:
+    names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+  except OSError:
+    return []
+  removed = []
+  now = time.time()
+  for name in names:
+    pid_text = name[len(prefix):]
+    if not pid_text.isdigit():
+      continue
+    full = os.path.join(directory, name)
+    pid = int(pid_text)
+    try:
+      age = now - os.stat(full).st_mtime
+      dead = pid != os.getpid() and not _pid_running(pid)
+      if dead or age > max_age:
+        os.remove(full)
+        removed.append(full)
+    except OSError:
+      continue
+  return removed
 
 
 CHUNK_TOKENS = 4096
@@ -558,14 +619,19 @@ class _Layout:
     return int(self.fill.shape[0])
 
 
-def _plan_layout(cu_tokens: np.ndarray, block_size: int) -> _Layout:
-  """Whole blocks per node plus best-fit placement of each node's short tail."""
+def _plan_layout(cu_tokens: np.ndarray, block_size: int,
+                 groups: np.ndarray | None = None) -> _Layout:
+  """Whole blocks per node plus best-fit placement of each node's short tail, among
+  the blocks of its group (`groups[i]`, node i's namespace: tenants never share a
+  block; None: one group)."""
   bs = block_size
   fill: list[int] = []
   block_tokens: list[list[np.ndarray]] = []
-  open_by_room: list[list[int]] = [[] for _ in range(bs)]  # room -> heap of block ids
+  rooms: dict[int, list[list[int]]] = {}  # group -> room -> heap of block ids
   node_segments = []
   for i in range(cu_tokens.shape[0] - 1):
+    open_by_room = rooms.setdefault(0 if groups is None else int(groups[i]),
+                                    [[] for _ in range(bs)])
     begin, end = int(cu_tokens[i]), int(cu_tokens[i + 1])
     q, r = divmod(end - begin, bs)
     segs = []
@@ -633,7 +699,8 @@ def _build_tree(cache: PrefixCache, saved: _SavedCache,
 
 # ----------------------------------------------------------------------------- load
 def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
-                      cache: PrefixCache | None = None) -> PrefixCache:
+                      cache: PrefixCache | None = None, *,
+                      mix_namespaces: bool = False) -> PrefixCache:
   """Restores a saved prefix cache into `pool`; returns the cache.
 
   The pool may differ from the saving one in `num_blocks`, `max_seqs`, `max_segments`,
@@ -650,6 +717,9 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
       (`BlockPool.promote`: the most referenced first), as promotion had placed them.
     cache: an empty `PrefixCache` with the pool's block size to fill (to choose its
       policy or clock); default a new `PrefixCache(block_size=pool.config.block_size)`.
+    mix_namespaces: let short tails of different namespaces share a block (fewer
+      blocks; see `CachedPool`'s `mix_namespaces` for the risk). Default: each block
+      holds one namespace's tokens.
 
   Returns:
     The cache holding the loaded tree; `pool.check_invariants(
@@ -669,6 +739,7 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
   """
   config = pool.config
   bs = config.block_size
+  remove_stale_temps(path)
   saved = _read(path)
   theirs = {key: saved.pool[key] for key in _GEOMETRY}
   ours = {key: getattr(config, key) for key in _GEOMETRY}
@@ -683,7 +754,7 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
       raise InvalidArgument(f"load_prefix_cache needs an empty cache; it holds "
                             f"{len(cache.tree)} nodes")
 
-  layout = _plan_layout(saved.cu_tokens, bs)
+  layout = _plan_layout(saved.cu_tokens, bs, None if mix_namespaces else saved.node_namespace)
   # Dry run on host with the virtual block ids: validates the tree before the pool moves.
   staging = PrefixCache(block_size=bs)
   try:

@@ -240,6 +240,12 @@ class ReplicaSet:
     router: picks a replica per request (default `CacheAwareRouter()`).
     reply_timeout_s: the longest wait for one reply; a replica silent longer is
       marked down and killed.
+    submit_timeout_s: the longest `submit` waits for any one reply (default:
+      `reply_timeout_s`); a replica silent longer is frozen: marked down and killed,
+      and the request routed to another. Set it well above what one command takes
+      (with the trace clock, `max_steps_per_call` steps; with the wall clock, one
+      step), and short only once the replicas compiled their programs (a replica
+      compiling on its first request answers late).
     start_timeout_s: the longest wait for every replica to be ready (imports,
       scheduler, warm-up compiles).
     max_steps_per_call: scheduler steps one `advance`/`drain` command may run
@@ -249,7 +255,8 @@ class ReplicaSet:
 
   def __init__(self, specs: Sequence[ReplicaSpec], router: Router | None = None, *,
                reply_timeout_s: float = 60.0, start_timeout_s: float = 300.0,
-               max_steps_per_call: int = 256, poll_s: float = 0.01):
+               max_steps_per_call: int = 256, poll_s: float = 0.01,
+               submit_timeout_s: float | None = None):
     specs = list(specs)
     if not specs:
       raise InvalidArgument("a ReplicaSet needs at least one ReplicaSpec")
@@ -259,16 +266,22 @@ class ReplicaSet:
     clocks = {spec.clock for spec in specs}
     if len(clocks) != 1:
       raise InvalidArgument(f"every replica of a set needs the same clock, got {sorted(clocks)}")
+    if submit_timeout_s is None:
+      submit_timeout_s = reply_timeout_s
     for name, value in (("reply_timeout_s", reply_timeout_s),
-                        ("start_timeout_s", start_timeout_s), ("poll_s", poll_s)):
-      if not value > 0:
-        raise InvalidArgument(f"ReplicaSet {name} must be > 0, got {value!r}")
-    if max_steps_per_call < 1:
-      raise InvalidArgument(f"max_steps_per_call must be >= 1, got {max_steps_per_call}")
+                        ("start_timeout_s", start_timeout_s), ("poll_s", poll_s),
+                        ("submit_timeout_s", submit_timeout_s)):
+      if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
+          or not 0 < value < float("inf")):
+        raise InvalidArgument(f"ReplicaSet {name} must be a number > 0, got {value!r}")
+    if (isinstance(max_steps_per_call, bool)
+        or not isinstance(max_steps_per_call, (int, np.integer)) or max_steps_per_call < 1):
+      raise InvalidArgument(f"max_steps_per_call must be an int >= 1, got {max_steps_per_call!r}")
     self.specs = specs
     self.router = router if router is not None else CacheAwareRouter()
     self.clock = clocks.pop()
     self.reply_timeout_s = float(reply_timeout_s)
+    self.submit_timeout_s = float(submit_timeout_s)
     self.start_timeout_s = float(start_timeout_s)
     self.max_steps_per_call = int(max_steps_per_call)
     self.poll_s = float(poll_s)
@@ -361,7 +374,9 @@ class ReplicaSet:
     With the trace clock, every live replica first advances to `request.arrival_s`
     (which must not go backwards). Requests in flight on a replica that went down
     are routed again first. Returns -1 when the chosen replica rejected it (it can
-    never fit its pool; its result says `"rejected"`).
+    never fit its pool; its result says `"rejected"`). A frozen replica holds it at
+    most `submit_timeout_s` per reply (then it is marked down and the request goes
+    to another).
 
     Raises:
       InvalidArgument: not a `ReplicaRequest`, an id seen before, time going backwards.
@@ -437,11 +452,14 @@ class ReplicaSet:
       raise ReplicaError("the ReplicaSet is not started (use it as a context manager, or "
                          "call start())")
 
-  def _broadcast(self, indices: list[int], message: tuple) -> dict[int, Any]:
-    """Sends `message` to each replica, then collects each reply (they work in parallel).
+  def _broadcast(self, indices: list[int], message: tuple,
+                 timeout_s: float | None = None) -> dict[int, Any]:
+    """Sends `message` to each replica, then collects each reply (they work in parallel),
+    waiting at most `timeout_s` (default `reply_timeout_s`) for each.
 
     A replica that fails is marked down and left out of the answer.
     """
+    timeout_s = self.reply_timeout_s if timeout_s is None else timeout_s
     sent = []
     for i in indices:
       try:
@@ -452,7 +470,7 @@ class ReplicaSet:
     replies, error = {}, None
     for i in sent:  # every reply is read, so no pipe is left a reply behind
       try:
-        replies[i] = self.replicas[i].receive(self.reply_timeout_s)
+        replies[i] = self.replicas[i].receive(timeout_s)
       except ReplicaDown as e:
         self._mark_down(i, e.reason)
       except ReplicaCommandError as e:
@@ -468,7 +486,7 @@ class ReplicaSet:
     message = ("advance", now_s, self.max_steps_per_call, request.namespace, tokens)
     pending, probes = self.live_indices, {}
     while pending:
-      replies = self._broadcast(pending, message)
+      replies = self._broadcast(pending, message, self.submit_timeout_s)
       pending = []
       for i, (reached, results, probe) in replies.items():
         self._collect(i, results)
@@ -488,7 +506,8 @@ class ReplicaSet:
       if not live:
         raise NoLiveReplica(f"every replica is down: {self.down}")
       if probes is None or set(probes) != set(live):
-        probes = self._broadcast(live, ("probe", request.namespace, tokens))
+        probes = self._broadcast(live, ("probe", request.namespace, tokens),
+                                 self.submit_timeout_s)
       views = [ReplicaView(i, matched, backlog)
                for i, (matched, backlog) in sorted(probes.items())]
       if not views:
@@ -499,7 +518,7 @@ class ReplicaSet:
                            f"in [0, {len(views)})")
       index = views[int(position)].index
       try:
-        rejected = self.replicas[index].call(("submit", request), self.reply_timeout_s)
+        rejected = self.replicas[index].call(("submit", request), self.submit_timeout_s)
       except ReplicaDown as e:
         self._mark_down(index, e.reason)
         probes = None

@@ -100,8 +100,9 @@ class Request:
   read-only copies of the caller's, and assigning an input field afterwards raises
   `InvalidArgument` (the progress fields below are the scheduler's to write).
   `stop_reason` says why it finished: `"length"`, `"stop_token"`, `"table_full"` (its
-  row had no room left), `"stop_string"` (its text completed one of `sampling.stop`)
-  or `"abort"` (`Scheduler.abort`).
+  row had no room left), `"stop_string"` (its text completed one of `sampling.stop`),
+  `"pool_exhausted"` (alone in the pool, it found no block: `error` says why) or
+  `"abort"` (`Scheduler.abort`).
   """
 
   request_id: Hashable
@@ -121,7 +122,8 @@ class Request:
   swapped: SwappedKV | None = _progress(None)
   hit_tokens: int = _progress(0)
   num_preemptions: int = _progress(0)
-  stop_reason: str = _progress("")  # "length", "stop_token", "table_full", "stop_string", "abort"
+  stop_reason: str = _progress("")  # see above
+  error: Exception | None = _progress(None)  # the typed error of a "pool_exhausted" stop
   submit_step: int = _progress(-1)
   admit_step: int = _progress(-1)
   first_token_step: int = _progress(-1)
@@ -225,12 +227,15 @@ class RequestQueues:
     swapped: preempted by swap, their K/V on the host.
     running: holding a pool row, in admission order.
     finished: finished (or aborted) since the last `Scheduler.take_finished()`.
+    unshared: `id()`s of queued requests to admit without a cached prefix
+      (`paged_kv.serving.preemption.Preemption.unstick`).
   """
 
   waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
   swapped: collections.deque = dataclasses.field(default_factory=collections.deque)
   running: list = dataclasses.field(default_factory=list)
   finished: list = dataclasses.field(default_factory=list)
+  unshared: set = dataclasses.field(default_factory=set)
 
 
 def drop_in_flight(req: Request) -> None:

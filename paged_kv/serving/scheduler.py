@@ -35,7 +35,10 @@ request leaves `running` only after the calls that can fail succeeded, and the
 step's handler reconciles what a half-done call left (`recovery.recover`). Only
 when the pool's donated state is really gone (an executor raised after donating
 without handing the state back, see `paged_kv.serving.executor`) does the
-scheduler refuse further use, with `SchedulerBroken`.
+scheduler refuse further use, with `SchedulerBroken`. Progress: a step that computes
+no token and finishes nothing while requests wait or run is a bug, never load; after
+`SchedulerConfig.max_stalled_steps` of them the next step raises `SchedulerStalled`
+(`paged_kv.serving.progress`).
 
 The pool and the radix cache are one `CachedPool`: it applies every reference
 delta of the cache (insert, evict, remap, packing) itself. The model is behind an
@@ -61,12 +64,14 @@ from paged_kv.serving import maintenance, recovery, request_checks
 from paged_kv.serving import request as request_lib
 from paged_kv.serving import warmup as warmup_lib
 from paged_kv.serving.admission import Admission
+from paged_kv.serving.arguments import check_init_args, check_run_args
 from paged_kv.serving.cached_pool import CachedPool, CacheView, state_lost
 from paged_kv.serving.eviction import Evictor
 from paged_kv.serving.executor import DryExecutor, Executor  # noqa: F401  (re-exported)
 from paged_kv.serving.finishing import RECLAIM_EVERY, Finishing  # noqa: F401
 from paged_kv.serving.forward_pass import ForwardPass
 from paged_kv.serving.preemption import Preemption
+from paged_kv.serving.progress import SchedulerStalled
 from paged_kv.serving.request import Phase, Request, RequestQueues, UnknownRequest
 from paged_kv.serving.scheduler_config import PREEMPTION_MODES, SchedulerConfig  # noqa: F401
 from paged_kv.serving.shrink_control import ShrinkControl
@@ -78,7 +83,7 @@ from paged_kv.telemetry import metrics
 from radix.cache import PrefixCache
 
 __all__ = ["Phase", "Request", "Scheduler", "SchedulerBroken", "SchedulerConfig",
-           "SchedulerStats", "StepReport", "UnknownRequest"]
+           "SchedulerStalled", "SchedulerStats", "StepReport", "UnknownRequest"]
 
 
 
@@ -95,7 +100,7 @@ def _bind_cache(pool: BlockPool | CachedPool, cache: PrefixCache | None,
       raise InvalidArgument("pass the cache inside the CachedPool, not beside it")
     return pool
   return CachedPool(pool, cache, policy=config.evict_policy, pack_tails=config.pack_tails,
-                    clock=clock)
+                    clock=clock, mix_namespaces=config.mix_namespaces)
 
 
 class Scheduler:
@@ -143,12 +148,11 @@ class Scheduler:
       on_snapshot: called with `(step, snapshot, stats)` after each snapshot.
       on_step: called with a `StepReport` after every step (also settable
         later as `sched.on_step`; `paged_kv.telemetry.export` exporters attach here).
+
+    Raises:
+      InvalidArgument: a bad argument (`paged_kv.serving.arguments.check_init_args`).
     """
-    if not isinstance(config, SchedulerConfig):
-      raise InvalidArgument(f"config must be a SchedulerConfig, got {type(config).__name__}")
-    if not isinstance(pool, (CachedPool, BlockPool)):
-      raise InvalidArgument(f"pool must be a BlockPool or a CachedPool, got "
-                            f"{type(pool).__name__}")
+    check_init_args(pool, config, cache, clock, on_snapshot, on_step)
     config.check_pool(pool.config)
     cached_pool = _bind_cache(pool, cache, config, clock)
     self.cached_pool, self.pool = cached_pool, cached_pool.pool
@@ -292,8 +296,9 @@ class Scheduler:
   # ------------------------------------------------------------------ the step loop
   def run(self, *, max_steps: int | None = None,
           before_step: Callable[["Scheduler"], None] | None = None) -> None:
-    """Steps until idle (or `max_steps`); `before_step(self)` may submit arrivals."""
-    n = 0
+    """Steps until idle (or `max_steps`); `before_step(self)` may submit arrivals.
+    Raises `InvalidArgument` for bad arguments (`arguments.check_run_args`)."""
+    n, max_steps = 0, check_run_args(max_steps, before_step)
     while max_steps is None or n < max_steps:
       if before_step is not None:
         before_step(self)

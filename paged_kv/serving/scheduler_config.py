@@ -24,6 +24,9 @@ class SchedulerConfig:
     enable_prefix_cache: match prompts in, and insert finished sequences into, the cache.
     evict_policy: `"lru"` or `"cost"`.
     pack_tails: pack a finished sequence's short tail segments into slotted blocks.
+    mix_namespaces: let packing put different namespaces' tails in one block (more
+      blocks saved; `CachedPool`'s `mix_namespaces` says the risk). Default: a block
+      holds one namespace's tokens only.
     compaction: when/how much to compact between steps (None: never).
     promote_readers: every `promote_every` steps, blocks read by at least this
       many references (sequences + cache nodes) move into the base pool
@@ -74,6 +77,10 @@ class SchedulerConfig:
       `decode_steps` runs k steps in one call (allocation inside the jitted
       step). Bounds how late a stop is seen and how tokens are grouped when
       streamed; 1 = one step per dispatch. Tokens equal k = 1's.
+    max_stalled_steps: steps in a row with requests to serve that compute no token
+      and finish none before `step()` raises `SchedulerStalled` naming what holds
+      the pool (`paged_kv.serving.progress`; 0: never). The scheduler's rules make
+      such a run a bug, never load: the guard turns it into a typed error.
   """
 
   max_batch: int = 32
@@ -83,6 +90,7 @@ class SchedulerConfig:
   enable_prefix_cache: bool = True
   evict_policy: str = "lru"
   pack_tails: bool = False
+  mix_namespaces: bool = False
   compaction: compact.CompactionPolicy | None = compact.CompactionPolicy()
   promote_readers: int = 0
   promote_every: int = 16
@@ -98,6 +106,7 @@ class SchedulerConfig:
   max_seq_len: int | None = None
   overlap: bool = True
   decode_steps: int = 1
+  max_stalled_steps: int = 256
 
   def __post_init__(self):
     """Checks every field (`paged_kv.core.fields`: `InvalidArgument` naming the field,
@@ -111,12 +120,13 @@ class SchedulerConfig:
                             ("promote_readers", 0, fields.I32_MAX), ("watermark_blocks", 0, fields.I32_MAX),
                             ("stats_every", 0, fields.I32_MAX), ("snapshot_every", 0, fields.I32_MAX),
                             ("stop_token", -1, fields.I32_MAX), ("max_logprobs", 0, 1024),
-                            ("seed", 0, fields.I32_MAX), ("decode_steps", 1, 1024)):
+                            ("seed", 0, fields.I32_MAX), ("decode_steps", 1, 1024),
+                            ("max_stalled_steps", 0, fields.I32_MAX)):
       put(name, fields.check_int(own, name, getattr(self, name), low, high))
     put("max_seq_len", fields.check_int(own, "max_seq_len", self.max_seq_len, 1, optional=True))
     put("preemption", fields.check_choice(own, "preemption", self.preemption, PREEMPTION_MODES))
     put("evict_policy", fields.check_choice(own, "evict_policy", self.evict_policy, POLICIES))
-    for name in ("enable_prefix_cache", "pack_tails", "overlap"):
+    for name in ("enable_prefix_cache", "pack_tails", "overlap", "mix_namespaces"):
       put(name, fields.check_bool(own, name, getattr(self, name)))
     put("output_reserve_ratio", fields.check_number(own, "output_reserve_ratio",
                                                     self.output_reserve_ratio, 0.0, 1.0))

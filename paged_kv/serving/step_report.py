@@ -31,6 +31,11 @@ class SchedulerStats:
   max_running: int = 0
   quota_holds: int = 0  # admissions held back by the live quota (governance)
   prefix_dropped: int = 0  # heads admitted alone without their cached prefix (it cost more)
+  # A row alone out of room (`Preemption.unstick`): its cache lock dropped, it
+  # preempted to recompute in fresh blocks, or it ended ("pool_exhausted").
+  unstick_unlocks: int = 0
+  unstick_preemptions: int = 0
+  unstick_refusals: int = 0
   quota_evicted_blocks: int = 0  # cached-only blocks evicted above the cached quota
   gc_marked_nodes: int = 0  # cache nodes marked by the GC's phase 1 (all passes)
   gc_evicted_tokens: int = 0  # tokens evicted from GC-marked nodes

@@ -166,8 +166,9 @@ def _padding_pack(pool, width: int) -> None:
   from paged_kv.core import slots  # pylint: disable=g-import-not-at-top
   neg = np.full((width,), -1, np.int32)
   zero = np.zeros((width,), np.int32)
-  state, _ = slots.pack_slots(pool.state, neg, zero, neg, zero, zero, config=pool.config,
-                              atomic=True)
+  groups = np.zeros((pool.config.num_blocks,), np.int32)
+  state, _ = slots.pack_slots(pool.state, neg, zero, neg, zero, zero, zero, groups,
+                              config=pool.config, atomic=True)
   state, _ = slots.reclaim_slots(state, zero, zero, zero, config=pool.config)
   pool.state = state  # the mirror reloads from the device
   pool.runtime.dispatch("sync", 2)

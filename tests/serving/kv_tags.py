@@ -68,6 +68,7 @@ class TaggingExecutor:
     self.sched = None
     self.steps = 0
     self.tokens_written = 0
+    self.multi_steps = 0  # `decode_steps` calls
 
   def step(self, state, plan):
     c = self.config
@@ -113,6 +114,33 @@ class TaggingExecutor:
       pages = kv.jit_write_kv(pages, np.int32(layer), slot_idx, k[layer], -k[layer])
     self.steps += 1
     return dataclasses.replace(state, pages=pages), nxt, status
+
+  def decode_steps(self, state, plan, remaining, *, num_steps: int):
+    """`num_steps` one-token steps (the `Executor.decode_steps` contract): step j runs
+    the rows with steps left whose reservations all succeeded, each writing the tags
+    of its input token (the plan's at j = 0, then the one it sampled) and sampling
+    the next. Returns `(state, tokens i32[k, B], status i32[k, B])`."""
+    self.multi_steps += 1
+    seq_ids = np.asarray(plan.seq_ids)
+    remaining = np.asarray(remaining)
+    b = seq_ids.shape[0]
+    tokens = np.asarray(plan.tokens)[:b].astype(np.int32)  # a decode plan: row i's is i
+    out = np.zeros((num_steps, b), np.int32)
+    statuses = np.zeros((num_steps, b), np.int32)
+    stopped = np.zeros((b,), bool)
+    for j in range(num_steps):
+      live = (seq_ids >= 0) & (j < remaining) & ~stopped
+      ragged = np.zeros((b,), np.int32)
+      ragged[:int(live.sum())] = tokens[live]  # the live rows' tokens, in row order
+      step_plan = dataclasses.replace(plan, seq_ids=np.where(live, seq_ids, -1).astype(np.int32),
+                                      num_new=live.astype(np.int32), tokens=ragged)
+      state, nxt, status = self.step(state, step_plan)
+      status = np.where(live, np.asarray(status), Status.OK)
+      statuses[j] = status
+      out[j] = np.where(live, nxt, 0)
+      stopped |= live & (status != Status.OK)
+      tokens = np.where(live & (status == Status.OK), nxt, tokens).astype(np.int32)
+    return state, out, statuses
 
 
 def _segment_slots(segs: np.ndarray, block_size: int) -> np.ndarray:
@@ -160,9 +188,12 @@ def check_tags(sched, tenant_of: Callable[[Hashable], int]) -> int:
     length = int(table.seq_len[sid])
     assert slots.shape[0] == length, (req.request_id, slots.shape, length)
     assert length == req.num_cached, (req.request_id, length, req.num_cached)
+    # The overlapped loop's k-step dispatch caches tokens the host reads a step later:
+    # those positions are checked once their ids are known.
+    known = min(length, int(req.prompt.size) + len(req.output))
     compare(f"request {req.request_id!r} (row {sid})", tenant_of(req.namespace),
-            req.tokens[:length], np.arange(length), slots)
-    checked += length
+            req.tokens[:known], np.arange(known), slots[:known])
+    checked += known
   cache = sched.cached_pool.cache
   if cache is not None:
     for node in cache.tree.nodes():

@@ -566,8 +566,50 @@ class CrashMidSaveTest(absltest.TestCase):
         np.testing.assert_array_equal(got[key][2], v)
       seen[which[0]] += 1
       leftovers = [f for f in os.listdir(tmp) if f.startswith(f"crash-{offset}.pkv.tmp")]
-      self.assertLessEqual(len(leftovers), 1)  # the killed save's temporary file at most
+      self.assertEqual(leftovers, [])  # the load removed the killed save's temporary file
     self.assertEqual(seen["a"], len(offsets))
+
+
+class StaleTempTest(absltest.TestCase):
+  """Saves and loads remove the temporary files of dead writers of their path, and only
+  those: writers are killed with SIGKILL holding `<path>.tmp-<pid>` open."""
+
+  def _writer(self, path: str):
+    """A process that creates its temporary file of `path`, then waits to be killed."""
+    import subprocess  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    code = ("import os, sys, time\n"
+            "f = open(sys.argv[1] + '.tmp-' + str(os.getpid()), 'wb'); f.write(b'PK' * 64)\n"
+            "f.flush(); print('ready', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE)
+    self.addCleanup(lambda: (proc.poll() is None and proc.kill(), proc.wait()))
+    self.assertEqual(proc.stdout.readline().strip(), b"ready")
+    return proc
+
+  def test_killed_writers_leave_nothing_after_a_save_and_a_load(self):
+    tmp = _tempdir(self)
+    path = os.path.join(tmp, "cache.pkv")
+    other = os.path.join(tmp, "other.pkv")
+    writers = [self._writer(path) for _ in range(4)]
+    live = self._writer(path)  # still saving: its file stays
+    foreign = self._writer(other)  # another path's writer, dead: not this path's business
+    for proc in (*writers, foreign):
+      proc.kill()
+      proc.wait()
+    count = lambda name: sum(f.startswith(name + ".tmp-") for f in os.listdir(tmp))
+    self.assertEqual(count("cache.pkv"), 5)
+    pool = paged_kv.BlockPool(_TINY)
+    cache = PrefixCache(block_size=_TINY.block_size)
+    persist.save_prefix_cache(path, pool, cache)
+    self.assertEqual(count("cache.pkv"), 1)  # the live writer's
+    self.assertEqual(count("other.pkv"), 1)
+    # A file older than the bound is stale whoever holds its pid (a reused pid).
+    live_tmp = f"{path}.tmp-{live.pid}"
+    os.utime(live_tmp, (0, 0))
+    persist.load_prefix_cache(path, paged_kv.BlockPool(_TINY))
+    self.assertEqual(count("cache.pkv"), 0)
+    self.assertEqual(sorted(os.listdir(tmp)), ["cache.pkv", f"other.pkv.tmp-{foreign.pid}"])
+    self.assertEqual(persist.remove_stale_temps(other), [f"{other}.tmp-{foreign.pid}"])
 
 
 class BitFlipSweepTest(absltest.TestCase):

@@ -202,8 +202,9 @@ def test_dead_and_hung_replicas_are_routed_around(cache_dir):
     assert busy not in rs.live_indices and "exit" in rs.down[busy], rs.down
     hung = rs.live_indices[0]
     # Short from here on (the replicas compile lazily: a wait that long is only
-    # safe once they have run their programs).
-    rs.reply_timeout_s = 8.0
+    # safe once they have run their programs). `submit` waits 8 s on the frozen
+    # replica, not the 60 s reply timeout.
+    rs.submit_timeout_s = 8.0
     os.kill(pids[hung], signal.SIGSTOP)
     t0 = time.monotonic()
     for q in reqs[24:]:
@@ -235,6 +236,13 @@ def test_wall_clock_replicas_and_an_exception_inside_the_set(cache_dir):
       raise RuntimeError("boom")
   _check_results(reqs, results)
   assert all(_gone(pid) for pid in pids)
+
+
+def test_timeouts_are_typed(cache_dir):
+  for name in ("submit_timeout_s", "reply_timeout_s"):
+    for bad in (0, -1.0, "5", float("inf"), True):
+      with pytest.raises(InvalidArgument, match=name):
+        ReplicaSet([_spec(cache_dir)], **{name: bad})
 
 
 def test_a_replica_that_cannot_start_is_a_typed_error(cache_dir):

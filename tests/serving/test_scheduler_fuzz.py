@@ -4,7 +4,8 @@ Each case draws a pool (block size, size, base region, scrubbing, segment-table
 size) and a scheduler config (batch, prefill budget and chunk, recompute or swap
 preemption, tail packing, compaction on/off with a random policy, promotion into
 the base pool, governance quotas and GC, stop token, reserve ratio, watermark,
-eviction policy), then a stream of requests over three namespaces whose prompts
+eviction policy, the overlapped or the synchronous loop, 1, 2 or 4 decode steps per
+dispatch), then a stream of requests over three namespaces whose prompts
 share prefixes *with the same token ids across namespaces*, arriving a few per
 step into a pool small enough to evict and preempt. Some cases also shrink the
 pool while serving (`Scheduler.shrink_to`, retried while refused) and some drain
@@ -73,10 +74,11 @@ PRESSURE_RATE = 0.1  # preemptions per step every pressure case must reach
 STOP_VOCAB = 24  # ids a stop-token case samples among
 # Features every case reports (`Case.features`); long mode needs each on somewhere.
 FEATURES = ("pressure", "prefix_cache", "governance", "gc", "promotion", "base_pool", "shrink",
-            "swap", "scrub", "persist", "stop_token", "table_limit", "compaction", "pack_tails")
+            "swap", "scrub", "persist", "stop_token", "table_limit", "compaction", "pack_tails",
+            "sync_loop", "multi_step")
 # Forced on for `seed % 3 == k`: three consecutive seeds turn every feature on.
-_FORCED = ({"governance", "gc", "shrink", "persist", "compaction", "swap"},
-           {"stop_token", "table_limit", "scrub", "pack_tails", "promotion"},
+_FORCED = ({"governance", "gc", "shrink", "persist", "compaction", "swap", "sync_loop"},
+           {"stop_token", "table_limit", "scrub", "pack_tails", "promotion", "multi_step"},
            {"pressure"})
 
 
@@ -167,7 +169,9 @@ def draw_case(seed: int) -> Case:
       watermark_blocks=0 if pressure else int(rng.integers(0, 3)),
       stop_token=int(rng.integers(STOP_VOCAB)) if stop else -1,
       governance=governance,
-      snapshot_every=int(rng.choice([0, 1, 5])))
+      snapshot_every=int(rng.choice([0, 1, 5])),
+      overlap=not on("sync_loop", 0.3),
+      decode_steps=int(rng.choice([2, 4])) if on("multi_step", 0.4) else 1)
   num_requests = int(rng.integers(40, 61)) if pressure else int(rng.integers(15, 45))
   # (a pressure pool has no room to give; a table-limit pool keeps its shape)
   shrink = not pressure and not table_limit and on("shrink", 0.3)
@@ -187,7 +191,8 @@ def draw_case(seed: int) -> Case:
       "promotion": bool(sched.promote_readers), "base_pool": bool(pool.num_base_blocks),
       "shrink": shrink, "swap": sched.preemption == "swap", "scrub": pool.scrub_freed_blocks,
       "persist": persist_rt, "stop_token": stop, "table_limit": table_limit,
-      "compaction": compaction is not None, "pack_tails": sched.pack_tails}
+      "compaction": compaction is not None, "pack_tails": sched.pack_tails,
+      "sync_loop": not sched.overlap, "multi_step": sched.decode_steps > 1}
   case.features = frozenset(k for k, v in flags.items() if v)
   return case
 
@@ -255,6 +260,7 @@ class Totals:
   round_trips: int = 0
   round_trip_tokens: int = 0  # cached tokens saved, restored and read back
   round_trip_refused: int = 0  # loads refused (PoolExhausted): promoted blocks lost room
+  multi_step_calls: int = 0  # executor calls that ran k > 1 decode steps
   features: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def absorb(self, sched: Scheduler) -> None:
@@ -271,6 +277,7 @@ class Totals:
     self.gc_evicted_tokens += st.gc_evicted_tokens
     self.shrink_cuts += st.shrinks
     self.shrink_moves += st.shrink_moves
+    self.multi_step_calls += sched.executor.multi_steps
     for r in sched.finished:
       self.stop_tokens += r.stop_reason == "stop_token"
       self.table_full_stops += r.stop_reason == "table_full"
@@ -281,7 +288,7 @@ class Totals:
     for name in ("stop_tokens", "table_full_refused", "table_full_rows", "shrink_cuts",
                  "round_trips", "swap_preemptions", "promotions", "quota_holds",
                  "quota_evicted_blocks", "gc_evicted_tokens", "compactions", "pack_moves",
-                 "shrink_moves", "evictions"):
+                 "shrink_moves", "evictions", "multi_step_calls"):
       if not getattr(self, name):
         out.append(f"no {name}")
     if self.pressure_steps and self.pressure_preemptions < PRESSURE_RATE * self.pressure_steps:
