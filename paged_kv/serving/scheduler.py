@@ -336,8 +336,8 @@ class Scheduler:
     self.admission.admit()
     if not self.running and (self.waiting or self.swapped):
       # `submit` refuses what cannot fit an empty pool, so this is a bug, not load.
-      raise RuntimeError(f"scheduler stalled: nothing running, {len(self.waiting)} waiting, "
-                         f"{len(self.swapped)} swapped, {self.pool.num_free_blocks} free blocks")
+      raise SchedulerStalled(f"scheduler stalled: nothing running, {len(self.waiting)} waiting, "
+                             f"{len(self.swapped)} swapped, {self.pool.num_free_blocks} free")
     self.forward_pass.run(self.executor)
     self.finishing.finish()
     maintenance.maybe_compact(self.cached_pool, self.config, self.stats, self.counters,
