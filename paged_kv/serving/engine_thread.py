@@ -6,8 +6,10 @@ JAX programs of one scheduler must not be dispatched from several threads at onc
 this one. A server's handlers (any thread, or an asyncio loop) call `submit`,
 `abort` and `call`; they return at once, and the thread applies them between two
 scheduler steps, in order. Each request's chunks go to the `sink` its `submit`
-gave, called on the engine thread (an asyncio server wraps it with
-`loop.call_soon_threadsafe`).
+gave, called on the engine thread; or, with a `dispatch` callback, handed over
+once per step as one list of `(sink, item)` pairs (an asyncio server passes a
+function that schedules them on its loop with one `loop.call_soon_threadsafe`:
+one wake-up of the loop per step, not one per request).
 
 The number of requests submitted and not finished is bounded (`max_queued`):
 `submit` raises `QueueFull` beyond it, `EngineStopped` once the thread has stopped
@@ -67,13 +69,16 @@ class EngineThread:
   """
 
   def __init__(self, engine: Engine, *, max_queued: int = 256, idle_wait_s: float = 0.05,
+               dispatch: Callable[[list[tuple[Sink, Any]]], None] | None = None,
                name: str = "paged_kv-engine"):
     self.engine = engine
+    self.dispatch = dispatch
     self.max_queued = max_queued
     self.error: BaseException | None = None
     self._idle_wait_s = idle_wait_s
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._sinks: dict[Hashable, Sink] = {}
+    self._pending: list[tuple[Sink, Any]] = []  # (sink, item) to dispatch after the step
     self._outstanding = 0
     self._lock = threading.Lock()
     self._stop = threading.Event()
@@ -153,10 +158,22 @@ class EngineThread:
     if last:
       with self._lock:
         self._outstanding -= 1
+    if self.dispatch is not None:
+      self._pending.append((sink, item))
+      return
     try:
       sink(item)
     except Exception:  # pylint: disable=broad-except  (a consumer's bug must not stop serving)
       _log.exception("a sink of request %r raised", rid)
+
+  def _flush(self) -> None:
+    """Hands the items gathered since the last flush to `dispatch`, in one call."""
+    if self._pending:
+      pending, self._pending = self._pending, []
+      try:
+        self.dispatch(pending)
+      except Exception:  # pylint: disable=broad-except  (a consumer's bug must not stop serving)
+        _log.exception("dispatching %d items raised", len(pending))
 
   def _apply(self, kind: str, arg: Any) -> None:
     engine = self.engine
@@ -200,12 +217,14 @@ class EngineThread:
             self._stop.set()
             break
           self._apply(kind, arg)
+        self._flush()
         if self._stop.is_set():
           break
         if engine.has_work:
           chunks: list[CompletionChunk] = engine.step()
           for chunk in chunks:
             self._deliver(chunk)
+          self._flush()
     except BaseException as exc:  # pylint: disable=broad-except  (recorded; sinks told)
       self.error = exc
       _log.exception("the engine thread stopped")
@@ -236,3 +255,4 @@ class EngineThread:
         self._deliver(RequestFailed(rid, EngineStopped(self._why_stopped())))
       elif kind == "call":
         arg[1].set_exception(EngineStopped(self._why_stopped()))
+    self._flush()

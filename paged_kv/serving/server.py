@@ -11,8 +11,8 @@ answers with server-sent events (`data: {...}` chunks, then `data: [DONE]`).
 
 Threads: the scheduler runs on one background thread (`EngineThread`); the
 handlers run on uvicorn's event loop and hand requests over through the thread's
-inbox; each request's chunks come back through an `asyncio.Queue` fed with
-`loop.call_soon_threadsafe`. A client that disconnects (mid-stream, or while a
+inbox; each request's chunks come back through an `asyncio.Queue`, every step's
+chunks in one `loop.call_soon_threadsafe`. A client that disconnects (mid-stream, or while a
 non-streamed request runs) gets its request aborted: its row and blocks go back
 to the pool at once.
 
@@ -117,35 +117,69 @@ class Server:
 
 
 class _Submitted:
-  """The requests of one HTTP request, and the queue their chunks arrive on."""
+  """The requests of one HTTP request and where their chunks go (on the loop): a queue
+  the stream reads, or, not streamed, lists per prompt and an event set when all
+  finished (no coroutine wakes per chunk)."""
 
-  def __init__(self, server: Server, prefix: str):
+  def __init__(self, server: Server, prefix: str, n: int, *, stream: bool):
     self.server, self.prefix = server, prefix
-    self.queue: asyncio.Queue = asyncio.Queue()
+    self.queue: asyncio.Queue | None = asyncio.Queue() if stream else None
+    self.chunks: list[list[CompletionChunk]] = [[] for _ in range(n)]
+    self.failed: BaseException | None = None
+    self.done = asyncio.Event()
     self.live: set[str] = set()
-    self.loop = asyncio.get_running_loop()
 
-  def submit(self, ids_and_limits: list[tuple[list[int], int]], sampling: Any) -> list[str]:
-    put = self.queue.put_nowait
-    loop = self.loop
-    sink = lambda item: loop.call_soon_threadsafe(put, item)
-    rids = []
+  def _keep(self, item: Any) -> None:
+    if isinstance(item, RequestFailed):
+      self.failed = self.failed or item.error
+      self.live.discard(item.request_id)
+    else:
+      self.chunks[item.index].append(item)
+      if item.finished:
+        self.live.discard(item.request_id)
+    if not self.live:
+      self.done.set()
+
+  def submit(self, ids_and_limits: list[tuple[list[int], int]], sampling: Any) -> None:
+    # Sinks run on the loop (`_dispatch_on`).
+    sink = self.queue.put_nowait if self.queue is not None else self._keep
     try:
       for i, (ids, limit) in enumerate(ids_and_limits):
         rid = f"{self.prefix}-{i}"
-        self.server.engine.submit(rid, ids, sampling, limit, sink, index=i)
         self.live.add(rid)
-        rids.append(rid)
+        self.server.engine.submit(rid, ids, sampling, limit, sink, index=i)
+    except BaseException:
+      self.live.discard(f"{self.prefix}-{i}")
+      self.abort()
+      raise
+
+  async def batch(self) -> list:
+    """The items of a streamed request that arrived since the last call (waits for one)."""
+    items = [await self.queue.get()]
+    while not self.queue.empty():
+      items.append(self.queue.get_nowait())
+    for item in items:
+      if isinstance(item, RequestFailed) or item.finished:
+        self.live.discard(item.request_id)
+    return items
+
+  async def wait(self, request: Any) -> bool:
+    """Until every request of a non-streamed one finished (True), or its client went
+    away (False: they are aborted)."""
+    try:
+      while not self.done.is_set():
+        try:
+          await asyncio.wait_for(self.done.wait(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+          if await request.is_disconnected():
+            self.abort()
+            return False
     except BaseException:
       self.abort()
       raise
-    return rids
-
-  async def next(self) -> Any:
-    item = await self.queue.get()
-    if isinstance(item, RequestFailed) or item.finished:
-      self.live.discard(item.request_id)
-    return item
+    if self.failed is not None:
+      raise self.failed
+    return True
 
   def abort(self) -> None:
     for rid in self.live:
@@ -159,6 +193,7 @@ def build_app(server: Server) -> Any:
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
+    server.engine.dispatch = _dispatch_on(asyncio.get_running_loop())
     if not server.engine.running:
       server.engine.start()
     try:
@@ -230,31 +265,42 @@ def build_app(server: Server) -> Any:
   return app
 
 
+def _dispatch_on(loop: asyncio.AbstractEventLoop):
+  """The engine thread's `dispatch`: a step's `(sink, item)` pairs run on `loop`, in one
+  wake-up (each sink is an `asyncio.Queue.put_nowait` of that loop)."""
+
+  def run(pairs: list) -> None:
+    for sink, item in pairs:
+      sink(item)
+
+  return lambda pairs: loop.call_soon_threadsafe(run, pairs)
+
+
+async def _events(server: Server, sub: _Submitted, render, *, first: str,
+                  last) -> AsyncIterator[str]:
+  """A streamed response's server-sent events: `first`, then `render(chunk)` of every
+  chunk (the chunks that arrived together in one write), then `last()` and
+  `data: [DONE]`. Aborts what still runs when the client goes away (the response is
+  closed mid-stream) or the engine fails."""
+  try:
+    if first:
+      yield first
+    while sub.live:
+      items = await sub.batch()
+      failed = next((i for i in items if isinstance(i, RequestFailed)), None)
+      if failed is not None:
+        server.num_server_errors += 1
+        yield _sse(api.error_body(f"{type(failed.error).__name__}: {failed.error}",
+                                  kind="server_error"))
+        return
+      yield "".join(render(item) for item in items)
+    yield last() + "data: [DONE]\n\n"
+  finally:
+    sub.abort()
+
+
 def _sse(data: Any) -> str:
   return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _collect(server: Server, request: Any, sub: _Submitted, n: int
-                   ) -> tuple[list[list[CompletionChunk]], bool]:
-  """Waits for every request of `sub` to finish; aborts them if the client goes away.
-  Returns the chunks per index, and whether the client disconnected."""
-  chunks: list[list[CompletionChunk]] = [[] for _ in range(n)]
-  try:
-    while sub.live:
-      try:
-        item = await asyncio.wait_for(sub.next(), DISCONNECT_POLL_S)
-      except asyncio.TimeoutError:
-        if await request.is_disconnected():
-          sub.abort()
-          return chunks, True
-        continue
-      if isinstance(item, RequestFailed):
-        raise item.error
-      chunks[item.index].append(item)
-  except BaseException:
-    sub.abort()
-    raise
-  return chunks, False
 
 
 async def _completions(server: Server, request: Any, body: Any) -> Any:
@@ -266,7 +312,7 @@ async def _completions(server: Server, request: Any, body: Any) -> Any:
     planned.append((ids, server.max_tokens(len(ids), parsed.max_tokens)))
   rid = f"cmpl-{uuid.uuid4().hex}"
   created, model = int(time.time()), server.model_name
-  sub = _Submitted(server, rid)
+  sub = _Submitted(server, rid, len(planned), stream=parsed.stream)
   sub.submit(planned, parsed.sampling)
   num_prompt = sum(len(ids) for ids, _ in planned)
   tok = server.llm.tokenizer
@@ -283,11 +329,10 @@ async def _completions(server: Server, request: Any, body: Any) -> Any:
     return out
 
   if not parsed.stream:
-    per_index, gone = await _collect(server, request, sub, len(planned))
-    if gone:
-      return responses.Response(status_code=499)
+    if not await sub.wait(request):
+      return responses.Response(status_code=499)  # nobody reads it
     choices, generated = [], 0
-    for i, chunks in enumerate(per_index):
+    for i, chunks in enumerate(sub.chunks):
       text = "".join(c.text or "" for c in chunks)
       logprobs = [x for c in chunks for x in (c.logprobs or ())]
       generated += chunks[-1].num_tokens
@@ -295,31 +340,23 @@ async def _completions(server: Server, request: Any, body: Any) -> Any:
                                            lp(logprobs, 0)))
     return body_of(choices, api.usage(num_prompt, generated))
 
-  async def events() -> AsyncIterator[str]:
-    offsets = [0] * len(planned)
-    generated = 0
-    try:
-      while sub.live:
-        item = await sub.next()
-        if isinstance(item, RequestFailed):
-          server.num_server_errors += 1
-          yield _sse(api.error_body(f"{type(item.error).__name__}: {item.error}",
-                                    kind="server_error"))
-          sub.abort()
-          return
-        text = item.text or ""
-        yield _sse(body_of([api.completion_choice(item.index, text, item.finish_reason,
-                                                  lp(item.logprobs, offsets[item.index]))]))
-        offsets[item.index] += len(text)
-        if item.finished:
-          generated += item.num_tokens
-      if parsed.include_usage:
-        yield _sse(body_of([], api.usage(num_prompt, generated)))
-      yield "data: [DONE]\n\n"
-    finally:
-      sub.abort()  # the client went away (or the stream failed): free what still runs
+  offsets = [0] * len(planned)
+  generated = [0]
 
-  return responses.StreamingResponse(events(), media_type="text/event-stream")
+  def render(item: CompletionChunk) -> str:
+    text = item.text or ""
+    out = _sse(body_of([api.completion_choice(item.index, text, item.finish_reason,
+                                              lp(item.logprobs, offsets[item.index]))]))
+    offsets[item.index] += len(text)
+    if item.finished:
+      generated[0] += item.num_tokens
+    return out
+
+  def last() -> str:
+    return _sse(body_of([], api.usage(num_prompt, generated[0]))) if parsed.include_usage else ""
+
+  events = _events(server, sub, render, first="", last=last)
+  return responses.StreamingResponse(events, media_type="text/event-stream")
 
 
 async def _chat(server: Server, request: Any, body: Any) -> Any:
@@ -331,7 +368,7 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
   planned = [(ids, server.max_tokens(len(ids), parsed.max_tokens))]
   rid = f"chatcmpl-{uuid.uuid4().hex}"
   created, model = int(time.time()), server.model_name
-  sub = _Submitted(server, rid)
+  sub = _Submitted(server, rid, 1, stream=parsed.stream)
   sub.submit(planned, parsed.sampling)
   tok = server.llm.tokenizer
   top = parsed.logprobs
@@ -340,10 +377,9 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
     return api.chat_logprobs(tok, chunk_logprobs, top) if top is not None else None
 
   if not parsed.stream:
-    per_index, gone = await _collect(server, request, sub, 1)
-    if gone:
-      return responses.Response(status_code=499)
-    chunks = per_index[0]
+    if not await sub.wait(request):
+      return responses.Response(status_code=499)  # nobody reads it
+    chunks = sub.chunks[0]
     text = "".join(c.text or "" for c in chunks)
     logprobs = [x for c in chunks for x in (c.logprobs or ())]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -360,29 +396,22 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
       out["usage"] = usage
     return out
 
-  async def events() -> AsyncIterator[str]:
-    try:
-      yield _sse(chunk_body({"role": "assistant", "content": ""}, None, None))
-      generated = 0
-      while sub.live:
-        item = await sub.next()
-        if isinstance(item, RequestFailed):
-          server.num_server_errors += 1
-          yield _sse(api.error_body(f"{type(item.error).__name__}: {item.error}",
-                                    kind="server_error"))
-          sub.abort()
-          return
-        delta = {"content": item.text} if item.text else {}
-        yield _sse(chunk_body(delta, item.finish_reason, lp(item.logprobs)))
-        if item.finished:
-          generated = item.num_tokens
-      if parsed.include_usage:
-        yield _sse(chunk_body({}, None, None, api.usage(len(ids), generated)))
-      yield "data: [DONE]\n\n"
-    finally:
-      sub.abort()
+  generated = [0]
 
-  return responses.StreamingResponse(events(), media_type="text/event-stream")
+  def render(item: CompletionChunk) -> str:
+    if item.finished:
+      generated[0] = item.num_tokens
+    delta = {"content": item.text} if item.text else {}
+    return _sse(chunk_body(delta, item.finish_reason, lp(item.logprobs)))
+
+  def last() -> str:
+    return (_sse(chunk_body({}, None, None, api.usage(len(ids), generated[0])))
+            if parsed.include_usage else "")
+
+  events = _events(server, sub, render,
+                   first=_sse(chunk_body({"role": "assistant", "content": ""}, None, None)),
+                   last=last)
+  return responses.StreamingResponse(events, media_type="text/event-stream")
 
 
 def _uvicorn():
