@@ -408,6 +408,8 @@ class LLM:
     max_seq_len: the longest prompt + output it serves.
     sizing: how the pool was sized (`PoolSizing`).
     model_name: the checkpoint directory's name, or "model".
+    model_config: the model's config (a `LlamaConfig` for a checkpoint).
+    model_type: config.json's `model_type` ("llama", "mistral", "qwen2"), or None.
   """
 
   def __init__(self, checkpoint: str | os.PathLike | None = None, *, model: Any = None,
@@ -455,6 +457,7 @@ class LLM:
     if (checkpoint is None) == (model is None):
       raise InvalidArgument("LLM takes a checkpoint directory or a model, one of the two")
     eos: tuple[int, ...] = ()
+    self.model_type = None
     if checkpoint is not None:
       from paged_kv.model import hf_checkpoint
       from paged_kv.model.tokenizer import Tokenizer
@@ -468,6 +471,7 @@ class LLM:
         tokenizer = Tokenizer.from_dir(path)
       eos = ckpt.eos_token_ids
       model_name = model_name or path.name
+      self.model_type = ckpt.model_type
     else:
       model_config = getattr(model, "config", None)
       if not all(hasattr(model_config, a) for a in ("num_layers", "num_kv_heads", "head_dim",
@@ -481,6 +485,7 @@ class LLM:
     if eos_token_ids is not None:
       eos = tuple(eos_token_ids)
     self.model_name = model_name or "model"
+    self.model_config = model_config
     self.tokenizer = tokenizer
     self.max_seq_len = int(max_seq_len)
     config = scheduler_config or SchedulerConfig(max_batch=max_batch, max_logprobs=20)
@@ -546,10 +551,12 @@ class LLM:
       aborts the requests not finished.
 
     Raises:
-      ContextLengthExceeded, InvalidArgument: before anything is queued.
+      ContextLengthExceeded, InvalidArgument: when called (the prompts are checked
+        then), before anything is queued; the requests are queued when the iteration
+        starts.
     """
-    for chunk, _ in self._run(self._requests(prompts, sampling, max_tokens)):
-      yield chunk
+    planned = self._requests(prompts, sampling, max_tokens)
+    return (chunk for chunk, _ in self._run(planned))
 
   def _run(self, planned: list) -> Iterator[tuple[CompletionChunk, Request]]:
     """Queues `planned` requests and yields (chunk, its request) until all finished."""
