@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import time
 
 import pytest
@@ -152,6 +153,33 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
       break
   stream.close()
   _idle(server)  # waits until the server has noticed, then checks every block is back
+  assert server.engine.call(lambda e: e.scheduler.stats.aborted) == aborted + 1
+
+
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(served):
+  server, bg, _ = served
+  aborted = server.engine.call(lambda e: e.scheduler.stats.aborted)
+  outcome = []
+
+  def ask():
+    try:
+      httpx.post(bg.url + "/v1/completions", timeout=0.5,
+                 json=dict(model=MODEL, prompt="x", max_tokens=120, temperature=0))
+      outcome.append("answered")
+    except httpx.TimeoutException:
+      outcome.append("gave up")
+
+  client = threading.Thread(target=ask)
+  client.start()
+  deadline = time.monotonic() + 30
+  while server.engine.outstanding == 0 and time.monotonic() < deadline:
+    time.sleep(0.005)
+  # Hold the engine (between two steps) past the client's timeout: the handler sees
+  # the disconnect and aborts; the abort is applied before the next step.
+  server.engine.call(lambda e: time.sleep(1.0))
+  client.join()
+  assert outcome == ["gave up"]
+  _idle(server)
   assert server.engine.call(lambda e: e.scheduler.stats.aborted) == aborted + 1
 
 
