@@ -510,6 +510,21 @@ class LLM:
     if warmup:
       self.scheduler.warmup(progress=False)
 
+  @property
+  def attention_impl(self) -> str:
+    """The decode attention path the model's steps use: `impl` when one was given,
+    else what `paged_kv.model.default_impl` picks for this backend and shape
+    (`"xla"` on a CPU; on a GPU `"mosaic"`, `"pallas"` or `"xla"`, a fallback warned
+    about once with its reason)."""
+    from paged_kv.model import default_impl  # pylint: disable=import-outside-toplevel
+    impl = self.scheduler.executor.kernel_args.get("impl")
+    if impl is not None:
+      return impl
+    c, pool = self.model_config, self.scheduler.pool.config
+    return default_impl(num_q_heads=getattr(c, "num_q_heads", None),
+                        num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                        block_size=pool.block_size, dtype=pool.dtype)
+
   # ------------------------------------------------------------------ requests
   def _requests(self, prompts: Any, sampling: Any, max_tokens: Any
                 ) -> list[tuple[list[int], SamplingParams | None, int]]:

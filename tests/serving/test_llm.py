@@ -60,6 +60,10 @@ def test_exported_lazily():
   assert "LLM" in paged_kv.__all__
 
 
+def test_attention_impl_names_the_path(llm):
+  assert llm.attention_impl == "xla"  # on a CPU
+
+
 def test_generate_equals_the_dense_reference(llm, dense):
   ids, want = dense
   outs = llm.generate(PROMPTS, max_tokens=8)
