@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from paged_kv.core.errors import InvalidArgument
-from paged_kv.serving.llm import CompletionChunk, TokenLogprob
+from paged_kv.serving.llm import TokenLogprob
 from paged_kv.serving.sampling_params import SamplingParams
 
 __all__ = ["BadRequest", "ChatTemplate", "ParsedRequest", "parse_chat", "parse_completion",
@@ -426,18 +426,3 @@ def completion_choice(index: int, chunk_text: str, finish_reason: str | None,
                       logprobs: dict | None) -> dict:
   return {"index": index, "text": chunk_text, "logprobs": logprobs,
           "finish_reason": finish_reason}
-
-
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None, *,
-                delta: bool, first: bool = False) -> dict:
-  message: dict[str, Any] = {}
-  if not delta or first:
-    message["role"] = "assistant"
-  if not delta or text or not first:
-    message["content"] = text
-  return {"index": index, ("delta" if delta else "message"): message, "logprobs": logprobs,
-          "finish_reason": finish_reason}
-
-
-def chunk_is_last(chunk: CompletionChunk) -> bool:
-  return chunk.finished
