@@ -16,11 +16,8 @@ PY      := $(VENV)/bin/python
 EXTRAS  ?= model,scripts,test,metrics,plots,hf,server
 comma   := ,
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
-# Parallel test workers (pytest-xdist); CI machines have 2 cores. `loadgroup` spreads
-# tests one by one as xdist's default does, but keeps a module marked
-# `pytest.mark.xdist_group(name)` on one worker (one server or model for the module).
+# Parallel test workers (pytest-xdist); CI machines have 2 cores.
 WORKERS ?= 2
-DIST    := --dist loadgroup
 # Flags for examples/serve.py. The demo uses JAX's persistent compilation cache
 # (~/.cache/paged_kv/jax, or $PAGED_KV_COMPILE_CACHE), so a rerun skips the XLA compiles;
 # `make demo ARGS=--nocompile_cache` turns it off.
@@ -43,15 +40,15 @@ demo: $(STAMP)
 	$(PY) examples/serve.py $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(WORKERS) $(DIST) -m "not long" tests
+	$(PY) -m pytest -q -n $(WORKERS) -m "not long" tests
 
 # The long tier: larger repeats of behaviours `make test` checks, and multi-process runs.
 test-long: $(STAMP)
-	$(PY) -m pytest -q -n $(WORKERS) $(DIST) -m long tests
+	$(PY) -m pytest -q -n $(WORKERS) -m long tests
 
 # The edit-test loop: everything but the whole-system runs (`slow`, tests/conftest.py).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n $(WORKERS) $(DIST) -m "not slow" tests
+	$(PY) -m pytest -q -n $(WORKERS) -m "not slow" tests
 
 $(CUDA_STAMP): tools/compile_tier/requirements.txt tools/compile_tier/setup.sh pyproject.toml
 	tools/compile_tier/setup.sh

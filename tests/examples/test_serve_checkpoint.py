@@ -66,7 +66,6 @@ def _serve(tmp_path, *flags_):
 @pytest.mark.parametrize("flags_, message", [
     (["--prompt=x"], "error: checkpoint directory {missing!r} does not exist"),
     ([], "error: --checkpoint needs --prompt"),
-    (["--prompt=x", "--temperature=-1"], "error: SamplingParams.temperature"),
     (["--prompt=the quick", "--max_tokens=5000"], "error: this model's maximum context "
                                                   "length is 2048 tokens"),
     (["--prompt=x", "--top_k=many"], "error: flag --top_k=many"),

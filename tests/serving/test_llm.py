@@ -18,7 +18,6 @@ from paged_kv.serving.llm import ContextLengthExceeded, LLM, pool_blocks
 from paged_kv.serving.sampling_params import SamplingParams
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
-pytestmark = pytest.mark.xdist_group("paged_kv_llm")
 
 EOS = 2
 PROMPTS = ["the quick brown fox", "paged attention keeps", [1, 40, 41, 42, 43]]

@@ -30,7 +30,6 @@ from paged_kv.serving.llm import LLM
 from paged_kv.serving.server import BackgroundServer, Server, build_app
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
-pytestmark = pytest.mark.xdist_group("paged_kv_openai_server")
 
 MODEL = "tiny-chat"
 PROMPTS = ["the quick brown fox", "paged attention keeps", "a tiny tokenizer", "héllo",
