@@ -505,6 +505,8 @@ class LLM:
         max_seqs=config.max_batch, max_segments=per_seq + 2, base_pool_fraction=0.0)
     self.scheduler = Scheduler(paged_kv.BlockPool(pool_config),
                                ModelExecutor(model, pool_config, impl=impl), config)
+    # Chunks of requests a `stream` iterator waits for, produced by another one's step.
+    self._buffered: dict[Hashable, list[CompletionChunk]] = {}
     self.engine = Engine(self.scheduler, tokenizer, max_seq_len=self.max_seq_len,
                          vocab_size=int(model_config.vocab_size), eos_token_ids=eos)
     if warmup:
@@ -586,20 +588,33 @@ class LLM:
         engine.abort(rid)
       raise
     pending = set(reqs)
+    buffered = self._buffered
+    for rid in pending:
+      buffered[rid] = []
     try:
       while pending:
-        # Requests aborted between two chunks: their last chunk first.
-        out = [engine.abort(rid) for rid in pending if reqs[rid].done
-               and engine.request(rid) is not None]
+        # Chunks another iterator's steps produced for these requests, then the last
+        # chunk of a request aborted between two chunks, else a step of our own.
+        out = [c for rid in pending for c in buffered[rid]]
+        for rid in pending:
+          buffered[rid] = []
+        out += [engine.abort(rid) for rid in pending if reqs[rid].done
+                and engine.request(rid) is not None]
         if not out:
-          out = [c for c in engine.step() if c.request_id in pending]
+          for chunk in engine.step():
+            if chunk.request_id in pending:
+              out.append(chunk)
+            elif chunk.request_id in buffered:  # another iterator's request
+              buffered[chunk.request_id].append(chunk)
         for chunk in out:
           if chunk.finished:
             pending.discard(chunk.request_id)
+            del buffered[chunk.request_id]
           yield chunk, reqs[chunk.request_id]
     finally:
       for rid in pending:
         engine.abort(rid)
+        buffered.pop(rid, None)
 
   def generate(self, prompts: Any,
                sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,

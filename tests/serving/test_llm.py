@@ -116,6 +116,22 @@ def test_stream_chunks_add_up_and_abort_frees_the_blocks(llm, dense):
   _idle(llm)
 
 
+def test_two_streams_of_one_llm_interleave(llm, dense):
+  _, want = dense
+  a, b = llm.stream(PROMPTS[0], max_tokens=8), llm.stream(PROMPTS[2], max_tokens=8)
+  got = {0: [], 2: []}
+  pending = {0: a, 2: b}
+  while pending:  # one chunk from each in turn: each one's steps serve both
+    for key, it in list(pending.items()):
+      chunk = next(it, None)
+      if chunk is None:
+        del pending[key]
+      else:
+        got[key].extend(chunk.token_ids)
+  assert got[0] == want[0] and got[2] == want[2]
+  _idle(llm)
+
+
 def test_closing_a_stream_aborts_what_it_started(llm):
   aborted = llm.scheduler.stats.aborted
   stream = llm.stream(PROMPTS, max_tokens=8)
