@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   host_memory.return_freed_memory()
   compile_cache.enable_compilation_cache(args.compile_cache_dir)
+  print(f"loading {args.checkpoint}" + ("" if args.no_warmup else
+        " and compiling every program of the serving path (--no-warmup: on first use)"),
+        flush=True)
   try:
     llm = LLM(args.checkpoint, max_seq_len=args.max_seq_len, dtype=args.dtype,
               max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
