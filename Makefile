@@ -11,8 +11,9 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 # model: flax; scripts: absl-py, tqdm; test: chex, pytest, xdist, hypothesis;
 # metrics: prometheus-client; plots: matplotlib (serve.py and the studies draw PNGs);
-# hf: safetensors, tokenizers (Hugging Face checkpoints).
-EXTRAS  ?= model,scripts,test,metrics,plots,hf
+# hf: safetensors, tokenizers (Hugging Face checkpoints); server: fastapi, uvicorn, jinja2
+# (the OpenAI-compatible server, tested with the openai client of the test extra).
+EXTRAS  ?= model,scripts,test,metrics,plots,hf,server
 comma   := ,
 STAMP   := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 # Parallel test workers (pytest-xdist); CI machines have 2 cores.

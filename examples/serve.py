@@ -24,16 +24,19 @@ bookkeeping dispatches per step.
 
 A real checkpoint: `--checkpoint DIR --prompt "..."` loads a Hugging Face
 Llama-family checkpoint directory (config.json, *.safetensors; Llama, Mistral,
-Qwen2: `paged_kv.model.hf_checkpoint`, the `hf` extra), tokenizes the prompt with
-its tokenizer.json (`paged_kv.model.tokenizer`) and streams the greedy completion
-to stdout as the steps produce it (`paged_kv.serving.streaming.generate`), up to
-`--max_new_tokens` or an end-of-sequence token. Without a tokenizer.json the
-prompt is comma-separated token ids. No warm-up there: one prompt compiles only
-the programs it runs.
+Qwen2; the `hf` extra) into `paged_kv.LLM` and streams the completion to stdout as
+the steps produce it (`LLM.stream`), up to `--max_tokens` or an end-of-sequence
+token, greedy unless `--temperature` > 0 (with `--top_p`, `--top_k`, `--seed`).
+Without a tokenizer.json the prompt is comma-separated token ids. A prompt plus
+`--max_tokens` beyond the checkpoint's `max_position_embeddings` is refused. User
+errors (a missing directory, a bad flag value) print `error: <message>` and exit 2.
+No warm-up there: one prompt compiles only the programs it runs.
 
 Usage:
   python examples/serve.py                              # defaults, ~1-2 min on CPU
   python examples/serve.py --checkpoint=Llama-3.2-1B --prompt="The capital of France is"
+  python examples/serve.py --checkpoint=Llama-3.2-1B --prompt="Once" --temperature=0.8 \
+      --top_p=0.95 --seed=1 --max_tokens=64
   python examples/serve.py --num_blocks=96 --preemption=swap --prometheus_port=9400
   python examples/serve.py --prometheus_port=9400 --prometheus_addr=0.0.0.0 --linger_s=600
   python examples/serve.py --compile_cache_dir=/tmp/cc   # twice: the second run loads
@@ -41,6 +44,7 @@ Usage:
 
 from __future__ import annotations
 
+import sys
 import time
 
 # The script's start, before the heavy imports (jax, flax): "first token after" counts them.
@@ -112,6 +116,14 @@ _PROMPT = flags.DEFINE_string("prompt", None, "The prompt for --checkpoint (text
                               "separated token ids if the checkpoint has no tokenizer.json).")
 _DTYPE = flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
                            "--checkpoint's dtype (default: its config.json's torch_dtype).")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "Tokens to generate for --checkpoint "
+                                   "(default: --max_new_tokens).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "--checkpoint's sampling temperature "
+                                  "(0: greedy).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "--checkpoint's nucleus sampling mass (1: all).")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "--checkpoint's top-k sampling (0: all).")
+_SAMPLE_SEED = flags.DEFINE_integer("sample_seed", None, "--checkpoint's sampling seed "
+                                    "(default: --seed).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run every program the serving path can run "
                             "before serving (Scheduler.warmup()); --nowarmup compiles each on "
                             "first use.")
@@ -185,59 +197,68 @@ def _pct(values, q) -> float:
   return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
+class UserError(Exception):
+  """A mistake in the command line: printed as `error: <message>`, exit status 2."""
+
+
 def serve_checkpoint(path: Path) -> None:
-  """`--checkpoint`: streams the greedy completion of `--prompt` to stdout."""
+  """`--checkpoint`: streams the completion of `--prompt` to stdout (`paged_kv.LLM`).
+
+  Raises:
+    UserError: no such directory, no prompt, a prompt the tokenizer or the model
+      cannot take, a bad sampling value, or a prompt too long for the context.
+  """
   # The hf extra, only on this path.
   # pylint: disable=import-outside-toplevel
+  from paged_kv.core.errors import InvalidArgument
   from paged_kv.model import hf_checkpoint
   from paged_kv.model.tokenizer import Tokenizer
   from paged_kv.serving.sampling_params import SamplingParams
-  from paged_kv.serving.streaming import generate
+  if not path.is_dir():
+    raise UserError(f"checkpoint directory {str(path)!r} does not exist" if not path.exists()
+                    else f"--checkpoint {str(path)!r} is not a directory")
   if _PROMPT.value is None:
-    raise app.UsageError("--checkpoint needs --prompt")
-  tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-  if tok is not None:
-    prompt = tok.encode(_PROMPT.value)
-  else:
-    try:
-      prompt = [int(t) for t in _PROMPT.value.split(",")]
-    except ValueError:
-      raise app.UsageError(f"{path} has no tokenizer.json: --prompt must be comma-separated "
-                           f"token ids") from None
-  if not prompt:
-    raise app.UsageError("--prompt is empty")
-  max_len = len(prompt) + _MAX_NEW.value
-  ckpt = hf_checkpoint.load_checkpoint(path, dtype=_DTYPE.value, max_seq_len=max_len)
-  if max(prompt) >= ckpt.config.vocab_size or min(prompt) < 0:
-    raise app.UsageError(f"prompt token ids must lie in [0, {ckpt.config.vocab_size})")
-  blocks_per_seq = -(-max_len // _BLOCK_SIZE.value)
-  pool_config = llama.pool_config_for(ckpt.config, block_size=_BLOCK_SIZE.value,
-                                      num_blocks=max(_NUM_BLOCKS.value, blocks_per_seq + 1),
-                                      max_seqs=1, max_segments=blocks_per_seq + 2,
-                                      base_pool_fraction=0.0)
-  config = SchedulerConfig(max_batch=1, prefill_chunk=_PREFILL_CHUNK.value,
-                           prefill_token_budget=max(_PREFILL_BUDGET.value,
-                                                    _PREFILL_CHUNK.value),
-                           max_seq_len=ckpt.max_seq_len)
-  sched = Scheduler(paged_kv.BlockPool(pool_config),
-                    ModelExecutor(ckpt.model, pool_config, impl=_IMPL.value), config)
-  eos = (tok.eos_token_ids if tok is not None else ()) or ckpt.eos_token_ids
-  request = Request("prompt", np.asarray(prompt, np.int32), _MAX_NEW.value,
-                    sampling=SamplingParams(stop_token_ids=tuple(eos)))
-  stream = tok.stream() if tok is not None else None
-  print(_PROMPT.value, end="", flush=True)
-  t0, generated, reason = time.perf_counter(), [], ""
-  for out in generate(sched, [request]):
-    for token in out.new_tokens:
-      generated.append(token)
-      piece = stream.add(token) if stream is not None else f",{token}"
+    raise UserError("--checkpoint needs --prompt")
+  max_tokens = _MAX_TOKENS.value if _MAX_TOKENS.value is not None else _MAX_NEW.value
+  try:
+    tok = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    if tok is not None:
+      prompt: str | list[int] = _PROMPT.value
+      num_prompt = len(tok.encode(_PROMPT.value))
+    else:
+      try:
+        prompt = [int(t) for t in _PROMPT.value.split(",")]
+      except ValueError:
+        raise UserError(f"{path} has no tokenizer.json: --prompt must be comma-separated "
+                        f"token ids") from None
+      num_prompt = len(prompt)
+    sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
+                              top_k=_TOP_K.value, seed=_SAMPLE_SEED.value
+                              if _SAMPLE_SEED.value is not None else _SEED.value)
+    # Serve this prompt's length, within the checkpoint's context: a longer request is
+    # refused by the facade (ContextLengthExceeded), never generated past it.
+    context = hf_checkpoint.read_hf_config(path).get("max_position_embeddings")
+    need = num_prompt + max(max_tokens, 1)
+    max_seq_len = min(need, context) if isinstance(context, int) else need
+    per_seq = -(-max_seq_len // _BLOCK_SIZE.value)
+    llm = paged_kv.LLM(path, tokenizer=tok, dtype=_DTYPE.value, max_seq_len=max_seq_len,
+                       max_batch=1, block_size=_BLOCK_SIZE.value,
+                       num_blocks=max(_NUM_BLOCKS.value, per_seq + 1), impl=_IMPL.value)
+    stream = llm.stream(prompt, sampling, max_tokens=max_tokens)
+    print(_PROMPT.value, end="", flush=True)
+    t0, generated, reason = time.perf_counter(), 0, ""
+    for chunk in stream:
+      generated += len(chunk.token_ids)
+      piece = chunk.text if chunk.text is not None else "".join(
+          f",{t}" for t in chunk.token_ids)
       print(piece, end="", flush=True)
-    reason = out.stop_reason or reason
-  print(stream.flush() if stream is not None else "", flush=True)
+      reason = chunk.finish_reason or reason
+  except InvalidArgument as err:
+    raise UserError(str(err)) from None
   wall = time.perf_counter() - t0
-  print(f"[{ckpt.model_type} {ckpt.config.num_layers} layers {ckpt.config.dtype}: "
-        f"{len(prompt)} prompt tokens, {len(generated)} generated in {wall:.1f} s "
-        f"(compiles included), stop: {reason}]")
+  config = llm.model_config
+  print(f"\n[{llm.model_type} {config.num_layers} layers {config.dtype}: {num_prompt} prompt "
+        f"tokens, {generated} generated in {wall:.1f} s (compiles included), stop: {reason}]")
 
 
 def main(argv):
@@ -247,7 +268,11 @@ def main(argv):
   if _COMPILE_CACHE.value:
     compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
   if _CHECKPOINT.value is not None:
-    serve_checkpoint(Path(_CHECKPOINT.value))
+    try:
+      serve_checkpoint(Path(_CHECKPOINT.value))
+    except UserError as err:
+      print(f"error: {err}", file=sys.stderr)
+      sys.exit(2)
     return
   out_dir = Path(_OUT_DIR.value)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -412,5 +437,14 @@ def main(argv):
     exporter.stop()
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, a bad flag answered `error: <message>` and exit status 2."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as err:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

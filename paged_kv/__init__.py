@@ -13,7 +13,9 @@ Layers (imports point down only):
 
 This module re-exports the core and the host API; `import paged_kv` needs only
 jax, jaxlib and numpy. The other layers are imported on first use
-(`paged_kv.model`, `paged_kv.serving`, ...) or explicitly.
+(`paged_kv.model`, `paged_kv.serving`, ...) or explicitly, and so are the text-in,
+text-out facade `paged_kv.LLM` (`paged_kv.serving.llm`: flax, and the `hf` extra for
+a checkpoint) and `paged_kv.SamplingParams` (`paged_kv.serving.sampling_params`).
 """
 
 import importlib
@@ -41,6 +43,8 @@ from paged_kv.pool import BlockPool
 __version__ = "0.2.0.dev0"
 
 _SUBPACKAGES = ("core", "model", "serving", "telemetry", "parallel")
+# Names imported from a layer on first use: `paged_kv.LLM` loads the serving layer.
+_LAZY = {"LLM": "paged_kv.serving.llm", "SamplingParams": "paged_kv.serving.sampling_params"}
 
 __all__ = [
     "__version__",
@@ -61,12 +65,14 @@ __all__ = [
     "Status", "PagedKVError", "PoolExhausted", "InvalidArgument", "InvalidBlock",
     "InvalidSegment", "InvalidSegmentLayout", "InvalidSequence", "InvariantViolation",
     "RefCountUnderflow", "RefCountOverflow", "BlockInUse", "PoolTooLarge",
-    # layers, imported on first use
-    *_SUBPACKAGES,
+    # layers and the facade, imported on first use
+    *_SUBPACKAGES, *_LAZY,
 ]
 
 
 def __getattr__(name: str):
   if name in _SUBPACKAGES:
     return importlib.import_module(f"paged_kv.{name}")
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
   raise AttributeError(f"module 'paged_kv' has no attribute {name!r}")

@@ -89,6 +89,9 @@ _SLOW = (
     "kernels/test_mosaic_attention.py",  # Mosaic GPU interpret mode with race checks
     "parallel/test_sharding.py",
     "serving/test_serving_equivalence.py",
+    "serving/test_llm.py",  # the facade, and the server on 127.0.0.1 (10-20 s each)
+    "serving/test_openai_server.py",
+    "serving/test_openai_api.py::test_python_m_paged_kv_serve",
     "serving/test_exception_safety.py",
     "serving/test_runtime_discipline.py",
     "serving/test_tenant_isolation.py",

@@ -16,6 +16,11 @@
   paged_kv.serving.persist      the prefix cache saved to / restored from disk
   paged_kv.serving.routing      data-parallel replicas with cache-aware routing
   paged_kv.serving.traces, replay, engine_replay   request traces and their replay
+  paged_kv.serving.llm          `LLM`: text in, text out (generate, stream, abort) over
+                                a scheduler; its single-threaded `Engine`
+  paged_kv.serving.engine_thread, openai_api, server
+                                the OpenAI-compatible HTTP server (`python -m
+                                paged_kv.serve`; the `server` extra), imported explicitly
 
 Importing this package needs no flax (`ModelExecutor` imports it when built).
 """

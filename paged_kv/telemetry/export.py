@@ -268,11 +268,12 @@ METRICS: tuple[MetricSpec, ...] = (
        "vm.max_map_count."),
     _m("process_memory_mappings", "gauge",
        "Memory mappings of the process (lines of /proc/self/maps; each XLA CPU executable "
-       "holds about 30), sampled at each step report. Beyond vm.max_map_count (65530 by "
-       "default) mmap fails and the process crashes. Absent off Linux."),
+       "holds about 30), sampled at a step report at most every process_every_s seconds (1 by "
+       "default). Beyond vm.max_map_count (65530 by default) mmap fails and the process "
+       "crashes. Absent off Linux."),
     _m("process_resident_bytes", "gauge",
-       "Resident set size of the process (/proc/self/statm), sampled at each step report. "
-       "Absent off Linux."),
+       "Resident set size of the process (/proc/self/statm), sampled with the memory "
+       "mappings. Absent off Linux."),
     _m("alerts_total", "counter",
        "Alert events fired (edge-triggered, paged_kv.telemetry.metrics.AlertMonitor), by "
        "alert name and severity.", ("alert", "severity")),
@@ -320,6 +321,9 @@ class MetricsExporter:
     events: a `JsonlLogger` that receives each alert as it is recorded (None: no file).
     max_namespaces: distinct `namespace` label values; later ones count as `other`.
     latency_buckets: histogram buckets (seconds) of the request latencies.
+    process_every_s: `observe` samples the process's memory mappings and resident
+      bytes at most this often (reading /proc/self/maps costs milliseconds once XLA
+      holds many programs: every step it would be most of a small step's host time).
 
   Raises:
     ImportError: prometheus-client is not installed (the `paged-kv[metrics]` extra).
@@ -328,12 +332,15 @@ class MetricsExporter:
   def __init__(self, port: int = 0, *, addr: str = "127.0.0.1", model: str = "paged_kv",
                replica: str = "0", registry: Any = None, events: "JsonlLogger | None" = None,
                max_namespaces: int = 64,
-               latency_buckets: Iterable[float] = LATENCY_BUCKETS):
+               latency_buckets: Iterable[float] = LATENCY_BUCKETS,
+               process_every_s: float = 1.0):
     prom = _prometheus()
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
       raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
     if not isinstance(max_namespaces, int) or max_namespaces < 1:
       raise ValueError(f"max_namespaces must be a positive int, got {max_namespaces!r}")
+    self.process_every_s = float(process_every_s)
+    self._process_sampled = -math.inf  # time.monotonic() of the last process sample
     self._requested_port = port
     self._addr = addr
     self._const = {"model": str(model), "replica": str(replica)}
@@ -549,7 +556,10 @@ class MetricsExporter:
       self.observe_snapshot(report.snapshot, step=report.step)
     self.observe_pool_counters(report.counters)
     self.observe_scheduler_stats(report.stats)
-    self.observe_process()
+    now = time.monotonic()
+    if now - self._process_sampled >= self.process_every_s:
+      self._process_sampled = now
+      self.observe_process()
     self._set("num_requests_running", report.num_running)
     self._set("num_requests_waiting", report.num_waiting)
     self._set("num_requests_swapped", report.num_swapped)

@@ -1,7 +1,8 @@
-"""`examples/serve.py --checkpoint DIR --prompt "..."` (issue O item 5) on a tiny random
-Llama checkpoint and byte-level BPE tokenizer the test writes itself: the script
+"""`examples/serve.py --checkpoint DIR --prompt "..."` on a tiny random Llama checkpoint
+and byte-level BPE tokenizer the test writes itself: the script (through `paged_kv.LLM`)
 streams the prompt and its greedy completion, which must be the dense reference's
-tokens, decoded. ~15 s alone on 2 cores (the model's compiles)."""
+tokens, decoded. ~15 s alone on 2 cores (the model's compiles). User errors print
+`error: <message>` and exit with status 2."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_serve_streams_a_checkpoint_completion(tmp_path):
              PAGED_KV_COMPILE_CACHE=str(tmp_path / "jax_cache"))
   proc = subprocess.run(
       [sys.executable, str(_ROOT / "examples" / "serve.py"), f"--checkpoint={ckpt_dir}",
-       f"--prompt={PROMPT}", f"--max_new_tokens={NEW_TOKENS}", "--block_size=8",
+       f"--prompt={PROMPT}", f"--max_tokens={NEW_TOKENS}", "--block_size=8",
        "--num_blocks=16"], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   out = proc.stdout
@@ -55,11 +56,27 @@ def test_serve_streams_a_checkpoint_completion(tmp_path):
   assert np.all(np.asarray(want) < LLAMA["vocab_size"])
 
 
-def test_serve_checkpoint_needs_a_prompt(tmp_path):
-  write_checkpoint(tmp_path, LLAMA)
+def _serve(tmp_path, *flags_):
   env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu",
              PAGED_KV_COMPILE_CACHE=str(tmp_path / "jax_cache"))
-  proc = subprocess.run([sys.executable, str(_ROOT / "examples" / "serve.py"),
-                         f"--checkpoint={tmp_path}"], cwd=_ROOT, env=env,
-                        capture_output=True, text=True, timeout=120)
-  assert proc.returncode != 0 and "--checkpoint needs --prompt" in proc.stderr, proc.stderr
+  return subprocess.run([sys.executable, str(_ROOT / "examples" / "serve.py"), *flags_],
+                        cwd=_ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("flags_, message", [
+    (["--prompt=x"], "error: checkpoint directory {missing!r} does not exist"),
+    ([], "error: --checkpoint needs --prompt"),
+    (["--prompt=the quick", "--max_tokens=5000"], "error: this model's maximum context "
+                                                  "length is 2048 tokens"),
+    (["--prompt=x", "--top_k=many"], "error: flag --top_k=many"),
+])
+def test_user_errors_exit_2(tmp_path, flags_, message):
+  ckpt = tmp_path / "ckpt"
+  write_checkpoint(ckpt, LLAMA)
+  write_tokenizer(ckpt)
+  missing = str(tmp_path / "missing")
+  where = missing if "does not exist" in message else str(ckpt)
+  proc = _serve(tmp_path, f"--checkpoint={where}", *flags_)
+  assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert message.format(missing=missing) in proc.stderr, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) <= 3, proc.stderr

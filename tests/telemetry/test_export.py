@@ -232,6 +232,25 @@ class CounterSemanticsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "finite number >= 0"):
       exporter.observe_scheduler_stats(type(stats)(prompt_tokens=-1))
 
+  def test_process_figures_are_sampled_at_most_every_process_every_s(self):
+    # Reading /proc/self/maps costs milliseconds with many XLA programs: not every step.
+    reads = []
+    with mock.patch.object(export.runtime_counters, "memory_mappings",
+                           lambda: reads.append(1) or 123):
+      exporter = export.MetricsExporter(process_every_s=3600.0)
+      sched = serving_run.make_scheduler()
+      exporter.attach(sched)
+      serving_run.run(sched, serving_run.workload(n=4))
+      self.assertGreater(sched.stats.steps, 3)
+      self.assertLen(reads, 1)  # the first step's report only
+      self.assertEqual(exporter.registry.get_sample_value(
+          "paged_kv_process_memory_mappings", {"model": "paged_kv", "replica": "0"}), 123)
+      sched = serving_run.make_scheduler()
+      export.MetricsExporter(process_every_s=0.0).attach(sched)
+      reads.clear()
+      serving_run.run(sched, serving_run.workload(n=4))
+      self.assertLen(reads, sched.stats.steps)
+
   def test_registries_are_private(self):
     a, b = export.MetricsExporter(model="a"), export.MetricsExporter(model="b")
     a.observe_scheduler_stats(type(serving_run.make_scheduler().stats)(steps=3))

@@ -1,0 +1,207 @@
+"""What does the HTTP server cost over the in-process facade? Paired runs, same requests.
+
+One `paged_kv.LLM` (a random tiny Llama checkpoint with a byte-level BPE tokenizer,
+written to a temporary directory, or `--checkpoint DIR`) serves `--batch` prompts of
+`--prompt_tokens` token ids, `--max_tokens` greedy tokens each (no end-of-sequence
+token, so every request runs to `--max_tokens`), three ways, in turn, `--repeats`
+rounds:
+
+  * facade: `LLM.generate(prompts)` on the engine's thread (the server idle);
+  * server: the same prompts as `--batch` concurrent `/v1/completions` requests from
+    a client process (httpx, one connection per request), the server on 127.0.0.1 in
+    this process (`paged_kv.serving.server.BackgroundServer`: uvicorn's event loop
+    and the engine thread);
+  * server, streamed: the same with `stream: true` (server-sent events, a chunk per
+    request per step).
+
+Each run's wall: the facade's `generate` call; the client's time from sending the
+first request to the last response's end. The prefix cache is off (`--prefix_cache`),
+so every run computes the same prompts. Every run's texts are checked against the
+facade's before a number is printed. The table gives each path's median wall and the
+median of its per-round ratio to the facade's (paired: the same round's runs).
+
+Usage:
+  .venv/bin/python examples/bench_server.py                     # batch 16, 64 tokens
+  .venv/bin/python examples/bench_server.py --batch=16 --max_tokens=128 --repeats=7
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from absl import app, flags
+
+_BATCH = flags.DEFINE_integer("batch", 16, "Concurrent requests (and the scheduler's max_batch).")
+_PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 32, "Token ids per prompt.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens generated per request.")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Rounds (each runs the three paths once).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A checkpoint directory (default: a "
+                                  "random tiny Llama with a byte-level BPE tokenizer).")
+_PREFIX_CACHE = flags.DEFINE_bool("prefix_cache", False, "The scheduler's prefix cache.")
+_METRICS = flags.DEFINE_bool("metrics", True, "Attach the Prometheus exporter to the server.")
+_SEED = flags.DEFINE_integer("seed", 0, "Prompt seed.")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Compile every program of the serving path first "
+                            "(`Scheduler.warmup()`: requests arriving one by one over HTTP "
+                            "run step shapes the facade's batch does not).")
+_SWITCH = flags.DEFINE_float("switch_interval_ms", None, "sys.setswitchinterval for this "
+                             "process (default: Python's 5 ms).")
+_CLIENT = flags.DEFINE_string("client_url", None, "Internal: run as the client process of "
+                              "this URL (commands on stdin, results on stdout).")
+
+
+def _write_tiny(path: Path) -> Path:
+  """A random tiny Llama checkpoint plus a byte-level BPE tokenizer.json (specials
+  <unk>, <s>, </s>; no eos in the config, so requests run to max_tokens)."""
+  # pylint: disable=import-outside-toplevel
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from paged_kv.model import random_checkpoint
+  hf = random_checkpoint.hf_config("tiny", dtype="float32", eos_token_id=None,
+                                   max_position_embeddings=1024)
+  random_checkpoint.write_random_checkpoint(path, hf, seed=0)
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  text = ["a paged kv cache keeps the keys and values of every token in fixed blocks",
+          "the scheduler batches prompts and decodes in one forward pass per step"]
+  tok.train_from_iterator(text * 8, trainers.BpeTrainer(
+      vocab_size=hf["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  tok.save(str(path / "tokenizer.json"))
+  return path
+
+
+# ---------------------------------------------------------------------- the client
+async def _client_run(url: str, prompts: list, max_tokens: int, stream: bool) -> dict:
+  import httpx  # pylint: disable=import-outside-toplevel
+
+  async def one(client, prompt):
+    body = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, stream=stream)
+    if not stream:
+      r = await client.post("/v1/completions", json=body)
+      r.raise_for_status()
+      return r.json()["choices"][0]["text"]
+    parts = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+      r.raise_for_status()
+      async for line in r.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+          parts.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(parts)
+
+  limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+  async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+    await asyncio.gather(*(client.get("/health") for _ in prompts))  # open the connections
+    t0 = time.perf_counter()
+    texts = await asyncio.gather(*(one(client, p) for p in prompts))
+    wall = time.perf_counter() - t0
+  return {"wall": wall, "texts": texts}
+
+
+def _client_main(url: str) -> None:
+  """Reads one JSON command a line ({"prompts", "max_tokens", "stream"}), answers a line."""
+  for line in sys.stdin:
+    cmd = json.loads(line)
+    out = asyncio.run(_client_run(url, cmd["prompts"], cmd["max_tokens"], cmd["stream"]))
+    print(json.dumps(out), flush=True)
+
+
+# ---------------------------------------------------------------------- the benchmark
+def main(argv):
+  del argv
+  if _CLIENT.value is not None:
+    _client_main(_CLIENT.value)
+    return
+  if _SWITCH.value is not None:
+    sys.setswitchinterval(_SWITCH.value / 1000)
+  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving.llm import LLM
+  from paged_kv.serving.scheduler_config import SchedulerConfig
+  from paged_kv.serving.server import BackgroundServer, Server
+  batch, max_tokens = _BATCH.value, _MAX_TOKENS.value
+  with tempfile.TemporaryDirectory() as tmp:
+    ckpt = Path(_CHECKPOINT.value) if _CHECKPOINT.value else _write_tiny(Path(tmp) / "tiny")
+    config = SchedulerConfig(max_batch=batch, enable_prefix_cache=_PREFIX_CACHE.value,
+                             prefill_token_budget=max(512, batch * _PROMPT_TOKENS.value))
+    per_seq = -(-(_PROMPT_TOKENS.value + max_tokens) // 16)
+    llm = LLM(ckpt, scheduler_config=config, num_blocks=2 * batch * per_seq + 1,
+              eos_token_ids=(), max_seq_len=_PROMPT_TOKENS.value + max_tokens + 16,
+              warmup=_WARMUP.value)
+    vocab = llm.engine.vocab_size
+    rng = np.random.default_rng(_SEED.value)
+    prompts = [rng.integers(3, vocab, _PROMPT_TOKENS.value).tolist() for _ in range(batch)]
+    server = Server(llm, max_queued=4 * batch, metrics=_METRICS.value)
+    with BackgroundServer(server) as bg:
+      client = subprocess.Popen(
+          [sys.executable, os.path.abspath(__file__), f"--client_url={bg.url}"],
+          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+      def facade() -> tuple[float, list[str]]:
+        def run(_engine):
+          t0 = time.perf_counter()
+          outs = llm.generate(prompts, max_tokens=max_tokens)
+          return time.perf_counter() - t0, [o.text for o in outs]
+        return server.engine.call(run, timeout=600)
+
+      def over_http(stream: bool) -> tuple[float, list[str]]:
+        client.stdin.write(json.dumps(dict(prompts=prompts, max_tokens=max_tokens,
+                                           stream=stream)) + "\n")
+        client.stdin.flush()
+        out = json.loads(client.stdout.readline())
+        return out["wall"], out["texts"]
+
+      try:
+        _, want = facade()  # warm-up: compiles every program the runs use
+        over_http(False)
+        over_http(True)
+        walls: dict[str, list[float]] = {"facade": [], "server": [], "server, streamed": []}
+        steps: dict[str, list[int]] = {name: [] for name in walls}
+        cpu: dict[str, list[float]] = {name: [] for name in walls}  # this process, all threads
+        engine_cpu: dict[str, list[float]] = {name: [] for name in walls}  # the engine thread
+        compiles = server.engine.call(lambda e: e.scheduler.runtime.backend_compiles)
+        for _ in range(_REPEATS.value):
+          for name, run in (("facade", facade), ("server", lambda: over_http(False)),
+                            ("server, streamed", lambda: over_http(True))):
+            before = server.engine.call(lambda e: e.scheduler.stats.steps)
+            thread_cpu = server.engine.call(lambda e: time.thread_time())
+            process_cpu = time.process_time()
+            wall, texts = run()
+            cpu[name].append(time.process_time() - process_cpu)
+            engine_cpu[name].append(server.engine.call(lambda e: time.thread_time()) - thread_cpu)
+            steps[name].append(server.engine.call(lambda e: e.scheduler.stats.steps) - before)
+            if texts != want:
+              raise SystemExit(f"{name}: the texts differ from the facade's warm-up run")
+            walls[name].append(wall)
+        compiles = server.engine.call(lambda e: e.scheduler.runtime.backend_compiles) - compiles
+      finally:
+        client.stdin.close()
+        client.wait(timeout=60)
+      errors = server.num_server_errors
+  generated = batch * max_tokens
+  print(f"\nbatch {batch}, {_PROMPT_TOKENS.value} prompt tokens, {max_tokens} generated each "
+        f"({generated} tokens a run), {_REPEATS.value} rounds, prefix cache "
+        f"{'on' if _PREFIX_CACHE.value else 'off'}, metrics exporter "
+        f"{'on' if _METRICS.value else 'off'}, {errors} server errors, {compiles} compiles "
+        f"in the timed runs\n")
+  print("| path | wall median [min-max] (s) | tokens/s | wall / facade's, paired median "
+        "[min-max] | scheduler steps per run | CPU s of this process / of the engine thread "
+        "(medians) |\n|---|---|---|---|---|---|")
+  for name, ws in walls.items():
+    ratios = [w / f for w, f in zip(ws, walls["facade"])]
+    print(f"| {name} | {statistics.median(ws):.3f} [{min(ws):.3f}-{max(ws):.3f}] | "
+          f"{generated / statistics.median(ws):.0f} | {statistics.median(ratios):.3f} "
+          f"[{min(ratios):.3f}-{max(ratios):.3f}] | {statistics.median(steps[name]):.0f} | "
+          f"{statistics.median(cpu[name]):.3f} / {statistics.median(engine_cpu[name]):.3f} |")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,295 @@
+"""The server's pieces without a model: request checks and the sampling mapping
+(`openai_api`), chat templates rendered as transformers renders them, and the
+engine thread's queue bound, failures and shutdown (`EngineThread`, over a fake
+engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+pytest.importorskip("jinja2", reason="the server extra (pip install 'paged-kv[server]')")
+
+# pylint: disable=wrong-import-position
+from paged_kv.serving import openai_api as api
+from paged_kv.serving.engine_thread import EngineStopped, EngineThread, QueueFull, RequestFailed
+from paged_kv.serving.llm import CompletionChunk
+from paged_kv.serving.sampling_params import SamplingParams
+
+
+def _completion(**fields):
+  return api.parse_completion(dict(dict(model="m", prompt="hi"), **fields), served="m",
+                              max_logprobs=5)
+
+
+def test_sampling_fields_map_onto_sampling_params():
+  parsed = _completion(temperature=0.5, top_p=0.9, top_k=7, seed=3, logprobs=2, max_tokens=9,
+                       stop_token_ids=[4, 5], min_p=0.1)
+  assert parsed.sampling == SamplingParams(temperature=0.5, top_p=0.9, top_k=7, seed=3,
+                                           logprobs=2, stop_token_ids=(4, 5), min_p=0.1)
+  assert (parsed.max_tokens, parsed.logprobs, parsed.stream) == (9, 2, False)
+  default = _completion()
+  assert default.sampling.temperature == 1.0 and default.max_tokens == 16  # OpenAI's defaults
+  assert _completion(top_k=-1).sampling.top_k == 0  # vLLM's "all"
+  # Unset values of the fields SamplingParams lacks are accepted.
+  _completion(presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0, stop=[],
+              logit_bias={}, ignore_eos=False, min_tokens=0, n=1, best_of=1, user="u")
+
+
+@pytest.mark.parametrize("name, value", [
+    ("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2),
+    ("min_tokens", 3), ("logit_bias", {"5": 10}), ("ignore_eos", True),
+    ("prompt_logprobs", 1), ("stop", "\n")])
+def test_fields_not_supported_yet_are_refused_or_passed_by_name(monkeypatch, name, value):
+  if name in {f.name for f in dataclasses.fields(SamplingParams)}:
+    pytest.skip(f"SamplingParams has {name} now")
+  with pytest.raises(api.BadRequest, match=f"{name} is not supported yet") as err:
+    _completion(**{name: value})
+  assert err.value.param == name and err.value.status == 400
+
+  # Once SamplingParams has the field, the same request passes it through.
+  @dataclasses.dataclass(frozen=True)
+  class Wider(SamplingParams):
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict | None = None
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = None
+    stop: tuple = ()
+
+  monkeypatch.setattr(api, "SamplingParams", Wider)
+  got = getattr(_completion(**{name: value}).sampling, name)
+  assert got == {"logit_bias": {5: 10.0}, "stop": ("\n",)}.get(name, value)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(prompt=""), None),
+    (dict(prompt=[]), "prompt must be"),
+    (dict(prompt=[1, True]), "prompt must be"),
+    (dict(prompt=["a", 1]), "prompt must be"),
+    (dict(temperature="hot"), "temperature must be a number"),
+    (dict(temperature=float("nan")), "temperature must be a number"),
+    (dict(top_p=0), "top_p must be above 0"),
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(seed=-1), "seed must be an integer"),
+    (dict(stop_token_ids=[1, -2]), "stop_token_ids must be a list"),
+    (dict(stream="yes"), "stream must be a boolean"),
+    (dict(stream_options={"include_usage": True}), "only allowed with stream=true"),
+    (dict(stream=True, stream_options={"x": 1}), "takes only include_usage"),
+    (dict(best_of=3), "best_of=3 is not supported yet"),
+    (dict(suffix="x"), "suffix is not supported"),
+    (dict(logprobs=6), r"logprobs must be an integer \[0, 5\]"),
+])
+def test_completion_requests_are_checked(fields, message):
+  if message is None:
+    assert _completion(**fields).prompts == ("",)
+    return
+  with pytest.raises(api.BadRequest, match=message):
+    _completion(**fields)
+
+
+def test_logprobs_beyond_the_scheduler_width_are_refused():
+  with pytest.raises(api.BadRequest, match="at most 2 logprobs"):
+    api.parse_completion(dict(prompt="x", logprobs=3), served="m", max_logprobs=2)
+
+
+def test_chat_requests_are_checked():
+  parse = lambda **f: api.parse_chat(dict(dict(messages=[{"role": "user", "content": "x"}]),
+                                          **f), served="m", max_logprobs=20)
+  parsed, messages = parse(max_completion_tokens=5, logprobs=True, top_logprobs=3,
+                           temperature=0)
+  assert (parsed.max_tokens, parsed.logprobs, parsed.sampling.logprobs) == (5, 3, 3)
+  parsed, _ = parse(logprobs=True)
+  assert (parsed.logprobs, parsed.sampling.logprobs) == (0, 1)  # the sampled token's own
+  assert parse()[0].max_tokens is None  # the rest of the context
+  parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+  assert parse(messages=[{"role": "user", "content": parts}])[1][0]["content"] == "a\nb"
+  for fields, message in [
+      (dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "only text"),
+      (dict(messages=[{"content": "x"}]), "string role"),
+      (dict(tools=[{"type": "function"}]), "tools is not supported"),
+      (dict(response_format={"type": "json_object"}), "response_format"),
+      (dict(top_logprobs=21, logprobs=True), r"top_logprobs must be an integer \[0, 20\]")]:
+    with pytest.raises(api.BadRequest, match=message):
+      parse(**fields)
+  with pytest.raises(api.BadRequest, match="'other' does not exist") as err:
+    parse(model="other")
+  assert err.value.status == 404
+
+
+def test_chat_template_renders_as_transformers_does(tmp_path):
+  # Whitespace control, loop controls, tojson, raise_exception and the special tokens.
+  source = ("{{ bos_token }}{% for m in messages %}\n"
+            "  {% if loop.index0 > 2 %}{% break %}{% endif %}\n"
+            "  {% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}\n"
+            "{{ m.role }}: {{ m.content | tojson }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+  (tmp_path / "tokenizer_config.json").write_text(
+      api.json.dumps({"chat_template": [{"name": "default", "template": source}],
+                      "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+  template = api.ChatTemplate.from_dir(tmp_path)
+  messages = [{"role": "user", "content": "é"}, {"role": "assistant", "content": "b"},
+              {"role": "user", "content": "c"}, {"role": "user", "content": "dropped"}]
+  assert template.render(messages) == ('<s>user: "é"\nassistant: "b"\nuser: "c"\n'
+                                       'assistant:')
+  with pytest.raises(api.BadRequest, match="no bad roles"):
+    template.render([{"role": "bad", "content": ""}])
+  # The sandbox refuses what a template must not do.
+  unsafe = api.ChatTemplate("{{ messages.__class__.__mro__ }}")
+  with pytest.raises(api.BadRequest, match="chat template refused"):
+    unsafe.render([])
+  # chat_template.jinja wins over tokenizer_config.json; none at all gives None.
+  (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
+  assert api.ChatTemplate.from_dir(tmp_path).render([{"role": "u", "content": "z"}]) == "z"
+  assert api.ChatTemplate.from_dir(tmp_path / "nothing-here") is None
+
+
+class FakeEngine:
+  """An `Engine`'s surface: each request emits one token per step, then finishes."""
+
+  def __init__(self, fail_at_step: int | None = None):
+    self.live: dict = {}
+    self.steps = 0
+    self.fail_at_step = fail_at_step
+    self.gate = threading.Event()
+    self.gate.set()
+
+  @property
+  def has_work(self):
+    return bool(self.live)
+
+  def add(self, prompt, sampling, *, max_tokens, request_id, index):
+    del prompt, sampling
+    if max_tokens > 100:
+      raise api.InvalidArgument("too many")
+    self.live[request_id] = [index, max_tokens, 0]
+
+  def abort(self, rid):
+    if rid not in self.live:
+      return None
+    index, _, n = self.live.pop(rid)
+    return CompletionChunk(rid, index, "", (), None, True, "abort", n)
+
+  def step(self):
+    self.gate.wait()
+    self.steps += 1
+    if self.fail_at_step == self.steps:
+      raise RuntimeError("device lost")
+    out = []
+    for rid, state in list(self.live.items()):
+      state[2] += 1
+      done = state[2] == state[1]
+      if done:
+        del self.live[rid]
+      out.append(CompletionChunk(rid, state[0], "t", (7,), None, done,
+                                 "length" if done else None, state[2]))
+    return out
+
+
+def _collector():
+  items, done = [], threading.Event()
+
+  def sink(item):
+    items.append(item)
+    if isinstance(item, RequestFailed) or item.finished:
+      done.set()
+  return items, done, sink
+
+
+def test_engine_thread_serves_bounds_and_aborts():
+  engine = FakeEngine()
+  thread = EngineThread(engine, max_queued=2, idle_wait_s=0.01).start()
+  try:
+    engine.gate.clear()  # hold the steps: requests stay outstanding
+    a, a_done, a_sink = _collector()
+    b, b_done, b_sink = _collector()
+    thread.submit("a", [1], None, 3, a_sink)
+    thread.submit("b", [1], None, 50, b_sink)
+    with pytest.raises(QueueFull, match="the limit is 2"):
+      thread.submit("c", [1], None, 3, a_sink)
+    thread.abort("b")
+    engine.gate.set()
+    assert a_done.wait(10) and b_done.wait(10)
+    assert [c.token_ids for c in a] == [(7,), (7,), (7,)] and a[-1].finish_reason == "length"
+    assert b[-1].finish_reason == "abort"
+    assert thread.outstanding == 0
+    # A request the engine refuses comes back as a RequestFailed; the slot is freed.
+    c, c_done, c_sink = _collector()
+    thread.submit("c", [1], None, 1000, c_sink)
+    assert c_done.wait(10) and isinstance(c[0], RequestFailed)
+    assert "too many" in str(c[0].error) and thread.outstanding == 0
+    assert thread.call(lambda e: e.steps) >= 3
+  finally:
+    thread.stop()
+  assert not thread.running
+  with pytest.raises(EngineStopped, match="not running"):
+    thread.submit("d", [1], None, 1, lambda item: None)
+
+
+def test_an_engine_failure_ends_every_request_and_stops_the_thread():
+  engine = FakeEngine(fail_at_step=2)
+  thread = EngineThread(engine, idle_wait_s=0.01)
+  items, done, sink = _collector()
+  engine.gate.clear()
+  thread.start()
+  thread.submit("a", [1], None, 5, sink)
+  engine.gate.set()
+  assert done.wait(10)
+  thread.stop()
+  assert isinstance(thread.error, RuntimeError)
+  assert isinstance(items[-1], RequestFailed) and "device lost" in str(items[-1].error)
+  assert thread.outstanding == 0
+  with pytest.raises(EngineStopped, match="device lost"):
+    thread.submit("b", [1], None, 1, sink)
+
+
+def test_python_m_paged_kv_serve(tmp_path):
+  """The command line: a missing directory is a user error (exit 2); a checkpoint is
+  served until the process is stopped."""
+  import os  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import socket  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  from paged_kv import serve  # pylint: disable=import-outside-toplevel
+  for module in ("fastapi", "uvicorn", "flax", "safetensors", "tokenizers", "httpx"):
+    pytest.importorskip(module, reason="the server, hf and test extras")
+  import httpx  # pylint: disable=import-outside-toplevel
+  from tests.serving.llm_files import write_chat_checkpoint  # pylint: disable=import-outside-toplevel
+  assert serve.main(["--checkpoint", str(tmp_path / "missing")]) == 2
+  ckpt = write_chat_checkpoint(tmp_path / "tiny-chat")
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  root = pathlib.Path(__file__).resolve().parents[2]
+  env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu",
+             PAGED_KV_COMPILE_CACHE=str(tmp_path / "jax_cache"))
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "paged_kv.serve", "--checkpoint", str(ckpt), "--port", str(port),
+       "--max-batch", "2", "--num-blocks", "64", "--block-size", "8", "--no-warmup",
+       "--log-level", "warning"], cwd=root, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline, url = time.monotonic() + 120, f"http://127.0.0.1:{port}"
+    while True:
+      assert proc.poll() is None, proc.stdout.read()
+      try:
+        if httpx.get(url + "/health").status_code == 200:
+          break
+      except httpx.TransportError:
+        pass
+      assert time.monotonic() < deadline, "the server did not come up"
+      time.sleep(0.2)
+    r = httpx.post(url + "/v1/completions", timeout=120,
+                   json=dict(model="tiny-chat", prompt="the quick", max_tokens=3, temperature=0))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+  finally:
+    proc.terminate()
+    out = proc.communicate(timeout=60)[0]
+  assert "serving tiny-chat (64 blocks of 8 tokens: num_blocks given)" in out, out

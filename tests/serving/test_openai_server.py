@@ -1,0 +1,280 @@
+"""The OpenAI-compatible server on 127.0.0.1, driven by the real `openai` client:
+completion, chat (the checkpoint's template), streaming, a client that disconnects
+mid-stream (its request aborted, its blocks back in the pool), 64 concurrent
+streaming clients with nothing lost, 400 / 404 / 429 / 503. One server for the
+module (a tiny random checkpoint, no end-of-sequence token, so every request
+runs to `max_tokens`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("flax", reason="the model extra (pip install 'paged-kv[model]')")
+pytest.importorskip("tokenizers", reason="the hf extra (pip install 'paged-kv[hf]')")
+pytest.importorskip("safetensors", reason="the hf extra (pip install 'paged-kv[hf]')")
+pytest.importorskip("fastapi", reason="the server extra (pip install 'paged-kv[server]')")
+pytest.importorskip("uvicorn", reason="the server extra (pip install 'paged-kv[server]')")
+pytest.importorskip("jinja2", reason="the server extra (pip install 'paged-kv[server]')")
+openai = pytest.importorskip("openai", reason="the test extra (pip install 'paged-kv[test]')")
+httpx = pytest.importorskip("httpx", reason="the test extra (pip install 'paged-kv[test]')")
+
+# pylint: disable=wrong-import-position
+from paged_kv.serving import openai_api
+from paged_kv.serving.llm import LLM
+from paged_kv.serving.server import BackgroundServer, Server, build_app
+from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
+
+
+MODEL = "tiny-chat"
+PROMPTS = ["the quick brown fox", "paged attention keeps", "a tiny tokenizer", "héllo",
+           "jumps over the lazy dog", "kv cache in blocks", "trained in memory", "round trip"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  ckpt = write_chat_checkpoint(tmp_path_factory.mktemp("server") / MODEL)
+  llm = LLM(ckpt, max_batch=16, num_blocks=512, block_size=8, eos_token_ids=())
+  server = Server(llm, max_queued=128, template=openai_api.ChatTemplate.from_dir(ckpt))
+  with BackgroundServer(server) as bg:
+    client = openai.OpenAI(base_url=bg.url + "/v1", api_key="none", max_retries=0)
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)  # warm-up
+    yield server, bg, client
+
+
+def _idle(server: Server) -> None:
+  """Nothing outstanding, no block held by a sequence, the pool and cache consistent."""
+  deadline = time.monotonic() + 30
+  while server.engine.outstanding and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert server.engine.outstanding == 0
+
+  def check(engine):
+    engine.scheduler.cached_pool.check_invariants()
+    return engine.num_live, engine.scheduler.idle, engine.scheduler.take_stats().used_blocks
+
+  assert server.engine.call(check) == (0, True, 0)
+
+
+def _on_engine(server, prompt, max_tokens):
+  """Greedy `generate` through the in-process facade, run on the engine's thread (while
+  the server serves nothing else: its steps would take other requests' chunks)."""
+  return server.engine.call(lambda _: server.llm.generate(prompt, max_tokens=max_tokens)[0])
+
+
+def test_models_health_and_metrics(served):
+  server, bg, client = served
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  health = httpx.get(bg.url + "/health")
+  assert health.status_code == 200 and health.json()["status"] == "ok"
+  metrics = httpx.get(bg.url + "/metrics")
+  assert metrics.status_code == 200
+  assert "paged_kv_time_to_first_token_seconds_bucket" in metrics.text
+  assert 'model="tiny-chat"' in metrics.text
+
+
+def test_completion_equals_the_facade(served):
+  server, _, client = served
+  want = _on_engine(server, PROMPTS[0], 8)
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                logprobs=2)
+  choice = r.choices[0]
+  assert choice.text == want.text and choice.finish_reason == "length"
+  assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+  assert r.usage.completion_tokens == 8
+  assert len(choice.logprobs.token_logprobs) == 8
+  assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+  # Token-id prompts, several in one request: one choice each, in order.
+  ids = list(want.prompt_token_ids)
+  r = client.completions.create(model=MODEL, prompt=[ids, ids[:4]], max_tokens=8, temperature=0)
+  assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == want.text
+  assert r.usage.prompt_tokens == len(ids) + 4
+  _idle(server)
+
+
+def test_chat_renders_the_template(served):
+  server, _, client = served
+  messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi  "}]
+  text = ("<s><|system|>\nbe brief</s>\n<|user|>\nhi</s>\n<|assistant|>\n")
+  assert server.template.render(messages) == text
+  ids = server.llm.tokenizer.encode(text, add_special_tokens=False)
+  want = _on_engine(server, ids, 6)
+  r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+  choice = r.choices[0]
+  assert choice.message.role == "assistant" and choice.message.content == want.text
+  assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 6
+  assert len(choice.logprobs.content) == 6
+  assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+  with pytest.raises(openai.BadRequestError, match="unknown role tool"):
+    client.chat.completions.create(model=MODEL, max_tokens=2,
+                                   messages=[{"role": "tool", "content": "x"}])
+  _idle(server)
+
+
+def test_streams_add_up_to_the_whole_response(served):
+  server, _, client = served
+  whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                    temperature=0)
+  parts = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                         temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+  assert "".join(p.choices[0].text for p in parts if p.choices) == whole.choices[0].text
+  assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+  assert parts[-1].usage.completion_tokens == 12
+  chat = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=10,
+              temperature=0)
+  whole = client.chat.completions.create(**chat)
+  parts = list(client.chat.completions.create(**chat, stream=True))
+  assert parts[0].choices[0].delta.role == "assistant"
+  assert "".join(p.choices[0].delta.content or "" for p in parts) == \
+      whole.choices[0].message.content
+  assert parts[-1].choices[0].finish_reason == "length"
+  _idle(server)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
+  server, _, client = served
+  aborted = server.engine.call(lambda e: e.scheduler.stats.aborted)
+  stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=100,
+                                     temperature=0, stream=True)
+  got = 0
+  for part in stream:
+    got += 1
+    if got == 3:
+      held = server.engine.call(lambda e: e.scheduler.take_stats().used_blocks)
+      assert held > 0  # the request holds blocks while it streams
+      break
+  stream.close()
+  _idle(server)  # waits until the server has noticed, then checks every block is back
+  assert server.engine.call(lambda e: e.scheduler.stats.aborted) == aborted + 1
+
+
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(served):
+  server, bg, _ = served
+  aborted = server.engine.call(lambda e: e.scheduler.stats.aborted)
+  outcome = []
+
+  def ask():
+    try:
+      httpx.post(bg.url + "/v1/completions", timeout=0.5,
+                 json=dict(model=MODEL, prompt="x", max_tokens=120, temperature=0))
+      outcome.append("answered")
+    except httpx.TimeoutException:
+      outcome.append("gave up")
+
+  client = threading.Thread(target=ask)
+  client.start()
+  deadline = time.monotonic() + 30
+  while server.engine.outstanding == 0 and time.monotonic() < deadline:
+    time.sleep(0.005)
+  # Hold the engine (between two steps) past the client's timeout: the handler sees
+  # the disconnect and aborts; the abort is applied before the next step.
+  server.engine.call(lambda e: time.sleep(1.0))
+  client.join()
+  assert outcome == ["gave up"]
+  _idle(server)
+  assert server.engine.call(lambda e: e.scheduler.stats.aborted) == aborted + 1
+
+
+def test_64_concurrent_streaming_clients_lose_nothing(served):
+  server, bg, client = served
+  max_tokens = 8
+  want = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens,
+                                       temperature=0).choices[0].text for p in PROMPTS}
+  errors_before = server.num_server_errors
+
+  async def one(aclient, prompt):
+    text, finish, usage = [], None, None
+    stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                              temperature=0, stream=True,
+                                              stream_options={"include_usage": True})
+    async for part in stream:
+      if part.choices:
+        text.append(part.choices[0].text)
+        finish = part.choices[0].finish_reason or finish
+      if part.usage is not None:
+        usage = part.usage
+    return prompt, "".join(text), finish, usage
+
+  async def run():
+    async with openai.AsyncOpenAI(base_url=bg.url + "/v1", api_key="none", max_retries=0,
+                                  http_client=openai.DefaultAsyncHttpxClient(
+                                      limits=httpx.Limits(max_connections=64))) as aclient:
+      return await asyncio.gather(*(one(aclient, PROMPTS[i % len(PROMPTS)]) for i in range(64)))
+
+  results = asyncio.run(run())
+  assert len(results) == 64
+  for prompt, text, finish, usage in results:
+    assert text == want[prompt] and finish == "length"
+    assert usage.completion_tokens == max_tokens
+  assert server.num_server_errors == errors_before == 0
+  _idle(server)
+
+
+@pytest.mark.parametrize("fields, status, message", [
+    (dict(prompt="x", max_tokens=MAX_POSITIONS), 400, "maximum context length is 128"),
+    (dict(prompt="x", temperature=3), 400, r"temperature must be a number in \[0, 2\]"),
+    (dict(prompt="x", logprobs=9), 400, r"logprobs must be an integer \[0, 5\]"),
+    (dict(prompt="x", presence_penalty=0.5), 400, "presence_penalty is not supported yet"),
+    (dict(prompt="x", n=2), 400, "n=2 is not supported yet"),
+    (dict(prompt="x", echo=True), 400, "echo is not supported"),
+    (dict(prompt="x", wat=1), 400, "unknown field: wat"),
+    (dict(prompt=[[]]), 400, "prompt must be"),
+    (dict(prompt=[1, 999]), 400, r"must lie in \[0, 320\)"),
+    (dict(prompt="x", model="gpt-4"), 404, "'gpt-4' does not exist"),
+])
+def test_bad_requests_get_clear_errors(served, fields, status, message):
+  server, bg, _ = served
+  body = dict(dict(model=MODEL, max_tokens=4), **fields)
+  r = httpx.post(bg.url + "/v1/completions", json=body)
+  assert r.status_code == status, r.text
+  err = r.json()["error"]
+  assert re.search(message, err["message"]), err
+  assert server.engine.outstanding == 0
+
+
+def test_malformed_bodies_and_the_client_errors(served):
+  _, bg, client = served
+  r = httpx.post(bg.url + "/v1/completions", content=b"{not json",
+                 headers={"content-type": "application/json"})
+  assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"]
+  r = httpx.post(bg.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+  with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs=true"):
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                   top_logprobs=2)
+
+
+def test_a_full_queue_answers_429(served):
+  server, _, client = served
+  limit = server.engine.max_queued
+  server.engine.max_queued = 0
+  try:
+    with pytest.raises(openai.RateLimitError, match="retry later"):
+      client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+  finally:
+    server.engine.max_queued = limit
+  assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text
+
+
+def test_a_stopped_engine_answers_503(served):
+  server, _, _ = served
+  # A second front for the same LLM whose engine thread never started.
+  idle = Server(server.llm, metrics=False, template=server.template)
+  transport = httpx.ASGITransport(app=build_app(idle))
+
+  async def run():
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+      health = await c.get("/health")
+      done = await c.post("/v1/completions", json=dict(model=MODEL, prompt="x", max_tokens=2))
+      return health, done
+
+  health, done = asyncio.run(run())
+  assert health.status_code == 503 and done.status_code == 503
+  assert "not running" in json.loads(done.text)["error"]["message"]
