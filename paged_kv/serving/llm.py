@@ -50,6 +50,7 @@ import numpy as np
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.serving.request import Request
 from paged_kv.serving.sampling_params import SamplingParams
+from paged_kv.serving.stop_strings import StopStringMatcher
 
 __all__ = ["Completion", "CompletionChunk", "ContextLengthExceeded", "Engine", "LLM",
            "PoolSizing", "TokenLogprob", "pool_blocks"]
@@ -58,7 +59,7 @@ DEFAULT_MAX_TOKENS = 16
 """`max_tokens` when none is given (OpenAI's and vLLM's default for completions)."""
 
 FINISH_REASONS = {"length": "length", "table_full": "length", "stop_token": "stop",
-                  "abort": "abort"}
+                  "stop_string": "stop", "abort": "abort"}
 """`Request.stop_reason` -> OpenAI's `finish_reason`."""
 
 
@@ -320,7 +321,10 @@ class Engine:
       raise InvalidArgument(f"request id {rid!r} is in use")
     req = Request(rid, np.asarray(prompt_ids, np.int32), int(max_tokens), sampling=sampling)
     self.scheduler.submit(req)
-    stream = self.tokenizer.stream() if self.tokenizer is not None else None
+    stream = None
+    if self.tokenizer is not None:  # the text ends before a stop string
+      stream = (StopStringMatcher(self.tokenizer, sampling.stop) if sampling.stop
+                else self.tokenizer.stream())
     self._live[rid] = _Tracker(req, index, stream, sampling.logprobs)
     return rid
 
@@ -504,7 +508,8 @@ class LLM:
         model_config, num_blocks=self.sizing.num_blocks, block_size=block_size,
         max_seqs=config.max_batch, max_segments=per_seq + 2, base_pool_fraction=0.0)
     self.scheduler = Scheduler(paged_kv.BlockPool(pool_config),
-                               ModelExecutor(model, pool_config, impl=impl), config)
+                               ModelExecutor(model, pool_config, impl=impl,
+                                             tokenizer=tokenizer), config)
     # Chunks of requests a `stream` iterator waits for, produced by another one's step.
     self._buffered: dict[Hashable, list[CompletionChunk]] = {}
     self.engine = Engine(self.scheduler, tokenizer, max_seq_len=self.max_seq_len,

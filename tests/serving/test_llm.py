@@ -76,6 +76,21 @@ def test_generate_equals_the_dense_reference(llm, dense):
   _idle(llm)
 
 
+def test_a_stop_string_ends_the_text_before_it(llm):
+  base = llm.generate([PROMPTS[1]], SamplingParams(ignore_eos=True), max_tokens=8)[0]
+  text = base.text
+  stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from its middle
+  assert stop.strip() and stop in text, text
+  out = llm.generate([PROMPTS[1]], SamplingParams(ignore_eos=True, stop=[stop]),
+                     max_tokens=8)[0]
+  assert out.text == text[:text.index(stop)], (out.text, text, stop)
+  assert (out.finish_reason, out.stop_reason) == ("stop", "stop_string")
+  streamed = "".join(c.text for c in llm.stream([PROMPTS[1]], SamplingParams(
+      ignore_eos=True, stop=[stop]), max_tokens=8))
+  assert streamed == out.text
+  _idle(llm)
+
+
 def test_logprobs_and_per_prompt_settings(llm, dense):
   _, want = dense
   outs = llm.generate(PROMPTS[:2], [SamplingParams(logprobs=3), SamplingParams()],
