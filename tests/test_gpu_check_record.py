@@ -1,17 +1,19 @@
 """tools/gpu_check_record.py: a gpu_check result filed as a benchmark record."""
 
+import importlib.util
 import json
 import pathlib
 import subprocess
-import sys
 import tempfile
 import unittest
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_ROOT / "tools"))
+from paged_kv.telemetry import records
 
-import gpu_check_record  # pylint: disable=wrong-import-position
-from paged_kv.telemetry import records  # pylint: disable=wrong-import-position
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("gpu_check_record",
+                                               _ROOT / "tools" / "gpu_check_record.py")
+gpu_check_record = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(gpu_check_record)
 
 _RESULT = {"date": "2026-12-04T16:44:30Z", "command": "tools/gpu_check.py --budget_s=300",
            "jax": "0.11.2", "device_kind": "NVIDIA H200", "backend": "gpu",

@@ -20,10 +20,9 @@ import pathlib
 import subprocess
 import sys
 
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(_ROOT))
+from paged_kv.telemetry import records
 
-from paged_kv.telemetry import records  # pylint: disable=wrong-import-position
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def to_record(result: dict, *, commit: str, source: str, cpus: int | None = None) -> dict:
