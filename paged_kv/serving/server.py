@@ -220,6 +220,8 @@ def build_app(server: Server) -> Any:
       return await run(await body_of(request))
     except api.BadRequest as err:
       return error(err.status, str(err), param=err.param, code=err.code)
+    except InvalidArgument as err:  # refused at submit (nothing queued): the client's
+      return error(400, str(err))
     except QueueFull as err:
       return error(429, str(err))
     except EngineStopped as err:
