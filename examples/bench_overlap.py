@@ -22,12 +22,12 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
 from absl import app, flags
 
 import paged_kv
+from paged_kv.serving import serving_bench
 from paged_kv.serving.latency_executor import LatencyExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
 from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_integer("batch", 64, "Running sequences per step.")
@@ -54,15 +54,7 @@ def _run(device_s: float, overlap: bool, decode_steps: int, seed: int) -> float:
                                     prefill_chunk=BLOCK * 4, compaction=None,
                                     output_reserve_ratio=0.0, stats_every=0, snapshot_every=0,
                                     overlap=overlap, decode_steps=decode_steps))
-  rng = np.random.default_rng(seed)
-  system = rng.integers(0, 50_000, 4 * BLOCK)
-  count = [0]
-
-  def top_up(s: Scheduler) -> None:
-    while len(s.running) + len(s.waiting) < batch:
-      prompt = np.concatenate([system, rng.integers(0, 50_000, int(rng.integers(1, 3 * BLOCK)))])
-      s.submit(Request(count[0], prompt, int(rng.integers(16, 128))))
-      count[0] += 1
+  top_up = serving_bench.chat_top_up(batch, BLOCK, seed)
 
   sched.warmup(progress=False)
   for _ in range(_WARMUP.value):

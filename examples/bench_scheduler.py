@@ -40,8 +40,9 @@ from absl import app, flags
 
 import paged_kv
 from paged_kv.runtime import compile_cache
+from paged_kv.serving import serving_bench
 from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
 from paged_kv.telemetry import metrics, records
 
 _POOLS = flags.DEFINE_list("pools", ["4096", "65536", "262144", "1048576"],
@@ -122,15 +123,7 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
   sched = Scheduler(pool, executor, SchedulerConfig(
       max_batch=batch, prefill_token_budget=8 * bs * 4, prefill_chunk=bs * 4,
       compaction=None, output_reserve_ratio=0.0, **MODES[mode]))
-  rng = np.random.default_rng(seed)
-  system = rng.integers(0, 50_000, 4 * bs)
-  count = [0]
-
-  def top_up(s: Scheduler) -> None:
-    while len(s.running) + len(s.waiting) < batch:
-      prompt = np.concatenate([system, rng.integers(0, 50_000, int(rng.integers(1, 3 * bs)))])
-      s.submit(Request(count[0], prompt, int(rng.integers(16, 128))))
-      count[0] += 1
+  top_up = serving_bench.chat_top_up(batch, bs, seed)
 
   sched.warmup(progress=False)
   for _ in range(_WARMUP.value):

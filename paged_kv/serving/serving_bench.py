@@ -25,6 +25,7 @@ first token) / (output tokens - 1); times on the scheduler's clock.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 import dataclasses
 import math
 import statistics
@@ -78,6 +79,23 @@ def random_workload(num_requests: int, prompt_len: int, output_len: int, vocab_s
                   for _ in range(num_requests))
   return Workload(prompts, (output_len,) * num_requests,
                   f"random: {prompt_len} prompt, {output_len} output tokens")
+
+
+def chat_top_up(batch: int, block_size: int, seed: int) -> Callable[[Scheduler], None]:
+  """The host benchmarks' chat workload: `top_up(sched)` submits requests until
+  `batch` are running or waiting, each a shared system prompt of 4 blocks plus 1 to
+  3 blocks of its own, generating 16-127 tokens (ids in [0, 50,000), seeded)."""
+  rng = np.random.default_rng(seed)
+  system = rng.integers(0, 50_000, 4 * block_size)
+  count = [0]
+
+  def top_up(sched: Scheduler) -> None:
+    while len(sched.running) + len(sched.waiting) < batch:
+      own = rng.integers(0, 50_000, int(rng.integers(1, 3 * block_size)))
+      sched.submit(Request(count[0], np.concatenate([system, own]), int(rng.integers(16, 128))))
+      count[0] += 1
+
+  return top_up
 
 
 def trace_workload(path: str, num_requests: int, vocab_size: int, *, skip: int = 0,
