@@ -5,7 +5,8 @@ size) and a scheduler config (batch, prefill budget and chunk, recompute or swap
 preemption, tail packing, compaction on/off with a random policy, promotion into
 the base pool, governance quotas and GC, stop token, reserve ratio, watermark,
 eviction policy, the overlapped or the synchronous loop, 1, 2 or 4 decode steps per
-dispatch), then a stream of requests over three namespaces whose prompts
+dispatch, executor failures injected while a step is in flight), then a stream of
+requests over three namespaces whose prompts
 share prefixes *with the same token ids across namespaces*, arriving a few per
 step into a pool small enough to evict and preempt. Some cases also shrink the
 pool while serving (`Scheduler.shrink_to`, retried while refused) and some drain
@@ -20,6 +21,15 @@ encode (tenant, token, position). After every step:
   moves and a restore);
 * with scrubbing, every slot handed out reads zero first and every slot not handed out
   holds zeros.
+
+Fault cases (`FaultyTaggingExecutor`) make about one executor call in
+`FAULT_EVERY` raise, before the call changes anything or after it (the new state
+attached, as a failing jitted step leaves it), in one-step and k-step calls alike;
+the scheduler recovers (`num_recoveries`) and serving goes on. Every case (fault or
+not) checks at the end that each finished request's output is exactly the chain
+the executor samples from its prompt (`kv_tags.next_token`: a token lost,
+duplicated or read from a stale step breaks it) and that the `on_step` stream
+delivered each request's output once, in order.
 
 At the end the queue drains, the cache is evicted, and the pool is 100% free with
 every reference count 0.
@@ -60,6 +70,7 @@ from absl.testing import absltest
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.serving import Request, Scheduler, SchedulerConfig, persist
+from paged_kv.serving.executor import attach_state
 from paged_kv.serving.governance import CacheGovernance
 from radix.cache import PrefixCache
 from tests.serving import kv_tags
@@ -75,10 +86,12 @@ STOP_VOCAB = 24  # ids a stop-token case samples among
 # Features every case reports (`Case.features`); long mode needs each on somewhere.
 FEATURES = ("pressure", "prefix_cache", "governance", "gc", "promotion", "base_pool", "shrink",
             "swap", "scrub", "persist", "stop_token", "table_limit", "compaction", "pack_tails",
-            "sync_loop", "multi_step")
+            "sync_loop", "multi_step", "faults")
+FAULT_EVERY = 12  # a fault case's executor calls per injected failure (on average)
 # Forced on for `seed % 3 == k`: three consecutive seeds turn every feature on.
 _FORCED = ({"governance", "gc", "shrink", "persist", "compaction", "swap", "sync_loop"},
-           {"stop_token", "table_limit", "scrub", "pack_tails", "promotion", "multi_step"},
+           {"stop_token", "table_limit", "scrub", "pack_tails", "promotion", "multi_step",
+            "faults"},
            {"pressure"})
 
 
@@ -93,12 +106,58 @@ class ResizingTaggingExecutor(kv_tags.TaggingExecutor):
     self.config = config
 
 
+class InjectedFault(RuntimeError):
+  """The failure a `FaultyTaggingExecutor` raises."""
+
+
+class FaultyTaggingExecutor(ResizingTaggingExecutor):
+  """Raises `InjectedFault` on random calls (`step` and `decode_steps`): before the
+  call (nothing changed) or after it (the new state attached to the exception, as
+  a jitted step that fails after its donation leaves it). `in_flight_faults` counts
+  the faults raised while an earlier step's tokens were still unread."""
+
+  def __init__(self, *args, seed: int, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.rng = np.random.default_rng(seed)
+    self.faults = self.in_flight_faults = 0
+    self._depth = 0  # `decode_steps` runs `step`: inject at the outer call only
+
+  def _fault(self) -> str | None:
+    if self._depth or self.rng.random() >= 1 / FAULT_EVERY:
+      return None
+    self.faults += 1
+    self.in_flight_faults += any(r.in_flight for r in self.sched.running)
+    return "before" if self.rng.random() < 0.5 else "after"
+
+  def _call(self, call, state, *args, **kwargs):
+    when = self._fault()
+    if when == "before":
+      raise InjectedFault("injected before the call")
+    self._depth += 1
+    try:
+      out = call(state, *args, **kwargs)
+    finally:
+      self._depth -= 1
+    if when == "after":
+      exc = InjectedFault("injected after the call")
+      attach_state(exc, out[0])
+      raise exc
+    return out
+
+  def step(self, state, plan):
+    return self._call(super().step, state, plan)
+
+  def decode_steps(self, state, plan, remaining, *, num_steps: int):
+    return self._call(super().decode_steps, state, plan, remaining, num_steps=num_steps)
+
+
 @dataclasses.dataclass
 class Case:
   seed: int
   pool: paged_kv.PoolConfig
   sched: SchedulerConfig
   num_requests: int
+  faults: bool = False  # the executor raises now and then (`FaultyTaggingExecutor`)
   max_new_tokens: int = 12
   min_new_tokens: int = 1
   max_prompt: int | None = None  # prompts cut to 2..max_prompt tokens (pressure cases)
@@ -175,8 +234,10 @@ def draw_case(seed: int) -> Case:
   num_requests = int(rng.integers(40, 61)) if pressure else int(rng.integers(15, 45))
   # (a pressure pool has no room to give; a table-limit pool keeps its shape)
   shrink = not pressure and not table_limit and on("shrink", 0.3)
+  # (a fault recomputes the rows of the failed step: not in the pressure cases' rate)
+  faults = not pressure and on("faults", 0.2)
   case = Case(
-      seed=seed, pool=pool, sched=sched, num_requests=num_requests,
+      seed=seed, pool=pool, sched=sched, num_requests=num_requests, faults=faults,
       max_new_tokens=48 if pressure else 12, min_new_tokens=24 if pressure else 1,
       max_prompt=12 if pressure else None,
       pressure=pressure, vocab=STOP_VOCAB if stop else None,
@@ -192,7 +253,7 @@ def draw_case(seed: int) -> Case:
       "shrink": shrink, "swap": sched.preemption == "swap", "scrub": pool.scrub_freed_blocks,
       "persist": persist_rt, "stop_token": stop, "table_limit": table_limit,
       "compaction": compaction is not None, "pack_tails": sched.pack_tails,
-      "sync_loop": not sched.overlap, "multi_step": sched.decode_steps > 1}
+      "sync_loop": not sched.overlap, "multi_step": sched.decode_steps > 1, "faults": faults}
   case.features = frozenset(k for k, v in flags.items() if v)
   return case
 
@@ -261,6 +322,9 @@ class Totals:
   round_trip_tokens: int = 0  # cached tokens saved, restored and read back
   round_trip_refused: int = 0  # loads refused (PoolExhausted): promoted blocks lost room
   multi_step_calls: int = 0  # executor calls that ran k > 1 decode steps
+  faults: int = 0  # injected executor failures the scheduler recovered from
+  in_flight_faults: int = 0  # of them, raised while an earlier step's tokens were unread
+  chains_checked: int = 0  # finished requests whose output chain and stream were checked
   features: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
   def absorb(self, sched: Scheduler) -> None:
@@ -278,6 +342,8 @@ class Totals:
     self.shrink_cuts += st.shrinks
     self.shrink_moves += st.shrink_moves
     self.multi_step_calls += sched.executor.multi_steps
+    self.faults += getattr(sched.executor, "faults", 0)
+    self.in_flight_faults += getattr(sched.executor, "in_flight_faults", 0)
     for r in sched.finished:
       self.stop_tokens += r.stop_reason == "stop_token"
       self.table_full_stops += r.stop_reason == "table_full"
@@ -288,7 +354,8 @@ class Totals:
     for name in ("stop_tokens", "table_full_refused", "table_full_rows", "shrink_cuts",
                  "round_trips", "swap_preemptions", "promotions", "quota_holds",
                  "quota_evicted_blocks", "gc_evicted_tokens", "compactions", "pack_moves",
-                 "shrink_moves", "evictions", "multi_step_calls"):
+                 "shrink_moves", "evictions", "multi_step_calls", "faults",
+                 "in_flight_faults"):
       if not getattr(self, name):
         out.append(f"no {name}")
     if self.pressure_steps and self.pressure_preemptions < PRESSURE_RATE * self.pressure_steps:
@@ -311,6 +378,36 @@ def _nodes(sched: Scheduler) -> list[tuple[str, tuple[int, ...]]]:
     return []
   return sorted((repr(n.namespace), tuple(cache.tree.path_tokens(n.node_id).tolist()))
                 for n in cache.tree.nodes())
+
+
+def _scheduler(case: Case, pool: paged_kv.BlockPool, clock_fn, on_step, cache=None) -> Scheduler:
+  """A scheduler on `pool` with the case's tagging executor (a faulty one in fault cases)."""
+  config = pool.config
+  if case.faults:
+    executor = FaultyTaggingExecutor(config, tenant_of, vocab=case.vocab, seed=case.seed)
+  else:
+    executor = ResizingTaggingExecutor(config, tenant_of, vocab=case.vocab)
+  sched = Scheduler(pool, executor, case.sched, cache=cache, clock=clock_fn, on_step=on_step)
+  executor.sched = sched
+  return sched
+
+
+def check_chains(case: Case, sched: Scheduler, streamed: dict) -> int:
+  """Every finished request's output is the chain the executor samples from its prompt
+  (`kv_tags.next_token`), and the stream delivered it once, in order. Returns the
+  number of requests checked."""
+  for req in sched.finished:
+    tenant = tenant_of(req.namespace)
+    prev, pos = int(req.prompt[-1]), int(req.prompt.size) - 1
+    for i, token in enumerate(req.output):
+      want = kv_tags.next_token(tenant, prev, pos, case.vocab)
+      assert token == want, (f"request {req.request_id!r} output {i} is {token}, the chain "
+                             f"gives {want} (output {req.output})")
+      prev, pos = token, pos + 1
+    got = streamed.get(req.request_id, [])
+    assert got == list(req.output), (f"request {req.request_id!r} streamed {got}, "
+                                     f"output {req.output}")
+  return len(sched.finished)
 
 
 def _round_trip(case: Case, sched: Scheduler, clock_fn, totals: Totals) -> Scheduler:
@@ -345,9 +442,7 @@ def _round_trip(case: Case, sched: Scheduler, clock_fn, totals: Totals) -> Sched
     else:
       raise AssertionError("the saved cache never fit a fresh pool of the same config")
     assert os.listdir(tmp) == ["cache.npz"], os.listdir(tmp)  # no temporary file left
-  executor = ResizingTaggingExecutor(config, tenant_of, vocab=case.vocab)
-  new = Scheduler(pool, executor, case.sched, cache=cache, clock=clock_fn)
-  executor.sched = new
+  new = _scheduler(case, pool, clock_fn, on_step=sched.on_step, cache=cache)
   assert new.cache.num_tokens == num_tokens, (new.cache.num_tokens, num_tokens)
   assert _nodes(new) == before, "the restored tree differs from the saved one"
   new.check_invariants()
@@ -362,11 +457,16 @@ def run_case(case: Case, totals: Totals) -> None:
   """One case to its drain; raises on any violation."""
   rng = np.random.default_rng(case.seed + 1_000_003)
   pool = paged_kv.BlockPool(case.pool)
-  executor = ResizingTaggingExecutor(case.pool, tenant_of, vocab=case.vocab)
   clock = [0.0]
   clock_fn = lambda: clock[0]
-  sched = Scheduler(pool, executor, case.sched, clock=clock_fn)
-  executor.sched = sched
+  streamed = collections.defaultdict(list)
+
+  def on_step(report) -> None:
+    for request_id, token in report.tokens:
+      streamed[request_id].append(int(token))
+
+  sched = _scheduler(case, pool, clock_fn, on_step)
+  executor = sched.executor
   pending = request_stream(rng, case.num_requests, case.max_new_tokens, case.min_new_tokens,
                            case.table_limit, case.max_prompt)
   case_totals = Totals()
@@ -384,6 +484,7 @@ def run_case(case: Case, totals: Totals) -> None:
     if round_trip_after is not None and submitted >= round_trip_after:
       if sched.idle and not shrinking():
         assert sched.stats.finished == accepted, (sched.stats.finished, accepted)
+        case_totals.chains_checked += check_chains(case, sched, streamed)
         case_totals.absorb(sched)
         done_before_trip = accepted
         sched = _round_trip(case, sched, clock_fn, case_totals)
@@ -415,7 +516,10 @@ def run_case(case: Case, totals: Totals) -> None:
         shrink_at = steps + 5 if shrink_tries < 8 else None
     if sched.idle and not shrinking():
       continue
-    sched.step()
+    try:
+      sched.step()
+    except InjectedFault:
+      assert sched.broken is None, sched.broken
     steps += 1
     clock[0] += 1.0
     if steps > 20_000:
@@ -437,6 +541,7 @@ def run_case(case: Case, totals: Totals) -> None:
   sched.check_invariants()
   if config.scrub_freed_blocks:
     assert not np.any(np.asarray(pool.state.pages.k)), "a freed block kept K/V"
+  case_totals.chains_checked += check_chains(case, sched, streamed)
   case_totals.absorb(sched)
   case_totals.table_full_rows = len(full_rows)
   if case.pressure:
