@@ -61,21 +61,11 @@ _CLIENT = flags.DEFINE_string("client_url", None, "Internal: run as the client p
 def _write_tiny(path: Path) -> Path:
   """A random tiny Llama checkpoint plus a byte-level BPE tokenizer.json (specials
   <unk>, <s>, </s>; no eos in the config, so requests run to max_tokens)."""
-  # pylint: disable=import-outside-toplevel
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  from paged_kv.model import random_checkpoint
+  from paged_kv.model import random_checkpoint  # pylint: disable=import-outside-toplevel
   hf = random_checkpoint.hf_config("tiny", dtype="float32", eos_token_id=None,
                                    max_position_embeddings=1024)
   random_checkpoint.write_random_checkpoint(path, hf, seed=0)
-  tok = Tokenizer(models.BPE(unk_token="<unk>"))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  text = ["a paged kv cache keeps the keys and values of every token in fixed blocks",
-          "the scheduler batches prompts and decodes in one forward pass per step"]
-  tok.train_from_iterator(text * 8, trainers.BpeTrainer(
-      vocab_size=hf["vocab_size"], special_tokens=["<unk>", "<s>", "</s>"],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-  tok.save(str(path / "tokenizer.json"))
+  random_checkpoint.write_byte_level_tokenizer(path, hf["vocab_size"])
   return path
 
 

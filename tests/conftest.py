@@ -183,6 +183,8 @@ _LONG = (
     # make test keeps serving/test_runtime_discipline.py and the scheduler's tests.
     "examples/test_soak_runtime.py",
     "serving/test_soak.py",
+    # The server under a misbehaving client load; make test keeps the server's tests.
+    "examples/test_soak_server.py",
     # gpu_check.sh --dry over every row; make test keeps its subset and plan tests.
     "kernels/test_gpu_check.py::test_dry_mode_every_row_and_injected_faults",
     # Token equality under slot packing and forced compaction; make test keeps it

@@ -14,7 +14,9 @@ vocab 128,256, tied embeddings; 1.24 B parameters), `llama-3.1-8b` (32 layers, 4
 tests and CPU runs). The configs are those the models ship, rope scaling included.
 
 numpy, safetensors (the `hf` extra) and, for bf16 tensors, ml_dtypes (a JAX
-dependency); no JAX, no torch.
+dependency); no JAX, no torch. `write_byte_level_tokenizer` adds a small trained
+byte-level BPE `tokenizer.json` (the `tokenizers` package, also in the `hf` extra),
+so that text goes in and out of a random checkpoint (the server's benchmarks).
 
 Usage:
   from paged_kv.model import random_checkpoint
@@ -32,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SHAPES", "hf_config", "num_parameters", "tensor_specs", "write_random_checkpoint"]
+__all__ = ["SHAPES", "hf_config", "num_parameters", "tensor_specs", "write_random_checkpoint",
+           "write_byte_level_tokenizer"]
 
 _LLAMA3 = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                attention_bias=False, attention_dropout=0.0, mlp_bias=False,
@@ -182,3 +185,39 @@ def write_random_checkpoint(path: str | os.PathLike, hf: dict, *, seed: int = 0,
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
   (path / "config.json").write_text(json.dumps(hf, indent=2))
   return path
+
+
+_CORPUS = ("a paged kv cache keeps the keys and values of every token in fixed blocks",
+           "the scheduler batches prompts and decodes in one forward pass per step")
+
+
+def write_byte_level_tokenizer(path: str | os.PathLike, vocab_size: int) -> Path:
+  """Writes `tokenizer.json` into directory `path`: a byte-level BPE of `vocab_size` ids
+  trained on two sentences, specials `<unk>` (0), `<s>` (1), `</s>` (2); returns the file.
+
+  Every byte has an id (the byte-level alphabet), so any text encodes; the ids stay
+  below `vocab_size` (a checkpoint of that vocabulary can take them).
+
+  Raises:
+    ValueError: `vocab_size` below the byte alphabet plus the specials (259).
+  """
+  try:
+    # pylint: disable=import-outside-toplevel
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  except ModuleNotFoundError as err:
+    raise ModuleNotFoundError("writing a tokenizer needs tokenizers; install it with: "
+                              "pip install 'paged-kv[hf]'", name="tokenizers") from err
+  alphabet = pre_tokenizers.ByteLevel.alphabet()
+  if vocab_size < len(alphabet) + 3:
+    raise ValueError(f"vocab_size={vocab_size} is below the {len(alphabet)} bytes plus 3 "
+                     f"special tokens of a byte-level tokenizer")
+  tok = Tokenizer(models.BPE(unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(list(_CORPUS) * 8, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+      initial_alphabet=alphabet, show_progress=False))
+  out = Path(path) / "tokenizer.json"
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tok.save(str(out))
+  return out

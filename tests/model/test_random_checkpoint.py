@@ -139,3 +139,16 @@ def test_transformers_loads_it_and_generates_the_same_tokens(tiny):
 def test_compare_counts_full_matches_and_first_differences():
   assert hf_reference.compare([[1, 2, 3], [4, 5], [6]], [[1, 2, 3], [4, 7], [6, 8]]) == (
       1, [(1, 1), (2, 1)])
+
+
+def test_byte_level_tokenizer_round_trips_any_text_within_the_vocabulary(tmp_path):
+  tokenizers = pytest.importorskip("tokenizers", reason="the hf extra (pip install "
+                                   "'paged-kv[hf]')")
+  path = random_checkpoint.write_byte_level_tokenizer(tmp_path, 300)
+  tok = tokenizers.Tokenizer.from_file(str(path))
+  text = "a paged kv cache: héllo ✓ 123"
+  ids = tok.encode(text).ids
+  assert ids and max(ids) < 300 and tok.decode(ids) == text
+  assert [tok.token_to_id(s) for s in ("<unk>", "<s>", "</s>")] == [0, 1, 2]
+  with pytest.raises(ValueError, match="vocab_size=100 is below"):
+    random_checkpoint.write_byte_level_tokenizer(tmp_path, 100)
