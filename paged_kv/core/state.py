@@ -7,6 +7,7 @@ build new instances with `dataclasses.replace` and never mutate.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -212,7 +213,16 @@ class PoolState:
 
 
 def init_pool(config: PoolConfig) -> PoolState:
-  """An empty pool: every block free, every sequence row inactive, pages zero."""
+  """An empty pool: every block free, every sequence row inactive, pages zero.
+
+  One jitted program per config (module level, so `paged_kv.runtime.executables`
+  can release it with the library's other programs; eager `jnp` calls would leave
+  one program per op and shape in JAX's own caches)."""
+  return _init_pool(config)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _init_pool(config: PoolConfig) -> PoolState:
   n, bs = config.num_blocks, config.block_size
   shape = (config.num_layers, config.num_kv_heads, n, bs, config.head_dim)
   pages = KVPages(k=jnp.zeros(shape, config.jnp_dtype), v=jnp.zeros(shape, config.jnp_dtype))
