@@ -64,6 +64,8 @@ class Server:
     exporter: the `MetricsExporter`, or None (the `metrics` extra missing).
     num_server_errors: responses that failed inside the server (HTTP 500, or a
       stream cut by an engine failure).
+    num_client_disconnects: requests whose client left before its body arrived
+      (nothing was queued; answered 499 to nobody, not counted as errors).
   """
 
   def __init__(self, llm: LLM, *, max_queued: int = 256, model_name: str | None = None,
@@ -80,6 +82,7 @@ class Server:
         _log.warning("prometheus-client is not installed: /metrics answers 501")
     self.engine = EngineThread(llm.engine, max_queued=max_queued)
     self.num_server_errors = 0
+    self.num_client_disconnects = 0
     self.created = int(time.time())
 
   @property
@@ -190,6 +193,7 @@ def build_app(server: Server) -> Any:
   """The FastAPI app of `server` (its lifespan starts and stops the engine thread)."""
   fastapi = _fastapi()
   from fastapi import responses  # pylint: disable=import-outside-toplevel
+  from starlette.requests import ClientDisconnect  # pylint: disable=import-outside-toplevel
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -226,6 +230,9 @@ def build_app(server: Server) -> Any:
       return error(429, str(err))
     except EngineStopped as err:
       return error(503, str(err))
+    except ClientDisconnect:  # gone while its body was read: nobody to answer
+      server.num_client_disconnects += 1
+      return responses.Response(status_code=499)
     except Exception as err:  # pylint: disable=broad-except  (answered 500, counted, logged)
       server.num_server_errors += 1
       _log.exception("request failed")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import threading
 import time
 
@@ -180,6 +181,21 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(served):
   assert outcome == ["gave up"]
   _idle(server)
   assert server.engine.call(lambda e: e.scheduler.stats.aborted) == aborted + 1
+
+
+def test_a_client_that_leaves_before_its_body_arrives_is_no_server_error(served):
+  server, bg, _ = served
+  errors, gone = server.num_server_errors, server.num_client_disconnects
+  with socket.create_connection((bg.host, bg.port)) as conn:
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+    time.sleep(0.2)  # the handler is reading the body
+  deadline = time.monotonic() + 30
+  while server.num_client_disconnects == gone and time.monotonic() < deadline:
+    time.sleep(0.02)
+  assert server.num_client_disconnects == gone + 1
+  assert server.num_server_errors == errors
+  assert server.engine.outstanding == 0
 
 
 def test_64_concurrent_streaming_clients_lose_nothing(served):
