@@ -15,7 +15,8 @@ a client process keeps `--concurrency` connections busy for `--seconds`
 
 A full queue answers 429 (allowed, counted). Anything else (a 5xx, an unexpected
 status, a broken stream, a stream without `[DONE]`) is an error. A third party
-scrapes `/metrics` every `--scrape_every_s` (the client process, as Prometheus would).
+scrapes `/metrics` every `--scrape_every_s` on the clock, on its own connection (the
+client process, as Prometheus would); their latencies are reported.
 The server process samples its resident memory every second.
 
 At the end feeding stops, the server drains, and the script checks: no request
@@ -157,23 +158,42 @@ async def _client_run(url: str, p: dict) -> dict:
         if len(errors) < 20:
           errors.append(f"{kind}: {type(e).__name__}: {e}")
 
+  latencies: list[float] = []
+
+  async def scrape(client) -> None:
+    t0 = time.monotonic()
+    try:
+      r = await client.get("/metrics")
+      ok = r.status_code == 200 and "paged_kv_" in r.text
+      scrapes["ok" if ok else f"status {r.status_code}"] += 1
+    except httpx.HTTPError as e:
+      scrapes[type(e).__name__] += 1
+    latencies.append(time.monotonic() - t0)
+
   async def scraper(client) -> None:
-    while time.monotonic() < deadline:
-      t0 = time.monotonic()
-      try:
-        r = await client.get("/metrics")
-        ok = r.status_code == 200 and "paged_kv_" in r.text
-        scrapes["ok" if ok else f"status {r.status_code}"] += 1
-      except httpx.HTTPError as e:
-        scrapes[type(e).__name__] += 1
-      await asyncio.sleep(max(0.0, p["scrape_every_s"] - (time.monotonic() - t0)))
+    """A scrape every `scrape_every_s` on the clock, however long the last one took
+    (as Prometheus does), on its own connection."""
+    tasks = []
+    tick = time.monotonic()
+    while tick < deadline:
+      tasks.append(asyncio.create_task(scrape(client)))
+      tick += p["scrape_every_s"]
+      await asyncio.sleep(max(0.0, tick - time.monotonic()))
+    await asyncio.gather(*tasks)
 
   n = p["concurrency"]
-  limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
-  async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
-    await asyncio.gather(scraper(client), *(worker(w, client) for w in range(n)))
+  # Idle connections expire on the client before the server's keep-alive timeout
+  # (uvicorn's 5 s), so a request never goes out on a connection the server closes.
+  limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0)
+  async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client, \
+      httpx.AsyncClient(base_url=url, timeout=600) as metrics_client:
+    await asyncio.gather(scraper(metrics_client), *(worker(w, client) for w in range(n)))
+  latencies.sort()
+  pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies \
+      else None
   return {"outcomes": {k: dict(v) for k, v in outcomes.items()}, "errors": errors,
-          "scrapes": dict(scrapes)}
+          "scrapes": dict(scrapes), "scrape_s": {"p50": pick(0.5), "p99": pick(0.99),
+                                                 "max": latencies[-1] if latencies else None}}
 
 
 def _client_main(url: str) -> None:
@@ -256,6 +276,7 @@ def soak(seconds: float) -> dict:
 
       end = engine.call(final)
       server_errors = server.num_server_errors
+      disconnects = server.num_client_disconnects
     rss.stop.set()
     rss.join()
   samples = rss.samples
@@ -275,6 +296,7 @@ def soak(seconds: float) -> dict:
   }
   return dict(seconds=seconds, concurrency=_CONCURRENCY.value, max_batch=batch,
               outcomes=load["outcomes"], client_errors=load["errors"], scrapes=load["scrapes"],
+              scrape_s=load["scrape_s"], client_disconnects=disconnects,
               server_errors=server_errors, end=end,
               rss_mib=dict(first=samples[0][1] / 2**20 if samples else None,
                            window_first=window[0] / 2**20 if window else None,
@@ -298,7 +320,9 @@ def main(argv):
   res = soak(seconds)
   print(f"\n{seconds:.0f} s, {res['concurrency']} connections, max_batch {res['max_batch']}: "
         f"{res['end']['steps']} steps, {res['end']['finished']} finished, "
-        f"{res['end']['aborted']} aborted, scrapes {res['scrapes']}\n")
+        f"{res['end']['aborted']} aborted, {res['client_disconnects']} left before their "
+        f"body arrived; scrapes {res['scrapes']}, latency p50 {res['scrape_s']['p50']:.3f} s, "
+        f"p99 {res['scrape_s']['p99']:.3f} s\n")
   print("| kind | outcomes |\n|---|---|")
   for kind, out in res["outcomes"].items():
     print(f"| {kind} | {', '.join(f'{k}: {v}' for k, v in sorted(out.items()))} |")
