@@ -3,8 +3,8 @@ or gets `MapLimitNear`, never a segfault (`paged_kv.runtime.executables`).
 
 The run is a child process (releasing the library's programs in a test worker would
 make every later test there compile again): it lowers the map limit it sees to a
-small budget above its mappings after start-up, builds 8 pool shapes one after the
-other (each compiling its own programs: ~120 mappings per shape on XLA CPU), and
+small budget above its mappings after start-up, builds 8 pool shapes
+(`PAGED_KV_POOL_SHAPES=N`: N) one after the other (each compiling its own programs: ~120 mappings per shape on XLA CPU), and
 reports the most mappings seen. Without the release they grow with every shape
 (~1,000 over 8 shapes); with it they stay under the budget. Then the refusal
 threshold is set below the mappings held: the next new shape raises `MapLimitNear`
@@ -40,7 +40,7 @@ executables.BUDGET.limit = base + 1000
 executables.BUDGET.release_fraction = (base + 300) / executables.BUDGET.limit
 executables.BUDGET.refuse_fraction = 1.0
 peak = base
-for i in range(8):
+for i in range(int(sys.argv[1])):
   use(9 + i)  # the previous shape's pool is gone: its config retired
   peak = max(peak, counters.memory_mappings())
 out = {"base": base, "peak": peak, "releases": executables.releases,
@@ -61,8 +61,9 @@ class MapBoundTest(absltest.TestCase):
   def test_many_pool_shapes_stay_under_a_map_bound_or_raise_typed(self):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=repo)
-    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                         cwd=repo, env=env, timeout=600)
+    shapes = int(os.environ.get("PAGED_KV_POOL_SHAPES", "0") or 0) or 8
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(shapes)], capture_output=True,
+                         text=True, cwd=repo, env=env, timeout=600 + 10 * shapes)
     self.assertEqual(out.returncode, 0, out.stderr[-3000:])
     got = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\nmap bound: {got}")
