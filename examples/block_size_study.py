@@ -1,0 +1,194 @@
+"""Block size study: internal waste at blocks 16, 32 and 64 over public traces, slotting on.
+
+For each trace (a Mooncake `.jsonl` or Azure `.csv`, `paged_kv.serving.traces`) and
+each block size, the sequences' lengths (prompt + output tokens of each request)
+are held in a real pool, and two numbers are measured:
+
+* **live** (flat): every sequence holds `ceil(L / B)` blocks, its tail block partly
+  empty: what rows still decoding cost (their tails may grow, so nothing packs them);
+* **slotted**: the tails are then handed to an outside holder (as the prefix cache
+  holds finished sequences) and packed with `slots.pack_slots`, `--chunk` segments
+  per call, in trace order: what finished sequences a holder keeps cost.
+
+Efficiency = tokens held / slots of the blocks they occupy. Only tails enter the
+pool: a sequence's full blocks hold no waste at any block size (and the Mooncake
+trace's shared prefixes are 512-token blocks, whole at every candidate), so they are
+counted, not simulated. Beside the pool's numbers the script prints the model of
+`paged_kv.core.block_size` (`block_efficiency`: flat exact, slotted tails at their
+own tokens) and the rule's pick and break-even read rates (how much faster than
+block 16 a bigger block must read to pay for its waste). With `--gpu_check=PATH` (a
+`gpu_check.json` with the block-size rows) the pick uses the measured rates;
+without, bandwidth is unmeasured and the rule picks the smallest block.
+
+Usage: python examples/block_size_study.py [--max_requests=4096 --record=PATH]
+       python examples/block_size_study.py --traces=a.csv --block_sizes=16,64   # smoke
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+import jax
+import numpy as np
+
+import paged_kv
+from paged_kv.core import alloc, block_size as block_size_rule, segments, slots
+from paged_kv.serving import traces
+from paged_kv.telemetry import records
+
+_TRACE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
+                          "traces")
+_DEFAULT_TRACES = [os.path.join(_TRACE_DIR, name) for name in traces.KNOWN_TRACES]
+
+_TRACES = flags.DEFINE_list("traces", _DEFAULT_TRACES, "Trace files (.jsonl Mooncake, .csv "
+                            "Azure); default: the public traces in ../shared/traces.")
+_BLOCK_SIZES = flags.DEFINE_list("block_sizes", ["16", "32", "64"], "Block sizes to study.")
+_MAX_REQUESTS = flags.DEFINE_integer("max_requests", 4096, "First requests of each trace "
+                                     "(0: all).")
+_CHUNK = flags.DEFINE_integer("chunk", 256, "Sequences per pool call (open, reserve, pack).")
+_GPU_CHECK = flags.DEFINE_string("gpu_check", None, "A gpu_check.json with the block-size "
+                                 "rows: the rule then uses the measured read rates.")
+_GPU_SHAPE = flags.DEFINE_enum("gpu_shape", "b64x8k", ["b64x8k", "b1x128k"],
+                               "Which decode shape's rates the rule uses.")
+_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+
+
+def _bucket(x: int) -> int:
+  return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _pad(a, size, fill):
+  a = np.asarray(a, np.int32)
+  out = np.full((size,), fill, np.int32)
+  out[:len(a)] = a
+  return out
+
+
+def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int) -> dict:
+  """Live and slotted efficiency of `lengths` at `block_size`, from the pool's transitions.
+
+  Every non-zero tail (`L mod B`) is reserved as one row's tokens, handed to an
+  outside holder (one reference each) and its row released; the pool's used blocks
+  give the live number. Then `pack_slots` packs the held tails, `chunk` per call,
+  and the used blocks give the slotted number. Checks that every tail is packed or
+  kept and that the pool's reference counts match the holder's.
+  """
+  b = int(block_size)
+  lengths = np.asarray(lengths, np.int64)
+  tails = (lengths % b).astype(np.int32)
+  tails = tails[tails > 0]
+  full_blocks = int((lengths // b).sum())
+  tokens = int(lengths.sum())
+  n = len(tails)
+  config = paged_kv.PoolConfig(num_blocks=max(n, 1) + chunk, block_size=b, num_layers=1,
+                               num_kv_heads=1, head_dim=1, max_seqs=chunk, max_segments=1)
+  state = paged_kv.init_pool(config)
+  held = np.zeros((n, 3), np.int32)  # (block, start, length) the outside holder keeps
+  rows = np.arange(chunk, dtype=np.int32)
+  zeros = np.zeros((chunk, 1), np.int32)
+  for lo in range(0, n, chunk):
+    part = tails[lo:lo + chunk]
+    k = len(part)
+    r = _pad(rows[:k], chunk, -1)
+    state, st = segments.open_sequence(state, r, zeros, zeros, zeros,
+                                       np.zeros(chunk, np.int32), config=config)
+    state, (_, st) = segments.reserve_tokens(state, r, _pad(part, chunk, 0), config=config,
+                                             max_new_tokens=b)
+    if (np.asarray(st)[:k] != 0).any():
+      raise RuntimeError(f"reserve failed: {np.asarray(st)[:k]}")
+    t = jax.tree.map(np.asarray, state.table)
+    held[lo:lo + k] = np.stack([t.block[:k, 0], t.start[:k, 0], t.length[:k, 0]], 1)
+    state, _ = alloc.apply_ref_deltas(state, _pad(held[lo:lo + k, 0], chunk, -1),
+                                      _pad(np.ones(k), chunk, 0), config=config)
+    state, _ = segments.release(state, r, config=config)
+  live_blocks = int((np.asarray(state.meta.ref_count) > 0).sum())
+  assert live_blocks == n, (live_blocks, n)
+  packs = 0
+  for lo in range(0, n, chunk):
+    k = min(chunk, n - lo)
+    seg = held[lo:lo + k]
+    state, (nb, ns, st) = slots.pack_slots(
+        state, _pad(np.full(k, slots.OWNER_EXTERNAL), chunk, -1), np.zeros(chunk, np.int32),
+        _pad(seg[:, 0], chunk, -1), _pad(seg[:, 1], chunk, 0), _pad(seg[:, 2], chunk, 0),
+        config=config)
+    nb, ns = np.asarray(nb)[:k], np.asarray(ns)[:k]
+    moved = nb >= 0
+    held[lo:lo + k, 0] = np.where(moved, nb, seg[:, 0])
+    held[lo:lo + k, 1] = np.where(moved, ns, seg[:, 1])
+    packs += int(moved.sum())
+  ref = np.asarray(state.meta.ref_count)
+  want = np.bincount(held[:, 0], minlength=config.num_blocks) if n else np.zeros_like(ref)
+  assert (ref == want).all(), "the pool's references differ from the holder's"
+  slotted_blocks = int((ref > 0).sum())
+  return dict(tokens=tokens, sequences=int(len(lengths)), tails=n, full_blocks=full_blocks,
+              live_blocks=live_blocks, slotted_blocks=slotted_blocks, packs=packs,
+              live=tokens / ((full_blocks + live_blocks) * b),
+              slotted=tokens / ((full_blocks + slotted_blocks) * b))
+
+
+def trace_lengths(path: str, max_requests: int) -> np.ndarray:
+  """`i64[n]`: prompt + output tokens of the first `max_requests` requests (0: all)."""
+  reqs = traces.load_trace(path, max_requests)
+  return np.array([r.input_length + r.output_length for r in reqs], np.int64)
+
+
+def main(argv):
+  del argv
+  sizes = sorted(int(x) for x in _BLOCK_SIZES.value)
+  bandwidth, gpu_note = None, "unmeasured (no --gpu_check)"
+  if _GPU_CHECK.value:
+    with open(_GPU_CHECK.value) as f:
+      bandwidth = block_size_rule.bandwidth_from_gpu_check(json.load(f), _GPU_SHAPE.value)
+    gpu_note = f"{_GPU_SHAPE.value} from {_GPU_CHECK.value}: {bandwidth}"
+  traces.check_trace_files(_TRACES.value)
+  rec = records.Recorder(_RECORD.value, "block_size_study", flag_values=records.script_flags(),
+                         seeds=[])
+  t_start = time.perf_counter()
+  out = []
+  print(f"block sizes {sizes}; first {_MAX_REQUESTS.value or 'all'} requests of each trace; "
+        f"bandwidth {gpu_note}")
+  hdr = (f"{'trace':<34}{'B':>4}{'live (pool)':>12}{'model':>8}{'slotted (pool)':>15}"
+         f"{'model':>8}{'packs':>7}{'break-even':>11}{'wall s':>8}")
+  print(hdr)
+  for path in _TRACES.value:
+    lengths = trace_lengths(path, _MAX_REQUESTS.value)
+    values, counts = block_size_rule.length_distribution(lengths)
+    rows = []
+    for b in sizes:
+      t0 = time.perf_counter()
+      pool = pool_tail_efficiency(lengths, b, _CHUNK.value)
+      wall = time.perf_counter() - t0
+      model_live = block_size_rule.block_efficiency(values, counts, b)
+      model_slotted = block_size_rule.block_efficiency(values, counts, b, slotted_share=1.0)
+      if abs(model_live - pool["live"]) > 1e-12:
+        raise AssertionError(f"model {model_live} != pool {pool['live']} (live, B={b})")
+      rows.append(dict(block_size=b, model_live=model_live, model_slotted=model_slotted,
+                       wall_s=wall, **pool))
+    picks = {}
+    for share in (0.0, 1.0):
+      choice = block_size_rule.choose_block_size(lengths, bandwidth=bandwidth,
+                                                 candidates=sizes, slotted_share=share)
+      picks["live" if share == 0 else "slotted"] = dict(
+          block_size=choice.block_size, break_even=choice.break_even,
+          measured=choice.measured, bandwidth=choice.bandwidth, score=choice.score)
+    for r in rows:
+      be = picks["live"]["break_even"][r["block_size"]]
+      print(f"{os.path.basename(path)[:33]:<34}{r['block_size']:>4}{r['live']:>12.4%}"
+            f"{r['model_live']:>8.3%}{r['slotted']:>15.4%}{r['model_slotted']:>8.3%}"
+            f"{r['packs']:>7}{be:>11.4f}{r['wall_s']:>8.1f}", flush=True)
+    print(f"  rule's pick: live {picks['live']['block_size']}, slotted "
+          f"{picks['slotted']['block_size']} (bandwidth {gpu_note})")
+    out.append(dict(trace=os.path.basename(path), origin=traces.describe_trace(path),
+                    requests=int(len(lengths)), mean_tokens=float(lengths.mean()),
+                    p50_tokens=float(np.percentile(lengths, 50)),
+                    p99_tokens=float(np.percentile(lengths, 99)), rows=rows, picks=picks))
+  print(f"total {time.perf_counter() - t_start:.1f} s")
+  rec.write(dict(block_sizes=sizes, max_requests=_MAX_REQUESTS.value, chunk=_CHUNK.value,
+                 bandwidth=bandwidth, bandwidth_note=gpu_note, traces=out))
+
+
+if __name__ == "__main__":
+  app.run(main)
