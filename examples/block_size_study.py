@@ -10,6 +10,10 @@ are held in a real pool, and two numbers are measured:
   holds finished sequences) and packed with `slots.pack_slots`, `--chunk` segments
   per call, in trace order: what finished sequences a holder keeps cost.
 
+A pool holds `--window` consecutive requests at once (a trace's requests are never
+all resident together, and packing cost grows with the pool); each window is its own
+pool and the numbers add up over the windows.
+
 Efficiency = tokens held / slots of the blocks they occupy. Only tails enter the
 pool: a sequence's full blocks hold no waste at any block size (and the Mooncake
 trace's shared prefixes are 512-token blocks, whole at every candidate), so they are
@@ -49,6 +53,8 @@ _BLOCK_SIZES = flags.DEFINE_list("block_sizes", ["16", "32", "64"], "Block sizes
 _MAX_REQUESTS = flags.DEFINE_integer("max_requests", 4096, "First requests of each trace "
                                      "(0: all).")
 _CHUNK = flags.DEFINE_integer("chunk", 256, "Sequences per pool call (open, reserve, pack).")
+_WINDOW = flags.DEFINE_integer("window", 1024, "Sequences resident together: consecutive "
+                               "requests in trace order share one pool.")
 _GPU_CHECK = flags.DEFINE_string("gpu_check", None, "A gpu_check.json with the block-size "
                                  "rows: the rule then uses the measured read rates.")
 _GPU_SHAPE = flags.DEFINE_enum("gpu_shape", "b64x8k", ["b64x8k", "b1x128k"],
@@ -67,13 +73,15 @@ def _pad(a, size, fill):
   return out
 
 
-def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int) -> dict:
+def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int,
+                         num_blocks: int) -> dict:
   """Live and slotted efficiency of `lengths` at `block_size`, from the pool's transitions.
 
   Every non-zero tail (`L mod B`) is reserved as one row's tokens, handed to an
   outside holder (one reference each) and its row released; the pool's used blocks
   give the live number. Then `pack_slots` packs the held tails, `chunk` per call,
-  and the used blocks give the slotted number. Checks that every tail is packed or
+  and the used blocks give the slotted number. The pool has `num_blocks` blocks (at
+  least one per tail plus `chunk`; the same for every window: one compile). Checks that every tail is packed or
   kept and that the pool's reference counts match the holder's.
   """
   b = int(block_size)
@@ -83,7 +91,9 @@ def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int) -> di
   full_blocks = int((lengths // b).sum())
   tokens = int(lengths.sum())
   n = len(tails)
-  config = paged_kv.PoolConfig(num_blocks=max(n, 1) + chunk, block_size=b, num_layers=1,
+  if num_blocks < n + chunk:
+    raise ValueError(f"num_blocks={num_blocks} < {n} tails + chunk {chunk}")
+  config = paged_kv.PoolConfig(num_blocks=num_blocks, block_size=b, num_layers=1,
                                num_kv_heads=1, head_dim=1, max_seqs=chunk, max_segments=1)
   state = paged_kv.init_pool(config)
   held = np.zeros((n, 3), np.int32)  # (block, start, length) the outside holder keeps
@@ -129,6 +139,22 @@ def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int) -> di
               slotted=tokens / ((full_blocks + slotted_blocks) * b))
 
 
+def windowed_efficiency(lengths: np.ndarray, block_size: int, chunk: int, window: int) -> dict:
+  """`pool_tail_efficiency` over consecutive windows of `window` sequences, summed."""
+  keys = ("tokens", "sequences", "tails", "full_blocks", "live_blocks", "slotted_blocks",
+          "packs")
+  total = dict.fromkeys(keys, 0)
+  for lo in range(0, len(lengths), window):
+    part = pool_tail_efficiency(lengths[lo:lo + window], block_size, chunk, window + chunk)
+    for k in keys:
+      total[k] += part[k]
+  b = int(block_size)
+  total["live"] = total["tokens"] / ((total["full_blocks"] + total["live_blocks"]) * b)
+  total["slotted"] = total["tokens"] / ((total["full_blocks"] + total["slotted_blocks"]) * b)
+  total["windows"] = -(-len(lengths) // window)
+  return total
+
+
 def trace_lengths(path: str, max_requests: int) -> np.ndarray:
   """`i64[n]`: prompt + output tokens of the first `max_requests` requests (0: all)."""
   reqs = traces.load_trace(path, max_requests)
@@ -159,7 +185,7 @@ def main(argv):
     rows = []
     for b in sizes:
       t0 = time.perf_counter()
-      pool = pool_tail_efficiency(lengths, b, _CHUNK.value)
+      pool = windowed_efficiency(lengths, b, _CHUNK.value, _WINDOW.value)
       wall = time.perf_counter() - t0
       model_live = block_size_rule.block_efficiency(values, counts, b)
       model_slotted = block_size_rule.block_efficiency(values, counts, b, slotted_share=1.0)
@@ -187,6 +213,7 @@ def main(argv):
                     p99_tokens=float(np.percentile(lengths, 99)), rows=rows, picks=picks))
   print(f"total {time.perf_counter() - t_start:.1f} s")
   rec.write(dict(block_sizes=sizes, max_requests=_MAX_REQUESTS.value, chunk=_CHUNK.value,
+                 window=_WINDOW.value,
                  bandwidth=bandwidth, bandwidth_note=gpu_note, traces=out))
 
 
