@@ -19,8 +19,9 @@ pool: a sequence's full blocks hold no waste at any block size (and the Mooncake
 trace's shared prefixes are 512-token blocks, whole at every candidate), so they are
 counted, not simulated. Beside the pool's numbers the script prints the model of
 `paged_kv.core.block_size` (`block_efficiency`: flat exact, slotted tails at their
-own tokens) and the rule's pick and break-even read rates (how much faster than
-block 16 a bigger block must read to pay for its waste). With `--gpu_check=PATH` (a
+own tokens), the share of the tails' empty slots packing won back (`recovery`), and
+the rule's pick and break-even read rates (how much faster than block 16 a bigger
+block must read to pay for its waste). With `--gpu_check=PATH` (a
 `gpu_check.json` with the block-size rows) the pick uses the measured rates;
 without, bandwidth is unmeasured and the rule picks the smallest block.
 
@@ -55,6 +56,8 @@ _MAX_REQUESTS = flags.DEFINE_integer("max_requests", 4096, "First requests of ea
 _CHUNK = flags.DEFINE_integer("chunk", 256, "Sequences per pool call (open, reserve, pack).")
 _WINDOW = flags.DEFINE_integer("window", 1024, "Sequences resident together: consecutive "
                                "requests in trace order share one pool.")
+_PACK_ORDER = flags.DEFINE_enum("pack_order", "trace", ["trace", "longest_first"],
+                                "Order in which the held tails are handed to pack_slots.")
 _GPU_CHECK = flags.DEFINE_string("gpu_check", None, "A gpu_check.json with the block-size "
                                  "rows: the rule then uses the measured read rates.")
 _GPU_SHAPE = flags.DEFINE_enum("gpu_shape", "b64x8k", ["b64x8k", "b1x128k"],
@@ -74,13 +77,14 @@ def _pad(a, size, fill):
 
 
 def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int,
-                         num_blocks: int) -> dict:
+                         num_blocks: int, pack_order: str = "trace") -> dict:
   """Live and slotted efficiency of `lengths` at `block_size`, from the pool's transitions.
 
   Every non-zero tail (`L mod B`) is reserved as one row's tokens, handed to an
   outside holder (one reference each) and its row released; the pool's used blocks
   give the live number. Then `pack_slots` packs the held tails, `chunk` per call,
-  and the used blocks give the slotted number. The pool has `num_blocks` blocks (at
+  and the used blocks give the slotted number, in trace order or (`pack_order=
+  "longest_first"`) longest tail first. The pool has `num_blocks` blocks (at
   least one per tail plus `chunk`; the same for every window: one compile). Checks that every tail is packed or
   kept and that the pool's reference counts match the holder's.
   """
@@ -116,6 +120,8 @@ def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int,
     state, _ = segments.release(state, r, config=config)
   live_blocks = int((np.asarray(state.meta.ref_count) > 0).sum())
   assert live_blocks == n, (live_blocks, n)
+  if pack_order == "longest_first":
+    held = held[np.argsort(-held[:, 2], kind="stable")]
   packs = 0
   for lo in range(0, n, chunk):
     k = min(chunk, n - lo)
@@ -139,19 +145,24 @@ def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int,
               slotted=tokens / ((full_blocks + slotted_blocks) * b))
 
 
-def windowed_efficiency(lengths: np.ndarray, block_size: int, chunk: int, window: int) -> dict:
+def windowed_efficiency(lengths: np.ndarray, block_size: int, chunk: int, window: int,
+                        pack_order: str = "trace") -> dict:
   """`pool_tail_efficiency` over consecutive windows of `window` sequences, summed."""
   keys = ("tokens", "sequences", "tails", "full_blocks", "live_blocks", "slotted_blocks",
           "packs")
   total = dict.fromkeys(keys, 0)
   for lo in range(0, len(lengths), window):
-    part = pool_tail_efficiency(lengths[lo:lo + window], block_size, chunk, window + chunk)
+    part = pool_tail_efficiency(lengths[lo:lo + window], block_size, chunk, window + chunk,
+                                pack_order)
     for k in keys:
       total[k] += part[k]
   b = int(block_size)
   total["live"] = total["tokens"] / ((total["full_blocks"] + total["live_blocks"]) * b)
   total["slotted"] = total["tokens"] / ((total["full_blocks"] + total["slotted_blocks"]) * b)
   total["windows"] = -(-len(lengths) // window)
+  waste = (total["full_blocks"] + total["live_blocks"]) * b - total["tokens"]
+  total["recovery"] = ((total["live_blocks"] - total["slotted_blocks"]) * b / waste
+                       if waste else 1.0)
   return total
 
 
@@ -176,8 +187,8 @@ def main(argv):
   out = []
   print(f"block sizes {sizes}; first {_MAX_REQUESTS.value or 'all'} requests of each trace; "
         f"bandwidth {gpu_note}")
-  hdr = (f"{'trace':<34}{'B':>4}{'live (pool)':>12}{'model':>8}{'slotted (pool)':>15}"
-         f"{'model':>8}{'packs':>7}{'break-even':>11}{'wall s':>8}")
+  hdr = (f"{'trace':<34}{'B':>4}{'live (pool)':>12}{'= model':>9}{'slotted (pool)':>15}"
+         f"{'ideal':>9}{'recovery':>9}{'break-even live':>16}{'slotted':>9}{'wall s':>8}")
   print(hdr)
   for path in _TRACES.value:
     lengths = trace_lengths(path, _MAX_REQUESTS.value)
@@ -185,7 +196,7 @@ def main(argv):
     rows = []
     for b in sizes:
       t0 = time.perf_counter()
-      pool = windowed_efficiency(lengths, b, _CHUNK.value, _WINDOW.value)
+      pool = windowed_efficiency(lengths, b, _CHUNK.value, _WINDOW.value, _PACK_ORDER.value)
       wall = time.perf_counter() - t0
       model_live = block_size_rule.block_efficiency(values, counts, b)
       model_slotted = block_size_rule.block_efficiency(values, counts, b, slotted_share=1.0)
@@ -193,27 +204,34 @@ def main(argv):
         raise AssertionError(f"model {model_live} != pool {pool['live']} (live, B={b})")
       rows.append(dict(block_size=b, model_live=model_live, model_slotted=model_slotted,
                        wall_s=wall, **pool))
+    for r in rows:  # from the pool's own numbers
+      r["break_even_slotted"] = rows[0]["slotted"] / r["slotted"]
+    # The rule: live (share 0), and slotted (share 1) at the recovery pack_slots reached
+    # at the largest block (the smallest recovery seen, in these runs).
+    recovery = min(r["recovery"] for r in rows)
     picks = {}
-    for share in (0.0, 1.0):
+    for name, share in (("live", 0.0), ("slotted", 1.0)):
       choice = block_size_rule.choose_block_size(lengths, bandwidth=bandwidth,
-                                                 candidates=sizes, slotted_share=share)
-      picks["live" if share == 0 else "slotted"] = dict(
-          block_size=choice.block_size, break_even=choice.break_even,
-          measured=choice.measured, bandwidth=choice.bandwidth, score=choice.score)
+                                                 candidates=sizes, slotted_share=share,
+                                                 slot_recovery=recovery)
+      picks[name] = dict(block_size=choice.block_size, break_even=choice.break_even,
+                         measured=choice.measured, bandwidth=choice.bandwidth,
+                         score=choice.score, slot_recovery=choice.slot_recovery)
     for r in rows:
-      be = picks["live"]["break_even"][r["block_size"]]
       print(f"{os.path.basename(path)[:33]:<34}{r['block_size']:>4}{r['live']:>12.4%}"
-            f"{r['model_live']:>8.3%}{r['slotted']:>15.4%}{r['model_slotted']:>8.3%}"
-            f"{r['packs']:>7}{be:>11.4f}{r['wall_s']:>8.1f}", flush=True)
+            f"{r['model_live']:>9.4%}{r['slotted']:>15.4%}{r['model_slotted']:>9.3%}"
+            f"{r['recovery']:>9.1%}{picks['live']['break_even'][r['block_size']]:>16.4f}"
+            f"{r['break_even_slotted']:>9.4f}{r['wall_s']:>8.1f}", flush=True)
     print(f"  rule's pick: live {picks['live']['block_size']}, slotted "
-          f"{picks['slotted']['block_size']} (bandwidth {gpu_note})")
+          f"{picks['slotted']['block_size']} (slot_recovery {recovery:.3f}; bandwidth "
+          f"{gpu_note})")
     out.append(dict(trace=os.path.basename(path), origin=traces.describe_trace(path),
                     requests=int(len(lengths)), mean_tokens=float(lengths.mean()),
                     p50_tokens=float(np.percentile(lengths, 50)),
                     p99_tokens=float(np.percentile(lengths, 99)), rows=rows, picks=picks))
   print(f"total {time.perf_counter() - t_start:.1f} s")
   rec.write(dict(block_sizes=sizes, max_requests=_MAX_REQUESTS.value, chunk=_CHUNK.value,
-                 window=_WINDOW.value,
+                 window=_WINDOW.value, pack_order=_PACK_ORDER.value,
                  bandwidth=bandwidth, bandwidth_note=gpu_note, traces=out))
 
 

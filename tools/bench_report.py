@@ -296,9 +296,9 @@ def render_block_size(root):
   study (a) of the fragmentation study at other block sizes (`fragmentation_study`)."""
   recs = _load("block_size", root)
   parts = []
-  head = ["trace", "requests", "tokens mean / p50 / p99", "block", "live: efficiency",
-          "slotted: efficiency (pool)", "slotted: model", "break-even rate vs 16, live",
-          "break-even, slotted", "pick, live / slotted", "bandwidth"]
+  head = ["trace", "requests", "tokens mean / p50 / p99", "block", "pack order",
+          "live: efficiency", "slotted: efficiency", "ideal", "recovery",
+          "break-even rate vs 16, live", "slotted", "pick, live / slotted", "bandwidth"]
   rows = []
   for r in recs:
     res = r["results"]
@@ -310,10 +310,10 @@ def render_block_size(root):
         b = x["block_size"]
         rows.append([t["trace"], f"{t['requests']:,}",
                      f"{t['mean_tokens']:,.0f} / {t['p50_tokens']:,.0f} / "
-                     f"{t['p99_tokens']:,.0f}", str(b), pct(x["live"], 3),
-                     pct(x["slotted"], 3), pct(x["model_slotted"], 3),
-                     f"{picks['live']['break_even'][str(b)]:.4f}x",
-                     f"{picks['slotted']['break_even'][str(b)]:.4f}x",
+                     f"{t['p99_tokens']:,.0f}", str(b), res["pack_order"].replace("_", " "),
+                     pct(x["live"], 3), pct(x["slotted"], 3), pct(x["model_slotted"], 1),
+                     pct(x["recovery"], 1), f"{picks['live']['break_even'][str(b)]:.4f}x",
+                     f"{x['break_even_slotted']:.4f}x",
                      f"{picks['live']['block_size']} / {picks['slotted']['block_size']}",
                      "measured" if picks["live"]["measured"] else "unmeasured"])
   if rows:

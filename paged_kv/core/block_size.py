@@ -7,9 +7,9 @@ Two effects pull in opposite directions:
   (tail) block leaves `B - (L mod B)` slots unused, up to `B - 1`. Short sequences
   lose most: a 20-token node wastes 12 of 32 slots at `B = 16`, 44 of 64 at `B = 64`.
   Slotted packing (`slots.pack_slots`) copies the tail of a finished sequence (one
-  a holder keeps, e.g. the prefix cache) into free slots of a shared block, so a
-  slotted tail costs about its own tokens; the tail of a *live* row may still grow
-  in place and is never packed.
+  a holder keeps, e.g. the prefix cache) into free slots of a shared block, winning
+  back part of its empty slots (`slot_recovery`: all of them with ideal packing);
+  the tail of a *live* row may still grow in place and is never packed.
 * **Read bandwidth.** Decode reads whole pages; bigger pages mean fewer, longer
   contiguous reads and fewer table entries per token, so they may read faster. How
   much is a device property, measured by the `gpu_check` rows at blocks 16, 32 and
@@ -109,30 +109,33 @@ def _check_block_size(b) -> int:
   return int(b)
 
 
-def _check_share(slotted_share) -> float:
-  if (isinstance(slotted_share, (bool, np.bool_)) or not isinstance(slotted_share, numbers.Real)
-      or not 0.0 <= float(slotted_share) <= 1.0):
-    raise InvalidArgument(f"slotted_share must be a number in [0, 1], got {slotted_share!r}")
-  return float(slotted_share)
+def _check_share(value, name: str = "slotted_share") -> float:
+  if (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real)
+      or not 0.0 <= float(value) <= 1.0):
+    raise InvalidArgument(f"{name} must be a number in [0, 1], got {value!r}")
+  return float(value)
 
 
 def block_efficiency(lengths: np.ndarray, counts: np.ndarray, block_size: int, *,
-                     slotted_share: float = 0.0) -> float:
+                     slotted_share: float = 0.0, slot_recovery: float = 1.0) -> float:
   """Tokens held / slots allocated for the distribution at `block_size`, in (0, 1].
 
-  A share `slotted_share` of the sequences (finished ones a holder keeps, whose tails
-  slotted packing moves into shared blocks) costs its tokens exactly; the others
-  cost `ceil(L / B) * B` slots.
+  Every sequence costs `ceil(L / B) * B` slots, except that for a share
+  `slotted_share` of them (finished ones a holder keeps, whose tails slotted packing
+  moves into shared blocks) a share `slot_recovery` of the tail's empty slots is won
+  back: 1 is ideal packing (a slotted tail costs its own tokens); what
+  `slots.pack_slots` achieves depends on the order tails reach it and is measured by
+  `examples/block_size_study.py`.
 
   Raises:
-    InvalidArgument: a bad block size or share (the distribution is taken as built
-      by `length_distribution`).
+    InvalidArgument: a bad block size, share or recovery (the distribution is taken
+      as built by `length_distribution`).
   """
   b = _check_block_size(block_size)
-  share = _check_share(slotted_share)
+  won = _check_share(slotted_share) * _check_share(slot_recovery, "slot_recovery")
   tokens = float(np.sum(lengths * counts))
   flat = float(np.sum(-(-lengths // b) * b * counts))
-  return tokens / ((1.0 - share) * flat + share * tokens)
+  return tokens / (flat - won * (flat - tokens))
 
 
 def bandwidth_from_gpu_check(record: Mapping, shape: str = "b64x8k") -> dict[int, float]:
@@ -183,6 +186,7 @@ class BlockSizeChoice:
       the smallest candidate's, at which `B` scores the same.
     measured: whether a bandwidth table was given.
     slotted_share: the share of sequences whose tails were counted as slotted.
+    slot_recovery: the share of a slotted tail's empty slots counted as won back.
   """
   block_size: int
   candidates: tuple[int, ...]
@@ -192,13 +196,15 @@ class BlockSizeChoice:
   break_even: dict[int, float]
   measured: bool
   slotted_share: float
+  slot_recovery: float
 
 
 def choose_block_size(lengths: Iterable[int] | None = None, *,
                       histogram: Mapping[int, int] | None = None,
                       bandwidth: Mapping[int, float] | None = None,
                       candidates: Iterable[int] = DEFAULT_CANDIDATES,
-                      slotted_share: float = 0.0) -> BlockSizeChoice:
+                      slotted_share: float = 0.0,
+                      slot_recovery: float = 1.0) -> BlockSizeChoice:
   """Picks the block size that maximises `efficiency * bandwidth` (module docstring).
 
   Args:
@@ -210,10 +216,12 @@ def choose_block_size(lengths: Iterable[int] | None = None, *,
     candidates: block sizes to weigh (powers of two up to 128, no repeats).
     slotted_share: share of the sequences whose tails slotted packing holds (the
       finished sequences a prefix cache keeps); 0 counts every tail as a live one.
+    slot_recovery: share of a slotted tail's empty slots packing wins back
+      (`block_efficiency`; 1: ideal).
 
   Raises:
     InvalidArgument: a bad distribution (`length_distribution`), candidate, share, or
-      a bandwidth table missing a candidate or holding a non-positive rate.
+      recovery, or a bandwidth table missing a candidate or holding a non-positive rate.
   """
   values, counts = length_distribution(lengths, histogram=histogram)
   if isinstance(candidates, (str, bytes)):
@@ -223,6 +231,7 @@ def choose_block_size(lengths: Iterable[int] | None = None, *,
     raise InvalidArgument(f"candidates must be distinct and non-empty, got {cands}")
   cands.sort()
   share = _check_share(slotted_share)
+  recovery = _check_share(slot_recovery, "slot_recovery")
   if bandwidth is None:
     rates = {b: 1.0 for b in cands}
   else:
@@ -240,11 +249,12 @@ def choose_block_size(lengths: Iterable[int] | None = None, *,
           or not math.isfinite(float(r)) or float(r) <= 0):
         raise InvalidArgument(f"bandwidth[{b}] must be a positive finite number, got {r!r}")
       rates[b] = float(r) / float(bandwidth[cands[0]])
-  eff = {b: block_efficiency(values, counts, b, slotted_share=share) for b in cands}
+  eff = {b: block_efficiency(values, counts, b, slotted_share=share, slot_recovery=recovery)
+         for b in cands}
   score = {b: eff[b] * rates[b] for b in cands}
   best = max(score.values())
   pick = min(b for b in cands if score[b] >= best)
   return BlockSizeChoice(
       block_size=pick, candidates=tuple(cands), efficiency=eff, bandwidth=rates, score=score,
       break_even={b: eff[cands[0]] / eff[b] for b in cands}, measured=bandwidth is not None,
-      slotted_share=share)
+      slotted_share=share, slot_recovery=recovery)

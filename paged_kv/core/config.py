@@ -127,14 +127,15 @@ class PoolConfig:
 
   @classmethod
   def for_workload(cls, lengths=None, *, pool_tokens: int, histogram=None, bandwidth=None,
-                   candidates=None, slotted_share: float = 0.0, **fields) -> "PoolConfig":
+                   candidates=None, slotted_share: float = 0.0, slot_recovery: float = 1.0,
+                   **fields) -> "PoolConfig":
     """A config whose block size `block_size.choose_block_size` picks for a length
     distribution, holding `pool_tokens` tokens (`num_blocks = pool_tokens // block_size`,
     so the pages' bytes stay the same whatever the pick).
 
     Args:
-      lengths / histogram / bandwidth / candidates / slotted_share: as
-        `choose_block_size` (candidates default to `DEFAULT_CANDIDATES`).
+      lengths / histogram / bandwidth / candidates / slotted_share / slot_recovery:
+        as `choose_block_size` (candidates default to `DEFAULT_CANDIDATES`).
       pool_tokens: token capacity of the pool (positive int, at least one block of
         the largest candidate).
       **fields: every other `PoolConfig` field (not `block_size` or `num_blocks`).
@@ -151,7 +152,7 @@ class PoolConfig:
     choice = block_size_rule.choose_block_size(
         lengths, histogram=histogram, bandwidth=bandwidth,
         candidates=block_size_rule.DEFAULT_CANDIDATES if candidates is None else candidates,
-        slotted_share=slotted_share)
+        slotted_share=slotted_share, slot_recovery=slot_recovery)
     if pool_tokens < max(choice.candidates):
       raise InvalidArgument(f"pool_tokens={pool_tokens} is below one block of the largest "
                             f"candidate ({max(choice.candidates)} tokens)")

@@ -65,6 +65,12 @@ class EfficiencyTest(parameterized.TestCase):
     # Half the sequences slotted: the slots are the mean of the two costs.
     self.assertEqual(block_size.block_efficiency(v, c, 64, slotted_share=0.5),
                      34 / (0.5 * 192 + 0.5 * 34))
+    # Packing that wins back a quarter of the empty slots of every tail.
+    self.assertEqual(block_size.block_efficiency(v, c, 64, slotted_share=1.0,
+                                                 slot_recovery=0.25),
+                     34 / (192 - 0.25 * (192 - 34)))
+    self.assertEqual(block_size.block_efficiency(v, c, 64, slotted_share=1.0,
+                                                 slot_recovery=0.0), 34 / 192)
 
   @parameterized.parameters((0,), (3,), (256,), (True,), (16.0,))
   def test_bad_block_size(self, b):
@@ -73,17 +79,20 @@ class EfficiencyTest(parameterized.TestCase):
       block_size.block_efficiency(v, c, b)
 
   @parameterized.parameters((-0.1,), (1.5,), (True,), ("half",), (math.nan,))
-  def test_bad_share(self, share):
+  def test_bad_share_or_recovery(self, value):
     v, c = block_size.length_distribution(LENGTHS)
     with self.assertRaises(InvalidArgument):
-      block_size.block_efficiency(v, c, 16, slotted_share=share)
+      block_size.block_efficiency(v, c, 16, slotted_share=value)
+    with self.assertRaises(InvalidArgument):
+      block_size.block_efficiency(v, c, 16, slotted_share=1.0, slot_recovery=value)
 
   @hypothesis.settings(max_examples=60, deadline=None)
   @hypothesis.given(st.lists(st.integers(1, 200_000), min_size=1, max_size=40),
-                    st.floats(0.0, 1.0))
-  def test_never_better_at_a_bigger_block(self, lengths, share):
+                    st.floats(0.0, 1.0), st.floats(0.0, 1.0))
+  def test_never_better_at_a_bigger_block(self, lengths, share, recovery):
     v, c = block_size.length_distribution(lengths)
-    eff = [block_size.block_efficiency(v, c, b, slotted_share=share) for b in (8, 16, 32, 64)]
+    eff = [block_size.block_efficiency(v, c, b, slotted_share=share, slot_recovery=recovery)
+           for b in (8, 16, 32, 64)]
     for small, big in zip(eff, eff[1:]):
       self.assertGreaterEqual(small, big - 1e-15)
     self.assertTrue(all(0 < e <= 1 for e in eff), eff)
@@ -119,6 +128,10 @@ class ChooseTest(parameterized.TestCase):
     slotted = block_size.choose_block_size(histogram={20: 100, 40: 50}, bandwidth=rates,
                                            slotted_share=1.0)
     self.assertEqual(slotted.block_size, 64)
+    # Packing that wins back only a third of the empty slots does not pay for it.
+    third = block_size.choose_block_size(histogram={20: 100, 40: 50}, bandwidth=rates,
+                                         slotted_share=1.0, slot_recovery=1 / 3)
+    self.assertEqual((third.block_size, third.slot_recovery), (16, 1 / 3))
 
   @hypothesis.settings(max_examples=60, deadline=None)
   @hypothesis.given(st.lists(st.integers(1, 100_000), min_size=1, max_size=30),
@@ -143,7 +156,8 @@ class ChooseTest(parameterized.TestCase):
       ("no_candidates", dict(candidates=())),
       ("odd_candidate", dict(candidates=(16, 48))),
       ("string_candidates", dict(candidates="16")),
-      ("bad_share", dict(slotted_share=2.0)))
+      ("bad_share", dict(slotted_share=2.0)),
+      ("bad_recovery", dict(slotted_share=1.0, slot_recovery=-1.0)))
   def test_bad_arguments_raise(self, kwargs):
     with self.assertRaises(InvalidArgument):
       block_size.choose_block_size(LENGTHS, **kwargs)

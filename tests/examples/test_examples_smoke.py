@@ -111,6 +111,7 @@ def test_block_size_study(traces, tmp_path):
     for r in t["rows"]:
       assert r["windows"] == 3 and r["live"] == r["model_live"], r
       assert r["live"] <= r["slotted"] <= r["model_slotted"] <= 1.0, r
+      assert 0.0 <= r["recovery"] <= 1.0 and r["break_even_slotted"] > 0, r
 
 
 def test_replay_trace_engine(traces):
