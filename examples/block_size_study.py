@@ -6,9 +6,10 @@ are held in a real pool, and two numbers are measured:
 
 * **live** (flat): every sequence holds `ceil(L / B)` blocks, its tail block partly
   empty: what rows still decoding cost (their tails may grow, so nothing packs them);
-* **slotted**: the tails are then handed to an outside holder (as the prefix cache
-  holds finished sequences) and packed with `slots.pack_slots`, `--chunk` segments
-  per call, in trace order: what finished sequences a holder keeps cost.
+* **slotted**: the tails handed to an outside holder (as the prefix cache holds
+  finished sequences) and packed with `slots.pack_slots` as they arrive, `--chunk`
+  per call, in trace order or longest first (`--pack_order`): what finished sequences
+  a holder keeps cost.
 
 A pool holds `--window` consecutive requests at once (a trace's requests are never
 all resident together, and packing cost grows with the pool); each window is its own
@@ -80,13 +81,16 @@ def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int,
                          num_blocks: int, pack_order: str = "trace") -> dict:
   """Live and slotted efficiency of `lengths` at `block_size`, from the pool's transitions.
 
-  Every non-zero tail (`L mod B`) is reserved as one row's tokens, handed to an
-  outside holder (one reference each) and its row released; the pool's used blocks
-  give the live number. Then `pack_slots` packs the held tails, `chunk` per call,
-  and the used blocks give the slotted number, in trace order or (`pack_order=
-  "longest_first"`) longest tail first. The pool has `num_blocks` blocks (at
-  least one per tail plus `chunk`; the same for every window: one compile). Checks that every tail is packed or
-  kept and that the pool's reference counts match the holder's.
+  Live: every non-zero tail (`L mod B`) is reserved as one row's tokens, handed to an
+  outside holder (one reference each) and its row released, `chunk` rows per call;
+  the pool's used blocks give the live number; then the holder lets go of them all.
+  Slotted: the same tails again, in trace order or (`pack_order="longest_first"`)
+  longest first, each chunk reserved, handed to the holder and packed by `pack_slots`
+  before the next chunk arrives (as a prefix cache packs nodes when they finish), so
+  packing only ever fills blocks that packing made; the used blocks at the end give
+  the slotted number. The pool has `num_blocks` blocks (at least one per tail plus
+  `chunk`; the same for every window: one compile). Checks that the pool's
+  reference counts match the holder's after each pass.
   """
   b = int(block_size)
   lengths = np.asarray(lengths, np.int64)
@@ -100,45 +104,57 @@ def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int,
   config = paged_kv.PoolConfig(num_blocks=num_blocks, block_size=b, num_layers=1,
                                num_kv_heads=1, head_dim=1, max_seqs=chunk, max_segments=1)
   state = paged_kv.init_pool(config)
-  held = np.zeros((n, 3), np.int32)  # (block, start, length) the outside holder keeps
   rows = np.arange(chunk, dtype=np.int32)
   zeros = np.zeros((chunk, 1), np.int32)
-  for lo in range(0, n, chunk):
-    part = tails[lo:lo + chunk]
+
+  def hold(state, part):
+    """Reserves `part` (one row each), takes one reference per segment, releases the rows."""
     k = len(part)
     r = _pad(rows[:k], chunk, -1)
-    state, st = segments.open_sequence(state, r, zeros, zeros, zeros,
-                                       np.zeros(chunk, np.int32), config=config)
+    state, _ = segments.open_sequence(state, r, zeros, zeros, zeros, np.zeros(chunk, np.int32),
+                                      config=config)
     state, (_, st) = segments.reserve_tokens(state, r, _pad(part, chunk, 0), config=config,
                                              max_new_tokens=b)
     if (np.asarray(st)[:k] != 0).any():
       raise RuntimeError(f"reserve failed: {np.asarray(st)[:k]}")
     t = jax.tree.map(np.asarray, state.table)
-    held[lo:lo + k] = np.stack([t.block[:k, 0], t.start[:k, 0], t.length[:k, 0]], 1)
-    state, _ = alloc.apply_ref_deltas(state, _pad(held[lo:lo + k, 0], chunk, -1),
+    seg = np.stack([t.block[:k, 0], t.start[:k, 0], t.length[:k, 0]], 1)
+    state, _ = alloc.apply_ref_deltas(state, _pad(seg[:, 0], chunk, -1),
                                       _pad(np.ones(k), chunk, 0), config=config)
     state, _ = segments.release(state, r, config=config)
-  live_blocks = int((np.asarray(state.meta.ref_count) > 0).sum())
+    return state, seg
+
+  def check(state, held):
+    ref = np.asarray(state.meta.ref_count)
+    want = np.bincount(held[:, 0], minlength=config.num_blocks)
+    assert (ref == want).all(), "the pool's references differ from the holder's"
+    return int((ref > 0).sum())
+
+  held = np.zeros((n, 3), np.int32)  # (block, start, length) the outside holder keeps
+  for lo in range(0, n, chunk):
+    state, held[lo:lo + chunk] = hold(state, tails[lo:lo + chunk])
+  live_blocks = check(state, held)
   assert live_blocks == n, (live_blocks, n)
-  if pack_order == "longest_first":
-    held = held[np.argsort(-held[:, 2], kind="stable")]
+  for lo in range(0, n, chunk):  # the holder lets go: one block each, all free again
+    ids = held[lo:lo + chunk, 0]
+    state, _ = alloc.apply_ref_deltas(state, _pad(ids, chunk, -1),
+                                      _pad(-np.ones(len(ids)), chunk, 0), config=config)
+  assert int((np.asarray(state.meta.ref_count) > 0).sum()) == 0
+  order = np.argsort(-tails, kind="stable") if pack_order == "longest_first" else np.arange(n)
   packs = 0
   for lo in range(0, n, chunk):
-    k = min(chunk, n - lo)
-    seg = held[lo:lo + k]
-    state, (nb, ns, st) = slots.pack_slots(
+    state, seg = hold(state, tails[order[lo:lo + chunk]])
+    k = len(seg)
+    state, (nb, ns, _) = slots.pack_slots(
         state, _pad(np.full(k, slots.OWNER_EXTERNAL), chunk, -1), np.zeros(chunk, np.int32),
         _pad(seg[:, 0], chunk, -1), _pad(seg[:, 1], chunk, 0), _pad(seg[:, 2], chunk, 0),
         config=config)
     nb, ns = np.asarray(nb)[:k], np.asarray(ns)[:k]
     moved = nb >= 0
-    held[lo:lo + k, 0] = np.where(moved, nb, seg[:, 0])
-    held[lo:lo + k, 1] = np.where(moved, ns, seg[:, 1])
+    held[lo:lo + k] = np.stack([np.where(moved, nb, seg[:, 0]), np.where(moved, ns, seg[:, 1]),
+                                seg[:, 2]], 1)
     packs += int(moved.sum())
-  ref = np.asarray(state.meta.ref_count)
-  want = np.bincount(held[:, 0], minlength=config.num_blocks) if n else np.zeros_like(ref)
-  assert (ref == want).all(), "the pool's references differ from the holder's"
-  slotted_blocks = int((ref > 0).sum())
+  slotted_blocks = check(state, held)
   return dict(tokens=tokens, sequences=int(len(lengths)), tails=n, full_blocks=full_blocks,
               live_blocks=live_blocks, slotted_blocks=slotted_blocks, packs=packs,
               live=tokens / ((full_blocks + live_blocks) * b),
