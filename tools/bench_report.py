@@ -297,7 +297,7 @@ def render_block_size(root):
   recs = _load("block_size", root)
   parts = []
   head = ["trace", "requests", "tokens mean / p50 / p99", "block", "pack order",
-          "live: efficiency", "slotted: efficiency", "ideal", "recovery",
+          "live: efficiency", "slotted: efficiency", "recovery",
           "break-even rate vs 16, live", "slotted", "pick, live / slotted", "bandwidth"]
   rows = []
   for r in recs:
@@ -311,8 +311,7 @@ def render_block_size(root):
         rows.append([t["trace"], f"{t['requests']:,}",
                      f"{t['mean_tokens']:,.0f} / {t['p50_tokens']:,.0f} / "
                      f"{t['p99_tokens']:,.0f}", str(b), res["pack_order"].replace("_", " "),
-                     pct(x["live"], 3), pct(x["slotted"], 3), pct(x["model_slotted"], 1),
-                     pct(x["recovery"], 1), f"{picks['live']['break_even'][str(b)]:.4f}x",
+                     pct(x["live"], 3), pct(x["slotted"], 3), pct(x["recovery"], 1), f"{picks['live']['break_even'][str(b)]:.4f}x",
                      f"{x['break_even_slotted']:.4f}x",
                      f"{picks['live']['block_size']} / {picks['slotted']['block_size']}",
                      "measured" if picks["live"]["measured"] else "unmeasured"])
