@@ -23,7 +23,7 @@ how fast their pages are read. `choose_block_size` picks the candidate with the
 largest product (ties: the smallest block). With no bandwidth table it picks the
 smallest candidate, since a bigger block never holds the same lengths with less
 waste. `BlockSizeChoice.break_even` says, per candidate, how much faster than the
-smallest block it must read to be picked: `efficiency(smallest) / efficiency(B)`.
+smallest block it must read to score as high: `efficiency(smallest) / efficiency(B)`.
 
 The model counts tail slots only: a sequence's full blocks hold no waste at any
 block size, and prefixes shared at 512-token granularity (the Mooncake trace's) stay
