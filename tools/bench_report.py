@@ -317,8 +317,9 @@ def render_block_size(root):
                      "measured" if picks["live"]["measured"] else "unmeasured"])
   if rows:
     parts.append(table(head, rows))
-  head = ["turn lengths", "block", "mode", "seeds", "internal fragmentation mean, per seed",
-          "final, per seed", "worst mean"]
+  head = ["turn lengths", "block", "pool", "mode", "seeds",
+          "internal fragmentation mean, per seed", "final, per seed", "worst mean",
+          "OOMs, per seed", "peak resident conversations, per seed"]
   rows = []
   for r in recs:
     if r["bench"] != "fragmentation_study":
@@ -330,14 +331,17 @@ def render_block_size(root):
       by_mode[run["mode"]].append(run)
     for mode, v in by_mode.items():
       v.sort(key=lambda x: x["seed"])
-      rows.append([f"{lo}-{hi} tokens", str(r["flags"]["block_size"]), mode,
+      bs = r["flags"]["block_size"]
+      rows.append([f"{lo}-{hi} tokens", str(bs), f"{chat['blocks']:,} x {bs}", mode,
                    ", ".join(str(x["seed"]) for x in v),
                    " / ".join(pct(x["internal_mean"], 2) for x in v),
                    " / ".join(pct(x["internal_final"], 2) for x in v),
-                   pct(max(x["internal_mean"] for x in v), 2)])
+                   pct(max(x["internal_mean"] for x in v), 2),
+                   " / ".join(str(sum(x["oom"].values())) for x in v),
+                   " / ".join(str(x["peak"]) for x in v)])
   if rows:
-    parts.append("Study (a) of `examples/fragmentation_study.py` (multi-turn chat, a pool of "
-                 "2,048 blocks) at each block size:\n\n" + table(head, rows))
+    parts.append("Study (a) of `examples/fragmentation_study.py` (multi-turn chat) at each "
+                 "block size, the pool's tokens fixed:\n\n" + table(head, rows))
   return "\n\n".join(parts + [provenance(recs)])
 
 
