@@ -291,6 +291,60 @@ def render_slotting(root):
                       "the goal is judged on the unrounded number.", provenance(recs)])
 
 
+def render_block_size(root):
+  """The block-size study over the traces (`block_size_study`) and, when recorded,
+  study (a) of the fragmentation study at other block sizes (`fragmentation_study`)."""
+  recs = _load("block_size", root)
+  parts = []
+  head = ["trace", "requests", "tokens mean / p50 / p99", "block", "pack order",
+          "live: efficiency", "slotted: efficiency", "recovery",
+          "break-even rate vs 16, live", "slotted", "pick, live / slotted", "bandwidth"]
+  rows = []
+  for r in recs:
+    res = r["results"]
+    if r["bench"] != "block_size_study":
+      continue
+    for t in res["traces"]:
+      picks = t["picks"]
+      for x in t["rows"]:
+        b = x["block_size"]
+        rows.append([t["trace"], f"{t['requests']:,}",
+                     f"{t['mean_tokens']:,.0f} / {t['p50_tokens']:,.0f} / "
+                     f"{t['p99_tokens']:,.0f}", str(b), res["pack_order"].replace("_", " "),
+                     pct(x["live"], 3), pct(x["slotted"], 3), pct(x["recovery"], 1), f"{picks['live']['break_even'][str(b)]:.4f}x",
+                     f"{x['break_even_slotted']:.4f}x",
+                     f"{picks['live']['block_size']} / {picks['slotted']['block_size']}",
+                     "measured" if picks["live"]["measured"] else "unmeasured"])
+  if rows:
+    parts.append(table(head, rows))
+  head = ["turn lengths", "block", "pool", "mode", "seeds",
+          "internal fragmentation mean, per seed", "final, per seed", "worst mean",
+          "OOMs, per seed", "peak resident conversations, per seed"]
+  rows = []
+  for r in recs:
+    if r["bench"] != "fragmentation_study":
+      continue
+    chat = r["results"]["chat"]
+    lo, hi = chat["turn_range"]
+    by_mode = collections.defaultdict(list)
+    for run in chat["runs"]:
+      by_mode[run["mode"]].append(run)
+    for mode, v in by_mode.items():
+      v.sort(key=lambda x: x["seed"])
+      bs = r["flags"]["block_size"]
+      rows.append([f"{lo}-{hi} tokens", str(bs), f"{chat['blocks']:,} x {bs}", mode,
+                   ", ".join(str(x["seed"]) for x in v),
+                   " / ".join(pct(x["internal_mean"], 2) for x in v),
+                   " / ".join(pct(x["internal_final"], 2) for x in v),
+                   pct(max(x["internal_mean"] for x in v), 2),
+                   " / ".join(str(sum(x["oom"].values())) for x in v),
+                   " / ".join(str(x["peak"]) for x in v)])
+  if rows:
+    parts.append("Study (a) of `examples/fragmentation_study.py` (multi-turn chat) at each "
+                 "block size, the pool's tokens fixed:\n\n" + table(head, rows))
+  return "\n\n".join(parts + [provenance(recs)])
+
+
 def render_compaction_cost(root):
   recs = _load("compaction_cost", root)
   head = ["pool blocks", "MiB moved", "variant", "median ms (median over runs)",
@@ -723,6 +777,7 @@ RENDERERS = {
     "compaction_buys": render_compaction_buys,
     "fragmentation_budget": render_fragmentation_budget,
     "slotting": render_slotting,
+    "block_size": render_block_size,
     "compaction_cost": render_compaction_cost,
     "replay_sim": render_replay_sim,
     "routing": render_routing,

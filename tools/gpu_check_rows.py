@@ -236,6 +236,7 @@ def shapes(dry: bool) -> dict:
   for key, (m, nb) in moves.items():
     out[key] = PermShape(num_moves=m, num_blocks=nb, **perm)
   out.update(_serving_shapes(dry))
+  out.update(block_size_shapes(out))
   return out
 
 
@@ -363,6 +364,7 @@ def plan(dry: bool = False) -> list[RowSpec]:
       *_layer_rows("b1x128k", (None, *decode_impls), copy_ref="copy/b1x128k",
                    builtin_ref="builtin/b1x128k",
                    goals={"copy_pct": 70, "x_builtin": 1.5}),
+      *block_size_rows("b1x128k"),  # the same 512 MiB at blocks 32 and 64
       *_perm_rows("perm256", "copy/b1x128k"),  # the same 512 MiB
       # 1 GiB.
       RowSpec("copy/b64x8k-fp8", "copy", "b64x8k-fp8", limit_s=30, est_s=2),
@@ -382,6 +384,7 @@ def plan(dry: bool = False) -> list[RowSpec]:
                    goals={"copy_pct": 85, "x_builtin": 1.5}, limit=75, est=12),
       *_layer_rows("b64x8k", decode_impls, copy_ref="copy/b64x8k",
                    builtin_ref="builtin/b64x8k", limit=75, est=12),
+      *block_size_rows("b64x8k"),  # the same 2 GiB at blocks 32 and 64
       *_perm_rows("perm1024", "copy/b64x8k"),  # the same 2 GiB
       # 4 GiB.
       RowSpec("copy/b64x8k-d256", "copy", "b64x8k-d256", limit_s=30, est_s=3),
@@ -392,6 +395,36 @@ def plan(dry: bool = False) -> list[RowSpec]:
   ids = [r.id for r in rows]
   assert len(set(ids)) == len(ids), "duplicate row ids"
   return rows
+
+
+# Block-size rows ----------------------------------------------------------------
+
+BLOCK_SIZE_ROWS = (32, 64)
+"""Block sizes the main decode shapes are also timed at (block 16 is the main table's),
+for `paged_kv.core.block_size.bandwidth_from_gpu_check`."""
+
+
+def block_size_shapes(base: dict) -> dict:
+  """`<key>-bs<B>`: the main decode shapes (`b64x8k`, `b1x128k`: D128 bf16) at each
+  block size of `BLOCK_SIZE_ROWS`; same context, so the same bytes as at block 16
+  (the contexts are multiples of every block size, in both modes)."""
+  out = {}
+  for key in ("b64x8k", "b1x128k"):
+    for bs in BLOCK_SIZE_ROWS:
+      shape = dataclasses.replace(base[key], block_size=bs)
+      assert shape.nbytes == base[key].nbytes, (key, bs)
+      out[f"{key}-bs{bs}"] = shape
+  return out
+
+
+def block_size_rows(key: str) -> list[RowSpec]:
+  """The default decode path of shape `key` at each block size of `BLOCK_SIZE_ROWS`,
+  against the block-16 shape's copy and built-in rows (same bytes). About 3.3 s each on
+  an H200 (the block-16 rows' wall time in the 2026-12-04 run)."""
+  return [RowSpec(f"layer/{key}-bs{bs}/default", "layer", f"{key}-bs{bs}", None, limit_s=60,
+                  est_s=5, copy_ref=f"copy/{key}", builtin_ref=f"builtin/{key}",
+                  needs=("check/attn/default",))
+          for bs in BLOCK_SIZE_ROWS]
 
 
 def row_shape(spec: RowSpec, dry: bool):

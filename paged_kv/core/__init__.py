@@ -7,6 +7,7 @@
   segments            `open_sequence`, `reserve_tokens`, `release`, `fork`
   kv                  `write_kv`, `gather_kv`, `token_slots`
   slots               `cow_split`, `pack_slots`, `reclaim_slots` (slotted blocks)
+  block_size          `choose_block_size`: the block size for a length distribution (numpy)
   compact             fragmentation ratio, compaction planners, `compact_permute`
   regions             base pool promotion, watermark quotas, pool shrink/grow
   page_copy           every page move (XLA, or the Pallas kernels on request)

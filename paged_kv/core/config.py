@@ -13,6 +13,7 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
+from paged_kv.core import block_size as block_size_rule
 from paged_kv.core.errors import InvalidArgument
 
 _ALLOWED_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
@@ -123,6 +124,40 @@ class PoolConfig:
           f"the {MAX_POOL_BYTES} bytes ({MAX_POOL_BYTES / 2**40:.0f} TiB) such pages can "
           "take (paged_kv.core.config.MAX_POOL_BYTES); lower num_blocks, num_layers, "
           "num_kv_heads, head_dim or block_size")
+
+  @classmethod
+  def for_workload(cls, lengths=None, *, pool_tokens: int, histogram=None, bandwidth=None,
+                   candidates=None, slotted_share: float = 0.0, slot_recovery: float = 1.0,
+                   **fields) -> "PoolConfig":
+    """A config whose block size `block_size.choose_block_size` picks for a length
+    distribution, holding `pool_tokens` tokens (`num_blocks = pool_tokens // block_size`,
+    so the pages' bytes stay the same whatever the pick).
+
+    Args:
+      lengths / histogram / bandwidth / candidates / slotted_share / slot_recovery:
+        as `choose_block_size` (candidates default to `DEFAULT_CANDIDATES`).
+      pool_tokens: token capacity of the pool (positive int, at least one block of
+        the largest candidate).
+      **fields: every other `PoolConfig` field (not `block_size` or `num_blocks`).
+
+    Raises:
+      InvalidArgument: what `choose_block_size` or the config refuses, `pool_tokens`
+        not a positive int or below one block, or `block_size` / `num_blocks` given.
+    """
+    for name in ("block_size", "num_blocks"):
+      if name in fields:
+        raise InvalidArgument(f"PoolConfig.for_workload derives {name}; do not pass it")
+    if not _is_int(pool_tokens) or pool_tokens <= 0:
+      raise InvalidArgument(f"pool_tokens must be a positive int, got {pool_tokens!r}")
+    choice = block_size_rule.choose_block_size(
+        lengths, histogram=histogram, bandwidth=bandwidth,
+        candidates=block_size_rule.DEFAULT_CANDIDATES if candidates is None else candidates,
+        slotted_share=slotted_share, slot_recovery=slot_recovery)
+    if pool_tokens < max(choice.candidates):
+      raise InvalidArgument(f"pool_tokens={pool_tokens} is below one block of the largest "
+                            f"candidate ({max(choice.candidates)} tokens)")
+    return cls(num_blocks=int(pool_tokens) // choice.block_size, block_size=choice.block_size,
+               **fields)
 
   @property
   def jnp_dtype(self) -> jnp.dtype:

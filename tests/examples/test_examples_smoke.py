@@ -92,6 +92,28 @@ def test_replay_trace_sim(traces, tmp_path):
   assert "| lengths.csv | unlimited | 40 | 0.0000 |" in out, out
 
 
+def test_block_size_study(traces, tmp_path):
+  """The study on both trace formats, two block sizes, windows smaller than the trace;
+  with a gpu_check-shaped file of read rates the rule's pick follows them."""
+  gpu = tmp_path / "gpu_check.json"
+  gpu.write_text(json.dumps({"rows": [
+      {"id": "layer/b64x8k/default", "gbps": 1000.0, "status": "ok"},
+      {"id": "layer/b64x8k-bs64/default", "gbps": 2000.0, "status": "ok"}]}))
+  out = _run("block_size_study.py", f"--traces={traces[0]},{traces[1]}",
+             "--block_sizes=16,64", "--window=16", "--chunk=8", f"--gpu_check={gpu}",
+             f"--record={tmp_path / 'bs.json'}")
+  assert "rule's pick: live 64, slotted 64" in out, out
+  rec = _record(tmp_path / "bs.json")
+  assert rec["bench"] == "block_size_study" and rec["results"]["bandwidth"] == {
+      "16": 1000.0, "64": 2000.0}
+  for t in rec["results"]["traces"]:
+    assert t["requests"] == 40 and [r["block_size"] for r in t["rows"]] == [16, 64], t
+    for r in t["rows"]:
+      assert r["windows"] == 3 and r["live"] == r["model_live"], r
+      assert r["live"] <= r["slotted"] <= r["model_slotted"] <= 1.0, r
+      assert 0.0 <= r["recovery"] <= 1.0 and r["break_even_slotted"] > 0, r
+
+
 def test_replay_trace_engine(traces):
   out = _run("replay_trace.py", "--engine", f"--trace={traces[0]}", "--pool_tokens=4096",
              "--max_requests=20", "--variants=all", "--progress=false")

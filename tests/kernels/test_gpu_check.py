@@ -9,6 +9,7 @@ budget too small starts nothing."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import math
@@ -185,6 +186,24 @@ def test_serving_rows_fit_a_lease_and_are_skippable():
           "serving_over_device": 1.1}
   assert all(r.id.startswith("serving/") for r in plan if r.kind.startswith("serving"))
   assert not math.isnan(shape.nbytes)
+
+
+def test_block_size_rows_time_the_main_decode_shapes_at_other_blocks():
+  """`layer/<shape>-bs<B>/default` for both main decode shapes at blocks 32 and 64: the
+  block-16 shape with only the block size changed (same bytes, same copy and built-in
+  rows), each in both modes."""
+  plan = {r.id: r for r in gpu_check_rows.plan()}
+  for dry in (False, True):
+    shapes = gpu_check_rows.shapes(dry=dry)
+    for key in ("b64x8k", "b1x128k"):
+      for bs in gpu_check_rows.BLOCK_SIZE_ROWS:
+        row = plan[f"layer/{key}-bs{bs}/default"]
+        assert (row.impl, row.copy_ref, row.builtin_ref) == (None, f"copy/{key}",
+                                                             f"builtin/{key}")
+        shape = shapes[row.key]
+        assert shape.block_size == bs and shape.nbytes == shapes[key].nbytes
+        assert shape == dataclasses.replace(shapes[key], block_size=bs)
+  assert gpu_check_rows.BLOCK_SIZE_ROWS == (32, 64)
 
 
 def _driver_constant(name: str):
