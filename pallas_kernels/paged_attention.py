@@ -780,7 +780,9 @@ def paged_attention(
       `plgpu.InterpretGPUParams`.
     pages_per_step: segments loaded per online-softmax step ("pallas") or per
       SMEM ring stage ("mosaic"); None = `default_pages_per_step(block_size)`
-      (64 slots per step).
+      (64 slots per step) for "pallas", and for "mosaic"
+      `paged_attention_mosaic.default_pages_per_stage` (128 slots at head_dim
+      64, whose 64-slot stages carry half the bytes of head_dim 128's).
     layer: which layer of stacked pages to read (an int or a traced i32
       scalar; negative counts from the end; clipped into range); None with
       one layer's pages.
@@ -796,7 +798,11 @@ def paged_attention(
   k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
   block_size = k_pages.shape[3]
-  if pages_per_step is None:
+  if pages_per_step is None and impl == "mosaic":
+    from pallas_kernels import paged_attention_mosaic as pm
+    pages_per_step = pm.default_pages_per_stage(
+        head_dim=q.shape[-1], block_size=block_size, dtype=k_pages.dtype)
+  elif pages_per_step is None:
     pages_per_step = default_pages_per_step(block_size)
   if num_splits is None:
     num_splits = default_num_splits(

@@ -82,7 +82,17 @@ from jax.experimental import pallas as pl
 # Constants ------------------------------------------------------------------
 
 BLOCK_ROWS = 64  # wgmma M tile: the GQA group's queries padded to 64 rows
-BLOCK_KV = 64  # keys per ring stage
+BLOCK_KV = 64  # keys per ring stage, fewest (the S tile's N)
+MAX_BLOCK_KV = 128  # keys per ring stage, most (S: 64 f32 registers a thread)
+STAGE_KEYS = (BLOCK_KV, MAX_BLOCK_KV)  # the stage widths it builds
+# A stage's K bytes that `default_pages_per_stage` aims for: what one 64-key
+# stage of head_dim 128 bf16 moves (the shape that ran at copy bandwidth).
+TARGET_STAGE_BYTES = BLOCK_KV * 128 * 2
+MAX_PAGES_PER_STAGE = 8  # TMA copies (and barriers) per operand and stage
+# f32 columns a consumer warpgroup holds, S tile (keys) plus accumulator
+# (its head-dim columns): 64 + 128 and 128 + 64 compile without spills for
+# sm_90a (232 registers), 128 + 128 spills 320 B (compile tier).
+MAX_F32_COLUMNS = 192
 TABLE_LANES = 128  # segment-table entries per TMA row (box dims <= 256)
 MAX_TABLE_CHUNKS = 8  # table rows per split: <= 1,024 segment entries
 MAX_STAGES = 4
@@ -93,11 +103,12 @@ _LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
 
 
-def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized):
+def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized,
+                block_kv=BLOCK_KV):
   table = 4 * MAX_TABLE_CHUNKS * TABLE_LANES * 4
   q = BLOCK_ROWS * head_dim * itemsize
-  ring = 2 * num_stages * BLOCK_KV * head_dim * itemsize
-  probs = BLOCK_ROWS * BLOCK_KV * itemsize
+  ring = 2 * num_stages * block_kv * head_dim * itemsize
+  probs = BLOCK_ROWS * block_kv * itemsize
   out = BLOCK_ROWS * head_dim * 4
   if warp_specialized:  # one collective scope: nothing shares memory
     return table + q + BLOCK_ROWS * 4 + ring + probs + out
@@ -105,21 +116,54 @@ def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized):
   return table + q + BLOCK_ROWS * 4 + max(ring + 2 * probs, out)
 
 
-def kernel_config(head_dim: int, dtype) -> tuple[bool, int]:
-  """(warp specialized, ring stages) for this head_dim: a producer warpgroup
-  with the deepest ring (<= `MAX_STAGES`, >= 2) that fits `SMEM_BUDGET` when
-  one does (head_dim <= 192), else two warpgroups splitting the head dim in
-  halves of a multiple of 64 columns, whose ring and output tile share memory
-  (head_dim 256). (False, 0) if nothing fits."""
+def kernel_config(head_dim: int, dtype, block_kv: int = BLOCK_KV) -> tuple[bool, int]:
+  """(warp specialized, ring stages) for this head_dim and stage width
+  (`block_kv` keys): a producer warpgroup with the deepest ring (<=
+  `MAX_STAGES`, >= 2) that fits `SMEM_BUDGET` when one does (head_dim <= 192
+  at 64 keys), else two warpgroups splitting the head dim in halves of a
+  multiple of 64 columns, whose ring and output tile share memory (head_dim
+  256). (False, 0) if nothing fits."""
   itemsize = jnp.dtype(dtype).itemsize
   for ws in (True, False):
     if not ws and head_dim % 128:
       continue  # halves of whole 64-column swizzled tiles
     for stages in range(MAX_STAGES, 1, -1):
-      if _smem_bytes(head_dim, itemsize, stages,
-                     warp_specialized=ws) <= SMEM_BUDGET:
+      if _smem_bytes(head_dim, itemsize, stages, warp_specialized=ws,
+                     block_kv=block_kv) <= SMEM_BUDGET:
         return ws, stages
   return False, 0
+
+
+def _fits_registers(head_dim, dtype, block_kv) -> bool:
+  """Whether a consumer warpgroup's S tile and accumulator columns stay within
+  `MAX_F32_COLUMNS` (the head dim split in halves where it is not warp
+  specialized)."""
+  warp_specialized, _ = kernel_config(head_dim, dtype, block_kv)
+  cols = head_dim if warp_specialized else head_dim // 2
+  return block_kv + cols <= MAX_F32_COLUMNS
+
+
+def default_pages_per_stage(*, head_dim: int, block_size: int, dtype) -> int:
+  """Pages per ring stage for `pages_per_step=None`: the widest stage in
+  `STAGE_KEYS` whose K bytes stay within `TARGET_STAGE_BYTES` (64 keys at
+  head_dim 128/256 bf16; 128 keys at head_dim 64), within
+  `MAX_PAGES_PER_STAGE` pages and with a warp-specialized ring of >= 2 stages
+  (a wide stage never takes the producer warpgroup away).
+
+  Why: the consumer's work per stage (two wgmma waits, the row max/sum
+  shuffles, the P store and fence, the page masks) costs about the same
+  whatever the head dim, so a stage of half the bytes (head_dim 64) streams
+  about half the bytes per second; a wider stage moves the head_dim 128
+  stage's bytes per round trip."""
+  row_bytes = head_dim * jnp.dtype(dtype).itemsize
+  keys = BLOCK_KV
+  for wide in STAGE_KEYS[1:]:
+    warp_specialized, stages = kernel_config(head_dim, dtype, wide)
+    if (wide * row_bytes <= TARGET_STAGE_BYTES and warp_specialized and stages
+        and wide // block_size <= MAX_PAGES_PER_STAGE
+        and _fits_registers(head_dim, dtype, wide)):
+      keys = wide
+  return max(1, keys // block_size)
 
 
 def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
@@ -137,9 +181,21 @@ def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
             f"swizzled wgmma tiles) ({shape})")
   if block_size > BLOCK_KV or BLOCK_KV % block_size or block_size % 8:
     return (f"impl='mosaic' needs block_size in (8, 16, 32, 64) ({shape})")
-  if pages_per_step is not None and pages_per_step * block_size != BLOCK_KV:
-    return (f"impl='mosaic' stages {BLOCK_KV} keys: pages_per_step must be None "
-            f"or {BLOCK_KV // block_size}, got {pages_per_step} ({shape})")
+  if pages_per_step is not None:
+    ok = [keys // block_size for keys in STAGE_KEYS
+          if keys // block_size <= MAX_PAGES_PER_STAGE]
+    if pages_per_step not in ok:
+      return (f"impl='mosaic' stages {' or '.join(map(str, STAGE_KEYS))} keys in "
+              f"<= {MAX_PAGES_PER_STAGE} pages: pages_per_step must be None or "
+              f"one of {ok}, got {pages_per_step} ({shape})")
+    keys = pages_per_step * block_size
+    if keys > BLOCK_KV and not _fits_registers(head_dim, dtype, keys):
+      return (f"impl='mosaic': {keys}-key stages hold {keys} S columns and the "
+              f"accumulator's {head_dim}, more than {MAX_F32_COLUMNS} f32 columns "
+              f"a thread group keeps in registers ({shape})")
+    if not kernel_config(head_dim, dtype, keys)[1]:
+      return (f"impl='mosaic': a ring of {keys}-key stages does not fit shared "
+              f"memory ({shape})")
   if num_q_heads // num_kv_heads > BLOCK_ROWS:
     return (f"impl='mosaic' holds a GQA group of <= {BLOCK_ROWS} query heads "
             f"({shape})")
@@ -199,6 +255,7 @@ def mosaic_paged_attention_kernel(
   wg = jax.lax.axis_index("wg")
   num_blocks, block_size, head_dim = k_gmem.shape[1:]
   num_pages, rows, lanes = pages_per_step, BLOCK_ROWS, TABLE_LANES
+  block_kv = num_pages * block_size  # keys per ring stage
   num_halves, cols = o_gmem.shape[3], o_gmem.shape[5]  # cols = head_dim / halves
   dtype = k_gmem.dtype
   wgmma = plgpu.Layout.WGMMA
@@ -335,14 +392,14 @@ def mosaic_paged_attention_kernel(
         plgpu.wgmma(acc_ref, q_smem, k_ring.at[slot].T)
         return acc_ref[...]
 
-      s = pl.run_scoped(compute_qk, plgpu.ACC((rows, BLOCK_KV), jnp.float32))
+      s = pl.run_scoped(compute_qk, plgpu.ACC((rows, block_kv), jnp.float32))
       if warp_specialized:
         plgpu.barrier_arrive(k_free.at[slot])
       if soft_cap is None:
         s = s * (sm_scale * _LOG2E)
       else:
         s = (soft_cap * _LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
-      mask, full = page_mask(step, (rows, BLOCK_KV), 1)
+      mask, full = page_mask(step, (rows, block_kv), 1)
       s = jnp.where(mask, s, _NEG_INF)
       # Every stage has a live key (entries < count have length >= 1), so
       # m_new is finite and exp2(-inf - m_new) = 0.
@@ -360,7 +417,7 @@ def mosaic_paged_attention_kernel(
       @pl.when(jnp.logical_not(full))
       def _():
         # Masked V rows may hold NaN; 0 * NaN would leak through P V.
-        vmask, _ = page_mask(step, (BLOCK_KV, cols), 0)
+        vmask, _ = page_mask(step, (block_kv, cols), 0)
         v = plgpu.load(v_slot, layout=wgmma)
         v_slot[...] = jnp.where(vmask, v, jnp.zeros((), v.dtype))
 
@@ -413,9 +470,9 @@ def mosaic_paged_attention_kernel(
            plgpu.Barrier(num_arrivals=1, num_barriers=num_stages * num_pages),
            plgpu.Barrier(num_arrivals=1,
                          num_barriers=num_stages * num_halves * num_pages)]
-  ring = [smem((num_stages, BLOCK_KV, head_dim), transforms=tiled),
-          smem((num_stages, num_halves, BLOCK_KV, cols), transforms=tiled),
-          smem((num_halves, rows, BLOCK_KV), transforms=tiled)]
+  ring = [smem((num_stages, block_kv, head_dim), transforms=tiled),
+          smem((num_stages, num_halves, block_kv, cols), transforms=tiled),
+          smem((num_halves, rows, block_kv), transforms=tiled)]
   out = smem((num_halves, rows, cols), jnp.float32)
   if warp_specialized:
     pl.run_scoped(
@@ -510,7 +567,9 @@ def mosaic_paged_attention(
     soft_cap: optional tanh cap applied after scaling.
     interpret: None (compile for Hopper), True (`InterpretGPUParams(
       detect_races=True)`) or a `plgpu.InterpretGPUParams`.
-    pages_per_step: None or `BLOCK_KV // block_size`.
+    pages_per_step: pages per ring stage, `STAGE_KEYS` (64 or 128) keys in
+      at most `MAX_PAGES_PER_STAGE` pages; None: `default_pages_per_stage`
+      (128 keys at head_dim 64, else 64).
     num_splits: split-K factor; raised so that no split has more than
       `MAX_TABLE_CHUNKS * 128` segment entries.
     layer: the layer of stacked pages (`paged_attention.stacked_pages`).
@@ -535,8 +594,11 @@ def mosaic_paged_attention(
     interpret = lowering.gpu_interpret_params(detect_races=True)
   elif interpret is False:
     interpret = None
-  pages_per_step = BLOCK_KV // block_size
-  warp_specialized, num_stages = kernel_config(head_dim, k_pages.dtype)
+  if pages_per_step is None:
+    pages_per_step = default_pages_per_stage(head_dim=head_dim, block_size=block_size,
+                                             dtype=k_pages.dtype)
+  warp_specialized, num_stages = kernel_config(head_dim, k_pages.dtype,
+                                               pages_per_step * block_size)
   num_seg_slots = seg_block.shape[1]
   max_per_split = MAX_TABLE_CHUNKS * TABLE_LANES
   num_splits = max(1, min(num_splits, pl.cdiv(num_seg_slots, pages_per_step)),
