@@ -70,7 +70,10 @@ from jax.experimental import pallas as pl
 # Constants ------------------------------------------------------------------
 
 DEFAULT_PAGES_PER_STEP = 4  # segments per online-softmax step at block_size 16
-KEYS_PER_STEP = 64  # `pages_per_step=None` loads this many slots per step
+KEYS_PER_STEP = 64  # `pages_per_step=None` loads this many slots per step (at least)
+# A decode step's K bytes that `default_decode_pages_per_step` aims for: 64 slots
+# of head_dim 128 bf16, the step that ran at copy bandwidth on an H200.
+DECODE_STEP_BYTES = KEYS_PER_STEP * 128 * 2
 # Largest K tile (slots x head_dim elements) of a "pallas" step on a GPU: Triton
 # keeps the tile in registers/shared memory, which the lowering tier does not
 # check (it stops before Triton's compile), so this bound is conservative.
@@ -345,6 +348,25 @@ def default_pages_per_step(block_size: int) -> int:
   return max(1, KEYS_PER_STEP // block_size)
 
 
+def default_decode_pages_per_step(*, block_size: int, head_dim: int, dtype) -> int:
+  """Pages per step of the "pallas" decode kernel for `pages_per_step=None`:
+  `KEYS_PER_STEP` slots, doubled while a step's K bytes stay below
+  `DECODE_STEP_BYTES` and its K tile within `MAX_TRITON_TILE` (128 slots at
+  head_dim 64 bf16 and at head_dim 128 fp8, 64 at head_dim 128 bf16).
+
+  Why: a step's loads are indexed gathers that one step waits for before its
+  math, so its time is about one load latency whatever its bytes; a step of
+  half the bytes (head_dim 64, or fp8) then streams about half the bytes per
+  second (on an H200, 2026-12-04: both ran at ~the head_dim-128 bf16 step's
+  time per step)."""
+  keys = KEYS_PER_STEP
+  row_bytes = head_dim * jnp.dtype(dtype).itemsize
+  while (2 * keys * row_bytes <= DECODE_STEP_BYTES
+         and 2 * keys * head_dim <= MAX_TRITON_TILE):
+    keys *= 2
+  return max(1, keys // block_size)
+
+
 def target_num_cores() -> int:
   """SMs of the GPU being built for: the abstract device's `num_cores` under an
   abstract mesh (the lowering tier), else the first GPU's `core_count`, else
@@ -425,8 +447,10 @@ def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
     return f"impl must be one of {_DECODE_IMPLS}, got {impl!r}"
   if platform not in ("cuda", "rocm") or impl == "xla":
     return None
-  pps = (default_pages_per_step(block_size) if pages_per_step is None
-         else pages_per_step)
+  pps = pages_per_step
+  if pps is None:
+    pps = default_decode_pages_per_step(block_size=block_size, head_dim=head_dim,
+                                        dtype=dtype)
   shape = (f"{num_q_heads}/{num_kv_heads} heads, head_dim {head_dim}, block "
            f"{block_size}, {jnp.dtype(dtype).name}, pages_per_step {pps}")
   if impl == "pallas":
@@ -779,10 +803,11 @@ def paged_attention(
       "mosaic", True (= `plgpu.InterpretGPUParams(detect_races=True)`) or a
       `plgpu.InterpretGPUParams`.
     pages_per_step: segments loaded per online-softmax step ("pallas") or per
-      SMEM ring stage ("mosaic"); None = `default_pages_per_step(block_size)`
-      (64 slots per step) for "pallas", and for "mosaic"
-      `paged_attention_mosaic.default_pages_per_stage` (128 slots at head_dim
-      64, whose 64-slot stages carry half the bytes of head_dim 128's).
+      SMEM ring stage ("mosaic"); None: `default_decode_pages_per_step`
+      ("pallas": 64 slots at head_dim 128 bf16, 128 at head_dim 64
+      or fp8) and `paged_attention_mosaic.default_pages_per_stage` ("mosaic":
+      128 slots at head_dim 64), so that a step of a narrow row moves the
+      bytes of a head_dim 128 bf16 step.
     layer: which layer of stacked pages to read (an int or a traced i32
       scalar; negative counts from the end; clipped into range); None with
       one layer's pages.
@@ -803,7 +828,8 @@ def paged_attention(
     pages_per_step = pm.default_pages_per_stage(
         head_dim=q.shape[-1], block_size=block_size, dtype=k_pages.dtype)
   elif pages_per_step is None:
-    pages_per_step = default_pages_per_step(block_size)
+    pages_per_step = default_decode_pages_per_step(
+        block_size=block_size, head_dim=q.shape[-1], dtype=k_pages.dtype)
   if num_splits is None:
     num_splits = default_num_splits(
         batch=q.shape[0], num_kv_heads=k_pages.shape[1],
