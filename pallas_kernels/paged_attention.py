@@ -17,11 +17,12 @@ Implementations (`impl=`):
               merges the splits (flash decoding). Runs on CPU with `interpret=True`
               and lowers through the Triton backend on GPUs.
   * "mosaic": Mosaic GPU (Hopper) kernel in `paged_attention_mosaic.py`, grid
-              (row, kv head, split): 64-key stages of pages stream through a
-              TMA/barrier SMEM ring (filled by a producer warpgroup for
-              head_dim <= 128), wgmma on SMEM operands against the group
+              (row, kv head, split): 64- or 128-key stages of pages stream
+              through a TMA/barrier SMEM ring (filled by a producer warpgroup
+              for head_dim <= 128), wgmma on SMEM operands against the group
               padded to 64 rows, online softmax in exp2, split-K merged by LSE.
-              bf16/f16 only. Needs a GPU, or `interpret=True` / a
+              bf16/f16 pages, and fp8 pages at head_dim 64/128 (upcast to
+              f16 in shared memory). Needs a GPU, or `interpret=True` / a
               `plgpu.InterpretGPUParams` on CPU; without either the wrapper
               raises a ValueError.
 
@@ -472,9 +473,14 @@ def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
   problem = pm.mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                               head_dim=head_dim, block_size=block_size, dtype=dtype,
                               pages_per_step=pages_per_step)
-  if problem is None and q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
-    problem = (f"impl='mosaic' needs q in the pages' dtype, got q "
-               f"{jnp.dtype(q_dtype).name} ({shape})")
+  if problem is None and q_dtype is not None:
+    if jnp.dtype(dtype).itemsize == 1:  # fp8 pages: staged to f16 in the kernel
+      if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        problem = (f"impl='mosaic' with fp8 pages needs bf16/f16 q, got q "
+                   f"{jnp.dtype(q_dtype).name} ({shape})")
+    elif jnp.dtype(q_dtype) != jnp.dtype(dtype):
+      problem = (f"impl='mosaic' needs q in the pages' dtype, got q "
+                 f"{jnp.dtype(q_dtype).name} ({shape})")
   return problem
 
 
