@@ -351,15 +351,15 @@ def default_pages_per_step(block_size: int) -> int:
 
 def default_decode_pages_per_step(*, block_size: int, head_dim: int, dtype) -> int:
   """Pages per step of the "pallas" decode kernel for `pages_per_step=None`:
-  `KEYS_PER_STEP` slots, doubled while a step's K bytes stay below
+  `KEYS_PER_STEP` slots, doubled while a step's K bytes stay within
   `DECODE_STEP_BYTES` and its K tile within `MAX_TRITON_TILE` (128 slots at
   head_dim 64 bf16 and at head_dim 128 fp8, 64 at head_dim 128 bf16).
 
-  Why: a step's loads are indexed gathers that one step waits for before its
-  math, so its time is about one load latency whatever its bytes; a step of
-  half the bytes (head_dim 64, or fp8) then streams about half the bytes per
-  second (on an H200, 2026-12-04: both ran at ~the head_dim-128 bf16 step's
-  time per step)."""
+  Why: on an H200 (2026-12-04) fp8 pages at 64 slots a step took about the
+  time per step of head_dim 128 bf16, i.e. streamed half the bytes per second;
+  a step's loads are indexed gathers its math waits for, so a step's time is
+  likely about one load latency whatever its bytes. Untimed at 128 slots
+  (`gpu_check` rows `kernel/*-fp8/pallas-pps*`)."""
   keys = KEYS_PER_STEP
   row_bytes = head_dim * jnp.dtype(dtype).itemsize
   while (2 * keys * row_bytes <= DECODE_STEP_BYTES

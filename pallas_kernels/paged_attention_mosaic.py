@@ -103,7 +103,9 @@ STAGE_KEYS = (BLOCK_KV, MAX_BLOCK_KV)  # the stage widths it builds
 # A stage's K bytes that `default_pages_per_stage` aims for: what one 64-key
 # stage of head_dim 128 bf16 moves (the shape that ran at copy bandwidth).
 TARGET_STAGE_BYTES = BLOCK_KV * 128 * 2
-MAX_PAGES_PER_STAGE = 8  # TMA copies (and barriers) per operand and stage
+# TMA copies (and barriers) per operand and stage: with `MAX_STAGES` stages,
+# 32 barriers, the most Mosaic GPU allocates in one group.
+MAX_PAGES_PER_STAGE = 8
 # f32 columns a consumer warpgroup holds, S tile (keys) plus accumulator
 # (its head-dim columns): 64 + 128 and 128 + 64 compile without spills for
 # sm_90a (232 registers), 128 + 128 spills 320 B (compile tier).
@@ -177,11 +179,13 @@ def default_pages_per_stage(*, head_dim: int, block_size: int, dtype) -> int:
   `MAX_PAGES_PER_STAGE` pages and with a warp-specialized ring of >= 2 stages
   (a wide stage never takes the producer warpgroup away).
 
-  Why: the consumer's work per stage (two wgmma waits, the row max/sum
-  shuffles, the P store and fence, the page masks) costs about the same
-  whatever the head dim, so a stage of half the bytes (head_dim 64) streams
-  about half the bytes per second; a wider stage moves the head_dim 128
-  stage's bytes per round trip."""
+  Why: on an H200 (2026-12-04) head_dim 64's 64-key stages took about the
+  time per stage of head_dim 128's, i.e. streamed half the bytes per second:
+  a stage's fixed costs (two wgmma waits, the row max/sum shuffles, the P
+  store and fence, the page masks; or the loads in flight, 4 stages of half
+  the bytes) do not shrink with the head dim. A wider stage moves the head_dim
+  128 stage's bytes per round trip. Untimed (`gpu_check` rows
+  `kernel/b64x8k-d64/mosaic-pps*`)."""
   row_bytes = head_dim * jnp.dtype(dtype).itemsize
   keys = BLOCK_KV
   for wide in STAGE_KEYS[1:]:
@@ -248,7 +252,7 @@ def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
   fp8 pages (staged to f16 in shared memory) build, compile without spills
   and match the reference in the GPU interpreter, but have never run on a
   GPU: the default path keeps the Triton kernel for them until the
-  `gpu_check` rows `layer/b64x8k-fp8/*` and `layer/b1x128k-fp8/*` have
+  `gpu_check` rows `kernel/b64x8k-fp8/*` and `kernel/b1x128k-fp8/*` have
   compared the two (explicit `impl="mosaic"` runs them)."""
   if head_dim == 192:
     return (f"impl='mosaic' at head_dim {head_dim} spills registers when compiled for "
@@ -445,9 +449,9 @@ def mosaic_paged_attention_kernel(
 
       k_slot = k_ring.at[slot]
       if staged:
-        # Upcast the stage (exact) and fence; the fp8 slot is freed after the
-        # wgmma, as a 16-bit one is (freeing it here, before the V waits,
-        # failed the GPU interpreter's barrier-phase check).
+        # Upcast the stage (exact) and fence. The fp8 slot is freed after the
+        # wgmma, as a 16-bit one is: freeing it here, before the V waits, trips
+        # the GPU interpreter's barrier-phase check (JAX 0.12).
         upcast(k_slot, k_stage)
         plgpu.commit_smem()
         k_slot = k_stage
