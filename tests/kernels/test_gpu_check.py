@@ -79,13 +79,14 @@ def test_dry_mode_every_row_and_injected_faults(tmp_path):
   hf_skipped = 0 if _HAS_HF else 1
   if not _HAS_HF:
     assert status[_HF] == "skipped: torch and transformers not installed", status
-  # The Mosaic variants at D64: the dry shape's head_dim 32 does not build there.
-  dry_shape = [r for r in plan if r.startswith("kernel/b64x8k-d64/mosaic-")]
-  assert len(dry_shape) == 2 and all(
-      status[r].startswith("skipped: the dry shape does not build: impl='mosaic' needs "
-                           "head_dim a multiple of 64") for r in dry_shape), status
-  skipped = hf_skipped + len(dry_shape)
-  others = set(plan) - {_HANG, _RAISE, _WRONG, _CRASH, *needs_hang, *dry_shape} - (
+  # The decode-kernel variant rows: dry mode runs those of one key through Triton.
+  dry_run = f"kernel/{gpu_check_rows.DRY_VARIANT_KEY}/pallas-"
+  kernel_rows = [r for r in plan if r.startswith("kernel/")]
+  dry_skipped = [r for r in kernel_rows if not r.startswith(dry_run)]
+  assert len(kernel_rows) - len(dry_skipped) == 2, kernel_rows
+  assert all(status[r].startswith("skipped: dry mode runs kernel/") for r in dry_skipped), status
+  skipped = hf_skipped + len(dry_skipped)
+  others = set(plan) - {_HANG, _RAISE, _WRONG, _CRASH, *needs_hang, *dry_skipped} - (
       set() if _HAS_HF else {_HF})
   assert {r: status[r] for r in others if status[r] != "ok"} == {}, log
   # Measured rows carry a time, GB/s and (against their copy row) a % of it.
