@@ -17,11 +17,12 @@ Implementations (`impl=`):
               merges the splits (flash decoding). Runs on CPU with `interpret=True`
               and lowers through the Triton backend on GPUs.
   * "mosaic": Mosaic GPU (Hopper) kernel in `paged_attention_mosaic.py`, grid
-              (row, kv head, split): 64-key stages of pages stream through a
-              TMA/barrier SMEM ring (filled by a producer warpgroup for
-              head_dim <= 128), wgmma on SMEM operands against the group
+              (row, kv head, split): 64- or 128-key stages of pages stream
+              through a TMA/barrier SMEM ring (filled by a producer warpgroup
+              for head_dim <= 128), wgmma on SMEM operands against the group
               padded to 64 rows, online softmax in exp2, split-K merged by LSE.
-              bf16/f16 only. Needs a GPU, or `interpret=True` / a
+              bf16/f16 pages, and fp8 pages at head_dim 64/128 (upcast to
+              f16 in shared memory). Needs a GPU, or `interpret=True` / a
               `plgpu.InterpretGPUParams` on CPU; without either the wrapper
               raises a ValueError.
 
@@ -70,7 +71,10 @@ from jax.experimental import pallas as pl
 # Constants ------------------------------------------------------------------
 
 DEFAULT_PAGES_PER_STEP = 4  # segments per online-softmax step at block_size 16
-KEYS_PER_STEP = 64  # `pages_per_step=None` loads this many slots per step
+KEYS_PER_STEP = 64  # `pages_per_step=None` loads this many slots per step (at least)
+# A decode step's K bytes that `default_decode_pages_per_step` aims for: 64 slots
+# of head_dim 128 bf16, the step that ran at copy bandwidth on an H200.
+DECODE_STEP_BYTES = KEYS_PER_STEP * 128 * 2
 # Largest K tile (slots x head_dim elements) of a "pallas" step on a GPU: Triton
 # keeps the tile in registers/shared memory, which the lowering tier does not
 # check (it stops before Triton's compile), so this bound is conservative.
@@ -345,6 +349,25 @@ def default_pages_per_step(block_size: int) -> int:
   return max(1, KEYS_PER_STEP // block_size)
 
 
+def default_decode_pages_per_step(*, block_size: int, head_dim: int, dtype) -> int:
+  """Pages per step of the "pallas" decode kernel for `pages_per_step=None`:
+  `KEYS_PER_STEP` slots, doubled while a step's K bytes stay within
+  `DECODE_STEP_BYTES` and its K tile within `MAX_TRITON_TILE` (128 slots at
+  head_dim 64 bf16 and at head_dim 128 fp8, 64 at head_dim 128 bf16).
+
+  Why: on an H200 (2026-12-04) fp8 pages at 64 slots a step took about the
+  time per step of head_dim 128 bf16, i.e. streamed half the bytes per second;
+  a step's loads are indexed gathers its math waits for, so a step's time is
+  likely about one load latency whatever its bytes. Untimed at 128 slots
+  (`gpu_check` rows `kernel/*-fp8/pallas-pps*`)."""
+  keys = KEYS_PER_STEP
+  row_bytes = head_dim * jnp.dtype(dtype).itemsize
+  while (2 * keys * row_bytes <= DECODE_STEP_BYTES
+         and 2 * keys * head_dim <= MAX_TRITON_TILE):
+    keys *= 2
+  return max(1, keys // block_size)
+
+
 def target_num_cores() -> int:
   """SMs of the GPU being built for: the abstract device's `num_cores` under an
   abstract mesh (the lowering tier), else the first GPU's `core_count`, else
@@ -425,8 +448,10 @@ def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
     return f"impl must be one of {_DECODE_IMPLS}, got {impl!r}"
   if platform not in ("cuda", "rocm") or impl == "xla":
     return None
-  pps = (default_pages_per_step(block_size) if pages_per_step is None
-         else pages_per_step)
+  pps = pages_per_step
+  if pps is None:
+    pps = default_decode_pages_per_step(block_size=block_size, head_dim=head_dim,
+                                        dtype=dtype)
   shape = (f"{num_q_heads}/{num_kv_heads} heads, head_dim {head_dim}, block "
            f"{block_size}, {jnp.dtype(dtype).name}, pages_per_step {pps}")
   if impl == "pallas":
@@ -448,9 +473,14 @@ def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
   problem = pm.mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                               head_dim=head_dim, block_size=block_size, dtype=dtype,
                               pages_per_step=pages_per_step)
-  if problem is None and q_dtype is not None and jnp.dtype(q_dtype) != jnp.dtype(dtype):
-    problem = (f"impl='mosaic' needs q in the pages' dtype, got q "
-               f"{jnp.dtype(q_dtype).name} ({shape})")
+  if problem is None and q_dtype is not None:
+    if jnp.dtype(dtype).itemsize == 1:  # fp8 pages: staged to f16 in the kernel
+      if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        problem = (f"impl='mosaic' with fp8 pages needs bf16/f16 q, got q "
+                   f"{jnp.dtype(q_dtype).name} ({shape})")
+    elif jnp.dtype(q_dtype) != jnp.dtype(dtype):
+      problem = (f"impl='mosaic' needs q in the pages' dtype, got q "
+                 f"{jnp.dtype(q_dtype).name} ({shape})")
   return problem
 
 
@@ -779,8 +809,11 @@ def paged_attention(
       "mosaic", True (= `plgpu.InterpretGPUParams(detect_races=True)`) or a
       `plgpu.InterpretGPUParams`.
     pages_per_step: segments loaded per online-softmax step ("pallas") or per
-      SMEM ring stage ("mosaic"); None = `default_pages_per_step(block_size)`
-      (64 slots per step).
+      SMEM ring stage ("mosaic"); None: `default_decode_pages_per_step`
+      ("pallas": 64 slots at head_dim 128 bf16, 128 at head_dim 64
+      or fp8) and `paged_attention_mosaic.default_pages_per_stage` ("mosaic":
+      128 slots at head_dim 64), so that a step of a narrow row moves the
+      bytes of a head_dim 128 bf16 step.
     layer: which layer of stacked pages to read (an int or a traced i32
       scalar; negative counts from the end; clipped into range); None with
       one layer's pages.
@@ -796,8 +829,13 @@ def paged_attention(
   k_pages, v_pages, layer = stacked_pages(k_pages, v_pages, layer)
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
   block_size = k_pages.shape[3]
-  if pages_per_step is None:
-    pages_per_step = default_pages_per_step(block_size)
+  if pages_per_step is None and impl == "mosaic":
+    from pallas_kernels import paged_attention_mosaic as pm
+    pages_per_step = pm.default_pages_per_stage(
+        head_dim=q.shape[-1], block_size=block_size, dtype=k_pages.dtype)
+  elif pages_per_step is None:
+    pages_per_step = default_decode_pages_per_step(
+        block_size=block_size, head_dim=q.shape[-1], dtype=k_pages.dtype)
   if num_splits is None:
     num_splits = default_num_splits(
         batch=q.shape[0], num_kv_heads=k_pages.shape[1],

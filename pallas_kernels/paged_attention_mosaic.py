@@ -11,9 +11,22 @@ lower for Hopper:
   * the GQA group's queries (1-64 rows) are padded to the 64-row wgmma M tile
     (`BLOCK_ROWS`); decode stays memory-bound with the padding (64 FLOP per K/V
     byte against Hopper's ~200-300 ridge);
-  * a ring stage holds `BLOCK_KV` = 64 keys (`64 / block_size` pages, each its
-    own TMA copy and barrier); `num_stages` stages (2-4, as many as fit shared
-    memory) are in flight, refilled as soon as a stage's math is done;
+  * a ring stage holds 64 or 128 keys (`STAGE_KEYS`; `pages_per_step` pages,
+    each its own TMA copy and barrier); `num_stages` stages (2-4, as many as
+    fit shared memory) are in flight, refilled as soon as a stage's math is
+    done. `default_pages_per_stage` takes 128 keys where a 64-key stage would
+    carry less than a head_dim 128 bf16 stage's bytes (head_dim 64: on an
+    H200 its 64-key stages ran at ~the same time per stage as head_dim 128's,
+    hence at half the bytes per second) and the S tile plus the accumulator
+    fit the registers (`MAX_F32_COLUMNS`);
+  * fp8 pages (e4m3fn, e5m2; head_dim <= 128): the ring holds the fp8 pages
+    as TMA copied them (half the bytes of bf16); the consumer upcasts each
+    stage, 64 columns at a time, into f16 stage buffers in shared memory
+    (`FP8_COMPUTE_DTYPE`, exact for both formats), fences, and runs both
+    wgmmas in f16 with the queries cast to f16 (exact for bf16 queries of
+    magnitude 6.1e-5 to 65,504; larger ones overflow). Scales: the pool
+    stores fp8 values without scales today, so there are none to apply;
+    a per-page or per-head scale would multiply the upcast values here;
   * S = Q K^T by `plgpu.wgmma` on SMEM operands (tiling (8, 64) + 128-byte
     swizzle) into a `plgpu.ACC`; masks from `plgpu.broadcasted_iota` in the
     WGMMA layout; row max/sum in `Layout.WGMMA.reduce(1)`, broadcast back with
@@ -53,13 +66,15 @@ lower for Hopper:
 Not done: a Mosaic prefill (extend) kernel; a persistent grid.
 
 Shapes it builds for (`mosaic_problem`): bf16/f16, head_dim a multiple of 64 up
-to 256, block_size 8-64 dividing 64, GQA group <= 64; lowered in the lowering
-tier for H100/H200 with JAX 0.11.2 and 0.12. Verified numerically in the GPU
-interpreter (`plgpu.InterpretGPUParams(detect_races=True)`, race-free) against
-the float64 reference with NaN in every unused slot (tests/kernels/
-test_mosaic_attention.py). Compiled for sm_90a through ptxas in the compile tier
-(`tests_compile/test_kernels.py`: no spills at head_dim 64, 128 and 256). Not
-yet timed on a GPU.
+to 256 (fp8: 64 and 128), block_size 8-64 dividing 64, GQA group <= 64; lowered
+in the lowering tier for H100/H200 with JAX 0.11.2 and 0.12. Verified
+numerically in the GPU interpreter (`plgpu.InterpretGPUParams(detect_races=True)`,
+race-free) against the float64 reference with NaN in every unused slot
+(tests/kernels/test_mosaic_attention.py). Compiled for sm_90a through ptxas in
+the compile tier (`tests_compile/test_kernels.py`: no spills at head_dim 64, 128
+and 256, 64- and 128-key stages, fp8). Timed on an H200 (2026-12-04, JAX 0.11.2,
+`tools/gpu_check.py`) with 64-key bf16 stages only: head_dim 128 and 256 at copy
+bandwidth, head_dim 64 at 48% of it; 128-key stages and fp8 pages are untimed.
 
 Interpreter notes (JAX 0.11.2 and 0.12 on CPU): `pl.program_id` is always 0
 there, so programs read their coordinates with `lax.axis_index`; its wgmma reads
@@ -82,22 +97,45 @@ from jax.experimental import pallas as pl
 # Constants ------------------------------------------------------------------
 
 BLOCK_ROWS = 64  # wgmma M tile: the GQA group's queries padded to 64 rows
-BLOCK_KV = 64  # keys per ring stage
+BLOCK_KV = 64  # keys per ring stage, fewest (the S tile's N)
+MAX_BLOCK_KV = 128  # keys per ring stage, most (S: 64 f32 registers a thread)
+STAGE_KEYS = (BLOCK_KV, MAX_BLOCK_KV)  # the stage widths it builds
+# A stage's K bytes that `default_pages_per_stage` aims for: what one 64-key
+# stage of head_dim 128 bf16 moves (the shape that ran at copy bandwidth).
+TARGET_STAGE_BYTES = BLOCK_KV * 128 * 2
+# TMA copies (and barriers) per operand and stage: with `MAX_STAGES` stages,
+# 32 barriers, the most Mosaic GPU allocates in one group.
+MAX_PAGES_PER_STAGE = 8
+# f32 columns a consumer warpgroup holds, S tile (keys) plus accumulator
+# (its head-dim columns): 64 + 128 and 128 + 64 compile without spills for
+# sm_90a (232 registers), 128 + 128 spills 320 B (compile tier).
+MAX_F32_COLUMNS = 192
 TABLE_LANES = 128  # segment-table entries per TMA row (box dims <= 256)
 MAX_TABLE_CHUNKS = 8  # table rows per split: <= 1,024 segment entries
 MAX_STAGES = 4
 SMEM_BUDGET = 220 * 1024  # of Hopper's 227 KiB per block (barriers, slack)
 DEFAULT_PAGES_PER_STEP = 4  # = BLOCK_KV / 16
 _DTYPES = (jnp.bfloat16, jnp.float16)
+# 8-bit pages, staged: each ring stage is upcast in shared memory to
+# `FP8_COMPUTE_DTYPE` (exact for both formats) before the wgmma reads it.
+# f16, not bf16: the ptxas of CUDA 12.9 (PTX ISA 8.8) converts e4m3/e5m2 pairs
+# to f16 only (`cvt.rn.f16x2.e4m3x2`); bf16 needs ISA 9.2.
+_FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+FP8_COMPUTE_DTYPE = jnp.float16
 _LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
 
 
-def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized):
+def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized,
+                block_kv=BLOCK_KV):
+  """Shared memory of the kernel for pages of `itemsize` bytes (1: fp8 pages,
+  whose K and V stage buffers of 16-bit values come on top of the ring)."""
   table = 4 * MAX_TABLE_CHUNKS * TABLE_LANES * 4
-  q = BLOCK_ROWS * head_dim * itemsize
-  ring = 2 * num_stages * BLOCK_KV * head_dim * itemsize
-  probs = BLOCK_ROWS * BLOCK_KV * itemsize
+  q = BLOCK_ROWS * head_dim * 2
+  ring = 2 * num_stages * block_kv * head_dim * itemsize
+  if itemsize == 1:
+    ring += 2 * block_kv * head_dim * 2
+  probs = BLOCK_ROWS * block_kv * 2
   out = BLOCK_ROWS * head_dim * 4
   if warp_specialized:  # one collective scope: nothing shares memory
     return table + q + BLOCK_ROWS * 4 + ring + probs + out
@@ -105,21 +143,58 @@ def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized):
   return table + q + BLOCK_ROWS * 4 + max(ring + 2 * probs, out)
 
 
-def kernel_config(head_dim: int, dtype) -> tuple[bool, int]:
-  """(warp specialized, ring stages) for this head_dim: a producer warpgroup
-  with the deepest ring (<= `MAX_STAGES`, >= 2) that fits `SMEM_BUDGET` when
-  one does (head_dim <= 192), else two warpgroups splitting the head dim in
-  halves of a multiple of 64 columns, whose ring and output tile share memory
-  (head_dim 256). (False, 0) if nothing fits."""
+def kernel_config(head_dim: int, dtype, block_kv: int = BLOCK_KV) -> tuple[bool, int]:
+  """(warp specialized, ring stages) for this head_dim and stage width
+  (`block_kv` keys): a producer warpgroup with the deepest ring (<=
+  `MAX_STAGES`, >= 2) that fits `SMEM_BUDGET` when one does (head_dim <= 192
+  at 64 keys), else two warpgroups splitting the head dim in halves of a
+  multiple of 64 columns, whose ring and output tile share memory (head_dim
+  256). (False, 0) if nothing fits."""
   itemsize = jnp.dtype(dtype).itemsize
   for ws in (True, False):
-    if not ws and head_dim % 128:
-      continue  # halves of whole 64-column swizzled tiles
+    if not ws and (head_dim % 128 or itemsize == 1):
+      continue  # halves of whole 64-column swizzled tiles; fp8: one consumer
+    # fp8 too: at most `MAX_STAGES` (7 and 6 stages of fp8 at head_dim 128
+    # spilled 212 and 124 B for sm_90a at any register budget, 4 did not).
     for stages in range(MAX_STAGES, 1, -1):
-      if _smem_bytes(head_dim, itemsize, stages,
-                     warp_specialized=ws) <= SMEM_BUDGET:
+      if _smem_bytes(head_dim, itemsize, stages, warp_specialized=ws,
+                     block_kv=block_kv) <= SMEM_BUDGET:
         return ws, stages
   return False, 0
+
+
+def _fits_registers(head_dim, dtype, block_kv) -> bool:
+  """Whether a consumer warpgroup's S tile and accumulator columns stay within
+  `MAX_F32_COLUMNS` (the head dim split in halves where it is not warp
+  specialized)."""
+  warp_specialized, _ = kernel_config(head_dim, dtype, block_kv)
+  cols = head_dim if warp_specialized else head_dim // 2
+  return block_kv + cols <= MAX_F32_COLUMNS
+
+
+def default_pages_per_stage(*, head_dim: int, block_size: int, dtype) -> int:
+  """Pages per ring stage for `pages_per_step=None`: the widest stage in
+  `STAGE_KEYS` whose K bytes stay within `TARGET_STAGE_BYTES` (64 keys at
+  head_dim 128/256 bf16; 128 keys at head_dim 64), within
+  `MAX_PAGES_PER_STAGE` pages and with a warp-specialized ring of >= 2 stages
+  (a wide stage never takes the producer warpgroup away).
+
+  Why: on an H200 (2026-12-04) head_dim 64's 64-key stages took about the
+  time per stage of head_dim 128's, i.e. streamed half the bytes per second:
+  a stage's fixed costs (two wgmma waits, the row max/sum shuffles, the P
+  store and fence, the page masks; or the loads in flight, 4 stages of half
+  the bytes) do not shrink with the head dim. A wider stage moves the head_dim
+  128 stage's bytes per round trip. Untimed (`gpu_check` rows
+  `kernel/b64x8k-d64/mosaic-pps*`)."""
+  row_bytes = head_dim * jnp.dtype(dtype).itemsize
+  keys = BLOCK_KV
+  for wide in STAGE_KEYS[1:]:
+    warp_specialized, stages = kernel_config(head_dim, dtype, wide)
+    if (wide * row_bytes <= TARGET_STAGE_BYTES and warp_specialized and stages
+        and wide // block_size <= MAX_PAGES_PER_STAGE
+        and _fits_registers(head_dim, dtype, wide)):
+      keys = wide
+  return max(1, keys // block_size)
 
 
 def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
@@ -129,17 +204,34 @@ def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
   wrapper raises it (on every platform: interpret mode runs only what lowers)."""
   shape = (f"{num_q_heads}/{num_kv_heads} heads, head_dim {head_dim}, block "
            f"{block_size}, {jnp.dtype(dtype).name}")
-  if jnp.dtype(dtype) not in [jnp.dtype(d) for d in _DTYPES]:
-    return (f"impl='mosaic' takes bf16/f16 pages only (wgmma), got "
-            f"{jnp.dtype(dtype).name}; use impl='pallas' or 'xla' ({shape})")
+  fp8 = jnp.dtype(dtype) in [jnp.dtype(d) for d in _FP8_DTYPES]
+  if not fp8 and jnp.dtype(dtype) not in [jnp.dtype(d) for d in _DTYPES]:
+    return (f"impl='mosaic' takes bf16/f16 or fp8 (e4m3fn, e5m2) pages only "
+            f"(wgmma), got {jnp.dtype(dtype).name}; use impl='pallas' or 'xla' "
+            f"({shape})")
+  if fp8 and head_dim > 128:
+    return (f"impl='mosaic' stages fp8 pages for head_dim <= 128 only (one "
+            f"consumer warpgroup) ({shape})")
   if head_dim % 64 or head_dim > 256:
     return (f"impl='mosaic' needs head_dim a multiple of 64 up to 256 (128-byte "
             f"swizzled wgmma tiles) ({shape})")
   if block_size > BLOCK_KV or BLOCK_KV % block_size or block_size % 8:
     return (f"impl='mosaic' needs block_size in (8, 16, 32, 64) ({shape})")
-  if pages_per_step is not None and pages_per_step * block_size != BLOCK_KV:
-    return (f"impl='mosaic' stages {BLOCK_KV} keys: pages_per_step must be None "
-            f"or {BLOCK_KV // block_size}, got {pages_per_step} ({shape})")
+  if pages_per_step is not None:
+    ok = [keys // block_size for keys in STAGE_KEYS
+          if keys // block_size <= MAX_PAGES_PER_STAGE]
+    if pages_per_step not in ok:
+      return (f"impl='mosaic' stages {' or '.join(map(str, STAGE_KEYS))} keys in "
+              f"<= {MAX_PAGES_PER_STAGE} pages: pages_per_step must be None or "
+              f"one of {ok}, got {pages_per_step} ({shape})")
+    keys = pages_per_step * block_size
+    if keys > BLOCK_KV and not _fits_registers(head_dim, dtype, keys):
+      return (f"impl='mosaic': {keys}-key stages hold {keys} S columns and the "
+              f"accumulator's {head_dim}, more than {MAX_F32_COLUMNS} f32 columns "
+              f"a thread group keeps in registers ({shape})")
+    if not kernel_config(head_dim, dtype, keys)[1]:
+      return (f"impl='mosaic': a ring of {keys}-key stages does not fit shared "
+              f"memory ({shape})")
   if num_q_heads // num_kv_heads > BLOCK_ROWS:
     return (f"impl='mosaic' holds a GQA group of <= {BLOCK_ROWS} query heads "
             f"({shape})")
@@ -155,11 +247,20 @@ def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
   registers, 248-1,276 B of spill over page sizes; three warpgroups of 64 and
   two of 96 columns spilled too); head_dim 256 (two warpgroups splitting the
   head dim: 208-218 registers, no spill) and 64/128 do not. Explicit
-  `impl="mosaic"` still runs 192."""
-  del dtype  # the same at bf16 and f16
+  `impl="mosaic"` still runs 192.
+
+  fp8 pages (staged to f16 in shared memory) build, compile without spills
+  and match the reference in the GPU interpreter, but have never run on a
+  GPU: the default path keeps the Triton kernel for them until the
+  `gpu_check` rows `kernel/b64x8k-fp8/*` and `kernel/b1x128k-fp8/*` have
+  compared the two (explicit `impl="mosaic"` runs them)."""
   if head_dim == 192:
     return (f"impl='mosaic' at head_dim {head_dim} spills registers when compiled for "
             f"sm_90a (compile tier); the default path skips it")
+  if jnp.dtype(dtype).itemsize == 1:
+    return (f"impl='mosaic' with fp8 pages ({jnp.dtype(dtype).name}) is untimed on a "
+            f"GPU; the default path keeps impl='pallas' for fp8 until the gpu_check "
+            f"fp8 rows compare them")
   return None
 
 
@@ -199,10 +300,23 @@ def mosaic_paged_attention_kernel(
   wg = jax.lax.axis_index("wg")
   num_blocks, block_size, head_dim = k_gmem.shape[1:]
   num_pages, rows, lanes = pages_per_step, BLOCK_ROWS, TABLE_LANES
+  block_kv = num_pages * block_size  # keys per ring stage
   num_halves, cols = o_gmem.shape[3], o_gmem.shape[5]  # cols = head_dim / halves
-  dtype = k_gmem.dtype
+  dtype = q_gmem.dtype  # of both wgmmas' operands
+  staged = k_gmem.dtype != dtype  # fp8 pages: upcast a stage to `dtype` in SMEM
   wgmma = plgpu.Layout.WGMMA
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  # fp8 ring: tiles of 64 columns (64 bytes, swizzled), as the 16-bit stage
+  # buffers, so that both are read and written 64 columns at a time.
+  ring_tiled = ((plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+                if staged else tiled)
+
+  def upcast(src, dst):
+    """dst[...] = src (fp8 -> `dtype`), 64 columns at a time (half the live
+    registers of a 128-column tile: the accumulator is live meanwhile)."""
+    for c in range(src.shape[-1] // 64):
+      part = pl.ds(c * 64, 64)
+      dst.at[:, part][...] = plgpu.load(src.at[:, part], layout=wgmma).astype(dtype)
   if warp_specialized:
     as_producer, as_consumer = pl.when(wg == 1), pl.when(wg == 0)
     half = 0  # the consumer owns every column
@@ -231,9 +345,11 @@ def mosaic_paged_attention_kernel(
     plgpu.wait_smem_to_gmem(0)
 
   def program(table_smem, q_smem, lse_smem, in_barriers, k_barriers, v_barriers,
-              k_free, v_free, k_ring, v_ring, p_smem, o_smem):
+              k_free, v_free, k_ring, v_ring, p_smem, o_smem, k_stage=None,
+              v_stage=None):
     """The whole program over its buffers (`o_smem` None: allocated at the end,
-    sharing memory with the ring; `v_free` None: `k_free` frees both)."""
+    sharing memory with the ring; `v_free` None: `k_free` frees both;
+    `k_stage`, `v_stage`: the 16-bit copies of an fp8 stage)."""
     @as_producer
     def _():
       plgpu.copy_gmem_to_smem(table_gmem.at[row, split], table_smem,
@@ -331,18 +447,27 @@ def mosaic_paged_attention_kernel(
       for p in range(num_pages):
         plgpu.barrier_wait(k_barriers.at[slot * num_pages + p])
 
+      k_slot = k_ring.at[slot]
+      if staged:
+        # Upcast the stage (exact) and fence. The fp8 slot is freed after the
+        # wgmma, as a 16-bit one is: freeing it here, before the V waits, trips
+        # the GPU interpreter's barrier-phase check (JAX 0.12).
+        upcast(k_slot, k_stage)
+        plgpu.commit_smem()
+        k_slot = k_stage
+
       def compute_qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, k_ring.at[slot].T)
+        plgpu.wgmma(acc_ref, q_smem, k_slot.T)
         return acc_ref[...]
 
-      s = pl.run_scoped(compute_qk, plgpu.ACC((rows, BLOCK_KV), jnp.float32))
+      s = pl.run_scoped(compute_qk, plgpu.ACC((rows, block_kv), jnp.float32))
       if warp_specialized:
         plgpu.barrier_arrive(k_free.at[slot])
       if soft_cap is None:
         s = s * (sm_scale * _LOG2E)
       else:
         s = (soft_cap * _LOG2E) * jnp.tanh(s * (sm_scale / soft_cap))
-      mask, full = page_mask(step, (rows, BLOCK_KV), 1)
+      mask, full = page_mask(step, (rows, block_kv), 1)
       s = jnp.where(mask, s, _NEG_INF)
       # Every stage has a live key (entries < count have length >= 1), so
       # m_new is finite and exp2(-inf - m_new) = 0.
@@ -356,11 +481,14 @@ def mosaic_paged_attention_kernel(
       for p in range(num_pages):
         plgpu.barrier_wait(
             v_barriers.at[(slot * num_halves + half) * num_pages + p])
+      if staged:
+        upcast(v_slot, v_stage)
+        v_slot = v_stage
 
       @pl.when(jnp.logical_not(full))
       def _():
         # Masked V rows may hold NaN; 0 * NaN would leak through P V.
-        vmask, _ = page_mask(step, (BLOCK_KV, cols), 0)
+        vmask, _ = page_mask(step, (block_kv, cols), 0)
         v = plgpu.load(v_slot, layout=wgmma)
         v_slot[...] = jnp.where(vmask, v, jnp.zeros((), v.dtype))
 
@@ -413,16 +541,19 @@ def mosaic_paged_attention_kernel(
            plgpu.Barrier(num_arrivals=1, num_barriers=num_stages * num_pages),
            plgpu.Barrier(num_arrivals=1,
                          num_barriers=num_stages * num_halves * num_pages)]
-  ring = [smem((num_stages, BLOCK_KV, head_dim), transforms=tiled),
-          smem((num_stages, num_halves, BLOCK_KV, cols), transforms=tiled),
-          smem((num_halves, rows, BLOCK_KV), transforms=tiled)]
+  page_dtype = k_gmem.dtype
+  ring = [smem((num_stages, block_kv, head_dim), page_dtype, transforms=ring_tiled),
+          smem((num_stages, num_halves, block_kv, cols), page_dtype,
+               transforms=ring_tiled),
+          smem((num_halves, rows, block_kv), transforms=tiled)]
   out = smem((num_halves, rows, cols), jnp.float32)
   if warp_specialized:
+    stage = ([smem((block_kv, head_dim), transforms=tiled)] * 2 if staged else [])
     pl.run_scoped(
         program, *fixed,
         plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
-        *ring, out, collective_axes="wg")
+        *ring, out, *stage, collective_axes="wg")
     return
 
   def halves(table_smem, q_smem, lse_smem, in_barriers, k_barriers, v_barriers,
@@ -510,7 +641,9 @@ def mosaic_paged_attention(
     soft_cap: optional tanh cap applied after scaling.
     interpret: None (compile for Hopper), True (`InterpretGPUParams(
       detect_races=True)`) or a `plgpu.InterpretGPUParams`.
-    pages_per_step: None or `BLOCK_KV // block_size`.
+    pages_per_step: pages per ring stage, `STAGE_KEYS` (64 or 128) keys in
+      at most `MAX_PAGES_PER_STAGE` pages; None: `default_pages_per_stage`
+      (128 keys at head_dim 64, else 64).
     num_splits: split-K factor; raised so that no split has more than
       `MAX_TABLE_CHUNKS * 128` segment entries.
     layer: the layer of stacked pages (`paged_attention.stacked_pages`).
@@ -527,7 +660,10 @@ def mosaic_paged_attention(
   problem = mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                            head_dim=head_dim, block_size=block_size,
                            dtype=k_pages.dtype, pages_per_step=pages_per_step)
-  if problem is None and q.dtype != k_pages.dtype:
+  fp8 = k_pages.dtype.itemsize == 1
+  if problem is None and fp8 and q.dtype not in (jnp.bfloat16, jnp.float16):
+    problem = f"impl='mosaic' with fp8 pages needs bf16/f16 q, got {q.dtype}"
+  elif problem is None and not fp8 and q.dtype != k_pages.dtype:
     problem = f"impl='mosaic' needs q in the pages' dtype, got {q.dtype}"
   if problem is not None:
     raise ValueError(problem)
@@ -535,8 +671,11 @@ def mosaic_paged_attention(
     interpret = lowering.gpu_interpret_params(detect_races=True)
   elif interpret is False:
     interpret = None
-  pages_per_step = BLOCK_KV // block_size
-  warp_specialized, num_stages = kernel_config(head_dim, k_pages.dtype)
+  if pages_per_step is None:
+    pages_per_step = default_pages_per_stage(head_dim=head_dim, block_size=block_size,
+                                             dtype=k_pages.dtype)
+  warp_specialized, num_stages = kernel_config(head_dim, k_pages.dtype,
+                                               pages_per_step * block_size)
   num_seg_slots = seg_block.shape[1]
   max_per_split = MAX_TABLE_CHUNKS * TABLE_LANES
   num_splits = max(1, min(num_splits, pl.cdiv(num_seg_slots, pages_per_step)),
@@ -550,6 +689,8 @@ def mosaic_paged_attention(
   k_rows = k_pages.reshape(num_layers * num_kv_heads, num_blocks, block_size, head_dim)
   v_rows = v_pages.reshape(num_layers * num_kv_heads, num_blocks, block_size, head_dim)
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  if fp8:  # both wgmmas in f16 (see `FP8_COMPUTE_DTYPE`)
+    qg = qg.astype(FP8_COMPUTE_DTYPE)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, BLOCK_ROWS - group), (0, 0)))
   kernel = functools.partial(mosaic_paged_attention_kernel, sm_scale=sm_scale,
                              soft_cap=soft_cap, pages_per_step=pages_per_step,

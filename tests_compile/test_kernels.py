@@ -9,6 +9,8 @@ pages (aliased in -> out); split-K (`num_splits=None`) fills the SMs at batch 1.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
@@ -84,10 +86,36 @@ def test_decode_mosaic_d256_variants_compile_without_spills(shape, soft_cap):
 
 
 def test_mosaic_refuses_what_it_cannot_build():
-  """fp8 pages are refused at trace time (`mosaic_problem`), not left to fail
-  in the compile; every other decode shape here builds with Mosaic GPU."""
-  assert not _mosaic_builds(DECODE[-1])  # fp8
-  assert sum(map(_mosaic_builds, DECODE)) == len(DECODE) - 1
+  """Every decode shape here builds with Mosaic GPU (fp8 pages staged to f16
+  in shared memory); fp8 at head_dim 256 is refused at trace time
+  (`mosaic_problem`), not left to fail in the compile."""
+  assert all(map(_mosaic_builds, DECODE))
+  assert not _mosaic_builds(dataclasses.replace(DECODE[7], dtype="float8_e4m3fn"))
+
+
+# Both ring-stage widths (64 and 128 keys: `pages_per_step` 4 and 8 at block 16)
+# at Llama-3.2-1B's head_dim 64, bf16 and fp8, at the gpu_check row's shape
+# (64 x 8k); fp8 at head_dim 128 at batch 1 x 128k (split-K). None = the
+# kernel's default (`default_pages_per_stage`).
+_STAGES = [
+    (Attn("llama3.2-1b", 32, 8, 64, 16, batch=64, context=8192), 4),
+    (Attn("llama3.2-1b", 32, 8, 64, 16, batch=64, context=8192), 8),
+    (Attn("llama3.2-1b-fp8", 32, 8, 64, 16, batch=64, context=8192,
+          dtype="float8_e4m3fn"), 4),
+    (Attn("llama3.2-1b-fp8", 32, 8, 64, 16, batch=64, context=8192,
+          dtype="float8_e5m2"), None),
+    (Attn("llama3-8b-fp8", 32, 8, 128, 16, batch=1, context=131072,
+          dtype="float8_e4m3fn"), None),
+]
+
+
+@pytest.mark.parametrize("shape,pages_per_step", _STAGES,
+                         ids=lambda x: getattr(x, "id", f"pps{x}"))
+def test_decode_mosaic_stage_widths_and_fp8_compile_without_spills(shape, pages_per_step):
+  prog = _decode(shape, "mosaic", pages_per_step=pages_per_step)
+  tier.assert_no_pool_copy(prog, shape.layer_pool_bytes)
+  assert prog.mosaic_kernels(), prog.summary()
+  tier.assert_no_spills(prog)
 
 
 @pytest.mark.parametrize("device", [tier.H100, tier.H200], ids=["h100", "h200"])

@@ -13,7 +13,10 @@ on the same pages, dense attention on contiguous K/V, the model-facing layer
 (`paged_kv.model.attention.paged_attention`, `impl=None` and explicit impls)
 at a Llama-3-8B layer's shape (32/8 heads, D128, bf16, block 16) for batch 64
 x 8k, batch 1 x 128k and a mixed prefill+decode step, fp8 (e4m3) pages, head
-dims 64 and 256, and the block permutation at 32, 256 and 1,024 moves.
+dims 64 and 256, and the block permutation at 32, 256 and 1,024 moves; beside
+the fp8 and head_dim 64 rows, `kernel/<shape>/<impl>-pps<n>` rows time the
+decode kernel alone for each candidate of `gpu_check_rows.DECODE_VARIANTS`
+(impl and ring stage / step width), old and new side by side.
 Then the serving rows (`gpu_check_rows.serving_rows`, ids `serving/...`;
 `--skip=serving/` leaves them out): a random Llama-3.2-1B-shaped checkpoint
 written and loaded, the device's own decode step at batch 64 and 1

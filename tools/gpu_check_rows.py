@@ -258,6 +258,8 @@ class RowSpec:
   needs: rows that, if they hung or crashed, make this one skip (same kernel).
   goals: {"copy_pct": min %, "x_builtin": min ratio} from issue 22;
     {"serving_over_device": max ratio} (serving step p50 / device step).
+  pages_per_step: a "decode_kernel" row's `pages_per_step` (see
+    `decode_variant_rows`).
   """
   id: str
   kind: str
@@ -271,6 +273,7 @@ class RowSpec:
   device_ref: str | None = None
   needs: tuple[str, ...] = ()
   goals: dict | None = None
+  pages_per_step: int | None = None  # "decode_kernel" rows: the variant's stage
 
 
 def _layer_rows(key, impls, *, copy_ref, builtin_ref=None, limit=60, est=10,
@@ -355,6 +358,7 @@ def plan(dry: bool = False) -> list[RowSpec]:
       RowSpec("copy/b1x128k-fp8", "copy", "b1x128k-fp8", limit_s=30, est_s=2),
       *_layer_rows("b1x128k-fp8", (None,), copy_ref="copy/b1x128k-fp8",
                    check="check/attn-fp8"),
+      *decode_variant_rows("b1x128k-fp8", "copy/b1x128k-fp8"),
       # 512 MiB.
       RowSpec("copy/b1x128k", "copy", "b1x128k", limit_s=30, est_s=2),
       RowSpec("builtin/b1x128k", "builtin", "b1x128k", limit_s=60, est_s=8,
@@ -370,6 +374,8 @@ def plan(dry: bool = False) -> list[RowSpec]:
       RowSpec("copy/b64x8k-fp8", "copy", "b64x8k-fp8", limit_s=30, est_s=2),
       *_layer_rows("b64x8k-fp8", (None,), copy_ref="copy/b64x8k-fp8", check="check/attn-fp8"),
       *_layer_rows("b64x8k-d64", (None,), copy_ref="copy/b64x8k-fp8"),  # 1 GiB too
+      *decode_variant_rows("b64x8k-fp8", "copy/b64x8k-fp8"),
+      *decode_variant_rows("b64x8k-d64", "copy/b64x8k-fp8"),
       # 1.9 GiB.
       RowSpec("copy/mixed", "copy", "mixed", limit_s=30, est_s=3),
       *_layer_rows("mixed", (None,), copy_ref="copy/mixed", limit=90, est=15),
@@ -1382,3 +1388,83 @@ def run_row(spec: RowSpec, *, dry: bool, iters: int, repeats: int,
     os.abort()
   shape = row_shape(spec, dry)
   return RUNNERS[spec.kind](spec, shape, dry=dry, iters=iters, repeats=repeats)
+
+
+# Decode-kernel variants (issue U) ---------------------------------------------------
+
+# Candidates timed side by side at the kernel's own API, per shape key:
+# (impl, pages_per_step). The 2026-12-04 defaults were ("mosaic", 4) at D64 (48%
+# of copy) and ("pallas", 4) for fp8 (55% / 43%); the stage widths that carry a
+# D128 bf16 step's bytes (8 pages of 16 tokens at D64 and fp8) and the Mosaic
+# kernel's fp8 pages (staged to f16 in shared memory) are the new candidates.
+DECODE_VARIANTS = {
+    "b1x128k-fp8": (("pallas", 4), ("pallas", 8), ("mosaic", 4)),
+    "b64x8k-fp8": (("pallas", 4), ("pallas", 8), ("mosaic", 4)),
+    "b64x8k-d64": (("mosaic", 4), ("mosaic", 8), ("pallas", 8)),
+}
+# Dry mode runs the Triton rows of this key only (the runner is the same for
+# every row; the Mosaic variants' numbers are checked in the GPU interpreter by
+# tests/kernels/test_mosaic_attention.py, at a cost the dry budget has no room for).
+DRY_VARIANT_KEY = "b64x8k-fp8"
+
+
+def decode_variant_rows(key: str, copy_ref: str) -> list[RowSpec]:
+  """`kernel/<key>/<impl>-pps<n>` rows of `DECODE_VARIANTS[key]`: the decode
+  kernel alone (`run_decode_kernel`, which checks its numbers before timing).
+  Each needs its impl's check row (fp8 through Triton: the fp8 default path's);
+  Mosaic with fp8 pages has none (its first row, at b1x128k-fp8, is the check
+  the later one needs), so a hang costs one row's limit, not one per row."""
+  fp8 = key.endswith("-fp8")
+  rows = []
+  for impl, pps in DECODE_VARIANTS[key]:
+    if fp8 and impl == "mosaic":
+      first = f"kernel/b1x128k-fp8/{impl}-pps{pps}"
+      needs = ("check/attn/mosaic",) + ((first,) if key != "b1x128k-fp8" else ())
+    else:
+      needs = ("check/attn-fp8/default" if fp8 else f"check/attn/{impl}",)
+    rows.append(RowSpec(f"kernel/{key}/{impl}-pps{pps}", "decode_kernel", key, impl,
+                        limit_s=45, est_s=4, copy_ref=copy_ref, needs=needs,
+                        pages_per_step=pps))
+  return rows
+
+
+def run_decode_kernel(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -> Result:
+  """`pallas_kernels.paged_attention.paged_attention` alone on a decode-only
+  shape: the pool's stacked pages read at `shape.layer` in place, the tables of
+  the layer rows, `impl=spec.impl`, `pages_per_step=spec.pages_per_step`,
+  `num_splits=None`; checked against the layer rows' f32 reference, then timed.
+  Dry mode: only the Triton rows of `DRY_VARIANT_KEY` run."""
+  if dry and (spec.impl != "pallas" or spec.key != DRY_VARIANT_KEY):
+    raise Skip(f"dry mode runs kernel/{DRY_VARIANT_KEY}/pallas-* only")
+  jax, jnp = _jax()
+  import numpy as np
+
+  from pallas_kernels import paged_attention as pa
+  st, fields, _, q, _, _ = _attention_inputs(shape)
+  if st.max_query_len != 1:
+    raise Skip("decode-only shapes: the kernel takes one query per row")
+  unused = sorted(set(range(st.num_blocks)) - st.used_blocks)
+  pk, pv = _pages(shape, st.num_blocks, layers=range(shape.num_layers), seed=5,
+                  unused=unused)
+  table = [jnp.asarray(fields[f]) for f in ("seg_block", "seg_start", "seg_length",
+                                            "num_segments")]
+  fn = jax.jit(functools.partial(pa.paged_attention, impl=spec.impl,
+                                 pages_per_step=spec.pages_per_step,
+                                 interpret=_interpret(dry), layer=shape.layer))
+  _mosaic_races(dry, spec.impl, reset=True)
+  out = jax.block_until_ready(fn(q, pk, pv, *table))
+  if _mosaic_races(dry, spec.impl):
+    raise Wrong("the Mosaic GPU interpreter detected a race")
+  rows = _checked_rows(st)
+  toks, want = _device_reference(st, fields, pk[shape.layer], pv[shape.layer], q, rows)
+  err = _rel_err_rows(np.asarray(out[jnp.asarray(toks)], np.float32), want)
+  _require(err)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    t = time_per_call(lambda: fn(q, pk, pv, *table), iters=iters, repeats=repeats,
+                      warmup=not dry)
+  return Result(t * 1e6, shape.nbytes, err, None,
+                f"pages_per_step={spec.pages_per_step}; {_split_note(shape, st)}")
+
+
+RUNNERS["decode_kernel"] = run_decode_kernel

@@ -103,11 +103,13 @@ def default_impl(backend: str | None = None, *, num_q_heads: int | None = None,
     (`gpu_preference(preference)`: by default `GPU_PREFERENCE` = Mosaic GPU,
     then the Triton-lowered `"pallas"`, then `"xla"`) that builds for the shape
     (`pallas_kernels.paged_attention.decode_impl_problem`, which matches the
-    lowering tier: e.g. Mosaic needs bf16/f16 pages, q in the pages' dtype and
-    head_dim a multiple of 64 up to 256; Triton power-of-two sizes), skipping
-    an impl that builds but is known bad at the shape (`default_path_problem`:
-    Mosaic at head_dim 192 spills registers in the compile tier; Gemma's 256,
-    two warpgroups splitting the head dim, does not and gets Mosaic).
+    lowering tier: e.g. Mosaic needs bf16/f16 pages with q in their dtype, or fp8
+    pages with bf16/f16 q, and head_dim a multiple of 64 up to 256; Triton
+    power-of-two sizes), skipping an impl that builds but is known bad or
+    untimed at the shape (`default_path_problem`: Mosaic at head_dim 192
+    spills registers in the compile tier; Gemma's 256, two warpgroups splitting
+    the head dim, does not and gets Mosaic; Mosaic with fp8 pages is untimed
+    on a GPU, so fp8 gets Triton).
     Every fallback warns once, naming the reason, so a valid model shape
     (Phi-3-mini's head_dim 96 gets `"xla"`) never raises, and a slow path is
     never picked silently.

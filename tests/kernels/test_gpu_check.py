@@ -80,7 +80,14 @@ def test_dry_mode_every_row_and_injected_faults(tmp_path):
   hf_skipped = 0 if _HAS_HF else 1
   if not _HAS_HF:
     assert status[_HF] == "skipped: torch and transformers not installed", status
-  others = set(plan) - {_HANG, _RAISE, _WRONG, _CRASH, *needs_hang} - (
+  # The decode-kernel variant rows: dry mode runs those of one key through Triton.
+  dry_run = f"kernel/{gpu_check_rows.DRY_VARIANT_KEY}/pallas-"
+  kernel_rows = [r for r in plan if r.startswith("kernel/")]
+  dry_skipped = [r for r in kernel_rows if not r.startswith(dry_run)]
+  assert len(kernel_rows) - len(dry_skipped) == 2, kernel_rows
+  assert all(status[r].startswith("skipped: dry mode runs kernel/") for r in dry_skipped), status
+  skipped = hf_skipped + len(dry_skipped)
+  others = set(plan) - {_HANG, _RAISE, _WRONG, _CRASH, *needs_hang, *dry_skipped} - (
       set() if _HAS_HF else {_HF})
   assert {r: status[r] for r in others if status[r] != "ok"} == {}, log
   # Measured rows carry a time, GB/s and (against their copy row) a % of it.
@@ -107,8 +114,8 @@ def test_dry_mode_every_row_and_injected_faults(tmp_path):
   md = (tmp_path / "gpu_check.md").read_text()
   footer = md.rstrip().splitlines()
   n = len(plan)
-  assert footer[-3] == (f"{n} rows: {n - 7 - hf_skipped} passed, 4 failed (1 timed out), "
-                        f"{3 + hf_skipped} skipped; {footer[-3].split('; ')[1]}"), md[-600:]
+  assert footer[-3] == (f"{n} rows: {n - 7 - skipped} passed, 4 failed (1 timed out), "
+                        f"{3 + skipped} skipped; {footer[-3].split('; ')[1]}"), md[-600:]
   dry_budget = _driver_constant("DRY_BUDGET_S")
   assert re.fullmatch(rf"\d+ s of a {dry_budget:.0f} s budget", footer[-3].split("; ")[1])
   assert footer[-2] == f"failed: {_HANG}, {_RAISE}, {_CRASH}, {_WRONG}"

@@ -173,3 +173,79 @@ def test_mosaic_stacked_pages_traced_layer_and_default_splits():
   assert np.all(np.isfinite(got)), "a poisoned slot or the wrong layer was read"
   np.testing.assert_allclose(got, want, **_TOL[jnp.bfloat16])
   np.testing.assert_array_equal(got[3], 0.0)
+
+
+# Stage widths and fp8 pages ------------------------------------------------------
+
+# A 600-token row walks more stages than the 4-stage ring holds: 128-key stages
+# in one split, 64-key ones in each of two.
+_LONG_SEQ_LENS = (600, 1, 0, 150, 37)
+_LONG_CASE = dict(block_size=16, num_blocks=160, max_segments=64)
+
+_STAGE_CASES = [
+    # (page dtype, head_dim, pages_per_step, num_splits). fp8 at head_dim 128
+    # (64-key stages, each upcast in two 64-column halves) in `make test`;
+    # 20-35 s each on CPU, the others are in the long tier: 64-key bf16 stages
+    # at head_dim 64 (its default, 128 keys, runs in the cases above), fp8
+    # with 128-key stages (head_dim 64's default), e5m2.
+    (jnp.float8_e4m3fn, 128, None, 2),
+    pytest.param(jnp.bfloat16, 64, 4, 2, marks=pytest.mark.long),
+    pytest.param(jnp.float8_e4m3fn, 64, None, 1, marks=pytest.mark.long),
+    pytest.param(jnp.float8_e5m2, 64, 4, 2, marks=pytest.mark.long),
+]
+
+
+@pytest.mark.parametrize("page_dtype,head_dim,pages_per_step,num_splits", _STAGE_CASES,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_mosaic_stage_widths_and_fp8_pages_match_reference(page_dtype, head_dim,
+                                                           pages_per_step, num_splits):
+  """Both stage widths and fp8 pages (bf16 queries, pages upcast to f16 in
+  shared memory), race-free, against the float64 reference over the fp8
+  values; NaN in every unused slot (fp8 NaN too)."""
+  fp8 = jnp.dtype(page_dtype).itemsize == 1
+  q, k, v, table = _case(41 + head_dim, dtype=jnp.float32 if fp8 else page_dtype,
+                         group=4, seq_lens=_LONG_SEQ_LENS,
+                         **dict(_LONG_CASE, head_dim=head_dim))
+  k, v, q = k.astype(page_dtype), v.astype(page_dtype), q.astype(jnp.bfloat16)
+  mi = _interpreter()
+  mi.reset_gpu_interpret_mode_state()
+  out = pa.paged_attention(q, k, v, *table, impl="mosaic", num_splits=num_splits,
+                           pages_per_step=pages_per_step, interpret=_race_params())
+  got = np.asarray(out.astype(jnp.float32))
+  assert not mi.get_races().races_found
+  want = ref64(pa.ref_paged_attention, q, k.astype(jnp.float32),
+               v.astype(jnp.float32), *table)
+  assert out.dtype == q.dtype
+  assert np.all(np.isfinite(got)), "a poisoned slot reached the output"
+  np.testing.assert_allclose(got, want, **_TOL[jnp.bfloat16])
+  np.testing.assert_array_equal(got[2], 0.0)  # the empty row
+
+
+def test_mosaic_stage_width_rule_and_refusals():
+  """128-key stages where a 64-key stage carries less than a head_dim 128
+  bf16 stage's bytes and S plus the accumulator fit the registers; refused
+  with the reason otherwise. fp8: head_dim <= 128, bf16/f16 queries; the
+  default path keeps Triton for fp8 (untimed)."""
+  from pallas_kernels import paged_attention_mosaic as pm
+
+  stage = lambda d, bs, dt=jnp.bfloat16: pm.default_pages_per_stage(
+      head_dim=d, block_size=bs, dtype=dt) * bs
+  assert [stage(64, bs) for bs in (16, 32, 64)] == [128] * 3
+  assert stage(64, 8) == 64  # 16 pages would exceed MAX_PAGES_PER_STAGE
+  assert [stage(d, 16) for d in (128, 192, 256)] == [64] * 3
+  assert stage(64, 16, jnp.float8_e4m3fn) == 128
+  assert stage(128, 16, jnp.float8_e4m3fn) == 64  # 128 + 128 f32 columns
+  problem = lambda d, pps, dt=jnp.bfloat16, q_dtype=None: pa.decode_impl_problem(
+      "mosaic", num_q_heads=32, num_kv_heads=8, head_dim=d, block_size=16,
+      dtype=dt, pages_per_step=pps, platform="cuda", q_dtype=q_dtype)
+  assert problem(64, 4) is None and problem(64, 8) is None
+  assert "f32 columns" in problem(128, 8)
+  assert "pages_per_step must be None or one of [4, 8]" in problem(64, 2)
+  assert problem(128, None, jnp.float8_e4m3fn, jnp.bfloat16) is None
+  assert "head_dim <= 128" in problem(256, None, jnp.float8_e4m3fn)
+  assert "bf16/f16 q" in problem(128, None, jnp.float8_e4m3fn, jnp.float32)
+  caveat = lambda dt: pa.default_path_problem(
+      "mosaic", num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+      dtype=dt, platform="cuda")
+  assert caveat(jnp.bfloat16) is None
+  assert "untimed" in caveat(jnp.float8_e4m3fn)

@@ -238,6 +238,23 @@ class PagedAttentionTest(chex.TestCase, parameterized.TestCase):
     self.assertIn("power-of-two head_dim", msgs[1])
     self.assertIn("impl='xla'", msgs[1])
 
+  def test_default_impl_head_dim_64_and_fp8_pages(self):
+    """Llama-3.2-1B's head_dim 64 gets Mosaic (128-key stages); fp8 pages, which
+    Mosaic builds for but which are untimed on a GPU, keep Triton, with a
+    warning that says why."""
+    from paged_kv.model import attention
+    attention._warned.clear()
+    shape = dict(num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=16,
+                 dtype=jnp.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      self.assertEqual(default_impl("cuda", **shape), "mosaic")
+      fp8 = dict(shape, head_dim=128, dtype=jnp.float8_e4m3fn, q_dtype=jnp.bfloat16)
+      self.assertEqual(default_impl("cuda", **fp8), "pallas")
+    msgs = [str(w.message) for w in caught]
+    self.assertEqual(len(msgs), 1, msgs)
+    self.assertIn("untimed", msgs[0])
+
 
 if __name__ == "__main__":
   absltest.main()
