@@ -205,6 +205,7 @@ def shapes(dry: bool) -> dict:
     b64 = dict(decode_rows=3, decode_ctx=64)
     mixed = dict(decode_rows=2, decode_ctx=64, prefill_rows=1, prefill_prefix=32,
                  prefill_chunk=16)
+    prefill = dict(prefill_rows=1, prefill_prefix=16, prefill_chunk=32)
     dims = {"d64": 32, "d256": 128}
     perm = dict(num_layers=2, num_kv_heads=2, block_size=16, head_dim=64)
     moves = {"perm32": (4, 64), "perm256": (8, 64), "perm1024": (16, 64)}
@@ -215,6 +216,7 @@ def shapes(dry: bool) -> dict:
     b64 = dict(decode_rows=64, decode_ctx=8192)
     mixed = dict(decode_rows=56, decode_ctx=8192, prefill_rows=8, prefill_prefix=4096,
                  prefill_chunk=256)
+    prefill = dict(prefill_rows=8, prefill_prefix=4096, prefill_chunk=2048)
     dims = {"d64": 64, "d256": 256}
     perm = dict(num_layers=32, num_kv_heads=8, block_size=16, head_dim=128)
     moves = {"perm32": (32, 512), "perm256": (256, 1024), "perm1024": (1024, 4096)}
@@ -232,6 +234,7 @@ def shapes(dry: bool) -> dict:
       "b64x8k-d64": AttnShape(**dict(llama, head_dim=dims["d64"]), **b64),
       "b64x8k-d256": AttnShape(**dict(llama, head_dim=dims["d256"]), **b64),
       "mixed": AttnShape(**llama, **mixed),
+      "prefill8x2k": AttnShape(**llama, **prefill),
   }
   for key, (m, nb) in moves.items():
     out[key] = PermShape(num_moves=m, num_blocks=nb, **perm)
@@ -350,6 +353,7 @@ def plan(dry: bool = False) -> list[RowSpec]:
       # 64 MiB moved.
       RowSpec("copy/perm32", "copy", "perm32", limit_s=30, est_s=2),
       *_perm_rows("perm32", "copy/perm32"),
+      *prefill_rows(),  # 192 MiB
       # 256 MiB.
       RowSpec("copy/b1x128k-fp8", "copy", "b1x128k-fp8", limit_s=30, est_s=2),
       *_layer_rows("b1x128k-fp8", (None,), copy_ref="copy/b1x128k-fp8",
@@ -371,6 +375,7 @@ def plan(dry: bool = False) -> list[RowSpec]:
       # 1.9 GiB.
       RowSpec("copy/mixed", "copy", "mixed", limit_s=30, est_s=3),
       *_layer_rows("mixed", (None,), copy_ref="copy/mixed", limit=90, est=15),
+      *mixed_mosaic_rows(),
       # 2 GiB.
       RowSpec("copy/b64x8k", "copy", "b64x8k", limit_s=30, est_s=3),
       RowSpec("builtin/b64x8k", "builtin", "b64x8k", limit_s=60, est_s=8,
@@ -662,13 +667,14 @@ def _resolved_default(shape: AttnShape, q_dtype):
   return impl, note
 
 
-def _layer_step(impl, layer):
-  """The jitted model-layer step, pages donated (the pool is updated in place)."""
+def _layer_step(impl, layer, **kw):
+  """The jitted model-layer step, pages donated (the pool is updated in place);
+  `kw`: more keyword arguments of `paged_attention` (`LAYER_STEP_KW`)."""
   jax, _ = _jax()
   from paged_kv.model import attention
 
   def step(pages, q, k, v, meta):
-    return attention.paged_attention(q, k, v, pages, layer, meta, impl=impl)
+    return attention.paged_attention(q, k, v, pages, layer, meta, impl=impl, **kw)
 
   return jax.jit(step, donate_argnums=(0,))
 
@@ -909,7 +915,7 @@ def run_layer(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -> Result
   pages = KVPages(k=pk, v=pv)
   meta = _meta(fields, st.max_query_len)
   resolved, note = (spec.impl, "") if spec.impl else _resolved_default(shape, jnp.bfloat16)
-  step = _layer_step(spec.impl, shape.layer)
+  step = _layer_step(spec.impl, shape.layer, **LAYER_STEP_KW.get(spec.kind, {}))
   _mosaic_races(dry, resolved, reset=True)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -1349,3 +1355,78 @@ def run_row(spec: RowSpec, *, dry: bool, iters: int, repeats: int,
     os.abort()
   shape = row_shape(spec, dry)
   return RUNNERS[spec.kind](spec, shape, dry=dry, iters=iters, repeats=repeats)
+
+
+# Prefill and mixed-step rows (issue U, item 4) -----------------------------------------
+
+LAYER_STEP_KW = {"layer_one_launch": {"mixed_launches": 1}}
+"""`paged_attention` keyword arguments of the layer-step row kinds besides `layer`."""
+PREFILL_TFLOPS_GOAL = 350  # issue U: causal attention FLOPs per second, 8 x 2,048 new
+
+
+def prefill_rows() -> list[RowSpec]:
+  """The prefill kernel alone at 8 rows x 2,048 new tokens on 4,096 cached (D128),
+  the Triton kernel and the Mosaic GPU one side by side; their note gives TFLOP/s
+  of causal attention FLOPs (`causal_flops`) against the goal."""
+  return [RowSpec(f"prefill/prefill8x2k/{impl}", "prefill", "prefill8x2k", impl,
+                  limit_s=60, est_s=10, needs=(f"check/attn/{impl}",))
+          for impl in ("pallas", "mosaic")]
+
+
+def mixed_mosaic_rows() -> list[RowSpec]:
+  """The mixed step (56 decode + 8 prefill rows) with Mosaic GPU for both kernels:
+  two launches (decode kernel, then prefill kernel) and one (`mixed_launches=1`:
+  every row through the prefill kernel), beside `layer/mixed/default`."""
+  return [
+      RowSpec("layer/mixed/mosaic", "layer", "mixed", "mosaic", limit_s=90, est_s=12,
+              copy_ref="copy/mixed", needs=("check/attn/mosaic",)),
+      RowSpec("layer/mixed/mosaic-1launch", "layer_one_launch", "mixed", "mosaic",
+              limit_s=90, est_s=12, copy_ref="copy/mixed", needs=("check/attn/mosaic",)),
+  ]
+
+
+def causal_flops(shape: AttnShape) -> int:
+  """FLOPs of the prefill rows' causal attention: per new token at logical
+  position p, p + 1 keys, each 2 x head_dim for Q K^T and 2 x head_dim for P V,
+  per query head (masked work a kernel does anyway is not counted)."""
+  n, c = shape.prefill_chunk, shape.prefill_prefix
+  keys = n * c + n * (n + 1) // 2  # sum over the chunk of (position + 1)
+  return 4 * shape.head_dim * shape.num_q_heads * shape.prefill_rows * keys
+
+
+def run_prefill(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -> Result:
+  """`pallas_kernels.prefill_attention.prefill_attention` alone (stacked pool, a
+  traced layer; the new tokens' K/V already in the pages), checked on its first
+  and last row against the f32 device reference, then timed."""
+  jax, jnp = _jax()
+  import numpy as np
+
+  from pallas_kernels import prefill_attention as pf
+  st, fields, _, q, _, _ = _attention_inputs(shape)
+  unused = sorted(set(range(st.num_blocks)) - st.used_blocks)
+  kp, vp = _pages(shape, st.num_blocks, layers=range(shape.num_layers), seed=5,
+                  unused=unused)
+  tables = [jnp.asarray(fields[k]) for k in ("cu_q_lens", "seg_block", "seg_start",
+                                             "seg_length", "num_segments")]
+  interpret = _interpret(dry)
+  fn = jax.jit(lambda layer, q, kp, vp, *t: pf.prefill_attention(
+      q, kp, vp, *t, impl=spec.impl, interpret=interpret, layer=layer))
+  layer = jnp.int32(shape.layer)
+  _mosaic_races(dry, spec.impl, reset=True)
+  out = jax.block_until_ready(fn(layer, q, kp, vp, *tables))
+  if _mosaic_races(dry, spec.impl):
+    raise Wrong("the Mosaic GPU interpreter detected a race")
+  toks, want = _device_reference(st, fields, kp[shape.layer], vp[shape.layer], q,
+                                 _checked_rows(st))
+  err = _rel_err_rows(np.asarray(out[jnp.asarray(toks)], np.float32), want)
+  _require(err)
+  t = time_per_call(lambda: fn(layer, q, kp, vp, *tables), iters=iters,
+                    repeats=repeats, warmup=not dry)
+  tflops = causal_flops(shape) / t / 1e12
+  met = "met" if tflops >= PREFILL_TFLOPS_GOAL else "MISSED"
+  return Result(t * 1e6, shape.nbytes, err, note=(
+      f"{tflops:.3g} TFLOP/s causal ({causal_flops(shape):,} FLOP; goal >= "
+      f"{PREFILL_TFLOPS_GOAL}: {met})"))
+
+
+RUNNERS.update(prefill=run_prefill, layer_one_launch=run_layer)
