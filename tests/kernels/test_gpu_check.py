@@ -196,3 +196,21 @@ def _driver_constant(name: str):
                                          if isinstance(t, ast.Name)] == [name]:
       return ast.literal_eval(node.value)
   raise KeyError(name)
+
+
+def test_prefill_rows_count_causal_flops():
+  """`causal_flops` by hand: one row of 2 new tokens on 3 cached sees 4 + 5 keys,
+  4 x head_dim FLOPs a key and query head; the issue's shape is 1.37 PFLOP."""
+  shape = gpu_check_rows.AttnShape(num_q_heads=2, num_kv_heads=1, head_dim=8,
+                                   block_size=16, dtype="bfloat16", prefill_rows=1,
+                                   prefill_prefix=3, prefill_chunk=2)
+  assert gpu_check_rows.causal_flops(shape) == 4 * 8 * 2 * (4 + 5)
+  big = gpu_check_rows.shapes(dry=False)["prefill8x2k"]
+  assert (big.prefill_rows, big.prefill_prefix, big.prefill_chunk, big.head_dim) == (
+      8, 4096, 2048, 128)
+  assert gpu_check_rows.causal_flops(big) == 4 * 128 * 32 * 8 * sum(
+      4096 + i + 1 for i in range(2048))
+  ids = [r.id for r in gpu_check_rows.plan()]
+  for row in ("prefill/prefill8x2k/pallas", "prefill/prefill8x2k/mosaic",
+              "layer/mixed/default", "layer/mixed/mosaic-1launch"):
+    assert row in ids, row
