@@ -7,14 +7,17 @@ tokens, causal within the chunk, padding tokens give 0);
 Built in the idioms of the decode kernel (`paged_attention_mosaic`, whose
 constants it shares) and of JAX's `ops/gpu/attention_mgpu.py`:
 
-  * work is cut into tiles of one row each: `tile_tokens = 64 / padded group`
-    consecutive new tokens of a row times the GQA group (padded to a power of
-    two) fill the 64-row wgmma M tile (`BLOCK_ROWS`), token-major (row r is
-    token `r // padded_group`, head `r % padded_group`). A row of `q_len` new
-    tokens gets `ceil(q_len / tile_tokens)` tiles; the grid is (tile, kv
-    head) over a static `ceil(T / tile_tokens) + B` tiles (the bound of one
-    partial tile per row), the unused ones empty (count 0, output 0). A
-    decode row is a one-token tile, so one launch can serve a mixed step;
+  * work is cut into tiles of one row each: `tile_tokens = NC * 64 / padded
+    group` consecutive new tokens of a row times the GQA group (padded to a
+    power of two) fill `NC` (`NUM_CONSUMERS` = 2) consumer warpgroups' 64-row
+    wgmma M tiles (`BLOCK_ROWS`), token-major (row r is token `r //
+    padded_group`, head `r % padded_group`); the consumers share every K/V
+    stage, so a stage read from memory serves 128 query rows (as upstream's
+    attention with two compute warpgroups). A row of `q_len` new tokens gets
+    `ceil(q_len / tile_tokens)` tiles; the grid is (tile, kv head) over a
+    static `ceil(T / tile_tokens) + B` tiles (the bound of one partial tile per
+    row), the unused ones empty (count 0, output 0). A decode row is a
+    one-token tile, so one launch can serve a mixed step;
   * causal cutoff per tile: a tile walks its row's entries only up to the last
     one its last token can see (`prefill_attention.entries_needed`), so early
     tiles of a chunk never stream later tokens' pages;
@@ -24,15 +27,17 @@ constants it shares) and of JAX's `ops/gpu/attention_mgpu.py`:
     (block, start, length; shared by the row's tiles) and the query tile;
   * the K/V ring as in the decode kernel: `BLOCK_KV` = 64 keys a stage (one TMA
     copy and barrier per page), a producer warpgroup (40 registers) refills a
-    slot once the consumer (232 registers) arrives on its `k_free` / `v_free`
-    barrier; as many stages (2-4) as fit shared memory beside the table;
+    slot once both consumers (232 registers each) have arrived on its `k_free`
+    / `v_free` barrier; as many stages (2-4) as fit shared memory beside the
+    table;
   * S = Q K^T and P V by `plgpu.wgmma` on SMEM operands (tiling (8, 64) +
     128-byte swizzle), online softmax in the log2 domain; each key's logical
     position is its entry's running offset (a scalar carried from stage to
     stage) plus its slot, and a key is kept when its slot is live and its
     position is at or before the query row's token; masked V rows of a stage
     that is not made of whole valid pages are zeroed in SMEM before P V (unused
-    slots may hold NaN; 0 * NaN would leak);
+    slots may hold NaN; 0 * NaN would leak) by consumer 0, which then arrives on
+    the slot's `v_masked` barrier that the other consumer waits on;
   * the first stage holds the row's position 0, which every token sees, so
     every live query row has a finite running max from the first stage on;
   * the output tile is written in the query's dtype through the query's SMEM
@@ -43,12 +48,13 @@ same dtype, head_dim 64 or 128 (the warp-specialized layout; 192 spills in the
 decode kernel and 256 needs the split-head layout), block_size 8-64 dividing
 64, GQA group <= 64, a row's table within shared memory beside two stages.
 
-Not done here (the next steps, in order): two consumer warpgroups per program
-(128 query rows sharing each K/V stage, as upstream's attention: twice the
-FLOPs per byte read); a causal mask only on the stages that cross the tile's
-first token; the query gather and output scatter inside the kernel (TMA from
-token order) instead of in the wrapper. UNMEASURED on a GPU: timings wait on
-the `gpu_check` rows `prefill/...` and `layer/mixed/...`.
+Not done here (the next steps, in order): a causal mask only on the stages
+that cross the tile's first token; overlapping one consumer's softmax with the
+other's wgmma (upstream's schedule barrier); the query gather and output
+scatter inside the kernel (TMA from token order) instead of in the wrapper; a
+decode row in a one-launch mixed step leaves its second consumer computing
+padding. UNMEASURED on a GPU: timings wait on the `gpu_check` rows
+`prefill/...` and `layer/mixed/...`.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ TABLE_LANES = _pm.TABLE_LANES  # segment-table entries per TMA row
 MAX_STAGES = _pm.MAX_STAGES
 SMEM_BUDGET = _pm.SMEM_BUDGET
 HEAD_DIMS = (64, 128)  # the warp-specialized layout, no spill (decode kernel)
+NUM_CONSUMERS = 2  # consumer warpgroups of 64 query rows sharing each K/V stage
 META_LANES = 128  # the tile header: row, count, first position, tokens, layer
 _META_ROW, _META_COUNT, _META_POS, _META_TOKENS, _META_LAYER = range(5)
 _DTYPES = (jnp.bfloat16, jnp.float16)
@@ -81,32 +88,39 @@ def table_chunks(num_seg_slots: int) -> int:
   return max(1, pl.cdiv(num_seg_slots, TABLE_LANES))
 
 
-def _smem_bytes(head_dim, itemsize, num_stages, chunks):
+def _smem_bytes(head_dim, itemsize, num_stages, chunks, num_consumers):
   table = 3 * chunks * TABLE_LANES * 4
-  q = BLOCK_ROWS * head_dim * itemsize  # also the output tile
+  q = num_consumers * BLOCK_ROWS * head_dim * itemsize  # also the output tiles
   ring = 2 * num_stages * BLOCK_KV * head_dim * itemsize
-  probs = BLOCK_ROWS * BLOCK_KV * itemsize
+  probs = num_consumers * BLOCK_ROWS * BLOCK_KV * itemsize
   return META_LANES * 4 + table + q + ring + probs
 
 
-def num_stages(head_dim: int, dtype, num_seg_slots: int) -> int:
+def num_stages(head_dim: int, dtype, num_seg_slots: int,
+               num_consumers: int = NUM_CONSUMERS) -> int:
   """Ring stages (<= `MAX_STAGES`, >= 2) that fit `SMEM_BUDGET` beside the
   table of `num_seg_slots` entries; 0 if two do not."""
   itemsize = jnp.dtype(dtype).itemsize
   chunks = table_chunks(num_seg_slots)
   for stages in range(MAX_STAGES, 1, -1):
-    if _smem_bytes(head_dim, itemsize, stages, chunks) <= SMEM_BUDGET:
+    if _smem_bytes(head_dim, itemsize, stages, chunks, num_consumers) <= SMEM_BUDGET:
       return stages
   return 0
 
 
-def tile_tokens(group: int) -> int:
-  """New tokens per tile: the 64 query rows over the padded GQA group."""
-  return BLOCK_ROWS // (1 << max(0, (group - 1).bit_length()))
+def padded_group(group: int) -> int:
+  """The GQA group padded to a power of two (a divisor of the 64 rows)."""
+  return 1 << max(0, (group - 1).bit_length())
+
+
+def tile_tokens(group: int, num_consumers: int = NUM_CONSUMERS) -> int:
+  """New tokens per tile: 64 query rows per consumer over the padded group."""
+  return num_consumers * BLOCK_ROWS // padded_group(group)
 
 
 def mosaic_prefill_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
-                           num_seg_slots=None, q_dtype=None) -> str | None:
+                           num_seg_slots=None, q_dtype=None,
+                           num_consumers: int = NUM_CONSUMERS) -> str | None:
   """Why this kernel cannot be built for Hopper at this shape (None if it can).
   `num_seg_slots` (the table width S), when given, must fit shared memory."""
   shape = (f"{num_q_heads}/{num_kv_heads} heads, head_dim {head_dim}, block "
@@ -124,7 +138,10 @@ def mosaic_prefill_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, d
   if num_q_heads // num_kv_heads > BLOCK_ROWS:
     return (f"prefill impl='mosaic' holds a GQA group of <= {BLOCK_ROWS} query "
             f"heads ({shape})")
-  if num_seg_slots is not None and not num_stages(head_dim, dtype, num_seg_slots):
+  if num_consumers not in (1, 2):
+    return f"prefill impl='mosaic' runs 1 or 2 consumer warpgroups, got {num_consumers}"
+  if num_seg_slots is not None and not num_stages(head_dim, dtype, num_seg_slots,
+                                                  num_consumers):
     return (f"prefill impl='mosaic': a table of {num_seg_slots} entries and two "
             f"ring stages do not fit shared memory ({shape})")
   return None
@@ -136,14 +153,18 @@ def mosaic_prefill_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, d
 def mosaic_prefill_kernel(
     meta_gmem,  # i32[NT, 128]: row, count, first position, tokens, layer
     table_gmem,  # i32[B, 3, C, 128]: block, start, length
-    q_gmem,  # [NT, KVH, 64, D] (tile tokens x padded group, token-major)
+    q_gmem,  # [NT, KVH, NC, 64, D] (tile tokens x padded group, token-major)
     k_gmem,  # [L * KVH, num_blocks, bs, D] (layer-major, every layer)
     v_gmem,  # [L * KVH, num_blocks, bs, D]
-    o_gmem,  # [NT, KVH, 64, D] normalised output, q's dtype
-    *, sm_scale, soft_cap, group_pad, num_stages, chunks, num_kv_heads):
+    o_gmem,  # [NT, KVH, NC, 64, D] normalised output, q's dtype
+    *, sm_scale, soft_cap, group_pad, num_stages, chunks, num_kv_heads,
+    num_consumers):
   """Program (tile, kv head): causal attention of the tile's query rows over
-  its row's entries `[0, count)`. Warpgroup 1 (producer) issues every copy;
-  warpgroup 0 (consumer) does the math and writes the output tile."""
+  its row's entries `[0, count)`. Warpgroup `NC` (the producer) issues every
+  copy; warpgroups `0 .. NC-1` (consumers) each own 64 query rows (tokens
+  `c * 64 / group_pad ..` of the tile), share every K/V stage and write their
+  output tile. Consumer 0 zeroes a stage's masked V rows; the others wait for
+  it on `v_masked` before their P V."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
   tile = jax.lax.axis_index("tile")
@@ -154,10 +175,12 @@ def mosaic_prefill_kernel(
   rows, lanes = BLOCK_ROWS, TABLE_LANES
   dtype = k_gmem.dtype
   wgmma = plgpu.Layout.WGMMA
-  as_producer, as_consumer = pl.when(wg == 1), pl.when(wg == 0)
+  as_producer = pl.when(wg == num_consumers)
+  as_consumer = pl.when(wg < num_consumers)
+  tokens_per_consumer = rows // group_pad
 
-  def program(meta_smem, table_smem, q_smem, in_barriers, k_barriers, v_barriers,
-              k_free, v_free, k_ring, v_ring, p_smem):
+  def program(meta_smem, table_smem, q_all, in_barriers, k_barriers, v_barriers,
+              k_free, v_free, v_masked, k_ring, v_ring, p_all):
     @as_producer
     def _():
       plgpu.copy_gmem_to_smem(meta_gmem.at[tile], meta_smem, in_barriers.at[0])
@@ -171,7 +194,9 @@ def mosaic_prefill_kernel(
     def _():
       plgpu.copy_gmem_to_smem(table_gmem.at[meta_smem[_META_ROW]], table_smem,
                               in_barriers.at[1])
-      plgpu.copy_gmem_to_smem(q_gmem.at[tile, head], q_smem, in_barriers.at[2])
+      for c in range(num_consumers):
+        plgpu.copy_gmem_to_smem(q_gmem.at[tile, head, c], q_all.at[c],
+                                in_barriers.at[2 + c])
 
     plgpu.barrier_wait(in_barriers.at[1])
 
@@ -252,17 +277,23 @@ def mosaic_prefill_kernel(
         plgpu.barrier_wait(v_free.at[slot])
         return carry
 
-      plgpu.barrier_wait(in_barriers.at[2])
+      for c in range(num_consumers):
+        plgpu.barrier_wait(in_barriers.at[2 + c])
       jax.lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, 0)
 
     @as_consumer
     def _():
       plgpu.set_max_registers(232, action="increase")
-      plgpu.barrier_wait(in_barriers.at[2])
-      # Query row r is token r // group_pad of the tile; rows past the tile's
-      # tokens repeat its last token (finite, discarded by the wrapper).
-      q_tok = plgpu.broadcasted_iota(jnp.int32, (rows, BLOCK_KV), 0,
-                                     layout=wgmma) // group_pad
+      q_smem, p_smem = q_all.at[wg], p_all.at[wg]
+      for c in range(num_consumers):
+        @pl.when(wg == c)
+        def _():
+          plgpu.barrier_wait(in_barriers.at[2 + c])
+      # Query row r of consumer c is token c * 64 / group_pad + r // group_pad of
+      # the tile; rows past the tile's tokens repeat its last token (finite,
+      # discarded by the wrapper).
+      q_tok = wg * tokens_per_consumer + plgpu.broadcasted_iota(
+          jnp.int32, (rows, BLOCK_KV), 0, layout=wgmma) // group_pad
       q_pos = meta_smem[_META_POS] + jnp.minimum(
           q_tok, jnp.maximum(meta_smem[_META_TOKENS] - 1, 0))
 
@@ -295,13 +326,21 @@ def mosaic_prefill_kernel(
         for p in range(num_pages):
           plgpu.barrier_wait(v_barriers.at[slot * num_pages + p])
 
-        @pl.when(jnp.logical_not(full))
+        @pl.when(jnp.logical_not(full) & (wg == 0))
         def _():
           vmask, _, _ = key_mask(pages, (BLOCK_KV, head_dim), 0)
           v = plgpu.load(v_slot, layout=wgmma)
           v_slot[...] = jnp.where(vmask, v, jnp.zeros((), v.dtype))
 
         plgpu.commit_smem()  # generic-proxy SMEM writes before the wgmma reads
+        if num_consumers > 1:  # the others read V once consumer 0 has masked it
+          @pl.when(wg == 0)
+          def _():
+            plgpu.barrier_arrive(v_masked.at[slot])
+
+          @pl.when(wg > 0)
+          def _():
+            plgpu.barrier_wait(v_masked.at[slot])
 
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p_smem, v_slot)
@@ -323,34 +362,37 @@ def mosaic_prefill_kernel(
       q_smem[...] = (acc / jax.lax.broadcast_in_dim(safe_l, acc.shape, [0])
                      ).astype(dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, o_gmem.at[tile, head])
+      plgpu.copy_smem_to_gmem(q_smem, o_gmem.at[tile, head, wg])
       plgpu.wait_smem_to_gmem(0)
 
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   smem = lambda shape, dt=dtype, **kw: plgpu.SMEM(shape, dt, **kw)
   num_barriers = num_stages * num_pages
+  free = plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages)
   pl.run_scoped(
       program,
       smem((META_LANES,), jnp.int32),
       smem((3, chunks, lanes), jnp.int32),
-      smem((rows, head_dim), transforms=tiled),
-      plgpu.Barrier(num_arrivals=1, num_barriers=3),
+      smem((num_consumers, rows, head_dim), transforms=tiled),
+      plgpu.Barrier(num_arrivals=1, num_barriers=2 + num_consumers),
       plgpu.Barrier(num_arrivals=1, num_barriers=num_barriers),
       plgpu.Barrier(num_arrivals=1, num_barriers=num_barriers),
-      plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
+      free, free,
       plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),
       smem((num_stages, BLOCK_KV, head_dim), transforms=tiled),
       smem((num_stages, BLOCK_KV, head_dim), transforms=tiled),
-      smem((rows, BLOCK_KV), transforms=tiled),
+      smem((num_consumers, rows, BLOCK_KV), transforms=tiled),
       collective_axes="wg")
 
 
 # Wrapper --------------------------------------------------------------------------
 
 
-def tile_plan(cu_q_lens, seg_length, num_segments, *, num_tokens: int, group: int):
+def tile_plan(cu_q_lens, seg_length, num_segments, *, num_tokens: int, group: int,
+              num_consumers: int = NUM_CONSUMERS):
   """The static tiling of a ragged batch: `(meta i32[NT, 128], tok i32[NT, tt],
-  tok_ok bool[NT, tt], out_index i32[T])` with `tt = tile_tokens(group)` and
+  tok_ok bool[NT, tt], out_index i32[T])` with `tt = tile_tokens(group,
+  num_consumers)` and
   `NT = ceil(T / tt) + B`. Row b's new tokens fill tiles `cu_tiles[b] ..` in
   order; `tok[n, i]` is tile n's i-th token (clipped into range where
   `tok_ok` is False) and `out_index[t]` the flat (tile, token) slot of token t
@@ -358,7 +400,7 @@ def tile_plan(cu_q_lens, seg_length, num_segments, *, num_tokens: int, group: in
   from pallas_kernels import prefill_attention as pf
 
   batch = seg_length.shape[0]
-  tt = tile_tokens(group)
+  tt = tile_tokens(group, num_consumers)
   num_tiles = pl.cdiv(num_tokens, tt) + batch
   seq_lens, cum_before = pf._seq_lens_and_cum(seg_length, num_segments)
   q_lens = jnp.maximum(cu_q_lens[1:] - cu_q_lens[:-1], 0)
@@ -399,7 +441,8 @@ def pack_row_tables(seg_block, seg_start, seg_length):
   return table.reshape(batch, 3, chunks, TABLE_LANES)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret",
+                                             "num_consumers"))
 def mosaic_prefill_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_pages: jax.Array,  # [L, num_kv_heads, num_blocks, block_size, head_dim]
@@ -414,6 +457,7 @@ def mosaic_prefill_attention(
     sm_scale: float,
     soft_cap: float | None,
     interpret=None,
+    num_consumers: int = NUM_CONSUMERS,
 ) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
   """Prefill attention with the Mosaic GPU kernel: the stacked pool and the
   layer (read in place, as the decode kernel does), inputs validated by the
@@ -421,7 +465,9 @@ def mosaic_prefill_attention(
   `mosaic_prefill_problem` (raised here as ValueError).
 
   interpret: None (compile for Hopper), True (`InterpretGPUParams(
-  detect_races=True)`) or a `plgpu.InterpretGPUParams`."""
+  detect_races=True)`) or a `plgpu.InterpretGPUParams`.
+  num_consumers: consumer warpgroups (1 or 2) of 64 query rows each per
+  program, sharing its K/V stages."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
   from pallas_kernels import lowering
@@ -433,36 +479,38 @@ def mosaic_prefill_attention(
   problem = mosaic_prefill_problem(
       num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
       block_size=block_size, dtype=k_pages.dtype, num_seg_slots=num_seg_slots,
-      q_dtype=q.dtype)
+      q_dtype=q.dtype, num_consumers=num_consumers)
   if problem is not None:
     raise ValueError(problem)
   if interpret is True:
     interpret = lowering.gpu_interpret_params(detect_races=True)
   elif interpret is False:
     interpret = None
-  group_pad = BLOCK_ROWS // tile_tokens(group)
-  tt = tile_tokens(group)
+  group_pad = padded_group(group)
+  tt = tile_tokens(group, num_consumers)
   meta, tok, tok_ok, out_index = tile_plan(
-      cu_q_lens, seg_length, num_segments, num_tokens=num_tokens, group=group)
+      cu_q_lens, seg_length, num_segments, num_tokens=num_tokens, group=group,
+      num_consumers=num_consumers)
   meta = meta.at[:, _META_LAYER].set(jnp.asarray(layer, jnp.int32))
   num_tiles = meta.shape[0]
   table = pack_row_tables(seg_block, seg_start, seg_length)
   qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)[tok]  # [NT, tt, KVH, G, D]
   qg = jnp.where(tok_ok[:, :, None, None, None], qg, jnp.zeros((), q.dtype))
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, group_pad - group), (0, 0)))
-  qg = jnp.swapaxes(qg, 1, 2).reshape(num_tiles, num_kv_heads, BLOCK_ROWS, head_dim)
+  qg = jnp.swapaxes(qg, 1, 2).reshape(num_tiles, num_kv_heads, num_consumers,
+                                      BLOCK_ROWS, head_dim)
   k_rows = k_pages.reshape(num_layers * num_kv_heads, num_blocks, block_size, head_dim)
   v_rows = v_pages.reshape(num_layers * num_kv_heads, num_blocks, block_size, head_dim)
   kernel = functools.partial(
       mosaic_prefill_kernel, sm_scale=sm_scale, soft_cap=soft_cap, group_pad=group_pad,
-      num_stages=num_stages(head_dim, k_pages.dtype, num_seg_slots),
-      chunks=table.shape[2], num_kv_heads=num_kv_heads)
+      num_stages=num_stages(head_dim, k_pages.dtype, num_seg_slots, num_consumers),
+      chunks=table.shape[2], num_kv_heads=num_kv_heads, num_consumers=num_consumers)
   o = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(qg.shape, q.dtype),
       grid=(num_tiles, num_kv_heads),
       grid_names=("tile", "head"),
-      num_threads=2,
+      num_threads=num_consumers + 1,
       thread_name="wg",
       interpret=interpret,
   )(meta, table, qg, k_rows, v_rows)

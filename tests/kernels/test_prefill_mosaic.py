@@ -24,8 +24,9 @@ from tests.kernels.test_prefill_attention import _case, _check
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 # (seq_len, q_len): the short rows of the Pallas tests, then a 40-token chunk on
-# 110 cached tokens (3 tiles of 16 at group 4; 10 pages of 16 = 3 stages) and a
-# 150-token prefill from nothing (10 stages: the ring of 4 wraps).
+# 110 cached tokens (2 tiles of 32 at group 4, the second half-empty: its second
+# consumer computes padding; 10 pages of 16 = 3 stages) and a 150-token prefill
+# from nothing (5 tiles; up to 10 stages: the ring wraps).
 _ROWS = ((13, 13), (16, 3), (24, 1), (9, 0), (11, 5), (8, 8), (150, 40), (150, 150))
 _CASE = dict(head_dim=64, block_size=16, num_blocks=96, max_segments=32, rows=_ROWS)
 _TOL[jnp.float16] = _TOL[jnp.bfloat16]
@@ -72,7 +73,7 @@ def test_mosaic_prefill_reads_the_given_layer_of_the_stacked_pool():
 
 def test_mosaic_prefill_tile_does_not_stream_future_pages():
   """A 128-token prefill from nothing in 8 whole blocks of 16; the last 4
-  blocks hold NaN. At group 4 a tile holds 16 tokens: the first 4 tiles (the
+  blocks hold NaN. At group 4 a tile holds 32 tokens: the first 2 tiles (the
   first 64 tokens) see only the first 4 blocks, one stage, and must not load
   the later ones (0 * NaN through P V), so their outputs are finite and right."""
   rng = np.random.default_rng(7)
@@ -131,7 +132,7 @@ def test_tile_plan_places_every_token_once():
   meta, tok, tok_ok, out_index = (np.asarray(a) for a in pm.tile_plan(
       cu, seg_length, num_segments, num_tokens=num_tokens, group=4))
   tt = pm.tile_tokens(4)
-  assert tt == 16 and tok.shape == (-(-num_tokens // tt) + len(_ROWS), tt)
+  assert tt == 32 and tok.shape == (-(-num_tokens // tt) + len(_ROWS), tt)
   real = int(cu[-1])
   np.testing.assert_array_equal(tok.reshape(-1)[out_index[:real]], np.arange(real))
   assert np.all(tok_ok.reshape(-1)[out_index[:real]])
@@ -143,3 +144,20 @@ def test_tile_plan_places_every_token_once():
     lens = np.asarray(seg_length)[b, :int(num_segments[b])]
     starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
     assert count == np.sum(starts <= pos0 + ntok - 1)
+
+
+@pytest.mark.long
+def test_mosaic_prefill_one_consumer_matches_reference():
+  """`num_consumers=1` (one 64-row consumer warpgroup; tiles of 16 tokens at
+  group 4), called directly."""
+  from pallas_kernels import prefill_attention_mosaic as pm
+
+  q, k, v, cu, table = _case(31, dtype=jnp.bfloat16, group=4, **_CASE)
+  mi = lowering.interpreter_state()
+  mi.reset_gpu_interpret_mode_state()
+  out = pm.mosaic_prefill_attention(
+      q, k[None], v[None], jnp.int32(0), cu, *table, sm_scale=0.125, soft_cap=None,
+      interpret=_race_params(), num_consumers=1)
+  assert not mi.get_races().races_found
+  want = ref64(pf.ref_prefill_attention, q, k, v, cu, *table)
+  _check(out, want, q, cu, jnp.bfloat16)
