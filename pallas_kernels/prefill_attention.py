@@ -31,10 +31,11 @@ Implementations (`impl=`):
               head_dim 128, 32 at group 4, 16 at group 8, 8 at group 8 x
               head_dim 256); tiles of 64 x 128 elements or more run 8 warps.
   * "mosaic": the Hopper kernel of `prefill_attention_mosaic` (wgmma, a TMA
-              ring of K/V pages, a producer warpgroup; tiles of one row, 64
-              query rows = tile tokens x padded group); bf16/f16, head_dim
-              64 or 128 (`mosaic_prefill_problem`). On CPU it runs in the
-              Mosaic GPU interpreter only (`interpret=True`).
+              ring of K/V pages, a producer warpgroup and two consumer
+              warpgroups of 64 query rows; tiles of one row, tile tokens x
+              padded group = 128 rows); bf16/f16, head_dim 64 or 128
+              (`mosaic_prefill_problem`). On CPU it runs in the Mosaic GPU
+              interpreter only (`interpret=True`).
 
 Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]` or the
 stacked pool with `layer=`, read in place exactly as the decode kernels do (see
