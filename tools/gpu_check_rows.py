@@ -260,6 +260,8 @@ class RowSpec:
   needs: rows that, if they hung or crashed, make this one skip (same kernel).
   goals: {"copy_pct": min %, "x_builtin": min ratio} from issue 22;
     {"serving_over_device": max ratio} (serving step p50 / device step).
+  step_kw: keyword arguments the layer and check rows pass to `paged_attention`
+    besides `impl` (e.g. `mixed_launches`).
   """
   id: str
   kind: str
@@ -273,6 +275,7 @@ class RowSpec:
   device_ref: str | None = None
   needs: tuple[str, ...] = ()
   goals: dict | None = None
+  step_kw: tuple = ()  # (name, value) pairs: more `paged_attention` keyword arguments
 
 
 def _layer_rows(key, impls, *, copy_ref, builtin_ref=None, limit=60, est=10,
@@ -348,7 +351,9 @@ def plan(dry: bool = False) -> list[RowSpec]:
       RowSpec("check/attn/xla", "check_attn", "check", "xla", 60, est_s=5),
       RowSpec("check/attn/default", "check_attn", "check", None, 60, est_s=8),
       RowSpec("check/attn/pallas", "check_attn", "check", "pallas", 60, est_s=8),
-      RowSpec("check/attn/mosaic", "check_attn", "check", "mosaic", 60, est_s=10),
+      RowSpec("check/attn/mosaic", "check_attn", "check", "mosaic", 60, est_s=10,
+              step_kw=(("prefill_impl", "pallas"),)),  # decode: the Mosaic rows' check
+      *prefill_check_rows(),
       RowSpec("check/attn-fp8/default", "check_attn", "check-fp8", None, 60, est_s=8),
       # 64 MiB moved.
       RowSpec("copy/perm32", "copy", "perm32", limit_s=30, est_s=2),
@@ -669,7 +674,7 @@ def _resolved_default(shape: AttnShape, q_dtype):
 
 def _layer_step(impl, layer, **kw):
   """The jitted model-layer step, pages donated (the pool is updated in place);
-  `kw`: more keyword arguments of `paged_attention` (`LAYER_STEP_KW`)."""
+  `kw`: more keyword arguments of `paged_attention` (`RowSpec.step_kw`)."""
   jax, _ = _jax()
   from paged_kv.model import attention
 
@@ -734,7 +739,7 @@ def run_check_attn(spec: RowSpec, shape: AttnShape, *, dry, **_) -> Result:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pages_out, out = jax.block_until_ready(
-        _layer_step(spec.impl, shape.layer)(pages, q, k, v, meta))
+        _layer_step(spec.impl, shape.layer, **dict(spec.step_kw))(pages, q, k, v, meta))
   if _mosaic_races(dry, resolved):
     raise Wrong("the Mosaic GPU interpreter detected a race")
   # The pages: input + exactly the new tokens' K/V at their slots, bit for bit.
@@ -915,7 +920,7 @@ def run_layer(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -> Result
   pages = KVPages(k=pk, v=pv)
   meta = _meta(fields, st.max_query_len)
   resolved, note = (spec.impl, "") if spec.impl else _resolved_default(shape, jnp.bfloat16)
-  step = _layer_step(spec.impl, shape.layer, **LAYER_STEP_KW.get(spec.kind, {}))
+  step = _layer_step(spec.impl, shape.layer, **dict(spec.step_kw))
   _mosaic_races(dry, resolved, reset=True)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -1359,9 +1364,15 @@ def run_row(spec: RowSpec, *, dry: bool, iters: int, repeats: int,
 
 # Prefill and mixed-step rows (issue U, item 4) -----------------------------------------
 
-LAYER_STEP_KW = {"layer_one_launch": {"mixed_launches": 1}}
-"""`paged_attention` keyword arguments of the layer-step row kinds besides `layer`."""
 PREFILL_TFLOPS_GOAL = 350  # issue U: causal attention FLOPs per second, 8 x 2,048 new
+
+
+def prefill_check_rows() -> list[RowSpec]:
+  """The check table through the model layer with the Mosaic GPU kernels for decode
+  and prefill rows alike (`check/attn/mosaic` keeps Triton's prefill kernel, so a
+  fault of the new prefill kernel skips only the rows that need this one)."""
+  return [RowSpec("check/attn/mosaic-prefill", "check_attn", "check", "mosaic", 60,
+                  est_s=10)]
 
 
 def prefill_rows() -> list[RowSpec]:
@@ -1369,7 +1380,9 @@ def prefill_rows() -> list[RowSpec]:
   the Triton kernel and the Mosaic GPU one side by side; their note gives TFLOP/s
   of causal attention FLOPs (`causal_flops`) against the goal."""
   return [RowSpec(f"prefill/prefill8x2k/{impl}", "prefill", "prefill8x2k", impl,
-                  limit_s=60, est_s=10, needs=(f"check/attn/{impl}",))
+                  limit_s=60, est_s=10,
+                  needs=("check/attn/mosaic-prefill" if impl == "mosaic" else
+                         "check/attn/pallas",))
           for impl in ("pallas", "mosaic")]
 
 
@@ -1382,8 +1395,9 @@ def mixed_mosaic_rows() -> list[RowSpec]:
   dry budget has room for; `gpu_check.sh --only=...` cannot add it either, so a
   GPU session that wants it runs `paged_attention(impl="mosaic")` itself."""
   return [
-      RowSpec("layer/mixed/mosaic-1launch", "layer_one_launch", "mixed", "mosaic",
-              limit_s=90, est_s=12, copy_ref="copy/mixed", needs=("check/attn/mosaic",)),
+      RowSpec("layer/mixed/mosaic-1launch", "layer", "mixed", "mosaic", limit_s=90,
+              est_s=12, copy_ref="copy/mixed", step_kw=(("mixed_launches", 1),),
+              needs=("check/attn/mosaic-prefill",)),
   ]
 
 
@@ -1436,4 +1450,4 @@ def run_prefill(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -> Resu
       f"{PREFILL_TFLOPS_GOAL}: {met})"))
 
 
-RUNNERS.update(prefill=run_prefill, layer_one_launch=run_layer)
+RUNNERS.update(prefill=run_prefill)

@@ -192,10 +192,11 @@ def _mosaic_prefill_or_pallas(q: jax.Array, pages: KVPages, num_seg_slots: int) 
 
 
 def _kernel_impls(impl: str | None, interpret, q: jax.Array, pages: KVPages,
-                  num_seg_slots: int):
+                  num_seg_slots: int, prefill_impl: str | None = None):
   """`((decode impl, interpret), (prefill impl, interpret))` for this call."""
-  if impl is not None and impl not in IMPLS:
-    raise InvalidArgument(f"impl must be one of {IMPLS} or None, got {impl!r}")
+  for name, value in (("impl", impl), ("prefill_impl", prefill_impl)):
+    if value is not None and value not in IMPLS:
+      raise InvalidArgument(f"{name} must be one of {IMPLS} or None, got {value!r}")
   backend = lowering.target_platform()
   if impl is None:
     _, num_kv_heads, _, block_size, head_dim = pages.k.shape
@@ -207,6 +208,8 @@ def _kernel_impls(impl: str | None, interpret, q: jax.Array, pages: KVPages,
     decode = prefill = impl
     if impl == "mosaic":
       prefill = _mosaic_prefill_or_pallas(q, pages, num_seg_slots)
+  if prefill_impl is not None:
+    prefill = prefill_impl
   resolved = []
   for kernel_impl in (decode, prefill):
     kernel_interpret = interpret
@@ -238,6 +241,7 @@ def paged_attention(
     soft_cap: float | None = None,
     num_splits: int | None = None,
     mixed_launches: int = 2,
+    prefill_impl: str | None = None,
 ) -> tuple[KVPages, jax.Array]:  # (pages, [T, num_q_heads, head_dim] in q.dtype)
   """Writes the step's new K/V of one layer, then attends, for a mixed ragged batch.
 
@@ -276,6 +280,9 @@ def paged_attention(
       the decode kernel then the prefill kernel (2), or every row through the
       prefill kernel in one launch (1; module docstring). Decode-only steps
       always run the decode kernel.
+    prefill_impl: the prefill kernel's impl, used as given, when it should not
+      follow `impl` (e.g. `impl="mosaic", prefill_impl="pallas"`); None: as
+      `impl` resolves.
 
   Returns:
     `(pages, out)`: the updated pages and the attention output of every token.
@@ -301,7 +308,7 @@ def paged_attention(
   if mixed_launches not in (1, 2):
     raise InvalidArgument(f"mixed_launches must be 1 or 2, got {mixed_launches!r}")
   (decode_impl, decode_interpret), (prefill_impl, prefill_interpret) = _kernel_impls(
-      impl, interpret, q, pages, meta.seg_block.shape[1])
+      impl, interpret, q, pages, meta.seg_block.shape[1], prefill_impl)
   kernel_args = dict(sm_scale=sm_scale, soft_cap=soft_cap, layer=layer)
   probe = LAYER_PROBE.get()
   if probe is not None:

@@ -175,6 +175,20 @@ class PagedAttentionTest(chex.TestCase, parameterized.TestCase):
     with self.assertRaises(InvalidArgument):
       paged_attention(q, k, v, pool.state.pages, LAYER, meta, impl=impl, mixed_launches=3)
 
+  def test_prefill_impl_overrides_the_prefill_kernel_only(self):
+    """`prefill_impl` picks the prefill kernel's impl apart from `impl`: the
+    same numbers; an unknown name raises."""
+    pool, plan, meta, q, k, v = _mixed_step(np.random.default_rng(2))
+    _, out = paged_attention(q, k, v, pool.state.pages, LAYER, meta, impl="xla",
+                             prefill_impl="pallas")
+    np.testing.assert_allclose(np.asarray(out), _reference(pool, plan, q, k, v),
+                               rtol=2e-5, atol=2e-5)
+    jaxpr = str(jax.make_jaxpr(lambda q: paged_attention(
+        q, k, v, pool.state.pages, LAYER, meta, impl="xla", prefill_impl="pallas")[1])(q))
+    self.assertIn("pallas_call", jaxpr)  # the prefill kernel (decode stays xla)
+    with self.assertRaises(InvalidArgument):
+      paged_attention(q, k, v, pool.state.pages, LAYER, meta, prefill_impl="triton")
+
   @chex.variants(with_jit=True, without_jit=True)
   def test_decode_only_step_matches_dense_reference(self):
     pool, plan, meta, q, k, v = _mixed_step(np.random.default_rng(1), decode_only=True)
