@@ -30,7 +30,12 @@ Implementations (`impl=`):
               (every dot then has >= 64 rows: 64 tokens at group 1 x
               head_dim 128, 32 at group 4, 16 at group 8, 8 at group 8 x
               head_dim 256); tiles of 64 x 128 elements or more run 8 warps.
-  * "mosaic": not implemented (ValueError).
+  * "mosaic": the Hopper kernel of `prefill_attention_mosaic` (wgmma, a TMA
+              ring of K/V pages, a producer warpgroup and two consumer
+              warpgroups of 64 query rows; tiles of one row, tile tokens x
+              padded group = 128 rows); bf16/f16, head_dim 64 or 128
+              (`mosaic_prefill_problem`). On CPU it runs in the Mosaic GPU
+              interpreter only (`interpret=True`).
 
 Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]` or the
 stacked pool with `layer=`, read in place exactly as the decode kernels do (see
@@ -63,7 +68,7 @@ DEFAULT_BLOCK_Q = 64  # new tokens per program (`default_block_q` may lower it)
 MAX_QUERY_TILE = 128 * 128
 _WIDE_TILE = 64 * 128  # query tiles of this many elements or more run 8 warps
 DEFAULT_PAGES_PER_STEP = _pa.DEFAULT_PAGES_PER_STEP
-_SUPPORTED_IMPLS = ("xla", "pallas")
+_SUPPORTED_IMPLS = ("xla", "pallas", "mosaic")
 _XLA_MAX_TILE = 64  # new tokens per tile of the "xla" path
 _XLA_TILES_PER_STEP = 8  # tiles evaluated together (vectorised) by `lax.map`
 _KNOWN_IMPLS = ("xla", "pallas", "mosaic")
@@ -189,7 +194,20 @@ def static_validate_inputs(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
       jax.ShapeDtypeStruct((batch, q.shape[1], q.shape[2]), q.dtype), k_pages,
       v_pages, seg_block, seg_start, seg_length, num_segments, sm_scale=sm_scale,
       soft_cap=soft_cap, num_splits=1, impl=impl, pages_per_step=pages_per_step,
-      interpret=interpret)
+      interpret=interpret, supported_impls=_SUPPORTED_IMPLS)
+  if impl == "mosaic":  # on every platform: interpret mode runs only what lowers
+    from pallas_kernels import prefill_attention_mosaic as pm
+
+    problem = pm.mosaic_prefill_problem(
+        num_q_heads=q.shape[1], num_kv_heads=k_pages.shape[-4],
+        head_dim=q.shape[2], block_size=k_pages.shape[-2], dtype=k_pages.dtype,
+        num_seg_slots=seg_block.shape[1], q_dtype=q.dtype)
+    if problem is not None:
+      raise ValueError(problem)
+    if pages_per_step is not None and pages_per_step * k_pages.shape[-2] != pm.BLOCK_KV:
+      raise ValueError(f"impl='mosaic' stages {pm.BLOCK_KV} keys: pages_per_step must "
+                       f"be None or {pm.BLOCK_KV // k_pages.shape[-2]}, got "
+                       f"{pages_per_step}")
   if block_q is not None and (not isinstance(block_q, int) or block_q < 1):
     raise ValueError(f"block_q must be None or an int >= 1, got {block_q!r}")
   from pallas_kernels import lowering
@@ -449,8 +467,9 @@ def prefill_attention(
     seg_block, seg_start, seg_length, num_segments: segment table covering prefix
       plus new tokens of each row (padded to S entries; padding never read).
     sm_scale, soft_cap: as in `paged_attention`.
-    impl: "xla" (CPU default) or "pallas"; "mosaic" raises (not implemented).
-    interpret: run the Pallas kernel in interpret mode (CPU).
+    impl: "xla" (CPU default), "pallas" or "mosaic" (Hopper; module docstring).
+    interpret: run the Pallas kernel in interpret mode (CPU); for "mosaic" also
+      a `plgpu.InterpretGPUParams` (True: with race detection).
     block_q: new tokens per Pallas program (a row's pages are read once per
       tile of its tokens); None = `default_block_q` (64, lower for wide
       group x head_dim: the query tile stays within `MAX_QUERY_TILE`).
@@ -473,6 +492,13 @@ def prefill_attention(
     return _xla_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens, seg_block,
                                   seg_start, seg_length, num_segments,
                                   sm_scale=sm_scale, soft_cap=soft_cap)
+  if impl == "mosaic":
+    from pallas_kernels import prefill_attention_mosaic as pm
+
+    return pm.mosaic_prefill_attention(
+        q, k_pages, v_pages, jnp.asarray(layer, jnp.int32), cu_q_lens, seg_block,
+        seg_start, seg_length, num_segments, sm_scale=sm_scale, soft_cap=soft_cap,
+        interpret=interpret)
   return _pallas_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens,
                                    seg_block, seg_start, seg_length, num_segments,
                                    sm_scale=sm_scale, soft_cap=soft_cap,

@@ -164,6 +164,34 @@ def test_prefill_pallas(shape, num_tokens):
   assert launch[0].shared_memory <= 227 * 1024
 
 
+# The Mosaic GPU prefill kernel (`prefill_attention_mosaic`): groups 4 (8 rows x 2,048
+# new tokens, the gpu_check prefill shape), 7 (padded to 8, f16, a 1,024-entry table)
+# and 8 at head_dim 64; a soft cap (tanh) at head_dim 128.
+PREFILL_MOSAIC = [
+    (DECODE[0], 16384, None),
+    (DECODE[3], 256, None),
+    (DECODE[6], 1024, None),
+    (DECODE[4], 512, 30.0),
+]
+
+
+@pytest.mark.parametrize("shape,num_tokens,soft_cap", PREFILL_MOSAIC,
+                         ids=lambda p: getattr(p, "id", p))
+def test_prefill_mosaic_compiles_without_spills(shape, num_tokens, soft_cap):
+  """Compiled through ptxas with 0 spill bytes, no copy of the pool (stacked
+  pages, a traced layer), one Mosaic GPU kernel under `prefill_attention`."""
+  rows = 8
+  args = [S((num_tokens, shape.num_q_heads, shape.head_dim), shape.q_dtype),
+          shape.pages(num_layers=2), shape.pages(num_layers=2),
+          S((rows + 1,), tier.I32)] + shape.tables(rows)
+  prog = tier.compile_program(pf.prefill_attention, *args, impl="mosaic",
+                              soft_cap=soft_cap, layer=S((), tier.I32))
+  tier.assert_no_pool_copy(prog, shape.layer_pool_bytes)
+  assert len(prog.mosaic_kernels()) == 1, prog.summary()
+  assert tier.has_kernel(prog, "prefill_attention"), prog.summary()
+  tier.assert_no_spills(prog)
+
+
 # Block permutation (compaction) ------------------------------------------------------
 
 # (num_layers, num_kv_heads, head_dim, block_size, dtype, num_moves, num_blocks)

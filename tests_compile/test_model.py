@@ -111,6 +111,26 @@ def test_mixed_attention_copies_no_pool():
   tier.assert_no_pool_copy(_attention_program(MIXED, 64), MIXED.layer_pool_bytes)
 
 
+@pytest.mark.parametrize("mixed_launches", [2, 1])
+def test_mixed_attention_mosaic_compiles_in_place(mixed_launches):
+  """`impl="mosaic"`: the Mosaic prefill kernel serves the prefill rows after the
+  decode kernel (2 launches) or every row alone (1); pages in place, no pool
+  copy, no spill."""
+  a = MIXED
+  qkv = lambda heads: S((512, heads, a.head_dim), a.q_dtype)
+  attend = lambda q, k, v, pages, meta: attention.paged_attention(
+      q, k, v, pages, LAYER, meta, impl="mosaic", mixed_launches=mixed_launches)
+  prog = tier.compile_program(
+      attend, qkv(a.num_q_heads), qkv(a.num_kv_heads), qkv(a.num_kv_heads),
+      KVPages(k=a.pages(NUM_LAYERS), v=a.pages(NUM_LAYERS)),
+      _meta(a.batch, 512, a.segments, 64), donate_argnums=(3,))
+  assert len(prog.mosaic_kernels()) == mixed_launches, prog.summary()
+  assert tier.has_kernel(prog, "prefill_attention"), prog.summary()
+  tier.assert_aliased(prog, ("pages.k", "pages.v"), 2 * NUM_LAYERS * a.layer_pool_bytes)
+  tier.assert_no_pool_copy(prog, a.layer_pool_bytes)
+  tier.assert_no_spills(prog)
+
+
 def test_decode_split_k_at_batch_1():
   """Batch 1 x 128k context, 8 kv heads: the default path's decode kernel must
   launch at least one program per SM (132)."""

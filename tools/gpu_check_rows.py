@@ -205,6 +205,7 @@ def shapes(dry: bool) -> dict:
     b64 = dict(decode_rows=3, decode_ctx=64)
     mixed = dict(decode_rows=2, decode_ctx=64, prefill_rows=1, prefill_prefix=32,
                  prefill_chunk=16)
+    prefill = dict(prefill_rows=1, prefill_prefix=16, prefill_chunk=32)
     dims = {"d64": 32, "d256": 128}
     perm = dict(num_layers=2, num_kv_heads=2, block_size=16, head_dim=64)
     moves = {"perm32": (4, 64), "perm256": (8, 64), "perm1024": (16, 64)}
@@ -215,6 +216,7 @@ def shapes(dry: bool) -> dict:
     b64 = dict(decode_rows=64, decode_ctx=8192)
     mixed = dict(decode_rows=56, decode_ctx=8192, prefill_rows=8, prefill_prefix=4096,
                  prefill_chunk=256)
+    prefill = dict(prefill_rows=8, prefill_prefix=4096, prefill_chunk=2048)
     dims = {"d64": 64, "d256": 256}
     perm = dict(num_layers=32, num_kv_heads=8, block_size=16, head_dim=128)
     moves = {"perm32": (32, 512), "perm256": (256, 1024), "perm1024": (1024, 4096)}
@@ -232,6 +234,7 @@ def shapes(dry: bool) -> dict:
       "b64x8k-d64": AttnShape(**dict(llama, head_dim=dims["d64"]), **b64),
       "b64x8k-d256": AttnShape(**dict(llama, head_dim=dims["d256"]), **b64),
       "mixed": AttnShape(**llama, **mixed),
+      "prefill8x2k": AttnShape(**llama, **prefill),
   }
   for key, (m, nb) in moves.items():
     out[key] = PermShape(num_moves=m, num_blocks=nb, **perm)
@@ -260,6 +263,8 @@ class RowSpec:
     {"serving_over_device": max ratio} (serving step p50 / device step).
   pages_per_step: a "decode_kernel" row's `pages_per_step` (see
     `decode_variant_rows`).
+  step_kw: keyword arguments the layer and check rows pass to `paged_attention`
+    besides `impl` (e.g. `mixed_launches`).
   """
   id: str
   kind: str
@@ -274,6 +279,7 @@ class RowSpec:
   needs: tuple[str, ...] = ()
   goals: dict | None = None
   pages_per_step: int | None = None  # "decode_kernel" rows: the variant's stage
+  step_kw: tuple = ()  # (name, value) pairs: more `paged_attention` keyword arguments
 
 
 def _layer_rows(key, impls, *, copy_ref, builtin_ref=None, limit=60, est=10,
@@ -349,11 +355,14 @@ def plan(dry: bool = False) -> list[RowSpec]:
       RowSpec("check/attn/xla", "check_attn", "check", "xla", 60, est_s=5),
       RowSpec("check/attn/default", "check_attn", "check", None, 60, est_s=8),
       RowSpec("check/attn/pallas", "check_attn", "check", "pallas", 60, est_s=8),
-      RowSpec("check/attn/mosaic", "check_attn", "check", "mosaic", 60, est_s=10),
+      RowSpec("check/attn/mosaic", "check_attn", "check", "mosaic", 60, est_s=10,
+              step_kw=(("prefill_impl", "pallas"),)),  # decode: the Mosaic rows' check
+      *prefill_check_rows(),
       RowSpec("check/attn-fp8/default", "check_attn", "check-fp8", None, 60, est_s=8),
       # 64 MiB moved.
       RowSpec("copy/perm32", "copy", "perm32", limit_s=30, est_s=2),
       *_perm_rows("perm32", "copy/perm32"),
+      *prefill_rows(),  # 192 MiB
       # 256 MiB.
       RowSpec("copy/b1x128k-fp8", "copy", "b1x128k-fp8", limit_s=30, est_s=2),
       *_layer_rows("b1x128k-fp8", (None,), copy_ref="copy/b1x128k-fp8",
@@ -379,6 +388,7 @@ def plan(dry: bool = False) -> list[RowSpec]:
       # 1.9 GiB.
       RowSpec("copy/mixed", "copy", "mixed", limit_s=30, est_s=3),
       *_layer_rows("mixed", (None,), copy_ref="copy/mixed", limit=90, est=15),
+      *mixed_mosaic_rows(),
       # 2 GiB.
       RowSpec("copy/b64x8k", "copy", "b64x8k", limit_s=30, est_s=3),
       RowSpec("builtin/b64x8k", "builtin", "b64x8k", limit_s=60, est_s=8,
@@ -701,13 +711,14 @@ def _resolved_default(shape: AttnShape, q_dtype):
   return impl, note
 
 
-def _layer_step(impl, layer):
-  """The jitted model-layer step, pages donated (the pool is updated in place)."""
+def _layer_step(impl, layer, **kw):
+  """The jitted model-layer step, pages donated (the pool is updated in place);
+  `kw`: more keyword arguments of `paged_attention` (`RowSpec.step_kw`)."""
   jax, _ = _jax()
   from paged_kv.model import attention
 
   def step(pages, q, k, v, meta):
-    return attention.paged_attention(q, k, v, pages, layer, meta, impl=impl)
+    return attention.paged_attention(q, k, v, pages, layer, meta, impl=impl, **kw)
 
   return jax.jit(step, donate_argnums=(0,))
 
@@ -767,7 +778,7 @@ def run_check_attn(spec: RowSpec, shape: AttnShape, *, dry, **_) -> Result:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pages_out, out = jax.block_until_ready(
-        _layer_step(spec.impl, shape.layer)(pages, q, k, v, meta))
+        _layer_step(spec.impl, shape.layer, **dict(spec.step_kw))(pages, q, k, v, meta))
   if _mosaic_races(dry, resolved):
     raise Wrong("the Mosaic GPU interpreter detected a race")
   # The pages: input + exactly the new tokens' K/V at their slots, bit for bit.
@@ -948,7 +959,7 @@ def run_layer(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -> Result
   pages = KVPages(k=pk, v=pv)
   meta = _meta(fields, st.max_query_len)
   resolved, note = (spec.impl, "") if spec.impl else _resolved_default(shape, jnp.bfloat16)
-  step = _layer_step(spec.impl, shape.layer)
+  step = _layer_step(spec.impl, shape.layer, **dict(spec.step_kw))
   _mosaic_races(dry, resolved, reset=True)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -1468,3 +1479,93 @@ def run_decode_kernel(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -
 
 
 RUNNERS["decode_kernel"] = run_decode_kernel
+
+# Prefill and mixed-step rows (issue U, item 4) -----------------------------------------
+
+PREFILL_TFLOPS_GOAL = 350  # issue U: causal attention FLOPs per second, 8 x 2,048 new
+
+
+def prefill_check_rows() -> list[RowSpec]:
+  """The check table through the model layer with the Mosaic GPU kernels for decode
+  and prefill rows alike (`check/attn/mosaic` keeps Triton's prefill kernel, so a
+  fault of the new prefill kernel skips only the rows that need this one)."""
+  return [RowSpec("check/attn/mosaic-prefill", "check_attn", "check", "mosaic", 60,
+                  est_s=10)]
+
+
+def prefill_rows() -> list[RowSpec]:
+  """The prefill kernel alone at 8 rows x 2,048 new tokens on 4,096 cached (D128),
+  the Triton kernel and the Mosaic GPU one side by side; their note gives TFLOP/s
+  of causal attention FLOPs (`causal_flops`) against the goal."""
+  return [RowSpec(f"prefill/prefill8x2k/{impl}", "prefill", "prefill8x2k", impl,
+                  limit_s=60, est_s=10,
+                  needs=("check/attn/mosaic-prefill" if impl == "mosaic" else
+                         "check/attn/pallas",))
+          for impl in ("pallas", "mosaic")]
+
+
+def mixed_mosaic_rows() -> list[RowSpec]:
+  """The mixed step (56 decode + 8 prefill rows) in one launch of the Mosaic GPU
+  prefill kernel (`mixed_launches=1`: decode rows as one-token tiles), beside
+  `layer/mixed/default` (Mosaic decode, then Triton prefill). The two-launch
+  variant with the Mosaic prefill kernel (`impl="mosaic"`) is left out: in dry
+  mode it interprets both Mosaic kernels (25-50 s on a 2-core CPU), more than the
+  dry budget has room for; `gpu_check.sh --only=...` cannot add it either, so a
+  GPU session that wants it runs `paged_attention(impl="mosaic")` itself."""
+  return [
+      RowSpec("layer/mixed/mosaic-1launch", "layer", "mixed", "mosaic", limit_s=90,
+              est_s=12, copy_ref="copy/mixed", step_kw=(("mixed_launches", 1),),
+              needs=("check/attn/mosaic-prefill",)),
+  ]
+
+
+def causal_flops(shape: AttnShape) -> int:
+  """FLOPs of the prefill rows' causal attention: per new token at logical
+  position p, p + 1 keys, each 2 x head_dim for Q K^T and 2 x head_dim for P V,
+  per query head (masked work a kernel does anyway is not counted)."""
+  n, c = shape.prefill_chunk, shape.prefill_prefix
+  keys = n * c + n * (n + 1) // 2  # sum over the chunk of (position + 1)
+  return 4 * shape.head_dim * shape.num_q_heads * shape.prefill_rows * keys
+
+
+def run_prefill(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -> Result:
+  """`pallas_kernels.prefill_attention.prefill_attention` alone (stacked pool, a
+  traced layer; the new tokens' K/V already in the pages), checked on its first
+  and last row against the f32 device reference, then timed."""
+  jax, jnp = _jax()
+  import numpy as np
+
+  from pallas_kernels import prefill_attention as pf
+  st, fields, _, q, _, _ = _attention_inputs(shape)
+  unused = sorted(set(range(st.num_blocks)) - st.used_blocks)
+  kp, vp = _pages(shape, st.num_blocks, layers=range(shape.num_layers), seed=5,
+                  unused=unused)
+  tables = [jnp.asarray(fields[k]) for k in ("cu_q_lens", "seg_block", "seg_start",
+                                             "seg_length", "num_segments")]
+  interpret = _interpret(dry)
+  fn = jax.jit(lambda layer, q, kp, vp, *t: pf.prefill_attention(
+      q, kp, vp, *t, impl=spec.impl, interpret=interpret, layer=layer))
+  layer = jnp.int32(shape.layer)
+  _mosaic_races(dry, spec.impl, reset=True)
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn(layer, q, kp, vp, *tables))
+  first_s = time.perf_counter() - t0
+  if _mosaic_races(dry, spec.impl):
+    raise Wrong("the Mosaic GPU interpreter detected a race")
+  toks, want = _device_reference(st, fields, kp[shape.layer], vp[shape.layer], q,
+                                 _checked_rows(st))
+  err = _rel_err_rows(np.asarray(out[jnp.asarray(toks)], np.float32), want)
+  _require(err)
+  if dry:  # interpret mode: the checked call's time, compile included (meaningless)
+    t = first_s
+  else:
+    t = time_per_call(lambda: fn(layer, q, kp, vp, *tables), iters=iters,
+                      repeats=repeats)
+  tflops = causal_flops(shape) / t / 1e12
+  met = "met" if tflops >= PREFILL_TFLOPS_GOAL else "MISSED"
+  return Result(t * 1e6, shape.nbytes, err, note=(
+      f"{tflops:.3g} TFLOP/s causal ({causal_flops(shape):,} FLOP; goal >= "
+      f"{PREFILL_TFLOPS_GOAL}: {met})"))
+
+
+RUNNERS.update(prefill=run_prefill)

@@ -18,7 +18,17 @@ layer: `pallas_kernels.paged_attention`'s module docstring).
 Kernel choice (`impl=`): `None` resolves per kernel and per shape through
 `default_impl(...)`, the one place that maps a backend and a shape to an
 attention path; an explicit impl is used as given (and raises if it cannot
-build for the shape).
+build for the shape; `"mosaic"` prefill rows fall back to `"pallas"`, with a
+warning, at shapes only the decode kernel builds for).
+
+A mixed step (decode and prefill rows) is two launches by default: the decode
+kernel (with split-K) for the decode rows, then the prefill kernel for the
+others, one after the other on the stream. `mixed_launches=1` runs every row
+through the prefill kernel in one launch, a decode row being a one-token tile
+(`pallas_kernels.prefill_attention_mosaic`), so that memory-bound decode
+programs and compute-bound prefill tiles share the SMs at once; it gives up
+the decode kernel's split-K (fine when decode rows x kv heads fill the GPU, as
+56 x 8 do). UNMEASURED: which is faster waits on the gpu_check `mixed` rows.
 """
 
 from __future__ import annotations
@@ -117,8 +127,9 @@ def default_impl(backend: str | None = None, *, num_q_heads: int | None = None,
     beats Triton has not been timed on a GPU yet (hence the configurable order).
   * any other backend: `InvalidArgument` (pass `impl=` explicitly).
 
-  The prefill kernel has no Mosaic version: `paged_attention` picks its impl
-  the same way from the order without `"mosaic"`.
+  The prefill kernel's default (`impl=None`) is picked the same way from the
+  order without `"mosaic"`: the Mosaic prefill kernel runs when asked for
+  (`impl="mosaic"`) until the GPU rows have timed it against Triton's.
   """
   backend = lowering.target_platform() if backend is None else backend
   if backend not in _DEFAULTS and backend not in _GPU_BACKENDS:
@@ -166,16 +177,28 @@ def resolve_impl(impl: str | None, interpret=None):
   return impl, interpret
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_mosaic_prefill() -> None:
-  warnings.warn("paged_attention(impl='mosaic'): there is no Mosaic GPU prefill kernel; "
-                "prefill rows run the generic Pallas kernel", stacklevel=3)
+def _mosaic_prefill_or_pallas(q: jax.Array, pages: KVPages, num_seg_slots: int) -> str:
+  """"mosaic" if the Mosaic prefill kernel builds for this shape, else
+  "pallas" (warned once, naming why)."""
+  from pallas_kernels import prefill_attention_mosaic
+
+  _, num_kv_heads, _, block_size, head_dim = pages.k.shape
+  why = prefill_attention_mosaic.mosaic_prefill_problem(
+      num_q_heads=q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim,
+      block_size=block_size, dtype=pages.k.dtype, num_seg_slots=num_seg_slots,
+      q_dtype=q.dtype)
+  if why is None:
+    return "mosaic"
+  _warn_once(f"paged_attention(impl='mosaic'): prefill rows run impl='pallas': {why}")
+  return "pallas"
 
 
-def _kernel_impls(impl: str | None, interpret, q: jax.Array, pages: KVPages):
+def _kernel_impls(impl: str | None, interpret, q: jax.Array, pages: KVPages,
+                  num_seg_slots: int, prefill_impl: str | None = None):
   """`((decode impl, interpret), (prefill impl, interpret))` for this call."""
-  if impl is not None and impl not in IMPLS:
-    raise InvalidArgument(f"impl must be one of {IMPLS} or None, got {impl!r}")
+  for name, value in (("impl", impl), ("prefill_impl", prefill_impl)):
+    if value is not None and value not in IMPLS:
+      raise InvalidArgument(f"{name} must be one of {IMPLS} or None, got {value!r}")
   backend = lowering.target_platform()
   if impl is None:
     _, num_kv_heads, _, block_size, head_dim = pages.k.shape
@@ -186,12 +209,16 @@ def _kernel_impls(impl: str | None, interpret, q: jax.Array, pages: KVPages):
   else:
     decode = prefill = impl
     if impl == "mosaic":
-      prefill = "pallas"
+      prefill = _mosaic_prefill_or_pallas(q, pages, num_seg_slots)
+  if prefill_impl is not None:
+    prefill = prefill_impl
   resolved = []
   for kernel_impl in (decode, prefill):
     kernel_interpret = interpret
     if kernel_interpret is None:
       kernel_interpret = kernel_impl != "xla" and backend == "cpu"
+    if kernel_impl == "pallas":  # Mosaic's may be a plgpu.InterpretGPUParams
+      kernel_interpret = bool(kernel_interpret)
     resolved.append((kernel_impl, kernel_interpret))
   return tuple(resolved)
 
@@ -215,6 +242,8 @@ def paged_attention(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     num_splits: int | None = None,
+    mixed_launches: int = 2,
+    prefill_impl: str | None = None,
 ) -> tuple[KVPages, jax.Array]:  # (pages, [T, num_q_heads, head_dim] in q.dtype)
   """Writes the step's new K/V of one layer, then attends, for a mixed ragged batch.
 
@@ -239,15 +268,23 @@ def paged_attention(
     layer: which layer's pages (a Python int is range-checked; a traced one is
       not, and is clipped into range by the kernels).
     meta: the step's `StepMetadata`.
-    impl: `"xla"`, `"pallas"` or `"mosaic"` (decode only; prefill rows then run
-      `"pallas"`, with a warning), used as given; `None`: per kernel and shape,
-      `default_impl(...)` (on a GPU the first of Mosaic, Triton, xla that builds
-      for the shape, each fallback warned once).
+    impl: `"xla"`, `"pallas"` or `"mosaic"`, used as given (`"mosaic"` prefill
+      rows run `"pallas"`, with a warning, where only the decode kernel
+      builds); `None`: per kernel and shape, `default_impl(...)` (on a GPU the
+      first of Mosaic, Triton, xla that builds for the shape, each fallback
+      warned once; prefill without Mosaic).
     interpret: run Pallas kernels in interpret mode; `None`: on CPU only.
     sm_scale: logit scale, default `1/sqrt(head_dim)`.
     soft_cap: optional tanh cap of the logits.
     num_splits: the decode kernel's split-K factor; `None`: chosen from the
       static shapes (`pallas_kernels.paged_attention.default_num_splits`).
+    mixed_launches: a step with prefill rows (`meta.max_query_len > 1`) runs
+      the decode kernel then the prefill kernel (2), or every row through the
+      prefill kernel in one launch (1; module docstring). Decode-only steps
+      always run the decode kernel.
+    prefill_impl: the prefill kernel's impl, used as given, when it should not
+      follow `impl` (e.g. `impl="mosaic", prefill_impl="pallas"`); None: as
+      `impl` resolves.
 
   Returns:
     `(pages, out)`: the updated pages and the attention output of every token.
@@ -270,8 +307,10 @@ def paged_attention(
                           f"num_kv_heads={num_kv_heads}")
   if isinstance(layer, int) and not 0 <= layer < num_layers:
     raise InvalidArgument(f"layer {layer} outside [0, {num_layers})")
+  if mixed_launches not in (1, 2):
+    raise InvalidArgument(f"mixed_launches must be 1 or 2, got {mixed_launches!r}")
   (decode_impl, decode_interpret), (prefill_impl, prefill_interpret) = _kernel_impls(
-      impl, interpret, q, pages)
+      impl, interpret, q, pages, meta.seg_block.shape[1], prefill_impl)
   kernel_args = dict(sm_scale=sm_scale, soft_cap=soft_cap, layer=layer)
   probe = LAYER_PROBE.get()
   if probe is not None:
@@ -283,6 +322,11 @@ def paged_attention(
   is_decode = q_lens == 1
   first = jnp.clip(meta.cu_q_lens[:-1], 0, t - 1)  # each row's first token
   tables = (meta.seg_block, meta.seg_start, meta.seg_length)
+  if meta.max_query_len > 1 and mixed_launches == 1:  # every row, one launch
+    out = prefill_kernels.prefill_attention(
+        q, pages.k, pages.v, meta.cu_q_lens, *tables, meta.num_segments,
+        impl=prefill_impl, interpret=prefill_interpret, **kernel_args)
+    return pages, out
   # The stacked pages and the layer, never `pages.k[layer]` (a copy of the layer).
   out_decode = decode_kernels.paged_attention(
       q[first], pages.k, pages.v, *tables, jnp.where(is_decode, meta.num_segments, 0),
@@ -291,10 +335,6 @@ def paged_attention(
   if meta.max_query_len == 1:
     out = jnp.zeros(q.shape, q.dtype)
   else:
-    if impl == "mosaic":
-      _warn_mosaic_prefill()
-      # The generic kernel's interpret mode is a bool (Mosaic's may be InterpretGPUParams).
-      prefill_interpret = bool(prefill_interpret)
     out = prefill_kernels.prefill_attention(
         q, pages.k, pages.v, meta.cu_q_lens, *tables,
         jnp.where(q_lens > 1, meta.num_segments, 0), impl=prefill_impl,

@@ -135,15 +135,15 @@ def test_mosaic_needs_gpu_or_interpreter():
     pa.paged_attention(q, k, v, *table, impl="mosaic")
 
 
-def test_prefill_still_rejects_mosaic():
-  """Prefill validates through the shared `static_validate_inputs`; accepting
-  "mosaic" for decode must not let prefill fall through to another kernel."""
+def test_prefill_mosaic_refuses_f32_with_its_own_reason():
+  """Prefill has its own Mosaic kernel (tests/kernels/test_prefill_mosaic.py); at a
+  shape it cannot build it raises, never falling through to another kernel."""
   from pallas_kernels import prefill_attention as pf
 
   q, k, v, table = _case(1, dtype=jnp.float32, group=2, seq_lens=(3, 4),
                          check_coverage=False)
   cu_q_lens = jnp.array([0, 1, 2], jnp.int32)
-  with pytest.raises(ValueError, match="not implemented"):
+  with pytest.raises(ValueError, match="prefill impl='mosaic' takes bf16/f16"):
     pf.prefill_attention(q, k, v, cu_q_lens, *table, impl="mosaic",
                          interpret=True)
 

@@ -9,6 +9,8 @@ every row's logical K/V itself and runs a float64 causal softmax.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 import warnings
 
 import chex
@@ -152,6 +154,40 @@ class PagedAttentionTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_array_equal(got_k, k[live])
     other = np.asarray(pages.k)[0, :, slots[live] // bs, slots[live] % bs]
     self.assertTrue(np.isnan(other).all())
+
+  @parameterized.named_parameters(("xla", "xla"), ("pallas", "pallas"))
+  def test_mixed_batch_in_one_launch_matches_dense_reference(self, impl):
+    """`mixed_launches=1`: every row, decodes included (one-token rows), through
+    the prefill kernel; the same numbers and writes as two launches."""
+    pool, plan, meta, q, k, v = _mixed_step(np.random.default_rng(0))
+    fn = jax.jit(lambda q, k, v, pages, meta, n: paged_attention(
+        q, k, v, pages, LAYER, meta, impl=impl, mixed_launches=n), static_argnums=5)
+    pages, out = fn(q, k, v, pool.state.pages, meta, 1)
+    np.testing.assert_allclose(np.asarray(out), _reference(pool, plan, q, k, v),
+                               rtol=2e-5, atol=2e-5)
+    pages2, _ = fn(q, k, v, pool.state.pages, meta, 2)
+    np.testing.assert_array_equal(np.asarray(pages.k), np.asarray(pages2.k))
+    for n, kernels in ((1, {"prefill_attention"}),
+                       (2, {"paged_attention", "prefill_attention"})):
+      jaxpr = str(jax.make_jaxpr(functools.partial(fn, n=n))(q, k, v, pool.state.pages, meta))
+      self.assertEqual(kernels & set(re.findall(r"name=(\w+)", jaxpr)), kernels)
+      self.assertEqual(n == 2, "name=paged_attention" in jaxpr)
+    with self.assertRaises(InvalidArgument):
+      paged_attention(q, k, v, pool.state.pages, LAYER, meta, impl=impl, mixed_launches=3)
+
+  def test_prefill_impl_overrides_the_prefill_kernel_only(self):
+    """`prefill_impl` picks the prefill kernel's impl apart from `impl`: the
+    same numbers; an unknown name raises."""
+    pool, plan, meta, q, k, v = _mixed_step(np.random.default_rng(2))
+    _, out = paged_attention(q, k, v, pool.state.pages, LAYER, meta, impl="xla",
+                             prefill_impl="pallas")
+    np.testing.assert_allclose(np.asarray(out), _reference(pool, plan, q, k, v),
+                               rtol=2e-5, atol=2e-5)
+    jaxpr = str(jax.make_jaxpr(lambda q: paged_attention(
+        q, k, v, pool.state.pages, LAYER, meta, impl="xla", prefill_impl="pallas")[1])(q))
+    self.assertIn("pallas_call", jaxpr)  # the prefill kernel (decode stays xla)
+    with self.assertRaises(InvalidArgument):
+      paged_attention(q, k, v, pool.state.pages, LAYER, meta, prefill_impl="triton")
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_decode_only_step_matches_dense_reference(self):
