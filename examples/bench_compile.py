@@ -70,6 +70,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Weights and tokens seed.")
 _RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 
 _SCAN = {"scanned": True, "unrolled": False}
+# CPU seconds of this process (every thread: XLA compiles on several) per program and
+# per warm-up: wall times on a shared machine follow its load, CPU times much less.
+_CPU: dict[str, list[float]] = {}
 
 
 def _pool_config(model_config: llama.LlamaConfig) -> paged_kv.PoolConfig:
@@ -125,9 +128,11 @@ def _compile(model: llama.TinyLlama, program: str, inputs):
   fn = steps.decode_step if program == "decode" else steps.forward
   state, args = _abstract(inputs)
   jax.clear_caches()
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), time.process_time()
   compiled = fn.lower(_abstract(params), state, *args, graphdef=graphdef,
                       config=_pool_config(model.config)).compile()
+  _CPU.setdefault(f"{program} {model.config.num_layers} layers", []).append(
+      time.process_time() - cpu)
   return time.perf_counter() - start, compiled
 
 
@@ -160,7 +165,10 @@ def _warmup(model: llama.TinyLlama) -> tuple[float, int, int]:
                                     prefill_token_budget=_PREFILL_BUDGET.value))
   warmup_lib.release_programs()
   jax.clear_caches()
+  cpu = time.process_time()
   report = sched.warmup(progress=False)
+  _CPU.setdefault(f"warmup {model.config.num_layers} layers", []).append(
+      time.process_time() - cpu)
   if report.cache_loads:
     raise AssertionError(f"warm-up loaded {report.cache_loads} programs from a cache")
   return report.seconds, report.programs, report.compiles
@@ -183,15 +191,17 @@ def _program_times(model: llama.TinyLlama) -> list[dict]:
   jax.clear_caches()
   out = []
   for run in warmup_lib.program_runs(sched):
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if run.lower is None:
       run.run()
-      out.append({"name": run.name, "lower_s": 0.0, "compile_s": time.perf_counter() - t0})
+      out.append({"name": run.name, "lower_s": 0.0, "compile_s": time.perf_counter() - t0,
+                  "compile_cpu_s": time.process_time() - c0})
       continue
     lowered = run.lower()
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     lowered.compile()
-    out.append({"name": run.name, "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1})
+    out.append({"name": run.name, "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
+                "compile_cpu_s": time.process_time() - c1})
   return out
 
 
@@ -270,12 +280,21 @@ def main(argv):
   if per_program:
     print(f"\nwarm-up programs alone ({warm_depths[0]} layers, {_LAYOUTS.value[0]}; lower, "
           f"then compile, one at a time)")
-    print(f"{'program':>44} {'lower s':>8} {'compile s':>9}")
+    print(f"{'program':>44} {'lower s':>8} {'compile s':>9} {'CPU s':>6}")
     for p in per_program:
-      print(f"{p['name']:>44} {p['lower_s']:>8.2f} {p['compile_s']:>9.2f}")
+      print(f"{p['name']:>44} {p['lower_s']:>8.2f} {p['compile_s']:>9.2f} "
+            f"{p['compile_cpu_s']:>6.2f}")
     print(f"{'total':>44} {sum(p['lower_s'] for p in per_program):>8.2f} "
-          f"{sum(p['compile_s'] for p in per_program):>9.2f}")
-  rec.write({"compile": rows, "warmup": warm_rows, "programs": per_program},
+          f"{sum(p['compile_s'] for p in per_program):>9.2f} "
+          f"{sum(p['compile_cpu_s'] for p in per_program):>6.2f}")
+  if _CPU:
+    print("\nCPU seconds (this process, all threads), median [min-max]:")
+    for name, values in _CPU.items():
+      print(f"{name:>24} {records.format_median_range(values, suffix=' s')}")
+  # Which library ran (the same script measures a build without them, for an A/B).
+  host_reserved = hasattr(paged_kv.BlockPool, "reserve_step")
+  rec.write({"compile": rows, "warmup": warm_rows, "programs": per_program,
+             "cpu_seconds": _CPU, "host_reserved_slots": host_reserved},
             notes=["fresh compiles: jax.clear_caches() before each, persistent cache off"])
 
 
