@@ -290,7 +290,7 @@ def main(argv):
   if _CPU:
     print("\nCPU seconds (this process, all threads), median [min-max]:")
     for name, values in _CPU.items():
-      print(f"{name:>24} {records.format_median_range(values, suffix=' s')}")
+      print(f"  cpu: {name}: {records.format_median_range(values, suffix=' s')}")
   # Which library ran (the same script measures a build without them, for an A/B).
   host_reserved = hasattr(paged_kv.BlockPool, "reserve_step")
   rec.write({"compile": rows, "warmup": warm_rows, "programs": per_program,
