@@ -41,8 +41,9 @@ Host-reserved slots: a `forward` / `forward_sampled` plan may carry its reservat
 row's status), decided on the pool's host mirror and committed to the table before
 the step (`BlockPool.reserve_step`, what the serving loop does). The step then
 reserves nothing: `StepMetadata.from_reserved` reads the table as it is, and the
-program holds no allocator (about a third less to compile). The multi-step decodes
-(`decode_multi`, `decode_steps`) always reserve inside their program.
+program holds no allocator (its compile about halves: `examples/bench_compile.py`).
+The multi-step decodes (`decode_multi`, `decode_steps`) always reserve inside their
+program.
 
 A plan's `carried` tokens (`paged_kv.model.plan.CarriedTokens`: tokens still on
 the device from an earlier step) are resolved inside the jitted step, in the same
