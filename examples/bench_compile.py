@@ -9,7 +9,10 @@ of:
   * `forward`: one mixed step (`paged_kv.model.steps.forward`) of `--max_batch` rows,
     `--prefill_chunk` tokens per row at most, `--num_tokens` tokens: a quarter of the
     rows prefill, the rest decode;
-  * `decode`: one decode step (`steps.decode_step`) of `--max_batch` rows.
+  * `decode`: one decode step (`steps.decode_step`) of `--max_batch` rows;
+  * `forward_reserved`, `decode_reserved`: the same two steps with their slots
+    reserved by the host (`plan.reserved`, what the serving loop runs:
+    `BlockPool.reserve_step`), so the program holds no allocator.
 
 Each repeat compiles every (depth, layout, program) once, in turn; the table gives
 the median [min-max] over the repeats and the ratio of each depth's median to the
@@ -18,7 +21,9 @@ weights in both layouts and their tokens, logits and pages must be equal.
 
 `--warmup_layers` also times `Scheduler.warmup()` (every serving program of a
 scheduler of `--max_batch` rows, `--prefill_chunk`, `--prefill_token_budget`) at
-those depths in both layouts, `--warmup_repeats` times each.
+those depths in both layouts, `--warmup_repeats` times each. `--program_times`
+then also lowers and compiles each of the warm-up's programs alone, one after
+the other (scanned, the first warm-up depth): where the warm-up's time goes.
 
 Usage:
   python examples/bench_compile.py [--layers=2,8,32 --repeats=3 --warmup_layers=2,32]
@@ -26,6 +31,7 @@ Usage:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -36,15 +42,17 @@ import numpy as np
 from flax import nnx
 
 import paged_kv
-from paged_kv.model import StepPlan, llama, steps
+from paged_kv.model import StepPlan, llama, metadata, steps
 from paged_kv.telemetry import records
 
 _LAYERS = flags.DEFINE_list("layers", ["2", "8", "32"],
                             "Model depths of the compile table (empty: warm-ups only).")
 _LAYOUTS = flags.DEFINE_list("layouts", ["scanned", "unrolled"],
                              "Layer layouts: scanned (lax.scan), unrolled.")
+_PROGRAM_NAMES = ("forward", "decode", "forward_reserved", "decode_reserved")
 _PROGRAMS = flags.DEFINE_list("programs", ["forward", "decode"],
-                              "Programs: forward (mixed step), decode (decode_step).")
+                              "Programs: forward (mixed step), decode (decode_step), "
+                              "forward_reserved / decode_reserved (host-reserved slots).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Fresh compiles per (depth, layout, program).")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 16, "Rows per step.")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 128, "Most tokens of a row per step.")
@@ -56,10 +64,15 @@ _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 _WARMUP_LAYERS = flags.DEFINE_list("warmup_layers", [],
                                    "Depths at which to time Scheduler.warmup() too.")
 _WARMUP_REPEATS = flags.DEFINE_integer("warmup_repeats", 1, "Warm-ups per depth and layout.")
+_PROGRAM_TIMES = flags.DEFINE_bool("program_times", False,
+                                   "Also time each warm-up program's lower and compile alone.")
 _SEED = flags.DEFINE_integer("seed", 0, "Weights and tokens seed.")
 _RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 
 _SCAN = {"scanned": True, "unrolled": False}
+# CPU seconds of this process (every thread: XLA compiles on several) per program and
+# per warm-up: wall times on a shared machine follow its load, CPU times much less.
+_CPU: dict[str, list[float]] = {}
 
 
 def _pool_config(model_config: llama.LlamaConfig) -> paged_kv.PoolConfig:
@@ -78,21 +91,31 @@ def _models(num_layers: int) -> dict[str, llama.TinyLlama]:
 
 
 def _inputs(pool_config: paged_kv.PoolConfig, program: str):
-  """`(state, args)`: a pool with every row open, and the program's other arguments."""
+  """`(state, args)`: a pool with every row open, and the program's other arguments
+  (a `*_reserved` program's plan holds the slots the host reserved and committed)."""
   b = _MAX_BATCH.value
-  z = np.zeros((b, 1), np.int32)
-  state, _ = paged_kv.open_sequence(paged_kv.init_pool(pool_config), np.arange(b, dtype=np.int32),
-                                    z, z, z, np.zeros((b,), np.int32), config=pool_config)
+  pool = paged_kv.BlockPool(pool_config)
+  ids = pool.open_sequences([None] * b)
   rng = np.random.default_rng(_SEED.value)
   tok = lambda n: rng.integers(1, 256, n).tolist()
   if program == "decode":
-    return state, (np.arange(b, dtype=np.int32), np.asarray(tok(b), np.int32))
-  num_prefill = max(1, b // 4)
-  chunk = min(_PREFILL_CHUNK.value, (_NUM_TOKENS.value - (b - num_prefill)) // num_prefill)
-  rows = [(i, tok(1)) for i in range(b - num_prefill)]
-  rows += [(i, tok(chunk)) for i in range(b - num_prefill, b)]
-  return state, (StepPlan.build(rows, num_rows=b, max_query_len=_PREFILL_CHUNK.value,
-                                num_tokens=_NUM_TOKENS.value),)
+    return pool.state, (np.asarray(ids, np.int32), np.asarray(tok(b), np.int32))
+  if program == "decode_reserved":
+    plan = StepPlan.build([(int(i), tok(1)) for i in ids], num_rows=b, max_query_len=1,
+                          num_tokens=b)
+  else:
+    num_prefill = max(1, b // 4)
+    chunk = min(_PREFILL_CHUNK.value, (_NUM_TOKENS.value - (b - num_prefill)) // num_prefill)
+    rows = [(int(i), tok(1)) for i in ids[:b - num_prefill]]
+    rows += [(int(i), tok(chunk)) for i in ids[b - num_prefill:]]
+    plan = StepPlan.build(rows, num_rows=b, max_query_len=_PREFILL_CHUNK.value,
+                          num_tokens=_NUM_TOKENS.value)
+  if not program.endswith("_reserved"):
+    return pool.state, (plan,)
+  pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=plan.max_query_len)
+  plan = dataclasses.replace(plan, reserved=metadata.reserved_slots(plan, pred.slot_idx,
+                                                                    pred.status))
+  return pred.state, (plan,)
 
 
 def _abstract(tree):
@@ -102,12 +125,14 @@ def _abstract(tree):
 def _compile(model: llama.TinyLlama, program: str, inputs):
   """`(seconds, compiled)`: one fresh trace + lower + compile for `inputs`' shapes."""
   graphdef, params = nnx.split(model)
-  fn = steps.forward if program == "forward" else steps.decode_step
+  fn = steps.decode_step if program == "decode" else steps.forward
   state, args = _abstract(inputs)
   jax.clear_caches()
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), time.process_time()
   compiled = fn.lower(_abstract(params), state, *args, graphdef=graphdef,
                       config=_pool_config(model.config)).compile()
+  _CPU.setdefault(f"{program} {model.config.num_layers} layers", []).append(
+      time.process_time() - cpu)
   return time.perf_counter() - start, compiled
 
 
@@ -140,10 +165,44 @@ def _warmup(model: llama.TinyLlama) -> tuple[float, int, int]:
                                     prefill_token_budget=_PREFILL_BUDGET.value))
   warmup_lib.release_programs()
   jax.clear_caches()
+  cpu = time.process_time()
   report = sched.warmup(progress=False)
+  _CPU.setdefault(f"warmup {model.config.num_layers} layers", []).append(
+      time.process_time() - cpu)
   if report.cache_loads:
     raise AssertionError(f"warm-up loaded {report.cache_loads} programs from a cache")
   return report.seconds, report.programs, report.compiles
+
+
+def _program_times(model: llama.TinyLlama) -> list[dict]:
+  """Each warm-up program lowered and compiled alone, one after the other (every cache
+  cleared first): `{"name", "lower_s", "compile_s"}`; programs the warm-up cannot
+  lower ahead (they run eagerly: persistence) get their run's time as `compile_s`."""
+  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving import warmup as warmup_lib
+  from paged_kv.serving.executor import ModelExecutor
+  from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
+  pool_config = _pool_config(model.config)
+  sched = Scheduler(paged_kv.BlockPool(pool_config), ModelExecutor(model, pool_config),
+                    SchedulerConfig(max_batch=_MAX_BATCH.value,
+                                    prefill_chunk=_PREFILL_CHUNK.value,
+                                    prefill_token_budget=_PREFILL_BUDGET.value))
+  warmup_lib.release_programs()
+  jax.clear_caches()
+  out = []
+  for run in warmup_lib.program_runs(sched):
+    t0, c0 = time.perf_counter(), time.process_time()
+    if run.lower is None:
+      run.run()
+      out.append({"name": run.name, "lower_s": 0.0, "compile_s": time.perf_counter() - t0,
+                  "compile_cpu_s": time.process_time() - c0})
+      continue
+    lowered = run.lower()
+    t1, c1 = time.perf_counter(), time.process_time()
+    lowered.compile()
+    out.append({"name": run.name, "lower_s": t1 - t0, "compile_s": time.perf_counter() - t1,
+                "compile_cpu_s": time.process_time() - c1})
+  return out
 
 
 def _ratio(values: list[float], base: list[float]) -> str:
@@ -156,7 +215,7 @@ def main(argv):
   depths = [int(x) for x in _LAYERS.value]
   warm_depths = [int(x) for x in _WARMUP_LAYERS.value]
   bad = [x for x in _LAYOUTS.value if x not in _SCAN] + [
-      x for x in _PROGRAMS.value if x not in ("forward", "decode")]
+      x for x in _PROGRAMS.value if x not in _PROGRAM_NAMES]
   if bad or not depths + warm_depths or any(n < 1 for n in depths + warm_depths):
     raise app.UsageError(f"bad --layers/--warmup_layers/--layouts/--programs: {bad or depths}")
   rec = records.Recorder(_RECORD.value, "bench_compile", flag_values=records.script_flags(),
@@ -182,6 +241,10 @@ def main(argv):
     for n in warm_depths:
       for layout in _LAYOUTS.value:
         warm.setdefault((n, layout), []).append(_warmup(models[n][layout]))
+
+  per_program = []
+  if _PROGRAM_TIMES.value and warm_depths:
+    per_program = _program_times(models[warm_depths[0]][_LAYOUTS.value[0]])
 
   rows = []
   if depths:
@@ -214,7 +277,24 @@ def main(argv):
               f"{statistics.median(s):>9.1f} {_ratio(s, base):>14}")
         warm_rows.append({"layout": layout, "num_layers": n, "seconds": s,
                           "programs": runs[0][1], "compiles": [r[2] for r in runs]})
-  rec.write({"compile": rows, "warmup": warm_rows},
+  if per_program:
+    print(f"\nwarm-up programs alone ({warm_depths[0]} layers, {_LAYOUTS.value[0]}; lower, "
+          f"then compile, one at a time)")
+    print(f"{'program':>44} {'lower s':>8} {'compile s':>9} {'CPU s':>6}")
+    for p in per_program:
+      print(f"{p['name']:>44} {p['lower_s']:>8.2f} {p['compile_s']:>9.2f} "
+            f"{p['compile_cpu_s']:>6.2f}")
+    print(f"{'total':>44} {sum(p['lower_s'] for p in per_program):>8.2f} "
+          f"{sum(p['compile_s'] for p in per_program):>9.2f} "
+          f"{sum(p['compile_cpu_s'] for p in per_program):>6.2f}")
+  if _CPU:
+    print("\nCPU seconds (this process, all threads), median [min-max]:")
+    for name, values in _CPU.items():
+      print(f"  cpu: {name}: {records.format_median_range(values, suffix=' s')}")
+  # Which library ran (the same script measures a build without them, for an A/B).
+  host_reserved = hasattr(paged_kv.BlockPool, "reserve_step")
+  rec.write({"compile": rows, "warmup": warm_rows, "programs": per_program,
+             "cpu_seconds": _CPU, "host_reserved_slots": host_reserved},
             notes=["fresh compiles: jax.clear_caches() before each, persistent cache off"])
 
 

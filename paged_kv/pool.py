@@ -217,6 +217,9 @@ class StepPrediction:
     touched_blocks: blocks the reservation changes (checked at the next commit).
     adopted: set once `adopt_step` took the step's state (the caller's signal not
       to hand it back again after a later exception).
+    committed: the reservation is already in `state` (`BlockPool.reserve_step`:
+      the host decided it and committed it; the step only reads it), rather than
+      one the step makes on the device (`predict_step`).
   """
 
   state: PoolState
@@ -224,6 +227,7 @@ class StepPrediction:
   status: np.ndarray
   touched_blocks: np.ndarray
   adopted: bool = False
+  committed: bool = False
 
 
 class BlockPool:
@@ -440,14 +444,40 @@ class BlockPool:
     return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,
                           touched_blocks=touched)
 
+  def reserve_step(self, seq_ids, num_new, *, max_new_tokens: int) -> StepPrediction:
+    """Reserves a step's slots on the mirror and commits them before the step runs.
+
+    The same reservation as `predict_step`'s (`reserve_tokens(atomic=False)`'s
+    algorithm: statuses per row, failed rows change nothing), but the host's
+    decision is final: the rows' new segments and lengths and the blocks' slots
+    and counts go to the device in this flush's commit (one dispatch of an
+    already compiled commit program, with whatever else was queued), so the
+    step reads the table as it is and reserves nothing itself (a plan's
+    `reserved`, `paged_kv.model.metadata.reserved_slots`). Hand
+    `prediction.state` to the step, then `adopt_step` (or `abandon_step`).
+
+    Returns:
+      A `StepPrediction` with `committed` set: `slot_idx i32[B, max_new_tokens]`
+      (-1 padded), `status i32[B]`, `state` holding the reservation.
+    """
+    ids = np.asarray(seq_ids, np.int64).reshape(-1)
+    counts = np.asarray(num_new, np.int64).reshape(-1)
+    slot_idx, status = host_ops.reserve(self.host, ids, counts, max_new_tokens=max_new_tokens,
+                                        atomic=False)
+    self.flush()
+    return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,
+                          touched_blocks=np.zeros((0,), np.int64), committed=True)
+
   def adopt_step(self, state: PoolState, prediction: StepPrediction,
                  device_status=None) -> None:
     """Takes the state a step returned; its reservation was `prediction`'s.
 
-    The touched blocks are checked at the next commit (their values now must be
-    the device's), and `device_status` (the step's status, a device or host
-    array of at least B entries) against the prediction: at once for a host
-    array, once ready for a device array.
+    For a step that reserved on the device (`predict_step`), the touched blocks
+    are checked at the next commit (their values now must be the device's), and
+    `device_status` (the step's status, a device or host array of at least B
+    entries) against the prediction: at once for a host array, once ready for a
+    device array. A `reserve_step` reservation was committed before the step,
+    whose status is the host's own: nothing is left to compare.
 
     Raises:
       InternalInconsistency: a host `device_status` differs from the prediction.
@@ -455,6 +485,9 @@ class BlockPool:
     self._state = state
     prediction.adopted = True
     self.runtime.dispatch("step")
+    if prediction.committed:
+      self._done()
+      return
     self._log.adopt(self._mirror, prediction.touched_blocks)
     self._log.expected = self._mirror.totals()
     if device_status is not None:

@@ -5,9 +5,10 @@ an H200 with the pool donated.
     real-model shapes, decode-only and mixed prefill/decode;
   * one decoder layer of the reference model (`llama.DecoderBlock`);
   * the reference model's jitted steps: `decode_step`, `prefill`, `forward`
-    (mixed) and `decode_multi` (a `lax.scan` of decode steps), with the layers
-    scanned (the default: the pages ride in the scan's carry), and `forward`
-    with the layers unrolled (`scan_layers=False`).
+    (mixed), `forward` with host-reserved slots (`plan.reserved`: the serving
+    loop's step, no allocator) and `decode_multi` (a `lax.scan` of decode steps),
+    with the layers scanned (the default: the pages ride in the scan's carry), and
+    `forward` with the layers unrolled (`scan_layers=False`).
 
 Each: it compiles; the donated pages are written in place (aliased in -> out);
 no copy and no scratch grows with the pool (`tier.assert_no_pool_copy`); the
@@ -31,6 +32,7 @@ from flax import nnx
 import paged_kv
 from paged_kv.core.state import KVPages
 from paged_kv.model import StepMetadata, StepPlan, attention, llama, steps
+from paged_kv.model.plan import ReservedSlots
 from tests_compile import tier
 from tests_compile.tier import Attn, I32, S
 
@@ -204,14 +206,19 @@ def _step_program(step: str):
   if step in ("forward", "forward_unrolled"):  # 12 decodes, 4 prefill chunks of <= 64 tokens
     plan = StepPlan(seq_ids=ids, num_new=ids, tokens=S((512,), I32), max_query_len=CHUNK)
     return tier.compile_program(steps.forward, params, state, plan, **kw)
+  if step == "forward_reserved":  # the serving loop's: slots reserved by the host
+    plan = StepPlan(seq_ids=ids, num_new=ids, tokens=S((512,), I32), max_query_len=CHUNK,
+                    reserved=ReservedSlots(slot_mapping=S((512,), I32), status=ids))
+    return tier.compile_program(steps.forward, params, state, plan, **kw)
   if step == "decode_multi":
     return tier.compile_program(steps.decode_multi, params, state, ids, ids, ids,
                                 num_steps=4, **kw)
   raise ValueError(step)
 
 
-STEPS = ["layer", "decode_step", "prefill", "forward", "decode_multi", "forward_unrolled"]
-SCANNED = ["decode_step", "prefill", "forward", "decode_multi"]
+STEPS = ["layer", "decode_step", "prefill", "forward", "forward_reserved", "decode_multi",
+         "forward_unrolled"]
+SCANNED = ["decode_step", "prefill", "forward", "forward_reserved", "decode_multi"]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -222,7 +229,7 @@ def test_model_step_compiles_in_place(step):
                       2 * MODEL.num_layers * LAYER_POOL_BYTES)
   assert tier.has_kernel(prog, "paged_attention"), prog.summary()
   assert tier.has_kernel(prog, "prefill_attention") == (
-      step in ("prefill", "forward", "forward_unrolled"))
+      step in ("prefill", "forward", "forward_reserved", "forward_unrolled"))
   tier.assert_no_spills(prog)
 
 

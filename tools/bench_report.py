@@ -565,9 +565,41 @@ def render_dispatch(root):
                  med("after"), med("fixed"),
                  mrange([x / f for x, f in zip(r["fixed_us"], first["fixed_us"])])])
   return "\n\n".join([table(head, rows), provenance(recs)])
+def _compile_ab(recs: list[dict]) -> list[str]:
+  """The host-reserved slots A/B: per record that has per-program times or CPU
+  seconds, each program's compile (wall and CPU) and the warm-up's programs alone."""
+  parts = []
+  for r in recs:
+    res = r["results"]
+    if not res.get("programs") and not res.get("cpu_seconds"):
+      continue
+    lib = "host-reserved slots" if res.get("host_reserved_slots") else "in-jit reservation"
+    cpu = res.get("cpu_seconds", {})
+    rows = [[x["program"], x["num_layers"], mrange(x["seconds"], fmt="{:.1f}", suffix=""),
+             mrange(cpu.get(f"{x['program']} {x['num_layers']} layers", [float("nan")]),
+                    fmt="{:.1f}", suffix="")] for x in res["compile"]]
+    rows += [[f"Scheduler.warmup() ({w['programs']} programs)", w["num_layers"],
+              mrange(w["seconds"], fmt="{:.1f}", suffix=""),
+              mrange(cpu.get(f"warmup {w['num_layers']} layers", [float("nan")]),
+                     fmt="{:.1f}", suffix="")] for w in res["warmup"]]
+    parts.append(f"Library with {lib} ({_rel(r['_path'])}; wall and CPU seconds of the "
+                 f"process, median [min-max]):\n\n"
+                 + table(["program", "layers", "wall s", "CPU s"], rows))
+    if res.get("programs"):
+      prog = [[p["name"], f"{p['lower_s']:.2f}", f"{p['compile_s']:.2f}",
+               f"{p.get('compile_cpu_s', float('nan')):.2f}"] for p in res["programs"]]
+      prog.append(["total", f"{sum(p['lower_s'] for p in res['programs']):.1f}",
+                   f"{sum(p['compile_s'] for p in res['programs']):.1f}",
+                   f"{sum(p.get('compile_cpu_s', 0.0) for p in res['programs']):.1f}"])
+      parts.append(f"The warm-up's programs alone, one after the other ({lib}):\n\n"
+                   + table(["program", "lower s", "compile s", "compile CPU s"], prog))
+  return parts
+
+
 def render_compile(root):
   recs = _load("compile", root)
-  compiled = [r for r in recs if r["results"]["compile"]]
+  compiled = [r for r in recs if r["results"]["compile"]
+              and len({x["num_layers"] for x in r["results"]["compile"]}) > 1]
   parts = []
   if compiled:
     res = compiled[-1]["results"]
@@ -588,8 +620,8 @@ def render_compile(root):
       parts.append(f"Scanned, {depths[-1]} / {depths[0]} layers: {', '.join(flat)} (goal: "
                    f"close to 1x).")
   for r in recs:
-    if not r["results"]["warmup"]:
-      continue
+    if len({x["num_layers"] for x in r["results"]["warmup"]}) < 2:
+      continue  # no depths to compare (an A/B record: `_compile_ab`)
     warm = {(x["layout"], x["num_layers"]): x for x in r["results"]["warmup"]}
     wdepths = sorted({n for _, n in warm})
     repeats = len(r["results"]["warmup"][0]["seconds"])
@@ -611,7 +643,7 @@ def render_compile(root):
     if verdicts:
       parts.append(f"Goal (issue V: warm-up at 32 layers <= 1.15x its time at 2), scanned: "
                    f"{verdicts[0]}.")
-  return "\n\n".join(parts + [provenance(recs)])
+  return "\n\n".join(parts + _compile_ab(recs) + [provenance(recs)])
 
 
 def render_overlap(root):

@@ -4,16 +4,20 @@ The shape of tpu-inference's `AttentionMetadata` (positions, block tables, seq l
 query start locations, request distribution), over segment tables: one registered
 pytree handed to every layer's `paged_attention(q, k, v, pages, layer, meta)`.
 
-Two constructors, one computation:
+Three constructors, one computation:
 
   * `StepMetadata.from_plan(plan, table, slot_idx)` on the host (numpy), after the
     host reserved the slots (e.g. `BlockPool.reserve_tokens`): FlashInfer's
     plan/run split, the metadata then goes into a jitted forward as an argument;
   * `StepMetadata.from_reservation(plan, table, slot_idx, status)` inside jit,
     from `reserve_tokens`' output, so allocation, the K/V write and attention run
-    in one jitted step with no host round trip (`paged_kv.model.steps.forward`).
+    in one jitted step with no host round trip (`paged_kv.model.steps.forward`);
+  * `StepMetadata.from_reserved(plan, table)` inside jit, when the host reserved
+    the slots and committed them before the step (`plan.reserved`: each token's
+    slot and each row's status, `reserved_slots`): the serving loop's step, with
+    no allocation in its program.
 
-Both give equal arrays for equal inputs (tested).
+All three give equal arrays for equal inputs (tested).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.core.state import SegmentTable
 from paged_kv.model import ragged
-from paged_kv.model.plan import StepPlan
+from paged_kv.model.plan import ReservedSlots, StepPlan
 
 
 @jax.tree_util.register_dataclass
@@ -122,7 +126,18 @@ class StepMetadata:
       slot_idx: `i32[B, W]` `reserve_tokens`' slots (`W >= max num_new`).
       status: `i32[B]` `reserve_tokens`' status; failed rows attend to nothing.
     """
-    return cls(**_build(jnp, plan, table, slot_idx, status), max_query_len=plan.max_query_len)
+    fields = _build(jnp, plan, table, status, token_slots(jnp, plan, slot_idx, status))
+    return cls(**fields, max_query_len=plan.max_query_len)
+
+  @classmethod
+  def from_reserved(cls, plan: StepPlan, table: SegmentTable) -> "StepMetadata":
+    """Inside jit: the metadata of a plan whose slots the host reserved
+    (`plan.reserved`, `ReservedSlots`), from the pool's table, which already holds
+    the reservation (its commit ran before the step). Equal to `from_reservation`'s
+    for the same reservation, with no allocation in the program."""
+    reserved = plan.reserved
+    return cls(**_build(jnp, plan, table, reserved.status, reserved.slot_mapping),
+               max_query_len=plan.max_query_len)
 
   @classmethod
   def from_plan(cls, plan: StepPlan, table: SegmentTable, slot_idx,
@@ -157,12 +172,52 @@ class StepMetadata:
                             "(the width of slot_idx)")
     if int(num_new.sum()) > plan.tokens.shape[0]:
       raise InvalidArgument(f"{int(num_new.sum())} tokens > the plan's T={plan.tokens.shape[0]}")
-    fields = _build(np, plan, tab, slots, status)
+    fields = _build(np, plan, tab, status, token_slots(np, plan, slots, status))
     return cls(**fields, max_query_len=plan.max_query_len)
 
 
-def _build(xp, plan: StepPlan, table: SegmentTable, slot_idx, status) -> dict:
-  """The array fields, with numpy (`xp=np`) or inside jit (`xp=jnp`)."""
+def token_slots(xp, plan: StepPlan, slot_idx, status):
+  """`i32[T]` the slot each token of `plan`'s layout is written to, from the rows'
+  reserved slots `slot_idx i32[B, W]` (row b's `num_new[b]` first entries); `-1`
+  for padding, padding rows and rows whose `status` is not OK. With numpy
+  (`xp=np`) or inside jit (`xp=jnp`)."""
+  i32 = xp.int32
+  seq_ids = xp.asarray(plan.seq_ids, i32)
+  num_tokens = plan.tokens.shape[0]
+  b = seq_ids.shape[0]
+  real = seq_ids >= 0
+  ok = real & (xp.asarray(status, i32) == int(Status.OK))
+  cu = ragged.cu_lens(xp.asarray(plan.num_new, i32), xp=xp)
+  tok_row = ragged.token_rows(cu, num_tokens, xp=xp)  # B for padding tokens
+  safe = xp.minimum(tok_row, b - 1)
+  j = xp.arange(num_tokens, dtype=i32) - cu[safe]  # index of the token in its row
+  width = slot_idx.shape[1]
+  slot = slot_idx[safe, xp.clip(j, 0, width - 1)]
+  written = (tok_row < b) & real[safe] & ok[safe] & (j < width)
+  return xp.where(written, slot, -1).astype(i32)
+
+
+def reserved_slots(plan: StepPlan, slot_idx, status) -> ReservedSlots:
+  """Host: the `ReservedSlots` of `plan` from the host's reservation (`slot_idx
+  i32[B, W]`, `status i32[B]`, e.g. a `BlockPool.reserve_step`'s), numpy arrays
+  (uploaded with the step: `T + B` integers, not `B * W`).
+
+  Raises:
+    InvalidArgument: `slot_idx` is not `[B, W]` or `status` not `[B]` for the
+      plan's B rows.
+  """
+  slots = np.asarray(slot_idx, np.int32)
+  status = np.asarray(status, np.int32)
+  b = plan.num_rows
+  if slots.ndim != 2 or slots.shape[0] != b or status.shape != (b,):
+    raise InvalidArgument(f"slot_idx {slots.shape} and status {status.shape} must be "
+                          f"[{b}, W] and [{b}] for the plan's rows")
+  return ReservedSlots(slot_mapping=token_slots(np, plan, slots, status), status=status)
+
+
+def _build(xp, plan: StepPlan, table: SegmentTable, status, slot_mapping) -> dict:
+  """The array fields, with numpy (`xp=np`) or inside jit (`xp=jnp`), from the
+  table after the reservation and the tokens' slots (`token_slots`)."""
   i32 = xp.int32
   seq_ids = xp.asarray(plan.seq_ids, i32)
   num_new = xp.asarray(plan.num_new, i32)
@@ -178,14 +233,11 @@ def _build(xp, plan: StepPlan, table: SegmentTable, slot_idx, status) -> dict:
   j = xp.arange(num_tokens, dtype=i32) - cu[safe]  # index of the token in its row
   seq_len = xp.where(ok, table.seq_len[row], 0)
   pos0 = table.seq_len[row] - xp.where(ok, num_new, 0)  # tokens before the step
-  width = slot_idx.shape[1]
-  slot = slot_idx[safe, xp.clip(j, 0, width - 1)]
-  ok_tok = in_row & ok[safe] & (j < width)
   seg = lambda a: xp.where(ok[:, None], a[row], 0).astype(i32)
   return dict(
       seq_ids=xp.where(real, seq_ids, -1).astype(i32),
       positions=xp.where(in_row, pos0[safe] + j, -1).astype(i32),
-      slot_mapping=xp.where(ok_tok, slot, -1).astype(i32),
+      slot_mapping=xp.asarray(slot_mapping, i32),
       cu_q_lens=cu,
       seg_block=seg(table.block),
       seg_start=seg(table.start),

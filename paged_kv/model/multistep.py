@@ -43,6 +43,9 @@ def check_decode_steps(plan, remaining, num_steps) -> None:
   if plan.max_query_len != 1:
     raise InvalidArgument(f"decode_steps takes a decode plan (max_query_len 1), got "
                           f"max_query_len={plan.max_query_len}")
+  if getattr(plan, "reserved", None) is not None:
+    raise InvalidArgument("decode_steps reserves each of its steps itself: its plan takes "
+                          "no host reservation (plan.reserved must be None)")
   shape = tuple(getattr(remaining, "shape", ()))
   if shape != (plan.num_rows,):
     raise InvalidArgument(f"remaining must be i32[{plan.num_rows}] (one per row), got shape "

@@ -51,6 +51,30 @@ class CarriedTokens:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class ReservedSlots:
+  """A step's reservation, decided by the host and already in the pool's table.
+
+  The serving loop reserves a step's slots on the pool's host mirror
+  (`paged_kv.pool.BlockPool.reserve_step`), whose commit puts the rows' new
+  segments and lengths on the device before the step runs; the step then only
+  reads them (`paged_kv.model.metadata.StepMetadata.from_reserved`) instead of
+  reserving again inside its program. Build it with
+  `paged_kv.model.metadata.reserved_slots`.
+
+  Attributes:
+    slot_mapping: `i32[T]` the flat slot (`block * block_size + offset`) each
+      token of the plan's layout is written to; `-1` = not written (padding,
+      padding rows, rows whose reservation failed).
+    status: `i32[B]` each row's reservation status (`paged_kv.core.errors.Status`);
+      a failed row attends to nothing and samples nothing.
+  """
+
+  slot_mapping: jax.Array | np.ndarray
+  status: jax.Array | np.ndarray
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
   """The rows and new tokens of one forward pass.
 
@@ -71,6 +95,11 @@ class StepPlan:
       earlier step's device output (the overlapped loop's decode tokens); `tokens`
       holds placeholders there. An executor with `carries_tokens = True` resolves
       them inside its step; for any other the scheduler resolves them first.
+    reserved: optional `ReservedSlots`: the host already reserved the rows' slots
+      and committed them to the pool (`BlockPool.reserve_step`); the step reads
+      them instead of reserving (None: the step reserves `num_new` per row with
+      `reserve_tokens` inside its program). Only an executor with
+      `takes_reserved_slots = True` is handed such a plan.
   """
 
   seq_ids: jax.Array | np.ndarray
@@ -80,6 +109,7 @@ class StepPlan:
   sampling: SamplingBatch | None = None
   num_logprobs: int = dataclasses.field(metadata=dict(static=True), default=0)
   carried: CarriedTokens | None = None
+  reserved: ReservedSlots | None = None
 
   @property
   def num_rows(self) -> int:

@@ -36,6 +36,15 @@ Two ways to call them:
     Python (milliseconds at 16+ layers). Kept for one-off calls and for users'
     own jits; do not use them in a loop.
 
+Host-reserved slots: a `forward` / `forward_sampled` plan may carry its reservation
+(`plan.reserved`, `paged_kv.model.plan.ReservedSlots`: each token's slot and each
+row's status), decided on the pool's host mirror and committed to the table before
+the step (`BlockPool.reserve_step`, what the serving loop does). The step then
+reserves nothing: `StepMetadata.from_reserved` reads the table as it is, and the
+program holds no allocator (its compile about halves: `examples/bench_compile.py`).
+The multi-step decodes (`decode_multi`, `decode_steps`) always reserve inside their
+program.
+
 A plan's `carried` tokens (`paged_kv.model.plan.CarriedTokens`: tokens still on
 the device from an earlier step) are resolved inside the jitted step, in the same
 program.
@@ -83,10 +92,16 @@ _STATICS = ("graphdef", "config", "impl", "interpret")
 
 def _forward_body(model, state: PoolState, plan: StepPlan, *, config: PoolConfig,
                   impl: str | None, interpret) -> tuple[PoolState, tuple[jax.Array, ...]]:
-  """Reserve, metadata, model, greedy sample (traced; shared by every step)."""
-  state, (slot_idx, status) = reserve_tokens(state, plan.seq_ids, plan.num_new, config=config,
-                                             max_new_tokens=plan.max_query_len)
-  meta = StepMetadata.from_reservation(plan, state.table, slot_idx, status)
+  """Reserve (unless the host did: `plan.reserved`), metadata, model, greedy sample
+  (traced; shared by every step)."""
+  if plan.reserved is not None:  # static: the plan's tree structure
+    # The host reserved the slots and its commit already put them in the table.
+    meta = StepMetadata.from_reserved(plan, state.table)
+    status = jnp.asarray(plan.reserved.status, jnp.int32)
+  else:
+    state, (slot_idx, status) = reserve_tokens(state, plan.seq_ids, plan.num_new,
+                                               config=config, max_new_tokens=plan.max_query_len)
+    meta = StepMetadata.from_reservation(plan, state.table, slot_idx, status)
   tokens = jnp.asarray(plan.tokens, jnp.int32)
   if plan.carried is not None:
     tokens = plan.carried.resolve(tokens)
@@ -175,6 +190,9 @@ def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Arr
     a leading k axis when `plan.sampling` is given: tokens `-1` where the row did
     not run or its reservation failed, status `OK` for rows that did not run.
   """
+  if plan.reserved is not None:
+    raise InvalidArgument("run_decode_steps reserves its k steps itself: its plan takes no "
+                          "host reservation (plan.reserved must be None)")
   kwargs = dict(config=config, impl=impl, interpret=interpret)
   b, t = plan.num_rows, plan.num_tokens
   tokens = jnp.asarray(plan.tokens, jnp.int32)
@@ -226,7 +244,7 @@ def forward(params: nnx.State, state: PoolState, plan: StepPlan, *, graphdef: nn
     `(state, (next_tokens i32[B], last_logits f32[B, vocab], status i32[B]))`:
     the greedy token after each row's last new token (`-1` for padding, empty and
     failed rows), the logits it came from, and `reserve_tokens`' status (a failed
-    row is left as it was).
+    row is left as it was; with `plan.reserved`, its status as given).
   """
   return _forward_body(nnx.merge(graphdef, params), state, plan, config=config, impl=impl,
                        interpret=interpret)

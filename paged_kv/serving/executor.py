@@ -25,6 +25,11 @@ Optional attributes the scheduler reads:
   * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
     the device from the previous step's `next_tokens`) inside its jitted step;
     for any other the scheduler resolves them first.
+  * `takes_reserved_slots = True`: the executor's `step` reads a plan's
+    `reserved` slots (`paged_kv.model.plan.ReservedSlots`) instead of reserving:
+    the scheduler then reserves each step on the pool's host mirror and commits
+    it before the call (`BlockPool.reserve_step`), and the step's program holds
+    no allocator (it compiles faster). `decode_steps` still reserves its own.
   * `decode_steps(state, plan, remaining, *, num_steps)`: `num_steps` (k) decode
     steps of a decode plan in one dispatch. Row b runs step j iff `seq_ids[b] >=
     0`, `j < remaining[b]` and none of its earlier reservations failed; step j
@@ -207,8 +212,13 @@ class ModelExecutor:
   Example:
     sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
 
+  A plan with `reserved` slots (the scheduler's: `takes_reserved_slots`) runs a step
+  that only reads the reservation the host committed; one without reserves inside
+  the step, as `paged_kv.model.steps.forward` does.
+
   Compilations: one per `(num_tokens, max_query_len)` of the plans it sees (and
-  per sampling / logprobs width / carried tokens: the plan's tree structure); the
+  per sampling / logprobs width / carried tokens / reserved slots: the plan's tree
+  structure); the
   scheduler rounds `num_tokens` up to a power of two and uses two values of
   `max_query_len` (1 for decode-only steps, `prefill_chunk` otherwise); one per
   `num_steps` for `decode_steps`.
@@ -216,6 +226,7 @@ class ModelExecutor:
 
   samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
   carries_tokens = True  # `plan.carried` is resolved inside the jitted step
+  takes_reserved_slots = True  # a plan's `reserved` slots are read, not reserved again
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
                impl: str | None = None, interpret: bool | None = None, tokenizer=None):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, Status
+from paged_kv.model.metadata import reserved_slots
 from paged_kv.model.plan import CarriedTokens
 from paged_kv.pool import StepPrediction
 from paged_kv.serving import batching
@@ -163,8 +164,13 @@ class ForwardPass:
     decodes, chunks = rows.decodes, rows.chunks
     plan = batching.plan_rows(rows, self.config, sampling=getattr(executor, "samples", False))
     plan = self._with_carried(executor, plan, rows)
-    pred = self.pool.predict_step(plan.seq_ids, plan.num_new,
-                                  max_new_tokens=plan.max_query_len)
+    if getattr(executor, "takes_reserved_slots", False):  # the host decides the slots
+      pred = self.pool.reserve_step(plan.seq_ids, plan.num_new,
+                                    max_new_tokens=plan.max_query_len)
+      plan = dataclasses.replace(plan, reserved=reserved_slots(plan, pred.slot_idx, pred.status))
+    else:
+      pred = self.pool.predict_step(plan.seq_ids, plan.num_new,
+                                    max_new_tokens=plan.max_query_len)
     nxt, extra = self._call(executor, pred, lambda s: executor.step(s, plan),
                             len(decodes) + len(chunks))
     status = pred.status

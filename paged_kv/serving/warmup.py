@@ -12,7 +12,9 @@ them:
   rows, `max_query_len` 1 (decode only) or `prefill_chunk`, and the token
   widths `batching.token_widths` gives each (an executor that ignores the tokens,
   as `DryExecutor` does, compiles once per `max_query_len`); in the overlapped
-  loop the plans carry tokens (`CarriedTokens`), as the warm-up's do;
+  loop the plans carry tokens (`CarriedTokens`), as the warm-up's do, and for
+  an executor that takes host-reserved slots (`takes_reserved_slots`) they carry
+  those (`ReservedSlots`): the step program then holds no allocator;
 * with `decode_steps = k > 1`, the executor's k-step decode at `max_batch` tokens
   and the gather of each row's last token;
 * persistence (`CachedPool.save` / `restore`): one K/V gather and one layered
@@ -55,7 +57,7 @@ import numpy as np
 
 from paged_kv.mirror.changes import CommitWidths
 from paged_kv.model import ragged
-from paged_kv.model.plan import StepPlan
+from paged_kv.model.plan import ReservedSlots, StepPlan
 from paged_kv.model.sampling import SamplingBatch
 from paged_kv.runtime import counters
 from paged_kv.serving import batching
@@ -134,7 +136,7 @@ def program_runs(sched: "Scheduler", *, persistence: bool = True) -> list[Progra
     lower = None
     if hasattr(sched.executor, "lower_decode_steps"):
       lower = lambda: sched.executor.lower_decode_steps(
-          pool.state, _padding_plan(sched, cfg.max_batch, 1),
+          pool.state, _padding_plan(sched, cfg.max_batch, 1, reserved=False),
           np.zeros((cfg.max_batch,), np.int32), num_steps=k)
     runs.append(ProgramRun(f"decode steps={k} tokens={cfg.max_batch}",
                            lambda: _padding_steps(sched, k), lower))
@@ -174,13 +176,19 @@ def _padding_pack(pool, width: int) -> None:
   pool.runtime.dispatch("sync", 2)
 
 
-def _padding_plan(sched: "Scheduler", width: int, max_query_len: int) -> StepPlan:
-  """A plan of padding rows shaped as the scheduler's (`ForwardPass`) plans are."""
+def _padding_plan(sched: "Scheduler", width: int, max_query_len: int, *,
+                  reserved: bool = True) -> StepPlan:
+  """A plan of padding rows shaped as the scheduler's (`ForwardPass`) plans are:
+  with host-reserved slots (all `-1`, statuses OK) for an executor that takes them
+  (`takes_reserved_slots`), unless `reserved` is False (the k-step decode's plan)."""
   b = sched.config.max_batch
   sampling = (SamplingBatch.greedy(b) if getattr(sched.executor, "samples", False) else None)
   plan = StepPlan(seq_ids=np.full((b,), -1, np.int32), num_new=np.zeros((b,), np.int32),
                   tokens=np.zeros((width,), np.int32), max_query_len=max_query_len,
                   sampling=sampling, num_logprobs=sched.config.max_logprobs)
+  if reserved and getattr(sched.executor, "takes_reserved_slots", False):
+    plan = dataclasses.replace(plan, reserved=ReservedSlots(
+        slot_mapping=np.full((width,), -1, np.int32), status=np.zeros((b,), np.int32)))
   no_rows = batching.StepRows([], [], [], [], [], 0)
   return sched.forward_pass._with_carried(sched.executor, plan, no_rows)  # pylint: disable=protected-access
 
@@ -189,7 +197,10 @@ def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
   """The executor's step on a plan of padding rows: compiles, changes nothing."""
   plan = _padding_plan(sched, width, max_query_len)
   pool = sched.pool
-  pred = pool.predict_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
+  if plan.reserved is not None:
+    pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
+  else:
+    pred = pool.predict_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
   try:
     state, _, status, *_ = sched.executor.step(pred.state, plan)
   except BaseException:
@@ -203,7 +214,7 @@ def _padding_steps(sched: "Scheduler", k: int) -> None:
   row's last token that feeds the next step: compiles, changes nothing."""
   from paged_kv.serving import forward_pass  # pylint: disable=g-import-not-at-top
   b = sched.config.max_batch
-  plan = _padding_plan(sched, b, 1)
+  plan = _padding_plan(sched, b, 1, reserved=False)
   pool = sched.pool
   remaining = np.zeros((b,), np.int32)
   pred = sched.forward_pass._predict_multi(np.asarray(plan.seq_ids), remaining, k)  # pylint: disable=protected-access

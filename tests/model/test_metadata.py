@@ -1,6 +1,9 @@
-"""`StepPlan` and `StepMetadata`: the host and the in-jit constructors agree, field by field."""
+"""`StepPlan` and `StepMetadata`: the host and the in-jit constructors (reserving or reading
+the host's reservation) agree, field by field."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import chex
 import jax
@@ -11,7 +14,7 @@ from absl.testing import absltest
 import paged_kv
 from paged_kv.core import segments
 from paged_kv.core.errors import InvalidArgument, Status
-from paged_kv.model import StepMetadata, StepPlan
+from paged_kv.model import StepMetadata, StepPlan, metadata
 
 CFG = paged_kv.PoolConfig(num_blocks=12, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=2, max_seqs=6, max_segments=6)
@@ -37,6 +40,11 @@ def _plan():
   # Two decodes (rows 0 and 1), a 6-token prefill chunk (row 3), a 2-token chunk (row 2).
   return StepPlan.build([(0, [7]), (1, [8]), (3, [1, 2, 3, 4, 5, 6]), (2, [9, 9])],
                         num_rows=6, max_query_len=8)
+
+
+def _with_reserved(plan, slot_idx, status):
+  """`plan` carrying the reservation as the host hands it over (`plan.reserved`)."""
+  return dataclasses.replace(plan, reserved=metadata.reserved_slots(plan, slot_idx, status))
 
 
 def _reserve(state, plan):
@@ -75,8 +83,11 @@ class StepMetadataTest(chex.TestCase):
     host = StepMetadata.from_plan(plan, state.table, np.asarray(slot_idx))
     device = self.variant(StepMetadata.from_reservation)(plan, state.table, slot_idx, status)
     self.assertEqual(host.max_query_len, device.max_query_len)
+    reserved = self.variant(StepMetadata.from_reserved)(_with_reserved(plan, slot_idx, status),
+                                                        state.table)
     for name in _FIELDS:
       np.testing.assert_array_equal(getattr(host, name), getattr(device, name), err_msg=name)
+      np.testing.assert_array_equal(getattr(reserved, name), getattr(device, name), err_msg=name)
     # The expected values, spelled out.
     np.testing.assert_array_equal(host.cu_q_lens, [0, 1, 2, 8, 10, 10, 10])
     np.testing.assert_array_equal(host.positions[:10], [5, 3, 0, 1, 2, 3, 4, 5, 0, 1])
@@ -104,8 +115,11 @@ class StepMetadataTest(chex.TestCase):
     self.assertEqual(np.asarray(status).tolist(), [Status.OK, Status.NO_FREE_BLOCK, 0, 0])
     host = StepMetadata.from_plan(plan, state.table, np.asarray(slot_idx), np.asarray(status))
     device = self.variant(StepMetadata.from_reservation)(plan, state.table, slot_idx, status)
+    reserved = self.variant(StepMetadata.from_reserved)(_with_reserved(plan, slot_idx, status),
+                                                        state.table)
     for name in _FIELDS:
       np.testing.assert_array_equal(getattr(host, name), getattr(device, name), err_msg=name)
+      np.testing.assert_array_equal(getattr(reserved, name), getattr(device, name), err_msg=name)
     np.testing.assert_array_equal(host.cu_q_lens, [0, 1, 7, 7, 7])
     self.assertTrue((host.slot_mapping[1:7] == -1).all())
     self.assertEqual(int(host.num_segments[1]), 0)
@@ -134,6 +148,21 @@ class StepMetadataTest(chex.TestCase):
     bad = StepPlan.build([(5, [1])], num_rows=6, max_query_len=8)  # row 5 is not open
     with self.assertRaisesRegex(InvalidArgument, "not all active"):
       StepMetadata.from_plan(bad, state.table, np.asarray(slot_idx))
+
+  def test_reserved_slots_validates_and_masks(self):
+    state = _pool_with_history()
+    plan = _plan()
+    state, slot_idx, status = _reserve(state, plan)
+    with self.assertRaisesRegex(InvalidArgument, "for the plan's rows"):
+      metadata.reserved_slots(plan, np.asarray(slot_idx)[:3], np.asarray(status)[:3])
+    with self.assertRaisesRegex(InvalidArgument, "for the plan's rows"):
+      metadata.reserved_slots(plan, np.asarray(slot_idx)[0], np.asarray(status))
+    failed = np.asarray(status).copy()
+    failed[2] = Status.NO_FREE_BLOCK  # row 3's chunk: tokens 2..7 of the layout
+    got = metadata.reserved_slots(plan, slot_idx, failed)
+    self.assertEqual((got.slot_mapping.shape, got.status.shape), ((16,), (6,)))
+    self.assertTrue((got.slot_mapping[2:8] == -1).all() and (got.slot_mapping[10:] == -1).all())
+    self.assertTrue((got.slot_mapping[:2] >= 0).all() and (got.slot_mapping[8:10] >= 0).all())
 
 
 if __name__ == "__main__":
