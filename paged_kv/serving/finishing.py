@@ -132,6 +132,7 @@ class Finishing:
       is_finished(r)  # names the stop reason
     self.store_and_release_many(done)  # the requests stay running until this succeeded
     running[:] = keep
+    self.queues.rows.kept(running, ~ended)
     nodes = []
     for req in done:
       drop_in_flight(req)

@@ -50,6 +50,7 @@ class RunningRows:
 
   def __init__(self, capacity: int = 64):
     self.order = np.zeros((0,), np.int64)
+    self._seen: list = []  # the requests `order` was read from, in order
     self._free: list[int] = []
     self._cap = 0
     self._alloc(capacity)
@@ -79,8 +80,15 @@ class RunningRows:
   def sync(self, running: list) -> np.ndarray:
     """Binds the requests of `running` not bound yet, unbinds those bound that left
     it, and returns `order` (their slots in running order)."""
-    n = len(running)
-    order = np.fromiter(map(_slot_of, running), np.int64, n)
+    seen, n = self._seen, len(running)
+    if len(seen) == n and all(map(operator.is_, running, seen)):
+      return self.order  # the same requests in the same order (their binds stand)
+    k = len(seen)
+    if k <= n and all(map(operator.is_, running, seen)):  # new requests appended
+      order = np.concatenate([self.order, np.fromiter(map(_slot_of, running[k:]), np.int64,
+                                                      n - k)])
+    else:
+      order = np.fromiter(map(_slot_of, running), np.int64, n)
     if n and order.min() < 0:
       for i in np.flatnonzero(order < 0).tolist():
         order[i] = self.bind(running[i])
@@ -90,8 +98,13 @@ class RunningRows:
     if stale.any():
       for s in np.flatnonzero(stale).tolist():
         self.unbind(self.req[s])
-    self.order = order
+    self.order, self._seen = order, list(running)
     return order
+
+  def kept(self, running: list, keep: np.ndarray) -> None:
+    """`running` is now the synced list's requests where `keep` (in order): the
+    next `sync` starts from their slots without reading them."""
+    self.order, self._seen = self.order[keep], list(running)
 
   def bind(self, req) -> int:
     """Moves `req`'s hot fields into a free slot; returns the slot."""
