@@ -78,7 +78,7 @@ def table_rows(table: RunningRows, running: list[Request], *, prefill_chunk: int
   if idle.any():  # a read pending token: is the request done (`is_finished`)?
     at = np.flatnonzero(idle)
     long = n_out[at] >= max_new[at]
-    last = np.fromiter((o[-1] for o in t.out[order[at]].tolist()), np.int64, at.size)
+    last = t.last_tokens(order[at])
     stop = ~long & t.stop_hits(order[at], last)
     for i, why in ((at[long], "length"), (at[stop], "stop_token")):
       for r in [running[j] for j in i.tolist()]:

@@ -113,7 +113,7 @@ class Finishing:
     ended = t.stopped[order] | (n_out >= t.max_new[order])
     maybe = np.flatnonzero(~ended & (n_out > 0) & (t.stop_tok[order] != NO_STOP))
     if maybe.size:
-      last = np.fromiter((o[-1] for o in t.out[order[maybe]].tolist()), np.int64, maybe.size)
+      last = t.last_tokens(order[maybe])
       ended[maybe] = t.stop_hits(order[maybe], last)
     return ended
 

@@ -32,6 +32,7 @@ NO_STOP, MANY_STOPS = -1, -2
 """`stop_tok` values: no stop token; more than one (checked in Python)."""
 
 _slot_of = operator.attrgetter("_slot")
+_last = operator.itemgetter(-1)
 
 
 class RunningRows:
@@ -146,6 +147,10 @@ class RunningRows:
   def output_lengths(self, slots: np.ndarray) -> np.ndarray:
     """`i64[n]` `len(output)` of the requests in `slots`."""
     return np.fromiter(map(len, self.out[slots].tolist()), np.int64, slots.size)
+
+  def last_tokens(self, slots: np.ndarray) -> np.ndarray:
+    """`i64[n]` the last output token of the requests in `slots` (each has one)."""
+    return np.array(list(map(_last, self.out[slots].tolist())), np.int64).reshape(-1)
 
   def stop_hits(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """`bool[n]`: `tokens[i]` is a stop token of the request in `slots[i]`."""
