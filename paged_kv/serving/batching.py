@@ -11,6 +11,7 @@ the config (the scheduler's step calls them; tests call them alone).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -189,8 +190,15 @@ def token_widths(config: SchedulerConfig) -> tuple[tuple[int, ...], tuple[int, .
   configuration compiles at most 1 + `MAX_MIXED_WIDTHS` step programs (+ the
   k-step decode's one).
   """
-  top = config.max_batch + config.prefill_token_budget
-  floor = min(top, max(16, config.max_batch))
+  return _widths(config.max_batch, config.prefill_token_budget)
+
+
+@functools.lru_cache(maxsize=64)
+def _widths(max_batch: int, budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """`token_widths` of a config's `max_batch` and `prefill_token_budget` (every
+  step asks: computed once)."""
+  top = max_batch + budget
+  floor = min(top, max(16, max_batch))
   mixed = {top}
   for i in range(1, MAX_MIXED_WIDTHS):
     width = -(-top // (16 << i)) * 16  # top / 2^i, rounded up to a multiple of 16
@@ -198,7 +206,7 @@ def token_widths(config: SchedulerConfig) -> tuple[tuple[int, ...], tuple[int, .
       break
     if width < top:
       mixed.add(width)
-  return (config.max_batch,), tuple(sorted(mixed))
+  return (max_batch,), tuple(sorted(mixed))
 
 
 def width_for(total: int, widths: tuple[int, ...]) -> int:
