@@ -97,6 +97,11 @@ class Request:
   sampled on the device but not read yet (not in `output`); `num_cached` then
   includes tokens whose ids the host has not read.
 
+  While it runs, `num_cached`, `in_flight`, `carry_row`, `epoch`, `prefill_target`,
+  `seq_id`, `last_token_time` (and whether it has a `stop_reason`) are stored in the
+  scheduler's `running_rows.RunningRows` arrays (the step's numpy passes) and read
+  and written through properties: one storage, right whenever read.
+
   `Scheduler.submit` validates these inputs once and freezes them: the arrays become
   read-only copies of the caller's, and assigning an input field afterwards raises
   `InvalidArgument` (the progress fields below are the scheduler's to write).
