@@ -328,12 +328,13 @@ class Admission:
     into them would be preempted by the very step that admitted it, and admitted
     again by the next, with no row advancing.
     """
-    rows = [r.seq_id for r in self.queues.running if r.num_cached >= r.prefill_target]
-    if not rows:
+    t = self.queues.rows
+    order = t.sync(self.queues.running)
+    ids = t.seq_id[order[t.num_cached[order] >= t.prefill_target[order]]]
+    if not ids.size:
       return 0
     h, c = self.pool.host, self.pool.config
     bs, w = c.block_size, c.slot_words
-    ids = np.asarray(rows, np.int64)
     ns = h.num_segments[ids].astype(np.int64)
     tail = np.maximum(ns - 1, 0)
     tb = h.block[ids, tail].astype(np.int64)
@@ -359,6 +360,15 @@ class Admission:
     """`sum(request_reserve(r) for r in requests)`, inlined: O(batch) Python every
     step that admits, so without two calls per request."""
     bs, ratio, total = self.block_size, self.config.output_reserve_ratio, 0
+    if requests is self.queues.running and len(requests) > 8:  # from the hot arrays
+      t = self.queues.rows
+      order = t.sync(requests)
+      tokens = np.maximum(t.prefill_target[order] - t.num_cached[order], 0)
+      if ratio:
+        out = t.max_new[order] - t.output_lengths(order)
+        tokens = tokens + np.where(out > 0, (ratio * out).astype(np.int64), 0)
+      tokens = tokens[tokens > 0]
+      return int(np.sum(-(-tokens // bs) + 1))
     if not ratio:  # the uncomputed prompts only
       for r in requests:
         tokens = r.prefill_target - r.num_cached

@@ -11,6 +11,7 @@ the config (the scheduler's step calls them; tests call them alone).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from paged_kv.model import ragged
 from paged_kv.model.plan import StepPlan
 from paged_kv.model.sampling import SamplingBatch
 from paged_kv.serving.request import Request
+from paged_kv.serving.running_rows import RunningRows
 from paged_kv.serving.scheduler_config import SchedulerConfig
 
 Chunks = list[tuple[Request, int]]
@@ -35,14 +37,71 @@ class StepRows:
     carry: each decode's row in the newest unread step, where its input token is
       (-1: the host knows it).
     fresh_blocks: the blocks the rows may take (`blocks_needed`).
+    slots: the decodes' `RunningRows` slots (`table_rows`), else None.
   """
 
   decodes: list[Request]
   chunks: Chunks
-  seq_ids: list[int]
-  pending: list[int]
-  carry: list[int]
+  seq_ids: list[int] | np.ndarray
+  pending: list[int] | np.ndarray
+  carry: list[int] | np.ndarray
   fresh_blocks: int
+  slots: np.ndarray | None = None
+
+
+def table_rows(table: RunningRows, running: list[Request], *, prefill_chunk: int,
+               prefill_token_budget: int, block_size: int) -> StepRows:
+  """`step_rows` from the running requests' hot arrays (`RunningRows`): the same rows,
+  names the same stop reasons, in numpy passes over the batch (Python only for the
+  prompt chunks, stop reasons named now and forced outputs: a few rows)."""
+  t = table
+  order = t.sync(running)
+  nc, target = t.num_cached[order], t.prefill_target[order]
+  prefill = nc < target
+  chunks: Chunks = []
+  fresh = 0
+  bs = block_size
+  if prefill.any():
+    budget = prefill_token_budget
+    for i in np.flatnonzero(prefill).tolist():
+      if budget <= 0:
+        break
+      a = int(nc[i])
+      n = min(int(target[i]) - a, prefill_chunk, budget)
+      chunks.append((running[i], n))
+      budget -= n
+      fresh += -(-(a + n) // bs) - -(-a // bs)
+  live = ~prefill & ~t.stopped[order]
+  flying = t.in_flight[order]
+  n_out = t.output_lengths(order)
+  max_new = t.max_new[order]
+  idle = live & (flying == 0) & (n_out > 0)
+  if idle.any():  # a read pending token: is the request done (`is_finished`)?
+    at = np.flatnonzero(idle)
+    long = n_out[at] >= max_new[at]
+    last = t.last_tokens(order[at])
+    stop = ~long & t.stop_hits(order[at], last)
+    for i, why in ((at[long], "length"), (at[stop], "stop_token")):
+      for r in [running[j] for j in i.tolist()]:
+        r.stop_reason = why
+    idle[at[long | stop]] = False
+  else:
+    last = np.zeros((0,), np.int64)
+  dec = idle | (live & (flying > 0) & (n_out + flying < max_new))
+  d = np.flatnonzero(dec)
+  slots = order[d]
+  pending = np.zeros(d.shape, np.int64)
+  if last.size:
+    pending[idle[d]] = last[idle[at]]
+  carry = np.where(idle[d], -1, t.carry_row[slots])
+  forced = np.flatnonzero(t.forced[slots] & ~idle[d])
+  for i in forced.tolist():  # its input token is known before it is read
+    r = t.req[slots[i]]
+    pending[i] = int(r.forced_output[len(r.output) + r.in_flight - 1])
+    carry[i] = -1
+  fresh += int(np.count_nonzero(nc[d] % bs == 0))
+  return StepRows(t.req[slots].tolist(), chunks, t.seq_id[slots], pending, carry, fresh,
+                  slots)
 
 
 def step_rows(running: list[Request], *, prefill_chunk: int, prefill_token_budget: int,
@@ -131,8 +190,15 @@ def token_widths(config: SchedulerConfig) -> tuple[tuple[int, ...], tuple[int, .
   configuration compiles at most 1 + `MAX_MIXED_WIDTHS` step programs (+ the
   k-step decode's one).
   """
-  top = config.max_batch + config.prefill_token_budget
-  floor = min(top, max(16, config.max_batch))
+  return _widths(config.max_batch, config.prefill_token_budget)
+
+
+@functools.lru_cache(maxsize=64)
+def _widths(max_batch: int, budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """`token_widths` of a config's `max_batch` and `prefill_token_budget` (every
+  step asks: computed once)."""
+  top = max_batch + budget
+  floor = min(top, max(16, max_batch))
   mixed = {top}
   for i in range(1, MAX_MIXED_WIDTHS):
     width = -(-top // (16 << i)) * 16  # top / 2^i, rounded up to a multiple of 16
@@ -140,7 +206,7 @@ def token_widths(config: SchedulerConfig) -> tuple[tuple[int, ...], tuple[int, .
       break
     if width < top:
       mixed.add(width)
-  return (config.max_batch,), tuple(sorted(mixed))
+  return (max_batch,), tuple(sorted(mixed))
 
 
 def width_for(total: int, widths: tuple[int, ...]) -> int:

@@ -11,12 +11,16 @@ dead segments left are reclaimed.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
+
+import numpy as np
 
 from paged_kv.core.errors import PoolExhausted
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.request import (Request, RequestQueues, cacheable_tokens, drop_in_flight,
                                       is_finished)
+from paged_kv.serving.running_rows import NO_STOP
 from paged_kv.serving.step_report import StepRecord
 from paged_kv.telemetry import metrics
 
@@ -100,25 +104,35 @@ class Finishing:
     except PoolExhausted:
       pass  # nowhere to pack now (atomic: nothing changed); the tails stay as they are
 
+  def _ended(self, running: list[Request]) -> np.ndarray:
+    """`bool[n]`: `is_finished` of each running request, from the hot arrays
+    (`RunningRows`): a stop reason, its output complete, or a stop token last."""
+    t = self.queues.rows
+    order = t.sync(running)
+    n_out = t.output_lengths(order)
+    ended = t.stopped[order] | (n_out >= t.max_new[order])
+    maybe = np.flatnonzero(~ended & (n_out > 0) & (t.stop_tok[order] != NO_STOP))
+    if maybe.size:
+      last = t.last_tokens(order[maybe])
+      ended[maybe] = t.stop_hits(order[maybe], last)
+    return ended
+
   def finish(self) -> None:
     """Ends the running requests that are done: stored and released together, then
     handed to `on_finished`, then their cache locks dropped."""
     running = self.queues.running
     if self.stop_strings:  # requests whose text completed a stop string get their reason
       self.stop_strings.scan()
-    done, keep = [], []
-    for r in running:  # `is_finished`, inlined: O(batch) Python every step
-      o = r.output
-      if r.stop_reason or len(o) >= r.max_new_tokens or (r.stop_ids and o and o[-1] in r.stop_ids):
-        done.append(r)
-      else:
-        keep.append(r)
-    if not done:
+    ended = self._ended(running)
+    if not ended.any():
       return
+    done = list(itertools.compress(running, ended))
+    keep = list(itertools.compress(running, ~ended))
     for r in done:
       is_finished(r)  # names the stop reason
     self.store_and_release_many(done)  # the requests stay running until this succeeded
     running[:] = keep
+    self.queues.rows.kept(running, ~ended)
     nodes = []
     for req in done:
       drop_in_flight(req)

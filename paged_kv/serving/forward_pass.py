@@ -57,6 +57,8 @@ class Flight:
     extra: the executor's further results (a `SampleOutput` with logprobs).
     last: `i32[B]` each row's last sampled token on the device (the next step's
       carried input), or None when the executor's tokens mean nothing.
+    slots, gens: the decode rows' `RunningRows` slots and their binds (`gen`) at
+      dispatch (one step's decodes: its tokens are read in numpy passes).
   """
 
   decodes: list[Request]
@@ -68,6 +70,8 @@ class Flight:
   runs: np.ndarray | None
   extra: list
   last: Any
+  slots: np.ndarray | None = None
+  gens: np.ndarray | None = None
 
 
 @jax.jit
@@ -153,11 +157,12 @@ class ForwardPass:
     return True
 
   def _rows(self) -> batching.StepRows:
-    """This step's rows (`batching.step_rows` of the running requests)."""
+    """This step's rows (`batching.table_rows` of the running requests)."""
     config = self.config
-    return batching.step_rows(self.queues.running, prefill_chunk=config.prefill_chunk,
-                              prefill_token_budget=config.prefill_token_budget,
-                              block_size=self.pool.config.block_size)
+    return batching.table_rows(self.queues.rows, self.queues.running,
+                               prefill_chunk=config.prefill_chunk,
+                               prefill_token_budget=config.prefill_token_budget,
+                               block_size=self.pool.config.block_size)
 
   def _dispatch_one(self, executor: Executor, rows: batching.StepRows) -> None:
     """One forward pass of the step's decodes and chunks."""
@@ -175,16 +180,20 @@ class ForwardPass:
                             len(decodes) + len(chunks))
     status = pred.status
     nd = len(decodes)
-    ok = (status[:nd + len(chunks)] == Status.OK).tolist()
+    good = status[:nd + len(chunks)] == Status.OK
+    ok = good.tolist()
     first, failed = [], 0
-    for i, req in enumerate(decodes):
-      if not ok[i]:
-        self._record_failure(req, int(status[i]), req.num_cached + 1)
-        failed += 1
-        continue
-      req.num_cached += 1
-      req.in_flight += 1
-      req.carry_row = i
+    t, slots = self.queues.rows, rows.slots
+    if nd:
+      if not good[:nd].all():
+        for i in np.flatnonzero(~good[:nd]).tolist():
+          req = decodes[i]
+          self._record_failure(req, int(status[i]), req.num_cached + 1)
+          failed += 1
+      adv = slots[good[:nd]]
+      t.num_cached[adv] += 1
+      t.in_flight[adv] += 1
+      t.carry_row[adv] = np.flatnonzero(good[:nd])
     self.stats.decode_tokens += nd - failed
     for i, (req, n) in enumerate(chunks, start=nd):
       if not ok[i]:
@@ -200,9 +209,10 @@ class ForwardPass:
         req.in_flight = 1
         req.carry_row = i
     self._launch(executor, Flight(decodes=decodes, chunks=chunks, ok=ok, first=first,
-                                  epochs=[r.epoch for r in decodes]
+                                  epochs=t.epoch[slots].tolist()
                                   + [r.epoch for r, _ in chunks],
-                                  tokens=nxt, runs=None, extra=extra, last=nxt), failed)
+                                  tokens=nxt, runs=None, extra=extra, last=nxt,
+                                  slots=slots, gens=t.gen[slots]), failed)
 
   # ------------------------------------------------------------------ k decode steps
   def _multi_step(self, executor: Executor, decodes: list[Request],
@@ -365,25 +375,8 @@ class ForwardPass:
     decodes, epochs, ok = flight.decodes, flight.epochs, flight.ok
     if flight.runs is None:
       row_tokens = tokens.reshape(-1)[:len(decodes) + len(flight.chunks)].tolist()
-      now, itl, stream = rec.now, rec.inter_token_latencies, rec.tokens
-      for i, req in enumerate(decodes):
-        if not ok[i] or epochs[i] != req.epoch:
-          continue
-        req.in_flight -= 1
-        if req.stop_reason:
-          continue  # produced past a stop: dropped
-        token = row_tokens[i]
-        if req.forced_output is not None or req.first_token_step < 0:
-          self.emit(req, token)
-        else:  # `emit`'s common case, inlined (O(batch) Python every step)
-          req.output.append(token)
-          stream.append((req.request_id, token))
-          itl.append(now - req.last_token_time)
-          req.last_token_time = now
-        if req.stop_ids and req.output[-1] in req.stop_ids:
-          is_finished(req)
-        if logprobs is not None:
-          self._append_logprobs(req, logprobs, None, i)
+      if logprobs is not None or not self._resolve_rows(flight, tokens):
+        self._resolve_each(flight, row_tokens, logprobs)
       nd = len(decodes)
       for c, (req, _) in enumerate(flight.chunks):
         i = nd + c
@@ -409,6 +402,68 @@ class ForwardPass:
           is_finished(req)
         if logprobs is not None:
           self._append_logprobs(req, logprobs, j, i)
+
+  def _resolve_rows(self, flight: Flight, tokens: np.ndarray) -> bool:
+    """The decode rows of a one-token flight read in numpy passes over the hot
+    arrays (`RunningRows`); False (nothing done) when a row needs `emit`'s
+    per-row path: a forced output, a first token, or a request that left its slot."""
+    slots, decodes = flight.slots, flight.decodes
+    nd = len(decodes)
+    if slots is None:
+      return False
+    if not nd:
+      return True
+    t = self.queues.rows
+    valid = np.asarray(flight.ok[:nd], bool)
+    moved = t.gen[slots] != flight.gens  # its request left the slot (finished, ...)
+    if moved.any():
+      for i in np.flatnonzero(moved & valid).tolist():
+        if flight.epochs[i] == decodes[i].epoch:
+          return False  # left without dropping its tokens: read them one at a time
+      valid &= ~moved
+    valid &= t.epoch[slots] == np.asarray(flight.epochs[:nd])
+    emit = valid & ~t.stopped[slots]
+    e = slots[emit]
+    if t.forced[e].any() or not t.output_lengths(e).all():
+      return False
+    t.in_flight[slots[valid]] -= 1
+    toks = tokens.reshape(-1)[:nd][emit].astype(np.int64)
+    new = toks.tolist()
+    any(map(list.append, t.out[e].tolist(), new))  # the one write per row
+    rec = self.record
+    now = rec.now
+    rec.tokens.extend(zip(t.rid[e].tolist(), new))
+    rec.inter_token_latencies.extend((now - t.last_token_time[e]).tolist())
+    t.last_token_time[e] = now
+    hit = t.stop_hits(e, toks)
+    if hit.any():
+      for req in t.req[e[hit]].tolist():
+        is_finished(req)
+    return True
+
+  def _resolve_each(self, flight: Flight, row_tokens: list, logprobs) -> None:
+    """The decode rows of a one-token flight, one at a time (see `resolve`)."""
+    decodes, epochs, ok = flight.decodes, flight.epochs, flight.ok
+    rec = self.record
+    now, itl, stream = rec.now, rec.inter_token_latencies, rec.tokens
+    for i, req in enumerate(decodes):
+      if not ok[i] or epochs[i] != req.epoch:
+        continue
+      req.in_flight -= 1
+      if req.stop_reason:
+        continue  # produced past a stop: dropped
+      token = row_tokens[i]
+      if req.forced_output is not None or req.first_token_step < 0:
+        self.emit(req, token)
+      else:  # `emit`'s common case, inlined
+        req.output.append(token)
+        stream.append((req.request_id, token))
+        itl.append(now - req.last_token_time)
+        req.last_token_time = now
+      if req.stop_ids and req.output[-1] in req.stop_ids:
+        is_finished(req)
+      if logprobs is not None:
+        self._append_logprobs(req, logprobs, None, i)
 
   def emit(self, req: Request, token: int) -> None:
     """Appends `token` (or the request's forced one) to its output, with its latency."""

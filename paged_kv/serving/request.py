@@ -18,6 +18,7 @@ from typing import Hashable
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError
+from paged_kv.serving.running_rows import HOT_FIELDS, RunningRows
 from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.swap import SwappedKV
 from radix.tree import check_namespace
@@ -96,6 +97,11 @@ class Request:
   sampled on the device but not read yet (not in `output`); `num_cached` then
   includes tokens whose ids the host has not read.
 
+  While it runs, `num_cached`, `in_flight`, `carry_row`, `epoch`, `prefill_target`,
+  `seq_id`, `last_token_time` (and whether it has a `stop_reason`) are stored in the
+  scheduler's `running_rows.RunningRows` arrays (the step's numpy passes) and read
+  and written through properties: one storage, right whenever read.
+
   `Scheduler.submit` validates these inputs once and freezes them: the arrays become
   read-only copies of the caller's, and assigning an input field afterwards raises
   `InvalidArgument` (the progress fields below are the scheduler's to write).
@@ -141,6 +147,8 @@ class Request:
   epoch: int = _progress(0)  # bumped when its unread tokens are dropped (finish, preemption, abort)
 
   _frozen = False  # set by `_freeze` (`Scheduler.submit`)
+  _rows = None  # the `running_rows.RunningRows` holding its hot fields while bound
+  _slot = -1  # its slot there
 
   def __post_init__(self):
     self.validate()
@@ -217,6 +225,62 @@ Request.sampling = _input_field("sampling", lambda self: self._sampling)
 assert all(isinstance(getattr(Request, name), property) for name in _REQUEST_INPUTS)
 
 
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Request)}
+
+
+def _hot_field(name: str) -> property:
+  """The attribute of progress field `name`: in the instance under `_<name>`, or
+  while the request is bound to a `RunningRows` slot, in the table's column (one
+  storage: the step's array passes and every reader agree)."""
+  key, default = "_" + name, _DEFAULTS[name]
+
+  def read(self):
+    rows = self._rows
+    if rows is None:
+      return self.__dict__.get(key, default)
+    return getattr(rows, name)[self._slot].item()
+
+  def write(self, value) -> None:
+    rows = self._rows
+    if rows is None:
+      self.__dict__[key] = value
+    else:
+      getattr(rows, name)[self._slot] = value
+
+  return property(read, write, doc=f"The request's `{name}` (progress).")
+
+
+def _read_seq_id(self):
+  rows = self._rows
+  if rows is None:
+    return self.__dict__.get("_seq_id")
+  v = rows.seq_id[self._slot].item()
+  return None if v < 0 else v
+
+
+def _write_seq_id(self, value) -> None:
+  rows = self._rows
+  if rows is None:
+    self.__dict__["_seq_id"] = value
+  else:
+    rows.seq_id[self._slot] = -1 if value is None else value
+
+
+def _write_stop_reason(self, value) -> None:
+  self.__dict__["_stop_reason"] = value
+  rows = self._rows
+  if rows is not None:
+    rows.stopped[self._slot] = bool(value)
+
+
+for _name in HOT_FIELDS:
+  if _name != "seq_id":
+    setattr(Request, _name, _hot_field(_name))
+Request.seq_id = property(_read_seq_id, _write_seq_id, doc="Its pool row while running.")
+Request.stop_reason = property(lambda self: self.__dict__.get("_stop_reason", ""), _write_stop_reason,
+                               doc="Why it finished (see the class docstring).")
+
+
 
 @dataclasses.dataclass(eq=False)
 class RequestQueues:
@@ -229,6 +293,8 @@ class RequestQueues:
     finished: finished (or aborted) since the last `Scheduler.take_finished()`.
     unshared: `id()`s of queued requests to admit without a cached prefix
       (`paged_kv.serving.preemption.Preemption.unstick`).
+    rows: the running requests' hot progress as arrays (`running_rows`; bound
+      by `rows.sync(running)`).
   """
 
   waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
@@ -236,6 +302,7 @@ class RequestQueues:
   running: list = dataclasses.field(default_factory=list)
   finished: list = dataclasses.field(default_factory=list)
   unshared: set = dataclasses.field(default_factory=set)
+  rows: RunningRows = dataclasses.field(default_factory=RunningRows)
 
 
 def drop_in_flight(req: Request) -> None:

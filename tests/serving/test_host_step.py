@@ -8,8 +8,9 @@
   of the mirror (`row_status`, the general `_reserve`, `open_sequences`) or the
   radix cache's lookup path: admissions open one row at a time, finishing
   sequences are released on a short path, eviction reads the mirror's counts.
-* Writing a request's progress fields runs no Python code (only its inputs are
-  guarded after `submit`).
+* A step in which every running request decodes a token runs the same Python
+  code of the serving package at any batch size (the requests' hot progress is in `RunningRows`' arrays).
+* A running request's progress fields are one storage with those arrays.
 """
 
 from __future__ import annotations
@@ -130,20 +131,59 @@ class SteadyLoopTest(absltest.TestCase):
         self.assertGreater(n, 0, f"the workload never took {name}")
 
 
-class RequestWriteTest(absltest.TestCase):
+def _decode_step_calls(batch: int, overlap: bool) -> int:
+  """Python calls of the serving package's functions in one scheduler step in which
+  `batch` running requests each decode a token: nothing admitted, nothing finishing
+  (the pool's reservation has its own test above)."""
+  cfg = paged_kv.PoolConfig(num_blocks=16 * batch, block_size=4, num_layers=1,
+                            num_kv_heads=1, head_dim=2, max_seqs=batch, max_segments=16)
+  sched = Scheduler(paged_kv.BlockPool(cfg, debug=False), DryExecutor(cfg), SchedulerConfig(
+      max_batch=batch, prefill_chunk=64, prefill_token_budget=64 * batch, compaction=None,
+      output_reserve_ratio=0.0, stats_every=0, snapshot_every=0, overlap=overlap,
+      enable_prefix_cache=False))
+  for i in range(batch):
+    sched.submit(Request(i, np.arange(i * 10, i * 10 + 5), 40))
+  for _ in range(4):  # prompts done, first tokens read, every row decoding
+    sched.step()
+  assert len(sched.running) == batch and not sched.waiting
+  calls = _count_calls(sched.step, ("/paged_kv/serving/",))
+  assert len(sched.running) == batch and not sched.finished
+  return calls
 
-  def test_progress_writes_run_no_python(self):
+
+class DecodeStepTest(absltest.TestCase):
+
+  def test_a_decode_step_does_the_same_python_work_at_any_batch(self):
+    for overlap in (True, False):
+      _decode_step_calls(16, overlap)  # the first steps fill caches
+      small, large = _decode_step_calls(16, overlap), _decode_step_calls(64, overlap)
+      self.assertEqual(small, large, f"overlap={overlap}")
+
+
+class RequestFieldsTest(absltest.TestCase):
+
+  def test_progress_is_one_storage_while_running(self):
     sched = Scheduler(paged_kv.BlockPool(paged_kv.PoolConfig(
         num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1, head_dim=2, max_seqs=4,
         max_segments=8)), DryExecutor.__new__(DryExecutor), SchedulerConfig(max_batch=4))
     req = Request("a", np.arange(6), 4)
     sched.submit(req)
-
-    def write():
-      req.num_cached += 1
-      req.last_token_time = 1.0
-      req.first_token_step = 3
-    self.assertEqual(_count_calls(write, ("/paged_kv/", "/radix/")), 0)
+    req.num_cached = 2  # unbound: the object's own field
+    rows = sched.queues.rows
+    sched.running.append(req)
+    slot = rows.sync(sched.running)[0]
+    self.assertIs(req._rows, rows)  # pylint: disable=protected-access
+    self.assertEqual(rows.num_cached[slot], 2)
+    req.num_cached += 1  # a write through the request lands in the table ...
+    self.assertEqual(rows.num_cached[slot], 3)
+    rows.in_flight[slot] = 2  # ... and the table's passes are what the request reads
+    self.assertEqual((req.in_flight, type(req.in_flight)), (2, int))
+    req.stop_reason = "abort"
+    self.assertTrue(rows.stopped[slot])
+    sched.running.remove(req)
+    rows.sync(sched.running)  # it left running: unbound, its values on the object
+    self.assertIsNone(req._rows)  # pylint: disable=protected-access
+    self.assertEqual((req.num_cached, req.in_flight, req.stop_reason), (3, 2, "abort"))
     with self.assertRaisesRegex(paged_kv.InvalidArgument, "frozen"):
       req.max_new_tokens = 9
 

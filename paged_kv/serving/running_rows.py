@@ -1,0 +1,163 @@
+"""`RunningRows`: the running requests' hot progress as arrays (struct of arrays).
+
+Every step reads and advances the progress of every running request (tokens
+cached, tokens on the device, its row, its epoch, ...). Python over `Request`
+objects costs ~1 us per row per pass; these arrays let the step find its decode
+rows, advance them and read their sampled tokens in a few numpy passes.
+
+One storage, two views: while a request is *bound* to a slot of the table, its
+hot fields (`HOT_FIELDS`, and `stop_reason`'s truth) are properties that read and
+write the slot (`request.py`), so `Request` stays the public API and is right
+whenever read, whoever writes it (admission, preemption, recovery, tests). A
+request is bound by `sync` when the step first sees it in `running`, and
+unbound (its values copied back to the object) by a later `sync` once it left
+`running`. A slot is reused only after its request was unbound; `gen` tells a
+slot's binds apart, so a dispatched step's rows still name their requests.
+
+Output tokens stay in `Request.output` (the per-row `append` is the one write
+a step makes per row); their counts are read from the lists (`output_lengths`).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+HOT_FIELDS = ("num_cached", "in_flight", "carry_row", "epoch", "prefill_target", "seq_id",
+              "last_token_time")
+"""The `Request` fields stored in the table while bound (`seq_id`: -1 for None)."""
+
+NO_STOP, MANY_STOPS = -1, -2
+"""`stop_tok` values: no stop token; more than one (checked in Python)."""
+
+_slot_of = operator.attrgetter("_slot")
+_last = operator.itemgetter(-1)
+
+
+class RunningRows:
+  """The table (see the module docstring). Columns are indexed by slot.
+
+  Attributes:
+    num_cached, in_flight, carry_row, epoch, prefill_target, seq_id: `i64[cap]`.
+    last_token_time: `f64[cap]`.
+    stopped: `bool[cap]`, the truth of `stop_reason`.
+    max_new: `i64[cap]` `max_new_tokens`; stop_tok: `i64[cap]` its one stop token
+      (`NO_STOP`, `MANY_STOPS`); forced: `bool[cap]` it has a `forced_output`.
+    req, out, rid: `object[cap]` the request, its `output` list, its `request_id`.
+    gen: `i64[cap]` binds of the slot so far; bound: `bool[cap]`.
+    order: `i64[n]` the slots of `running`, in its order (after `sync`).
+  """
+
+  def __init__(self, capacity: int = 64):
+    self.order = np.zeros((0,), np.int64)
+    self._seen: list = []  # the requests `order` was read from, in order
+    self._free: list[int] = []
+    self._cap = 0
+    self._alloc(capacity)
+
+  def _alloc(self, cap: int) -> None:
+    old = self._cap
+
+    def grow(name, dtype, fill):
+      a = np.full((cap,), fill, dtype)
+      if old:
+        a[:old] = getattr(self, name)
+      setattr(self, name, a)
+
+    for name in ("num_cached", "in_flight", "epoch", "prefill_target", "max_new", "gen"):
+      grow(name, np.int64, 0)
+    for name in ("carry_row", "seq_id", "stop_tok"):
+      grow(name, np.int64, -1)
+    grow("last_token_time", np.float64, -1.0)
+    for name in ("stopped", "forced", "bound"):
+      grow(name, bool, False)
+    for name in ("req", "out", "rid"):
+      grow(name, object, None)
+    self._free.extend(range(cap - 1, old - 1, -1))  # lowest slots first
+    self._cap = cap
+
+  # ------------------------------------------------------------------ binding
+  def sync(self, running: list) -> np.ndarray:
+    """Binds the requests of `running` not bound yet, unbinds those bound that left
+    it, and returns `order` (their slots in running order)."""
+    seen, n = self._seen, len(running)
+    if len(seen) == n and all(map(operator.is_, running, seen)):
+      return self.order  # the same requests in the same order (their binds stand)
+    k = len(seen)
+    if k <= n and all(map(operator.is_, running, seen)):  # new requests appended
+      order = np.concatenate([self.order, np.fromiter(map(_slot_of, running[k:]), np.int64,
+                                                      n - k)])
+    else:
+      order = np.fromiter(map(_slot_of, running), np.int64, n)
+    if n and order.min() < 0:
+      for i in np.flatnonzero(order < 0).tolist():
+        order[i] = self.bind(running[i])
+    present = np.zeros((self._cap,), bool)
+    present[order] = True
+    stale = self.bound & ~present
+    if stale.any():
+      for s in np.flatnonzero(stale).tolist():
+        self.unbind(self.req[s])
+    self.order, self._seen = order, list(running)
+    return order
+
+  def kept(self, running: list, keep: np.ndarray) -> None:
+    """`running` is now the synced list's requests where `keep` (in order): the
+    next `sync` starts from their slots without reading them."""
+    self.order, self._seen = self.order[keep], list(running)
+
+  def bind(self, req) -> int:
+    """Moves `req`'s hot fields into a free slot; returns the slot."""
+    if not self._free:
+      self._alloc(2 * self._cap)
+    s = self._free.pop()
+    for name in HOT_FIELDS:  # (the unbound values, through the properties)
+      if name != "seq_id":
+        getattr(self, name)[s] = getattr(req, name)
+    seq = req.seq_id
+    self.seq_id[s] = -1 if seq is None else seq
+    self.stopped[s] = bool(req.stop_reason)
+    d = req.__dict__
+    self.max_new[s] = req.max_new_tokens
+    stops = req.stop_ids
+    one = next(iter(stops)) if len(stops) == 1 else -1
+    self.stop_tok[s] = NO_STOP if not stops else one if one >= 0 else MANY_STOPS
+    self.forced[s] = req.forced_output is not None
+    self.req[s], self.out[s], self.rid[s] = req, req.output, req.request_id
+    self.gen[s] += 1
+    self.bound[s] = True
+    d["_rows"], d["_slot"] = self, s
+    return s
+
+  def unbind(self, req) -> None:
+    """Copies `req`'s hot fields back to the object and frees its slot."""
+    s = req._slot  # pylint: disable=protected-access
+    d = req.__dict__
+    for name in HOT_FIELDS:
+      d["_" + name] = getattr(self, name)[s].item()
+    if d["_seq_id"] < 0:
+      d["_seq_id"] = None
+    d["_rows"], d["_slot"] = None, -1
+    self.req[s] = self.out[s] = self.rid[s] = None
+    self.bound[s] = False
+    self._free.append(s)
+
+  # ------------------------------------------------------------------ reads
+  def output_lengths(self, slots: np.ndarray) -> np.ndarray:
+    """`i64[n]` `len(output)` of the requests in `slots`."""
+    return np.fromiter(map(len, self.out[slots].tolist()), np.int64, slots.size)
+
+  def last_tokens(self, slots: np.ndarray) -> np.ndarray:
+    """`i64[n]` the last output token of the requests in `slots` (each has one)."""
+    return np.array(list(map(_last, self.out[slots].tolist())), np.int64).reshape(-1)
+
+  def stop_hits(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """`bool[n]`: `tokens[i]` is a stop token of the request in `slots[i]`."""
+    st = self.stop_tok[slots]
+    hit = (st == tokens) & (st >= 0)
+    many = np.flatnonzero(st == MANY_STOPS)
+    if many.size:
+      reqs = self.req[slots[many]].tolist()
+      hit[many] = [int(t) in r.stop_ids for r, t in zip(reqs, tokens[many].tolist())]
+    return hit
