@@ -308,8 +308,16 @@ async def _events(server: Server, sub: _Submitted, render, *, first: str,
     sub.abort()
 
 
+# Characters `str.splitlines` ends a line at that JSON leaves raw (it escapes the
+# others, all below U+0020): a client reading the stream by lines (httpx's
+# `aiter_lines`) would cut an event at a generated NEL, LS or PS.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(data: Any) -> str:
-  return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+  """One server-sent event of `data` as JSON, on one line for any line splitter."""
+  text = json.dumps(data, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)
+  return f"data: {text}\n\n"
 
 
 async def _completions(server: Server, request: Any, body: Any) -> Any:

@@ -275,3 +275,17 @@ def test_python_m_paged_kv_serve(tmp_path):
     proc.terminate()
     out = proc.communicate(timeout=60)[0]
   assert "serving tiny-chat (64 blocks of 8 tokens: num_blocks given)" in out, out
+
+
+@pytest.mark.parametrize("char", ["\x85", "\u2028", "\u2029", "\n", "\r", "\x0b", "\x1c"])
+def test_a_streamed_event_is_one_line_for_any_line_splitter(char):
+  """Generated text may hold any character: an event stays one line for a client that
+  splits lines as `str.splitlines` does (httpx's `aiter_lines`) and decodes to the text."""
+  import json  # pylint: disable=import-outside-toplevel
+  from paged_kv.serving import server  # pylint: disable=import-outside-toplevel
+  data = {"choices": [{"text": f"a{char}b é"}]}
+  event = server._sse(data)  # pylint: disable=protected-access
+  assert event.endswith("\n\n")
+  lines = event[:-2].splitlines()
+  assert len(lines) == 1 and lines[0].startswith("data: ")
+  assert json.loads(lines[0][len("data: "):]) == data
