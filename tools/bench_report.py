@@ -802,8 +802,34 @@ def render_gpu_check(root):
   return "\n\n".join(parts + [provenance(recs)])
 
 
+def render_soak_server(root):
+  recs = _load("soak_server", root)
+  parts = []
+  for r in recs:
+    res = r["results"]
+    end, mib = res["end"], res["rss_mib"]
+    head = ["kind", "outcomes"]
+    rows = [[kind, ", ".join(f"{k}: {v:,}" for k, v in sorted(out.items()))]
+            for kind, out in res["outcomes"].items()]
+    checks = ", ".join(f"{name}: {'ok' if ok else 'FAILED'}" for name, ok in res["checks"].items())
+    parts.append(
+        f"{res['seconds'] / 60:.0f} minutes, {res['concurrency']} connections, max_batch "
+        f"{res['max_batch']} ({_rel(r['_path'])}): {end['steps']:,} steps, "
+        f"{end['finished']:,} requests finished, {end['aborted']:,} aborted, "
+        f"{res['scrapes'].get('ok', 0):,} `/metrics` scrapes answered (latency p50 "
+        f"{res['scrape_s']['p50']:.2f} s, p99 {res['scrape_s']['p99']:.2f} s), "
+        f"{res['client_disconnects']} clients gone before their body arrived, "
+        f"{res['server_errors']} "
+        f"server errors, {end['compiles']} compiles after warm-up, {end['used_blocks']} blocks "
+        f"held at the end; resident memory {mib['window_first']:.0f} -> at most "
+        f"{mib['window_max']:.0f} MiB over the trailing window ({res['rss_growth']:+.1%}).\n\n"
+        + table(head, rows) + f"\n\nChecks: {checks}.")
+  return "\n\n".join(parts + [provenance(recs)])
+
+
 RENDERERS = {
     "gpu_check": render_gpu_check,
+    "soak_server": render_soak_server,
     "cold_start": render_cold_start,
     "fragmentation_mix": render_fragmentation_mix,
     "compaction_buys": render_compaction_buys,
