@@ -217,6 +217,7 @@ class _RssSampler(threading.Thread):
     self._t0 = time.monotonic()
 
   def run(self) -> None:
+    self.samples.append((0.0, _rss_bytes()))
     while not self.stop.wait(1.0):
       self.samples.append((time.monotonic() - self._t0, _rss_bytes()))
 
