@@ -186,19 +186,20 @@ def token_widths(config: SchedulerConfig) -> tuple[tuple[int, ...], tuple[int, .
   weights' read, which padding rows do not add to). A mixed step pads to the
   smallest of at most `MAX_MIXED_WIDTHS` widths: the most a step holds
   (`max_batch + prefill_token_budget`), then its halves (multiples of 16) down to
-  `max(16, max_batch)`: padding at most doubles a step's tokens (+16), and one
-  configuration compiles at most 1 + `MAX_MIXED_WIDTHS` step programs (+ the
-  k-step decode's one).
+  `max(16, max_batch, min_mixed_width)`: padding at most doubles a step's tokens
+  (+16) above the narrowest width, and one configuration compiles at most
+  1 + `MAX_MIXED_WIDTHS` step programs (+ the k-step decode's one).
   """
-  return _widths(config.max_batch, config.prefill_token_budget)
+  return _widths(config.max_batch, config.prefill_token_budget, config.min_mixed_width)
 
 
 @functools.lru_cache(maxsize=64)
-def _widths(max_batch: int, budget: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """`token_widths` of a config's `max_batch` and `prefill_token_budget` (every
-  step asks: computed once)."""
+def _widths(max_batch: int, budget: int,
+            min_width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """`token_widths` of a config's `max_batch`, `prefill_token_budget` and
+  `min_mixed_width` (every step asks: computed once)."""
   top = max_batch + budget
-  floor = min(top, max(16, max_batch))
+  floor = min(top, max(16, max_batch, min_width))
   mixed = {top}
   for i in range(1, MAX_MIXED_WIDTHS):
     width = -(-top // (16 << i)) * 16  # top / 2^i, rounded up to a multiple of 16

@@ -77,6 +77,11 @@ class SchedulerConfig:
       `decode_steps` runs k steps in one call (allocation inside the jitted
       step). Bounds how late a stop is seen and how tokens are grouped when
       streamed; 1 = one step per dispatch. Tokens equal k = 1's.
+    min_mixed_width: the fewest tokens a mixed (prompt chunk + decode) step program
+      takes; a smaller step is padded to it (`batching.token_widths`). Each width is
+      one more program to compile, and below a few hundred tokens a step's cost on a
+      GPU is the weights' read, which padding does not add to; on a CPU a padded
+      token costs its compute. 16: the finest widths (halves down to `max_batch`).
     max_stalled_steps: steps in a row with requests to serve that compute no token
       and finish none before `step()` raises `SchedulerStalled` naming what holds
       the pool (`paged_kv.serving.progress`; 0: never). The scheduler's rules make
@@ -106,6 +111,7 @@ class SchedulerConfig:
   max_seq_len: int | None = None
   overlap: bool = True
   decode_steps: int = 1
+  min_mixed_width: int = 64
   max_stalled_steps: int = 256
 
   def __post_init__(self):
@@ -121,7 +127,8 @@ class SchedulerConfig:
                             ("stats_every", 0, fields.I32_MAX), ("snapshot_every", 0, fields.I32_MAX),
                             ("stop_token", -1, fields.I32_MAX), ("max_logprobs", 0, 1024),
                             ("seed", 0, fields.I32_MAX), ("decode_steps", 1, 1024),
-                            ("max_stalled_steps", 0, fields.I32_MAX)):
+                            ("max_stalled_steps", 0, fields.I32_MAX),
+                            ("min_mixed_width", 1, fields.I32_MAX)):
       put(name, fields.check_int(own, name, getattr(self, name), low, high))
     put("max_seq_len", fields.check_int(own, "max_seq_len", self.max_seq_len, 1, optional=True))
     put("preemption", fields.check_choice(own, "preemption", self.preemption, PREEMPTION_MODES))

@@ -137,3 +137,16 @@ def test_a_second_process_loads_every_program_from_the_persistent_cache():
   assert first["compiles"] > 0 and first["loads"] == 0, runs
   assert second["compiles"] == 0, runs
   assert second["loads"] == first["compiles"], runs
+
+
+def test_min_mixed_width_is_the_narrowest_mixed_program():
+  """Below `min_mixed_width` tokens a mixed step pads to one program (fewer programs to
+  compile); 16 keeps the halves down to `max_batch`."""
+  base = dict(max_batch=16, prefill_chunk=128, prefill_token_budget=256)
+  assert batching.token_widths(SchedulerConfig(**base)) == ((16,), (80, 144, 272))
+  assert batching.token_widths(SchedulerConfig(**base, min_mixed_width=16)) == (
+      (16,), (16, 32, 48, 80, 144, 272))
+  assert batching.token_widths(SchedulerConfig(**base, min_mixed_width=4096)) == (
+      (16,), (272,))
+  with pytest.raises(paged_kv.InvalidArgument, match="min_mixed_width"):
+    SchedulerConfig(**base, min_mixed_width=0)
