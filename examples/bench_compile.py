@@ -152,8 +152,9 @@ def _check_equal(outs: dict[str, list[np.ndarray]], what: str) -> None:
         raise AssertionError(f"{what}: {layout} differs from {layouts[0]}")
 
 
-def _warmup(model: llama.TinyLlama) -> tuple[float, int, int]:
-  """`(seconds, programs, compiles)` of `Scheduler.warmup()`, every cache cleared first."""
+def _cold_scheduler(model: llama.TinyLlama):
+  """A `Scheduler` over `model` with the flags' batch and prefill sizes, every compiled
+  program and JAX cache released first (so what follows compiles from nothing)."""
   # pylint: disable=import-outside-toplevel
   from paged_kv.serving import warmup as warmup_lib
   from paged_kv.serving.executor import ModelExecutor
@@ -165,6 +166,12 @@ def _warmup(model: llama.TinyLlama) -> tuple[float, int, int]:
                                     prefill_token_budget=_PREFILL_BUDGET.value))
   warmup_lib.release_programs()
   jax.clear_caches()
+  return sched
+
+
+def _warmup(model: llama.TinyLlama) -> tuple[float, int, int]:
+  """`(seconds, programs, compiles)` of `Scheduler.warmup()`, every cache cleared first."""
+  sched = _cold_scheduler(model)
   cpu = time.process_time()
   report = sched.warmup(progress=False)
   _CPU.setdefault(f"warmup {model.config.num_layers} layers", []).append(
@@ -178,17 +185,8 @@ def _program_times(model: llama.TinyLlama) -> list[dict]:
   """Each warm-up program lowered and compiled alone, one after the other (every cache
   cleared first): `{"name", "lower_s", "compile_s"}`; programs the warm-up cannot
   lower ahead (they run eagerly: persistence) get their run's time as `compile_s`."""
-  # pylint: disable=import-outside-toplevel
-  from paged_kv.serving import warmup as warmup_lib
-  from paged_kv.serving.executor import ModelExecutor
-  from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
-  pool_config = _pool_config(model.config)
-  sched = Scheduler(paged_kv.BlockPool(pool_config), ModelExecutor(model, pool_config),
-                    SchedulerConfig(max_batch=_MAX_BATCH.value,
-                                    prefill_chunk=_PREFILL_CHUNK.value,
-                                    prefill_token_budget=_PREFILL_BUDGET.value))
-  warmup_lib.release_programs()
-  jax.clear_caches()
+  from paged_kv.serving import warmup as warmup_lib  # pylint: disable=import-outside-toplevel
+  sched = _cold_scheduler(model)
   out = []
   for run in warmup_lib.program_runs(sched):
     t0, c0 = time.perf_counter(), time.process_time()

@@ -267,6 +267,14 @@ def render_fragmentation_budget(root):
                       + "\n\nThe 2% rows are from the fragmentation_mix records."])
 
 
+def _chat_runs_by_mode(chat) -> list[tuple[str, list[dict]]]:
+  """The multi-turn chat study's runs grouped by pool mode, each group by seed."""
+  by_mode = collections.defaultdict(list)
+  for run in chat["runs"]:
+    by_mode[run["mode"]].append(run)
+  return [(mode, sorted(v, key=lambda x: x["seed"])) for mode, v in by_mode.items()]
+
+
 def render_slotting(root):
   recs = _load("slotting", root)
   head = ["turn lengths", "mode", "seeds", "internal fragmentation mean, per seed",
@@ -275,11 +283,7 @@ def render_slotting(root):
   for r in recs:
     chat = r["results"]["chat"]
     lo, hi = chat["turn_range"]
-    by_mode = collections.defaultdict(list)
-    for run in chat["runs"]:
-      by_mode[run["mode"]].append(run)
-    for mode, v in by_mode.items():
-      v.sort(key=lambda x: x["seed"])
+    for mode, v in _chat_runs_by_mode(chat):
       wm, wf = max(x["internal_mean"] for x in v), max(x["internal_final"] for x in v)
       ok = records.goal_met(wm, 0.01, at_most=True) and records.goal_met(wf, 0.01, at_most=True)
       rows.append([f"{lo}-{hi} tokens", mode, ", ".join(str(x["seed"]) for x in v),
@@ -326,11 +330,7 @@ def render_block_size(root):
       continue
     chat = r["results"]["chat"]
     lo, hi = chat["turn_range"]
-    by_mode = collections.defaultdict(list)
-    for run in chat["runs"]:
-      by_mode[run["mode"]].append(run)
-    for mode, v in by_mode.items():
-      v.sort(key=lambda x: x["seed"])
+    for mode, v in _chat_runs_by_mode(chat):
       bs = r["flags"]["block_size"]
       rows.append([f"{lo}-{hi} tokens", str(bs), f"{chat['blocks']:,} x {bs}", mode,
                    ", ".join(str(x["seed"]) for x in v),
