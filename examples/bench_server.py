@@ -52,6 +52,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Prompt seed.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every program of the serving path first "
                             "(`Scheduler.warmup()`: requests arriving one by one over HTTP "
                             "run step shapes the facade's batch does not).")
+_ENGINE = flags.DEFINE_enum("engine", "thread", ["thread", "loop"], "Where the server runs "
+                            "the scheduler: its own thread (`EngineThread`) or a task of the "
+                            "event loop (`EngineTask`).")
 _SWITCH = flags.DEFINE_float("switch_interval_ms", None, "sys.setswitchinterval for this "
                              "process (default: Python's 5 ms).")
 _CLIENT = flags.DEFINE_string("client_url", None, "Internal: run as the client process of "
@@ -128,7 +131,7 @@ def main(argv):
     vocab = llm.engine.vocab_size
     rng = np.random.default_rng(_SEED.value)
     prompts = [rng.integers(3, vocab, _PROMPT_TOKENS.value).tolist() for _ in range(batch)]
-    server = Server(llm, max_queued=4 * batch, metrics=_METRICS.value)
+    server = Server(llm, max_queued=4 * batch, metrics=_METRICS.value, engine=_ENGINE.value)
     with BackgroundServer(server) as bg:
       client = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), f"--client_url={bg.url}"],
@@ -178,7 +181,8 @@ def main(argv):
       errors = server.num_server_errors
   generated = batch * max_tokens
   print(f"\nbatch {batch}, {_PROMPT_TOKENS.value} prompt tokens, {max_tokens} generated each "
-        f"({generated} tokens a run), {_REPEATS.value} rounds, prefix cache "
+        f"({generated} tokens a run), {_REPEATS.value} rounds, engine on its "
+        f"{'own thread' if _ENGINE.value == 'thread' else 'event loop'}, prefix cache "
         f"{'on' if _PREFIX_CACHE.value else 'off'}, metrics exporter "
         f"{'on' if _METRICS.value else 'off'}, {errors} server errors, {compiles} compiles "
         f"in the timed runs\n")

@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                  "device memory for the KV cache (default 0.8 on a GPU, 0.25 on a CPU)")
   p.add_argument("--max-queued", type=int, default=256, help="requests queued or running "
                  "before new ones get HTTP 429")
+  p.add_argument("--engine", choices=("thread", "loop"), default="thread", help="where the "
+                 "scheduler runs: its own thread, or a task of the HTTP event loop (no lock "
+                 "hand-offs; requests are parsed between steps)")
   p.add_argument("--no-warmup", action="store_true", help="compile each program on first "
                  "use instead of before serving")
   p.add_argument("--compile-cache-dir", default=None, help="JAX's persistent compilation "
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
               memory_fraction=args.memory_fraction, warmup=not args.no_warmup,
               model_name=args.served_model_name)
     template = openai_api.ChatTemplate.from_dir(args.checkpoint)
-    srv = server.Server(llm, max_queued=args.max_queued, template=template)
+    srv = server.Server(llm, max_queued=args.max_queued, template=template,
+                        engine=args.engine)
   except (InvalidArgument, ModuleNotFoundError) as err:
     print(f"error: {err}", file=sys.stderr)
     return 2

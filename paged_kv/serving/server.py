@@ -9,10 +9,13 @@ once the engine thread has stopped), `GET /metrics` (the Prometheus exporter,
 `paged_kv.telemetry.MetricsExporter`, attached to the scheduler). `stream: true`
 answers with server-sent events (`data: {...}` chunks, then `data: [DONE]`).
 
-Threads: the scheduler runs on one background thread (`EngineThread`); the
-handlers run on uvicorn's event loop and hand requests over through the thread's
-inbox; each request's chunks come back through an `asyncio.Queue`, every step's
-chunks in one `loop.call_soon_threadsafe`. A client that disconnects (mid-stream, or while a
+Threads (`Server(engine=...)`): by default the scheduler runs on one background thread
+(`EngineThread`); the handlers run on uvicorn's event loop and hand requests over
+through the thread's inbox; each request's chunks come back through an
+`asyncio.Queue`, every step's chunks in one `loop.call_soon_threadsafe`. With
+`engine="loop"` the scheduler is a task of the event loop itself (`EngineTask`):
+no interpreter-lock hand-offs between the two, but the loop parses requests only
+between steps. A client that disconnects (mid-stream, or while a
 non-streamed request runs) gets its request aborted: its row and blocks go back
 to the pool at once.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -38,12 +42,16 @@ from typing import Any
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.model import optional_import
 from paged_kv.serving import openai_api as api
+from paged_kv.serving.engine_task import EngineTask
 from paged_kv.serving.engine_thread import EngineStopped, EngineThread, QueueFull, RequestFailed
 from paged_kv.serving.llm import LLM, CompletionChunk, ContextLengthExceeded
 
 __all__ = ["BackgroundServer", "Server", "build_app", "serve"]
 
 _log = logging.getLogger(__name__)
+
+ENGINES = {"thread": EngineThread, "loop": EngineTask}
+"""Where `Server(engine=...)` runs the scheduler: its own thread, or the event loop."""
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks for its client
 
@@ -57,7 +65,8 @@ class Server:
 
   Attributes:
     llm: the `LLM` served.
-    engine: the `EngineThread` running `llm.engine`.
+    engine: the `EngineThread` (or, `engine="loop"`, the `EngineTask`) running
+      `llm.engine`.
     model_name: the name `/v1/models` lists and requests must use.
     template: the checkpoint's `ChatTemplate`, or None (`/v1/chat/completions`
       then answers 400).
@@ -69,7 +78,10 @@ class Server:
   """
 
   def __init__(self, llm: LLM, *, max_queued: int = 256, model_name: str | None = None,
-               template: api.ChatTemplate | None = None, metrics: bool = True):
+               template: api.ChatTemplate | None = None, metrics: bool = True,
+               engine: str = "thread"):
+    if engine not in ENGINES:
+      raise InvalidArgument(f"engine={engine!r}: expected one of {', '.join(ENGINES)}")
     self.llm = llm
     self.model_name = model_name or llm.model_name
     self.template = template
@@ -80,7 +92,7 @@ class Server:
         self.exporter = MetricsExporter(model=self.model_name).attach(llm.scheduler)
       except ImportError:
         _log.warning("prometheus-client is not installed: /metrics answers 501")
-    self.engine = EngineThread(llm.engine, max_queued=max_queued)
+    self.engine = ENGINES[engine](llm.engine, max_queued=max_queued)
     self.num_server_errors = 0
     self.num_client_disconnects = 0
     self.created = int(time.time())
@@ -190,14 +202,15 @@ class _Submitted:
 
 
 def build_app(server: Server) -> Any:
-  """The FastAPI app of `server` (its lifespan starts and stops the engine thread)."""
+  """The FastAPI app of `server` (its lifespan starts and stops the engine)."""
   fastapi = _fastapi()
   from fastapi import responses  # pylint: disable=import-outside-toplevel
   from starlette.requests import ClientDisconnect  # pylint: disable=import-outside-toplevel
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
-    server.engine.dispatch = _dispatch_on(asyncio.get_running_loop())
+    if not isinstance(server.engine, EngineTask):  # a task's sinks run on the loop already
+      server.engine.dispatch = _dispatch_on(asyncio.get_running_loop())
     if not server.engine.running:
       server.engine.start()
     try:
@@ -285,16 +298,54 @@ def _dispatch_on(loop: asyncio.AbstractEventLoop):
   return lambda pairs: loop.call_soon_threadsafe(run, pairs)
 
 
-async def _events(server: Server, sub: _Submitted, render, *, first: str,
-                  last) -> AsyncIterator[str]:
+class _ClientGone:
+  """Set when a streamed response's client went away (`_event_stream`)."""
+
+  __slots__ = ("gone",)
+
+  def __init__(self):
+    self.gone = False
+
+
+@functools.cache
+def _event_stream_class() -> type:
+  """Starlette's `StreamingResponse` that also marks a `_ClientGone` when its listener
+  sees the client disconnect. The listener cancels the stream's task, but a
+  cancellation lands only while the task waits on a pending future: with the engine
+  on the event loop (`EngineTask`) each step hands the stream its next chunks before
+  the cancellation is delivered, so the stream checks the mark between chunks."""
+  from starlette.responses import StreamingResponse  # pylint: disable=import-outside-toplevel
+
+  class EventStream(StreamingResponse):
+
+    def __init__(self, content, client: _ClientGone):
+      super().__init__(content, media_type="text/event-stream")
+      self.client = client
+
+    async def listen_for_disconnect(self, receive) -> None:
+      await super().listen_for_disconnect(receive)
+      self.client.gone = True
+
+  return EventStream
+
+
+def _event_stream(server: Server, sub: _Submitted, render, *, first: str, last) -> Any:
+  """The server-sent-events response of a streamed request (`_events`)."""
+  client = _ClientGone()
+  return _event_stream_class()(_events(server, sub, render, first=first, last=last,
+                                       client=client), client)
+
+
+async def _events(server: Server, sub: _Submitted, render, *, first: str, last,
+                  client: _ClientGone) -> AsyncIterator[str]:
   """A streamed response's server-sent events: `first`, then `render(chunk)` of every
   chunk (the chunks that arrived together in one write), then `last()` and
   `data: [DONE]`. Aborts what still runs when the client goes away (the response is
-  closed mid-stream) or the engine fails."""
+  closed mid-stream, or `client.gone`) or the engine fails."""
   try:
     if first:
       yield first
-    while sub.live:
+    while sub.live and not client.gone:
       items = await sub.batch()
       failed = next((i for i in items if isinstance(i, RequestFailed)), None)
       if failed is not None:
@@ -303,7 +354,8 @@ async def _events(server: Server, sub: _Submitted, render, *, first: str,
                                   kind="server_error"))
         return
       yield "".join(render(item) for item in items)
-    yield last() + "data: [DONE]\n\n"
+    if not client.gone:
+      yield last() + "data: [DONE]\n\n"
   finally:
     sub.abort()
 
@@ -372,8 +424,7 @@ async def _completions(server: Server, request: Any, body: Any) -> Any:
   def last() -> str:
     return _sse(body_of([], api.usage(num_prompt, generated[0]))) if parsed.include_usage else ""
 
-  events = _events(server, sub, render, first="", last=last)
-  return responses.StreamingResponse(events, media_type="text/event-stream")
+  return _event_stream(server, sub, render, first="", last=last)
 
 
 async def _chat(server: Server, request: Any, body: Any) -> Any:
@@ -425,10 +476,9 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
     return (_sse(chunk_body({}, None, None, api.usage(len(ids), generated[0])))
             if parsed.include_usage else "")
 
-  events = _events(server, sub, render,
-                   first=_sse(chunk_body({"role": "assistant", "content": ""}, None, None)),
-                   last=last)
-  return responses.StreamingResponse(events, media_type="text/event-stream")
+  return _event_stream(server, sub, render,
+                       first=_sse(chunk_body({"role": "assistant", "content": ""}, None, None)),
+                       last=last)
 
 
 def _uvicorn():

@@ -1,7 +1,7 @@
 """The server's pieces without a model: request checks and the sampling mapping
 (`openai_api`), chat templates rendered as transformers renders them, and the
-engine thread's queue bound, failures and shutdown (`EngineThread`, over a fake
-engine)."""
+engine's queue bound, failures and shutdown on its own thread (`EngineThread`) and as
+a task of an event loop (`EngineTask`), over a fake engine."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ pytest.importorskip("jinja2", reason="the server extra (pip install 'paged-kv[se
 
 # pylint: disable=wrong-import-position
 from paged_kv.serving import openai_api as api
+from paged_kv.serving.engine_task import EngineTask
 from paged_kv.serving.engine_thread import EngineStopped, EngineThread, QueueFull, RequestFailed
 from paged_kv.serving.llm import CompletionChunk
 from paged_kv.serving.sampling_params import SamplingParams
@@ -289,3 +290,88 @@ def test_a_streamed_event_is_one_line_for_any_line_splitter(char):
   lines = event[:-2].splitlines()
   assert len(lines) == 1 and lines[0].startswith("data: ")
   assert json.loads(lines[0][len("data: "):]) == data
+
+
+class _LoopInThread:
+  """An asyncio loop running in a thread of its own (the server's loop, for a test)."""
+
+  def __init__(self):
+    import asyncio  # pylint: disable=import-outside-toplevel
+    self.asyncio = asyncio
+    self.loop = asyncio.new_event_loop()
+    self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+    self.thread.start()
+
+  def run(self, coro_fn, timeout=10):
+    return self.asyncio.run_coroutine_threadsafe(coro_fn(), self.loop).result(timeout)
+
+  def close(self):
+    self.loop.call_soon_threadsafe(self.loop.stop)
+    self.thread.join(10)
+    self.loop.close()
+
+
+def _started_task(engine, loop: _LoopInThread, **kwargs) -> EngineTask:
+  task = EngineTask(engine, **kwargs)
+
+  async def start():
+    return task.start()
+  return loop.run(start)
+
+
+def test_engine_task_serves_bounds_and_aborts_like_the_thread():
+  engine, loop = FakeEngine(), _LoopInThread()
+  try:
+    task = _started_task(engine, loop, max_queued=2)
+    engine.gate.clear()  # hold the steps (and the loop): requests stay outstanding
+    a, a_done, a_sink = _collector()
+    b, b_done, b_sink = _collector()
+    task.submit("a", [1], None, 3, a_sink)
+    task.submit("b", [1], None, 50, b_sink)
+    with pytest.raises(QueueFull, match="the limit is 2"):
+      task.submit("c", [1], None, 3, a_sink)
+    task.abort("b")
+    engine.gate.set()
+    assert a_done.wait(10) and b_done.wait(10)
+    assert [c.token_ids for c in a] == [(7,), (7,), (7,)] and a[-1].finish_reason == "length"
+    assert b[-1].finish_reason == "abort" and task.outstanding == 0
+    c, c_done, c_sink = _collector()
+    task.submit("c", [1], None, 1000, c_sink)
+    assert c_done.wait(10) and isinstance(c[0], RequestFailed)
+    assert "too many" in str(c[0].error) and task.outstanding == 0
+    assert task.call(lambda e: e.steps) >= 3  # from another thread: between two steps
+
+    async def on_loop():  # on the loop's own thread: at once, no deadlock
+      return task.call(lambda e: e.steps)
+    assert loop.run(on_loop) >= 3
+    # Every sink ran on the loop's thread (no cross-thread hand-off).
+    seen = []
+    d_done = threading.Event()
+    task.submit("d", [1], None, 1, lambda item: (seen.append(threading.get_ident()),
+                                                  d_done.set()))
+    assert d_done.wait(10) and seen == [loop.thread.ident]
+  finally:
+    task.stop()
+    loop.close()
+  assert not task.running
+  with pytest.raises(EngineStopped, match="not running"):
+    task.submit("e", [1], None, 1, lambda item: None)
+
+
+def test_an_engine_failure_ends_every_request_and_stops_the_task():
+  engine, loop = FakeEngine(fail_at_step=2), _LoopInThread()
+  try:
+    engine.gate.clear()
+    task = _started_task(engine, loop)
+    items, done, sink = _collector()
+    task.submit("a", [1], None, 5, sink)
+    engine.gate.set()
+    assert done.wait(10)
+    task.stop()
+    assert isinstance(task.error, RuntimeError) and not task.running
+    assert isinstance(items[-1], RequestFailed) and "device lost" in str(items[-1].error)
+    assert task.outstanding == 0
+    with pytest.raises(EngineStopped, match="device lost"):
+      task.submit("b", [1], None, 1, sink)
+  finally:
+    loop.close()

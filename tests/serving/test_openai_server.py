@@ -1,8 +1,8 @@
 """The OpenAI-compatible server on 127.0.0.1, driven by the real `openai` client:
 completion, chat (the checkpoint's template), streaming, a client that disconnects
 mid-stream (its request aborted, its blocks back in the pool), 64 concurrent
-streaming clients with nothing lost, 400 / 404 / 429 / 503. One server for the
-module (a tiny random checkpoint, no end-of-sequence token, so every request
+streaming clients with nothing lost, 400 / 404 / 429 / 503; the same with the
+scheduler on the event loop (`engine="loop"`). One server for the module (a tiny random checkpoint, no end-of-sequence token, so every request
 runs to `max_tokens`)."""
 
 from __future__ import annotations
@@ -37,15 +37,26 @@ PROMPTS = ["the quick brown fox", "paged attention keeps", "a tiny tokenizer", "
            "jumps over the lazy dog", "kv cache in blocks", "trained in memory", "round trip"]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def _serve(tmp_path_factory, engine: str):
   ckpt = write_chat_checkpoint(tmp_path_factory.mktemp("server") / MODEL)
   llm = LLM(ckpt, max_batch=16, num_blocks=512, block_size=8, eos_token_ids=())
-  server = Server(llm, max_queued=128, template=openai_api.ChatTemplate.from_dir(ckpt))
+  server = Server(llm, max_queued=128, template=openai_api.ChatTemplate.from_dir(ckpt),
+                  engine=engine)
   with BackgroundServer(server) as bg:
     client = openai.OpenAI(base_url=bg.url + "/v1", api_key="none", max_retries=0)
     client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)  # warm-up
     yield server, bg, client
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  yield from _serve(tmp_path_factory, "thread")
+
+
+@pytest.fixture(scope="module")
+def served_on_loop(tmp_path_factory):
+  """A second server whose scheduler is a task of the event loop (`engine="loop"`)."""
+  yield from _serve(tmp_path_factory, "loop")
 
 
 def _idle(server: Server) -> None:
@@ -140,6 +151,10 @@ def test_streams_add_up_to_the_whole_response(served):
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
+  _check_disconnect_mid_stream(served)
+
+
+def _check_disconnect_mid_stream(served) -> None:
   server, _, client = served
   aborted = server.engine.call(lambda e: e.scheduler.stats.aborted)
   stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=100,
@@ -199,6 +214,12 @@ def test_a_client_that_leaves_before_its_body_arrives_is_no_server_error(served)
 
 
 def test_64_concurrent_streaming_clients_lose_nothing(served):
+  _check_concurrent_streams(served, 64)
+
+
+def _check_concurrent_streams(served, num_clients: int) -> None:
+  """`num_clients` streaming clients at once: each text equals its non-streamed one,
+  every usage counts all tokens, no server error, every block back afterwards."""
   server, bg, client = served
   max_tokens = 8
   want = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=max_tokens,
@@ -222,10 +243,11 @@ def test_64_concurrent_streaming_clients_lose_nothing(served):
     async with openai.AsyncOpenAI(base_url=bg.url + "/v1", api_key="none", max_retries=0,
                                   http_client=openai.DefaultAsyncHttpxClient(
                                       limits=httpx.Limits(max_connections=64))) as aclient:
-      return await asyncio.gather(*(one(aclient, PROMPTS[i % len(PROMPTS)]) for i in range(64)))
+      return await asyncio.gather(*(one(aclient, PROMPTS[i % len(PROMPTS)])
+                                    for i in range(num_clients)))
 
   results = asyncio.run(run())
-  assert len(results) == 64
+  assert len(results) == num_clients
   for prompt, text, finish, usage in results:
     assert text == want[prompt] and finish == "length"
     assert usage.completion_tokens == max_tokens
@@ -294,3 +316,14 @@ def test_a_stopped_engine_answers_503(served):
   health, done = asyncio.run(run())
   assert health.status_code == 503 and done.status_code == 503
   assert "not running" in json.loads(done.text)["error"]["message"]
+
+
+def test_the_engine_on_the_event_loop_serves_the_same(served_on_loop):
+  """`Server(engine="loop")`: the same answers as the facade, concurrent streams lose
+  nothing, a client gone mid-stream frees its blocks."""
+  server, _, client = served_on_loop
+  want = _on_engine(server, PROMPTS[1], 8)
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+  assert r.choices[0].text == want.text
+  _check_concurrent_streams(served_on_loop, 16)
+  _check_disconnect_mid_stream(served_on_loop)
