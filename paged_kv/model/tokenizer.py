@@ -125,30 +125,39 @@ class Tokenizer:
 class TextStream:
   """Generated ids to text, piece by piece: `add(id)` returns the text it completes.
 
-  It decodes all ids so far and returns what is new, so a token that only makes
-  sense with its neighbours (SentencePiece's leading space, a byte-fallback piece
-  of a multi-byte character) comes out right; a piece that ends in an incomplete
-  character (U+FFFD) is held until the next id completes it.
+  Each call decodes a short window, not every id so far (which made a long
+  generation quadratic): the ids of the last piece returned plus the new ones, and
+  returns the window's text past the last piece's (the offsets of vLLM's
+  incremental detokenizer). So a token that only makes sense with its neighbours
+  (SentencePiece's leading space, a byte-fallback piece of a multi-byte character)
+  comes out right, and a piece that ends in an incomplete character (U+FFFD) is
+  held until the next id completes it. The pieces add up to `decode` of all ids.
   """
 
   def __init__(self, tokenizer: Tokenizer):
     self._tok = tokenizer
     self._ids: list[int] = []
-    self._text = ""
+    self._start = 0  # the window's first id
+    self._read = 0  # ids whose text was returned
+    self._seen = ""  # the text of ids[_start:_read]
 
   def add(self, token_id: int) -> str:
     """Appends one generated id; returns the text it completes ("" while a character
     is incomplete or a piece only makes sense with the next id)."""
     self._ids.append(int(token_id))
-    text = self._tok.decode(self._ids)
-    if text.endswith("\ufffd") or not text.startswith(self._text):
-      return ""
-    new, self._text = text[len(self._text):], text
-    return new
+    return self._advance(hold_incomplete=True)
 
   def flush(self) -> str:
     """What `add` held back (an incomplete character at the end), now."""
-    text = self._tok.decode(self._ids)
-    new = text[len(self._text):] if text.startswith(self._text) else ""
-    self._text = text
+    return self._advance(hold_incomplete=False)
+
+  def _advance(self, *, hold_incomplete: bool) -> str:
+    ids = self._ids
+    text = self._tok.decode(ids[self._start:])
+    if (hold_incomplete and text.endswith("\ufffd")) or not text.startswith(self._seen):
+      return ""
+    new = text[len(self._seen):]
+    if new:
+      self._start, self._read = self._read, len(ids)
+      self._seen = self._tok.decode(ids[self._start:self._read])
     return new

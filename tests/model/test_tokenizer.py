@@ -68,3 +68,79 @@ def test_errors(tmp_path):
   write_tokenizer(tmp_path)
   with pytest.raises(paged_kv.InvalidArgument, match="encode takes a str"):
     Tokenizer.from_dir(tmp_path).encode([1, 2])
+
+
+def _sentencepiece_style(path):
+  """A Llama-2-style `tokenizer.json`: Metaspace pieces, `<0xNN>` byte fallback, and the
+  decoder that strips the first piece's leading space."""
+  # pylint: disable=import-outside-toplevel
+  from tokenizers import Tokenizer as HfTokenizer
+  from tokenizers import decoders, models, pre_tokenizers
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+  for b in range(256):
+    vocab[f"<0x{b:02X}>"] = len(vocab)
+  for piece in ("▁", "▁the", "▁a", "ab", "c", "▁wörld", "é", ".", "▁.", ",", "lo", "▁hel"):
+    vocab[piece] = len(vocab)
+  tok = HfTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True,
+                               fuse_unk=True))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace()
+  tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  path.mkdir(parents=True, exist_ok=True)
+  tok.save(str(path / "tokenizer.json"))
+  return Tokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_stream_pieces_add_up_to_the_whole_decode(tmp_path, kind):
+  """The pieces plus `flush` equal `decode` of all ids, and the pieces so far equal
+  the text of the ids so far whenever that text is complete. Byte-level:
+  random ids (special ones, bytes that never complete a character included).
+  SentencePiece: the ids of random texts (byte fallback for the characters it lacks;
+  random byte pieces are not monotone there: a later byte can turn a decoded
+  character back into U+FFFD, as can the incomplete bytes of a character that
+  follow a byte-fallback piece)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  if kind == "byte_level":
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    draw = lambda: rng.integers(0, tok.vocab_size, int(rng.integers(1, 120))).tolist()
+  else:
+    tok = _sentencepiece_style(tmp_path)
+    chars = list("the a abc wörld héllo ✓ 𝄞 , . ") + ["  "]
+    draw = lambda: tok.encode("".join(rng.choice(chars, int(rng.integers(1, 60)))),
+                              add_special_tokens=False)
+  for _ in range(40):
+    ids = draw()
+    stream, out = tok.stream(), ""
+    for n, i in enumerate(ids, 1):
+      out += stream.add(i)
+      whole = tok.decode(ids[:n])
+      if not whole.endswith("\ufffd"):
+        assert out == whole, (ids[:n], out, whole)
+    assert out + stream.flush() == tok.decode(ids)
+
+
+def test_stream_decodes_a_window_not_the_whole_output(tok_dir):
+  """A long generation costs each `add` the same: the ids decoded per call stay bounded."""
+  tok = Tokenizer.from_dir(tok_dir)
+  ids = tok.encode(" ".join(TEXTS) * 20, add_special_tokens=False)
+  assert len(ids) > 500
+  decoded = []
+  tok._tok = _Counting(tok._tok, decoded)  # pylint: disable=protected-access
+  stream = tok.stream()
+  for i in ids:
+    stream.add(i)
+  assert max(decoded) <= 8, max(decoded)
+
+
+class _Counting:
+  """A `tokenizers.Tokenizer` that records how many ids each `decode` call got."""
+
+  def __init__(self, tok, sizes):
+    self._tok, self._sizes = tok, sizes
+
+  def decode(self, ids, **kwargs):
+    self._sizes.append(len(ids))
+    return self._tok.decode(ids, **kwargs)
