@@ -1261,16 +1261,18 @@ def run_serving_warmup(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Resul
 
 def run_serving_device(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
   """The device's own decode step for the batch: `PagedRunner.decode`, 16 steps per
-  jitted call (`decode_multi`), no scheduler."""
+  jitted call (`decode_multi`), no scheduler; then one more call traced by JAX's
+  profiler: the step's device time per op (issue U item 5) in the note."""
   from paged_kv.serving import serving_bench as sb
   del spec
   ckpt = _serving_model(shape, dry)
   prompts = _serving_workload(shape).prompts[:shape.batch]
-  seconds = sb.device_step_seconds(ckpt.model, prompts, block_size=shape.block_size,
-                                   steps_per_call=16, calls=1 if dry else 4,
-                                   prefill_chunk=shape.prefill_chunk)
-  return Result(us_per_call=1e6 * seconds, nbytes=shape.nbytes,
-                note=f"PagedRunner.decode, 16 steps per call, batch {shape.batch}")
+  step = sb.device_step(ckpt.model, prompts, block_size=shape.block_size,
+                        steps_per_call=16, calls=1 if dry else 4,
+                        prefill_chunk=shape.prefill_chunk, profile=True)
+  return Result(us_per_call=1e6 * step.seconds, nbytes=shape.nbytes,
+                note=f"PagedRunner.decode, 16 steps per call, batch {shape.batch}; "
+                     + step.ops.summary(per="step"))
 
 
 def run_serving(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:

@@ -10,7 +10,8 @@
     floor of a decode step: the weights it reads (all but an untied input
     embedding, of which it gathers rows) plus the K/V of the batch's context,
     over the device's copy rate measured in the same process.
-  * `device_step_seconds` — the device's own decode step for a batch:
+  * `device_step_seconds` / `device_step` — the device's own decode step for a batch
+    (`device_step(profile=True)` adds the per-op breakdown of JAX's profiler):
     `PagedRunner.decode` with `steps_per_call` steps per jitted call
     (`decode_multi`), no scheduler.
   * `compare_with_reference` — served tokens against a reference implementation
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from typing import Any
 import dataclasses
 import math
 import statistics
@@ -283,8 +285,27 @@ def device_step_seconds(model, prompts, *, block_size: int = 16, steps_per_call:
   """Seconds per decode step of the batch `prompts` through `PagedRunner.decode`,
   `steps_per_call` steps per jitted call (`decode_multi`), on a pool of
   `len(prompts)` rows: one untimed call (it compiles), then `calls` timed ones."""
+  return device_step(model, prompts, block_size=block_size, steps_per_call=steps_per_call,
+                     calls=calls, prefill_chunk=prefill_chunk, impl=impl).seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceStep:
+  """`device_step`'s result: seconds per decode step, and with `profile=True` the
+  device time per op of one more call (`paged_kv.runtime.op_profile.OpProfile`;
+  `ops.runs` counts that call's steps, so its per-run figures are per step)."""
+  seconds: float
+  ops: Any = None
+
+
+def device_step(model, prompts, *, block_size: int = 16, steps_per_call: int = 16,
+                calls: int = 4, prefill_chunk: int = 512, impl: str | None = None,
+                profile: bool = False) -> DeviceStep:
+  """`device_step_seconds`, and with `profile` one more `decode_multi` call traced by
+  JAX's profiler (nothing recompiled) for the per-op breakdown."""
   from paged_kv.model.runner import PagedRunner  # pylint: disable=import-outside-toplevel
-  budget = steps_per_call * (calls + 1) + 1
+  from paged_kv.runtime import op_profile  # pylint: disable=import-outside-toplevel
+  budget = steps_per_call * (calls + 1 + int(profile)) + 1
   pool_config = serving_pool_config(model.config, max_batch=len(prompts),
                                     max_seq_len=max(map(len, prompts)) + budget,
                                     block_size=block_size)
@@ -296,7 +317,15 @@ def device_step_seconds(model, prompts, *, block_size: int = 16, steps_per_call:
   t0 = time.perf_counter()
   runner.decode(seqs, num_tokens=steps_per_call * calls, steps_per_call=steps_per_call)
   jax.block_until_ready(runner.state)
-  return (time.perf_counter() - t0) / (steps_per_call * calls)
+  seconds = (time.perf_counter() - t0) / (steps_per_call * calls)
+  ops = None
+  if profile:
+    def one_call():
+      runner.decode(seqs, num_tokens=steps_per_call, steps_per_call=steps_per_call)
+      return runner.state
+    traced = op_profile.profile_ops(one_call)
+    ops = dataclasses.replace(traced, runs=steps_per_call)
+  return DeviceStep(seconds, ops)
 
 
 def ceiling(tokens_per_s: float, step_bytes: int, rate: float, batch: int) -> tuple[float, float]:

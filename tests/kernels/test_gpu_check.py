@@ -107,7 +107,10 @@ def test_dry_mode_every_row_and_injected_faults(tmp_path):
   # The serving rows: a device step, tokens/s against the ceiling (`% copy`), the
   # synchronous loop's tokens equal to the overlapped loop's, nothing compiled.
   for b in ("b1", "b64"):
-    assert float(table[f"serving/device/1b-{b}"][4]) > 0
+    device = table[f"serving/device/1b-{b}"]
+    assert float(device[4]) > 0
+    # JAX's profiler: the step's op time per category (issue U item 5).
+    assert re.search(r"; ops [\d.]+ ms per step \(host:XLA execute\): .*top: ", device[11]), device
     for loop in ("sync", "overlapped"):
       cells = table[f"serving/1b-{b}/{loop}"]
       assert cells[1] == loop and float(cells[4]) > 0 and float(cells[6]) > 0, cells
