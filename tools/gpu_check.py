@@ -20,11 +20,13 @@ decode kernel alone for each candidate of `gpu_check_rows.DECODE_VARIANTS`
 Then the serving rows (`gpu_check_rows.serving_rows`, ids `serving/...`;
 `--skip=serving/` leaves them out): a random Llama-3.2-1B-shaped checkpoint
 written and loaded, the device's own decode step at batch 64 and 1
-(`decode_multi`, 16 steps per call), then the overlapped loop and the synchronous
+(`decode_multi`, 16 steps per call; the note breaks one step down per op with
+JAX's profiler), then the overlapped loop and the synchronous
 one, each warmed by a row of its own and run at batch 64 and 1 (tokens/s, step
 p50/p90, TTFT, TPOT, % of the bandwidth ceiling in `% copy`, step / device step
-against the goal, tokens equal between the loops), and the served tokens against
-transformers on the same checkpoint.
+against the goal, tokens equal between the loops), one 2,048-token prefill chunk
+(tokens/s, per-op breakdown), and the served tokens against transformers on the
+same checkpoint.
 
 How it runs: this process imports no JAX. One worker process
 (`--worker`, JAX and the device there) runs the rows one at a time; each row

@@ -193,7 +193,15 @@ def _serving_shapes(dry: bool) -> dict:
   out = {"serving-1b": ServingShape(batch=0, num_requests=0, **base)}
   for name, b in batches.items():
     out[f"serving-1b-{name}"] = ServingShape(batch=b, num_requests=max(2 * b, 4), **base)
+  chunk = 32 if dry else PREFILL_CHUNK_ROW
+  out["serving-1b-prefill"] = ServingShape(
+      batch=1, num_requests=1, **dict(base, prompt_len=chunk, prefill_chunk=chunk,
+                                      prefill_budget=chunk))
   return out
+
+
+PREFILL_CHUNK_ROW = 2048
+"""New tokens of the model prefill row (`serving/prefill/1b`), one chunk on an empty row."""
 
 
 def shapes(dry: bool) -> dict:
@@ -334,6 +342,8 @@ def serving_rows() -> list[RowSpec]:
                           device_ref=f"serving/device/1b-{b}",
                           needs=(f"serving/warmup/1b-{loop}",),
                           goals={"serving_over_device": 1.1}))
+  rows.append(RowSpec("serving/prefill/1b", "serving_prefill", "serving-1b-prefill",
+                      limit_s=90, est_s=20, needs=("serving/checkpoint/1b",)))
   rows.append(RowSpec("serving/transformers/1b", "serving_hf", "serving-1b", limit_s=90,
                       est_s=25, needs=("serving/checkpoint/1b",)))
   rows.append(RowSpec("serving/coldstart/1b-b64", "serving_cold_start", "serving-1b-b64",
@@ -1275,6 +1285,25 @@ def run_serving_device(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Resul
                      + step.ops.summary(per="step"))
 
 
+def run_serving_prefill(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
+  """One prefill chunk of `shape.prompt_len` new tokens through the model on an empty
+  row (`PagedRunner.prefill`), then the same traced by JAX's profiler: tokens/s, the
+  model's matmul FLOP rate (2 x parameters read per token; attention's FLOPs not
+  counted) and the per-op breakdown (issue U item 5)."""
+  from paged_kv.serving import serving_bench as sb
+  del spec
+  ckpt = _serving_model(shape, dry)
+  hf = shape.hf_config
+  step = sb.prefill_step(ckpt.model, shape.prompt_len, vocab=hf["vocab_size"],
+                         block_size=shape.block_size)
+  tokens = shape.prompt_len
+  flops = 2 * shape.weight_bytes // (4 if shape.dtype == "float32" else 2) * tokens
+  return Result(us_per_call=1e6 * step.seconds,
+                note=f"{tokens} new tokens: {tokens / step.seconds:,.0f} tok/s, "
+                     f"{flops / step.seconds / 1e12:.1f} TFLOP/s of weight matmuls; "
+                     + step.ops.summary(per="chunk"))
+
+
 def run_serving(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
   """`batch` requests in flight through the loop `spec.impl` (warmed by its warm-up
   row). us/call: wall time per `batch` output tokens (so `% copy`
@@ -1384,7 +1413,8 @@ RUNNERS = {"check_attn": run_check_attn, "check_perm": run_check_perm, "copy": r
            "builtin": run_builtin, "dense": run_dense, "layer": run_layer,
            "perm": run_perm, "serving_checkpoint": run_serving_checkpoint,
            "serving_warmup": run_serving_warmup, "serving_device": run_serving_device,
-           "serving": run_serving, "serving_hf": run_serving_hf,
+           "serving": run_serving, "serving_prefill": run_serving_prefill,
+           "serving_hf": run_serving_hf,
            "serving_cold_start": run_serving_cold_start}
 
 

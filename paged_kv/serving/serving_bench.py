@@ -14,6 +14,7 @@
     (`device_step(profile=True)` adds the per-op breakdown of JAX's profiler):
     `PagedRunner.decode` with `steps_per_call` steps per jitted call
     (`decode_multi`), no scheduler.
+  * `prefill_step` — one prefill chunk on an empty row, timed and profiled per op.
   * `compare_with_reference` — served tokens against a reference implementation
     (`paged_kv.model.hf_reference.Reference`: transformers), greedy and
     teacher-forced.
@@ -326,6 +327,34 @@ def device_step(model, prompts, *, block_size: int = 16, steps_per_call: int = 1
     traced = op_profile.profile_ops(one_call)
     ops = dataclasses.replace(traced, runs=steps_per_call)
   return DeviceStep(seconds, ops)
+
+
+def prefill_step(model, prompt_len: int, *, vocab: int, block_size: int = 16,
+                 impl: str | None = None, seed: int = 0) -> DeviceStep:
+  """Seconds of one prefill chunk of `prompt_len` new tokens on an empty row
+  (`PagedRunner.prefill`, chunk = `prompt_len`): one untimed call on another prompt
+  (it compiles), a timed one, then one traced by JAX's profiler (`DeviceStep.ops`,
+  one run). The timed call includes its result's read (the runner reads the next
+  token)."""
+  from paged_kv.model.runner import PagedRunner  # pylint: disable=import-outside-toplevel
+  from paged_kv.runtime import op_profile  # pylint: disable=import-outside-toplevel
+  pool_config = serving_pool_config(model.config, max_batch=1, max_seq_len=prompt_len + 1,
+                                    block_size=block_size, num_blocks=-(-(prompt_len + 1) //
+                                                                        block_size) + 1)
+  runner = PagedRunner(model, pool_config, prefill_chunk=prompt_len, impl=impl)
+  rng = np.random.default_rng(seed)
+
+  def one() -> Any:
+    seq = runner.open(rng.integers(0, vocab, prompt_len).tolist(), max_new_tokens=0)
+    runner.prefill([seq])
+    runner.release([seq])
+    return runner.state
+
+  jax.block_until_ready(one())
+  t0 = time.perf_counter()
+  jax.block_until_ready(one())
+  seconds = time.perf_counter() - t0
+  return DeviceStep(seconds, op_profile.profile_ops(one))
 
 
 def ceiling(tokens_per_s: float, step_bytes: int, rate: float, batch: int) -> tuple[float, float]:
