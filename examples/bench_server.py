@@ -100,7 +100,10 @@ async def _client_run(url: str, prompts: list, max_tokens: int, stream: bool) ->
 
 
 def _client_main(url: str) -> None:
-  """Reads one JSON command a line ({"prompts", "max_tokens", "stream"}), answers a line."""
+  """Reads one JSON command a line ({"prompts", "max_tokens", "stream"}), answers a line.
+  httpx's per-request INFO log lines are off (absl's handler would print each one)."""
+  import logging  # pylint: disable=import-outside-toplevel
+  logging.getLogger("httpx").setLevel(logging.WARNING)
   for line in sys.stdin:
     cmd = json.loads(line)
     out = asyncio.run(_client_run(url, cmd["prompts"], cmd["max_tokens"], cmd["stream"]))
