@@ -216,7 +216,9 @@ def draw_case(seed: int) -> Case:
       # Without the cache's blocks to evict first, pressure preempts at once; a
       # round trip needs the cache.
       enable_prefix_cache=(persist_rt or gc or on("prefix_cache", 0.7)),
-      prefill_token_budget=int(rng.integers(4, 33)),
+      # (a pressure case admits at least two blocks' worth per step: with a budget of a
+      # few tokens, admission lags the finishes and the pool never fills)
+      prefill_token_budget=int(rng.integers(16 if pressure else 4, 33)),
       prefill_chunk=int(rng.choice([4, 16])),
       preemption="swap" if on("swap", 0.5) else "recompute",
       evict_policy=str(rng.choice(["lru", "cost"])),
