@@ -21,18 +21,20 @@ _MASKS: dict[int, np.ndarray] = {}
 
 
 def _masks(block_size: int) -> np.ndarray:
-  """`i64[bs + 1, bs + 1]`: entry `[s, l]` has bits `[s, s + l)` set (cached, read only)."""
+  """`i64[(bs + 1) ** 2]`: entry `s * (bs + 1) + l` has bits `[s, s + l)` set (cached,
+  read only)."""
   m = _MASKS.get(block_size)
   if m is None:
     s = np.arange(block_size + 1, dtype=np.int64)
-    m = (((np.int64(1) << s[None, :]) - 1) << s[:, None]) & 0xFFFFFFFF
+    m = ((((np.int64(1) << s[None, :]) - 1) << s[:, None]) & 0xFFFFFFFF).reshape(-1)
     m.setflags(write=False)
     _MASKS[block_size] = m
   return m
 
 
-def held_counts(h: HostState, segs: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-  """`(ref_count, table_refs)` of the blocks of `segs` (`i32[k, 3]`, `k >= 1`, C order)
+def held_counts(h: HostState,
+                segs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+  """`(blocks i64[k], ref_count, table_refs)` of the blocks of `segs` (`i32[k, 3]`, `k >= 1`, C order)
   when a row opens on them without the general path: at most `max_segments`, every
   block in range and held outside the tables (`ref_count > table_refs`: so live, and
   no dead-slot question), every segment well formed on written slots. None
@@ -41,7 +43,9 @@ def held_counts(h: HostState, segs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
   k = segs.shape[0]
   if k > c.max_segments:
     return None
-  blk, st, ln = segs[:, 0], segs[:, 1], segs[:, 2]
+  # One contiguous intp copy of the ids: numpy indexes with it without a cast per use.
+  blk = segs[:, 0].astype(np.intp)
+  st, ln = segs[:, 1], segs[:, 2]
   if blk.min() < 0 or blk.max() >= c.num_blocks:
     return None
   ref = h.ref_count[blk]
@@ -53,19 +57,20 @@ def held_counts(h: HostState, segs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
   if st.min() < 0 or ln.min() < 1 or (st + ln).max() > bs:
     return None
   if c.slot_words == 1:
-    mask = _masks(bs)[st, ln]
-    if ((h.slots[blk, 0] & mask) != mask).any():
+    mask = _masks(bs)[(st * (bs + 1) + ln).astype(np.intp)]
+    if ((h.slots.reshape(-1)[blk] & mask) != mask).any():
       return None
   else:
     mask = T.range_mask(st, ln, c.slot_words)
     if ((h.slots[blk] & mask) != mask).any():
       return None
-  return ref, tr
+  return blk, ref, tr
 
 
-def open_held(h: HostState, row: int, segs: np.ndarray, ref: np.ndarray, tr: np.ndarray,
-              *, copy_tail: bool) -> bool:
-  """Opens inactive `row` on `segs` (which passed `held_counts`, giving `ref`, `tr`);
+def open_held(h: HostState, row: int, segs: np.ndarray, blocks: np.ndarray, ref: np.ndarray,
+              tr: np.ndarray, *, copy_tail: bool) -> bool:
+  """Opens inactive `row` on `segs` (which passed `held_counts`, giving `blocks`,
+  `ref`, `tr`);
   `copy_tail`: copies the tail into the lowest free block when it is partial and a
   block is free, the row opening on the copy (`open_one_copying_tail`). Returns
   whether it copied."""
@@ -79,7 +84,7 @@ def open_held(h: HostState, row: int, segs: np.ndarray, ref: np.ndarray, tr: np.
     fresh = int(f[0])
     h.take_blocks(f, T._prefix_words(tl, h.config.slot_words))  # pylint: disable=protected-access
     h.log.copies(h, np.array([[tb, ts, fresh, 0, tl]], np.int64))
-    h.log.touch_owned(np.array([tb], np.int64))  # as the split's decref does
+    h.log.touch_owned(blocks[-1:])  # as the split's decref does
   refs = k - 1 if copy else k
   h.log.touch_row(h, row)
   h.block[row, :k] = segs[:, 0]
@@ -93,7 +98,7 @@ def open_held(h: HostState, row: int, segs: np.ndarray, ref: np.ndarray, tr: np.
   h.active[row] = True
   if refs:
     # Live blocks (held: `ref > tr >= 0`), so no count leaves 0: the free index stays.
-    blk = segs[:refs, 0]
+    blk = blocks[:refs]
     uniq, count = aggregate(h.stamp, blk, 1)
     if uniq is blk:
       ref, tr = ref[:refs], tr[:refs]
