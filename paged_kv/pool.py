@@ -49,6 +49,7 @@ from paged_kv.core.page_copy import BLOCK_MOVE_IMPLS
 from paged_kv.core.invariants import check_invariants
 from paged_kv.core.segment_format import Segments, as_segments, empty_segments
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState, init_pool
+from paged_kv.mirror import open_row
 from paged_kv.mirror import transitions as host_ops
 from paged_kv.mirror.changes import ChangeLog, CommitWidths, empty_batch
 from paged_kv.mirror.host_state import HostState
@@ -726,63 +727,41 @@ class BlockPool:
     self._done()
     return ids
 
-  def _open_one(self, segments, *, copy_tail: bool = False, checked: bool = False) -> int | None:
+  def _open_one(self, segments, *, copy_tail: bool = False) -> int | None:
     """`open_sequences` of one row in the lowest free row, without the batch work
     (`copy_tail`: and the tail copy of `open_sequence`); None when the general path
     must decide (a problem to report, or segments whose blocks no outside holder
-    vouches for: the dead-slot check); nothing changed then. `checked`: the
-    segments passed `_opens_alone` and a row is free."""
+    vouches for: the dead-slot check); nothing changed then."""
     segs = empty_segments() if segments is None else _fast_segments(segments)
     if segs is None:
       return None
     h = self.host
     free = ~h.active
     row = int(free.argmax())
-    if not checked and (not free[row] or not self._opens_alone(segs, full=False)):
+    if not free[row]:
       return None
-    k = segs.shape[0]
-    if copy_tail and k:
-      blk = segs[:, 0]
-      if self._log.page_conflict(blk[-1:], self._log.free_page_dsts(h), copies=1):
-        self.flush()  # the copy must not read or write a block the window's copies wrote
-      status, _ = host_ops.open_one_copying_tail(h, row, blk, segs[:, 1], segs[:, 2],
-                                                 checked=checked)
-    elif checked:
-      status = host_ops.open_checked(h, row, segs[:, 0], segs[:, 1], segs[:, 2])
-    else:
+    if not segs.shape[0]:
       status = host_ops.open_rows(h, np.array([row]), segs[None, :, 0], segs[None, :, 1],
-                                  segs[None, :, 2], np.array([k]))
-    if status[0]:
-      return None  # refused, nothing applied: the general path raises its error
+                                  segs[None, :, 2], np.array([0]))
+      if status[0]:
+        return None
+      self._done()
+      return row
+    counts = open_row.held_counts(h, segs)
+    if counts is None:
+      return None
+    if (copy_tail and int(segs[-1, 2]) < self.config.block_size and h.free.num_free
+        and self._log.page_conflict(segs[-1:, 0], h.free.lowest(1), copies=1)):
+      self.flush()  # the copy (into the lowest free block) must wait for the window's pages
+    open_row.open_held(h, row, segs, *counts, copy_tail=copy_tail)
     self._done()
     return row
 
-  def _opens_alone(self, segs: np.ndarray, *, full: bool = True) -> bool:
+  def _opens_alone(self, segs: np.ndarray) -> bool:
     """Whether a row opens on `segs` (`i32[k, 3]`) without the general path: at most
     `max_segments`, on blocks that something outside the tables holds (no dead-slot
-    question), and (`full`) the open's own checks pass (`host_ops.open_segments_status`;
-    else the open itself runs them and refuses with nothing changed)."""
-    c = self.config
-    k = segs.shape[0]
-    if k > c.max_segments:
-      return False
-    if not k:
-      return True
-    h = self.host
-    blk = segs[:, 0]
-    if k <= _SMALL_IDS:
-      b = blk.tolist()
-      if min(b) < 0 or max(b) >= c.num_blocks:
-        return False
-      if any(r <= t for r, t in zip(h.ref_count[blk].tolist(), h.table_refs[blk].tolist())):
-        return False  # unheld blocks (or free ones): the full check
-    else:
-      if blk.min() < 0 or blk.max() >= c.num_blocks:
-        return False
-      if (h.ref_count[blk] <= h.table_refs[blk]).any():
-        return False
-    return not full or host_ops.open_segments_status(h, blk, segs[:, 1], segs[:, 2]) == int(
-        Status.OK)
+    question), and the open's own checks pass (`open_row.held_counts`)."""
+    return not segs.shape[0] or open_row.held_counts(self.host, segs) is not None
 
   def _open_few(self, segments: Sequence, copy_tails: Sequence[bool]) -> np.ndarray | None:
     """`open_sequences(segments)` in the lowest free rows, then `cow_split(rows marked
@@ -797,7 +776,7 @@ class BlockPool:
       return None
     rows = []
     for x, copy_tail in zip(segs, copy_tails):
-      row = self._open_one(x, copy_tail=copy_tail, checked=True)
+      row = self._open_one(x, copy_tail=copy_tail)
       if row is None:
         raise InternalInconsistency("open: a row checked to open was refused")
       rows.append(row)
