@@ -124,6 +124,12 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "--checkpoint's nucleus sampling mass 
 _TOP_K = flags.DEFINE_integer("top_k", 0, "--checkpoint's top-k sampling (0: all).")
 _SAMPLE_SEED = flags.DEFINE_integer("sample_seed", None, "--checkpoint's sampling seed "
                                     "(default: --seed).")
+_PRESENCE = flags.DEFINE_float("presence_penalty", 0.0, "--checkpoint's presence penalty "
+                               "(vLLM's; [-2, 2], 0: off).")
+_FREQUENCY = flags.DEFINE_float("frequency_penalty", 0.0, "--checkpoint's frequency penalty "
+                                "(vLLM's; [-2, 2], 0: off).")
+_REPETITION = flags.DEFINE_float("repetition_penalty", 1.0, "--checkpoint's repetition "
+                                 "penalty (vLLM's; > 0, 1: off).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run every program the serving path can run "
                             "before serving (Scheduler.warmup()); --nowarmup compiles each on "
                             "first use.")
@@ -234,7 +240,10 @@ def serve_checkpoint(path: Path) -> None:
       num_prompt = len(prompt)
     sampling = SamplingParams(temperature=_TEMPERATURE.value, top_p=_TOP_P.value,
                               top_k=_TOP_K.value, seed=_SAMPLE_SEED.value
-                              if _SAMPLE_SEED.value is not None else _SEED.value)
+                              if _SAMPLE_SEED.value is not None else _SEED.value,
+                              presence_penalty=_PRESENCE.value,
+                              frequency_penalty=_FREQUENCY.value,
+                              repetition_penalty=_REPETITION.value)
     # Serve this prompt's length, within the checkpoint's context: a longer request is
     # refused by the facade (ContextLengthExceeded), never generated past it.
     context = hf_checkpoint.read_hf_config(path).get("max_position_embeddings")

@@ -17,8 +17,10 @@ Before that, each row's logit adjustments (`adjust_ids`, `adjust_vals`: a reques
 `logit_bias`, and `-inf` on its stop tokens while its output is shorter than
 `min_tokens`) are added to its logits, greedy rows included, inside a `lax.cond`
 that a batch without any skips (the default path's tokens and cost stay as they
-were). `apply_penalties` is vLLM's repetition, frequency and presence penalties
-over per-row token counts, for a step that holds them.
+were). Then, when the step hands `sample` a `penalize` function (it holds the
+rows' token histories: `paged_kv.model.penalties`), vLLM's repetition, frequency
+and presence penalties (`apply_penalties`), in a `lax.cond` that a batch without a
+penalized row skips.
 
 Logprobs are of the model's raw distribution (`log_softmax(logits)`, before the
 adjustments, the temperature and the filters: vLLM's default `raw_logprobs`).
@@ -57,6 +59,12 @@ class SamplingBatch:
     adjust_vals: `f32[B, ADJUST_WIDTH]` what is added to each: a finite bias
       always, `-inf` (a stop token held back) only while `index < min_tokens`.
     min_tokens: `i32[B]` the output length before which the `-inf` entries apply.
+    presence: `f32[B]` presence penalty (0 = off).
+    frequency: `f32[B]` frequency penalty (0 = off).
+    repetition: `f32[B]` repetition penalty (1 = off).
+    prompt_len: `i32[B]` the row's prompt length: in its token history
+      (`paged_kv.model.penalties`), positions before it are the prompt, the rest
+      the output (read only for a penalized row).
   """
 
   temperature: jax.Array | np.ndarray
@@ -68,6 +76,10 @@ class SamplingBatch:
   adjust_ids: jax.Array | np.ndarray
   adjust_vals: jax.Array | np.ndarray
   min_tokens: jax.Array | np.ndarray
+  presence: jax.Array | np.ndarray
+  frequency: jax.Array | np.ndarray
+  repetition: jax.Array | np.ndarray
+  prompt_len: jax.Array | np.ndarray
 
   @classmethod
   def greedy(cls, num_rows: int) -> "SamplingBatch":
@@ -78,9 +90,20 @@ class SamplingBatch:
                index=np.zeros((num_rows,), np.int32),
                adjust_ids=np.full((num_rows, ADJUST_WIDTH), -1, np.int32),
                adjust_vals=np.zeros((num_rows, ADJUST_WIDTH), np.float32),
-               min_tokens=np.zeros((num_rows,), np.int32))
+               min_tokens=np.zeros((num_rows,), np.int32),
+               presence=np.zeros((num_rows,), np.float32),
+               frequency=np.zeros((num_rows,), np.float32),
+               repetition=np.ones((num_rows,), np.float32),
+               prompt_len=np.zeros((num_rows,), np.int32))
 
-  def set_row(self, row: int, params, *, seed: int, index: int, stop_ids) -> None:
+  @property
+  def penalized(self) -> jax.Array:
+    """`bool[B]`: the rows with a presence, frequency or repetition penalty."""
+    return ((jnp.asarray(self.presence) != 0) | (jnp.asarray(self.frequency) != 0)
+            | (jnp.asarray(self.repetition) != 1))
+
+  def set_row(self, row: int, params, *, seed: int, index: int, stop_ids,
+              prompt_len: int = 0) -> None:
     """Fills host row `row` from a request's `SamplingParams` (arrays written in place).
 
     Args:
@@ -88,7 +111,11 @@ class SamplingBatch:
       params: the request's `paged_kv.serving.SamplingParams`.
       seed: its sampling seed; index: the output index of the token sampled.
       stop_ids: its stop tokens (what `min_tokens` holds back).
+      prompt_len: its prompt's length (read with penalties only).
     """
+    if params.penalized:
+      self.presence[row], self.frequency[row] = params.presence_penalty, params.frequency_penalty
+      self.repetition[row], self.prompt_len[row] = params.repetition_penalty, prompt_len
     if not params.greedy:
       self.temperature[row], self.top_k[row] = params.temperature, params.top_k
       self.top_p[row], self.min_p[row] = params.top_p, params.min_p
@@ -180,13 +207,18 @@ def apply_penalties(logits: jax.Array, output_counts: jax.Array, prompt_mask: ja
   return logits - jnp.asarray(presence, jnp.float32)[:, None] * in_output.astype(jnp.float32)
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int = 0) -> SampleOutput:
+def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int = 0,
+           penalize=None) -> SampleOutput:
   """The next token of each row (see the module docstring).
 
   Args:
     logits: `f32[B, V]` each row's logits after its last token.
     batch: the rows' parameters.
     num_logprobs: static; how many top logprobs to return per row (0: none).
+    penalize: optional `fn(logits f32[B, V]) -> f32[B, V]` applying the rows'
+      presence, frequency and repetition penalties (it knows their token counts:
+      `paged_kv.model.penalties.penalizer`); run after the adjustments, inside a
+      `lax.cond` that a batch without a penalized row skips. None: no penalties.
 
   Returns:
     A `SampleOutput`.
@@ -194,6 +226,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int = 0) ->
   raw = logits = jnp.asarray(logits, jnp.float32)
   adjusted = jnp.any(jnp.asarray(batch.adjust_ids) >= 0)
   logits = jax.lax.cond(adjusted, lambda: apply_adjustments(raw, batch), lambda: raw)
+  if penalize is not None:
+    logits = jax.lax.cond(jnp.any(batch.penalized), penalize, lambda x: x, logits)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   hot = batch.temperature > 0
 

@@ -79,7 +79,7 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.core.segments import reserve_tokens
 from paged_kv.core.state import PoolState
-from paged_kv.model import contract, multistep, ragged, sampling
+from paged_kv.model import contract, multistep, penalties, ragged, sampling
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
 
@@ -90,10 +90,17 @@ _STATICS = ("graphdef", "config", "impl", "interpret")
 # Traced bodies, shared by the bound and the module-level steps ---------------------------
 
 
-def _forward_body(model, state: PoolState, plan: StepPlan, *, config: PoolConfig,
-                  impl: str | None, interpret) -> tuple[PoolState, tuple[jax.Array, ...]]:
+def _forward_body(model, state: PoolState, plan: StepPlan, **kwargs
+                  ) -> tuple[PoolState, tuple[jax.Array, ...]]:
   """Reserve (unless the host did: `plan.reserved`), metadata, model, greedy sample
   (traced; shared by every step)."""
+  state, out, _ = _forward_core(model, state, plan, **kwargs)
+  return state, out
+
+
+def _forward_core(model, state: PoolState, plan: StepPlan, *, config: PoolConfig,
+                  impl: str | None, interpret):
+  """`_forward_body`, also returning the step's metadata and tokens (carried resolved)."""
   if plan.reserved is not None:  # static: the plan's tree structure
     # The host reserved the slots and its commit already put them in the table.
     meta = StepMetadata.from_reserved(plan, state.table)
@@ -119,15 +126,26 @@ def _forward_body(model, state: PoolState, plan: StepPlan, *, config: PoolConfig
     last_logits = logits[last]  # [B, V]
   sampled = (status == Status.OK) & (meta.seq_ids >= 0) & (meta.q_lens > 0)
   next_tokens = jnp.where(sampled, jnp.argmax(last_logits, axis=-1), -1).astype(jnp.int32)
-  return dataclasses.replace(state, pages=pages), (next_tokens, last_logits, status)
+  return (dataclasses.replace(state, pages=pages), (next_tokens, last_logits, status),
+          (meta, tokens))
 
 
-def _sampled_body(model, state: PoolState, plan: StepPlan, **kwargs) -> tuple[PoolState, tuple]:
-  """`_forward_body`, each row's token drawn by `plan.sampling`."""
-  state, (greedy, last_logits, status) = _forward_body(model, state, plan, **kwargs)
-  out = sampling.sample(last_logits, plan.sampling, num_logprobs=plan.num_logprobs)
+def _sampled_body(model, state: PoolState, plan: StepPlan, history=None,
+                  **kwargs) -> tuple[PoolState, tuple]:
+  """`_forward_body`, each row's token drawn by `plan.sampling`; with a token
+  `history` (`paged_kv.model.penalties`) the step's tokens are recorded in it and the
+  rows' penalties applied, and the history is returned last in the output."""
+  state, (greedy, last_logits, status), (meta, tokens) = _forward_core(model, state, plan,
+                                                                       **kwargs)
+  penalize = None
+  if history is not None:
+    history = penalties.record(history, meta, tokens)
+    penalize = penalties.penalizer(history, meta.seq_ids, meta.seq_lens, plan.sampling)
+  out = sampling.sample(last_logits, plan.sampling, num_logprobs=plan.num_logprobs,
+                        penalize=penalize)
   tokens = jnp.where(greedy >= 0, out.tokens, -1).astype(jnp.int32)
-  return state, (tokens, status, out._replace(tokens=tokens))
+  result = (tokens, status, out._replace(tokens=tokens))
+  return state, result if history is None else (*result, history)
 
 
 def _prefill_plan(seq_ids, tokens, num_new) -> StepPlan:
@@ -165,7 +183,7 @@ def _decode_multi_body(model, state, seq_ids, tokens, remaining, *, num_steps: i
 
 def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Array, *,
                      config: PoolConfig, num_steps: int, impl: str | None = None,
-                     interpret=None) -> tuple[PoolState, tuple]:
+                     interpret=None, history=None) -> tuple[PoolState, tuple]:
   """`num_steps` decode steps of a decode plan in one `lax.scan` (pure; jit it).
 
   Row b runs step j iff `plan.seq_ids[b] >= 0`, `j < remaining[b]` and none of its
@@ -184,11 +202,15 @@ def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Arr
     remaining: `i32[B]` the most steps each row runs.
     config, impl, interpret: as in `forward`.
     num_steps: static number of steps k.
+    history: optional token history (`paged_kv.model.penalties`), with
+      `plan.sampling`: each step records its tokens in it and applies the rows'
+      penalties; it is returned last in the output.
 
   Returns:
     `(state, (tokens i32[k, B], status i32[k, B]))`, plus a `SampleOutput` with
-    a leading k axis when `plan.sampling` is given: tokens `-1` where the row did
-    not run or its reservation failed, status `OK` for rows that did not run.
+    a leading k axis when `plan.sampling` is given (and the history after it when
+    given): tokens `-1` where the row did not run or its reservation failed, status
+    `OK` for rows that did not run.
   """
   if plan.reserved is not None:
     raise InvalidArgument("run_decode_steps reserves its k steps itself: its plan takes no "
@@ -200,22 +222,31 @@ def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Arr
     tokens = plan.carried.resolve(tokens)
   tokens = tokens[:b] if t >= b else jnp.pad(tokens, (0, b - t))
   sampled = plan.sampling is not None
+  with_history = sampled and history is not None
 
-  def step(state, ids, tokens, j):
+  def step(carry, ids, tokens, j):
     one = dataclasses.replace(_decode_plan(ids, tokens), num_logprobs=plan.num_logprobs)
     if not sampled:
-      state, (nxt, _, status) = _forward_body(model, state, one, **kwargs)
-      return state, (nxt, status, None)
+      carry, (nxt, _, status) = _forward_body(model, carry, one, **kwargs)
+      return carry, (nxt, status, None)
     one = dataclasses.replace(one, sampling=dataclasses.replace(
         plan.sampling, index=jnp.asarray(plan.sampling.index, jnp.int32) + j))
-    state, (nxt, status, out) = _sampled_body(model, state, one, **kwargs)
-    return state, (nxt, status, out)
+    if not with_history:
+      carry, (nxt, status, out) = _sampled_body(model, carry, one, **kwargs)
+      return carry, (nxt, status, out)
+    state, hist = carry
+    state, (nxt, status, out, hist) = _sampled_body(model, state, one, hist, **kwargs)
+    return (state, hist), (nxt, status, out)
 
-  state, (toks, status, out) = multistep.scan_decode(step, state, plan.seq_ids, tokens,
+  carry = (state, history) if with_history else state
+  carry, (toks, status, out) = multistep.scan_decode(step, carry, plan.seq_ids, tokens,
                                                      remaining, num_steps=num_steps)
   if not sampled:
-    return state, (toks, status)
-  return state, (toks, status, out._replace(tokens=toks))
+    return carry, (toks, status)
+  if not with_history:
+    return carry, (toks, status, out._replace(tokens=toks))
+  state, history = carry
+  return state, (toks, status, out._replace(tokens=toks), history)
 
 
 # Module-level steps (slow: the graph definition is hashed on every call) -----------------
@@ -361,8 +392,8 @@ def _programs(graphdef: nnx.GraphDef, treedef, *, config: PoolConfig, impl: str 
   def forward(leaves, state, plan):
     return _forward_body(model(leaves), state, plan, **kwargs)
 
-  def forward_sampled(leaves, state, plan):
-    return _sampled_body(model(leaves), state, plan, **kwargs)
+  def forward_sampled(leaves, state, plan, history=None):
+    return _sampled_body(model(leaves), state, plan, history, **kwargs)
 
   def prefill(leaves, state, seq_ids, tokens, num_new):
     return _forward_body(model(leaves), state, _prefill_plan(seq_ids, tokens, num_new), **kwargs)
@@ -374,16 +405,18 @@ def _programs(graphdef: nnx.GraphDef, treedef, *, config: PoolConfig, impl: str 
     return _decode_multi_body(model(leaves), state, seq_ids, tokens, remaining,
                               num_steps=num_steps, stop_token=stop_token, **kwargs)
 
-  def decode_steps(leaves, state, plan, remaining, *, num_steps):
+  def decode_steps(leaves, state, plan, remaining, history=None, *, num_steps):
     return run_decode_steps(model(leaves), state, plan, remaining, num_steps=num_steps,
-                            **kwargs)
+                            history=history, **kwargs)
 
   extra = {} if out_shardings is None else dict(out_shardings=out_shardings)
-  jit = lambda fn, statics=(): jax.jit(fn, donate_argnums=1, static_argnames=statics, **extra)
-  return dict(forward=jit(forward), forward_sampled=jit(forward_sampled), prefill=jit(prefill),
-              decode_step=jit(decode_step),
+  jit = lambda fn, statics=(), donate=(1,): jax.jit(fn, donate_argnums=donate,
+                                                    static_argnames=statics, **extra)
+  # The token history (`paged_kv.model.penalties`) is donated with the state.
+  return dict(forward=jit(forward), forward_sampled=jit(forward_sampled, donate=(1, 3)),
+              prefill=jit(prefill), decode_step=jit(decode_step),
               decode_multi=jit(decode_multi, ("num_steps", "stop_token")),
-              decode_steps=jit(decode_steps, ("num_steps",)))
+              decode_steps=jit(decode_steps, ("num_steps",), donate=(1, 4)))
 
 
 class ModelSteps:
@@ -492,9 +525,11 @@ class ModelSteps:
     """`forward(params, state, plan, ...)`, bound: `(state, (next_tokens, last_logits, status))`."""
     return self.jitted["forward"](self.leaves, state, plan)
 
-  def forward_sampled(self, state: PoolState, plan: StepPlan):
-    """`forward_sampled`, bound: `(state, (next_tokens, status, SampleOutput))`."""
-    return self.jitted["forward_sampled"](self.leaves, state, plan)
+  def forward_sampled(self, state: PoolState, plan: StepPlan, history=None):
+    """`forward_sampled`, bound: `(state, (next_tokens, status, SampleOutput))`; with a
+    token `history` (`paged_kv.model.penalties`; donated) the rows' penalties apply and
+    the new history comes last: `(state, (next_tokens, status, SampleOutput, history))`."""
+    return self.jitted["forward_sampled"](self.leaves, state, plan, history)
 
   def prefill(self, state: PoolState, seq_ids, tokens, num_new):
     """`prefill`, bound."""
@@ -510,16 +545,19 @@ class ModelSteps:
     return self.jitted["decode_multi"](self.leaves, state, seq_ids, tokens, remaining,
                                        num_steps=num_steps, stop_token=stop_token)
 
-  def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *, num_steps: int):
+  def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *, num_steps: int,
+                   history=None):
     """`run_decode_steps`, bound: `(state, (tokens i32[k, B], status i32[k, B]))`, plus
-    the `SampleOutput` (leading k axis) when `plan.sampling` is given.
+    the `SampleOutput` (leading k axis) when `plan.sampling` is given, and the token
+    `history` after it when given (donated; `paged_kv.model.penalties`).
 
     Raises:
       InvalidArgument: `num_steps` is not an int >= 1, `plan.max_query_len != 1`
         or `remaining` is not `[B]`-shaped (before the call: `state` is intact).
     """
     multistep.check_decode_steps(plan, remaining, num_steps)
-    return self.jitted["decode_steps"](self.leaves, state, plan, remaining, num_steps=num_steps)
+    return self.jitted["decode_steps"](self.leaves, state, plan, remaining, history,
+                                       num_steps=num_steps)
 
 
 def bind(model: nnx.Module, config: PoolConfig, *, impl: str | None = None, interpret=None,

@@ -96,6 +96,8 @@ class ShardedModelExecutor(ModelExecutor):
       set_activation_sharding(model, self._replicated)
     super().__init__(model, pool_config, impl=impl, interpret=interpret)
     self.steps.set_params(jax.device_put(self.steps.params, self._replicated))
+    if self.history is not None:  # replicated, as the steps return it
+      self.history = jax.device_put(self.history, self._replicated)
 
   def _out_shardings(self, config: PoolConfig):
     """Every step output replicated, the pool's pages sharded over `axis` (pinned:

@@ -13,7 +13,10 @@ A request alone in a drained pool is always admitted (`alone_need`: `submit`
 refuses what could not fit an empty pool), so the scheduler never stalls. A request
 in `RequestQueues.unshared` (a row that ran alone out of room on a shared layout,
 `Preemption.unstick`) is admitted without a cached prefix, in fresh blocks, until it
-is admitted alone (the oldest row then: never a victim while others run). Room is
+is admitted alone (the oldest row then: never a victim while others run). A request
+with a presence, frequency or repetition penalty is admitted without a cached prefix
+too (the step's token history, `paged_kv.model.penalties`, holds only the tokens
+its own steps cached). Room is
 also kept for the running rows' next tokens (`next_token_blocks`), so a newcomer never
 takes the block a running row's next token needs.
 """
@@ -269,7 +272,10 @@ class Admission:
     probe = context if resumed else context[:-1]
     matched, segs, node = 0, np.zeros((0, 3), np.int32), None
     unshared = id(req) in self.queues.unshared
-    if self.caching and probe.size and not unshared:
+    # A penalized request reads its own token history (`paged_kv.model.penalties`),
+    # which holds only what its own steps cached: no shared prefix.
+    penalized = req.sampling is not None and req.sampling.penalized
+    if self.caching and probe.size and not unshared and not penalized:
       m = self.cached_pool.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
     # Keep the segment table from overflowing: a matched prefix may hold more segments

@@ -291,5 +291,5 @@ def sampling_batch(decodes: list[Request], chunks: Chunks, num_rows: int) -> Sam
     sp = r.sampling
     if sp is not None:
       batch.set_row(i, sp, seed=r.sample_seed, index=len(r.output) + r.in_flight,
-                    stop_ids=r.stop_ids)
+                    stop_ids=r.stop_ids, prompt_len=r.prompt.size)
   return batch

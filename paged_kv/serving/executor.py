@@ -22,6 +22,12 @@ Optional attributes the scheduler reads:
     (`SamplingParams.stop`) need it (`paged_kv.serving.stop_strings`).
   * `samples = True`: the executor applies `plan.sampling` (the scheduler then
     always hands it one) and may return the rows' `SampleOutput` fourth.
+  * `applies_penalties = True`: it applies the presence, frequency and repetition
+    penalties of `plan.sampling` (it keeps the rows' token histories:
+    `paged_kv.model.penalties`); `submit` refuses penalized requests otherwise, and
+    admits them without a cached prefix (`paged_kv.serving.admission`).
+    `history_len`: the positions its histories hold (`submit` refuses a penalized
+    request that could grow longer).
   * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
     the device from the previous step's `next_tokens`) inside its jitted step;
     for any other the scheduler resolves them first.
@@ -229,7 +235,8 @@ class ModelExecutor:
   takes_reserved_slots = True  # a plan's `reserved` slots are read, not reserved again
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
-               impl: str | None = None, interpret: bool | None = None, tokenizer=None):
+               impl: str | None = None, interpret: bool | None = None, tokenizer=None,
+               history_len: int | None = None):
     """Checks the model and binds its steps to the pool's config.
 
     Args:
@@ -241,6 +248,11 @@ class ModelExecutor:
       interpret: Pallas interpret mode (`None`: on CPU only).
       tokenizer: the model's tokenizer (a `paged_kv.model.tokenizer.Tokenizer`), for
         stop strings; None: requests with stop strings are refused at submit.
+      history_len: positions of the token history kept per pool row for the
+        presence, frequency and repetition penalties (`paged_kv.model.penalties`:
+        `max_seqs * history_len * 4` bytes on the device); None: `max_segments *
+        block_size` (the longest row the table holds); 0: no history, and
+        penalized requests are refused at submit.
 
     Raises:
       ModelContractError: the model's signature or its abstract decode, prefill
@@ -248,7 +260,7 @@ class ModelExecutor:
         contract; the message names what.
       InvalidArgument: `model.config` does not match the pool.
     """
-    from paged_kv.model import contract, llama, steps
+    from paged_kv.model import contract, llama, penalties, steps
     if not isinstance(pool_config, PoolConfig):
       raise InvalidArgument(f"pool_config must be a PoolConfig, got {type(pool_config).__name__}")
     model_config = getattr(model, "config", None)
@@ -261,6 +273,18 @@ class ModelExecutor:
     self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
     self.steps = steps.bind(model, pool_config, out_shardings=self._out_shardings(pool_config),
                             **self.kernel_args)
+    if history_len is None:
+      history_len = pool_config.max_segments * pool_config.block_size
+    if not isinstance(history_len, int) or isinstance(history_len, bool) or history_len < 0:
+      raise InvalidArgument(f"history_len must be an int >= 0 or None, got {history_len!r}")
+    self.history_len = history_len
+    self.history = (penalties.empty_history(pool_config.max_seqs, history_len)
+                    if history_len else None)
+
+  @property
+  def applies_penalties(self) -> bool:
+    """Whether the rows' presence, frequency and repetition penalties are applied."""
+    return self.history is not None
 
   def _out_shardings(self, config: PoolConfig):
     """The programs' `out_shardings` for `config` (None: the compiler's choice)."""
@@ -285,7 +309,11 @@ class ModelExecutor:
 
   def step(self, state: PoolState, plan: StepPlan) -> tuple:
     if plan.sampling is not None:
-      state, (nxt, status, out) = self.steps.forward_sampled(state, plan)
+      if self.history is None:
+        state, (nxt, status, out) = self.steps.forward_sampled(state, plan)
+      else:
+        state, (nxt, status, out, self.history) = self.steps.forward_sampled(
+            state, plan, self.history)
       return state, nxt, status, out
     state, (nxt, _, status) = self.steps.forward(state, plan)
     # Device arrays: the caller reads the tokens (it needs them) and compares the
@@ -295,13 +323,16 @@ class ModelExecutor:
   def lower_step(self, state: PoolState, plan: StepPlan):
     """`step`'s program for `plan`'s shapes, lowered (not run: `state` is kept), for a
     warm-up that compiles programs concurrently (`jax.stages.Lowered.compile`)."""
-    return self.steps.lower("forward" if plan.sampling is None else "forward_sampled",
-                            state, plan)
+    if plan.sampling is None:
+      return self.steps.lower("forward", state, plan)
+    return self.steps.lower("forward_sampled", state, plan, self.history)
 
   def lower_decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
                          num_steps: int):
     """`decode_steps`' program, lowered (see `lower_step`)."""
-    return self.steps.lower("decode_steps", state, plan, remaining, num_steps=num_steps)
+    history = None if plan.sampling is None else self.history
+    return self.steps.lower("decode_steps", state, plan, remaining, history,
+                            num_steps=num_steps)
 
   def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
                    num_steps: int) -> tuple:
@@ -315,5 +346,10 @@ class ModelExecutor:
       InvalidArgument: not a decode plan, `num_steps < 1` or `remaining` not
         `[B]` (before the call: `state` is intact).
     """
-    state, out = self.steps.decode_steps(state, plan, remaining, num_steps=num_steps)
+    if plan.sampling is None or self.history is None:
+      state, out = self.steps.decode_steps(state, plan, remaining, num_steps=num_steps)
+      return (state, *out)
+    state, (*out, self.history) = self.steps.decode_steps(state, plan, remaining,
+                                                          num_steps=num_steps,
+                                                          history=self.history)
     return (state, *out)

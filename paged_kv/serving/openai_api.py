@@ -12,10 +12,10 @@ Sampling fields (`sampling_from_body`, the one place they are mapped):
   * mapped now: `temperature` (OpenAI's default 1.0), `top_p`, `top_k`, `min_p`,
     `seed`, `max_tokens` (`max_completion_tokens` for chat), `logprobs` /
     `top_logprobs`, `stop_token_ids` (a vLLM extension);
-  * passed by name when `SamplingParams` has a field of that name, refused with a
-    400 naming the field otherwise (so they work as soon as `SamplingParams`
-    gains them): `presence_penalty`, `frequency_penalty`, `repetition_penalty`,
-    `min_tokens`, `logit_bias`, `ignore_eos`, `prompt_logprobs`, `stop`;
+  * passed by name to `SamplingParams` (vLLM's fields; a field it lacked would be
+    refused with a 400 naming it): `presence_penalty`, `frequency_penalty`,
+    `repetition_penalty`, `min_tokens`, `logit_bias`, `ignore_eos`,
+    `prompt_logprobs` (refused at `submit`: not served yet), `stop`;
   * refused: `n` > 1, `best_of` > 1, `echo`, `suffix`, tools and function calls,
     `response_format` other than text; any field the API does not have.
 """

@@ -10,8 +10,9 @@ model's logits when built; an executor without one, like `DryExecutor`, is not
 checked).
 
 Sampling: what the serving loop does not apply is refused by name rather than
-ignored: the presence, frequency and repetition penalties (they need per-row token
-counts on the device, which the step does not hold), `prompt_logprobs` and `n > 1`;
+ignored: the presence, frequency and repetition penalties under an executor that
+keeps no token history (`applies_penalties`; a penalized request longer than its
+`history_len` too), `prompt_logprobs` and `n > 1`;
 stop strings need an executor with a tokenizer; `min_tokens` must not exceed
 `max_new_tokens`; the logit adjustments must fit the step's width.
 
@@ -78,7 +79,7 @@ def check_token_ids(request: "Request", vocab_size: int | None, *, stop_token: i
 
 
 def check_request(request: "Request", vocab_size: int | None, *, stop_token: int,
-                  has_tokenizer: bool) -> None:
+                  has_tokenizer: bool, history_len: int | None = None) -> None:
   """`check_token_ids`, then the sampling the serving loop cannot apply (module docstring).
 
   Args:
@@ -86,6 +87,8 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
     vocab_size: the executor's `vocab_size` (None: ids unchecked).
     stop_token: `SchedulerConfig.stop_token` (-1: none).
     has_tokenizer: the executor has a `tokenizer` (stop strings).
+    history_len: the positions of the executor's token histories when it applies
+      penalties (`applies_penalties`); None: it does not.
 
   Raises:
     InvalidArgument: naming the field and why.
@@ -95,13 +98,8 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
   if sp is None:
     return
   rid = request.request_id
-  for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                        ("repetition_penalty", 1.0)):
-    if getattr(sp, name) != default:
-      raise InvalidArgument(
-          f"request {rid!r}: sampling.{name}={getattr(sp, name)} is not applied by the "
-          f"serving loop yet (penalties need per-row token counts in the step); use "
-          f"{default} (paged_kv.model.sampling.apply_penalties is the formula)")
+  if sp.penalized:
+    _check_penalties(request, history_len)
   if sp.prompt_logprobs is not None:
     raise InvalidArgument(f"request {rid!r}: sampling.prompt_logprobs is not served yet "
                           f"(the step computes logits for each row's last token only)")
@@ -127,6 +125,23 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
           f"{MAX_LOGIT_ADJUSTMENTS} fit the step")
 
 
+def _check_penalties(request: "Request", history_len: int | None) -> None:
+  sp, rid = request.sampling, request.request_id
+  if history_len is None:
+    for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0)):
+      if getattr(sp, name) != default:
+        raise InvalidArgument(
+            f"request {rid!r}: sampling.{name}={getattr(sp, name)} needs an executor that "
+            f"keeps token histories (ModelExecutor with history_len > 0); use {default}")
+  longest = request.prompt.size + request.max_new_tokens
+  if longest > history_len:
+    raise InvalidArgument(
+        f"request {rid!r}: a penalized request of {request.prompt.size} prompt + "
+        f"{request.max_new_tokens} new tokens = {longest} is longer than the executor's "
+        f"token history ({history_len} positions: ModelExecutor(history_len=))")
+
+
 def accept(request: "Request", sched: "Scheduler") -> None:
   """`Scheduler.submit`'s checks after the request's own (see the module docstring).
 
@@ -136,8 +151,11 @@ def accept(request: "Request", sched: "Scheduler") -> None:
   """
   executor = sched.executor
   tokenizer = getattr(executor, "tokenizer", None)
+  history_len = (getattr(executor, "history_len", None)
+                 if getattr(executor, "applies_penalties", False) else None)
   check_request(request, getattr(executor, "vocab_size", None),
-                stop_token=sched.config.stop_token, has_tokenizer=tokenizer is not None)
+                stop_token=sched.config.stop_token, has_tokenizer=tokenizer is not None,
+                history_len=history_len)
   sched.admission.check_fits(request)
   if request.sampling is not None and request.sampling.stop:
     if sched.finishing.stop_strings is None:

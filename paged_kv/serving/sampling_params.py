@@ -89,7 +89,10 @@ class SamplingParams:
     frequency_penalty: in [-2, 2]; times the count of a token in the output so
       far, subtracted from its logit.
     repetition_penalty: > 0; the logit of a token in the prompt or the output is
-      divided by it when positive, multiplied when not (1: off).
+      divided by it when positive, multiplied when not (1: off). The penalties need
+      an executor that keeps token histories (`ModelExecutor`:
+      `paged_kv.model.penalties`); a penalized request is admitted without a
+      cached prefix.
     min_tokens: the stop tokens (`stop_token_ids` and the scheduler's
       `stop_token` unless `ignore_eos`) cannot be sampled before the output has
       `min_tokens` tokens (their logits are -inf until then).

@@ -259,7 +259,7 @@ def _check_concurrent_streams(served, num_clients: int) -> None:
     (dict(prompt="x", max_tokens=MAX_POSITIONS), 400, "maximum context length is 128"),
     (dict(prompt="x", temperature=3), 400, r"temperature must be a number in \[0, 2\]"),
     (dict(prompt="x", logprobs=9), 400, r"logprobs must be an integer \[0, 5\]"),
-    (dict(prompt="x", presence_penalty=0.5), 400, "presence_penalty=0.5 is not applied"),
+    (dict(prompt="x", presence_penalty=2.5), 400, r"presence_penalty must be a number in \[-2.0, 2.0\]"),
     (dict(prompt="x", n=2), 400, "n=2 is not supported yet"),
     (dict(prompt="x", echo=True), 400, "echo is not supported"),
     (dict(prompt="x", wat=1), 400, "unknown field: wat"),
