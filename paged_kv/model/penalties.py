@@ -34,10 +34,13 @@ from paged_kv.model import ragged, sampling
 __all__ = ["empty_history", "penalizer", "record"]
 
 
-def empty_history(num_rows: int, length: int) -> jax.Array:
+def empty_history(num_rows: int, length: int, *, sharding=None) -> jax.Array:
   """A history of `num_rows` pool rows of `length` positions (`i32`, zeros), committed
   to the default device as the steps' outputs are (an uncommitted first argument
-  would give each step program a second cache entry)."""
+  would give each step program a second cache entry), or created with `sharding`
+  (a mesh's: each process makes its own shards, no transfer between hosts)."""
+  if sharding is not None:
+    return jax.jit(lambda: jnp.zeros((num_rows, length), jnp.int32), out_shardings=sharding)()
   return jax.device_put(jnp.zeros((num_rows, length), jnp.int32), jax.devices()[0])
 
 

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.kv import gather_kv
 from paged_kv.core.state import PoolState, init_pool
+from paged_kv.model import penalties
 from paged_kv.parallel import sharding
 from paged_kv.serving.executor import ModelExecutor
 
@@ -97,7 +98,8 @@ class ShardedModelExecutor(ModelExecutor):
     super().__init__(model, pool_config, impl=impl, interpret=interpret)
     self.steps.set_params(jax.device_put(self.steps.params, self._replicated))
     if self.history is not None:  # replicated, as the steps return it
-      self.history = jax.device_put(self.history, self._replicated)
+      self.history = penalties.empty_history(pool_config.max_seqs, self.history_len,
+                                             sharding=self._replicated)
 
   def _out_shardings(self, config: PoolConfig):
     """Every step output replicated, the pool's pages sharded over `axis` (pinned:
