@@ -225,25 +225,34 @@ def reserved_slots(plan: StepPlan, slot_idx, status, grow=None, clock: int = 0
 
 def _token_slots_host(plan: StepPlan, slot_idx: np.ndarray,
                       status: np.ndarray) -> np.ndarray | None:
-  """`token_slots(np, ...)` in a few numpy calls: row b's first `num_new[b]` slots
-  laid out row after row (a boolean compress of `slot_idx`); None when a row asks
-  for more tokens than `slot_idx` is wide or the rows' tokens exceed `T` (the
-  general form decides those)."""
+  """`token_slots(np, ...)` in a few numpy calls over the rows and their tokens (not
+  `B x W` nor a search per token): row b's first `num_new[b]` slots, laid out row
+  after row. None when a row asks for more tokens than `slot_idx` is wide, for a
+  negative count, or when the tokens exceed `T` (the general form decides those)."""
   num_new = np.asarray(plan.num_new)
-  width = slot_idx.shape[1]
-  sel = _ARANGE[:width] < num_new[:, None] if width <= _ARANGE.size else None
-  if sel is None or int(num_new.max(initial=0)) > width:
-    return None
-  ok = (np.asarray(plan.seq_ids) >= 0) & (status == int(Status.OK))
-  picked = np.where(ok[:, None], slot_idx, -1)[sel]
+  b, width = slot_idx.shape
   out = np.full(plan.tokens.shape[0], -1, np.int32)
+  ok = (np.asarray(plan.seq_ids) >= 0) & (status == int(Status.OK))
+  if width == 1:  # a decode step: one slot per row with a token
+    if num_new.min(initial=0) < 0 or num_new.max(initial=0) > 1:
+      return None
+    picked = np.where(ok, slot_idx[:, 0], -1)[num_new == 1]
+  else:
+    if num_new.min(initial=0) < 0 or num_new.max(initial=0) > width or b > _ARANGE.size:
+      return None
+    total = int(num_new.sum())
+    if total > out.size or total > _ARANGE.size:
+      return None
+    rows = np.repeat(_ARANGE[:b], num_new)
+    j = _ARANGE[:total] - np.repeat(np.cumsum(num_new) - num_new, num_new)
+    picked = np.where(ok[rows], slot_idx[rows, j], -1)
   if picked.size > out.size:
     return None
   out[:picked.size] = picked
   return out
 
 
-_ARANGE = np.arange(4096)
+_ARANGE = np.arange(1 << 16)
 
 
 def _build(xp, plan: StepPlan, table: SegmentTable, status, slot_mapping) -> dict:
