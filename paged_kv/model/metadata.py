@@ -240,11 +240,20 @@ def _token_slots_host(plan: StepPlan, slot_idx: np.ndarray,
   else:
     if num_new.min(initial=0) < 0 or num_new.max(initial=0) > width or b > _ARANGE.size:
       return None
-    total = int(num_new.sum())
+    ends = np.cumsum(num_new)
+    total = int(ends[-1])
     if total > out.size or total > _ARANGE.size:
       return None
+    big = np.flatnonzero(num_new > 1)
+    if big.size <= _FEW_WIDE_ROWS:  # decode rows, and a few prompt chunks one at a time
+      one = num_new == 1
+      out[ends[one] - 1] = np.where(ok[one], slot_idx[one, 0], -1)
+      for i, end, n in zip(big.tolist(), ends[big].tolist(), num_new[big].tolist()):
+        if ok[i]:
+          out[end - n:end] = slot_idx[i, :n]
+      return out
     rows = np.repeat(_ARANGE[:b], num_new)
-    j = _ARANGE[:total] - np.repeat(np.cumsum(num_new) - num_new, num_new)
+    j = _ARANGE[:total] - np.repeat(ends - num_new, num_new)
     picked = np.where(ok[rows], slot_idx[rows, j], -1)
   if picked.size > out.size:
     return None
@@ -253,6 +262,7 @@ def _token_slots_host(plan: StepPlan, slot_idx: np.ndarray,
 
 
 _ARANGE = np.arange(1 << 16)
+_FEW_WIDE_ROWS = 16  # rows of several tokens that `_token_slots_host` copies one by one
 
 
 def _build(xp, plan: StepPlan, table: SegmentTable, status, slot_mapping) -> dict:

@@ -167,7 +167,7 @@ class StepMetadataTest(chex.TestCase):
   def test_reserved_slots_host_form_equals_the_general_one(self):
     rng = np.random.default_rng(0)
     for _ in range(400):
-      b, w = int(rng.integers(1, 12)), int(rng.choice([1, 2, 5, 16]))
+      b, w = int(rng.integers(1, 40)), int(rng.choice([1, 2, 5, 16]))
       num_new = rng.integers(0, w + 1, b).astype(np.int32)
       if rng.random() < 0.1:
         num_new[rng.integers(0, b)] = w + 2  # wider than slot_idx: the general form
