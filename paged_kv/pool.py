@@ -451,7 +451,8 @@ class BlockPool:
     return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,
                           touched_blocks=touched)
 
-  def reserve_step(self, seq_ids, num_new, *, max_new_tokens: int) -> StepPrediction:
+  def reserve_step(self, seq_ids, num_new, *, max_new_tokens: int,
+                   grow_in_step: bool = False) -> StepPrediction:
     """Reserves a step's slots on the mirror and commits them before the step runs.
 
     The same reservation as `predict_step`'s (`reserve_tokens(atomic=False)`'s
@@ -463,23 +464,24 @@ class BlockPool:
     `reserved`, `paged_kv.model.metadata.reserved_slots`). Hand
     `prediction.state` to the step, then `adopt_step` (or `abandon_step`).
 
-    A decode row that grows in place by one token (and is not in the window's
-    log already) stays out of the commit: the step applies it (`grow`,
+    `grow_in_step`: a decode row that grows in place by one token (and is not in
+    the window's log already) stays out of the commit and the step applies it
+    (`prediction.grow` and `.clock`, handed over as `ReservedSlots.grow`:
     `paged_kv.core.growth.grow_tails`), so a decode step commits only the rows
-    that took a block. The step must run on `prediction.state` (or the step be
-    abandoned: the mirror then reloads).
+    that took a block. The step must then run on `prediction.state` and apply
+    them (or be abandoned: the mirror reloads).
 
     Returns:
       A `StepPrediction` with `committed` set: `slot_idx i32[B, max_new_tokens]`
-      (-1 padded), `status i32[B]`, `grow i32[B]`, `state` holding the rest of
-      the reservation.
+      (-1 padded), `status i32[B]`, `state` holding the reservation (but for
+      `grow i32[B]`, all zeros unless `grow_in_step`).
     """
     ids = np.asarray(seq_ids, np.int64).reshape(-1)
     counts = np.asarray(num_new, np.int64).reshape(-1)
     grow = np.zeros(ids.shape, np.int32)
     host = self.host
     slot_idx, status = host_ops.reserve(host, ids, counts, max_new_tokens=max_new_tokens,
-                                        atomic=False, grow=grow)
+                                        atomic=False, grow=grow if grow_in_step else None)
     self.flush()
     self._log.settle_growth(host)
     return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,

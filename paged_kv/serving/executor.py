@@ -28,8 +28,10 @@ Optional attributes the scheduler reads:
   * `takes_reserved_slots = True`: the executor's `step` reads a plan's
     `reserved` slots (`paged_kv.model.plan.ReservedSlots`) instead of reserving:
     the scheduler then reserves each step on the pool's host mirror and commits
-    it before the call (`BlockPool.reserve_step`), and the step's program holds
-    no allocator (it compiles faster). `decode_steps` still reserves its own.
+    it before the call (`BlockPool.reserve_step(grow_in_step=True)`), and the
+    step's program holds no allocator (it compiles faster). The rows that grow
+    in place are left out of that commit: the step applies `reserved.grow` first
+    (`paged_kv.core.growth.grow_tails`). `decode_steps` still reserves its own.
   * `decode_steps(state, plan, remaining, *, num_steps)`: `num_steps` (k) decode
     steps of a decode plan in one dispatch. Row b runs step j iff `seq_ids[b] >=
     0`, `j < remaining[b]` and none of its earlier reservations failed; step j

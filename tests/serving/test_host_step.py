@@ -98,7 +98,7 @@ def _reserve_step_window(batch: int, full_tails: int):
       batches(host)
   before = pool.runtime.snapshot()
   ones = np.ones(batch, np.int32)
-  pred = pool.reserve_step(rows, ones, max_new_tokens=1)
+  pred = pool.reserve_step(rows, ones, max_new_tokens=1, grow_in_step=True)
   plan = StepPlan(seq_ids=rows.astype(np.int32), num_new=ones, tokens=np.zeros(batch, np.int32))
   plan = dataclasses.replace(plan, reserved=metadata.reserved_slots(plan, pred.slot_idx,
                                                                     pred.status, pred.grow,
