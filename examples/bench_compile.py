@@ -112,9 +112,10 @@ def _inputs(pool_config: paged_kv.PoolConfig, program: str):
                           num_tokens=_NUM_TOKENS.value)
   if not program.endswith("_reserved"):
     return pool.state, (plan,)
-  pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=plan.max_query_len)
-  plan = dataclasses.replace(plan, reserved=metadata.reserved_slots(plan, pred.slot_idx,
-                                                                    pred.status))
+  pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=plan.max_query_len,
+                           grow_in_step=True)
+  plan = dataclasses.replace(plan, reserved=metadata.reserved_slots(
+      plan, pred.slot_idx, pred.status, pred.grow, pred.clock))
   return pred.state, (plan,)
 
 

@@ -6,7 +6,12 @@ request sharing a system prompt with the others, so admission, prefix matching,
 cache insertion, release and eviction all run in the timed steps), on pools of
 `--pools` blocks. Per configuration it reports the median and p90 wall time of
 `step()` over `--steps` steps after a warm-up, and the part spent inside the
-executor's jitted reserve (the rest is the scheduler's host logic).
+executor's step (the rest is the scheduler's host logic).
+
+`--reserve=host` (the default) runs the serving loop's step as `ModelExecutor`
+does: the host reserves on its mirror and commits, the executor's jitted step
+applies the in-place growth (`DryExecutor(takes_reserved_slots=True)`);
+`--reserve=device`: the executor's jitted step reserves (`reserve_tokens`).
 
 Telemetry modes, measured in the same run on the same workload:
   * `off`: `stats_every=0, snapshot_every=0` (the bare step);
@@ -54,6 +59,9 @@ _WARMUP = flags.DEFINE_integer("warmup", 60, "Untimed steps first (compilation).
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per configuration (median of medians).")
 _BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_RESERVE = flags.DEFINE_enum("reserve", "host", ["host", "device"],
+                             "Who reserves a step's slots: the host mirror (the serving "
+                             "loop's step) or the executor's jitted step.")
 _RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
 _COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
                                    "cache (restarts skip XLA compiles).")
@@ -96,8 +104,8 @@ class _StatsTimer:
 class TimedExecutor(DryExecutor):
   """`DryExecutor` that accumulates the seconds spent in its `step` (results ready)."""
 
-  def __init__(self, config):
-    super().__init__(config)
+  def __init__(self, config, **kwargs):
+    super().__init__(config, **kwargs)
     self.seconds = 0.0
 
   def step(self, state, plan):
@@ -119,7 +127,7 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
                                num_kv_heads=1, head_dim=2, dtype="bfloat16",
                                max_seqs=batch, max_segments=64)
   pool = paged_kv.BlockPool(config)
-  executor = TimedExecutor(config)
+  executor = TimedExecutor(config, takes_reserved_slots=_RESERVE.value == "host")
   sched = Scheduler(pool, executor, SchedulerConfig(
       max_batch=batch, prefill_token_budget=8 * bs * 4, prefill_chunk=bs * 4,
       compaction=None, output_reserve_ratio=0.0, **MODES[mode]))
@@ -171,8 +179,9 @@ def main(argv):
       print(f"round {r} batch {batch:4d} pool {num_blocks:8d} {mode:6s}: step {out[0]:7.3f} ms "
             f"(p90 {out[1]:7.3f}), executor {out[2]:7.3f} ms, stats {out[3]:6.3f} ms", flush=True)
   print("\nHost time per scheduler step (ms; median of "
-        f"{_REPEATS.value} rounds x {_STEPS.value} steps; DryExecutor). 'executor': its jitted "
-        "reserve, waited for (device work; on this CPU it runs on the host), 'host': the "
+        f"{_REPEATS.value} rounds x {_STEPS.value} steps; DryExecutor, --reserve="
+        f"{_RESERVE.value}). 'executor': its jitted step (the in-place growth, or the "
+        "reserve), waited for (device work; on this CPU it runs on the host), 'host': the "
         "rest; 'stats': the cheap figures' host ms per step (timed directly), 'share': of "
         "the rest of the step, 'every': their interval in steps at the end; 'bk/step': "
         "bookkeeping dispatches per step, 'reads/step': blocking host reads per step, "

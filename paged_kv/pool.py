@@ -79,6 +79,8 @@ _I32 = np.iinfo(np.int32)
 _I32_MIN, _I32_MAX = int(_I32.min), int(_I32.max)
 # Id arguments of at most this many entries are checked in plain Python.
 _SMALL_IDS = 32
+_NO_BLOCKS = np.zeros((0,), np.int64)
+_NO_BLOCKS.setflags(write=False)
 
 
 def _as_int_array(x, name: str) -> np.ndarray:
@@ -221,6 +223,9 @@ class StepPrediction:
     committed: the reservation is already in `state` (`BlockPool.reserve_step`:
       the host decided it and committed it; the step only reads it), rather than
       one the step makes on the device (`predict_step`).
+    grow: with `committed`, `i32[B]` the tokens each row grows in place that the
+      step applies itself, and `clock` the logical clock it sets
+      (`paged_kv.model.plan.TailGrowth`).
   """
 
   state: PoolState
@@ -229,6 +234,8 @@ class StepPrediction:
   touched_blocks: np.ndarray
   adopted: bool = False
   committed: bool = False
+  grow: np.ndarray | None = None
+  clock: int = 0
 
 
 class BlockPool:
@@ -445,7 +452,8 @@ class BlockPool:
     return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,
                           touched_blocks=touched)
 
-  def reserve_step(self, seq_ids, num_new, *, max_new_tokens: int) -> StepPrediction:
+  def reserve_step(self, seq_ids, num_new, *, max_new_tokens: int,
+                   grow_in_step: bool = False) -> StepPrediction:
     """Reserves a step's slots on the mirror and commits them before the step runs.
 
     The same reservation as `predict_step`'s (`reserve_tokens(atomic=False)`'s
@@ -457,17 +465,29 @@ class BlockPool:
     `reserved`, `paged_kv.model.metadata.reserved_slots`). Hand
     `prediction.state` to the step, then `adopt_step` (or `abandon_step`).
 
+    `grow_in_step`: a decode row that grows in place by one token (and is not in
+    the window's log already) stays out of the commit and the step applies it
+    (`prediction.grow` and `.clock`, handed over as `ReservedSlots.grow`:
+    `paged_kv.core.growth.grow_tails`), so a decode step commits only the rows
+    that took a block. The step must then run on `prediction.state` and apply
+    them (or be abandoned: the mirror reloads).
+
     Returns:
       A `StepPrediction` with `committed` set: `slot_idx i32[B, max_new_tokens]`
-      (-1 padded), `status i32[B]`, `state` holding the reservation.
+      (-1 padded), `status i32[B]`, `state` holding the reservation (but for
+      `grow i32[B]`, all zeros unless `grow_in_step`).
     """
     ids = np.asarray(seq_ids, np.int64).reshape(-1)
     counts = np.asarray(num_new, np.int64).reshape(-1)
-    slot_idx, status = host_ops.reserve(self.host, ids, counts, max_new_tokens=max_new_tokens,
-                                        atomic=False)
+    grow = np.zeros(ids.shape, np.int32)
+    host = self.host
+    slot_idx, status = host_ops.reserve(host, ids, counts, max_new_tokens=max_new_tokens,
+                                        atomic=False, grow=grow if grow_in_step else None)
     self.flush()
+    self._log.settle_growth(host)
     return StepPrediction(state=self._state, slot_idx=slot_idx, status=status,
-                          touched_blocks=np.zeros((0,), np.int64), committed=True)
+                          touched_blocks=_NO_BLOCKS, committed=True, grow=grow,
+                          clock=host.step)
 
   def adopt_step(self, state: PoolState, prediction: StepPrediction,
                  device_status=None) -> None:

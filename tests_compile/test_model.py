@@ -32,7 +32,7 @@ from flax import nnx
 import paged_kv
 from paged_kv.core.state import KVPages
 from paged_kv.model import StepMetadata, StepPlan, attention, llama, steps
-from paged_kv.model.plan import ReservedSlots
+from paged_kv.model.plan import ReservedSlots, TailGrowth
 from tests_compile import tier
 from tests_compile.tier import Attn, I32, S
 
@@ -208,7 +208,8 @@ def _step_program(step: str):
     return tier.compile_program(steps.forward, params, state, plan, **kw)
   if step == "forward_reserved":  # the serving loop's: slots reserved by the host
     plan = StepPlan(seq_ids=ids, num_new=ids, tokens=S((512,), I32), max_query_len=CHUNK,
-                    reserved=ReservedSlots(slot_mapping=S((512,), I32), status=ids))
+                    reserved=ReservedSlots(slot_mapping=S((512,), I32), status=ids,
+                                           grow=TailGrowth(tokens=ids, clock=S((), I32))))
     return tier.compile_program(steps.forward, params, state, plan, **kw)
   if step == "decode_multi":
     return tier.compile_program(steps.decode_multi, params, state, ids, ids, ids,

@@ -148,10 +148,14 @@ class ChangeLog:
           or self._committed_ref.shape[0] != host.ref_count.shape[0]):
       self._committed_ref = host.ref_count.copy()
       self._committed_slots = host.slots.copy()
-    elif getattr(self, "_num_touched", 0):
-      ids = self.touched_blocks(host)
-      self._committed_ref[ids] = host.ref_count[ids]
-      self._committed_slots[ids] = host.slots[ids]
+    else:
+      if getattr(self, "_num_touched", 0):
+        ids = self.touched_blocks(host)
+        self._committed_ref[ids] = host.ref_count[ids]
+        self._committed_slots[ids] = host.slots[ids]
+      self._settle_grown(host)
+    self._grown: list[np.ndarray] = []  # tail blocks the next step grows on the device
+    self._grown_tokens = 0  # their tokens, not in `expected` yet
     for ids in getattr(self, "_rows", ()):
       self._rmask[ids] = False
     if not hasattr(self, "_touched"):
@@ -224,6 +228,35 @@ class ChangeLog:
       self._old_rows.append(np.array([[host.num_segments[row], host.seq_len[row],
                                        host.active[row]]], np.int64))
       self.num_rows += 1
+
+  def rows_logged(self, rows: np.ndarray) -> np.ndarray:
+    """`bool[R]`: which of `rows` the window already holds (their commit writes
+    their final values)."""
+    return self._rmask[rows]
+
+  def device_growth(self, blocks: np.ndarray, tokens: int) -> None:
+    """In-place growth the next step applies on the device (`HostState.grow_in_place`):
+    `blocks`' slots there become the host's, and `tokens` more are live."""
+    self._grown.append(blocks)
+    self._grown_tokens += tokens
+
+  def settle_growth(self, host: "HostState") -> None:
+    """After the flush before the step that applies the growth: the grown blocks'
+    committed slots are the host's, and `expected` counts the tokens and the step's
+    clock (a flush's reset already took all from the host)."""
+    if self._grown:
+      self._settle_grown(host)
+      if self.expected is not None:
+        self.expected[2] += self._grown_tokens
+        self.expected[4] = host.step
+      self._grown = []
+      self._grown_tokens = 0
+
+  def _settle_grown(self, host: "HostState") -> None:
+    grown = getattr(self, "_grown", None)
+    if grown and self._committed_slots is not None:
+      ids = grown[0] if len(grown) == 1 else np.concatenate(grown)
+      self._committed_slots[ids] = host.slots[ids]
 
   def touch_rows(self, host: "HostState", rows: np.ndarray) -> None:
     if not self.records_rows:

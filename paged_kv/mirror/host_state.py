@@ -481,6 +481,20 @@ class HostState:
     self.length[r, tail] += 1
     self.seq_len[r] += 1
 
+  def grow_in_place(self, rows: np.ndarray, tail: np.ndarray, blocks: np.ndarray,
+                    pos: np.ndarray) -> None:
+    """One more token in the tail segment of each of `rows` (distinct, not in the
+    log yet), at slot `pos` of its exclusive tail block `blocks`, which the step
+    applies on the device itself (`paged_kv.core.growth`): no log row, no touched
+    block; the log learns the blocks (their committed slots follow) and the tokens."""
+    flat = self.slots.reshape(-1)
+    p = pos.astype(np.uint32)
+    at = blocks * self.config.slot_words + (p >> 5) if self.config.slot_words > 1 else blocks
+    flat[at] |= np.uint32(1) << (p & 31)
+    self.length[rows, tail] += 1
+    self.seq_len[rows] += 1
+    self.log.device_growth(blocks, rows.size)
+
   def copy_slots(self, src_block, src_start, dst_block, dst_start, length) -> None:
     """Records K/V slot-range copies for the device (`page_copy.copy_slot_ranges`)."""
     self.log.copies(self, np.stack([np.asarray(x, np.int64).reshape(-1) for x in

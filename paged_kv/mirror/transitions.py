@@ -208,11 +208,14 @@ def dead_segments(h: HostState, seg_block: np.ndarray, seg_start: np.ndarray,
 
 
 def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_tokens: int,
-            atomic: bool) -> tuple[np.ndarray, np.ndarray]:
+            atomic: bool, grow: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """`segments.reserve_tokens`; returns `(slot_idx i32[B, T], status i32[B])`.
 
   The blocks it takes and the tail blocks it appends to are in the mirror's change
-  log: what a prediction's caller verifies later.
+  log: what a prediction's caller verifies later. With `grow` (`i32[B]` zeros, a
+  host reservation the step completes: `BlockPool.reserve_step`), the decode rows
+  that grow in place and are not in the log yet stay out of it: `grow[b] = 1`
+  marks them for the step (`paged_kv.core.growth`), the mirror still changes.
 
   Not atomic (a step's prediction), the rows that decode one token take a short
   path first (`_decode_fast`): in place (a free slot right after the tail of an
@@ -229,7 +232,7 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
     return _reserve_one(h, int(ids[0]), int(num_new[0]), max_new_tokens)
   if not atomic and ids.size > DECODE_FAST_MIN and max_new_tokens >= 1:
     slot_idx = np.full((ids.shape[0], max_new_tokens), -1, np.int32)
-    rest = _decode_fast(h, ids, num_new, slot_idx)
+    rest = _decode_fast(h, ids, num_new, slot_idx, grow)
     if rest is not None:
       status = np.zeros(ids.shape, np.int32)  # OK
       step = h.step
@@ -245,12 +248,13 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
 
 
 def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
-                 slot_idx: np.ndarray) -> np.ndarray | None:
+                 slot_idx: np.ndarray, grow: np.ndarray | None = None) -> np.ndarray | None:
   """The short path of a non-atomic reservation's one-token rows (see `reserve`).
 
   Writes the slots of the rows it applies into `slot_idx[:, 0]` and returns the
   batch positions of the rows it left (padding excluded), or None when it applied
-  none. A row decodes in place when its id is valid, active and not repeated in
+  none; with `grow`, the in-place rows the log does not hold yet are the step's
+  (`grow[b] = 1`, `HostState.grow_in_place`). A row decodes in place when its id is valid, active and not repeated in
   the batch, it asks for one token, and its tail block is exclusive (one
   reference, dynamic) with the slot right after the tail free: exactly the rows
   the general path grows in place. Such a row without that room (or without a
@@ -293,9 +297,21 @@ def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
     return None
   if ip.size:
     b, p = tb[ip], pos[ip]
+    slot_idx[ip, 0] = b * bs + p
+    if grow is not None:
+      dev = ~h.log.rows_logged(row[ip])
+      if dev.all():
+        h.grow_in_place(row[ip], tail[ip], b, p)
+        grow[ip] = 1
+        ip = ip[:0]
+      elif dev.any():
+        d = ip[dev]
+        h.grow_in_place(row[d], tail[d], b[dev], p[dev])
+        grow[d] = 1
+        ip, b, p = ip[~dev], b[~dev], p[~dev]
+  if ip.size:
     h.set_slot_bits(b, p)
     h.grow_tails(row[ip], tail[ip])
-    slot_idx[ip, 0] = b * bs + p
   if nf:
     g = np.flatnonzero(fresh)  # ascending: the lowest free blocks in batch order
     new = h.free.lowest(nf)

@@ -31,7 +31,7 @@ import numpy as np
 from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.core.state import SegmentTable
 from paged_kv.model import ragged
-from paged_kv.model.plan import ReservedSlots, StepPlan
+from paged_kv.model.plan import ReservedSlots, StepPlan, TailGrowth
 
 
 @jax.tree_util.register_dataclass
@@ -197,10 +197,13 @@ def token_slots(xp, plan: StepPlan, slot_idx, status):
   return xp.where(written, slot, -1).astype(i32)
 
 
-def reserved_slots(plan: StepPlan, slot_idx, status) -> ReservedSlots:
+def reserved_slots(plan: StepPlan, slot_idx, status, grow=None, clock: int = 0
+                   ) -> ReservedSlots:
   """Host: the `ReservedSlots` of `plan` from the host's reservation (`slot_idx
   i32[B, W]`, `status i32[B]`, e.g. a `BlockPool.reserve_step`'s), numpy arrays
-  (uploaded with the step: `T + B` integers, not `B * W`).
+  (uploaded with the step: `T + B` integers, not `B * W`); `grow i32[B]`: the
+  in-place growth the step applies itself, with the pool's `clock` after the
+  reservation (`StepPrediction.grow`, `.clock`), or None.
 
   Raises:
     InvalidArgument: `slot_idx` is not `[B, W]` or `status` not `[B]` for the
@@ -212,7 +215,54 @@ def reserved_slots(plan: StepPlan, slot_idx, status) -> ReservedSlots:
   if slots.ndim != 2 or slots.shape[0] != b or status.shape != (b,):
     raise InvalidArgument(f"slot_idx {slots.shape} and status {status.shape} must be "
                           f"[{b}, W] and [{b}] for the plan's rows")
-  return ReservedSlots(slot_mapping=token_slots(np, plan, slots, status), status=status)
+  if grow is not None:
+    grow = TailGrowth(tokens=np.asarray(grow, np.int32), clock=np.int32(clock))
+  mapping = _token_slots_host(plan, slots, status)
+  if mapping is None:
+    mapping = token_slots(np, plan, slots, status)
+  return ReservedSlots(slot_mapping=mapping, status=status, grow=grow)
+
+
+def _token_slots_host(plan: StepPlan, slot_idx: np.ndarray,
+                      status: np.ndarray) -> np.ndarray | None:
+  """`token_slots(np, ...)` in a few numpy calls over the rows and their tokens (not
+  `B x W` nor a search per token): row b's first `num_new[b]` slots, laid out row
+  after row. None when a row asks for more tokens than `slot_idx` is wide, for a
+  negative count, or when the tokens exceed `T` (the general form decides those)."""
+  num_new = np.asarray(plan.num_new)
+  b, width = slot_idx.shape
+  out = np.full(plan.tokens.shape[0], -1, np.int32)
+  ok = (np.asarray(plan.seq_ids) >= 0) & (status == int(Status.OK))
+  if width == 1:  # a decode step: one slot per row with a token
+    if num_new.min(initial=0) < 0 or num_new.max(initial=0) > 1:
+      return None
+    picked = np.where(ok, slot_idx[:, 0], -1)[num_new == 1]
+  else:
+    if num_new.min(initial=0) < 0 or num_new.max(initial=0) > width or b > _ARANGE.size:
+      return None
+    ends = np.cumsum(num_new)
+    total = int(ends[-1])
+    if total > out.size or total > _ARANGE.size:
+      return None
+    big = np.flatnonzero(num_new > 1)
+    if big.size <= _FEW_WIDE_ROWS:  # decode rows, and a few prompt chunks one at a time
+      one = num_new == 1
+      out[ends[one] - 1] = np.where(ok[one], slot_idx[one, 0], -1)
+      for i, end, n in zip(big.tolist(), ends[big].tolist(), num_new[big].tolist()):
+        if ok[i]:
+          out[end - n:end] = slot_idx[i, :n]
+      return out
+    rows = np.repeat(_ARANGE[:b], num_new)
+    j = _ARANGE[:total] - np.repeat(ends - num_new, num_new)
+    picked = np.where(ok[rows], slot_idx[rows, j], -1)
+  if picked.size > out.size:
+    return None
+  out[:picked.size] = picked
+  return out
+
+
+_ARANGE = np.arange(1 << 16)
+_FEW_WIDE_ROWS = 16  # rows of several tokens that `_token_slots_host` copies one by one
 
 
 def _build(xp, plan: StepPlan, table: SegmentTable, status, slot_mapping) -> dict:

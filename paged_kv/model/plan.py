@@ -67,10 +67,29 @@ class ReservedSlots:
       padding rows, rows whose reservation failed).
     status: `i32[B]` each row's reservation status (`paged_kv.core.errors.Status`);
       a failed row attends to nothing and samples nothing.
+    grow: optional `TailGrowth`: what the step itself applies before it reads the
+      table (`paged_kv.core.growth.grow_tails`): the rows the host left out of the
+      commit. None: the commit holds the whole reservation.
   """
 
   slot_mapping: jax.Array | np.ndarray
   status: jax.Array | np.ndarray
+  grow: "TailGrowth | None" = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TailGrowth:
+  """In-place tail growth a step applies on the device (`ReservedSlots.grow`).
+
+  Attributes:
+    tokens: `i32[B]` tokens row b grows by after its tail, in its own tail block.
+    clock: `i32[]` the pool's logical clock after the reservation (the device's
+      `PoolState.step` becomes it, as the commit would have set it).
+  """
+
+  tokens: jax.Array | np.ndarray
+  clock: jax.Array | np.ndarray
 
 
 @jax.tree_util.register_dataclass

@@ -40,8 +40,10 @@ Host-reserved slots: a `forward` / `forward_sampled` plan may carry its reservat
 (`plan.reserved`, `paged_kv.model.plan.ReservedSlots`: each token's slot and each
 row's status), decided on the pool's host mirror and committed to the table before
 the step (`BlockPool.reserve_step`, what the serving loop does). The step then
-reserves nothing: `StepMetadata.from_reserved` reads the table as it is, and the
-program holds no allocator (its compile about halves: `examples/bench_compile.py`).
+reserves nothing: it applies the rows' in-place tail growth the host left out of the
+commit (`reserved.grow`, `paged_kv.core.growth`), `StepMetadata.from_reserved` reads
+the table, and the program holds no allocator (its compile about halves:
+`examples/bench_compile.py`).
 The multi-step decodes (`decode_multi`, `decode_steps`) always reserve inside their
 program.
 
@@ -75,6 +77,7 @@ import jax
 import jax.numpy as jnp
 from paged_kv.model.nnx_import import nnx
 
+from paged_kv.core import growth
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.core.segments import reserve_tokens
@@ -102,7 +105,11 @@ def _forward_core(model, state: PoolState, plan: StepPlan, *, config: PoolConfig
                   impl: str | None, interpret):
   """`_forward_body`, also returning the step's metadata and tokens (carried resolved)."""
   if plan.reserved is not None:  # static: the plan's tree structure
-    # The host reserved the slots and its commit already put them in the table.
+    # The host reserved the slots and its commit already put them in the table,
+    # but for the in-place growth the step applies itself (`grow`).
+    if plan.reserved.grow is not None:
+      grow = plan.reserved.grow
+      state = growth.grow_tails(state, plan.seq_ids, grow.tokens, grow.clock, config=config)
     meta = StepMetadata.from_reserved(plan, state.table)
     status = jnp.asarray(plan.reserved.status, jnp.int32)
   else:

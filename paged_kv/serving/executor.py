@@ -34,8 +34,10 @@ Optional attributes the scheduler reads:
   * `takes_reserved_slots = True`: the executor's `step` reads a plan's
     `reserved` slots (`paged_kv.model.plan.ReservedSlots`) instead of reserving:
     the scheduler then reserves each step on the pool's host mirror and commits
-    it before the call (`BlockPool.reserve_step`), and the step's program holds
-    no allocator (it compiles faster). `decode_steps` still reserves its own.
+    it before the call (`BlockPool.reserve_step(grow_in_step=True)`), and the
+    step's program holds no allocator (it compiles faster). The rows that grow
+    in place are left out of that commit: the step applies `reserved.grow` first
+    (`paged_kv.core.growth.grow_tails`). `decode_steps` still reserves its own.
   * `decode_steps(state, plan, remaining, *, num_steps)`: `num_steps` (k) decode
     steps of a decode plan in one dispatch. Row b runs step j iff `seq_ids[b] >=
     0`, `j < remaining[b]` and none of its earlier reservations failed; step j
@@ -81,7 +83,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import numpy as np
 
-from paged_kv.core import segments
+from paged_kv.core import growth, segments
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.state import PoolState
@@ -148,22 +150,39 @@ class Executor(Protocol):
 
 
 class DryExecutor:
-  """Memory dynamics only: reserves the slots, computes nothing, samples token 0."""
+  """Memory dynamics only: reserves the slots, computes nothing, samples token 0.
+
+  Args:
+    config: the pool's config.
+    takes_reserved_slots: run the serving loop's step as `ModelExecutor` does: the
+      scheduler reserves on the host mirror and commits (`BlockPool.reserve_step`),
+      the step only reads the plan's `reserved` slots. False: the step reserves
+      inside its jitted program (`reserve_tokens`, checked later against the
+      host's prediction), as a step without a host reservation does.
+  """
 
   uses_tokens = False  # one program per `max_query_len`, whatever the token width
   carries_tokens = True  # it reads no tokens, so carried ones need no resolving
 
-  def __init__(self, config: PoolConfig):
+  def __init__(self, config: PoolConfig, *, takes_reserved_slots: bool = False):
     self.config = config
+    self.takes_reserved_slots = bool(takes_reserved_slots)
     self._decode_steps = _reserve_steps_program(config)
+    self._grow = _grow_program(config)
 
   def resize(self, config: PoolConfig) -> None:
     """Follows a pool resize: later steps run at `config`'s shapes."""
     self.config = check_resized(self.config, config)
     self._decode_steps = _reserve_steps_program(self.config)
+    self._grow = _grow_program(self.config)
 
   def step(self, state: PoolState,
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    reserved = plan.reserved
+    if reserved is not None:  # the host reserved and committed all but in-place growth
+      if reserved.grow is not None:
+        state = self._grow(state, plan.seq_ids, reserved.grow.tokens, reserved.grow.clock)
+      return state, np.zeros(plan.seq_ids.shape, np.int32), reserved.status
     state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
                                                  config=self.config,
                                                  max_new_tokens=plan.max_query_len)
@@ -186,6 +205,15 @@ class DryExecutor:
     multistep.check_decode_steps(plan, remaining, num_steps)
     state, status = self._decode_steps(state, plan.seq_ids, remaining, num_steps=num_steps)
     return state, np.zeros((num_steps, plan.num_rows), np.int32), status
+
+
+def _grow_program(config: PoolConfig):
+  """`growth.grow_tails` jitted for `config` (the state donated)."""
+
+  def run(state, seq_ids, grow, clock):
+    return growth.grow_tails(state, seq_ids, grow, clock, config=config)
+
+  return jax.jit(run, donate_argnums=0)
 
 
 def _reserve_steps_program(config: PoolConfig):

@@ -171,8 +171,9 @@ class ForwardPass:
     plan = self._with_carried(executor, plan, rows)
     if getattr(executor, "takes_reserved_slots", False):  # the host decides the slots
       pred = self.pool.reserve_step(plan.seq_ids, plan.num_new,
-                                    max_new_tokens=plan.max_query_len)
-      plan = dataclasses.replace(plan, reserved=reserved_slots(plan, pred.slot_idx, pred.status))
+                                    max_new_tokens=plan.max_query_len, grow_in_step=True)
+      plan = dataclasses.replace(plan, reserved=reserved_slots(plan, pred.slot_idx, pred.status,
+                                                               pred.grow, pred.clock))
     else:
       pred = self.pool.predict_step(plan.seq_ids, plan.num_new,
                                     max_new_tokens=plan.max_query_len)

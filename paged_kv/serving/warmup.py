@@ -57,7 +57,7 @@ import numpy as np
 
 from paged_kv.mirror.changes import CommitWidths
 from paged_kv.model import ragged
-from paged_kv.model.plan import ReservedSlots, StepPlan
+from paged_kv.model.plan import ReservedSlots, StepPlan, TailGrowth
 from paged_kv.model.sampling import SamplingBatch
 from paged_kv.runtime import counters
 from paged_kv.serving import batching
@@ -188,7 +188,8 @@ def _padding_plan(sched: "Scheduler", width: int, max_query_len: int, *,
                   sampling=sampling, num_logprobs=sched.config.max_logprobs)
   if reserved and getattr(sched.executor, "takes_reserved_slots", False):
     plan = dataclasses.replace(plan, reserved=ReservedSlots(
-        slot_mapping=np.full((width,), -1, np.int32), status=np.zeros((b,), np.int32)))
+        slot_mapping=np.full((width,), -1, np.int32), status=np.zeros((b,), np.int32),
+        grow=TailGrowth(tokens=np.zeros((b,), np.int32), clock=np.int32(sched.pool.host.step))))
   no_rows = batching.StepRows([], [], [], [], [], 0)
   return sched.forward_pass._with_carried(sched.executor, plan, no_rows)  # pylint: disable=protected-access
 

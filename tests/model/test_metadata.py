@@ -164,6 +164,23 @@ class StepMetadataTest(chex.TestCase):
     self.assertTrue((got.slot_mapping[2:8] == -1).all() and (got.slot_mapping[10:] == -1).all())
     self.assertTrue((got.slot_mapping[:2] >= 0).all() and (got.slot_mapping[8:10] >= 0).all())
 
+  def test_reserved_slots_host_form_equals_the_general_one(self):
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+      b, w = int(rng.integers(1, 40)), int(rng.choice([1, 2, 5, 16]))
+      num_new = rng.integers(0, w + 1, b).astype(np.int32)
+      if rng.random() < 0.1:
+        num_new[rng.integers(0, b)] = w + 2  # wider than slot_idx: the general form
+      seq_ids = rng.integers(-1, 30, b).astype(np.int32)
+      t = max(1, int(num_new.sum()) + int(rng.integers(-2, 6)))
+      plan = StepPlan(seq_ids=seq_ids, num_new=num_new, tokens=np.zeros(t, np.int32),
+                      max_query_len=w)
+      slot_idx = rng.integers(-1, 500, (b, w)).astype(np.int32)
+      status = np.where(rng.random(b) < 0.8, 0, int(Status.NO_FREE_BLOCK)).astype(np.int32)
+      np.testing.assert_array_equal(
+          metadata.reserved_slots(plan, slot_idx, status).slot_mapping,
+          metadata.token_slots(np, plan, slot_idx, status))
+
 
 if __name__ == "__main__":
   absltest.main()

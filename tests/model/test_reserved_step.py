@@ -36,9 +36,11 @@ def _plans(rng, nxt):
   yield StepPlan.build([(i, [int(nxt()[i])]) for i in range(3)], num_rows=4, max_query_len=1)
 
 
-def _serve(bound: steps.ModelSteps, *, reserved: bool, hold: int = 0) -> list[np.ndarray]:
+def _serve(bound: steps.ModelSteps, *, reserved: bool, hold: int = 0,
+           grow: bool = False) -> list[np.ndarray]:
   """Runs `_plans` through a pool (`hold` blocks taken first: rows may fail), with the
-  host's reservation (`reserve_step`) or the step's own (`predict_step`)."""
+  host's reservation (`reserve_step`; `grow`: the in-place rows applied by the step)
+  or the step's own (`predict_step`)."""
   pool = paged_kv.BlockPool(POOL)
   pool.open_sequences([None] * 3)
   if hold:
@@ -47,9 +49,10 @@ def _serve(bound: steps.ModelSteps, *, reserved: bool, hold: int = 0) -> list[np
   last = [None]
   for plan in _plans(np.random.default_rng(0), lambda: last[0]):
     if reserved:
-      pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=plan.max_query_len)
-      plan = dataclasses.replace(plan, reserved=metadata.reserved_slots(plan, pred.slot_idx,
-                                                                        pred.status))
+      pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=plan.max_query_len,
+                               grow_in_step=grow)
+      plan = dataclasses.replace(plan, reserved=metadata.reserved_slots(
+          plan, pred.slot_idx, pred.status, pred.grow if grow else None, pred.clock))
     else:
       pred = pool.predict_step(plan.seq_ids, plan.num_new, max_new_tokens=plan.max_query_len)
     state, (nxt, logits, status) = bound.forward(pred.state, plan)
@@ -68,12 +71,13 @@ def _serve(bound: steps.ModelSteps, *, reserved: bool, hold: int = 0) -> list[np
   return outs + [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
-@pytest.mark.parametrize("hold", [0, 19])
-def test_host_reserved_step_equals_the_reserving_step(bound, hold):
+@pytest.mark.parametrize("hold,grow", [(0, False), (19, False), (0, True), (19, True)])
+def test_host_reserved_step_equals_the_reserving_step(bound, hold, grow):
   """Equal outputs and final pool state; with `hold`, the mixed step's chunk fails
-  (no free block) on both paths the same way."""
+  (no free block) on both paths the same way; with `grow`, the rows that grow in
+  place are applied by the step (`ReservedSlots.grow`), not the commit."""
   want = _serve(bound, reserved=False, hold=hold)
-  got = _serve(bound, reserved=True, hold=hold)
+  got = _serve(bound, reserved=True, hold=hold, grow=grow)
   assert len(got) == len(want)
   for a, b in zip(got, want):
     np.testing.assert_array_equal(a, b)

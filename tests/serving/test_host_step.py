@@ -11,10 +11,14 @@
 * A step in which every running request decodes a token runs the same Python
   code of the serving package at any batch size (the requests' hot progress is in `RunningRows`' arrays).
 * A running request's progress fields are one storage with those arrays.
+* A host reservation (`BlockPool.reserve_step`) commits only the rows that took a
+  block; rows that grow in place are the step's to apply (no commit at all when
+  every row grows in place).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 
@@ -24,6 +28,8 @@ from absl.testing import absltest
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.mirror import transitions
+from paged_kv.model import metadata
+from paged_kv.model.plan import StepPlan
 from paged_kv.serving.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
 from radix.cache import PrefixCache
 
@@ -72,6 +78,54 @@ class PredictionTest(absltest.TestCase):
     small, large = _prediction_calls(40), _prediction_calls(160)
     self.assertEqual(small, large)
     self.assertLess(small, 60)
+
+
+def _reserve_step_window(batch: int, full_tails: int):
+  """A host reservation (`BlockPool.reserve_step`) of one token per row over `batch`
+  rows, `full_tails` of them with a full tail block, applied by the host-slots
+  `DryExecutor`; returns `(commit dispatches, rows and blocks the commit held, pool)`."""
+  cfg = paged_kv.PoolConfig(num_blocks=8 * batch, block_size=4, num_layers=1, num_kv_heads=1,
+                            head_dim=2, max_seqs=batch, max_segments=8)
+  pool = paged_kv.BlockPool(cfg, debug=False)
+  rows = np.array([pool.open_sequence() for _ in range(batch)])
+  pool.reserve_tokens(rows, np.where(np.arange(batch) < full_tails, 4, 2))
+  pool.verify()
+  ex = DryExecutor(cfg, takes_reserved_slots=True)
+  held = []
+  log = pool._log  # pylint: disable=protected-access
+  batches = log.batches
+  log.batches = lambda host: held.append((log.num_rows, log.touched_blocks(host).size)) or \
+      batches(host)
+  before = pool.runtime.snapshot()
+  ones = np.ones(batch, np.int32)
+  pred = pool.reserve_step(rows, ones, max_new_tokens=1, grow_in_step=True)
+  plan = StepPlan(seq_ids=rows.astype(np.int32), num_new=ones, tokens=np.zeros(batch, np.int32))
+  plan = dataclasses.replace(plan, reserved=metadata.reserved_slots(plan, pred.slot_idx,
+                                                                    pred.status, pred.grow,
+                                                                    pred.clock))
+  state, _, status = ex.step(pred.state, plan)
+  pool.adopt_step(state, pred, device_status=status)
+  commits = pool.runtime.snapshot().since(before).dispatches.get("commit", 0)
+  return commits, held, pool, pred
+
+
+class ReserveStepTest(absltest.TestCase):
+  """Rows that grow in place stay out of the commit: the step applies them."""
+
+  def test_a_decode_step_in_place_commits_nothing(self):
+    commits, held, pool, pred = _reserve_step_window(40, 0)
+    self.assertEqual((commits, held), (0, []))
+    np.testing.assert_array_equal(pred.grow, 1)
+    pool.verify()  # the device, grown by the step, equals the mirror
+    pool.check_invariants()
+
+  def test_only_rows_that_take_a_block_are_committed(self):
+    commits, held, pool, pred = _reserve_step_window(40, 4)
+    self.assertEqual(commits, 1)
+    self.assertEqual(held, [(4, 4)])  # the 4 rows that took a block, and those blocks
+    np.testing.assert_array_equal(pred.grow, np.arange(40) >= 4)
+    pool.verify()
+    pool.check_invariants()
 
 
 class SteadyLoopTest(absltest.TestCase):

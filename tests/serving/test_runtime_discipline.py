@@ -45,20 +45,21 @@ def _requests(rng, n, start=0):
   return out
 
 
-def _scheduler(config=CFG, **kw) -> Scheduler:
+def _scheduler(config=CFG, host_slots: bool = False, **kw) -> Scheduler:
   # The counts are the production path's: debug mode (`PAGED_KV_DEBUG=1` in the
-  # environment) syncs every call on purpose.
+  # environment) syncs every call on purpose. `host_slots`: the serving loop's
+  # host-reserved step (`ModelExecutor`'s), else the step reserves in its program.
   pool = paged_kv.BlockPool(config, debug=False)
   sched_config = SchedulerConfig(max_batch=8, prefill_chunk=8, prefill_token_budget=24,
                                  compaction=compact.CompactionPolicy(threshold=0.2, budget=4),
                                  **kw)
-  return Scheduler(pool, DryExecutor(config), sched_config)
+  return Scheduler(pool, DryExecutor(config, takes_reserved_slots=host_slots), sched_config)
 
 
 class SteadyStateTest(absltest.TestCase):
 
-  def _run(self, **kw):
-    sched = _scheduler(**kw)
+  def _run(self, host_slots: bool = False, **kw):
+    sched = _scheduler(host_slots=host_slots, **kw)
     report = sched.warmup(progress=False)
     self.assertGreater(report.programs, 0)
     rng = np.random.default_rng(0)
@@ -92,6 +93,13 @@ class SteadyStateTest(absltest.TestCase):
     # Reads outside the steps only: the warm-up's (its persistence gather reads K/V,
     # its end compares the mirror) and check_invariants'.
     self.assertLessEqual(set(sched.runtime.host_reads), {"check", "data"})
+
+  def test_host_reserved_loop_commits_once_reads_nothing_compiles_nothing(self):
+    # The in-place rows' growth is the step's (`ReservedSlots.grow`): its program is
+    # warmed up, and the mirror still agrees with the device (`check_invariants`).
+    sched, per_step = self._run(host_slots=True)
+    self.assertGreater(sum(d.dispatches.get("step", 0) for d in per_step), 20)
+    sched.pool.verify()
 
   def test_swap_preemption_waits_for_nothing(self):
     sched = _scheduler(preemption="swap", output_reserve_ratio=0.0,
