@@ -100,3 +100,22 @@ planes { id: 1 name: "/host:CPU"
   ops, source = op_profile.aggregate(trace.planes)
   assert source == "host:XLA execute"
   assert {n: ns for n, ns, _ in ops} == {"while.7": 4000.0, "dot.1": 5000.0, "sort.2": 1000.0}
+
+
+def test_a_profiler_failure_leaves_the_timing_and_says_why(monkeypatch):
+  """`serving_bench.device_step(profile=True)` keeps its seconds when the profiler
+  cannot trace (a GPU without CUPTI, a trace already running): the reason instead."""
+  from paged_kv.serving import serving_bench  # pylint: disable=import-outside-toplevel
+  f = jax.jit(lambda x: jnp.sort(x @ x, axis=-1))
+  x = jnp.ones((128, 128))
+  f(x).block_until_ready()
+  ops, error = serving_bench._profiled(lambda: f(x), runs=4)  # pylint: disable=protected-access
+  assert error is None and ops.runs == 4 and ops.source == "host:XLA execute"
+
+  def broken(fn, **kwargs):
+    raise RuntimeError("no CUPTI here")
+  monkeypatch.setattr(op_profile, "profile_ops", broken)
+  ops, error = serving_bench._profiled(lambda: f(x), runs=4)  # pylint: disable=protected-access
+  assert ops is None and error == "RuntimeError: no CUPTI here"
+  step = serving_bench.DeviceStep(0.5, ops, error)
+  assert step.ops_summary("step") == "no per-op profile: RuntimeError: no CUPTI here"

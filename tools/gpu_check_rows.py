@@ -1282,7 +1282,7 @@ def run_serving_device(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Resul
                         prefill_chunk=shape.prefill_chunk, profile=True)
   return Result(us_per_call=1e6 * step.seconds, nbytes=shape.nbytes,
                 note=f"PagedRunner.decode, 16 steps per call, batch {shape.batch}; "
-                     + step.ops.summary(per="step"))
+                     + step.ops_summary("step"))
 
 
 def run_serving_prefill(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
@@ -1301,7 +1301,7 @@ def run_serving_prefill(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Resu
   return Result(us_per_call=1e6 * step.seconds,
                 note=f"{tokens} new tokens: {tokens / step.seconds:,.0f} tok/s, "
                      f"{flops / step.seconds / 1e12:.1f} TFLOP/s of weight matmuls; "
-                     + step.ops.summary(per="chunk"))
+                     + step.ops_summary("chunk"))
 
 
 def run_serving(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:

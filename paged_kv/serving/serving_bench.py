@@ -294,9 +294,27 @@ def device_step_seconds(model, prompts, *, block_size: int = 16, steps_per_call:
 class DeviceStep:
   """`device_step`'s result: seconds per decode step, and with `profile=True` the
   device time per op of one more call (`paged_kv.runtime.op_profile.OpProfile`;
-  `ops.runs` counts that call's steps, so its per-run figures are per step)."""
+  `ops.runs` counts that call's steps, so its per-run figures are per step), or why
+  the profiler failed (`ops_error`: the timing stands without it)."""
   seconds: float
   ops: Any = None
+  ops_error: str | None = None
+
+  def ops_summary(self, per: str) -> str:
+    """`ops.summary(per=per)`, or what kept the profile from being taken."""
+    if self.ops is not None:
+      return self.ops.summary(per=per)
+    return f"no per-op profile: {self.ops_error or 'not asked'}"
+
+
+def _profiled(fn: Callable[[], Any], *, runs: int) -> tuple[Any, str | None]:
+  """`(OpProfile of fn() with `runs` steps, None)`, or `(None, why)` when JAX's profiler
+  cannot trace here (a timing must not be lost to it)."""
+  from paged_kv.runtime import op_profile  # pylint: disable=import-outside-toplevel
+  try:
+    return dataclasses.replace(op_profile.profile_ops(fn), runs=runs), None
+  except Exception as err:  # pylint: disable=broad-except  (reported beside the timing)
+    return None, f"{type(err).__name__}: {err}"
 
 
 def device_step(model, prompts, *, block_size: int = 16, steps_per_call: int = 16,
@@ -305,7 +323,6 @@ def device_step(model, prompts, *, block_size: int = 16, steps_per_call: int = 1
   """`device_step_seconds`, and with `profile` one more `decode_multi` call traced by
   JAX's profiler (nothing recompiled) for the per-op breakdown."""
   from paged_kv.model.runner import PagedRunner  # pylint: disable=import-outside-toplevel
-  from paged_kv.runtime import op_profile  # pylint: disable=import-outside-toplevel
   budget = steps_per_call * (calls + 1 + int(profile)) + 1
   pool_config = serving_pool_config(model.config, max_batch=len(prompts),
                                     max_seq_len=max(map(len, prompts)) + budget,
@@ -319,14 +336,13 @@ def device_step(model, prompts, *, block_size: int = 16, steps_per_call: int = 1
   runner.decode(seqs, num_tokens=steps_per_call * calls, steps_per_call=steps_per_call)
   jax.block_until_ready(runner.state)
   seconds = (time.perf_counter() - t0) / (steps_per_call * calls)
-  ops = None
-  if profile:
-    def one_call():
-      runner.decode(seqs, num_tokens=steps_per_call, steps_per_call=steps_per_call)
-      return runner.state
-    traced = op_profile.profile_ops(one_call)
-    ops = dataclasses.replace(traced, runs=steps_per_call)
-  return DeviceStep(seconds, ops)
+  if not profile:
+    return DeviceStep(seconds)
+
+  def one_call():
+    runner.decode(seqs, num_tokens=steps_per_call, steps_per_call=steps_per_call)
+    return runner.state
+  return DeviceStep(seconds, *_profiled(one_call, runs=steps_per_call))
 
 
 def prefill_step(model, prompt_len: int, *, vocab: int, block_size: int = 16,
@@ -337,7 +353,6 @@ def prefill_step(model, prompt_len: int, *, vocab: int, block_size: int = 16,
   one run). The timed call includes its result's read (the runner reads the next
   token)."""
   from paged_kv.model.runner import PagedRunner  # pylint: disable=import-outside-toplevel
-  from paged_kv.runtime import op_profile  # pylint: disable=import-outside-toplevel
   pool_config = serving_pool_config(model.config, max_batch=1, max_seq_len=prompt_len + 1,
                                     block_size=block_size, num_blocks=-(-(prompt_len + 1) //
                                                                         block_size) + 1)
@@ -354,7 +369,7 @@ def prefill_step(model, prompt_len: int, *, vocab: int, block_size: int = 16,
   t0 = time.perf_counter()
   jax.block_until_ready(one())
   seconds = time.perf_counter() - t0
-  return DeviceStep(seconds, op_profile.profile_ops(one))
+  return DeviceStep(seconds, *_profiled(one, runs=1))
 
 
 def ceiling(tokens_per_s: float, step_bytes: int, rate: float, batch: int) -> tuple[float, float]:
