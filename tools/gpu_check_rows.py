@@ -193,15 +193,21 @@ def _serving_shapes(dry: bool) -> dict:
   out = {"serving-1b": ServingShape(batch=0, num_requests=0, **base)}
   for name, b in batches.items():
     out[f"serving-1b-{name}"] = ServingShape(batch=b, num_requests=max(2 * b, 4), **base)
-  chunk = 32 if dry else PREFILL_CHUNK_ROW
-  out["serving-1b-prefill"] = ServingShape(
-      batch=1, num_requests=1, **dict(base, prompt_len=chunk, prefill_chunk=chunk,
-                                      prefill_budget=chunk))
   return out
 
 
+def _prefill_shape(dry: bool) -> dict:
+  """The model prefill row's shape (not served by the loops: their warm-up serves the
+  `_serving_shapes` batches only)."""
+  base = _serving_shapes(dry)["serving-1b"]
+  chunk = 32 if dry else PREFILL_CHUNK_ROW
+  return {"serving-1b-prefill": dataclasses.replace(
+      base, batch=1, num_requests=1, prompt_len=chunk, prefill_chunk=chunk,
+      prefill_budget=chunk)}
+
+
 PREFILL_CHUNK_ROW = 2048
-"""New tokens of the model prefill row (`serving/prefill/1b`), one chunk on an empty row."""
+"""New tokens of the model prefill row (`serving/prefill2k/1b`), one chunk on an empty row."""
 
 
 def shapes(dry: bool) -> dict:
@@ -247,6 +253,7 @@ def shapes(dry: bool) -> dict:
   for key, (m, nb) in moves.items():
     out[key] = PermShape(num_moves=m, num_blocks=nb, **perm)
   out.update(_serving_shapes(dry))
+  out.update(_prefill_shape(dry))
   out.update(block_size_shapes(out))
   return out
 
@@ -342,7 +349,7 @@ def serving_rows() -> list[RowSpec]:
                           device_ref=f"serving/device/1b-{b}",
                           needs=(f"serving/warmup/1b-{loop}",),
                           goals={"serving_over_device": 1.1}))
-  rows.append(RowSpec("serving/prefill/1b", "serving_prefill", "serving-1b-prefill",
+  rows.append(RowSpec("serving/prefill2k/1b", "serving_prefill", "serving-1b-prefill",
                       limit_s=90, est_s=20, needs=("serving/checkpoint/1b",)))
   rows.append(RowSpec("serving/transformers/1b", "serving_hf", "serving-1b", limit_s=90,
                       est_s=25, needs=("serving/checkpoint/1b",)))

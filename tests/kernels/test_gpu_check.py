@@ -120,7 +120,7 @@ def test_dry_mode_every_row_and_injected_faults(tmp_path):
       assert ("tokens = overlapped" in note) == (loop == "sync"), note
       assert " 0 compiles" in note, note
   assert re.match(r"32 new tokens: [\d,]+ tok/s, [\d.]+ TFLOP/s of weight matmuls; ops [\d.]+ "
-                  r"ms per chunk \(host:XLA execute\)", table["serving/prefill/1b"][11])
+                  r"ms per chunk \(host:XLA execute\)", table["serving/prefill2k/1b"][11])
   for loop in ("overlapped", "sync"):
     assert re.match(r"served each batch's workload shape untimed: 8 requests, \d+ compiles",
                     table[f"serving/warmup/1b-{loop}"][11])
