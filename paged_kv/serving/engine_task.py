@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -127,15 +126,7 @@ class EngineTask(EngineThread):
           if inbox.empty():
             await wake.wait()
           continue
-        while True:  # everything queued, before the next step
-          try:
-            kind, arg = inbox.get_nowait()
-          except queue.Empty:
-            break
-          if kind == "stop":
-            self._stop.set()
-            break
-          self._apply(kind, arg)
+        self._drain_inbox()
         if self._stop.is_set():
           break
         if engine.has_work:

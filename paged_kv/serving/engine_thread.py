@@ -196,6 +196,19 @@ class EngineThread:
         except BaseException as exc:  # pylint: disable=broad-except  (handed to the caller)
           future.set_exception(exc)
 
+  def _drain_inbox(self) -> None:
+    """Applies every queued command, in order, before the next step; a "stop" sets the
+    stop flag and leaves the rest for `_shutdown`."""
+    while True:
+      try:
+        kind, arg = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+      if kind == "stop":
+        self._stop.set()
+        return
+      self._apply(kind, arg)
+
   def _loop(self) -> None:
     engine, inbox = self.engine, self._inbox
     try:
@@ -208,15 +221,7 @@ class EngineThread:
           if kind == "stop":
             break
           self._apply(kind, arg)
-        while True:  # everything queued, before the next step
-          try:
-            kind, arg = inbox.get_nowait()
-          except queue.Empty:
-            break
-          if kind == "stop":
-            self._stop.set()
-            break
-          self._apply(kind, arg)
+        self._drain_inbox()
         self._flush()
         if self._stop.is_set():
           break
