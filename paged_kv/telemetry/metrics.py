@@ -308,11 +308,12 @@ def snapshot(state, config: PoolConfig, *, extra_segments: Segments | None = Non
 
 @dataclasses.dataclass(frozen=True)
 class StepStats:
-  """The per-step pool figures: one jitted reduction, a few scalars to the host.
+  """The per-step pool figures: a few scalars, cheap enough for every step.
 
-  `step_stats` computes them without copying any per-block array to the host,
-  so a scheduler can take them every step; `snapshot` (every block, internal
-  fragmentation, ghosts, per-region detail) is the periodic, full picture.
+  A scheduler takes them from its pool's host mirror (`step_stats_host`, no
+  device work); `step_stats` computes them from a bare `PoolState` in one jitted
+  reduction, copying no per-block array to the host. `snapshot` (every block,
+  internal fragmentation, ghosts, per-region detail) is the periodic, full picture.
 
   Attributes:
     num_blocks: pool size in blocks (both regions).
