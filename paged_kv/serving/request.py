@@ -93,6 +93,8 @@ class Request:
   `submit_step` / `admit_step` / `first_token_step` / `finish_step` and the same
   `*_time`s on the scheduler's clock, and with `sampling.logprobs = n > 0`
   `logprobs`: per output token `(its logprob, ((token, logprob), ...) the top n)`.
+  With `sampling.n > 1`, `samples` holds its other n - 1 samples (requests of their
+  own, `paged_kv.serving.parallel_sampling`), each with `sample_of` pointing back.
   In the overlapped loop (`SchedulerConfig.overlap`) `in_flight` counts tokens
   sampled on the device but not read yet (not in `output`); `num_cached` then
   includes tokens whose ids the host has not read.
@@ -145,6 +147,12 @@ class Request:
   in_flight: int = _progress(0)  # tokens sampled on the device, not read yet
   carry_row: int = _progress(-1)  # its row in the newest unread step (where its next input token is)
   epoch: int = _progress(0)  # bumped when its unread tokens are dropped (finish, preemption, abort)
+  # `sampling.n > 1` (`paged_kv.serving.parallel_sampling`): the request's other samples,
+  # and a sample's first request (whose row it shares); compare/repr off: they point at
+  # each other.
+  samples: tuple = dataclasses.field(default=(), init=False, compare=False, repr=False)
+  sample_of: "Request | None" = dataclasses.field(default=None, init=False, compare=False,
+                                                  repr=False)
 
   _frozen = False  # set by `_freeze` (`Scheduler.submit`)
   _rows = None  # the `running_rows.RunningRows` holding its hot fields while bound
@@ -364,11 +372,13 @@ def check_new(request: Request, submitted, live) -> None:
                           f"request; ids are unique among live requests")
 
 
-def seal(request: Request, *, stop_token: int, seed: int) -> None:
+def seal(request: Request, *, stop_token: int, seed: int, now: float = -1.0,
+         step: int = -1) -> None:
   """Freezes a checked request's inputs and fixes its stop tokens (its sampling's and
-  the scheduler's `stop_token`, -1: none, unless its sampling has `ignore_eos`) and
-  its sampling seed (its own, else `seed`)."""
+  the scheduler's `stop_token`, -1: none, unless its sampling has `ignore_eos`), its
+  sampling seed (its own, else `seed`), and its `submit_time` / `submit_step`."""
   request._freeze()  # pylint: disable=protected-access
+  request.submit_time, request.submit_step = now, step
   sp = request.sampling
   stops = set(sp.stop_token_ids) if sp is not None else set()
   if stop_token >= 0 and not (sp is not None and sp.ignore_eos):

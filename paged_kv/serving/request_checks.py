@@ -12,7 +12,7 @@ checked).
 Sampling: what the serving loop does not apply is refused by name rather than
 ignored: the presence, frequency and repetition penalties under an executor that
 keeps no token history (`applies_penalties`; a penalized request longer than its
-`history_len` too), `prompt_logprobs` and `n > 1`;
+`history_len` too), `prompt_logprobs`;
 stop strings need an executor with a tokenizer; `min_tokens` must not exceed
 `max_new_tokens`; the logit adjustments must fit the step's width.
 
@@ -103,10 +103,6 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
   if sp.prompt_logprobs is not None:
     raise InvalidArgument(f"request {rid!r}: sampling.prompt_logprobs is not served yet "
                           f"(the step computes logits for each row's last token only)")
-  if sp.n != 1:
-    raise InvalidArgument(f"request {rid!r}: sampling.n={sp.n}: submit one request per "
-                          f"output (each with its own seed; the prefix cache shares the "
-                          f"prompt's blocks between them)")
   if sp.stop and not has_tokenizer:
     raise InvalidArgument(f"request {rid!r}: sampling.stop needs the executor's tokenizer "
                           f"to decode text: ModelExecutor(..., tokenizer=)")
