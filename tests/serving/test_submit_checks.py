@@ -47,7 +47,6 @@ class SubmitChecksTest(parameterized.TestCase):
        r"sampling.logit_bias has 1 id.*\[32\]"),
       ("prompt_logprobs", dict(sampling=SamplingParams(prompt_logprobs=1)),
        r"prompt_logprobs is not served yet"),
-      ("n", dict(sampling=SamplingParams(n=2)), r"sampling.n=2: submit one request per output"),
       ("stop_strings", dict(sampling=SamplingParams(stop=["."])),
        r"sampling.stop needs the executor's tokenizer to decode text"),
       ("min_tokens", dict(sampling=SamplingParams(min_tokens=9)),
