@@ -12,12 +12,16 @@ Sampling fields (`sampling_from_body`, the one place they are mapped):
   * mapped now: `temperature` (OpenAI's default 1.0), `top_p`, `top_k`, `min_p`,
     `seed`, `max_tokens` (`max_completion_tokens` for chat), `logprobs` /
     `top_logprobs`, `stop_token_ids` (a vLLM extension);
+  * `n`: the choices per prompt (`SamplingParams.n`: the prompt is computed once and
+    its blocks shared, `paged_kv.serving.parallel_sampling`); choice `index` is
+    prompt * n + sample, as OpenAI's and vLLM's;
   * passed by name to `SamplingParams` (vLLM's fields; a field it lacked would be
     refused with a 400 naming it): `presence_penalty`, `frequency_penalty`,
     `repetition_penalty`, `min_tokens`, `logit_bias`, `ignore_eos`,
     `prompt_logprobs` (refused at `submit`: not served yet), `stop`;
-  * refused: `n` > 1, `best_of` > 1, `echo`, `suffix`, tools and function calls,
-    `response_format` other than text; any field the API does not have.
+  * refused: `best_of` other than unset or `n` (vLLM's V1 engine dropped it too),
+    `echo`, `suffix`, tools and function calls, `response_format` other than text;
+    any field the API does not have.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ __all__ = ["BadRequest", "ChatTemplate", "ParsedRequest", "parse_chat", "parse_c
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_CHAT_TOP_LOGPROBS = 20  # ... for /v1/chat/completions `top_logprobs`
+MAX_N = 128  # OpenAI's limit of `n`
 
 # Fields passed to `SamplingParams` by name once it has them: field -> its "unset" values.
 PASS_THROUGH = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
@@ -131,11 +136,12 @@ def sampling_from_body(body: dict, *, logprobs: int, max_logprobs: int) -> Sampl
   Raises:
     BadRequest: a field out of range, or one `SamplingParams` does not support yet.
   """
-  for name, unset in (("n", (1,)), ("best_of", (1,))):
-    value = body.get(name)
-    if not _is_unset(value, unset):
-      raise BadRequest(f"{name}={value!r} is not supported yet (one completion per prompt)",
-                       param=name)
+  n = _int(body, "n", 1, MAX_N, 1)
+  best_of = body.get("best_of")
+  if best_of is not None and best_of != n:
+    raise BadRequest(f"best_of={best_of!r} is not supported (vLLM's V1 engine dropped it "
+                     f"too): ask for n={best_of!r} choices and pick among them",
+                     param="best_of")
   if logprobs > max_logprobs:
     raise BadRequest(f"at most {max_logprobs} logprobs per token are served, got {logprobs}",
                      param="logprobs")
@@ -144,7 +150,7 @@ def sampling_from_body(body: dict, *, logprobs: int, max_logprobs: int) -> Sampl
       top_p=float(_number(body, "top_p", 0.0, 1.0, 1.0)),
       top_k=_int(body, "top_k", -1, None, 0),
       min_p=float(_number(body, "min_p", 0.0, 1.0, 0.0)),
-      seed=_int(body, "seed", 0, 2**32 - 1, None), logprobs=logprobs)
+      seed=_int(body, "seed", 0, 2**32 - 1, None), logprobs=logprobs, n=n)
   if kwargs["top_k"] == -1:  # vLLM's spelling of "all"
     kwargs["top_k"] = 0
   if kwargs["top_p"] == 0.0:

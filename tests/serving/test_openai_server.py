@@ -150,6 +150,37 @@ def test_streams_add_up_to_the_whole_response(served):
   _idle(server)
 
 
+def test_n_choices_per_prompt_streamed_or_not(served):
+  server, _, client = served
+  want = [_on_engine(server, p, 6).text for p in PROMPTS[:2]]
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0,
+                                n=2)
+  assert [(c.index, c.text) for c in r.choices] == [(0, want[0]), (1, want[0]),
+                                                    (2, want[1]), (3, want[1])]
+  assert r.usage.completion_tokens == 4 * 6
+  texts = ["", "", "", ""]
+  for part in client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6,
+                                        temperature=0, n=2, stream=True):
+    texts[part.choices[0].index] += part.choices[0].text
+  assert texts == [want[0], want[0], want[1], want[1]]
+  # Seeded: choice i draws what one request with seed + i draws.
+  hot = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0)
+  alone = [client.completions.create(**hot, seed=5 + i).choices[0].text for i in range(3)]
+  r = client.completions.create(**hot, seed=5, n=3)
+  assert [c.text for c in r.choices] == alone
+  chat = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+              temperature=0)
+  one = client.chat.completions.create(**chat).choices[0].message.content
+  r = client.chat.completions.create(**chat, n=2)
+  assert [(c.index, c.message.content) for c in r.choices] == [(0, one), (1, one)]
+  assert r.usage.completion_tokens == 10
+  texts = ["", ""]
+  for part in client.chat.completions.create(**chat, n=2, stream=True):
+    texts[part.choices[0].index] += part.choices[0].delta.content or ""
+  assert texts == [one, one]
+  _idle(server)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
   _check_disconnect_mid_stream(served)
 
@@ -260,7 +291,8 @@ def _check_concurrent_streams(served, num_clients: int) -> None:
     (dict(prompt="x", temperature=3), 400, r"temperature must be a number in \[0, 2\]"),
     (dict(prompt="x", logprobs=9), 400, r"logprobs must be an integer \[0, 5\]"),
     (dict(prompt="x", presence_penalty=2.5), 400, r"presence_penalty must be a number in \[-2.0, 2.0\]"),
-    (dict(prompt="x", n=2), 400, "n=2 is not supported yet"),
+    (dict(prompt="x", n=2, best_of=3), 400, "best_of=3 is not supported"),
+    (dict(prompt="x", n=0), 400, r"n must be an integer \[1, 128\]"),
     (dict(prompt="x", echo=True), 400, "echo is not supported"),
     (dict(prompt="x", wat=1), 400, "unknown field: wat"),
     (dict(prompt=[[]]), 400, "prompt must be"),
