@@ -16,7 +16,8 @@ in `RequestQueues.unshared` (a row that ran alone out of room on a shared layout
 is admitted alone (the oldest row then: never a victim while others run). A request
 with a presence, frequency or repetition penalty is admitted without a cached prefix
 too (the step's token history, `paged_kv.model.penalties`, holds only the tokens
-its own steps cached). A sample of an `n > 1` request (`parallel_sampling`) is skipped
+its own steps cached), and so is one asking for `prompt_logprobs` (its steps compute
+them, `prompt_positions`). A sample of an `n > 1` request (`parallel_sampling`) is skipped
 while its first request computes its prompt, then opens on that row's segments of
 the prompt (shared, not matched in the cache) with its partial tail copied. Room is
 also kept for the running rows' next tokens (`next_token_blocks`), so a newcomer never
@@ -287,8 +288,10 @@ class Admission:
     matched, segs, node = 0, np.zeros((0, 3), np.int32), None
     unshared = id(req) in self.queues.unshared
     # A penalized request reads its own token history (`paged_kv.model.penalties`),
-    # which holds only what its own steps cached: no shared prefix.
-    penalized = req.sampling is not None and req.sampling.penalized
+    # which holds only what its own steps cached, and prompt logprobs come from the
+    # steps that compute the prompt: no shared prefix.
+    sp = req.sampling
+    penalized = sp is not None and (sp.penalized or sp.prompt_logprobs is not None)
     fork = None if req.sample_of is None else parallel_sampling.fork_prefix(req, self.pool.host)
     if fork is not None:
       segs, matched = fork

@@ -93,6 +93,10 @@ class Request:
   `submit_step` / `admit_step` / `first_token_step` / `finish_step` and the same
   `*_time`s on the scheduler's clock, and with `sampling.logprobs = n > 0`
   `logprobs`: per output token `(its logprob, ((token, logprob), ...) the top n)`.
+  With `sampling.prompt_logprobs = k`, `prompt_logprobs` holds one entry per prompt
+  position: None for the first, then `(logprob, rank, ((token, logprob), ...) the top
+  k)` of the prompt's token there given the tokens before it
+  (`paged_kv.serving.prompt_positions`), filled as the prompt's chunks are read.
   With `sampling.n > 1`, `samples` holds its other n - 1 samples (requests of their
   own, `paged_kv.serving.parallel_sampling`), each with `sample_of` pointing back.
   In the overlapped loop (`SchedulerConfig.overlap`) `in_flight` counts tokens
@@ -142,6 +146,7 @@ class Request:
   last_token_time: float = _progress(-1.0)
   finish_time: float = _progress(-1.0)
   logprobs: list = dataclasses.field(default_factory=list, init=False)
+  prompt_logprobs: list | None = _progress(None)  # with `sampling.prompt_logprobs` (below)
   stop_ids: frozenset = _progress(frozenset())  # the tokens that end it (set at submit)
   sample_seed: int = _progress(0)  # its sampling seed (`sampling.seed`, else the scheduler's)
   in_flight: int = _progress(0)  # tokens sampled on the device, not read yet

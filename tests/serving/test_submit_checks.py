@@ -46,7 +46,7 @@ class SubmitChecksTest(parameterized.TestCase):
       ("logit_bias", dict(sampling=SamplingParams(logit_bias={3: 1.0, 32: -1.0})),
        r"sampling.logit_bias has 1 id.*\[32\]"),
       ("prompt_logprobs", dict(sampling=SamplingParams(prompt_logprobs=1)),
-       r"prompt_logprobs is not served yet"),
+       r"prompt_logprobs needs an executor built to compute them"),
       ("stop_strings", dict(sampling=SamplingParams(stop=["."])),
        r"sampling.stop needs the executor's tokenizer to decode text"),
       ("min_tokens", dict(sampling=SamplingParams(min_tokens=9)),
