@@ -85,17 +85,20 @@ class ContextLengthExceeded(InvalidArgument):
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
-  """One generated token's logprob and the most likely alternatives at its step.
+  """One token's logprob and the most likely alternatives at its position.
 
   Attributes:
     token_id: the token.
     logprob: its log-probability under the model (before sampling's truncation).
     top: `((token_id, logprob), ...)`: the `logprobs` most likely tokens, best first.
+    rank: its rank there (1: the most likely), for a prompt token; None for a
+      generated one.
   """
 
   token_id: int
   logprob: float
   top: tuple[tuple[int, float], ...]
+  rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +117,11 @@ class Completion:
       sequence's table was full) or `"abort"`.
     stop_reason: the scheduler's `Request.stop_reason`.
     sample: which of the prompt's `sampling.n` samples (0 when `n == 1`).
+    prompt_logprobs: with `sampling.prompt_logprobs` (an `LLM` built with
+      `prompt_logprobs=True`), one entry per prompt token: None for the first, then
+      its `TokenLogprob` given the tokens before it (`rank` set; `top` the
+      `prompt_logprobs` most likely there); None otherwise. Every sample of a
+      prompt carries its prompt's.
   """
 
   request_id: Hashable
@@ -124,6 +132,7 @@ class Completion:
   finish_reason: str
   stop_reason: str
   sample: int = 0
+  prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +150,7 @@ class CompletionChunk:
     finish_reason: as `Completion.finish_reason` on the last chunk, else None.
     num_tokens: the request's generated tokens so far, these included.
     sample: which of its prompt's `sampling.n` samples (0 when `n == 1`).
+    prompt_logprobs: on the last chunk, as `Completion.prompt_logprobs`; else None.
   """
 
   request_id: Hashable
@@ -152,6 +162,7 @@ class CompletionChunk:
   finish_reason: str | None
   num_tokens: int
   sample: int = 0
+  prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +389,24 @@ class Engine:
     return Completion(req.request_id, tuple(int(t) for t in req.prompt), text,
                       tuple(int(t) for t in req.output), logprobs,
                       FINISH_REASONS.get(req.stop_reason, req.stop_reason), req.stop_reason,
-                      _sample(req.request_id))
+                      _sample(req.request_id), self.prompt_logprobs(req))
+
+  @staticmethod
+  def prompt_logprobs(req: Request) -> tuple[TokenLogprob | None, ...] | None:
+    """The prompt logprobs of `req` (its first sample's, for a sample), or None when
+    its sampling did not ask (see `Completion.prompt_logprobs`)."""
+    req = req.sample_of or req
+    sp = req.sampling
+    if sp is None or sp.prompt_logprobs is None:
+      return None
+    got = req.prompt_logprobs or ()
+    out: list[TokenLogprob | None] = [None]
+    for t in range(1, int(req.prompt.size)):
+      entry = got[t] if t < len(got) else None
+      out.append(None if entry is None else TokenLogprob(
+          int(req.prompt[t]), float(entry[0]),
+          tuple((int(i), float(v)) for i, v in entry[2]), int(entry[1])))
+    return tuple(out)
 
   def request(self, request_id: Hashable) -> Request | None:
     """The live request of this id (the scheduler's object), or None."""
@@ -403,14 +431,17 @@ class Engine:
       logprobs = tuple(self._logprob(req, i, tracker.top)
                        for i in range(start, start + len(new)))
     finished = req.done
+    prompt_logprobs = None
     if finished:
       if tracker.stream is not None:
         text += tracker.stream.flush()
       del self._live[req.request_id]
+      prompt_logprobs = self.prompt_logprobs(req)
     return CompletionChunk(req.request_id, tracker.index, text, tuple(int(t) for t in new),
                            logprobs, finished,
                            FINISH_REASONS.get(req.stop_reason, req.stop_reason)
-                           if finished else None, len(req.output), _sample(req.request_id))
+                           if finished else None, len(req.output), _sample(req.request_id),
+                           prompt_logprobs)
 
 
 class LLM:
@@ -438,7 +469,7 @@ class LLM:
                block_size: int = 16, num_blocks: int | None = None,
                kv_cache_bytes: int | None = None, memory_fraction: float | None = None,
                scheduler_config: Any = None, impl: str | None = None, warmup: bool = False,
-               model_name: str | None = None):
+               model_name: str | None = None, prompt_logprobs: bool = False):
     """Loads (or takes) the model, sizes the pool and builds the scheduler.
 
     Args:
@@ -460,6 +491,9 @@ class LLM:
       impl: the attention path (`None`: `paged_kv.model.default_impl()`).
       warmup: compile every program of the serving path now (`Scheduler.warmup()`).
       model_name: the name a server reports (default: the directory's name).
+      prompt_logprobs: serve `SamplingParams.prompt_logprobs` (`ModelExecutor`'s
+        flag: their step programs compile too, in the warm-up or on first use);
+        False: such requests are refused.
 
     Raises:
       InvalidArgument: no such directory, neither or both of `checkpoint` and
@@ -525,7 +559,8 @@ class LLM:
         max_seqs=config.max_batch, max_segments=per_seq + 2, base_pool_fraction=0.0)
     self.scheduler = Scheduler(paged_kv.BlockPool(pool_config),
                                ModelExecutor(model, pool_config, impl=impl,
-                                             tokenizer=tokenizer), config)
+                                             tokenizer=tokenizer,
+                                             prompt_logprobs=prompt_logprobs), config)
     # Chunks of requests a `stream` iterator waits for, produced by another one's step.
     self._buffered: dict[Hashable, list[CompletionChunk]] = {}
     self.engine = Engine(self.scheduler, tokenizer, max_seq_len=self.max_seq_len,

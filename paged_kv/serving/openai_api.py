@@ -18,7 +18,12 @@ Sampling fields (`sampling_from_body`, the one place they are mapped):
   * passed by name to `SamplingParams` (vLLM's fields; a field it lacked would be
     refused with a 400 naming it): `presence_penalty`, `frequency_penalty`,
     `repetition_penalty`, `min_tokens`, `logit_bias`, `ignore_eos`,
-    `prompt_logprobs` (refused at `submit`: not served yet), `stop`;
+    `prompt_logprobs` (served by a server started with `--enable-prompt-logprobs`,
+    else refused at `submit`; not with `stream`, as vLLM; the answer is vLLM's:
+    `prompt_logprobs` in each completion choice, at the top of a chat response, a
+    list with None for the first token, then `{token id: {logprob, rank,
+    decoded_token}}` of the prompt's token and the top ones, `prompt_logprobs_json`),
+    `stop`;
   * refused: `best_of` other than unset or `n` (vLLM's V1 engine dropped it too),
     `echo`, `suffix`, tools and function calls, `response_format` other than text;
     any field the API does not have.
@@ -49,7 +54,7 @@ MAX_N = 128  # OpenAI's limit of `n`
 # Fields passed to `SamplingParams` by name once it has them: field -> its "unset" values.
 PASS_THROUGH = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
                 "repetition_penalty": (1, 1.0), "min_tokens": (0,), "logit_bias": ({},),
-                "ignore_eos": (False,), "prompt_logprobs": (0,), "stop": ("", [])}
+                "ignore_eos": (False,), "prompt_logprobs": (), "stop": ("", [])}
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
            "stream_options", "stop_token_ids", "n", "best_of", "user", *PASS_THROUGH}
@@ -203,6 +208,12 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
   return stream, usage
 
 
+def _no_stream_prompt_logprobs(body: dict, stream: bool) -> None:
+  if stream and body.get("prompt_logprobs") is not None:
+    raise BadRequest("prompt_logprobs are not available when stream=true (as vLLM's)",
+                     param="prompt_logprobs")
+
+
 def check_model(body: dict, served: str) -> None:
   """Raises `BadRequest` (404) unless `model` names the served model (or is absent)."""
   model = body.get("model")
@@ -237,6 +248,7 @@ def parse_completion(body: Any, *, served: str, max_logprobs: int) -> ParsedRequ
                      "list of lists of token ids (none empty)", param="prompt")
   logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
   stream, usage = _stream_options(body)
+  _no_stream_prompt_logprobs(body, stream)
   sampling = sampling_from_body(body, logprobs=logprobs or 0, max_logprobs=max_logprobs)
   max_tokens = _int(body, "max_tokens", 1, None, 16)
   return ParsedRequest(prompts, sampling, max_tokens, stream, usage, logprobs)
@@ -287,6 +299,7 @@ def parse_chat(body: Any, *, served: str, max_logprobs: int) -> tuple[ParsedRequ
     raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
   logprobs = (top or 0) if want else None
   stream, usage = _stream_options(body)
+  _no_stream_prompt_logprobs(body, stream)
   # The sampled token's logprob comes with the top list: ask for at least one.
   sampling = sampling_from_body(body, logprobs=max(logprobs, 1) if logprobs is not None else 0,
                                 max_logprobs=max_logprobs)
@@ -426,6 +439,26 @@ def chat_logprobs(tokenizer: Any, logprobs: Sequence[TokenLogprob] | None,
   return {"content": [dict(entry(lp.token_id, lp.logprob),
                            top_logprobs=[entry(t, v) for t, v in lp.top[:top]])
                       for lp in logprobs]}
+
+
+def prompt_logprobs_json(tokenizer: Any, entries: Sequence[TokenLogprob | None] | None
+                         ) -> list | None:
+  """vLLM's `prompt_logprobs` of a response: per prompt token None (the first), or
+  `{str(token id): {"logprob", "rank", "decoded_token"}}` of the prompt's token and the
+  most likely ones there."""
+  if entries is None:
+    return None
+  out: list = []
+  for e in entries:
+    if e is None:
+      out.append(None)
+      continue
+    d = {str(t): {"logprob": v, "rank": r, "decoded_token": _token_text(tokenizer, t)}
+         for r, (t, v) in enumerate(e.top, start=1)}
+    d.setdefault(str(e.token_id), {"logprob": e.logprob, "rank": e.rank,
+                                   "decoded_token": _token_text(tokenizer, e.token_id)})
+    out.append(d)
+  return out
 
 
 def completion_choice(index: int, chunk_text: str, finish_reason: str | None,

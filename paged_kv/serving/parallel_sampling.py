@@ -91,8 +91,7 @@ def samples_of(request: Request, live: Mapping) -> list[Request]:
     sample = Request(rid, request.prompt, request.max_new_tokens, namespace=request.namespace,
                      arrival=request.arrival, forced_output=request.forced_output,
                      sampling=sampling)
-    if not sampling.penalized:
-      sample.sample_of = request
+    sample.sample_of = request
     out.append(sample)
   request.samples = tuple(out)
   return out
@@ -102,7 +101,7 @@ def _first_ready(req: Request) -> Request | None:
   """`req`'s first request when it runs with its prompt's first `p - 1` tokens
   computed, else None."""
   first = req.sample_of
-  if first is None or first.phase != Phase.RUNNING:
+  if first is None or first.phase != Phase.RUNNING or req.sampling.penalized:
     return None
   return first if first.num_cached >= first.prompt.size - 1 else None
 
@@ -111,7 +110,7 @@ def held_back(req: Request) -> bool:
   """Whether admission should skip `req` now: a sample not started yet whose first
   request is still queued or computing its prompt (it forks that row later)."""
   first = req.sample_of
-  if first is None or req.output or first.phase == Phase.FINISHED:
+  if first is None or req.output or first.phase == Phase.FINISHED or req.sampling.penalized:
     return False
   return _first_ready(req) is None
 

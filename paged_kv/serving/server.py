@@ -414,6 +414,9 @@ async def _completions(server: Server, request: Any, body: Any) -> Any:
       generated += chunks[-1].num_tokens
       choices.append(api.completion_choice(i, text, chunks[-1].finish_reason,
                                            lp(logprobs, 0)))
+      if parsed.sampling.prompt_logprobs is not None:  # vLLM's extra field
+        choices[-1]["prompt_logprobs"] = api.prompt_logprobs_json(
+            tok, chunks[-1].prompt_logprobs)
     return body_of(choices, api.usage(num_prompt, generated))
 
   offsets = [0] * len(sub.chunks)
@@ -460,9 +463,12 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
       logprobs = [x for c in chunks for x in (c.logprobs or ())]
       choices.append({"index": i, "message": {"role": "assistant", "content": text},
                       "logprobs": lp(logprobs), "finish_reason": chunks[-1].finish_reason})
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices,
-            "usage": api.usage(len(ids), sum(c[-1].num_tokens for c in sub.chunks))}
+    out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+           "choices": choices,
+           "usage": api.usage(len(ids), sum(c[-1].num_tokens for c in sub.chunks))}
+    if parsed.sampling.prompt_logprobs is not None:  # vLLM's extra field
+      out["prompt_logprobs"] = api.prompt_logprobs_json(tok, sub.chunks[0][-1].prompt_logprobs)
+    return out
 
   def chunk_body(delta: dict, finish_reason: str | None, logprobs: Any, usage=None,
                  index: int = 0) -> dict:

@@ -31,7 +31,7 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt_dir):
-  return LLM(ckpt_dir, max_batch=4, num_blocks=64, block_size=8)
+  return LLM(ckpt_dir, max_batch=4, num_blocks=64, block_size=8, prompt_logprobs=True)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +134,27 @@ def test_n_completions_per_prompt_and_abort_of_them_all(llm, dense):
     if chunk.finished:
       assert chunk.finish_reason == "abort"
   assert samples == {0, 1}
+  _idle(llm)
+
+
+def test_prompt_logprobs_equal_the_dense_model(llm, ckpt_dir):
+  from paged_kv.model import hf_checkpoint, llama  # pylint: disable=import-outside-toplevel
+  model = hf_checkpoint.load_checkpoint(ckpt_dir).model
+  ids = llm.engine.encode(PROMPTS[2])
+  logits = np.asarray(llama.dense_forward(model, np.asarray([ids], np.int32),
+                                          np.array([len(ids)], np.int32)))[0]
+  lp = logits - logits.max(-1, keepdims=True)
+  lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+  outs = llm.generate(PROMPTS[2], SamplingParams(prompt_logprobs=2, n=2), max_tokens=2)
+  for out in outs:  # every sample carries its prompt's
+    got = out.prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for t in range(1, len(ids)):
+      assert got[t].token_id == ids[t]
+      assert got[t].logprob == pytest.approx(lp[t - 1, ids[t]], abs=1e-4)
+      assert got[t].rank == 1 + int(np.sum(lp[t - 1] > lp[t - 1, ids[t]] + 1e-6))
+      assert [i for i, _ in got[t].top] == np.argsort(-lp[t - 1])[:2].tolist()
+  assert llm.generate(PROMPTS[2], max_tokens=2)[0].prompt_logprobs is None
   _idle(llm)
 
 

@@ -28,6 +28,7 @@ httpx = pytest.importorskip("httpx", reason="the test extra (pip install 'paged-
 # pylint: disable=wrong-import-position
 from paged_kv.serving import openai_api
 from paged_kv.serving.llm import LLM
+from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.server import BackgroundServer, Server, build_app
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
@@ -39,7 +40,8 @@ PROMPTS = ["the quick brown fox", "paged attention keeps", "a tiny tokenizer", "
 
 def _serve(tmp_path_factory, engine: str):
   ckpt = write_chat_checkpoint(tmp_path_factory.mktemp("server") / MODEL)
-  llm = LLM(ckpt, max_batch=16, num_blocks=512, block_size=8, eos_token_ids=())
+  llm = LLM(ckpt, max_batch=16, num_blocks=512, block_size=8, eos_token_ids=(),
+            prompt_logprobs=True)
   server = Server(llm, max_queued=128, template=openai_api.ChatTemplate.from_dir(ckpt),
                   engine=engine)
   with BackgroundServer(server) as bg:
@@ -178,6 +180,30 @@ def test_n_choices_per_prompt_streamed_or_not(served):
   for part in client.chat.completions.create(**chat, n=2, stream=True):
     texts[part.choices[0].index] += part.choices[0].delta.content or ""
   assert texts == [one, one]
+  _idle(server)
+
+
+def test_prompt_logprobs_are_vllms_extra_field(served):
+  server, _, client = served
+  want = server.engine.call(lambda _: server.llm.generate(
+      PROMPTS[3], SamplingParams(prompt_logprobs=1), max_tokens=2)[0])
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=2, temperature=0,
+                                n=2, extra_body=dict(prompt_logprobs=1))
+  for choice in r.choices:
+    got = choice.model_extra["prompt_logprobs"]
+    assert len(got) == len(want.prompt_token_ids) and got[0] is None
+    for entry, lp in zip(got[1:], want.prompt_logprobs[1:]):
+      assert entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob)
+      assert entry[str(lp.token_id)]["rank"] == lp.rank
+      assert {int(k) for k in entry} == {lp.token_id, lp.top[0][0]}
+  chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                "content": "hi"}],
+                                        max_tokens=2, extra_body=dict(prompt_logprobs=0))
+  assert chat.model_extra["prompt_logprobs"][0] is None
+  assert all(len(e) == 1 for e in chat.model_extra["prompt_logprobs"][1:])
+  with pytest.raises(openai.BadRequestError, match="not available when stream=true"):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                              extra_body=dict(prompt_logprobs=1))
   _idle(server)
 
 
