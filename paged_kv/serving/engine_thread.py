@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from paged_kv.core.errors import PagedKVError
+from paged_kv.core.errors import InvalidArgument, PagedKVError
 from paged_kv.serving.llm import CompletionChunk, Engine
 from paged_kv.serving.parallel_sampling import sample_ids
 
@@ -109,11 +109,15 @@ class EngineThread:
     Raises:
       QueueFull: `max_queued` requests are outstanding.
       EngineStopped: the thread is not running.
+      InvalidArgument: `sampling.n` above `max_queued` (it could never be queued).
     """
+    n = getattr(sampling, "n", 1)
+    if n > max(self.max_queued, 1):
+      raise InvalidArgument(f"n={n} samples exceed the {self.max_queued} requests this "
+                            f"server queues at once")
     with self._lock:
       if not self.running:
         raise EngineStopped(self._why_stopped())
-      n = getattr(sampling, "n", 1)
       if self._outstanding + n > self.max_queued:
         raise QueueFull(f"{self._outstanding} requests are queued or running (the limit is "
                         f"{self.max_queued}); retry later")

@@ -354,6 +354,9 @@ def test_a_full_queue_answers_429(served):
   try:
     with pytest.raises(openai.RateLimitError, match="retry later"):
       client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    server.engine.max_queued = 2
+    with pytest.raises(openai.BadRequestError, match="n=3 samples exceed the 2 requests"):
+      client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
   finally:
     server.engine.max_queued = limit
   assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text

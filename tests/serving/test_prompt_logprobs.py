@@ -121,10 +121,11 @@ class PromptLogprobsTest(absltest.TestCase):
     self.assertFalse([n for n in plain if "prompt_logprobs" in n])
     sched = self._sched(decode_steps=1)
     sched.warmup(progress=False, persistence=False)
-    for i in range(6):
-      sp = SamplingParams(prompt_logprobs=2) if i % 2 else None
+    for i in range(6):  # prompt logprobs, n > 1 (a fork's tail copy), both, neither
+      sp = SamplingParams(prompt_logprobs=2 if i % 2 else None, n=1 + (i % 3 == 0))
       sched.submit(Request(i, _prompt(i, 3 + 5 * i), 4, sampling=sp))
     sched.run()
+    self.assertEqual(sched.stats.admitted, 8)
     self.assertEqual(sched.stats.compiles_after_warmup, 0)
 
 
