@@ -291,11 +291,12 @@ class Admission:
     # which holds only what its own steps cached, and prompt logprobs come from the
     # steps that compute the prompt: no shared prefix.
     sp = req.sampling
-    penalized = sp is not None and (sp.penalized or sp.prompt_logprobs is not None)
-    fork = None if req.sample_of is None else parallel_sampling.fork_prefix(req, self.pool.host)
+    own_prefix = sp is not None and (sp.penalized or sp.prompt_logprobs is not None)
+    fork = (None if req.sample_of is None or unshared
+            else parallel_sampling.fork_prefix(req, self.pool.host))
     if fork is not None:
       segs, matched = fork
-    elif self.caching and probe.size and not unshared and not penalized:
+    elif self.caching and probe.size and not unshared and not own_prefix:
       m = self.cached_pool.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
     # Keep the segment table from overflowing: a matched prefix may hold more segments
