@@ -32,8 +32,8 @@ import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
 from paged_kv.core.state import REGION_DYNAMIC
-from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving import parallel_sampling
+from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.eviction import Evictor
 from paged_kv.serving.progress import ProgressGuard
 from paged_kv.serving.request import Phase, Request, RequestQueues
