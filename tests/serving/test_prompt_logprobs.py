@@ -99,6 +99,17 @@ class PromptLogprobsTest(absltest.TestCase):
     self.assertEqual(req.samples[0].output, req.output)  # greedy
     self.assertEqual(req.samples[0].hit_tokens, 18)  # forked its row
 
+  def test_preempted_requests_keep_theirs(self):
+    sched = self._sched(output_reserve_ratio=0.0)
+    reqs = [Request(i, _prompt(10 + i, 17), 100, sampling=SamplingParams(prompt_logprobs=2))
+            for i in range(4)]
+    for r in reqs:
+      sched.submit(r)
+    sched.run()
+    self.assertGreater(sched.stats.preemptions, 0)
+    for r in reqs:
+      self._check(r, 2)
+
   def test_refused_without_the_executor_flag_or_beyond_max_logprobs(self):
     plain = ModelExecutor(self.model, POOL)
     sched = self._sched(plain)
