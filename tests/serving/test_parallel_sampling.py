@@ -121,6 +121,21 @@ class ParallelSamplingTest(absltest.TestCase):
     with self.assertRaises(paged_kv.serving.UnknownRequest):
       sched.abort(SampleId("r", 1))
 
+  def test_abort_of_the_first_request_after_the_fork_leaves_its_samples(self):
+    want = self._reference(max_new=12)
+    sched = self._sched(enable_prefix_cache=False)
+    req = Request("r", PROMPT, 12, sampling=SamplingParams(n=3))
+
+    def abort_once(s):
+      if len(req.samples[0].output) == 3 and not req.done:
+        s.abort("r")
+
+    self._run(sched, [req], on_step=abort_once)
+    self.assertEqual(req.stop_reason, "abort")
+    self.assertLess(len(req.output), 12)
+    self.assertEqual([s.output for s in req.samples], [want, want])
+    self.assertEqual(sched.pool.num_free_blocks, POOL.num_blocks)
+
   def test_samples_of_an_aborted_or_finished_request_run_alone(self):
     want = self._reference()
     sched = self._sched()
