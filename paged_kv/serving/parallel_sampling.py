@@ -20,7 +20,8 @@ continue in place and its segment count stays within `submit`'s bound), and it
 computes the prompt's last token itself: its first token is drawn from that
 position's logits with its own seed, by the ordinary prefill path (one token of
 compute per sample; no step program changes). The samples start one step after the
-first request's last prompt chunk.
+first request's last prompt chunk. In the scheduler's stats a sample is admitted as
+any request, and the tokens it shares count as its `hit_tokens` (not computed).
 
 When the first request is gone before (finished or aborted), a sample is admitted
 as any request (its prompt from the prefix cache, when cached). A penalized sample
