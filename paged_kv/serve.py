@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--engine", choices=("thread", "loop"), default="thread", help="where the "
                  "scheduler runs: its own thread, or a task of the HTTP event loop (no lock "
                  "hand-offs; requests are parsed between steps)")
+  p.add_argument("--enable-prompt-logprobs", action="store_true", help="serve requests "
+                 "asking for prompt_logprobs (vLLM's field; their step programs are compiled "
+                 "too)")
   p.add_argument("--no-warmup", action="store_true", help="compile each program on first "
                  "use instead of before serving")
   p.add_argument("--compile-cache-dir", default=None, help="JAX's persistent compilation "
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.checkpoint, max_seq_len=args.max_seq_len, dtype=args.dtype,
               max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
               memory_fraction=args.memory_fraction, warmup=not args.no_warmup,
-              model_name=args.served_model_name)
+              model_name=args.served_model_name,
+              prompt_logprobs=args.enable_prompt_logprobs)
     template = openai_api.ChatTemplate.from_dir(args.checkpoint)
     srv = server.Server(llm, max_queued=args.max_queued, template=template,
                         engine=args.engine)

@@ -94,6 +94,36 @@ class TailGrowth:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PromptPositions:
+  """The prompt tokens whose logprobs a step computes (`SamplingParams.prompt_logprobs`).
+
+  `W` fixed entries (the scheduler's `prefill_token_budget`: every prompt token a step
+  holds); entry w asks for the log-probability of token `target[w]` after position
+  `index[w]` of the step's token layout (the token before it in the prompt), and of
+  the most likely tokens there (`paged_kv.model.prompt_logprobs`).
+
+  Attributes:
+    index: `i32[W]` a position of `StepPlan.tokens`; -1 = unused entry.
+    target: `i32[W]` the prompt token that follows it.
+    row: `i32[W]` its batch row (-1: unused), echoed back with the result.
+    position: `i32[W]` the target's position in its prompt, echoed back.
+  """
+
+  index: jax.Array | np.ndarray
+  target: jax.Array | np.ndarray
+  row: jax.Array | np.ndarray
+  position: jax.Array | np.ndarray
+
+  @classmethod
+  def empty(cls, width: int) -> "PromptPositions":
+    """`width` unused entries (host arrays)."""
+    neg = np.full((width,), -1, np.int32)
+    return cls(index=neg, target=np.zeros((width,), np.int32), row=neg.copy(),
+               position=np.zeros((width,), np.int32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepPlan:
   """The rows and new tokens of one forward pass.
 
@@ -119,6 +149,9 @@ class StepPlan:
       them instead of reserving (None: the step reserves `num_new` per row with
       `reserve_tokens` inside its program). Only an executor with
       `takes_reserved_slots = True` is handed such a plan.
+    prompt: optional `PromptPositions`: prompt tokens whose logprobs the step
+      computes too (with `sampling`; `num_logprobs` top ones each). None (the
+      usual plan): none, and the step's program is the one without them.
   """
 
   seq_ids: jax.Array | np.ndarray
@@ -129,6 +162,7 @@ class StepPlan:
   num_logprobs: int = dataclasses.field(metadata=dict(static=True), default=0)
   carried: CarriedTokens | None = None
   reserved: ReservedSlots | None = None
+  prompt: PromptPositions | None = None
 
   @property
   def num_rows(self) -> int:

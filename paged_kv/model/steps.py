@@ -82,7 +82,7 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.core.segments import reserve_tokens
 from paged_kv.core.state import PoolState
-from paged_kv.model import contract, multistep, penalties, ragged, sampling
+from paged_kv.model import contract, multistep, penalties, prompt_logprobs, ragged, sampling
 from paged_kv.model.metadata import StepMetadata
 from paged_kv.model.plan import StepPlan
 
@@ -103,7 +103,8 @@ def _forward_body(model, state: PoolState, plan: StepPlan, **kwargs
 
 def _forward_core(model, state: PoolState, plan: StepPlan, *, config: PoolConfig,
                   impl: str | None, interpret):
-  """`_forward_body`, also returning the step's metadata and tokens (carried resolved)."""
+  """`_forward_body`, also returning the step's metadata, tokens (carried resolved) and,
+  for a plan with `prompt` positions, the logits there (`f32[W, V]`; else None)."""
   if plan.reserved is not None:  # static: the plan's tree structure
     # The host reserved the slots and its commit already put them in the table,
     # but for the in-place growth the step applies itself (`grow`).
@@ -120,30 +121,37 @@ def _forward_core(model, state: PoolState, plan: StepPlan, *, config: PoolConfig
   if plan.carried is not None:
     tokens = plan.carried.resolve(tokens)
   last = ragged.last_token_index(meta.cu_q_lens, plan.num_tokens)  # i32[B]
+  want = last
+  if plan.prompt is not None:  # static: the plan's tree structure
+    index = jnp.clip(jnp.asarray(plan.prompt.index, jnp.int32), 0, plan.num_tokens - 1)
+    want = jnp.concatenate([last, index])
   if contract.accepts_logits_indices(model):  # static: the graph definition's class
     # The model gathers the rows' last hidden states before its output head.
-    pages, last_logits = model(tokens, state.pages, meta, impl=impl, interpret=interpret,
-                               logits_indices=last)
-    if last_logits.shape[:1] != last.shape:
+    pages, logits = model(tokens, state.pages, meta, impl=impl, interpret=interpret,
+                          logits_indices=want)
+    if logits.shape[:1] != want.shape:
       raise contract.ModelContractError(
-          f"{type(model).__name__} takes logits_indices i32{list(last.shape)} but returned "
-          f"logits {list(last_logits.shape)}; the contract asks for one row per index")
+          f"{type(model).__name__} takes logits_indices i32{list(want.shape)} but returned "
+          f"logits {list(logits.shape)}; the contract asks for one row per index")
   else:
     pages, logits = model(tokens, state.pages, meta, impl=impl, interpret=interpret)
-    last_logits = logits[last]  # [B, V]
+    logits = logits[want]  # [B (+ W), V]
+  b = last.shape[0]
+  last_logits, prompt_logits = logits[:b], (None if plan.prompt is None else logits[b:])
   sampled = (status == Status.OK) & (meta.seq_ids >= 0) & (meta.q_lens > 0)
   next_tokens = jnp.where(sampled, jnp.argmax(last_logits, axis=-1), -1).astype(jnp.int32)
   return (dataclasses.replace(state, pages=pages), (next_tokens, last_logits, status),
-          (meta, tokens))
+          (meta, tokens, prompt_logits))
 
 
 def _sampled_body(model, state: PoolState, plan: StepPlan, history=None,
                   **kwargs) -> tuple[PoolState, tuple]:
-  """`_forward_body`, each row's token drawn by `plan.sampling`; with a token
-  `history` (`paged_kv.model.penalties`) the step's tokens are recorded in it and the
-  rows' penalties applied, and the history is returned last in the output."""
-  state, (greedy, last_logits, status), (meta, tokens) = _forward_core(model, state, plan,
-                                                                       **kwargs)
+  """`_forward_body`, each row's token drawn by `plan.sampling`; with `plan.prompt`, the
+  `prompt_logprobs.PromptLogprobs` of its positions follow the `SampleOutput`; with a
+  token `history` (`paged_kv.model.penalties`) the step's tokens are recorded in it and
+  the rows' penalties applied, and the history is returned last in the output."""
+  state, (greedy, last_logits, status), (meta, tokens, prompt_logits) = _forward_core(
+      model, state, plan, **kwargs)
   penalize = None
   if history is not None:
     history = penalties.record(history, meta, tokens)
@@ -152,6 +160,9 @@ def _sampled_body(model, state: PoolState, plan: StepPlan, history=None,
                         penalize=penalize)
   tokens = jnp.where(greedy >= 0, out.tokens, -1).astype(jnp.int32)
   result = (tokens, status, out._replace(tokens=tokens))
+  if prompt_logits is not None:
+    result += (prompt_logprobs.prompt_logprobs(prompt_logits, plan.prompt,
+                                               num_top=plan.num_logprobs),)
   return state, result if history is None else (*result, history)
 
 

@@ -10,6 +10,9 @@
                                 stats_pacing, step_telemetry, recovery
   paged_kv.serving.request, scheduler_config, step_report
                                 `Request`, `SchedulerConfig`, `SchedulerStats`/`StepReport`
+  paged_kv.serving.sampling_params, parallel_sampling, prompt_positions, stop_strings
+                                `SamplingParams`; `n > 1` (samples fork the first
+                                request's row: `SampleId`); prompt logprobs; stop strings
   paged_kv.serving.executor     `Executor` protocol, `ModelExecutor` (a Flax model),
                                 `DryExecutor` (memory dynamics only, for replay)
   paged_kv.serving.swap         preemption by swap to host memory
@@ -28,6 +31,7 @@ Importing this package needs no flax (`ModelExecutor` imports it when built).
 from paged_kv.serving.cached_pool import CachedPool, CacheView, PoolStateLost
 from paged_kv.serving.executor import (DryExecutor, Executor, ModelExecutor, attach_state,
                                        attached_state)
+from paged_kv.serving.parallel_sampling import SampleId
 from paged_kv.serving.persist import load_prefix_cache, save_prefix_cache
 from paged_kv.serving.scheduler import (Phase, Request, Scheduler, SchedulerBroken,
                                         SchedulerConfig, SchedulerStalled, SchedulerStats,
@@ -36,6 +40,6 @@ from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.swap import SwappedKV, swap_in, swap_out
 
 __all__ = ["CacheView", "CachedPool", "DryExecutor", "Executor", "ModelExecutor", "Phase",
-           "PoolStateLost", "Request", "SamplingParams", "Scheduler", "SchedulerBroken", "SchedulerConfig",
+           "PoolStateLost", "Request", "SampleId", "SamplingParams", "Scheduler", "SchedulerBroken", "SchedulerConfig",
            "SchedulerStalled", "SchedulerStats", "SwappedKV", "UnknownRequest", "attach_state", "attached_state",
            "load_prefix_cache", "save_prefix_cache", "swap_in", "swap_out"]

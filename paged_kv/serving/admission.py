@@ -16,7 +16,10 @@ in `RequestQueues.unshared` (a row that ran alone out of room on a shared layout
 is admitted alone (the oldest row then: never a victim while others run). A request
 with a presence, frequency or repetition penalty is admitted without a cached prefix
 too (the step's token history, `paged_kv.model.penalties`, holds only the tokens
-its own steps cached). Room is
+its own steps cached), and so is one asking for `prompt_logprobs` (its steps compute
+them, `prompt_positions`). A sample of an `n > 1` request (`parallel_sampling`) is skipped
+while its first request computes its prompt, then opens on that row's segments of
+the prompt (shared, not matched in the cache) with its partial tail copied. Room is
 also kept for the running rows' next tokens (`next_token_blocks`), so a newcomer never
 takes the block a running row's next token needs.
 """
@@ -29,6 +32,7 @@ import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
 from paged_kv.core.state import REGION_DYNAMIC
+from paged_kv.serving import parallel_sampling
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.eviction import Evictor
 from paged_kv.serving.progress import ProgressGuard
@@ -51,6 +55,7 @@ class _Admission(NamedTuple):
   node: object  # the locked match node (None: no match)
   matched: int  # tokens the segments cover
   context_size: int  # tokens to compute before its next output token
+  forked: bool = False  # the segments are its first request's (`parallel_sampling`)
 
 
 class Admission:
@@ -217,9 +222,13 @@ class Admission:
     admits: list[_Admission] = []
     rows = self.free_rows()
     tails: set = set()  # continuable tails this step's opens copy
+    skipped = False
     for req in q.waiting:  # nothing below changes the queue until the opens succeed
       if len(admits) >= rows:
         break
+      if req.sample_of is not None and parallel_sampling.held_back(req):
+        skipped = True  # it forks its first request's row once the prompt is computed
+        continue
       admission = self._try_admit(req, tails, len(admits))
       if admission is None:
         break
@@ -228,6 +237,9 @@ class Admission:
       return
     try:
       seqs = self.cached_pool.open_many([a.segments for a in admits])
+      forks = [int(seq) for a, seq in zip(admits, seqs) if a.forked]
+      if forks:  # copy-on-write of the shared partial tails (no block: a fresh one later)
+        self.pool.cow_split(forks, skip_exhausted=True)
     except PagedKVError:
       for a in admits:
         if a.node is not None:
@@ -245,7 +257,10 @@ class Admission:
         self.stats.admitted += 1
         self.stats.prompt_tokens += int(req.prompt.size)
         self.stats.hit_tokens += a.matched
-      q.waiting.popleft()
+      if skipped:
+        q.waiting.remove(req)
+      else:
+        q.waiting.popleft()
       q.running.append(req)
 
   def _admit_room(self, need: int) -> bool:
@@ -273,9 +288,15 @@ class Admission:
     matched, segs, node = 0, np.zeros((0, 3), np.int32), None
     unshared = id(req) in self.queues.unshared
     # A penalized request reads its own token history (`paged_kv.model.penalties`),
-    # which holds only what its own steps cached: no shared prefix.
-    penalized = req.sampling is not None and req.sampling.penalized
-    if self.caching and probe.size and not unshared and not penalized:
+    # which holds only what its own steps cached, and prompt logprobs come from the
+    # steps that compute the prompt: no shared prefix.
+    sp = req.sampling
+    own_prefix = sp is not None and (sp.penalized or sp.prompt_logprobs is not None)
+    fork = (None if req.sample_of is None or unshared
+            else parallel_sampling.fork_prefix(req, self.pool.host))
+    if fork is not None:
+      segs, matched = fork
+    elif self.caching and probe.size and not unshared and not own_prefix:
       m = self.cached_pool.match(req.namespace, probe, lock=True, record=not resumed)
       matched, segs, node = m.length, m.segments, m.node
     # Keep the segment table from overflowing: a matched prefix may hold more segments
@@ -316,13 +337,16 @@ class Admission:
       self.queues.unshared.discard(id(req))
     self.live_used += need
     self._reserve_base += self.reserve_blocks(int(context.size) - matched, out_left)
-    if self.cached_pool.continues_tail(segs):
+    forked = fork is not None and len(segs) > 0
+    if forked and segs[-1, 2] < bs and self._admit_free > 0:
+      self._admit_free -= 1  # its tail's copy (`_admit_waiting`)
+    elif self.cached_pool.continues_tail(segs):
       tail = tuple(int(x) for x in segs[-1])
       if tail not in tails and tail[2] < bs:
         tails.add(tail)
         if self._admit_free > 0:  # the copy takes a block when one is free
           self._admit_free -= 1
-    return _Admission(req, segs, node, matched, int(context.size))
+    return _Admission(req, segs, node, matched, int(context.size), forked)
 
   def next_token_blocks(self) -> int:
     """Fresh blocks the running rows past their prompt take for their next token.

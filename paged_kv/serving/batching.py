@@ -18,6 +18,7 @@ import numpy as np
 from paged_kv.model import ragged
 from paged_kv.model.plan import StepPlan
 from paged_kv.model.sampling import SamplingBatch
+from paged_kv.serving import prompt_positions
 from paged_kv.serving.request import Request
 from paged_kv.serving.running_rows import RunningRows
 from paged_kv.serving.scheduler_config import SchedulerConfig
@@ -243,7 +244,8 @@ def plan_rows(rows: StepRows, config: SchedulerConfig, *, sampling: bool,
   Args:
     rows: the step's rows.
     config: the scheduler's config (`max_batch` rows, `prefill_chunk`, `max_logprobs`).
-    sampling: attach the rows' `SamplingBatch` (for an executor that samples).
+    sampling: attach the rows' `SamplingBatch` (for an executor that samples), and
+      the chunks' `PromptPositions` when one asks for prompt logprobs.
     num_tokens: the token width (default: `width_for` the total among `token_widths`).
   """
   decodes, chunks = rows.decodes, rows.chunks
@@ -268,9 +270,11 @@ def plan_rows(rows: StepRows, config: SchedulerConfig, *, sampling: bool,
                            else r.tokens[a:a + n])
     pos += n
   batch = sampling_batch(decodes, chunks, config.max_batch) if sampling else None
+  prompt = (prompt_positions.positions(chunks, nd, config.prefill_token_budget)
+            if sampling and chunks else None)
   return StepPlan(seq_ids=ids, num_new=num_new, tokens=tokens,
                   max_query_len=config.prefill_chunk if chunks else 1,
-                  sampling=batch, num_logprobs=config.max_logprobs)
+                  sampling=batch, num_logprobs=config.max_logprobs, prompt=prompt)
 
 
 def pending_token(r: Request) -> int:

@@ -13,7 +13,9 @@ one wake-up of the loop per step, not one per request).
 
 The number of requests submitted and not finished is bounded (`max_queued`):
 `submit` raises `QueueFull` beyond it, `EngineStopped` once the thread has stopped
-(or died: `error` says why).
+(or died: `error` says why). A request with `sampling.n > 1` counts `n`: each of its
+samples is a request with chunks of its own (`parallel_sampling.sample_ids`), all
+going to its sink.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from paged_kv.core.errors import PagedKVError
+from paged_kv.core.errors import InvalidArgument, PagedKVError
 from paged_kv.serving.llm import CompletionChunk, Engine
+from paged_kv.serving.parallel_sampling import sample_ids
 
 __all__ = ["EngineStopped", "EngineThread", "QueueFull", "RequestFailed"]
 
@@ -101,19 +104,24 @@ class EngineThread:
   def submit(self, request_id: Hashable, prompt_ids: Sequence[int], sampling: Any,
              max_tokens: int, sink: Sink, *, index: int = 0) -> None:
     """Queues a request for the engine (`Engine.add` runs on the thread; a refusal
-    there reaches `sink` as a `RequestFailed`).
+    there reaches `sink` as a `RequestFailed`, one per sample).
 
     Raises:
       QueueFull: `max_queued` requests are outstanding.
       EngineStopped: the thread is not running.
+      InvalidArgument: `sampling.n` above `max_queued` (it could never be queued).
     """
+    n = getattr(sampling, "n", 1)
+    if n > max(self.max_queued, 1):
+      raise InvalidArgument(f"n={n} samples exceed the {self.max_queued} requests this "
+                            f"server queues at once")
     with self._lock:
       if not self.running:
         raise EngineStopped(self._why_stopped())
-      if self._outstanding >= self.max_queued:
+      if self._outstanding + n > self.max_queued:
         raise QueueFull(f"{self._outstanding} requests are queued or running (the limit is "
                         f"{self.max_queued}); retry later")
-      self._outstanding += 1
+      self._outstanding += n
     self._inbox.put(("add", (request_id, list(prompt_ids), sampling, max_tokens, sink, index)))
 
   def abort(self, request_id: Hashable) -> None:
@@ -179,11 +187,14 @@ class EngineThread:
     engine = self.engine
     if kind == "add":
       rid, prompt, sampling, max_tokens, sink, index = arg
-      self._sinks[rid] = sink
+      ids = sample_ids(rid, getattr(sampling, "n", 1))
+      for i in ids:
+        self._sinks[i] = sink
       try:
         engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index)
       except Exception as exc:  # pylint: disable=broad-except  (refused: the request's error)
-        self._deliver(RequestFailed(rid, exc))
+        for i in ids:
+          self._deliver(RequestFailed(i, exc))
     elif kind == "abort":
       chunk = engine.abort(arg)
       if chunk is not None:
@@ -255,9 +266,9 @@ class EngineThread:
       except queue.Empty:
         break
       if kind == "add":
-        rid, sink = arg[0], arg[4]
-        self._sinks[rid] = sink
-        self._deliver(RequestFailed(rid, EngineStopped(self._why_stopped())))
+        for rid in sample_ids(arg[0], getattr(arg[2], "n", 1)):
+          self._sinks[rid] = arg[4]
+          self._deliver(RequestFailed(rid, EngineStopped(self._why_stopped())))
       elif kind == "call":
         arg[1].set_exception(EngineStopped(self._why_stopped()))
     self._flush()

@@ -28,6 +28,10 @@ Optional attributes the scheduler reads:
     admits them without a cached prefix (`paged_kv.serving.admission`).
     `history_len`: the positions its histories hold (`submit` refuses a penalized
     request that could grow longer).
+  * `prompt_logprobs = True`: the executor's `step` computes a plan's `prompt`
+    positions (`paged_kv.model.plan.PromptPositions`) and returns their
+    `PromptLogprobs` after the `SampleOutput`; `submit` refuses requests asking for
+    prompt logprobs otherwise, and the warm-up compiles those programs only then.
   * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
     the device from the previous step's `next_tokens`) inside its jitted step;
     for any other the scheduler resolves them first.
@@ -264,7 +268,7 @@ class ModelExecutor:
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
                impl: str | None = None, interpret: bool | None = None, tokenizer=None,
-               history_len: int | None = None):
+               history_len: int | None = None, prompt_logprobs: bool = False):
     """Checks the model and binds its steps to the pool's config.
 
     Args:
@@ -281,6 +285,11 @@ class ModelExecutor:
         `max_seqs * history_len * 4` bytes on the device); None: `max_segments *
         block_size` (the longest row the table holds); 0: no history, and
         penalized requests are refused at submit.
+      prompt_logprobs: serve `SamplingParams.prompt_logprobs`
+        (`paged_kv.serving.prompt_positions`): a step holding such a prompt runs
+        a program of its own (the output head at the prompt's positions too), which
+        `Scheduler.warmup` then compiles as well (one per mixed token width).
+        False: those requests are refused at submit, and nothing more compiles.
 
     Raises:
       ModelContractError: the model's signature or its abstract decode, prefill
@@ -297,6 +306,9 @@ class ModelExecutor:
     self.vocab_size = contract.check_model(model, pool_config)
     self.uses_logits_indices = contract.accepts_logits_indices(model)
     self.tokenizer = tokenizer
+    if not isinstance(prompt_logprobs, bool):
+      raise InvalidArgument(f"prompt_logprobs must be a bool, got {prompt_logprobs!r}")
+    self.prompt_logprobs = prompt_logprobs
     self.config = pool_config
     self.kernel_args: dict[str, Any] = dict(impl=impl, interpret=interpret)
     self.steps = steps.bind(model, pool_config, out_shardings=self._out_shardings(pool_config),
@@ -337,12 +349,13 @@ class ModelExecutor:
 
   def step(self, state: PoolState, plan: StepPlan) -> tuple:
     if plan.sampling is not None:
+      # `(state, next, status, SampleOutput[, PromptLogprobs])`, the history kept.
       if self.history is None:
-        state, (nxt, status, out) = self.steps.forward_sampled(state, plan)
+        state, (nxt, status, *extra) = self.steps.forward_sampled(state, plan)
       else:
-        state, (nxt, status, out, self.history) = self.steps.forward_sampled(
+        state, (nxt, status, *extra, self.history) = self.steps.forward_sampled(
             state, plan, self.history)
-      return state, nxt, status, out
+      return (state, nxt, status, *extra)
     state, (nxt, _, status) = self.steps.forward(state, plan)
     # Device arrays: the caller reads the tokens (it needs them) and compares the
     # status with its own prediction once ready.

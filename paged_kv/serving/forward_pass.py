@@ -33,7 +33,7 @@ from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.model.metadata import reserved_slots
 from paged_kv.model.plan import CarriedTokens
 from paged_kv.pool import StepPrediction
-from paged_kv.serving import batching
+from paged_kv.serving import batching, prompt_positions
 from paged_kv.serving.executor import Executor, attached_state
 from paged_kv.serving.eviction import Evictor
 from paged_kv.serving.preemption import Preemption
@@ -54,7 +54,8 @@ class Flight:
     first: per chunk, whether it completed its prompt and sampled a first token.
     tokens: `i32[B]`, or `i32[k, B]` for k decode steps: the sampled tokens.
     runs: `i32[B]` decode steps each row ran (k steps), None for one step.
-    extra: the executor's further results (a `SampleOutput` with logprobs).
+    extra: the executor's further results (a `SampleOutput` with logprobs, then the
+      `PromptLogprobs` of a plan with prompt positions).
     last: `i32[B]` each row's last sampled token on the device (the next step's
       carried input), or None when the executor's tokens mean nothing.
     slots, gens: the decode rows' `RunningRows` slots and their binds (`gen`) at
@@ -371,6 +372,9 @@ class ForwardPass:
       tokens = np.asarray(tokens)  # the one read a model step needs (started at dispatch)
       self.pool.runtime.read("tokens")
     logprobs = self._read_logprobs(flight)
+    if len(flight.extra) > 1 and flight.runs is None:  # prompt logprobs (`prompt_positions`)
+      self.pool.runtime.read("tokens")
+      prompt_positions.store(flight.extra[1], flight.chunks, len(flight.decodes), flight.epochs)
     rec = self.record
     rec.now = self.clock()  # the tokens of this pass exist on the host from now
     decodes, epochs, ok = flight.decodes, flight.epochs, flight.ok

@@ -13,7 +13,9 @@ facade adds no loop of its own, so it gets faster when the loop does.
 
   * `generate(prompts, sampling, max_tokens=)` runs prompts (text, or token ids)
     to the end and returns one `Completion` each: text, token ids, per-token
-    logprobs when asked for, and an OpenAI-style `finish_reason`.
+    logprobs when asked for, and an OpenAI-style `finish_reason`; with
+    `sampling.n > 1`, the prompt's `n` completions (`Completion.sample`), its prompt
+    computed once (`paged_kv.serving.parallel_sampling`).
   * `stream(...)` yields `CompletionChunk`s as the steps produce tokens; `abort(id)`
     ends a request between two chunks (its blocks go back to the pool at once).
   * A prompt whose tokens plus `max_tokens` exceed the model's context
@@ -48,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument
+from paged_kv.serving.parallel_sampling import SampleId
 from paged_kv.serving.request import Request
 from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.stop_strings import StopStringMatcher
@@ -82,25 +85,29 @@ class ContextLengthExceeded(InvalidArgument):
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
-  """One generated token's logprob and the most likely alternatives at its step.
+  """One token's logprob and the most likely alternatives at its position.
 
   Attributes:
     token_id: the token.
     logprob: its log-probability under the model (before sampling's truncation).
     top: `((token_id, logprob), ...)`: the `logprobs` most likely tokens, best first.
+    rank: its rank there (1: the most likely), for a prompt token; None for a
+      generated one.
   """
 
   token_id: int
   logprob: float
   top: tuple[tuple[int, float], ...]
+  rank: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-  """One prompt's result.
+  """One prompt's result (one of its `n` samples).
 
   Attributes:
-    request_id: the request's id.
+    request_id: the request's id (sample i > 0 of an `n > 1` request:
+      `parallel_sampling.SampleId(request_id, i)`).
     prompt_token_ids: the prompt's tokens.
     text: the generated text (special tokens skipped); None without a tokenizer.
     token_ids: the generated tokens, a stop token included.
@@ -109,6 +116,12 @@ class Completion:
     finish_reason: `"stop"` (a stop token), `"length"` (`max_tokens`, or the
       sequence's table was full) or `"abort"`.
     stop_reason: the scheduler's `Request.stop_reason`.
+    sample: which of the prompt's `sampling.n` samples (0 when `n == 1`).
+    prompt_logprobs: with `sampling.prompt_logprobs` (an `LLM` built with
+      `prompt_logprobs=True`), one entry per prompt token: None for the first, then
+      its `TokenLogprob` given the tokens before it (`rank` set; `top` the
+      `prompt_logprobs` most likely there); None otherwise. Every sample of a
+      prompt carries its prompt's.
   """
 
   request_id: Hashable
@@ -118,6 +131,8 @@ class Completion:
   logprobs: tuple[TokenLogprob, ...] | None
   finish_reason: str
   stop_reason: str
+  sample: int = 0
+  prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +140,8 @@ class CompletionChunk:
   """What one request produced since its previous chunk.
 
   Attributes:
-    request_id: the request's id.
-    index: its position in the `stream` / `generate` call's prompts.
+    request_id: the request's id (a sample's own, as `Completion.request_id`).
+    index: its prompt's position in the `stream` / `generate` call's prompts.
     text: the new text (may be "" while a multi-byte character is incomplete);
       None without a tokenizer.
     token_ids: the new tokens.
@@ -134,6 +149,8 @@ class CompletionChunk:
     finished: whether this is the request's last chunk.
     finish_reason: as `Completion.finish_reason` on the last chunk, else None.
     num_tokens: the request's generated tokens so far, these included.
+    sample: which of its prompt's `sampling.n` samples (0 when `n == 1`).
+    prompt_logprobs: on the last chunk, as `Completion.prompt_logprobs`; else None.
   """
 
   request_id: Hashable
@@ -144,6 +161,8 @@ class CompletionChunk:
   finished: bool
   finish_reason: str | None
   num_tokens: int
+  sample: int = 0
+  prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +222,10 @@ def pool_blocks(*, block_bytes: int, block_size: int, max_seq_len: int, max_batc
     return PoolSizing(cap, block_bytes, budget, f"{rule}, capped at twice {max_batch} "
                                                 f"full-length sequences")
   return PoolSizing(fit, block_bytes, budget, rule)
+
+
+def _sample(request_id: Hashable) -> int:
+  return request_id.index if isinstance(request_id, SampleId) else 0
 
 
 def _is_ids(x: Any) -> bool:
@@ -298,7 +321,9 @@ class Engine:
     """Queues one request; returns its id (a fresh `"req-<n>"` unless given).
 
     The checkpoint's end-of-sequence ids join `sampling.stop_token_ids` (unless the
-    sampling has a true `ignore_eos`).
+    sampling has a true `ignore_eos`). With `sampling.n > 1` its samples are live
+    requests too (`request(id).samples`, ids `parallel_sampling.sample_ids`), each
+    with chunks of its own.
 
     Raises:
       ContextLengthExceeded: prompt plus `max_tokens` beyond `max_seq_len`.
@@ -321,11 +346,12 @@ class Engine:
       raise InvalidArgument(f"request id {rid!r} is in use")
     req = Request(rid, np.asarray(prompt_ids, np.int32), int(max_tokens), sampling=sampling)
     self.scheduler.submit(req)
-    stream = None
-    if self.tokenizer is not None:  # the text ends before a stop string
-      stream = (StopStringMatcher(self.tokenizer, sampling.stop) if sampling.stop
-                else self.tokenizer.stream())
-    self._live[rid] = _Tracker(req, index, stream, sampling.logprobs)
+    for r in (req, *req.samples):
+      stream = None
+      if self.tokenizer is not None:  # the text ends before a stop string
+        stream = (StopStringMatcher(self.tokenizer, sampling.stop) if sampling.stop
+                  else self.tokenizer.stream())
+      self._live[r.request_id] = _Tracker(r, index, stream, sampling.logprobs)
     return rid
 
   def abort(self, request_id: Hashable) -> CompletionChunk | None:
@@ -362,7 +388,25 @@ class Engine:
                        for i in range(len(req.output)))
     return Completion(req.request_id, tuple(int(t) for t in req.prompt), text,
                       tuple(int(t) for t in req.output), logprobs,
-                      FINISH_REASONS.get(req.stop_reason, req.stop_reason), req.stop_reason)
+                      FINISH_REASONS.get(req.stop_reason, req.stop_reason), req.stop_reason,
+                      _sample(req.request_id), self.prompt_logprobs(req))
+
+  @staticmethod
+  def prompt_logprobs(req: Request) -> tuple[TokenLogprob | None, ...] | None:
+    """The prompt logprobs of `req` (its first sample's, for a sample), or None when
+    its sampling did not ask (see `Completion.prompt_logprobs`)."""
+    req = req.sample_of or req
+    sp = req.sampling
+    if sp is None or sp.prompt_logprobs is None:
+      return None
+    got = req.prompt_logprobs or ()
+    out: list[TokenLogprob | None] = [None]
+    for t in range(1, int(req.prompt.size)):
+      entry = got[t] if t < len(got) else None
+      out.append(None if entry is None else TokenLogprob(
+          int(req.prompt[t]), float(entry[0]),
+          tuple((int(i), float(v)) for i, v in entry[2]), int(entry[1])))
+    return tuple(out)
 
   def request(self, request_id: Hashable) -> Request | None:
     """The live request of this id (the scheduler's object), or None."""
@@ -387,14 +431,17 @@ class Engine:
       logprobs = tuple(self._logprob(req, i, tracker.top)
                        for i in range(start, start + len(new)))
     finished = req.done
+    prompt_logprobs = None
     if finished:
       if tracker.stream is not None:
         text += tracker.stream.flush()
       del self._live[req.request_id]
+      prompt_logprobs = self.prompt_logprobs(req)
     return CompletionChunk(req.request_id, tracker.index, text, tuple(int(t) for t in new),
                            logprobs, finished,
                            FINISH_REASONS.get(req.stop_reason, req.stop_reason)
-                           if finished else None, len(req.output))
+                           if finished else None, len(req.output), _sample(req.request_id),
+                           prompt_logprobs)
 
 
 class LLM:
@@ -422,7 +469,7 @@ class LLM:
                block_size: int = 16, num_blocks: int | None = None,
                kv_cache_bytes: int | None = None, memory_fraction: float | None = None,
                scheduler_config: Any = None, impl: str | None = None, warmup: bool = False,
-               model_name: str | None = None):
+               model_name: str | None = None, prompt_logprobs: bool = False):
     """Loads (or takes) the model, sizes the pool and builds the scheduler.
 
     Args:
@@ -444,6 +491,9 @@ class LLM:
       impl: the attention path (`None`: `paged_kv.model.default_impl()`).
       warmup: compile every program of the serving path now (`Scheduler.warmup()`).
       model_name: the name a server reports (default: the directory's name).
+      prompt_logprobs: serve `SamplingParams.prompt_logprobs` (`ModelExecutor`'s
+        flag: their step programs compile too, in the warm-up or on first use);
+        False: such requests are refused.
 
     Raises:
       InvalidArgument: no such directory, neither or both of `checkpoint` and
@@ -509,7 +559,8 @@ class LLM:
         max_seqs=config.max_batch, max_segments=per_seq + 2, base_pool_fraction=0.0)
     self.scheduler = Scheduler(paged_kv.BlockPool(pool_config),
                                ModelExecutor(model, pool_config, impl=impl,
-                                             tokenizer=tokenizer), config)
+                                             tokenizer=tokenizer,
+                                             prompt_logprobs=prompt_logprobs), config)
     # Chunks of requests a `stream` iterator waits for, produced by another one's step.
     self._buffered: dict[Hashable, list[CompletionChunk]] = {}
     self.engine = Engine(self.scheduler, tokenizer, max_seq_len=self.max_seq_len,
@@ -586,8 +637,9 @@ class LLM:
     reqs: dict[Hashable, Request] = {}
     try:
       for i, (p, s, m) in enumerate(planned):
-        rid = engine.add(p, s, max_tokens=m, index=i)
-        reqs[rid] = engine.request(rid)
+        req = engine.request(engine.add(p, s, max_tokens=m, index=i))
+        for r in (req, *req.samples):
+          reqs[r.request_id] = r
     except BaseException:
       for rid in reqs:
         engine.abort(rid)
@@ -624,7 +676,8 @@ class LLM:
   def generate(self, prompts: Any,
                sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
                max_tokens: int | Sequence[int] | None = None) -> list[Completion]:
-    """Runs the prompts to the end; one `Completion` per prompt, in order.
+    """Runs the prompts to the end; one `Completion` per prompt, in order (with
+    `sampling.n > 1`, the prompt's `n`, by `Completion.sample`).
 
     Arguments as `stream`'s.
 
@@ -633,19 +686,22 @@ class LLM:
         (nothing was queued).
       InvalidArgument: a bad prompt, sampling or `max_tokens` (nothing was queued).
     """
-    texts: dict[int, list[str]] = {}
-    done: dict[int, Completion] = {}
+    texts: dict[tuple[int, int], list[str]] = {}
+    done: dict[tuple[int, int], Completion] = {}
     for chunk, req in self._run(self._requests(prompts, sampling, max_tokens)):
+      key = (chunk.index, chunk.sample)
       if chunk.text is not None:
-        texts.setdefault(chunk.index, []).append(chunk.text)
+        texts.setdefault(key, []).append(chunk.text)
       if chunk.finished:
-        text = "".join(texts.get(chunk.index, [])) if self.tokenizer is not None else None
-        done[chunk.index] = self.engine.completion(req, text)
-    return [done[i] for i in sorted(done)]
+        text = "".join(texts.get(key, [])) if self.tokenizer is not None else None
+        done[key] = self.engine.completion(req, text)
+    return [done[k] for k in sorted(done)]
 
   def abort(self, request_id: Hashable) -> None:
-    """Ends a request now; its last chunk comes next from `stream`. Its row and blocks
+    """Ends a request now, with its samples when `sampling.n > 1` (a sample's own id
+    ends that sample alone); its last chunks come next from `stream`. Rows and blocks
     are released at once. Unknown or finished ids are ignored."""
     req = self.engine.request(request_id)
-    if req is not None and not req.done:
-      self.scheduler.abort(request_id)
+    for r in () if req is None else (req, *req.samples):
+      if not r.done:
+        self.scheduler.abort(r.request_id)

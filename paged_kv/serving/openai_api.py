@@ -12,12 +12,21 @@ Sampling fields (`sampling_from_body`, the one place they are mapped):
   * mapped now: `temperature` (OpenAI's default 1.0), `top_p`, `top_k`, `min_p`,
     `seed`, `max_tokens` (`max_completion_tokens` for chat), `logprobs` /
     `top_logprobs`, `stop_token_ids` (a vLLM extension);
+  * `n`: the choices per prompt (`SamplingParams.n`: the prompt is computed once and
+    its blocks shared, `paged_kv.serving.parallel_sampling`); choice `index` is
+    prompt * n + sample, as OpenAI's and vLLM's;
   * passed by name to `SamplingParams` (vLLM's fields; a field it lacked would be
     refused with a 400 naming it): `presence_penalty`, `frequency_penalty`,
     `repetition_penalty`, `min_tokens`, `logit_bias`, `ignore_eos`,
-    `prompt_logprobs` (refused at `submit`: not served yet), `stop`;
-  * refused: `n` > 1, `best_of` > 1, `echo`, `suffix`, tools and function calls,
-    `response_format` other than text; any field the API does not have.
+    `prompt_logprobs` (served by a server started with `--enable-prompt-logprobs`,
+    else refused at `submit`; not with `stream`, as vLLM; the answer is vLLM's:
+    `prompt_logprobs` in each completion choice, at the top of a chat response, a
+    list with None for the first token, then `{token id: {logprob, rank,
+    decoded_token}}` of the prompt's token and the top ones, `prompt_logprobs_json`),
+    `stop`;
+  * refused: `best_of` other than unset or `n` (vLLM's V1 engine dropped it too),
+    `echo`, `suffix`, tools and function calls, `response_format` other than text;
+    any field the API does not have.
 """
 
 from __future__ import annotations
@@ -40,11 +49,12 @@ __all__ = ["BadRequest", "ChatTemplate", "ParsedRequest", "parse_chat", "parse_c
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions `logprobs`
 MAX_CHAT_TOP_LOGPROBS = 20  # ... for /v1/chat/completions `top_logprobs`
+MAX_N = 128  # OpenAI's limit of `n`
 
 # Fields passed to `SamplingParams` by name once it has them: field -> its "unset" values.
 PASS_THROUGH = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
                 "repetition_penalty": (1, 1.0), "min_tokens": (0,), "logit_bias": ({},),
-                "ignore_eos": (False,), "prompt_logprobs": (0,), "stop": ("", [])}
+                "ignore_eos": (False,), "prompt_logprobs": (), "stop": ("", [])}
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
            "stream_options", "stop_token_ids", "n", "best_of", "user", *PASS_THROUGH}
@@ -131,11 +141,12 @@ def sampling_from_body(body: dict, *, logprobs: int, max_logprobs: int) -> Sampl
   Raises:
     BadRequest: a field out of range, or one `SamplingParams` does not support yet.
   """
-  for name, unset in (("n", (1,)), ("best_of", (1,))):
-    value = body.get(name)
-    if not _is_unset(value, unset):
-      raise BadRequest(f"{name}={value!r} is not supported yet (one completion per prompt)",
-                       param=name)
+  n = _int(body, "n", 1, MAX_N, 1)
+  best_of = body.get("best_of")
+  if best_of is not None and best_of != n:
+    raise BadRequest(f"best_of={best_of!r} is not supported (vLLM's V1 engine dropped it "
+                     f"too): ask for n={best_of!r} choices and pick among them",
+                     param="best_of")
   if logprobs > max_logprobs:
     raise BadRequest(f"at most {max_logprobs} logprobs per token are served, got {logprobs}",
                      param="logprobs")
@@ -144,7 +155,7 @@ def sampling_from_body(body: dict, *, logprobs: int, max_logprobs: int) -> Sampl
       top_p=float(_number(body, "top_p", 0.0, 1.0, 1.0)),
       top_k=_int(body, "top_k", -1, None, 0),
       min_p=float(_number(body, "min_p", 0.0, 1.0, 0.0)),
-      seed=_int(body, "seed", 0, 2**32 - 1, None), logprobs=logprobs)
+      seed=_int(body, "seed", 0, 2**32 - 1, None), logprobs=logprobs, n=n)
   if kwargs["top_k"] == -1:  # vLLM's spelling of "all"
     kwargs["top_k"] = 0
   if kwargs["top_p"] == 0.0:
@@ -197,6 +208,12 @@ def _stream_options(body: dict) -> tuple[bool, bool]:
   return stream, usage
 
 
+def _no_stream_prompt_logprobs(body: dict, stream: bool) -> None:
+  if stream and body.get("prompt_logprobs") is not None:
+    raise BadRequest("prompt_logprobs are not available when stream=true (as vLLM's)",
+                     param="prompt_logprobs")
+
+
 def check_model(body: dict, served: str) -> None:
   """Raises `BadRequest` (404) unless `model` names the served model (or is absent)."""
   model = body.get("model")
@@ -231,6 +248,7 @@ def parse_completion(body: Any, *, served: str, max_logprobs: int) -> ParsedRequ
                      "list of lists of token ids (none empty)", param="prompt")
   logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, None)
   stream, usage = _stream_options(body)
+  _no_stream_prompt_logprobs(body, stream)
   sampling = sampling_from_body(body, logprobs=logprobs or 0, max_logprobs=max_logprobs)
   max_tokens = _int(body, "max_tokens", 1, None, 16)
   return ParsedRequest(prompts, sampling, max_tokens, stream, usage, logprobs)
@@ -281,6 +299,7 @@ def parse_chat(body: Any, *, served: str, max_logprobs: int) -> tuple[ParsedRequ
     raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
   logprobs = (top or 0) if want else None
   stream, usage = _stream_options(body)
+  _no_stream_prompt_logprobs(body, stream)
   # The sampled token's logprob comes with the top list: ask for at least one.
   sampling = sampling_from_body(body, logprobs=max(logprobs, 1) if logprobs is not None else 0,
                                 max_logprobs=max_logprobs)
@@ -420,6 +439,26 @@ def chat_logprobs(tokenizer: Any, logprobs: Sequence[TokenLogprob] | None,
   return {"content": [dict(entry(lp.token_id, lp.logprob),
                            top_logprobs=[entry(t, v) for t, v in lp.top[:top]])
                       for lp in logprobs]}
+
+
+def prompt_logprobs_json(tokenizer: Any, entries: Sequence[TokenLogprob | None] | None
+                         ) -> list | None:
+  """vLLM's `prompt_logprobs` of a response: per prompt token None (the first), or
+  `{str(token id): {"logprob", "rank", "decoded_token"}}` of the prompt's token and the
+  most likely ones there."""
+  if entries is None:
+    return None
+  out: list = []
+  for e in entries:
+    if e is None:
+      out.append(None)
+      continue
+    d = {str(t): {"logprob": v, "rank": r, "decoded_token": _token_text(tokenizer, t)}
+         for r, (t, v) in enumerate(e.top, start=1)}
+    d.setdefault(str(e.token_id), {"logprob": e.logprob, "rank": e.rank,
+                                   "decoded_token": _token_text(tokenizer, e.token_id)})
+    out.append(d)
+  return out
 
 
 def completion_choice(index: int, chunk_text: str, finish_reason: str | None,

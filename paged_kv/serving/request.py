@@ -93,6 +93,12 @@ class Request:
   `submit_step` / `admit_step` / `first_token_step` / `finish_step` and the same
   `*_time`s on the scheduler's clock, and with `sampling.logprobs = n > 0`
   `logprobs`: per output token `(its logprob, ((token, logprob), ...) the top n)`.
+  With `sampling.prompt_logprobs = k`, `prompt_logprobs` holds one entry per prompt
+  position: None for the first, then `(logprob, rank, ((token, logprob), ...) the top
+  k)` of the prompt's token there given the tokens before it
+  (`paged_kv.serving.prompt_positions`), filled as the prompt's chunks are read.
+  With `sampling.n > 1`, `samples` holds its other n - 1 samples (requests of their
+  own, `paged_kv.serving.parallel_sampling`), each with `sample_of` pointing back.
   In the overlapped loop (`SchedulerConfig.overlap`) `in_flight` counts tokens
   sampled on the device but not read yet (not in `output`); `num_cached` then
   includes tokens whose ids the host has not read.
@@ -140,11 +146,18 @@ class Request:
   last_token_time: float = _progress(-1.0)
   finish_time: float = _progress(-1.0)
   logprobs: list = dataclasses.field(default_factory=list, init=False)
+  prompt_logprobs: list | None = _progress(None)  # with `sampling.prompt_logprobs` (below)
   stop_ids: frozenset = _progress(frozenset())  # the tokens that end it (set at submit)
   sample_seed: int = _progress(0)  # its sampling seed (`sampling.seed`, else the scheduler's)
   in_flight: int = _progress(0)  # tokens sampled on the device, not read yet
   carry_row: int = _progress(-1)  # its row in the newest unread step (where its next input token is)
   epoch: int = _progress(0)  # bumped when its unread tokens are dropped (finish, preemption, abort)
+  # `sampling.n > 1` (`paged_kv.serving.parallel_sampling`): the request's other samples,
+  # and a sample's first request (whose row it shares); compare/repr off: they point at
+  # each other.
+  samples: tuple = dataclasses.field(default=(), init=False, compare=False, repr=False)
+  sample_of: "Request | None" = dataclasses.field(default=None, init=False, compare=False,
+                                                  repr=False)
 
   _frozen = False  # set by `_freeze` (`Scheduler.submit`)
   _rows = None  # the `running_rows.RunningRows` holding its hot fields while bound
@@ -364,11 +377,13 @@ def check_new(request: Request, submitted, live) -> None:
                           f"request; ids are unique among live requests")
 
 
-def seal(request: Request, *, stop_token: int, seed: int) -> None:
+def seal(request: Request, *, stop_token: int, seed: int, now: float = -1.0,
+         step: int = -1) -> None:
   """Freezes a checked request's inputs and fixes its stop tokens (its sampling's and
-  the scheduler's `stop_token`, -1: none, unless its sampling has `ignore_eos`) and
-  its sampling seed (its own, else `seed`)."""
+  the scheduler's `stop_token`, -1: none, unless its sampling has `ignore_eos`), its
+  sampling seed (its own, else `seed`), and its `submit_time` / `submit_step`."""
   request._freeze()  # pylint: disable=protected-access
+  request.submit_time, request.submit_step = now, step
   sp = request.sampling
   stops = set(sp.stop_token_ids) if sp is not None else set()
   if stop_token >= 0 and not (sp is not None and sp.ignore_eos):

@@ -12,7 +12,8 @@ checked).
 Sampling: what the serving loop does not apply is refused by name rather than
 ignored: the presence, frequency and repetition penalties under an executor that
 keeps no token history (`applies_penalties`; a penalized request longer than its
-`history_len` too), `prompt_logprobs` and `n > 1`;
+`history_len` too), `prompt_logprobs` under an executor not built for them
+(`ModelExecutor(prompt_logprobs=True)`) or beyond `SchedulerConfig.max_logprobs`;
 stop strings need an executor with a tokenizer; `min_tokens` must not exceed
 `max_new_tokens`; the logit adjustments must fit the step's width.
 
@@ -79,7 +80,8 @@ def check_token_ids(request: "Request", vocab_size: int | None, *, stop_token: i
 
 
 def check_request(request: "Request", vocab_size: int | None, *, stop_token: int,
-                  has_tokenizer: bool, history_len: int | None = None) -> None:
+                  has_tokenizer: bool, history_len: int | None = None,
+                  prompt_logprobs: bool = False) -> None:
   """`check_token_ids`, then the sampling the serving loop cannot apply (module docstring).
 
   Args:
@@ -89,6 +91,7 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
     has_tokenizer: the executor has a `tokenizer` (stop strings).
     history_len: the positions of the executor's token histories when it applies
       penalties (`applies_penalties`); None: it does not.
+    prompt_logprobs: the executor computes prompt logprobs (`prompt_logprobs`).
 
   Raises:
     InvalidArgument: naming the field and why.
@@ -100,13 +103,9 @@ def check_request(request: "Request", vocab_size: int | None, *, stop_token: int
   rid = request.request_id
   if sp.penalized:
     _check_penalties(request, history_len)
-  if sp.prompt_logprobs is not None:
-    raise InvalidArgument(f"request {rid!r}: sampling.prompt_logprobs is not served yet "
-                          f"(the step computes logits for each row's last token only)")
-  if sp.n != 1:
-    raise InvalidArgument(f"request {rid!r}: sampling.n={sp.n}: submit one request per "
-                          f"output (each with its own seed; the prefix cache shares the "
-                          f"prompt's blocks between them)")
+  if sp.prompt_logprobs is not None and not prompt_logprobs:
+    raise InvalidArgument(f"request {rid!r}: sampling.prompt_logprobs needs an executor "
+                          f"built to compute them: ModelExecutor(..., prompt_logprobs=True)")
   if sp.stop and not has_tokenizer:
     raise InvalidArgument(f"request {rid!r}: sampling.stop needs the executor's tokenizer "
                           f"to decode text: ModelExecutor(..., tokenizer=)")
@@ -155,7 +154,12 @@ def accept(request: "Request", sched: "Scheduler") -> None:
                  if getattr(executor, "applies_penalties", False) else None)
   check_request(request, getattr(executor, "vocab_size", None),
                 stop_token=sched.config.stop_token, has_tokenizer=tokenizer is not None,
-                history_len=history_len)
+                history_len=history_len,
+                prompt_logprobs=bool(getattr(executor, "prompt_logprobs", False)))
+  sp, limit = request.sampling, sched.config.max_logprobs
+  if sp is not None and sp.prompt_logprobs is not None and sp.prompt_logprobs > limit:
+    raise InvalidArgument(f"request {request.request_id!r} asks {sp.prompt_logprobs} prompt "
+                          f"logprobs; SchedulerConfig.max_logprobs is {limit}")
   sched.admission.check_fits(request)
   if request.sampling is not None and request.sampling.stop:
     if sched.finishing.stop_strings is None:

@@ -60,7 +60,7 @@ from paged_kv.core.errors import InvalidArgument, PagedKVError
 from paged_kv.core.segment_format import Segments
 from paged_kv.pool import BlockPool
 from paged_kv.runtime import counters
-from paged_kv.serving import maintenance, recovery, request_checks
+from paged_kv.serving import maintenance, parallel_sampling, recovery, request_checks
 from paged_kv.serving import request as request_lib
 from paged_kv.serving import warmup as warmup_lib
 from paged_kv.serving.admission import Admission
@@ -212,7 +212,7 @@ class Scheduler:
 
   # ------------------------------------------------------------------ the lifecycle
   def submit(self, request: Request) -> None:
-    """Queues a request (FCFS).
+    """Queues a request (FCFS); `sampling.n > 1`: its samples too (`parallel_sampling`).
 
     The request's inputs are validated and frozen (`Request`): later changes to the
     caller's arrays change nothing, assignments to its input fields are refused.
@@ -228,15 +228,15 @@ class Scheduler:
     """
     self._check_usable()
     request_lib.check_new(request, self._submitted, self._live)
+    samples = parallel_sampling.samples_of(request, self._live)  # n > 1: checked here
     request_checks.accept(request, self)  # ids, sampling, the pool's fit; stop strings
-    request_lib.seal(request, stop_token=self.config.stop_token,
-                     seed=self.config.seed + self._num_submitted)
+    request_lib.seal(request, stop_token=self.config.stop_token, now=self.clock(),
+                     step=self.record.step, seed=self.config.seed + self._num_submitted)
     self._num_submitted += 1
-    self._submitted[id(request)] = request
-    self._live[request.request_id] = request
-    request.submit_time = self.clock()
-    request.submit_step = self.record.step
+    self._submitted[id(request)] = self._live[request.request_id] = request
     self.waiting.append(request)
+    for sample in samples:  # seeds follow in submit order; admitted as forks of its row
+      self.submit(sample)
 
   def abort(self, request_id: Hashable) -> Request:
     """Ends a request now, in any phase; returns it (`stop_reason="abort"`).

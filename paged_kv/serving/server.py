@@ -45,6 +45,7 @@ from paged_kv.serving import openai_api as api
 from paged_kv.serving.engine_task import EngineTask
 from paged_kv.serving.engine_thread import EngineStopped, EngineThread, QueueFull, RequestFailed
 from paged_kv.serving.llm import LLM, CompletionChunk, ContextLengthExceeded
+from paged_kv.serving.parallel_sampling import sample_ids
 
 __all__ = ["BackgroundServer", "Server", "build_app", "serve"]
 
@@ -133,13 +134,14 @@ class Server:
 
 class _Submitted:
   """The requests of one HTTP request and where their chunks go (on the loop): a queue
-  the stream reads, or, not streamed, lists per prompt and an event set when all
-  finished (no coroutine wakes per chunk)."""
+  the stream reads, or, not streamed, lists per choice (`choice`: prompt, then its
+  `n` samples) and an event set when all finished (no coroutine wakes per chunk)."""
 
-  def __init__(self, server: Server, prefix: str, n: int, *, stream: bool):
-    self.server, self.prefix = server, prefix
+  def __init__(self, server: Server, prefix: str, num_prompts: int, *, stream: bool,
+               n: int = 1):
+    self.server, self.prefix, self.n = server, prefix, n
     self.queue: asyncio.Queue | None = asyncio.Queue() if stream else None
-    self.chunks: list[list[CompletionChunk]] = [[] for _ in range(n)]
+    self.chunks: list[list[CompletionChunk]] = [[] for _ in range(num_prompts * n)]
     self.failed: BaseException | None = None
     self.done = asyncio.Event()
     self.live: set[str] = set()
@@ -149,22 +151,27 @@ class _Submitted:
       self.failed = self.failed or item.error
       self.live.discard(item.request_id)
     else:
-      self.chunks[item.index].append(item)
+      self.chunks[self.choice(item)].append(item)
       if item.finished:
         self.live.discard(item.request_id)
     if not self.live:
       self.done.set()
 
+  def choice(self, item: CompletionChunk) -> int:
+    """The choice `index` of a chunk: OpenAI's (and vLLM's) prompt * n + sample."""
+    return item.index * self.n + item.sample
+
   def submit(self, ids_and_limits: list[tuple[list[int], int]], sampling: Any) -> None:
     # Sinks run on the loop (`_dispatch_on`).
     sink = self.queue.put_nowait if self.queue is not None else self._keep
+    ids: list = []
     try:
-      for i, (ids, limit) in enumerate(ids_and_limits):
-        rid = f"{self.prefix}-{i}"
-        self.live.add(rid)
-        self.server.engine.submit(rid, ids, sampling, limit, sink, index=i)
+      for i, (prompt, limit) in enumerate(ids_and_limits):
+        ids = sample_ids(f"{self.prefix}-{i}", self.n)
+        self.live.update(ids)
+        self.server.engine.submit(ids[0], prompt, sampling, limit, sink, index=i)
     except BaseException:
-      self.live.discard(f"{self.prefix}-{i}")
+      self.live.difference_update(ids)
       self.abort()
       raise
 
@@ -381,7 +388,7 @@ async def _completions(server: Server, request: Any, body: Any) -> Any:
     planned.append((ids, server.max_tokens(len(ids), parsed.max_tokens)))
   rid = f"cmpl-{uuid.uuid4().hex}"
   created, model = int(time.time()), server.model_name
-  sub = _Submitted(server, rid, len(planned), stream=parsed.stream)
+  sub = _Submitted(server, rid, len(planned), stream=parsed.stream, n=parsed.sampling.n)
   sub.submit(planned, parsed.sampling)
   num_prompt = sum(len(ids) for ids, _ in planned)
   tok = server.llm.tokenizer
@@ -407,16 +414,19 @@ async def _completions(server: Server, request: Any, body: Any) -> Any:
       generated += chunks[-1].num_tokens
       choices.append(api.completion_choice(i, text, chunks[-1].finish_reason,
                                            lp(logprobs, 0)))
+      if parsed.sampling.prompt_logprobs is not None:  # vLLM's extra field
+        choices[-1]["prompt_logprobs"] = api.prompt_logprobs_json(
+            tok, chunks[-1].prompt_logprobs)
     return body_of(choices, api.usage(num_prompt, generated))
 
-  offsets = [0] * len(planned)
+  offsets = [0] * len(sub.chunks)
   generated = [0]
 
   def render(item: CompletionChunk) -> str:
-    text = item.text or ""
-    out = _sse(body_of([api.completion_choice(item.index, text, item.finish_reason,
-                                              lp(item.logprobs, offsets[item.index]))]))
-    offsets[item.index] += len(text)
+    text, choice = item.text or "", sub.choice(item)
+    out = _sse(body_of([api.completion_choice(choice, text, item.finish_reason,
+                                              lp(item.logprobs, offsets[choice]))]))
+    offsets[choice] += len(text)
     if item.finished:
       generated[0] += item.num_tokens
     return out
@@ -436,7 +446,7 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
   planned = [(ids, server.max_tokens(len(ids), parsed.max_tokens))]
   rid = f"chatcmpl-{uuid.uuid4().hex}"
   created, model = int(time.time()), server.model_name
-  sub = _Submitted(server, rid, 1, stream=parsed.stream)
+  sub = _Submitted(server, rid, 1, stream=parsed.stream, n=parsed.sampling.n)
   sub.submit(planned, parsed.sampling)
   tok = server.llm.tokenizer
   top = parsed.logprobs
@@ -447,17 +457,23 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
   if not parsed.stream:
     if not await sub.wait(request):
       return responses.Response(status_code=499)  # nobody reads it
-    chunks = sub.chunks[0]
-    text = "".join(c.text or "" for c in chunks)
-    logprobs = [x for c in chunks for x in (c.logprobs or ())]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": lp(logprobs), "finish_reason": chunks[-1].finish_reason}],
-            "usage": api.usage(len(ids), chunks[-1].num_tokens)}
+    choices = []
+    for i, chunks in enumerate(sub.chunks):
+      text = "".join(c.text or "" for c in chunks)
+      logprobs = [x for c in chunks for x in (c.logprobs or ())]
+      choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                      "logprobs": lp(logprobs), "finish_reason": chunks[-1].finish_reason})
+    out = {"id": rid, "object": "chat.completion", "created": created, "model": model,
+           "choices": choices,
+           "usage": api.usage(len(ids), sum(c[-1].num_tokens for c in sub.chunks))}
+    if parsed.sampling.prompt_logprobs is not None:  # vLLM's extra field
+      out["prompt_logprobs"] = api.prompt_logprobs_json(tok, sub.chunks[0][-1].prompt_logprobs)
+    return out
 
-  def chunk_body(delta: dict, finish_reason: str | None, logprobs: Any, usage=None) -> dict:
+  def chunk_body(delta: dict, finish_reason: str | None, logprobs: Any, usage=None,
+                 index: int = 0) -> dict:
     choices = [] if usage is not None else [
-        {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
            "choices": choices}
     if usage is not None:
@@ -468,17 +484,17 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
 
   def render(item: CompletionChunk) -> str:
     if item.finished:
-      generated[0] = item.num_tokens
+      generated[0] += item.num_tokens
     delta = {"content": item.text} if item.text else {}
-    return _sse(chunk_body(delta, item.finish_reason, lp(item.logprobs)))
+    return _sse(chunk_body(delta, item.finish_reason, lp(item.logprobs), index=sub.choice(item)))
 
   def last() -> str:
     return (_sse(chunk_body({}, None, None, api.usage(len(ids), generated[0])))
             if parsed.include_usage else "")
 
-  return _event_stream(server, sub, render,
-                       first=_sse(chunk_body({"role": "assistant", "content": ""}, None, None)),
-                       last=last)
+  first = "".join(_sse(chunk_body({"role": "assistant", "content": ""}, None, None, index=i))
+                  for i in range(len(sub.chunks)))
+  return _event_stream(server, sub, render, first=first, last=last)
 
 
 def _uvicorn():

@@ -14,7 +14,9 @@ them:
   as `DryExecutor` does, compiles once per `max_query_len`); in the overlapped
   loop the plans carry tokens (`CarriedTokens`), as the warm-up's do, and for
   an executor that takes host-reserved slots (`takes_reserved_slots`) they carry
-  those (`ReservedSlots`): the step program then holds no allocator;
+  those (`ReservedSlots`): the step program then holds no allocator; for an
+  executor built to compute prompt logprobs (`prompt_logprobs`), the mixed widths
+  once more with `PromptPositions` (`paged_kv.serving.prompt_positions`);
 * with `decode_steps = k > 1`, the executor's k-step decode at `max_batch` tokens
   and the gather of each row's last token;
 * persistence (`CachedPool.save` / `restore`): one K/V gather and one layered
@@ -57,7 +59,7 @@ import numpy as np
 
 from paged_kv.mirror.changes import CommitWidths
 from paged_kv.model import ragged
-from paged_kv.model.plan import ReservedSlots, StepPlan, TailGrowth
+from paged_kv.model.plan import PromptPositions, ReservedSlots, StepPlan, TailGrowth
 from paged_kv.model.sampling import SamplingBatch
 from paged_kv.runtime import counters
 from paged_kv.serving import batching
@@ -118,19 +120,23 @@ def program_runs(sched: "Scheduler", *, persistence: bool = True) -> list[Progra
                            lambda w=w: pool.warm_commit(w), lambda w=w: pool.lower_commit(w)))
   seen_dry = set()
   decode_widths, mixed_widths = batching.token_widths(cfg)
-  for mql, widths in ((1, decode_widths), (cfg.prefill_chunk, mixed_widths)):
-    for width in widths:
-      if not getattr(sched.executor, "uses_tokens", True):
-        if mql in seen_dry:
-          continue
-        seen_dry.add(mql)
-      lower = None
-      if hasattr(sched.executor, "lower_step"):
-        lower = lambda width=width, mql=mql: sched.executor.lower_step(
-            pool.state, _padding_plan(sched, width, mql))
-      runs.append(ProgramRun(f"step tokens={width} max_query_len={mql}",
-                             lambda width=width, mql=mql: _padding_step(sched, width, mql),
-                             lower))
+  shapes = [(1, w, False) for w in decode_widths]
+  shapes += [(cfg.prefill_chunk, w, False) for w in mixed_widths]
+  if getattr(sched.executor, "prompt_logprobs", False):
+    shapes += [(cfg.prefill_chunk, w, True) for w in mixed_widths]
+  for mql, width, prompt in shapes:
+    if not getattr(sched.executor, "uses_tokens", True):
+      if mql in seen_dry:
+        continue
+      seen_dry.add(mql)
+    lower = None
+    if hasattr(sched.executor, "lower_step"):
+      lower = lambda width=width, mql=mql, prompt=prompt: sched.executor.lower_step(
+          pool.state, _padding_plan(sched, width, mql, prompt=prompt))
+    runs.append(ProgramRun(f"step tokens={width} max_query_len={mql}"
+                           + (" prompt_logprobs" if prompt else ""),
+                           lambda width=width, mql=mql, prompt=prompt: _padding_step(
+                               sched, width, mql, prompt=prompt), lower))
   k = cfg.decode_steps
   if k > 1 and hasattr(sched.executor, "decode_steps"):
     lower = None
@@ -177,15 +183,18 @@ def _padding_pack(pool, width: int) -> None:
 
 
 def _padding_plan(sched: "Scheduler", width: int, max_query_len: int, *,
-                  reserved: bool = True) -> StepPlan:
+                  reserved: bool = True, prompt: bool = False) -> StepPlan:
   """A plan of padding rows shaped as the scheduler's (`ForwardPass`) plans are:
   with host-reserved slots (all `-1`, statuses OK) for an executor that takes them
-  (`takes_reserved_slots`), unless `reserved` is False (the k-step decode's plan)."""
+  (`takes_reserved_slots`), unless `reserved` is False (the k-step decode's plan);
+  with unused `PromptPositions` when `prompt`."""
   b = sched.config.max_batch
   sampling = (SamplingBatch.greedy(b) if getattr(sched.executor, "samples", False) else None)
   plan = StepPlan(seq_ids=np.full((b,), -1, np.int32), num_new=np.zeros((b,), np.int32),
                   tokens=np.zeros((width,), np.int32), max_query_len=max_query_len,
-                  sampling=sampling, num_logprobs=sched.config.max_logprobs)
+                  sampling=sampling, num_logprobs=sched.config.max_logprobs,
+                  prompt=(PromptPositions.empty(sched.config.prefill_token_budget)
+                          if prompt else None))
   if reserved and getattr(sched.executor, "takes_reserved_slots", False):
     plan = dataclasses.replace(plan, reserved=ReservedSlots(
         slot_mapping=np.full((width,), -1, np.int32), status=np.zeros((b,), np.int32),
@@ -194,9 +203,10 @@ def _padding_plan(sched: "Scheduler", width: int, max_query_len: int, *,
   return sched.forward_pass._with_carried(sched.executor, plan, no_rows)  # pylint: disable=protected-access
 
 
-def _padding_step(sched: "Scheduler", width: int, max_query_len: int) -> None:
+def _padding_step(sched: "Scheduler", width: int, max_query_len: int, *,
+                  prompt: bool = False) -> None:
   """The executor's step on a plan of padding rows: compiles, changes nothing."""
-  plan = _padding_plan(sched, width, max_query_len)
+  plan = _padding_plan(sched, width, max_query_len, prompt=prompt)
   pool = sched.pool
   if plan.reserved is not None:
     pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)

@@ -15,6 +15,7 @@ pytest.importorskip("tokenizers", reason="the hf extra (pip install 'paged-kv[hf
 import paged_kv
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.serving.llm import ContextLengthExceeded, LLM, pool_blocks
+from paged_kv.serving.parallel_sampling import SampleId
 from paged_kv.serving.sampling_params import SamplingParams
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
@@ -30,7 +31,7 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt_dir):
-  return LLM(ckpt_dir, max_batch=4, num_blocks=64, block_size=8)
+  return LLM(ckpt_dir, max_batch=4, num_blocks=64, block_size=8, prompt_logprobs=True)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +111,51 @@ def test_seeded_sampling_is_reproducible(llm):
   a = llm.generate(PROMPTS[0], sampling, max_tokens=6)[0]
   b = llm.generate([PROMPTS[1], PROMPTS[0]], sampling, max_tokens=6)[1]
   assert a.token_ids == b.token_ids  # whatever shares the batch
+
+
+def test_n_completions_per_prompt_and_abort_of_them_all(llm, dense):
+  _, want = dense
+  outs = llm.generate(PROMPTS[:2], SamplingParams(n=3), max_tokens=8)
+  assert [(o.sample, o.token_ids) for o in outs] == [
+      (i, tuple(w)) for w in want[:2] for i in range(3)]
+  assert outs[1].request_id == SampleId(outs[0].request_id, 1)
+  hot = dict(temperature=1.0, seed=3)
+  alone = [llm.generate(PROMPTS[0], SamplingParams(**dict(hot, seed=3 + i)), max_tokens=6)[0]
+           for i in range(2)]
+  both = llm.generate(PROMPTS[0], SamplingParams(n=2, **hot), max_tokens=6)
+  assert [o.text for o in both] == [o.text for o in alone]
+  # `abort` of the request ends its samples too; each streams chunks of its own.
+  samples, aborted = set(), None
+  for chunk in llm.stream(PROMPTS[1], SamplingParams(n=2, ignore_eos=True), max_tokens=8):
+    samples.add(chunk.sample)
+    if aborted is None:
+      aborted = chunk.request_id
+      llm.abort(aborted if chunk.sample == 0 else aborted.parent)
+    if chunk.finished:
+      assert chunk.finish_reason == "abort"
+  assert samples == {0, 1}
+  _idle(llm)
+
+
+def test_prompt_logprobs_equal_the_dense_model(llm, ckpt_dir):
+  from paged_kv.model import hf_checkpoint, llama  # pylint: disable=import-outside-toplevel
+  model = hf_checkpoint.load_checkpoint(ckpt_dir).model
+  ids = llm.engine.encode(PROMPTS[2])
+  logits = np.asarray(llama.dense_forward(model, np.asarray([ids], np.int32),
+                                          np.array([len(ids)], np.int32)))[0]
+  lp = logits - logits.max(-1, keepdims=True)
+  lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+  outs = llm.generate(PROMPTS[2], SamplingParams(prompt_logprobs=2, n=2), max_tokens=2)
+  for out in outs:  # every sample carries its prompt's
+    got = out.prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for t in range(1, len(ids)):
+      assert got[t].token_id == ids[t]
+      assert got[t].logprob == pytest.approx(lp[t - 1, ids[t]], abs=1e-4)
+      assert got[t].rank == 1 + int(np.sum(lp[t - 1] > lp[t - 1, ids[t]] + 1e-6))
+      assert [i for i, _ in got[t].top] == np.argsort(-lp[t - 1])[:2].tolist()
+  assert llm.generate(PROMPTS[2], max_tokens=2)[0].prompt_logprobs is None
+  _idle(llm)
 
 
 def test_stream_chunks_add_up_and_abort_frees_the_blocks(llm, dense):

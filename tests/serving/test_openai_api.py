@@ -63,7 +63,7 @@ def test_vllm_sampling_fields_pass_to_sampling_params_by_name(name, value):
     (dict(stream="yes"), "stream must be a boolean"),
     (dict(stream_options={"include_usage": True}), "only allowed with stream=true"),
     (dict(stream=True, stream_options={"x": 1}), "takes only include_usage"),
-    (dict(best_of=3), "best_of=3 is not supported yet"),
+    (dict(best_of=3), "best_of=3 is not supported"),
     (dict(suffix="x"), "suffix is not supported"),
     (dict(logprobs=6), r"logprobs must be an integer \[0, 5\]"),
 ])

@@ -28,6 +28,7 @@ httpx = pytest.importorskip("httpx", reason="the test extra (pip install 'paged-
 # pylint: disable=wrong-import-position
 from paged_kv.serving import openai_api
 from paged_kv.serving.llm import LLM
+from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.server import BackgroundServer, Server, build_app
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
@@ -39,7 +40,8 @@ PROMPTS = ["the quick brown fox", "paged attention keeps", "a tiny tokenizer", "
 
 def _serve(tmp_path_factory, engine: str):
   ckpt = write_chat_checkpoint(tmp_path_factory.mktemp("server") / MODEL)
-  llm = LLM(ckpt, max_batch=16, num_blocks=512, block_size=8, eos_token_ids=())
+  llm = LLM(ckpt, max_batch=16, num_blocks=512, block_size=8, eos_token_ids=(),
+            prompt_logprobs=True)
   server = Server(llm, max_queued=128, template=openai_api.ChatTemplate.from_dir(ckpt),
                   engine=engine)
   with BackgroundServer(server) as bg:
@@ -147,6 +149,61 @@ def test_streams_add_up_to_the_whole_response(served):
   assert "".join(p.choices[0].delta.content or "" for p in parts) == \
       whole.choices[0].message.content
   assert parts[-1].choices[0].finish_reason == "length"
+  _idle(server)
+
+
+def test_n_choices_per_prompt_streamed_or_not(served):
+  server, _, client = served
+  want = [_on_engine(server, p, 6).text for p in PROMPTS[:2]]
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=0,
+                                n=2)
+  assert [(c.index, c.text) for c in r.choices] == [(0, want[0]), (1, want[0]),
+                                                    (2, want[1]), (3, want[1])]
+  assert r.usage.completion_tokens == 4 * 6
+  texts = ["", "", "", ""]
+  for part in client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6,
+                                        temperature=0, n=2, stream=True):
+    texts[part.choices[0].index] += part.choices[0].text
+  assert texts == [want[0], want[0], want[1], want[1]]
+  # Seeded: choice i draws what one request with seed + i draws.
+  hot = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0)
+  alone = [client.completions.create(**hot, seed=5 + i).choices[0].text for i in range(3)]
+  r = client.completions.create(**hot, seed=5, n=3)
+  assert [c.text for c in r.choices] == alone
+  chat = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+              temperature=0)
+  one = client.chat.completions.create(**chat).choices[0].message.content
+  r = client.chat.completions.create(**chat, n=2)
+  assert [(c.index, c.message.content) for c in r.choices] == [(0, one), (1, one)]
+  assert r.usage.completion_tokens == 10
+  texts = ["", ""]
+  for part in client.chat.completions.create(**chat, n=2, stream=True):
+    texts[part.choices[0].index] += part.choices[0].delta.content or ""
+  assert texts == [one, one]
+  _idle(server)
+
+
+def test_prompt_logprobs_are_vllms_extra_field(served):
+  server, _, client = served
+  want = server.engine.call(lambda _: server.llm.generate(
+      PROMPTS[3], SamplingParams(prompt_logprobs=1), max_tokens=2)[0])
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=2, temperature=0,
+                                n=2, extra_body=dict(prompt_logprobs=1))
+  for choice in r.choices:
+    got = choice.model_extra["prompt_logprobs"]
+    assert len(got) == len(want.prompt_token_ids) and got[0] is None
+    for entry, lp in zip(got[1:], want.prompt_logprobs[1:]):
+      assert entry[str(lp.token_id)]["logprob"] == pytest.approx(lp.logprob)
+      assert entry[str(lp.token_id)]["rank"] == lp.rank
+      assert {int(k) for k in entry} == {lp.token_id, lp.top[0][0]}
+  chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                "content": "hi"}],
+                                        max_tokens=2, extra_body=dict(prompt_logprobs=0))
+  assert chat.model_extra["prompt_logprobs"][0] is None
+  assert all(len(e) == 1 for e in chat.model_extra["prompt_logprobs"][1:])
+  with pytest.raises(openai.BadRequestError, match="not available when stream=true"):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                              extra_body=dict(prompt_logprobs=1))
   _idle(server)
 
 
@@ -260,7 +317,8 @@ def _check_concurrent_streams(served, num_clients: int) -> None:
     (dict(prompt="x", temperature=3), 400, r"temperature must be a number in \[0, 2\]"),
     (dict(prompt="x", logprobs=9), 400, r"logprobs must be an integer \[0, 5\]"),
     (dict(prompt="x", presence_penalty=2.5), 400, r"presence_penalty must be a number in \[-2.0, 2.0\]"),
-    (dict(prompt="x", n=2), 400, "n=2 is not supported yet"),
+    (dict(prompt="x", n=2, best_of=3), 400, "best_of=3 is not supported"),
+    (dict(prompt="x", n=0), 400, r"n must be an integer \[1, 128\]"),
     (dict(prompt="x", echo=True), 400, "echo is not supported"),
     (dict(prompt="x", wat=1), 400, "unknown field: wat"),
     (dict(prompt=[[]]), 400, "prompt must be"),
@@ -296,6 +354,9 @@ def test_a_full_queue_answers_429(served):
   try:
     with pytest.raises(openai.RateLimitError, match="retry later"):
       client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    server.engine.max_queued = 2
+    with pytest.raises(openai.BadRequestError, match="n=3 samples exceed the 2 requests"):
+      client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=3)
   finally:
     server.engine.max_queued = limit
   assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].text

@@ -7,7 +7,8 @@ the base pool, governance quotas and GC, stop token, reserve ratio, watermark,
 eviction policy, the overlapped or the synchronous loop, 1, 2 or 4 decode steps per
 dispatch, executor failures injected while a step is in flight), then a stream of
 requests over three namespaces whose prompts
-share prefixes *with the same token ids across namespaces*, arriving a few per
+share prefixes *with the same token ids across namespaces* (every seventh asks for
+two samples, `SamplingParams(n=2)`: the second forks the first's row), arriving a few per
 step into a pool small enough to evict and preempt. Some cases also shrink the
 pool while serving (`Scheduler.shrink_to`, retried while refused) and some drain
 half-way, save the prefix cache, restore it into a fresh pool and serve the rest
@@ -69,7 +70,7 @@ from absl.testing import absltest
 
 import paged_kv
 from paged_kv.core import compact
-from paged_kv.serving import Request, Scheduler, SchedulerConfig, persist
+from paged_kv.serving import Request, SamplingParams, Scheduler, SchedulerConfig, persist
 from paged_kv.serving.executor import attach_state
 from paged_kv.serving.governance import CacheGovernance
 from radix.cache import PrefixCache
@@ -287,7 +288,9 @@ def request_stream(rng: np.random.Generator, n: int, max_new_tokens: int = 12,
       room = table_limit - prompt.size
       draw = int(rng.integers(12))
       new = room + 1 if draw < 2 else room if draw < 7 else min(new, room)
-    out.append(Request(f"r{i}", prompt, max_new_tokens=new, namespace=ns))
+    # Every seventh request asks for 2 samples (`parallel_sampling`: they fork its row).
+    sampling = SamplingParams(n=2) if i % 7 == 3 else None
+    out.append(Request(f"r{i}", prompt, max_new_tokens=new, namespace=ns, sampling=sampling))
   return out
 
 
@@ -500,7 +503,7 @@ def run_case(case: Case, totals: Totals) -> None:
           submitted += 1
           try:
             sched.submit(req)
-            accepted += 1
+            accepted += 1 + len(req.samples)
           except paged_kv.PoolExhausted as e:  # a typed refusal: it could never run
             if e.reason == "table_full":
               case_totals.table_full_refused += 1
