@@ -288,9 +288,9 @@ class RequestFieldsTest(absltest.TestCase):
           change(running, reqs)
         for _ in range(2):  # the second sync: nothing changed since
           order = rows.sync(running)
-          self.assertEqual(rows.req[order].tolist(), list(running))
-          self.assertTrue(all(r._rows is rows for r in running))  # pylint: disable=protected-access
-          self.assertEqual(sum(r._rows is rows for r in reqs), len(running))  # pylint: disable=protected-access
+          self.assertEqual(list(map(id, rows.req[order].tolist())), list(map(id, running)))
+          bound = [r for r in reqs if r._rows is rows]  # pylint: disable=protected-access
+          self.assertCountEqual(map(id, bound), map(id, running))
 
 
 if __name__ == "__main__":
