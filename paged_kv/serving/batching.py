@@ -38,7 +38,6 @@ class StepRows:
       (-1: the host knows it).
     fresh_blocks: the blocks the rows may take (`blocks_needed`).
     slots: the decodes' `RunningRows` slots (`table_rows`), else None.
-    chunk_slots, chunk_lens: the chunks' slots and token counts (`table_rows`), else None.
   """
 
   decodes: list[Request]
@@ -48,8 +47,6 @@ class StepRows:
   carry: list[int] | np.ndarray
   fresh_blocks: int
   slots: np.ndarray | None = None
-  chunk_slots: np.ndarray | None = None
-  chunk_lens: np.ndarray | None = None
 
 
 def table_rows(table: RunningRows, running: list[Request], *, prefill_chunk: int,
@@ -64,7 +61,6 @@ def table_rows(table: RunningRows, running: list[Request], *, prefill_chunk: int
   chunks: Chunks = []
   fresh = 0
   bs = block_size
-  chunk_at: list[int] = []
   if prefill.any():
     budget = prefill_token_budget
     for i in np.flatnonzero(prefill).tolist():
@@ -73,7 +69,6 @@ def table_rows(table: RunningRows, running: list[Request], *, prefill_chunk: int
       a = int(nc[i])
       n = min(int(target[i]) - a, prefill_chunk, budget)
       chunks.append((running[i], n))
-      chunk_at.append(i)
       budget -= n
       fresh += -(-(a + n) // bs) - -(-a // bs)
   live = ~prefill & ~t.stopped[order]
@@ -106,7 +101,7 @@ def table_rows(table: RunningRows, running: list[Request], *, prefill_chunk: int
     carry[i] = -1
   fresh += int(np.count_nonzero(nc[d] % bs == 0))
   return StepRows(t.req[slots].tolist(), chunks, t.seq_id[slots], pending, carry, fresh,
-                  slots, order[chunk_at], np.array([n for _, n in chunks], np.int64))
+                  slots)
 
 
 def step_rows(running: list[Request], *, prefill_chunk: int, prefill_token_budget: int,

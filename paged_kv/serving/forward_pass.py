@@ -200,42 +200,25 @@ class ForwardPass:
       t.in_flight[adv] += 1
       t.carry_row[adv] = np.flatnonzero(good[:nd])
     self.stats.decode_tokens += nd - failed
-    if chunks and rows.chunk_slots is not None and good[nd:].all():
-      first = self._advance_chunks(rows, nd)
-    else:
-      for i, (req, n) in enumerate(chunks, start=nd):
-        if not ok[i]:
-          self._record_failure(req, int(status[i]), req.num_cached + n)
-          failed += 1
-          first.append(False)
-          continue
-        req.num_cached += n
-        self.stats.prefill_tokens += n
-        done = req.num_cached == req.prefill_target and not req.output and not req.in_flight
-        first.append(done)
-        if done:  # its first token is sampled in this step
-          req.in_flight = 1
-          req.carry_row = i
+    for i, (req, n) in enumerate(chunks, start=nd):
+      if not ok[i]:
+        self._record_failure(req, int(status[i]), req.num_cached + n)
+        failed += 1
+        first.append(False)
+        continue
+      req.num_cached += n
+      self.stats.prefill_tokens += n
+      done = req.num_cached == req.prefill_target and not req.output and not req.in_flight
+      first.append(done)
+      if done:  # its first token is sampled in this step
+        req.in_flight = 1
+        req.carry_row = i
     slot_epochs = t.epoch[slots]
     self._launch(executor, Flight(decodes=decodes, chunks=chunks, ok=ok, first=first,
                                   epochs=slot_epochs.tolist() + [r.epoch for r, _ in chunks],
                                   tokens=nxt, runs=None, extra=extra, last=nxt,
                                   slots=slots, gens=t.gen[slots], slot_epochs=slot_epochs,
                                   slot_ok=good[:nd]), failed)
-
-  def _advance_chunks(self, rows: batching.StepRows, nd: int) -> list[bool]:
-    """The chunks of a step whose reservations all succeeded, advanced in a few array
-    passes (`RunningRows`): their cached tokens, and the first token of each that
-    completed its prompt (sampled by this step, row `nd + c`). Returns `first`."""
-    t, cs, lens = self.queues.rows, rows.chunk_slots, rows.chunk_lens
-    t.num_cached[cs] += lens
-    self.stats.prefill_tokens += int(lens.sum())
-    done = (t.num_cached[cs] == t.prefill_target[cs]) & (t.n_out[cs] == 0) & (t.in_flight[cs] == 0)
-    if done.any():
-      c = np.flatnonzero(done)
-      t.in_flight[cs[c]] = 1
-      t.carry_row[cs[c]] = nd + c
-    return done.tolist()
 
   # ------------------------------------------------------------------ k decode steps
   def _multi_step(self, executor: Executor, decodes: list[Request],
