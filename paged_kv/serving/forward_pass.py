@@ -439,8 +439,7 @@ class ForwardPass:
     t.n_out[e] += 1
     rec = self.record
     now = rec.now
-    rec.tokens.extend(zip(t.rid[e].tolist(), new))
-    rec.inter_token_latencies.extend((now - t.last_token_time[e]).tolist())
+    rec.add_rows(t.rid[e], new, now - t.last_token_time[e])
     t.last_token_time[e] = now
     hit = t.stop_hits(e, toks)
     if hit.any():
