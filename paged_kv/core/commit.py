@@ -118,6 +118,21 @@ _FIELDS = (
 )
 
 
+# Runs of consecutive `_FIELDS` of one shape, written together on the host
+# (`CommitLayout.group`): name -> the fields, in buffer order.
+_GROUPS = {
+    "blocks": ("block_ids", "old_ref", "new_ref"),
+    "slots": ("old_slots", "new_slots"),
+    "scrub": ("scrub_before", "scrub_after"),
+    "rows_before": ("rows", "old_num_segments", "old_seq_len", "old_active"),
+    "row_segments": ("row_block", "row_start", "row_length"),
+    "rows_after": ("row_num_segments", "row_seq_len", "row_active"),
+    "copies": ("copy_src_block", "copy_src_start", "copy_dst_block", "copy_dst_start",
+               "copy_length"),
+    "moves": ("move_src", "move_dst"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class CommitLayout:
   """Where each `CommitBatch` field lies in a `PackedCommit`'s `i32` buffer (static).
@@ -167,6 +182,24 @@ class CommitLayout:
       buf[off:off + int(np.prod(shape, dtype=np.int64))] = fill
     buf.setflags(write=False)
     return buf
+
+  @functools.cached_property
+  def _groups(self) -> dict[str, tuple[int, int, int]]:
+    """`group name -> (offset, fields, entries per field)`."""
+    out = {}
+    for group, names in _GROUPS.items():
+      off, shape = self.offsets[names[0]]
+      size = int(np.prod(shape, dtype=np.int64))
+      assert all(self.offsets[n] == (off + i * size, shape) for i, n in enumerate(names))
+      out[group] = (off, len(names), size)
+    return out
+
+  def group(self, buf: np.ndarray, name: str) -> np.ndarray:
+    """`i32[fields, entries]`: a writable view of `buf` holding a run of same-shaped
+    fields (`_GROUPS`; a field's `[K, W]` / `[R, S]` entries flattened), so the host
+    fills a run with one assignment per field and no per-field call."""
+    off, n, size = self._groups[name]
+    return buf[off:off + n * size].reshape(n, size)
 
   def put(self, buf: np.ndarray, name: str, values) -> None:
     """Writes the leading entries of field `name` (the rest keeps its padding)."""

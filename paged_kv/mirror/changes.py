@@ -416,38 +416,42 @@ def _layout_of(blocks: int, rows: int, copies: int, moves: int, slot_words: int,
 
 def _batch(host: "HostState", widths: CommitWidths, ids, old_ref, old_slots, scrub, rows,
            old_rows, copies, moves, expected) -> PackedCommit:
+  """One packed commit: each run of same-shaped fields written through one view
+  (`CommitLayout.group`); ids and counts cast to `i32`, slot words bit for bit."""
   layout = _layout(host.config, widths)
   buf = layout.template.copy()
-  put = functools.partial(layout.put, buf)
-  if len(ids):
-    put("block_ids", ids)
-    put("old_ref", old_ref)
-    put("new_ref", host.ref_count[ids])
-    put("old_slots", old_slots)
-    put("new_slots", host.slots[ids])
+  n = len(ids)
+  if n:
+    v = layout.group(buf, "blocks")
+    v[0, :n] = ids
+    v[1, :n] = old_ref
+    v[2, :n] = host.ref_count[ids]
+    v = layout.group(buf, "slots")
+    k = n * layout.slot_words
+    v[0, :k] = old_slots.reshape(-1).view(np.int32)
+    v[1, :k] = host.slots[ids].reshape(-1).view(np.int32)
     if scrub is not None and scrub.any():
-      put("scrub_before", scrub[:, 0])
-      put("scrub_after", scrub[:, 1])
-  if len(rows):
-    put("rows", rows)
-    put("old_num_segments", old_rows[:, 0])
-    put("old_seq_len", old_rows[:, 1])
-    put("old_active", old_rows[:, 2])
-    put("row_block", host.block[rows])
-    put("row_start", host.start[rows])
-    put("row_length", host.length[rows])
-    put("row_num_segments", host.num_segments[rows])
-    put("row_seq_len", host.seq_len[rows])
-    put("row_active", host.active[rows])
+      layout.group(buf, "scrub")[:, :n] = scrub.T
+  r = len(rows)
+  if r:
+    v = layout.group(buf, "rows_before")
+    v[0, :r] = rows
+    v[1:, :r] = old_rows.T
+    v = layout.group(buf, "row_segments")
+    k = r * layout.max_segments
+    v[0, :k] = host.block[rows].reshape(-1)
+    v[1, :k] = host.start[rows].reshape(-1)
+    v[2, :k] = host.length[rows].reshape(-1)
+    v = layout.group(buf, "rows_after")
+    v[0, :r] = host.num_segments[rows]
+    v[1, :r] = host.seq_len[rows]
+    v[2, :r] = host.active[rows]
   if len(copies):
-    for j, name in enumerate(("copy_src_block", "copy_src_start", "copy_dst_block",
-                              "copy_dst_start", "copy_length")):
-      put(name, copies[:, j])
+    layout.group(buf, "copies")[:, :len(copies)] = copies.T
   if len(moves):
-    put("move_src", moves[:, 0])
-    put("move_dst", moves[:, 1])
+    layout.group(buf, "moves")[:, :len(moves)] = moves.T
   if expected is not None:
-    put("expected", expected)
-    put("check_totals", 1)
-  put("step", host.step)
+    layout.put(buf, "expected", expected)
+    layout.put(buf, "check_totals", 1)
+  layout.put(buf, "step", host.step)
   return PackedCommit(buf, layout)

@@ -365,13 +365,13 @@ class Admission:
       return 0
     h, c = self.pool.host, self.pool.config
     bs, w = c.block_size, c.slot_words
-    ns = h.num_segments[ids].astype(np.int64)
-    tail = np.maximum(ns - 1, 0)
-    tb = h.block[ids, tail].astype(np.int64)
-    pos = (h.start[ids, tail] + h.length[ids, tail]).astype(np.int64)
-    cp = np.minimum(pos, bs - 1)
-    word = h.slots[tb, cp >> 5] if w > 1 else h.slots[tb, 0]
-    free_slot = ((word >> (cp & 31).astype(np.uint32)) & 1) == 0
+    ns = h.num_segments[ids]
+    flat = ids * c.max_segments + np.maximum(ns - 1, 0)  # the tails, in the flat tables
+    tb = h.block.reshape(-1)[flat].astype(np.intp)
+    pos = h.start.reshape(-1)[flat] + h.length.reshape(-1)[flat]
+    cp = np.minimum(pos, bs - 1).astype(np.uint32)
+    word = h.slots.reshape(-1)[tb * w + (cp >> 5) if w > 1 else tb]
+    free_slot = ((word >> (cp & 31)) & 1) == 0
     room = (free_slot & (pos < bs) & (ns > 0) & (h.ref_count[tb] == 1)
             & (h.region[tb] == REGION_DYNAMIC))
     return int(np.count_nonzero(~room))

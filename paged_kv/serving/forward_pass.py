@@ -38,6 +38,7 @@ from paged_kv.serving.executor import Executor, attached_state
 from paged_kv.serving.eviction import Evictor
 from paged_kv.serving.preemption import Preemption
 from paged_kv.serving.request import Request, RequestQueues, is_finished
+from paged_kv.serving.running_rows import RunningRows
 from paged_kv.serving.scheduler_config import SchedulerConfig
 from paged_kv.serving.step_report import SchedulerStats, StepRecord
 from paged_kv.telemetry import metrics
@@ -58,8 +59,9 @@ class Flight:
       `PromptLogprobs` of a plan with prompt positions).
     last: `i32[B]` each row's last sampled token on the device (the next step's
       carried input), or None when the executor's tokens mean nothing.
-    slots, gens: the decode rows' `RunningRows` slots and their binds (`gen`) at
-      dispatch (one step's decodes: its tokens are read in numpy passes).
+    slots, gens, slot_epochs, slot_ok: the decode rows' `RunningRows` slots, their
+      binds (`gen`), epochs and `ok` at dispatch, as arrays (one step's decodes:
+      its tokens are read in numpy passes).
   """
 
   decodes: list[Request]
@@ -73,6 +75,8 @@ class Flight:
   last: Any
   slots: np.ndarray | None = None
   gens: np.ndarray | None = None
+  slot_epochs: np.ndarray | None = None
+  slot_ok: np.ndarray | None = None
 
 
 @jax.jit
@@ -210,11 +214,12 @@ class ForwardPass:
       if done:  # its first token is sampled in this step
         req.in_flight = 1
         req.carry_row = i
+    slot_epochs = t.epoch[slots]
     self._launch(executor, Flight(decodes=decodes, chunks=chunks, ok=ok, first=first,
-                                  epochs=t.epoch[slots].tolist()
-                                  + [r.epoch for r, _ in chunks],
+                                  epochs=slot_epochs.tolist() + [r.epoch for r, _ in chunks],
                                   tokens=nxt, runs=None, extra=extra, last=nxt,
-                                  slots=slots, gens=t.gen[slots]), failed)
+                                  slots=slots, gens=t.gen[slots], slot_epochs=slot_epochs,
+                                  slot_ok=good[:nd]), failed)
 
   # ------------------------------------------------------------------ k decode steps
   def _multi_step(self, executor: Executor, decodes: list[Request],
@@ -419,14 +424,14 @@ class ForwardPass:
     if not nd:
       return True
     t = self.queues.rows
-    valid = np.asarray(flight.ok[:nd], bool)
+    valid = flight.slot_ok.copy()
     moved = t.gen[slots] != flight.gens  # its request left the slot (finished, ...)
     if moved.any():
       for i in np.flatnonzero(moved & valid).tolist():
         if flight.epochs[i] == decodes[i].epoch:
           return False  # left without dropping its tokens: read them one at a time
       valid &= ~moved
-    valid &= t.epoch[slots] == np.asarray(flight.epochs[:nd])
+    valid &= t.epoch[slots] == flight.slot_epochs
     emit = valid & ~t.stopped[slots]
     e = slots[emit]
     if t.forced[e].any() or not t.output_lengths(e).all():
@@ -435,10 +440,10 @@ class ForwardPass:
     toks = tokens.reshape(-1)[:nd][emit].astype(np.int64)
     new = toks.tolist()
     any(map(list.append, t.out[e].tolist(), new))  # the one write per row
+    t.n_out[e] += 1
     rec = self.record
     now = rec.now
-    rec.tokens.extend(zip(t.rid[e].tolist(), new))
-    rec.inter_token_latencies.extend((now - t.last_token_time[e]).tolist())
+    rec.add_rows(t.rid[e], new, now - t.last_token_time[e])
     t.last_token_time[e] = now
     hit = t.stop_hits(e, toks)
     if hit.any():
@@ -462,6 +467,7 @@ class ForwardPass:
         self.emit(req, token)
       else:  # `emit`'s common case, inlined
         req.output.append(token)
+        RunningRows.appended(req)
         stream.append((req.request_id, token))
         itl.append(now - req.last_token_time)
         req.last_token_time = now
@@ -475,6 +481,7 @@ class ForwardPass:
     if req.forced_output is not None:
       token = int(req.forced_output[len(req.output)])
     req.output.append(token)
+    RunningRows.appended(req)
     rec = self.record
     rec.tokens.append((req.request_id, token))
     now = rec.now

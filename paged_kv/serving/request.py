@@ -18,7 +18,7 @@ from typing import Hashable
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError
-from paged_kv.serving.running_rows import HOT_FIELDS, RunningRows
+from paged_kv.serving.running_rows import HOT_FIELDS, RunningList, RunningRows
 from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.swap import SwappedKV
 from radix.tree import check_namespace
@@ -302,7 +302,7 @@ class RequestQueues:
   Attributes:
     waiting: queued for admission (FCFS; recomputed preemptions first).
     swapped: preempted by swap, their K/V on the host.
-    running: holding a pool row, in admission order.
+    running: holding a pool row, in admission order (a `RunningList`).
     finished: finished (or aborted) since the last `Scheduler.take_finished()`.
     unshared: `id()`s of queued requests to admit without a cached prefix
       (`paged_kv.serving.preemption.Preemption.unstick`).
@@ -312,7 +312,7 @@ class RequestQueues:
 
   waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
   swapped: collections.deque = dataclasses.field(default_factory=collections.deque)
-  running: list = dataclasses.field(default_factory=list)
+  running: list = dataclasses.field(default_factory=RunningList)
   finished: list = dataclasses.field(default_factory=list)
   unshared: set = dataclasses.field(default_factory=set)
   rows: RunningRows = dataclasses.field(default_factory=RunningRows)

@@ -15,7 +15,11 @@ unbound (its values copied back to the object) by a later `sync` once it left
 slot's binds apart, so a dispatched step's rows still name their requests.
 
 Output tokens stay in `Request.output` (the per-row `append` is the one write
-a step makes per row); their counts are read from the lists (`output_lengths`).
+a step makes per row); their count while bound is the `n_out` column, which the
+step's writers (`ForwardPass`) advance with each append, so the step's passes
+read the counts of all rows at once instead of `len` of each list. `check` says
+whether the two agree (`Scheduler.check_invariants`): a bound request's output
+must change only through the scheduler.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import operator
 
 import numpy as np
+
+from paged_kv.core.errors import InvariantViolation
 
 HOT_FIELDS = ("num_cached", "in_flight", "carry_row", "epoch", "prefill_target", "seq_id",
               "last_token_time")
@@ -35,6 +41,52 @@ _slot_of = operator.attrgetter("_slot")
 _last = operator.itemgetter(-1)
 
 
+def _changes(name: str, *, append: bool = False):
+  """`list.<name>`, counted in the `RunningList`'s `version` (not an append: the kept
+  prefix is gone)."""
+  method = getattr(list, name)
+
+  def changed(self, *args, **kwargs):
+    self.version += 1
+    if not append:
+      self.kept = 0
+    return method(self, *args, **kwargs)
+
+  changed.__name__ = name
+  return changed
+
+
+class RunningList(list):
+  """The running requests (`RequestQueues.running`): a `list` that counts its changes.
+
+  `RunningRows.sync` runs several times a step; with this list it knows in O(1)
+  that nothing changed since it last read the list, or that requests were only
+  appended (admission), instead of comparing every element again.
+
+  Attributes:
+    version: changes so far (any mutating method).
+    kept: the leading entries unchanged since `owner` (a `RunningRows`) last
+      marked the list (appends keep them; any other change sets it to 0).
+  """
+
+  version = 0
+  kept = 0
+  owner = None
+
+  append = _changes("append", append=True)
+  extend = _changes("extend", append=True)
+  __iadd__ = _changes("__iadd__", append=True)
+  insert = _changes("insert")
+  remove = _changes("remove")
+  pop = _changes("pop")
+  clear = _changes("clear")
+  sort = _changes("sort")
+  reverse = _changes("reverse")
+  __setitem__ = _changes("__setitem__")
+  __delitem__ = _changes("__delitem__")
+  __imul__ = _changes("__imul__")
+
+
 class RunningRows:
   """The table (see the module docstring). Columns are indexed by slot.
 
@@ -42,6 +94,7 @@ class RunningRows:
     num_cached, in_flight, carry_row, epoch, prefill_target, seq_id: `i64[cap]`.
     last_token_time: `f64[cap]`.
     stopped: `bool[cap]`, the truth of `stop_reason`.
+    n_out: `i64[cap]` `len(output)`.
     max_new: `i64[cap]` `max_new_tokens`; stop_tok: `i64[cap]` its one stop token
       (`NO_STOP`, `MANY_STOPS`); forced: `bool[cap]` it has a `forced_output`.
     req, out, rid: `object[cap]` the request, its `output` list, its `request_id`.
@@ -52,6 +105,8 @@ class RunningRows:
   def __init__(self, capacity: int = 64):
     self.order = np.zeros((0,), np.int64)
     self._seen: list = []  # the requests `order` was read from, in order
+    self._list: RunningList | None = None  # the list synced last, when a RunningList
+    self._version = 0  # its `version` then
     self._free: list[int] = []
     self._cap = 0
     self._alloc(capacity)
@@ -65,7 +120,8 @@ class RunningRows:
         a[:old] = getattr(self, name)
       setattr(self, name, a)
 
-    for name in ("num_cached", "in_flight", "epoch", "prefill_target", "max_new", "gen"):
+    for name in ("num_cached", "in_flight", "epoch", "prefill_target", "max_new", "gen",
+                 "n_out"):
       grow(name, np.int64, 0)
     for name in ("carry_row", "seq_id", "stop_tok"):
       grow(name, np.int64, -1)
@@ -78,14 +134,32 @@ class RunningRows:
     self._cap = cap
 
   # ------------------------------------------------------------------ binding
+  def _kept_prefix(self, running: list) -> int:
+    """How many leading requests of `running` are those of the last sync, in order
+    (`len(self._seen)` at most): O(1) for the `RunningList` it marked, unless
+    something but an append changed it since; else compared one by one."""
+    seen = self._seen
+    if running is self._list and running.owner is self and (
+        running.version == self._version or running.kept >= len(seen)):
+      return len(seen)  # unchanged, or appends only, since the mark
+    k = min(len(seen), len(running))
+    return k if all(map(operator.is_, running[:k], seen[:k])) else -1
+
+  def _mark(self, running: list) -> None:
+    self._seen = list(running)
+    if isinstance(running, RunningList):
+      running.kept, running.owner = len(running), self
+      self._list, self._version = running, running.version
+    else:
+      self._list = None
+
   def sync(self, running: list) -> np.ndarray:
     """Binds the requests of `running` not bound yet, unbinds those bound that left
     it, and returns `order` (their slots in running order)."""
-    seen, n = self._seen, len(running)
-    if len(seen) == n and all(map(operator.is_, running, seen)):
+    n, k = len(running), self._kept_prefix(running)
+    if k == len(self._seen) == n:
       return self.order  # the same requests in the same order (their binds stand)
-    k = len(seen)
-    if k <= n and all(map(operator.is_, running, seen)):  # new requests appended
+    if k == len(self._seen):  # new requests appended
       order = np.concatenate([self.order, np.fromiter(map(_slot_of, running[k:]), np.int64,
                                                       n - k)])
     else:
@@ -99,13 +173,15 @@ class RunningRows:
     if stale.any():
       for s in np.flatnonzero(stale).tolist():
         self.unbind(self.req[s])
-    self.order, self._seen = order, list(running)
+    self.order = order
+    self._mark(running)
     return order
 
   def kept(self, running: list, keep: np.ndarray) -> None:
     """`running` is now the synced list's requests where `keep` (in order): the
     next `sync` starts from their slots without reading them."""
-    self.order, self._seen = self.order[keep], list(running)
+    self.order = self.order[keep]
+    self._mark(running)
 
   def bind(self, req) -> int:
     """Moves `req`'s hot fields into a free slot; returns the slot."""
@@ -120,6 +196,7 @@ class RunningRows:
     self.stopped[s] = bool(req.stop_reason)
     d = req.__dict__
     self.max_new[s] = req.max_new_tokens
+    self.n_out[s] = len(req.output)
     stops = req.stop_ids
     one = next(iter(stops)) if len(stops) == 1 else -1
     self.stop_tok[s] = NO_STOP if not stops else one if one >= 0 else MANY_STOPS
@@ -143,10 +220,27 @@ class RunningRows:
     self.bound[s] = False
     self._free.append(s)
 
+  @staticmethod
+  def appended(req) -> None:
+    """Counts one token appended to `req.output` (its `n_out`, while bound)."""
+    rows = req._rows  # pylint: disable=protected-access
+    if rows is not None:
+      rows.n_out[req._slot] += 1  # pylint: disable=protected-access
+
   # ------------------------------------------------------------------ reads
   def output_lengths(self, slots: np.ndarray) -> np.ndarray:
     """`i64[n]` `len(output)` of the requests in `slots`."""
-    return np.fromiter(map(len, self.out[slots].tolist()), np.int64, slots.size)
+    return self.n_out[slots]
+
+  def check(self) -> None:
+    """Raises InvariantViolation unless each bound slot's `n_out` is `len(output)`."""
+    s = np.flatnonzero(self.bound)
+    lens = np.fromiter(map(len, self.out[s].tolist()), np.int64, s.size)
+    bad = np.flatnonzero(lens != self.n_out[s])
+    if bad.size:
+      raise InvariantViolation("running rows: " + "; ".join(
+          f"request {self.rid[s[i]]!r}: {lens[i]} output tokens, n_out {self.n_out[s[i]]}"
+          for i in bad.tolist()))
 
   def last_tokens(self, slots: np.ndarray) -> np.ndarray:
     """`i64[n]` the last output token of the requests in `slots` (each has one)."""

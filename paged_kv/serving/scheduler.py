@@ -495,10 +495,8 @@ class Scheduler:
     return self.telemetry.take_snapshot()
 
   def check_invariants(self) -> None:
-    """The pool's invariants with the cache's references included.
-
-    Raises:
-      InvariantViolation: a violation. SchedulerBroken: the scheduler is unusable.
-    """
+    """The pool's invariants (the cache's references included) and the running rows'
+    (`RunningRows.check`). Raises InvariantViolation, or SchedulerBroken when unusable."""
     self._check_usable()
     self.cached_pool.check_invariants()
+    self.queues.rows.check()

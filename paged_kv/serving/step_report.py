@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from paged_kv.telemetry import metrics
 
 
@@ -107,6 +109,30 @@ class StepReport:
   tokens: tuple = ()
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rows:
+  """A pass's rows as `StepRecord` keeps them: `(ids[i], tokens[i])` pairs, or the
+  floats `ids` (tokens None); `StepRecord.report` expands them."""
+
+  ids: object  # np.ndarray: request ids (object) or latencies (float)
+  tokens: list | None = None
+
+
+def _expand(items: list) -> tuple:
+  """`items` with each `_Rows` entry expanded in place (pairs or floats)."""
+  if not any(type(x) is _Rows for x in items):
+    return tuple(items)
+  out = []
+  for x in items:
+    if type(x) is not _Rows:
+      out.append(x)
+    elif x.tokens is None:
+      out.extend(x.ids.tolist())
+    else:
+      out.extend(zip(x.ids.tolist(), x.tokens))
+  return tuple(out)
+
+
 @dataclasses.dataclass(eq=False)
 class StepRecord:
   """The step a scheduler is running, and what it did so far (for its `StepReport`).
@@ -116,7 +142,8 @@ class StepRecord:
     now: the scheduler's clock at the step's start, then after its forward pass.
     finished, tokens, first_token_latencies, inter_token_latencies, alerts: as in
       `StepReport`, gathered during the step (`begin` empties them, unless the
-      step before raised: `interrupted`).
+      step before raised: `interrupted`); `tokens` and `inter_token_latencies` may
+      hold a whole pass's rows as one entry (`add_rows`), expanded by `report`.
   """
 
   step: int = 0
@@ -142,6 +169,13 @@ class StepRecord:
     self.tokens, self.first_token_latencies, self.inter_token_latencies = [], [], []
     self.alerts = []
 
+  def add_rows(self, request_ids: np.ndarray, tokens: list, gaps: np.ndarray) -> None:
+    """Records a pass's tokens `(request_ids[i], tokens[i])` and their inter-token
+    latencies `gaps` as they are: the pairs and floats are made by `report` only
+    (a scheduler without `on_step` makes none)."""
+    self.tokens.append(_Rows(request_ids, tokens))
+    self.inter_token_latencies.append(_Rows(gaps))
+
   def report(self, step: int, *, time: float, host_seconds: float, pool, snapshot,
              stats: SchedulerStats, counters, queues) -> StepReport:
     """The `StepReport` of step `step` from this record and the queues after it."""
@@ -150,5 +184,5 @@ class StepRecord:
         stats=stats, counters=counters, num_running=len(queues.running),
         num_waiting=len(queues.waiting), num_swapped=len(queues.swapped),
         finished=tuple(self.finished), first_token_latencies=tuple(self.first_token_latencies),
-        inter_token_latencies=tuple(self.inter_token_latencies), alerts=tuple(self.alerts),
-        tokens=tuple(self.tokens))
+        inter_token_latencies=_expand(self.inter_token_latencies), alerts=tuple(self.alerts),
+        tokens=_expand(self.tokens))

@@ -10,7 +10,8 @@
   sequences are released on a short path, eviction reads the mirror's counts.
 * A step in which every running request decodes a token runs the same Python
   code of the serving package at any batch size (the requests' hot progress is in `RunningRows`' arrays).
-* A running request's progress fields are one storage with those arrays.
+* A running request's progress fields are one storage with those arrays; its
+  output's count (`n_out`) follows every append the step makes.
 * A host reservation (`BlockPool.reserve_step`) commits only the rows that took a
   block; rows that grow in place are the step's to apply (no commit at all when
   every row grows in place).
@@ -30,6 +31,7 @@ from paged_kv.core import compact
 from paged_kv.mirror import transitions
 from paged_kv.model import metadata
 from paged_kv.model.plan import StepPlan
+from paged_kv.serving.running_rows import RunningList, RunningRows
 from paged_kv.serving.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
 from radix.cache import PrefixCache
 
@@ -240,6 +242,55 @@ class RequestFieldsTest(absltest.TestCase):
     self.assertEqual((req.num_cached, req.in_flight, req.stop_reason), (3, 2, "abort"))
     with self.assertRaisesRegex(paged_kv.InvalidArgument, "frozen"):
       req.max_new_tokens = 9
+
+  def test_output_counts_follow_every_append(self):
+    # `n_out` is the step's count of each bound request's output: the numpy
+    # passes (one row at a time for a first token, all rows at once after) keep it,
+    # and `check_invariants` catches an output changed behind the scheduler's back.
+    cfg = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=16)
+    for overlap in (True, False):
+      sched = Scheduler(paged_kv.BlockPool(cfg), DryExecutor(cfg), SchedulerConfig(
+          max_batch=4, prefill_chunk=8, prefill_token_budget=16, compaction=None,
+          overlap=overlap))
+      for i in range(6):
+        sched.submit(Request(i, np.arange(i, i + 5 + 3 * i), 3 + 2 * i))
+      rows = sched.queues.rows
+      for _ in range(40):
+        sched.step()
+        sched.check_invariants()
+        bound = [r for r in sched.running if r._rows is rows]  # pylint: disable=protected-access
+        for r in bound:
+          self.assertEqual(rows.n_out[r._slot], len(r.output))  # pylint: disable=protected-access
+        if sched.stats.finished >= 2 and any(len(r.output) >= 2 for r in bound):
+          break
+      else:
+        self.fail("no request ran long enough")
+      bound[-1].output.append(7)
+      with self.assertRaisesRegex(paged_kv.InvariantViolation, "n_out"):
+        sched.check_invariants()
+
+  def test_sync_follows_every_change_of_running(self):
+    # `RunningList` tells `sync` what changed since its last read (nothing, or
+    # appends only) without a per-request comparison; any other change, and a
+    # plain list, get the full comparison. The slots must match `running` after each.
+    changes = [lambda l, r: l.append(r[4]), lambda l, r: l.extend(r[5:7]),
+               lambda l, r: l.remove(r[1]), lambda l, r: l.insert(0, r[7]),
+               lambda l, r: l.__setitem__(1, r[8]), lambda l, r: l.__delitem__(0),
+               lambda l, r: l.sort(key=lambda q: -q.request_id), lambda l, r: l.pop(),
+               lambda l, r: l.__setitem__(slice(None), [r[0], r[9]] + l[:2]),
+               lambda l, r: l.reverse(), lambda l, r: l.__iadd__([r[10]]), lambda l, r: l.clear()]
+    for running in (RunningList(), []):
+      rows, reqs = RunningRows(), [Request(i, np.arange(3), 4) for i in range(11)]
+      running.extend(reqs[:4])
+      for change in [None] + changes:
+        if change is not None:
+          change(running, reqs)
+        for _ in range(2):  # the second sync: nothing changed since
+          order = rows.sync(running)
+          self.assertEqual(list(map(id, rows.req[order].tolist())), list(map(id, running)))
+          bound = [r for r in reqs if r._rows is rows]  # pylint: disable=protected-access
+          self.assertCountEqual(map(id, bound), map(id, running))
 
 
 if __name__ == "__main__":
