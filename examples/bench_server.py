@@ -9,8 +9,9 @@ rounds:
   * facade: `LLM.generate(prompts)` on the engine's thread (the server idle);
   * server: the same prompts as `--batch` concurrent `/v1/completions` requests from
     a client process (httpx, one connection per request), the server on 127.0.0.1 in
-    this process (`paged_kv.serving.server.BackgroundServer`: uvicorn's event loop
-    and the engine thread);
+    this process (`paged_kv.serving.server.BackgroundServer`: uvicorn's event loop,
+    and the engine on a thread of this process, `--engine=thread`; a task of the
+    loop, `loop`; or a process of its own, `process`, where the facade runs too);
   * server, streamed: the same with `stream: true` (server-sent events, a chunk per
     request per step).
 
@@ -28,6 +29,7 @@ Usage:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import statistics
@@ -52,9 +54,10 @@ _SEED = flags.DEFINE_integer("seed", 0, "Prompt seed.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every program of the serving path first "
                             "(`Scheduler.warmup()`: requests arriving one by one over HTTP "
                             "run step shapes the facade's batch does not).")
-_ENGINE = flags.DEFINE_enum("engine", "thread", ["thread", "loop"], "Where the server runs "
-                            "the scheduler: its own thread (`EngineThread`) or a task of the "
-                            "event loop (`EngineTask`).")
+_ENGINE = flags.DEFINE_enum("engine", "thread", ["thread", "loop", "process"], "Where the "
+                            "server runs the scheduler: its own thread (`EngineThread`), a "
+                            "task of the event loop (`EngineTask`) or its own process "
+                            "(`EngineProcess`).")
 _SWITCH = flags.DEFINE_float("switch_interval_ms", None, "sys.setswitchinterval for this "
                              "process (default: Python's 5 ms).")
 _CLIENT = flags.DEFINE_string("client_url", None, "Internal: run as the client process of "
@@ -70,6 +73,33 @@ def _write_tiny(path: Path) -> Path:
   random_checkpoint.write_random_checkpoint(path, hf, seed=0)
   random_checkpoint.write_byte_level_tokenizer(path, hf["vocab_size"])
   return path
+
+
+# ------------------------------------------------------- run on the engine (`call`)
+_IN_PROCESS: dict = {}  # the LLM, when the engine is a thread or task of this process
+
+
+def _facade(prompts: list, max_tokens: int, _engine) -> tuple[float, list[str]]:
+  """`LLM.generate` of the prompts: its wall and texts."""
+  from paged_kv.serving.engine_process import served_llm  # pylint: disable=import-outside-toplevel
+  llm = served_llm() or _IN_PROCESS["llm"]
+  t0 = time.perf_counter()
+  outs = llm.generate(prompts, max_tokens=max_tokens)
+  return time.perf_counter() - t0, [o.text for o in outs]
+
+
+def _engine_cpu(_engine) -> float:
+  """CPU seconds of the engine: its process's (JAX's threads included), or its thread's."""
+  from paged_kv.serving.engine_process import served_llm  # pylint: disable=import-outside-toplevel
+  return time.process_time() if served_llm() is not None else time.thread_time()
+
+
+def _steps(engine) -> int:
+  return engine.scheduler.stats.steps
+
+
+def _compiles(engine) -> int:
+  return engine.scheduler.runtime.backend_compiles
 
 
 # ---------------------------------------------------------------------- the client
@@ -111,6 +141,9 @@ def _client_main(url: str) -> None:
 
 
 # ---------------------------------------------------------------------- the benchmark
+_WHERE = {"thread": "its own thread", "loop": "the event loop", "process": "its own process"}
+
+
 def main(argv):
   del argv
   if _CLIENT.value is not None:
@@ -128,13 +161,16 @@ def main(argv):
     config = SchedulerConfig(max_batch=batch, enable_prefix_cache=_PREFIX_CACHE.value,
                              prefill_token_budget=max(512, batch * _PROMPT_TOKENS.value))
     per_seq = -(-(_PROMPT_TOKENS.value + max_tokens) // 16)
-    llm = LLM(ckpt, scheduler_config=config, num_blocks=2 * batch * per_seq + 1,
-              eos_token_ids=(), max_seq_len=_PROMPT_TOKENS.value + max_tokens + 16,
-              warmup=_WARMUP.value)
-    vocab = llm.engine.vocab_size
+    make_llm = functools.partial(LLM, str(ckpt), scheduler_config=config,
+                                 num_blocks=2 * batch * per_seq + 1, eos_token_ids=(),
+                                 max_seq_len=_PROMPT_TOKENS.value + max_tokens + 16,
+                                 warmup=_WARMUP.value)
+    server = Server(make_llm, max_queued=4 * batch, metrics=_METRICS.value,
+                    engine=_ENGINE.value)
+    _IN_PROCESS["llm"] = server.llm
+    vocab = server.served.vocab_size
     rng = np.random.default_rng(_SEED.value)
     prompts = [rng.integers(3, vocab, _PROMPT_TOKENS.value).tolist() for _ in range(batch)]
-    server = Server(llm, max_queued=4 * batch, metrics=_METRICS.value, engine=_ENGINE.value)
     with BackgroundServer(server) as bg:
       client = subprocess.Popen(
           [sys.executable, os.path.abspath(__file__), f"--client_url={bg.url}"],
@@ -142,11 +178,7 @@ def main(argv):
           env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
       def facade() -> tuple[float, list[str]]:
-        def run(_engine):
-          t0 = time.perf_counter()
-          outs = llm.generate(prompts, max_tokens=max_tokens)
-          return time.perf_counter() - t0, [o.text for o in outs]
-        return server.engine.call(run, timeout=600)
+        return server.engine.call(functools.partial(_facade, prompts, max_tokens), timeout=600)
 
       def over_http(stream: bool) -> tuple[float, list[str]]:
         client.stdin.write(json.dumps(dict(prompts=prompts, max_tokens=max_tokens,
@@ -162,36 +194,37 @@ def main(argv):
         walls: dict[str, list[float]] = {"facade": [], "server": [], "server, streamed": []}
         steps: dict[str, list[int]] = {name: [] for name in walls}
         cpu: dict[str, list[float]] = {name: [] for name in walls}  # this process, all threads
-        engine_cpu: dict[str, list[float]] = {name: [] for name in walls}  # the engine thread
-        compiles = server.engine.call(lambda e: e.scheduler.runtime.backend_compiles)
+        engine_cpu: dict[str, list[float]] = {name: [] for name in walls}  # `_engine_cpu`
+        compiles = server.engine.call(_compiles)
         for _ in range(_REPEATS.value):
           for name, run in (("facade", facade), ("server", lambda: over_http(False)),
                             ("server, streamed", lambda: over_http(True))):
-            before = server.engine.call(lambda e: e.scheduler.stats.steps)
-            thread_cpu = server.engine.call(lambda e: time.thread_time())
+            before = server.engine.call(_steps)
+            cpu_before = server.engine.call(_engine_cpu)
             process_cpu = time.process_time()
             wall, texts = run()
             cpu[name].append(time.process_time() - process_cpu)
-            engine_cpu[name].append(server.engine.call(lambda e: time.thread_time()) - thread_cpu)
-            steps[name].append(server.engine.call(lambda e: e.scheduler.stats.steps) - before)
+            engine_cpu[name].append(server.engine.call(_engine_cpu) - cpu_before)
+            steps[name].append(server.engine.call(_steps) - before)
             if texts != want:
               raise SystemExit(f"{name}: the texts differ from the facade's warm-up run")
             walls[name].append(wall)
-        compiles = server.engine.call(lambda e: e.scheduler.runtime.backend_compiles) - compiles
+        compiles = server.engine.call(_compiles) - compiles
       finally:
         client.stdin.close()
         client.wait(timeout=60)
       errors = server.num_server_errors
   generated = batch * max_tokens
   print(f"\nbatch {batch}, {_PROMPT_TOKENS.value} prompt tokens, {max_tokens} generated each "
-        f"({generated} tokens a run), {_REPEATS.value} rounds, engine on its "
-        f"{'own thread' if _ENGINE.value == 'thread' else 'event loop'}, prefix cache "
+        f"({generated} tokens a run), {_REPEATS.value} rounds, engine on "
+        f"{_WHERE[_ENGINE.value]}, prefix cache "
         f"{'on' if _PREFIX_CACHE.value else 'off'}, metrics exporter "
         f"{'on' if _METRICS.value else 'off'}, {errors} server errors, {compiles} compiles "
         f"in the timed runs\n")
   print("| path | wall median [min-max] (s) | tokens/s | wall / facade's, paired median "
-        "[min-max] | scheduler steps per run | CPU s of this process / of the engine thread "
-        "(medians) |\n|---|---|---|---|---|---|")
+        "[min-max] | scheduler steps per run | CPU s of this process / of the engine "
+        f"{'process' if _ENGINE.value == 'process' else 'thread'} (medians) |\n"
+        "|---|---|---|---|---|---|")
   for name, ws in walls.items():
     ratios = [w / f for w, f in zip(ws, walls["facade"])]
     print(f"| {name} | {statistics.median(ws):.3f} [{min(ws):.3f}-{max(ws):.3f}] | "
