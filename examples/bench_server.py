@@ -123,10 +123,10 @@ async def _client_run(url: str, prompts: list, max_tokens: int, stream: bool) ->
   limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
   async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
     await asyncio.gather(*(client.get("/health") for _ in prompts))  # open the connections
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     texts = await asyncio.gather(*(one(client, p) for p in prompts))
-    wall = time.perf_counter() - t0
-  return {"wall": wall, "texts": texts}
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+  return {"wall": wall, "texts": texts, "cpu": cpu}
 
 
 def _client_main(url: str) -> None:
@@ -177,24 +177,26 @@ def main(argv):
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
           env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
-      def facade() -> tuple[float, list[str]]:
-        return server.engine.call(functools.partial(_facade, prompts, max_tokens), timeout=600)
+      def facade() -> tuple[float, list[str], float]:
+        return server.engine.call(functools.partial(_facade, prompts, max_tokens),
+                                  timeout=600) + (0.0,)
 
       def over_http(stream: bool) -> tuple[float, list[str]]:
         client.stdin.write(json.dumps(dict(prompts=prompts, max_tokens=max_tokens,
                                            stream=stream)) + "\n")
         client.stdin.flush()
         out = json.loads(client.stdout.readline())
-        return out["wall"], out["texts"]
+        return out["wall"], out["texts"], out["cpu"]
 
       try:
-        _, want = facade()  # warm-up: compiles every program the runs use
+        _, want, _ = facade()  # warm-up: compiles every program the runs use
         over_http(False)
         over_http(True)
         walls: dict[str, list[float]] = {"facade": [], "server": [], "server, streamed": []}
         steps: dict[str, list[int]] = {name: [] for name in walls}
         cpu: dict[str, list[float]] = {name: [] for name in walls}  # this process, all threads
         engine_cpu: dict[str, list[float]] = {name: [] for name in walls}  # `_engine_cpu`
+        client_cpu: dict[str, list[float]] = {name: [] for name in walls}  # the client's
         compiles = server.engine.call(_compiles)
         for _ in range(_REPEATS.value):
           for name, run in (("facade", facade), ("server", lambda: over_http(False)),
@@ -202,7 +204,8 @@ def main(argv):
             before = server.engine.call(_steps)
             cpu_before = server.engine.call(_engine_cpu)
             process_cpu = time.process_time()
-            wall, texts = run()
+            wall, texts, run_client_cpu = run()
+            client_cpu[name].append(run_client_cpu)
             cpu[name].append(time.process_time() - process_cpu)
             engine_cpu[name].append(server.engine.call(_engine_cpu) - cpu_before)
             steps[name].append(server.engine.call(_steps) - before)
@@ -223,14 +226,15 @@ def main(argv):
         f"in the timed runs\n")
   print("| path | wall median [min-max] (s) | tokens/s | wall / facade's, paired median "
         "[min-max] | scheduler steps per run | CPU s of this process / of the engine "
-        f"{'process' if _ENGINE.value == 'process' else 'thread'} (medians) |\n"
-        "|---|---|---|---|---|---|")
+        f"{'process' if _ENGINE.value == 'process' else 'thread'} / of the client "
+        "(medians) |\n|---|---|---|---|---|---|")
   for name, ws in walls.items():
     ratios = [w / f for w, f in zip(ws, walls["facade"])]
     print(f"| {name} | {statistics.median(ws):.3f} [{min(ws):.3f}-{max(ws):.3f}] | "
           f"{generated / statistics.median(ws):.0f} | {statistics.median(ratios):.3f} "
           f"[{min(ratios):.3f}-{max(ratios):.3f}] | {statistics.median(steps[name]):.0f} | "
-          f"{statistics.median(cpu[name]):.3f} / {statistics.median(engine_cpu[name]):.3f} |")
+          f"{statistics.median(cpu[name]):.3f} / {statistics.median(engine_cpu[name]):.3f} / "
+          f"{statistics.median(client_cpu[name]):.3f} |")
 
 
 if __name__ == "__main__":

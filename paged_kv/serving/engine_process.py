@@ -44,7 +44,9 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import signal
+import sys
 import threading
 import traceback
 import weakref
@@ -93,8 +95,7 @@ def _portable(exc: BaseException) -> BaseException:
     pickle.loads(pickle.dumps(exc))
     return exc
   except Exception:  # pylint: disable=broad-except
-    base = next(b for b in (InvalidArgument, PagedKVError, RuntimeError)
-                if isinstance(exc, b) or b is RuntimeError)
+    base = next((b for b in (InvalidArgument, PagedKVError) if isinstance(exc, b)), RuntimeError)
     return base(f"{type(exc).__name__}: {exc}")
 
 
@@ -140,9 +141,13 @@ def _engine_main(conn: Any, make: Callable[[], Any], parent_pid: int,
     return
   conn.send(("ready", served))
   try:
-    _EngineLoop(conn, engine).run()
+    stopped = _EngineLoop(conn, engine).run()
   except _PIPE_GONE:  # the parent closed its end (or died)
     return
+  if stopped:  # every request ended and said so: skip the interpreter's ~1 s teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # pylint: disable=protected-access
 
 
 class _EngineLoop:
@@ -150,19 +155,22 @@ class _EngineLoop:
 
   def __init__(self, conn: Any, engine: Any):
     self.conn, self.engine = conn, engine
-    self.detokenize = not isinstance(engine, Engine)  # an `Engine`: the front decodes
+    self.front_decodes = isinstance(engine, Engine)  # else the engine's own text
+    self.poller = select.poll()  # one poll object: `conn.poll` builds a selector per call
+    self.poller.register(conn.fileno(), select.POLLIN)
     self.live: set = set()
     self.out: list[tuple] = []
     self.failed: list[tuple] = []
     self.stopping = False
 
-  def run(self) -> None:
-    conn, engine = self.conn, self.engine
+  def run(self) -> bool:
+    """Serves until `stop` (True) or a failure of the engine (False, said to the parent)."""
+    conn, engine, poll = self.conn, self.engine, self.poller.poll
     try:
       while not self.stopping:
         if not engine.has_work:
-          conn.poll(None)  # idle: wait for a command
-        while not self.stopping and conn.poll(0):
+          poll()  # idle: wait for a command
+        while not self.stopping and poll(0):
           self._apply(conn.recv())
         if not self.stopping and engine.has_work:
           for chunk in engine.step():
@@ -174,10 +182,12 @@ class _EngineLoop:
           self._keep(chunk)
       self._send()
       conn.send(("stopped",))
+      return True
     except _PIPE_GONE:
       raise
     except BaseException as exc:  # pylint: disable=broad-except  (the engine is lost)
       conn.send(("died", _portable(exc), traceback.format_exc()))
+      return False
 
   def _keep(self, chunk: CompletionChunk) -> None:
     if chunk.finished:
@@ -194,11 +204,11 @@ class _EngineLoop:
     if kind == "add":
       _, rid, prompt, sampling, max_tokens, index = message
       try:
-        if self.detokenize:
-          self.engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index)
-        else:
+        if self.front_decodes:
           self.engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index,
                           detokenize=False)
+        else:
+          self.engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index)
         self.live.add(rid)
       except Exception as exc:  # pylint: disable=broad-except  (refused: the request's error)
         self.failed.append((rid, _portable(exc)))
@@ -527,7 +537,6 @@ class EngineProcess:
 
 def _compile_cache_dir() -> str | None:
   """The persistent compilation cache this process has on, without importing JAX."""
-  import sys  # pylint: disable=import-outside-toplevel
   if "jax" not in sys.modules:
     return None
   return sys.modules["jax"].config.jax_compilation_cache_dir

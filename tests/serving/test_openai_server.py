@@ -33,6 +33,7 @@ httpx = pytest.importorskip("httpx", reason="the test extra (pip install 'paged-
 # pylint: disable=wrong-import-position
 from paged_kv.serving import openai_api
 from paged_kv.serving.engine_process import served_llm
+from paged_kv.serving.engine_thread import EngineStopped
 from paged_kv.serving.llm import LLM
 from paged_kv.serving.server import BackgroundServer, Server, build_app
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
@@ -89,6 +90,10 @@ def _used_blocks(engine) -> int:
 
 def _generate(prompt, max_tokens, _engine):
   return served_llm().generate(prompt, max_tokens=max_tokens)[0]
+
+
+def _exit_now(_engine):
+  os._exit(3)  # pylint: disable=protected-access
 
 
 def _idle(server: Server) -> None:
@@ -360,8 +365,9 @@ def test_the_engine_on_the_event_loop_serves_the_same(served_on_loop):
 
 def test_the_engine_in_its_own_process_serves_the_same(served_in_process):
   """`Server(engine="process")`: the same answers as the facade (in the engine process),
-  logprobs across the pipe, concurrent streams lose nothing, a client gone mid-stream frees its blocks,
-  /health and /metrics come from the engine process."""
+  logprobs across the pipe, concurrent streams lose nothing, a client gone mid-stream
+  frees its blocks, /health and /metrics come from the engine process; once it is
+  gone, 503s with the reason."""
   server, bg, client = served_in_process
   assert server.llm is None and server.engine.pid != os.getpid()
   want = _on_engine(server, PROMPTS[1], 8)
@@ -372,3 +378,10 @@ def test_the_engine_in_its_own_process_serves_the_same(served_in_process):
   assert 'model="tiny-chat"' in httpx.get(bg.url + "/metrics").text
   _check_concurrent_streams(served_in_process, 8)  # twice the rows: some wait their turn
   _check_disconnect_mid_stream(served_in_process)
+  # The engine process gone: /health and new requests answer 503 with the reason.
+  with pytest.raises(EngineStopped):
+    server.engine.call(_exit_now)
+  health = httpx.get(bg.url + "/health")
+  assert health.status_code == 503 and "exit code 3" in health.json()["error"]["message"]
+  with pytest.raises(openai.InternalServerError, match="exit code 3"):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2)
