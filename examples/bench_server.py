@@ -60,6 +60,8 @@ _ENGINE = flags.DEFINE_enum("engine", "thread", ["thread", "loop", "process"], "
                             "(`EngineProcess`).")
 _SWITCH = flags.DEFINE_float("switch_interval_ms", None, "sys.setswitchinterval for this "
                              "process (default: Python's 5 ms).")
+_RAW = flags.DEFINE_bool("raw", False, "Also print every round's walls and CPU seconds as "
+                         "one JSON line (to pool rounds over several runs).")
 _CLIENT = flags.DEFINE_string("client_url", None, "Internal: run as the client process of "
                               "this URL (commands on stdin, results on stdout).")
 
@@ -235,6 +237,9 @@ def main(argv):
           f"[{min(ratios):.3f}-{max(ratios):.3f}] | {statistics.median(steps[name]):.0f} | "
           f"{statistics.median(cpu[name]):.3f} / {statistics.median(engine_cpu[name]):.3f} / "
           f"{statistics.median(client_cpu[name]):.3f} |")
+  if _RAW.value:
+    print("raw " + json.dumps(dict(engine=_ENGINE.value, walls=walls, steps=steps, cpu=cpu,
+                                   engine_cpu=engine_cpu, client_cpu=client_cpu)))
 
 
 if __name__ == "__main__":

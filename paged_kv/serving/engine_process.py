@@ -254,7 +254,7 @@ class EngineProcess:
       this process has on, if any).
 
   Attributes:
-    model: the `ServedModel` the engine process reported (None for a non-`LLM`).
+    served: the `ServedModel` the engine process reported (None for a non-`LLM`).
     pid: the engine process's id.
     error: the exception that stopped the engine, or None.
 
@@ -299,7 +299,7 @@ class EngineProcess:
     self.pid: int = self._process.pid
     self._finalizer = weakref.finalize(self, _reap, self._process, self._conn)
     try:
-      self.model: ServedModel | None = self._wait_ready(start_timeout_s)
+      self.served: ServedModel | None = self._wait_ready(start_timeout_s)
     except BaseException:
       self._stopped.set()
       self._finalizer()
@@ -365,7 +365,7 @@ class EngineProcess:
       self._outstanding += 1
     rid = next(self._next_id)
     decoder = None
-    tokenizer = self.model.tokenizer if self.model is not None else None
+    tokenizer = self.served.tokenizer if self.served is not None else None
     if tokenizer is not None:
       from paged_kv.serving.stop_strings import StopStringMatcher  # pylint: disable=import-outside-toplevel
       stops = getattr(sampling, "stop", None)

@@ -106,7 +106,7 @@ class Server:
       self.llm = None
       self.engine = EngineProcess(llm, max_queued=max_queued, model_name=model_name,
                                   metrics=metrics)
-      self.served = self.engine.model
+      self.served = self.engine.served
       self.model_name = model_name or self.served.model_name
       self.metrics = metrics
       return

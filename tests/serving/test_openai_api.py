@@ -419,7 +419,7 @@ def test_engine_process_serves_bounds_and_aborts_like_the_thread():
   proc = None
   try:
     proc = _started_process(functools.partial(FakeEngine, gate=gate), loop, max_queued=2)
-    assert proc.model is None and proc.running
+    assert proc.served is None and proc.running
     gate.clear()  # hold the steps: requests stay outstanding
     a, a_done, a_sink = _collector()
     b, b_done, b_sink = _collector()
