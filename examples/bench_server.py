@@ -23,6 +23,7 @@ median of its per-round ratio to the facade's (paired: the same round's runs).
 
 Usage:
   .venv/bin/python examples/bench_server.py                     # batch 16, 64 tokens
+  .venv/bin/python examples/bench_server.py --engine=process --client=sockets
   .venv/bin/python examples/bench_server.py --batch=16 --max_tokens=128 --repeats=7
 """
 
@@ -60,6 +61,13 @@ _ENGINE = flags.DEFINE_enum("engine", "thread", ["thread", "loop", "process"], "
                             "(`EngineProcess`).")
 _SWITCH = flags.DEFINE_float("switch_interval_ms", None, "sys.setswitchinterval for this "
                              "process (default: Python's 5 ms).")
+_CLIENT_KIND = flags.DEFINE_enum("client", "httpx", ["httpx", "sockets"], "The client process: "
+                                 "httpx's AsyncClient (as an application would use), or "
+                                 "asyncio sockets with a minimal parser (little client CPU: "
+                                 "closer to the server path's own cost on a shared machine).")
+_PIN = flags.DEFINE_bool("pin", False, "Linux, --engine=process: the engine process (and the "
+                         "facade in it) on CPU 0, this process and the client on the others "
+                         "(the engine with a core of its own, as in a deployment).")
 _RAW = flags.DEFINE_bool("raw", False, "Also print every round's walls and CPU seconds as "
                          "one JSON line (to pool rounds over several runs).")
 _CLIENT = flags.DEFINE_string("client_url", None, "Internal: run as the client process of "
@@ -131,6 +139,46 @@ async def _client_run(url: str, prompts: list, max_tokens: int, stream: bool) ->
   return {"wall": wall, "texts": texts, "cpu": cpu}
 
 
+async def _socket_client_run(url: str, prompts: list, max_tokens: int, stream: bool) -> dict:
+  """`_client_run` with little client CPU: one asyncio connection per request, the
+  requests' bytes built before the clock starts and written at once, the responses
+  read with a minimal HTTP/1.1 parser (Content-Length, or chunked server-sent events)."""
+  host, port = url.removeprefix("http://").rsplit(":", 1)
+  conns = [await asyncio.open_connection(host, int(port)) for _ in prompts]
+  requests = []
+  for prompt in prompts:
+    body = json.dumps(dict(prompt=prompt, max_tokens=max_tokens, temperature=0,
+                           stream=stream)).encode()
+    requests.append(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: "
+                    b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+  async def one(reader) -> str:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+    if not head.startswith("http/1.1 200"):
+      raise RuntimeError(head)
+    if "content-length:" in head:
+      size = int(head.split("content-length:")[1].split("\r\n")[0])
+      return json.loads(await reader.readexactly(size))["choices"][0]["text"]
+    parts, buffer = [], b""
+    while True:  # chunked: size line, data, CRLF; events end with a blank line
+      size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+      buffer += (await reader.readexactly(size + 2))[:-2]
+      *events, buffer = buffer.split(b"\n\n")
+      for event in events:
+        if event == b"data: [DONE]":
+          return "".join(parts)
+        parts.append(json.loads(event[6:])["choices"][0]["text"])
+
+  t0, cpu0 = time.perf_counter(), time.process_time()
+  for (_, writer), request in zip(conns, requests):
+    writer.write(request)
+  texts = await asyncio.gather(*(one(reader) for reader, _ in conns))
+  wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+  for _, writer in conns:
+    writer.close()
+  return {"wall": wall, "texts": texts, "cpu": cpu}
+
+
 def _client_main(url: str) -> None:
   """Reads one JSON command a line ({"prompts", "max_tokens", "stream"}), answers a line.
   httpx's per-request INFO log lines are off (absl's handler would print each one)."""
@@ -138,7 +186,8 @@ def _client_main(url: str) -> None:
   logging.getLogger("httpx").setLevel(logging.WARNING)
   for line in sys.stdin:
     cmd = json.loads(line)
-    out = asyncio.run(_client_run(url, cmd["prompts"], cmd["max_tokens"], cmd["stream"]))
+    run = _socket_client_run if _CLIENT_KIND.value == "sockets" else _client_run
+    out = asyncio.run(run(url, cmd["prompts"], cmd["max_tokens"], cmd["stream"]))
     print(json.dumps(out), flush=True)
 
 
@@ -173,9 +222,17 @@ def main(argv):
     vocab = server.served.vocab_size
     rng = np.random.default_rng(_SEED.value)
     prompts = [rng.integers(3, vocab, _PROMPT_TOKENS.value).tolist() for _ in range(batch)]
+    if _PIN.value:
+      if _ENGINE.value != "process":
+        raise SystemExit("--pin needs --engine=process")
+      others = set(range(os.cpu_count())) - {0}
+      for pid, cpus in ((server.engine.pid, {0}), ("self", others)):
+        for thread_id in os.listdir(f"/proc/{pid}/task"):  # every thread of the process
+          os.sched_setaffinity(int(thread_id), cpus)
     with BackgroundServer(server) as bg:
       client = subprocess.Popen(
-          [sys.executable, os.path.abspath(__file__), f"--client_url={bg.url}"],
+          [sys.executable, os.path.abspath(__file__), f"--client_url={bg.url}",
+           f"--client={_CLIENT_KIND.value}"],
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
           env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
@@ -222,7 +279,7 @@ def main(argv):
   generated = batch * max_tokens
   print(f"\nbatch {batch}, {_PROMPT_TOKENS.value} prompt tokens, {max_tokens} generated each "
         f"({generated} tokens a run), {_REPEATS.value} rounds, engine on "
-        f"{_WHERE[_ENGINE.value]}, prefix cache "
+        f"{_WHERE[_ENGINE.value]}, {_CLIENT_KIND.value} client, prefix cache "
         f"{'on' if _PREFIX_CACHE.value else 'off'}, metrics exporter "
         f"{'on' if _METRICS.value else 'off'}, {errors} server errors, {compiles} compiles "
         f"in the timed runs\n")
@@ -238,7 +295,7 @@ def main(argv):
           f"{statistics.median(cpu[name]):.3f} / {statistics.median(engine_cpu[name]):.3f} / "
           f"{statistics.median(client_cpu[name]):.3f} |")
   if _RAW.value:
-    print("raw " + json.dumps(dict(engine=_ENGINE.value, walls=walls, steps=steps, cpu=cpu,
+    print("raw " + json.dumps(dict(engine=_ENGINE.value, client=_CLIENT_KIND.value, walls=walls, steps=steps, cpu=cpu,
                                    engine_cpu=engine_cpu, client_cpu=client_cpu)))
 
 

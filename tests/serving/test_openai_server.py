@@ -92,6 +92,10 @@ def _generate(prompt, max_tokens, _engine):
   return served_llm().generate(prompt, max_tokens=max_tokens)[0]
 
 
+def _sleep(seconds, _engine):
+  time.sleep(seconds)
+
+
 def _exit_now(_engine):
   os._exit(3)  # pylint: disable=protected-access
 
@@ -148,7 +152,7 @@ def test_chat_renders_the_template(served):
   messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi  "}]
   text = ("<s><|system|>\nbe brief</s>\n<|user|>\nhi</s>\n<|assistant|>\n")
   assert server.template.render(messages) == text
-  ids = server.llm.tokenizer.encode(text, add_special_tokens=False)
+  ids = server.served.tokenizer.encode(text, add_special_tokens=False)
   want = _on_engine(server, ids, 6)
   r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
                                      temperature=0, logprobs=True, top_logprobs=2)
@@ -207,7 +211,7 @@ def _check_disconnect_mid_stream(served) -> None:
 
 def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(served):
   server, bg, _ = served
-  aborted = server.engine.call(lambda e: e.scheduler.stats.aborted)
+  aborted = server.engine.call(_aborted)
   outcome = []
 
   def ask():
@@ -225,11 +229,11 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(served):
     time.sleep(0.005)
   # Hold the engine (between two steps) past the client's timeout: the handler sees
   # the disconnect and aborts; the abort is applied before the next step.
-  server.engine.call(lambda e: time.sleep(1.0))
+  server.engine.call(functools.partial(_sleep, 1.0))
   client.join()
   assert outcome == ["gave up"]
   _idle(server)
-  assert server.engine.call(lambda e: e.scheduler.stats.aborted) == aborted + 1
+  assert server.engine.call(_aborted) == aborted + 1
 
 
 def test_a_client_that_leaves_before_its_body_arrives_is_no_server_error(served):
