@@ -404,13 +404,12 @@ class EngineProcess:
     get their last chunk) and reaps its process. Off the loop's thread it waits up to
     `timeout` seconds for the engine's last messages."""
     if not self._stopped.is_set():
-      if self._started:
-        try:
-          self._send(("stop",))
-        except EngineStopped:
-          pass
-        if threading.get_ident() != self._loop_thread:
-          self._stopped.wait(timeout)
+      try:
+        self._send(("stop",))  # never started: the process exits all the same
+      except EngineStopped:
+        pass
+      if self._started and threading.get_ident() != self._loop_thread:
+        self._stopped.wait(timeout)
       if not self._stopped.is_set():  # no answer (or never started): end it here
         self._end_soon()
     if threading.get_ident() != self._loop_thread:
@@ -470,7 +469,8 @@ class EngineProcess:
       self._process.join(1.0)
       self._end(EngineStopped(
           f"the engine process exited (exit code {self._process.exitcode})"
-          if isinstance(exc, EOFError) else f"the pipe to the engine process broke: {exc!r}"),
+          if isinstance(exc, (EOFError, ConnectionResetError))  # reset: it died unread
+          else f"the pipe to the engine process broke: {exc!r}"),
                 on_loop=True)
       return
     kind = message[0]

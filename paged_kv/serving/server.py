@@ -86,6 +86,8 @@ class Server:
       then answers 400).
     exporter: the `MetricsExporter`, or None (the `metrics` extra missing, or
       `engine="process"`: the exporter is in the engine process).
+    metrics: whether /metrics has an exporter to render (here or in the engine
+      process).
     num_server_errors: responses that failed inside the server (HTTP 500, or a
       stream cut by an engine failure).
     num_client_disconnects: requests whose client left before its body arrived

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import signal
 import threading
 
 import pytest
@@ -398,11 +400,6 @@ def _steps(engine) -> int:
   return engine.steps
 
 
-def _exit_now(_engine) -> None:
-  import os  # pylint: disable=import-outside-toplevel
-  os._exit(3)  # pylint: disable=protected-access
-
-
 def _refuse():
   raise api.InvalidArgument("no such checkpoint")
 
@@ -471,8 +468,8 @@ def test_engine_process_serves_bounds_and_aborts_like_the_thread():
 
 
 def test_an_engine_failure_ends_every_request_and_stops_the_process():
-  """A step that raises, then an engine process that exits: each ends every live
-  request with a RequestFailed and the engine says why."""
+  """A step that raises, then an engine process killed: each ends every live request
+  with a RequestFailed and the engine says why."""
   loop = _LoopInThread()
   try:
     proc = _started_process(functools.partial(FakeEngine, fail_at_step=2), loop)
@@ -486,16 +483,17 @@ def test_an_engine_failure_ends_every_request_and_stops_the_process():
       proc.submit("b", [1], None, 1, sink)
     proc.stop()
     assert proc._process.exitcode == 0  # pylint: disable=protected-access
-    # The process itself gone (here: it exits inside a call) while a request runs.
+    # The process itself gone (killed, as by the OOM killer) while a request runs.
     gate = _spawn_event()
     proc = _started_process(functools.partial(FakeEngine, gate=gate), loop)
-    gate.clear()
+    gate.clear()  # its steps wait: the request stays live
     items, done, sink = _collector()
     proc.submit("a", [1], None, 50, sink)
-    with pytest.raises(EngineStopped, match="exit code 3"):
-      proc.call(_exit_now)
+    os.kill(proc.pid, signal.SIGKILL)
     assert done.wait(10) and isinstance(items[-1], RequestFailed)
-    assert "exit code 3" in str(items[-1].error) and not proc.running
+    assert "exit code -9" in str(items[-1].error) and not proc.running
+    with pytest.raises(EngineStopped, match="exit code -9"):
+      proc.call(_steps)
     proc.stop()
   finally:
     loop.close()
@@ -503,7 +501,8 @@ def test_an_engine_failure_ends_every_request_and_stops_the_process():
 
 def test_engine_process_start_failures_leave_no_process():
   """`make` refusing (InvalidArgument, raised as is) or failing (EngineStartError with
-  the traceback); a callable is required (an `LLM` object is not sent)."""
+  the traceback); a callable is required (an `LLM` object is not sent); an engine
+  never started stops at once."""
   import multiprocessing  # pylint: disable=import-outside-toplevel
   before = set(multiprocessing.active_children())
   with pytest.raises(api.InvalidArgument, match="no such checkpoint"):
@@ -512,4 +511,8 @@ def test_engine_process_start_failures_leave_no_process():
     EngineProcess(_crash)
   with pytest.raises(api.InvalidArgument, match="picklable callable"):
     EngineProcess("not callable")
+  # Built, never started (no event loop read it): stop ends the process at once.
+  proc = EngineProcess(FakeEngine)
+  proc.stop(timeout=20)
+  assert proc._process.exitcode == 0 and not proc.running  # pylint: disable=protected-access
   assert set(multiprocessing.active_children()) == before
