@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 
@@ -38,9 +39,11 @@ def _parser() -> argparse.ArgumentParser:
                  "device memory for the KV cache (default 0.8 on a GPU, 0.25 on a CPU)")
   p.add_argument("--max-queued", type=int, default=256, help="requests queued or running "
                  "before new ones get HTTP 429")
-  p.add_argument("--engine", choices=("thread", "loop"), default="thread", help="where the "
-                 "scheduler runs: its own thread, or a task of the HTTP event loop (no lock "
-                 "hand-offs; requests are parsed between steps)")
+  p.add_argument("--engine", choices=("thread", "loop", "process"), default="thread",
+                 help="where the scheduler runs: its own thread; a task of the HTTP event "
+                 "loop (no lock hand-offs; requests are parsed between steps); or a process "
+                 "of its own (the model is loaded there; HTTP, tokenizing and detokenizing "
+                 "stay here)")
   p.add_argument("--enable-prompt-logprobs", action="store_true", help="serve requests "
                  "asking for prompt_logprobs (vLLM's field; their step programs are compiled "
                  "too)")
@@ -78,19 +81,20 @@ def main(argv: list[str] | None = None) -> int:
         " and compiling every program of the serving path (--no-warmup: on first use)"),
         flush=True)
   try:
-    llm = LLM(args.checkpoint, max_seq_len=args.max_seq_len, dtype=args.dtype,
-              max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
-              memory_fraction=args.memory_fraction, warmup=not args.no_warmup,
-              model_name=args.served_model_name,
-              prompt_logprobs=args.enable_prompt_logprobs)
+    llm = functools.partial(
+        LLM, args.checkpoint, max_seq_len=args.max_seq_len, dtype=args.dtype,
+        max_batch=args.max_batch, block_size=args.block_size, num_blocks=args.num_blocks,
+        memory_fraction=args.memory_fraction, warmup=not args.no_warmup,
+        model_name=args.served_model_name, prompt_logprobs=args.enable_prompt_logprobs)
     template = openai_api.ChatTemplate.from_dir(args.checkpoint)
     srv = server.Server(llm, max_queued=args.max_queued, template=template,
                         engine=args.engine)
   except (InvalidArgument, ModuleNotFoundError) as err:
     print(f"error: {err}", file=sys.stderr)
     return 2
-  print(f"serving {srv.model_name} ({llm.sizing.num_blocks} blocks of {args.block_size} "
-        f"tokens: {llm.sizing.rule}) at http://{args.host}:{args.port}/v1", flush=True)
+  sizing = srv.served.sizing
+  print(f"serving {srv.model_name} ({sizing.num_blocks} blocks of {args.block_size} "
+        f"tokens: {sizing.rule}) at http://{args.host}:{args.port}/v1", flush=True)
   server.serve(srv, host=args.host, port=args.port, log_level=args.log_level)
   return 0
 

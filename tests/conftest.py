@@ -185,6 +185,11 @@ _LONG = (
     "serving/test_soak.py",
     # The server under a misbehaving client load; make test keeps the server's tests.
     "examples/test_soak_server.py",
+    # The engine process over a fake engine (a spawn each, ~2 s of imports): failures
+    # and bounds; make test keeps the real server over an engine process.
+    "serving/test_openai_api.py::test_engine_process_serves_bounds_and_aborts_like_the_thread",
+    "serving/test_openai_api.py::test_an_engine_failure_ends_every_request_and_stops_the_process",
+    "serving/test_openai_api.py::test_engine_process_start_failures_leave_no_process",
     # gpu_check.sh --dry over every row; make test keeps its subset and plan tests.
     "kernels/test_gpu_check.py::test_dry_mode_every_row_and_injected_faults",
     # Token equality under slot packing and forced compaction; make test keeps it

@@ -21,9 +21,11 @@
   paged_kv.serving.traces, replay, engine_replay   request traces and their replay
   paged_kv.serving.llm          `LLM`: text in, text out (generate, stream, abort) over
                                 a scheduler; its single-threaded `Engine`
-  paged_kv.serving.engine_thread, openai_api, server
+  paged_kv.serving.engine_thread, engine_task, engine_process, openai_api, server
                                 the OpenAI-compatible HTTP server (`python -m
-                                paged_kv.serve`; the `server` extra), imported explicitly
+                                paged_kv.serve`; the `server` extra) and where it runs
+                                the engine (a thread, the event loop, a process),
+                                imported explicitly
 
 Importing this package needs no flax (`ModelExecutor` imports it when built).
 """

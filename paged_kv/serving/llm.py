@@ -56,7 +56,7 @@ from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.stop_strings import StopStringMatcher
 
 __all__ = ["Completion", "CompletionChunk", "ContextLengthExceeded", "Engine", "LLM",
-           "PoolSizing", "TokenLogprob", "pool_blocks"]
+           "PoolSizing", "ServedModel", "TokenLogprob", "encode_prompt", "pool_blocks"]
 
 DEFAULT_MAX_TOKENS = 16
 """`max_tokens` when none is given (OpenAI's and vLLM's default for completions)."""
@@ -233,6 +233,36 @@ def _is_ids(x: Any) -> bool:
       isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in x)
 
 
+def encode_prompt(prompt: str | Sequence[int], *, tokenizer: Any, vocab_size: int) -> list[int]:
+  """A prompt's token ids: text through `tokenizer`, ids checked against the vocabulary.
+
+  Raises:
+    InvalidArgument: empty, not text or ints, an id outside [0, vocab_size), or text
+      without a tokenizer.
+  """
+  if isinstance(prompt, str):
+    if tokenizer is None:
+      raise InvalidArgument("this model has no tokenizer: pass prompts as token ids")
+    ids = tokenizer.encode(prompt)
+  elif _is_ids(prompt):
+    ids = [int(t) for t in prompt]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+      raise InvalidArgument(f"prompt token ids must lie in [0, {vocab_size}), got {bad[:5]}")
+  else:
+    raise InvalidArgument(f"a prompt is a str or a sequence of int token ids, got "
+                          f"{type(prompt).__name__}")
+  if not ids:
+    raise InvalidArgument("empty prompt")
+  return ids
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int, max_seq_len: int) -> None:
+  """Raises `ContextLengthExceeded` if the prompt plus `max_tokens` exceed `max_seq_len`."""
+  if num_prompt_tokens + max_tokens > max_seq_len:
+    raise ContextLengthExceeded(num_prompt_tokens, max_tokens, max_seq_len)
+
+
 class _Tracker:
   """One request's progress as the engine hands it out."""
 
@@ -293,37 +323,22 @@ class Engine:
       InvalidArgument: empty, not text or ints, an id outside [0, vocab), or text
         without a tokenizer.
     """
-    if isinstance(prompt, str):
-      if self.tokenizer is None:
-        raise InvalidArgument("this model has no tokenizer: pass prompts as token ids")
-      ids = self.tokenizer.encode(prompt)
-    elif _is_ids(prompt):
-      ids = [int(t) for t in prompt]
-      bad = [t for t in ids if not 0 <= t < self.vocab_size]
-      if bad:
-        raise InvalidArgument(f"prompt token ids must lie in [0, {self.vocab_size}), got "
-                              f"{bad[:5]}")
-    else:
-      raise InvalidArgument(f"a prompt is a str or a sequence of int token ids, got "
-                            f"{type(prompt).__name__}")
-    if not ids:
-      raise InvalidArgument("empty prompt")
-    return ids
+    return encode_prompt(prompt, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
 
   def check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
     """Raises `ContextLengthExceeded` if the prompt plus `max_tokens` exceed the context."""
-    if num_prompt_tokens + max_tokens > self.max_seq_len:
-      raise ContextLengthExceeded(num_prompt_tokens, max_tokens, self.max_seq_len)
+    check_context(num_prompt_tokens, max_tokens, self.max_seq_len)
 
   def add(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *,
           max_tokens: int = DEFAULT_MAX_TOKENS, request_id: Hashable | None = None,
-          index: int = 0) -> Hashable:
+          index: int = 0, detokenize: bool = True) -> Hashable:
     """Queues one request; returns its id (a fresh `"req-<n>"` unless given).
 
     The checkpoint's end-of-sequence ids join `sampling.stop_token_ids` (unless the
     sampling has a true `ignore_eos`). With `sampling.n > 1` its samples are live
     requests too (`request(id).samples`, ids `parallel_sampling.sample_ids`), each
-    with chunks of its own.
+    with chunks of its own. With `detokenize=False` its chunks carry token ids only
+    (`text` None): the caller decodes them (a server's front process).
 
     Raises:
       ContextLengthExceeded: prompt plus `max_tokens` beyond `max_seq_len`.
@@ -348,7 +363,7 @@ class Engine:
     self.scheduler.submit(req)
     for r in (req, *req.samples):
       stream = None
-      if self.tokenizer is not None:  # the text ends before a stop string
+      if self.tokenizer is not None and detokenize:  # the text ends before a stop string
         stream = (StopStringMatcher(self.tokenizer, sampling.stop) if sampling.stop
                   else self.tokenizer.stream())
       self._live[r.request_id] = _Tracker(r, index, stream, sampling.logprobs)
@@ -705,3 +720,38 @@ class LLM:
     for r in () if req is None else (req, *req.samples):
       if not r.done:
         self.scheduler.abort(r.request_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+  """What a server's front needs of the `LLM` it serves, wherever its engine runs (a
+  thread of this process, or another process: picklable, no model inside).
+
+  Attributes:
+    model_name: the name the API lists.
+    max_seq_len: the longest prompt + output.
+    vocab_size: the model's vocabulary (token-id prompts are checked against it).
+    max_logprobs: the scheduler's widest logprobs (`SchedulerConfig.max_logprobs`).
+    tokenizer: the `Tokenizer`, or None (prompts are token ids, no text out).
+    sizing: how the pool was sized, or None.
+  """
+
+  model_name: str
+  max_seq_len: int
+  vocab_size: int
+  max_logprobs: int
+  tokenizer: Any = None
+  sizing: PoolSizing | None = None
+
+  @classmethod
+  def of(cls, llm: LLM) -> "ServedModel":
+    return cls(llm.model_name, llm.max_seq_len, llm.engine.vocab_size,
+               llm.scheduler.config.max_logprobs, llm.tokenizer, llm.sizing)
+
+  def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    """As `Engine.encode`."""
+    return encode_prompt(prompt, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+
+  def check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    """As `Engine.check_context`."""
+    check_context(num_prompt_tokens, max_tokens, self.max_seq_len)

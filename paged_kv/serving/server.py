@@ -5,17 +5,21 @@ jinja2).
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the checkpoint's
 chat template, `openai_api.ChatTemplate`), `GET /v1/models`, `GET /health` (503
-once the engine thread has stopped), `GET /metrics` (the Prometheus exporter,
-`paged_kv.telemetry.MetricsExporter`, attached to the scheduler). `stream: true`
+once the engine has stopped), `GET /metrics` (the Prometheus exporter,
+`paged_kv.telemetry.MetricsExporter`, attached to the scheduler, in whichever
+process runs it). `stream: true`
 answers with server-sent events (`data: {...}` chunks, then `data: [DONE]`).
 
-Threads (`Server(engine=...)`): by default the scheduler runs on one background thread
+Where the scheduler runs (`Server(engine=...)`): by default on one background thread
 (`EngineThread`); the handlers run on uvicorn's event loop and hand requests over
 through the thread's inbox; each request's chunks come back through an
 `asyncio.Queue`, every step's chunks in one `loop.call_soon_threadsafe`. With
 `engine="loop"` the scheduler is a task of the event loop itself (`EngineTask`):
 no interpreter-lock hand-offs between the two, but the loop parses requests only
-between steps. A client that disconnects (mid-stream, or while a
+between steps. With `engine="process"` it runs in a process of its own
+(`EngineProcess`, which builds the `LLM` there: pass a callable that builds it);
+this process parses, tokenizes, decodes the tokens each step sends and writes the
+responses. A client that disconnects (mid-stream, or while a
 non-streamed request runs) gets its request aborted: its row and blocks go back
 to the pool at once.
 
@@ -42,17 +46,19 @@ from typing import Any
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.model import optional_import
 from paged_kv.serving import openai_api as api
+from paged_kv.serving.engine_process import EngineProcess, render_metrics
 from paged_kv.serving.engine_task import EngineTask
 from paged_kv.serving.engine_thread import EngineStopped, EngineThread, QueueFull, RequestFailed
-from paged_kv.serving.llm import LLM, CompletionChunk, ContextLengthExceeded
+from paged_kv.serving.llm import LLM, CompletionChunk, ContextLengthExceeded, ServedModel
 from paged_kv.serving.parallel_sampling import sample_ids
 
 __all__ = ["BackgroundServer", "Server", "build_app", "serve"]
 
 _log = logging.getLogger(__name__)
 
-ENGINES = {"thread": EngineThread, "loop": EngineTask}
-"""Where `Server(engine=...)` runs the scheduler: its own thread, or the event loop."""
+ENGINES = {"thread": EngineThread, "loop": EngineTask, "process": EngineProcess}
+"""Where `Server(engine=...)` runs the scheduler: its own thread, the event loop, or
+a process of its own."""
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks for its client
 
@@ -62,50 +68,82 @@ def _fastapi():
 
 
 class Server:
-  """The server's state: the `LLM`, its engine thread, the chat template, the metrics.
+  """The server's state: the `LLM`, its engine, the chat template, the metrics.
+
+  `llm` is an `LLM`, or a picklable callable that builds one (e.g.
+  `functools.partial(LLM, checkpoint, max_batch=64)`); `engine="process"` needs the
+  callable: the engine process builds the `LLM` itself (this process keeps only its
+  tokenizer and a description, `ServedModel`).
 
   Attributes:
-    llm: the `LLM` served.
-    engine: the `EngineThread` (or, `engine="loop"`, the `EngineTask`) running
-      `llm.engine`.
+    llm: the `LLM` served (None with `engine="process"`: it lives in the engine
+      process).
+    served: the `ServedModel` (name, context, vocabulary, tokenizer) requests are
+      checked and decoded with.
+    engine: the `EngineThread` running `llm.engine` (`engine="loop"`: the
+      `EngineTask`; `engine="process"`: the `EngineProcess`).
     model_name: the name `/v1/models` lists and requests must use.
     template: the checkpoint's `ChatTemplate`, or None (`/v1/chat/completions`
       then answers 400).
-    exporter: the `MetricsExporter`, or None (the `metrics` extra missing).
+    exporter: the `MetricsExporter`, or None (the `metrics` extra missing, or
+      `engine="process"`: the exporter is in the engine process).
+    metrics: whether /metrics has an exporter to render (here or in the engine
+      process).
     num_server_errors: responses that failed inside the server (HTTP 500, or a
       stream cut by an engine failure).
     num_client_disconnects: requests whose client left before its body arrived
       (nothing was queued; answered 499 to nobody, not counted as errors).
   """
 
-  def __init__(self, llm: LLM, *, max_queued: int = 256, model_name: str | None = None,
+  def __init__(self, llm: Any, *, max_queued: int = 256, model_name: str | None = None,
                template: api.ChatTemplate | None = None, metrics: bool = True,
                engine: str = "thread"):
     if engine not in ENGINES:
       raise InvalidArgument(f"engine={engine!r}: expected one of {', '.join(ENGINES)}")
-    self.llm = llm
-    self.model_name = model_name or llm.model_name
     self.template = template
     self.exporter = None
+    self.num_server_errors = 0
+    self.num_client_disconnects = 0
+    self.created = int(time.time())
+    if engine == "process":
+      self.llm = None
+      self.engine = EngineProcess(llm, max_queued=max_queued, model_name=model_name,
+                                  metrics=metrics)
+      self.served = self.engine.served
+      self.model_name = model_name or self.served.model_name
+      self.metrics = metrics
+      return
+    if not isinstance(llm, LLM):
+      if not callable(llm):
+        raise InvalidArgument(f"Server takes an LLM or a callable that builds one, got "
+                              f"{type(llm).__name__}")
+      llm = llm()
+    self.llm = llm
+    self.served = ServedModel.of(llm)
+    self.model_name = model_name or llm.model_name
     if metrics:
       try:
         from paged_kv.telemetry.export import MetricsExporter  # pylint: disable=import-outside-toplevel
         self.exporter = MetricsExporter(model=self.model_name).attach(llm.scheduler)
       except ImportError:
         _log.warning("prometheus-client is not installed: /metrics answers 501")
+    self.metrics = self.exporter is not None
     self.engine = ENGINES[engine](llm.engine, max_queued=max_queued)
-    self.num_server_errors = 0
-    self.num_client_disconnects = 0
-    self.created = int(time.time())
 
   @property
   def max_logprobs(self) -> int:
-    return self.llm.scheduler.config.max_logprobs
+    return self.served.max_logprobs
+
+  async def render_metrics(self) -> str | None:
+    """The Prometheus text, or None without an exporter."""
+    if isinstance(self.engine, EngineProcess):
+      return await self.engine.acall(render_metrics) if self.metrics else None
+    return None if self.exporter is None else self.exporter.render()
 
   def prompt_ids(self, prompt: Any) -> list[int]:
     """Token ids of a text or token-id prompt (`BadRequest` when refused)."""
     try:
-      return self.llm.engine.encode(list(prompt) if isinstance(prompt, tuple) else prompt)
+      return self.served.encode(list(prompt) if isinstance(prompt, tuple) else prompt)
     except InvalidArgument as err:
       raise api.BadRequest(str(err), param="prompt") from None
 
@@ -113,19 +151,19 @@ class Server:
     if self.template is None:
       raise api.BadRequest("this model has no chat template (tokenizer_config.json's "
                            "chat_template): use /v1/completions", param="messages")
-    if self.llm.tokenizer is None:
+    if self.served.tokenizer is None:
       raise api.BadRequest("this model has no tokenizer", param="messages")
     text = self.template.render(messages)
-    ids = self.llm.tokenizer.encode(text, add_special_tokens=False)
+    ids = self.served.tokenizer.encode(text, add_special_tokens=False)
     if not ids:
       raise api.BadRequest("the chat template rendered an empty prompt", param="messages")
     return ids
 
   def max_tokens(self, num_prompt: int, asked: int | None) -> int:
     """`asked`, or the rest of the context; `BadRequest` beyond the context."""
-    max_tokens = asked if asked is not None else self.llm.max_seq_len - num_prompt
+    max_tokens = asked if asked is not None else self.served.max_seq_len - num_prompt
     try:
-      self.llm.engine.check_context(num_prompt, max(max_tokens, 1))
+      self.served.check_context(num_prompt, max(max_tokens, 1))
     except ContextLengthExceeded as err:
       raise api.BadRequest(str(err), param="max_tokens" if asked else "messages",
                            code="context_length_exceeded") from None
@@ -216,8 +254,8 @@ def build_app(server: Server) -> Any:
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
-    if not isinstance(server.engine, EngineTask):  # a task's sinks run on the loop already
-      server.engine.dispatch = _dispatch_on(asyncio.get_running_loop())
+    if isinstance(server.engine, EngineThread) and not isinstance(server.engine, EngineTask):
+      server.engine.dispatch = _dispatch_on(asyncio.get_running_loop())  # else on the loop
     if not server.engine.running:
       server.engine.start()
     try:
@@ -241,7 +279,10 @@ def build_app(server: Server) -> Any:
 
   async def handle(request: Any, run) -> Any:
     try:
-      return await run(await body_of(request))
+      out = await run(await body_of(request))
+      # A body as a JSONResponse: FastAPI would pass a dict through jsonable_encoder
+      # first (~60-170 us a completion, all of a batch's at its last step).
+      return responses.JSONResponse(out) if isinstance(out, dict) else out
     except api.BadRequest as err:
       return error(err.status, str(err), param=err.param, code=err.code)
     except InvalidArgument as err:  # refused at submit (nothing queued): the client's
@@ -266,17 +307,20 @@ def build_app(server: Server) -> Any:
 
   @app.get("/metrics")
   async def metrics():
-    if server.exporter is None:
+    try:
+      text = await server.render_metrics()
+    except EngineStopped as err:
+      return error(503, str(err))
+    if text is None:
       return responses.PlainTextResponse("prometheus-client is not installed "
                                          "(pip install 'paged-kv[metrics]')\n", status_code=501)
-    return responses.PlainTextResponse(server.exporter.render(),
-                                       media_type="text/plain; version=0.0.4; charset=utf-8")
+    return responses.PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
   @app.get("/v1/models")
   async def models():
     return {"object": "list", "data": [{
         "id": server.model_name, "object": "model", "created": server.created,
-        "owned_by": "paged_kv", "max_model_len": server.llm.max_seq_len}]}
+        "owned_by": "paged_kv", "max_model_len": server.served.max_seq_len}]}
 
   async def completions(request):
     return await handle(request, lambda body: _completions(server, request, body))
@@ -375,7 +419,9 @@ _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": 
 
 def _sse(data: Any) -> str:
   """One server-sent event of `data` as JSON, on one line for any line splitter."""
-  text = json.dumps(data, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS)
+  text = json.dumps(data, ensure_ascii=False, separators=(',', ':'))
+  if "\x85" in text or "\u2028" in text or "\u2029" in text:  # rare; translate costs ~5 us
+    text = text.translate(_LINE_BREAKS)
   return f"data: {text}\n\n"
 
 
@@ -391,7 +437,7 @@ async def _completions(server: Server, request: Any, body: Any) -> Any:
   sub = _Submitted(server, rid, len(planned), stream=parsed.stream, n=parsed.sampling.n)
   sub.submit(planned, parsed.sampling)
   num_prompt = sum(len(ids) for ids, _ in planned)
-  tok = server.llm.tokenizer
+  tok = server.served.tokenizer
   top = parsed.logprobs
 
   def lp(chunk_logprobs, offset):
@@ -448,7 +494,7 @@ async def _chat(server: Server, request: Any, body: Any) -> Any:
   created, model = int(time.time()), server.model_name
   sub = _Submitted(server, rid, 1, stream=parsed.stream, n=parsed.sampling.n)
   sub.submit(planned, parsed.sampling)
-  tok = server.llm.tokenizer
+  tok = server.served.tokenizer
   top = parsed.logprobs
 
   def lp(chunk_logprobs):

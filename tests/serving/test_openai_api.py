@@ -1,11 +1,15 @@
 """The server's pieces without a model: request checks and the sampling mapping
 (`openai_api`), chat templates rendered as transformers renders them, and the
-engine's queue bound, failures and shutdown on its own thread (`EngineThread`) and as
-a task of an event loop (`EngineTask`), over a fake engine."""
+engine's queue bound, failures and shutdown on its own thread (`EngineThread`), as
+a task of an event loop (`EngineTask`) and in a process of its own (`EngineProcess`),
+over a fake engine."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import signal
 import threading
 
 import pytest
@@ -14,6 +18,7 @@ pytest.importorskip("jinja2", reason="the server extra (pip install 'paged-kv[se
 
 # pylint: disable=wrong-import-position
 from paged_kv.serving import openai_api as api
+from paged_kv.serving.engine_process import EngineProcess, EngineStartError
 from paged_kv.serving.engine_task import EngineTask
 from paged_kv.serving.engine_thread import EngineStopped, EngineThread, QueueFull, RequestFailed
 from paged_kv.serving.llm import CompletionChunk
@@ -134,11 +139,11 @@ def test_chat_template_renders_as_transformers_does(tmp_path):
 class FakeEngine:
   """An `Engine`'s surface: each request emits one token per step, then finishes."""
 
-  def __init__(self, fail_at_step: int | None = None):
+  def __init__(self, fail_at_step: int | None = None, gate=None):
     self.live: dict = {}
     self.steps = 0
     self.fail_at_step = fail_at_step
-    self.gate = threading.Event()
+    self.gate = gate if gate is not None else threading.Event()
     self.gate.set()
 
   @property
@@ -375,3 +380,139 @@ def test_an_engine_failure_ends_every_request_and_stops_the_task():
       task.submit("b", [1], None, 1, sink)
   finally:
     loop.close()
+
+
+# ---------------------------------------------------- the engine in its own process
+def _spawn_event():
+  import multiprocessing  # pylint: disable=import-outside-toplevel
+  return multiprocessing.get_context("spawn").Event()
+
+
+def _started_process(make, loop: _LoopInThread, **kwargs) -> EngineProcess:
+  proc = EngineProcess(make, **kwargs)
+
+  async def start():
+    return proc.start()
+  return loop.run(start)
+
+
+def _steps(engine) -> int:
+  return engine.steps
+
+
+def _refuse():
+  raise api.InvalidArgument("no such checkpoint")
+
+
+def _crash():
+  raise RuntimeError("out of memory")
+
+
+def test_engine_process_serves_bounds_and_aborts_like_the_thread():
+  """The fake engine built in the engine process (its gate a process-shared event):
+  the queue bound, an abort, a refused request, `call` and `acall`, sinks on the loop,
+  a clean stop that reaps the process."""
+  gate, loop = _spawn_event(), _LoopInThread()
+  proc = None
+  try:
+    proc = _started_process(functools.partial(FakeEngine, gate=gate), loop, max_queued=2)
+    assert proc.served is None and proc.running
+    gate.clear()  # hold the steps: requests stay outstanding
+    a, a_done, a_sink = _collector()
+    b, b_done, b_sink = _collector()
+    proc.submit("a", [1], None, 3, a_sink)
+    proc.submit("b", [1], None, 50, b_sink)
+    with pytest.raises(QueueFull, match="the limit is 2"):
+      proc.submit("c", [1], None, 3, a_sink)
+    proc.abort("b")
+    gate.set()
+    assert a_done.wait(10) and b_done.wait(10)
+    assert [c.token_ids for c in a] == [(7,), (7,), (7,)] and a[-1].finish_reason == "length"
+    assert [c.text for c in a] == ["t", "t", "t"]  # no tokenizer here: the engine's text
+    assert b[-1].finish_reason == "abort" and proc.outstanding == 0
+    c, c_done, c_sink = _collector()
+    proc.submit("c", [1], None, 1000, c_sink)
+    assert c_done.wait(10) and isinstance(c[0], RequestFailed)
+    assert isinstance(c[0].error, api.InvalidArgument) and "too many" in str(c[0].error)
+    assert proc.outstanding == 0
+    assert proc.call(_steps) >= 3
+    with pytest.raises(api.InvalidArgument, match="picklable fn"):
+      proc.call(lambda e: e.steps)  # refused here, nothing sent
+
+    async def on_loop():
+      with pytest.raises(api.InvalidArgument, match="await acall"):
+        proc.call(_steps)
+      return await proc.acall(_steps)
+    assert loop.run(on_loop) >= 3
+    seen, d_done = [], threading.Event()
+    proc.submit("d", [1], None, 1, lambda item: (seen.append(threading.get_ident()),
+                                                  d_done.set()))
+    assert d_done.wait(10) and seen == [loop.thread.ident]
+    # A live request at stop ends as aborted; the process exits and is reaped.
+    gate.clear()
+    e, e_done, e_sink = _collector()
+    proc.submit("e", [1], None, 50, e_sink)
+    stopper = threading.Thread(target=proc.stop)
+    stopper.start()
+    gate.set()
+    stopper.join(30)
+    assert e_done.wait(10) and e[-1].finish_reason == "abort"
+  finally:
+    if proc is not None:
+      proc.stop()
+    loop.close()
+  assert not proc.running and proc.outstanding == 0
+  assert proc._process.exitcode == 0  # pylint: disable=protected-access
+  with pytest.raises(EngineStopped, match="not running"):
+    proc.submit("f", [1], None, 1, lambda item: None)
+
+
+def test_an_engine_failure_ends_every_request_and_stops_the_process():
+  """A step that raises, then an engine process killed: each ends every live request
+  with a RequestFailed and the engine says why."""
+  loop = _LoopInThread()
+  try:
+    proc = _started_process(functools.partial(FakeEngine, fail_at_step=2), loop)
+    items, done, sink = _collector()
+    proc.submit("a", [1], None, 5, sink)
+    assert done.wait(10)
+    assert isinstance(items[-1], RequestFailed) and "device lost" in str(items[-1].error)
+    assert isinstance(proc.error, RuntimeError) and not proc.running
+    assert proc.outstanding == 0
+    with pytest.raises(EngineStopped, match="device lost"):
+      proc.submit("b", [1], None, 1, sink)
+    proc.stop()
+    assert proc._process.exitcode == 0  # pylint: disable=protected-access
+    # The process itself gone (killed, as by the OOM killer) while a request runs.
+    gate = _spawn_event()
+    proc = _started_process(functools.partial(FakeEngine, gate=gate), loop)
+    gate.clear()  # its steps wait: the request stays live
+    items, done, sink = _collector()
+    proc.submit("a", [1], None, 50, sink)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert done.wait(10) and isinstance(items[-1], RequestFailed)
+    assert "exit code -9" in str(items[-1].error) and not proc.running
+    with pytest.raises(EngineStopped, match="exit code -9"):
+      proc.call(_steps)
+    proc.stop()
+  finally:
+    loop.close()
+
+
+def test_engine_process_start_failures_leave_no_process():
+  """`make` refusing (InvalidArgument, raised as is) or failing (EngineStartError with
+  the traceback); a callable is required (an `LLM` object is not sent); an engine
+  never started stops at once."""
+  import multiprocessing  # pylint: disable=import-outside-toplevel
+  before = set(multiprocessing.active_children())
+  with pytest.raises(api.InvalidArgument, match="no such checkpoint"):
+    EngineProcess(_refuse)
+  with pytest.raises(EngineStartError, match="out of memory"):
+    EngineProcess(_crash)
+  with pytest.raises(api.InvalidArgument, match="picklable callable"):
+    EngineProcess("not callable")
+  # Built, never started (no event loop read it): stop ends the process at once.
+  proc = EngineProcess(FakeEngine)
+  proc.stop(timeout=20)
+  assert proc._process.exitcode == 0 and not proc.running  # pylint: disable=protected-access
+  assert set(multiprocessing.active_children()) == before

@@ -2,13 +2,18 @@
 completion, chat (the checkpoint's template), streaming, a client that disconnects
 mid-stream (its request aborted, its blocks back in the pool), 64 concurrent
 streaming clients with nothing lost, 400 / 404 / 429 / 503; the same with the
-scheduler on the event loop (`engine="loop"`). One server for the module (a tiny random checkpoint, no end-of-sequence token, so every request
-runs to `max_tokens`)."""
+scheduler on the event loop (`engine="loop"`) and in a process of its own
+(`engine="process"`). One server per engine kind for the module (a tiny random
+checkpoint, no end-of-sequence token, so every request runs to `max_tokens`).
+What runs on the engine (`Server.engine.call`) is a module-level function: it is
+pickled into the engine process."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import os
 import re
 import socket
 import threading
@@ -27,6 +32,8 @@ httpx = pytest.importorskip("httpx", reason="the test extra (pip install 'paged-
 
 # pylint: disable=wrong-import-position
 from paged_kv.serving import openai_api
+from paged_kv.serving.engine_process import served_llm
+from paged_kv.serving.engine_thread import EngineStopped
 from paged_kv.serving.llm import LLM
 from paged_kv.serving.sampling_params import SamplingParams
 from paged_kv.serving.server import BackgroundServer, Server, build_app
@@ -38,10 +45,10 @@ PROMPTS = ["the quick brown fox", "paged attention keeps", "a tiny tokenizer", "
            "jumps over the lazy dog", "kv cache in blocks", "trained in memory", "round trip"]
 
 
-def _serve(tmp_path_factory, engine: str):
+def _serve(tmp_path_factory, engine: str, max_batch: int = 16):
   ckpt = write_chat_checkpoint(tmp_path_factory.mktemp("server") / MODEL)
-  llm = LLM(ckpt, max_batch=16, num_blocks=512, block_size=8, eos_token_ids=(),
-            prompt_logprobs=True)
+  llm = functools.partial(LLM, str(ckpt), max_batch=max_batch, num_blocks=512, block_size=8,
+                          eos_token_ids=(), prompt_logprobs=True)
   server = Server(llm, max_queued=128, template=openai_api.ChatTemplate.from_dir(ckpt),
                   engine=engine)
   with BackgroundServer(server) as bg:
@@ -61,23 +68,53 @@ def served_on_loop(tmp_path_factory):
   yield from _serve(tmp_path_factory, "loop")
 
 
+@pytest.fixture(scope="module")
+def served_in_process(tmp_path_factory):
+  """A third server whose engine runs in a process of its own (`engine="process"`);
+  4 rows a step, so it compiles fewer step shapes (its compiles are its own)."""
+  yield from _serve(tmp_path_factory, "process", max_batch=4)
+
+
+# ------------------------------------------------------ run on the engine (`call`)
+def _pool_state(engine):
+  engine.scheduler.cached_pool.check_invariants()
+  return engine.num_live, engine.scheduler.idle, engine.scheduler.take_stats().used_blocks
+
+
+def _aborted(engine) -> int:
+  return engine.scheduler.stats.aborted
+
+
+def _used_blocks(engine) -> int:
+  return engine.scheduler.take_stats().used_blocks
+
+
+def _generate(prompt, max_tokens, _engine):
+  return served_llm().generate(prompt, max_tokens=max_tokens)[0]
+
+
+def _sleep(seconds, _engine):
+  time.sleep(seconds)
+
+
+def _exit_now(_engine):
+  os._exit(3)  # pylint: disable=protected-access
+
+
 def _idle(server: Server) -> None:
   """Nothing outstanding, no block held by a sequence, the pool and cache consistent."""
   deadline = time.monotonic() + 30
   while server.engine.outstanding and time.monotonic() < deadline:
     time.sleep(0.02)
   assert server.engine.outstanding == 0
-
-  def check(engine):
-    engine.scheduler.cached_pool.check_invariants()
-    return engine.num_live, engine.scheduler.idle, engine.scheduler.take_stats().used_blocks
-
-  assert server.engine.call(check) == (0, True, 0)
+  assert server.engine.call(_pool_state) == (0, True, 0)
 
 
 def _on_engine(server, prompt, max_tokens):
-  """Greedy `generate` through the in-process facade, run on the engine's thread (while
-  the server serves nothing else: its steps would take other requests' chunks)."""
+  """Greedy `generate` through the facade, run on the engine's thread or in its process
+  (while the server serves nothing else: its steps would take other requests' chunks)."""
+  if server.llm is None:
+    return server.engine.call(functools.partial(_generate, prompt, max_tokens))
   return server.engine.call(lambda _: server.llm.generate(prompt, max_tokens=max_tokens)[0])
 
 
@@ -116,7 +153,7 @@ def test_chat_renders_the_template(served):
   messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi  "}]
   text = ("<s><|system|>\nbe brief</s>\n<|user|>\nhi</s>\n<|assistant|>\n")
   assert server.template.render(messages) == text
-  ids = server.llm.tokenizer.encode(text, add_special_tokens=False)
+  ids = server.served.tokenizer.encode(text, add_special_tokens=False)
   want = _on_engine(server, ids, 6)
   r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
                                      temperature=0, logprobs=True, top_logprobs=2)
@@ -213,24 +250,24 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(served):
 
 def _check_disconnect_mid_stream(served) -> None:
   server, _, client = served
-  aborted = server.engine.call(lambda e: e.scheduler.stats.aborted)
+  aborted = server.engine.call(_aborted)
   stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=100,
                                      temperature=0, stream=True)
   got = 0
   for part in stream:
     got += 1
     if got == 3:
-      held = server.engine.call(lambda e: e.scheduler.take_stats().used_blocks)
+      held = server.engine.call(_used_blocks)
       assert held > 0  # the request holds blocks while it streams
       break
   stream.close()
   _idle(server)  # waits until the server has noticed, then checks every block is back
-  assert server.engine.call(lambda e: e.scheduler.stats.aborted) == aborted + 1
+  assert server.engine.call(_aborted) == aborted + 1
 
 
 def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(served):
   server, bg, _ = served
-  aborted = server.engine.call(lambda e: e.scheduler.stats.aborted)
+  aborted = server.engine.call(_aborted)
   outcome = []
 
   def ask():
@@ -248,11 +285,11 @@ def test_a_client_that_gives_up_on_a_whole_response_frees_its_blocks(served):
     time.sleep(0.005)
   # Hold the engine (between two steps) past the client's timeout: the handler sees
   # the disconnect and aborts; the abort is applied before the next step.
-  server.engine.call(lambda e: time.sleep(1.0))
+  server.engine.call(functools.partial(_sleep, 1.0))
   client.join()
   assert outcome == ["gave up"]
   _idle(server)
-  assert server.engine.call(lambda e: e.scheduler.stats.aborted) == aborted + 1
+  assert server.engine.call(_aborted) == aborted + 1
 
 
 def test_a_client_that_leaves_before_its_body_arrives_is_no_server_error(served):
@@ -388,3 +425,39 @@ def test_the_engine_on_the_event_loop_serves_the_same(served_on_loop):
   assert r.choices[0].text == want.text
   _check_concurrent_streams(served_on_loop, 16)
   _check_disconnect_mid_stream(served_on_loop)
+
+
+def test_the_engine_in_its_own_process_serves_the_same(served_in_process):
+  """`Server(engine="process")`: the same answers as the facade (in the engine process),
+  logprobs across the pipe, concurrent streams lose nothing, a client gone mid-stream
+  frees its blocks, /health and /metrics come from the engine process; once it is
+  gone, 503s with the reason."""
+  server, bg, client = served_in_process
+  assert server.llm is None and server.engine.pid != os.getpid()
+  want = _on_engine(server, PROMPTS[1], 8)
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                logprobs=2)
+  assert r.choices[0].text == want.text and len(r.choices[0].logprobs.tokens) == 8
+  # n samples and prompt logprobs cross the pipe: each sample its own chunks and text.
+  r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                n=2, extra_body=dict(prompt_logprobs=1))
+  assert [c.text for c in r.choices] == [want.text] * 2
+  for choice in r.choices:
+    got = choice.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_token_ids)
+  texts = ["", ""]
+  for part in client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8,
+                                        temperature=0, n=2, stream=True):
+    texts[part.choices[0].index] += part.choices[0].text
+  assert texts == [want.text] * 2
+  assert httpx.get(bg.url + "/health").json()["status"] == "ok"
+  assert 'model="tiny-chat"' in httpx.get(bg.url + "/metrics").text
+  _check_concurrent_streams(served_in_process, 8)  # twice the rows: some wait their turn
+  _check_disconnect_mid_stream(served_in_process)
+  # The engine process gone: /health and new requests answer 503 with the reason.
+  with pytest.raises(EngineStopped):
+    server.engine.call(_exit_now)
+  health = httpx.get(bg.url + "/health")
+  assert health.status_code == 503 and "exit code 3" in health.json()["error"]["message"]
+  with pytest.raises(openai.InternalServerError, match="exit code 3"):
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2)
