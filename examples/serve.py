@@ -130,6 +130,9 @@ _FREQUENCY = flags.DEFINE_float("frequency_penalty", 0.0, "--checkpoint's freque
                                 "(vLLM's; [-2, 2], 0: off).")
 _REPETITION = flags.DEFINE_float("repetition_penalty", 1.0, "--checkpoint's repetition "
                                  "penalty (vLLM's; > 0, 1: off).")
+_N = flags.DEFINE_integer("n", 1, "--checkpoint's completions of the prompt (parallel "
+                         "sampling: the prompt computed once; sample i seeded seed + i); the "
+                         "first streams, the others print after it.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run every program the serving path can run "
                             "before serving (Scheduler.warmup()); --nowarmup compiles each on "
                             "first use.")
@@ -243,31 +246,39 @@ def serve_checkpoint(path: Path) -> None:
                               if _SAMPLE_SEED.value is not None else _SEED.value,
                               presence_penalty=_PRESENCE.value,
                               frequency_penalty=_FREQUENCY.value,
-                              repetition_penalty=_REPETITION.value)
+                              repetition_penalty=_REPETITION.value, n=_N.value)
     # Serve this prompt's length, within the checkpoint's context: a longer request is
     # refused by the facade (ContextLengthExceeded), never generated past it.
     context = hf_checkpoint.read_hf_config(path).get("max_position_embeddings")
     need = num_prompt + max(max_tokens, 1)
     max_seq_len = min(need, context) if isinstance(context, int) else need
     per_seq = -(-max_seq_len // _BLOCK_SIZE.value)
+    n = sampling.n
     llm = paged_kv.LLM(path, tokenizer=tok, dtype=_DTYPE.value, max_seq_len=max_seq_len,
-                       max_batch=1, block_size=_BLOCK_SIZE.value,
-                       num_blocks=max(_NUM_BLOCKS.value, per_seq + 1), impl=_IMPL.value)
+                       max_batch=n, block_size=_BLOCK_SIZE.value,
+                       num_blocks=max(_NUM_BLOCKS.value, n * (per_seq + 1)), impl=_IMPL.value)
     stream = llm.stream(prompt, sampling, max_tokens=max_tokens)
     print(_PROMPT.value, end="", flush=True)
     t0, generated, reason = time.perf_counter(), 0, ""
+    others: list[list[str]] = [[] for _ in range(n)]  # samples 1.. print after the first
     for chunk in stream:
       generated += len(chunk.token_ids)
       piece = chunk.text if chunk.text is not None else "".join(
           f",{t}" for t in chunk.token_ids)
+      if chunk.sample:
+        others[chunk.sample].append(piece)
+        continue
       print(piece, end="", flush=True)
       reason = chunk.finish_reason or reason
+    for i in range(1, n):
+      print(f"\n[sample {i}] {_PROMPT.value}{''.join(others[i])}", end="", flush=True)
   except InvalidArgument as err:
     raise UserError(str(err)) from None
   wall = time.perf_counter() - t0
   config = llm.model_config
   print(f"\n[{llm.model_type} {config.num_layers} layers {config.dtype}: {num_prompt} prompt "
-        f"tokens, {generated} generated in {wall:.1f} s (compiles included), stop: {reason}]")
+        f"tokens, {generated} generated in {wall:.1f} s (compiles included), stop: {reason}"
+        f"{f' (sample 0), {n} samples' if n > 1 else ''}]")
 
 
 def main(argv):

@@ -1,7 +1,7 @@
 """`examples/serve.py --checkpoint DIR --prompt "..."` on a tiny random Llama checkpoint
 and byte-level BPE tokenizer the test writes itself: the script (through `paged_kv.LLM`)
 streams the prompt and its greedy completion, which must be the dense reference's
-tokens, decoded. ~15 s alone on 2 cores (the model's compiles). User errors print
+tokens, decoded; with `--n=2` the second sample prints after it, the same text. ~15 s alone on 2 cores (the model's compiles). User errors print
 `error: <message>` and exit with status 2."""
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ def test_serve_streams_a_checkpoint_completion(tmp_path):
   proc = subprocess.run(
       [sys.executable, str(_ROOT / "examples" / "serve.py"), f"--checkpoint={ckpt_dir}",
        f"--prompt={PROMPT}", f"--max_tokens={NEW_TOKENS}", "--block_size=8",
-       "--num_blocks=16"], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
+       "--num_blocks=16", "--n=2"], cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   out = proc.stdout
   assert "\n[llama 2 layers float32: " in out, out
-  streamed = out[:out.rindex("\n[llama")]
+  streamed, second = out[:out.rindex("\n[llama")].split("\n[sample 1] ")
   # The dense reference's greedy tokens (up to the first end-of-sequence), decoded.
   tok = Tokenizer.from_dir(ckpt_dir)
   prompt = tok.encode(PROMPT)
@@ -51,8 +51,10 @@ def test_serve_streams_a_checkpoint_completion(tmp_path):
   if 2 in want:
     want = want[:want.index(2) + 1]
   assert streamed == PROMPT + tok.decode(want), (streamed, want)
+  assert second == streamed  # greedy: both samples the same
   summary = out[out.rindex("[llama"):]
-  assert f"{len(prompt)} prompt tokens, {len(want)} generated" in summary, summary
+  assert f"{len(prompt)} prompt tokens, {2 * len(want)} generated" in summary, summary
+  assert "(sample 0), 2 samples]" in summary, summary
   assert np.all(np.asarray(want) < LLAMA["vocab_size"])
 
 
