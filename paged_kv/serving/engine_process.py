@@ -54,7 +54,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError
-from paged_kv.serving.engine_thread import EngineStopped, QueueFull, RequestFailed, Sink
+from paged_kv.serving.engine_thread import EngineStopped, RequestFailed, Sink, take_places
 from paged_kv.serving.llm import LLM, CompletionChunk, Engine, ServedModel
 from paged_kv.serving.parallel_sampling import sample_ids
 
@@ -360,20 +360,9 @@ class EngineProcess:
       EngineStopped: the engine is not running.
       InvalidArgument: the id is in use, or `sampling.n` is above `max_queued`.
     """
-    n = getattr(sampling, "n", 1)
-    if n > max(self.max_queued, 1):
-      raise InvalidArgument(f"n={n} samples exceed the {self.max_queued} requests this "
-                            f"server queues at once")
-    fronts = sample_ids(request_id, n)
-    with self._lock:
-      if not self.running:
-        raise EngineStopped(self._why_stopped())
-      if self._outstanding + n > self.max_queued:
-        raise QueueFull(f"{self._outstanding} requests are queued or running (the limit is "
-                        f"{self.max_queued}); retry later")
-      if any(i in self._ids for i in fronts):
-        raise InvalidArgument(f"request id {request_id!r} is in use")
-      self._outstanding += n
+    fronts = sample_ids(request_id, getattr(sampling, "n", 1))
+    n = take_places(self, request_id, sampling,
+                    in_use=lambda: any(i in self._ids for i in fronts))
     rid = next(self._next_id)
     tokenizer = self.served.tokenizer if self.served is not None else None
     stops = getattr(sampling, "stop", None)

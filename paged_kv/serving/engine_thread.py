@@ -32,7 +32,7 @@ from paged_kv.core.errors import InvalidArgument, PagedKVError
 from paged_kv.serving.llm import CompletionChunk, Engine
 from paged_kv.serving.parallel_sampling import sample_ids
 
-__all__ = ["EngineStopped", "EngineThread", "QueueFull", "RequestFailed"]
+__all__ = ["EngineStopped", "EngineThread", "QueueFull", "RequestFailed", "take_places"]
 
 _log = logging.getLogger(__name__)
 
@@ -60,6 +60,33 @@ class RequestFailed:
 
   request_id: Hashable
   error: BaseException
+
+
+def take_places(engine: Any, request_id: Hashable, sampling: Any,
+                in_use: Callable[[], bool] | None = None) -> int:
+  """Counts a request's `sampling.n` samples against `engine`'s queue bound, under its
+  lock (`EngineThread` and `EngineProcess`); returns `n`.
+
+  Raises:
+    InvalidArgument: `n` above `max_queued` (it could never be queued), or `in_use()`.
+    EngineStopped: the engine is not running.
+    QueueFull: the samples do not fit beside the outstanding requests.
+  """
+  n = getattr(sampling, "n", 1)
+  if n > max(engine.max_queued, 1):
+    raise InvalidArgument(f"n={n} samples exceed the {engine.max_queued} requests this "
+                          f"server queues at once")
+  with engine._lock:  # pylint: disable=protected-access
+    if not engine.running:
+      raise EngineStopped(engine._why_stopped())  # pylint: disable=protected-access
+    outstanding = engine._outstanding  # pylint: disable=protected-access
+    if outstanding + n > engine.max_queued:
+      raise QueueFull(f"{outstanding} requests are queued or running (the limit is "
+                      f"{engine.max_queued}); retry later")
+    if in_use is not None and in_use():
+      raise InvalidArgument(f"request id {request_id!r} is in use")
+    engine._outstanding = outstanding + n  # pylint: disable=protected-access
+  return n
 
 
 class EngineThread:
@@ -111,17 +138,7 @@ class EngineThread:
       EngineStopped: the thread is not running.
       InvalidArgument: `sampling.n` above `max_queued` (it could never be queued).
     """
-    n = getattr(sampling, "n", 1)
-    if n > max(self.max_queued, 1):
-      raise InvalidArgument(f"n={n} samples exceed the {self.max_queued} requests this "
-                            f"server queues at once")
-    with self._lock:
-      if not self.running:
-        raise EngineStopped(self._why_stopped())
-      if self._outstanding + n > self.max_queued:
-        raise QueueFull(f"{self._outstanding} requests are queued or running (the limit is "
-                        f"{self.max_queued}); retry later")
-      self._outstanding += n
+    take_places(self, request_id, sampling)
     self._inbox.put(("add", (request_id, list(prompt_ids), sampling, max_tokens, sink, index)))
 
   def abort(self, request_id: Hashable) -> None:
