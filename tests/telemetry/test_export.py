@@ -232,6 +232,38 @@ class CounterSemanticsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "finite number >= 0"):
       exporter.observe_scheduler_stats(type(stats)(prompt_tokens=-1))
 
+  def test_latencies_observed_together_equal_one_by_one(self):
+    from prometheus_client import CollectorRegistry, Histogram  # pylint: disable=import-outside-toplevel
+    bounds = export.LATENCY_BUCKETS
+    rng = np.random.default_rng(0)
+    values = [*bounds[:5], 0.0, -0.5, 1e9, math.nan, *rng.exponential(0.05, 200).tolist()]
+
+    def exposition(feed):
+      reg = CollectorRegistry()
+      hist = Histogram("h", "h", ["a"], registry=reg, buckets=bounds).labels(a="x")
+      feed(hist)
+      return [s for s in reg.collect() for s in s.samples if not s.name.endswith("_created")]
+
+    def one_by_one(hist):
+      for v in values:
+        hist.observe(max(float(v), 0.0))
+
+    reference = exposition(one_by_one)
+    together = exposition(lambda h: export.observe_many(h, values))
+    self.assertEqual([(s.name, s.labels) for s in together],
+                     [(s.name, s.labels) for s in reference])
+    for got, want in zip(together, reference):
+      if math.isnan(want.value):
+        self.assertTrue(math.isnan(got.value), got)
+      else:
+        self.assertAlmostEqual(got.value, want.value, places=9, msg=got)
+    # A histogram without prometheus_client's bucket fields is observed value by value.
+    seen = []
+    export.observe_many(mock.Mock(spec=["observe"], observe=seen.append), [0.5, -1.0])
+    self.assertEqual(seen, [0.5, 0.0])
+    export.observe_many(mock.Mock(spec=["observe"], observe=seen.append), ())
+    self.assertLen(seen, 2)
+
   def test_process_figures_are_sampled_at_most_every_process_every_s(self):
     # Reading /proc/self/maps costs milliseconds with many XLA programs: not every step.
     reads = []
