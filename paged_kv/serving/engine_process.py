@@ -203,13 +203,10 @@ class _EngineLoop:
   def _apply(self, message: tuple) -> None:
     kind = message[0]
     if kind == "add":
-      _, rid, prompt, sampling, max_tokens, index = message
+      _, rid, prompt, sampling, max_tokens, index, final_only = message
       try:
-        if self.front_decodes:
-          self.engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index,
-                          detokenize=False)
-        else:
-          self.engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index)
+        self.engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index,
+                        detokenize=not self.front_decodes, final_only=final_only)
         self.live.update(sample_ids(rid, getattr(sampling, "n", 1)))
       except Exception as exc:  # pylint: disable=broad-except  (refused: the request's error)
         error = _portable(exc)
@@ -348,9 +345,10 @@ class EngineProcess:
     return self._outstanding
 
   def submit(self, request_id: Hashable, prompt_ids: Sequence[int], sampling: Any,
-             max_tokens: int, sink: Sink, *, index: int = 0) -> None:
+             max_tokens: int, sink: Sink, *, index: int = 0, final_only: bool = False) -> None:
     """Queues a request for the engine (a refusal there reaches `sink` as a
     `RequestFailed`). Call it on the event loop's thread (sinks run there).
+    `final_only`: one chunk per sample, when it finishes (`Engine.add`).
 
     A request with `sampling.n > 1` counts `n`: each sample (`parallel_sampling.sample_ids`)
     has chunks, a decoder and an `abort` of its own, all going to `sink`.
@@ -373,7 +371,7 @@ class EngineProcess:
         decoder = StopStringMatcher(tokenizer, stops) if stops else tokenizer.stream()
       self._routes[engine_id] = _Route(front, sink, index, decoder)
       self._ids[front] = engine_id
-    self._send(("add", rid, list(prompt_ids), sampling, max_tokens, index))
+    self._send(("add", rid, list(prompt_ids), sampling, max_tokens, index, final_only))
 
   def abort(self, request_id: Hashable) -> None:
     """Ends a request (its row and blocks are released in the engine process); its

@@ -62,9 +62,10 @@ class EngineTask(EngineThread):
     return self._task is not None and not self._done.is_set() and not self._stop.is_set()
 
   def submit(self, request_id: Hashable, prompt_ids: Sequence[int], sampling: Any,
-             max_tokens: int, sink: Sink, *, index: int = 0) -> None:
+             max_tokens: int, sink: Sink, *, index: int = 0, final_only: bool = False) -> None:
     """As `EngineThread.submit` (the request joins at the task's next turn)."""
-    super().submit(request_id, prompt_ids, sampling, max_tokens, sink, index=index)
+    super().submit(request_id, prompt_ids, sampling, max_tokens, sink, index=index,
+                   final_only=final_only)
     self._poke()
 
   def abort(self, request_id: Hashable) -> None:

@@ -129,9 +129,10 @@ class EngineThread:
     return self._outstanding
 
   def submit(self, request_id: Hashable, prompt_ids: Sequence[int], sampling: Any,
-             max_tokens: int, sink: Sink, *, index: int = 0) -> None:
+             max_tokens: int, sink: Sink, *, index: int = 0, final_only: bool = False) -> None:
     """Queues a request for the engine (`Engine.add` runs on the thread; a refusal
-    there reaches `sink` as a `RequestFailed`, one per sample).
+    there reaches `sink` as a `RequestFailed`, one per sample). `final_only`: `sink`
+    gets one chunk per sample, when it finishes (`Engine.add`).
 
     Raises:
       QueueFull: `max_queued` requests are outstanding.
@@ -139,7 +140,8 @@ class EngineThread:
       InvalidArgument: `sampling.n` above `max_queued` (it could never be queued).
     """
     take_places(self, request_id, sampling)
-    self._inbox.put(("add", (request_id, list(prompt_ids), sampling, max_tokens, sink, index)))
+    self._inbox.put(("add", (request_id, list(prompt_ids), sampling, max_tokens, sink, index,
+                             final_only)))
 
   def abort(self, request_id: Hashable) -> None:
     """Ends a request (its row and blocks are released on the thread); its last chunk
@@ -203,12 +205,13 @@ class EngineThread:
   def _apply(self, kind: str, arg: Any) -> None:
     engine = self.engine
     if kind == "add":
-      rid, prompt, sampling, max_tokens, sink, index = arg
+      rid, prompt, sampling, max_tokens, sink, index, final_only = arg
       ids = sample_ids(rid, getattr(sampling, "n", 1))
       for i in ids:
         self._sinks[i] = sink
       try:
-        engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index)
+        engine.add(prompt, sampling, max_tokens=max_tokens, request_id=rid, index=index,
+                   final_only=final_only)
       except Exception as exc:  # pylint: disable=broad-except  (refused: the request's error)
         for i in ids:
           self._deliver(RequestFailed(i, exc))

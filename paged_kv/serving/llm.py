@@ -50,10 +50,11 @@ from typing import Any
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument
+from paged_kv.model.tokenizer import TextStream
 from paged_kv.serving.parallel_sampling import SampleId
 from paged_kv.serving.request import Request
 from paged_kv.serving.sampling_params import SamplingParams
-from paged_kv.serving.stop_strings import StopStringMatcher
+from paged_kv.serving.stop_strings import StopStringMatcher, text_until_stop
 
 __all__ = ["Completion", "CompletionChunk", "ContextLengthExceeded", "Engine", "LLM",
            "PoolSizing", "ServedModel", "TokenLogprob", "encode_prompt", "pool_blocks"]
@@ -266,12 +267,16 @@ def check_context(num_prompt_tokens: int, max_tokens: int, max_seq_len: int) -> 
 class _Tracker:
   """One request's progress as the engine hands it out."""
 
-  __slots__ = ("req", "index", "stream", "sent", "done", "with_logprobs", "top")
+  __slots__ = ("req", "index", "stream", "sent", "done", "with_logprobs", "top", "final_only",
+               "final_text")
 
-  def __init__(self, req: Request, index: int, stream: Any, top: int):
+  def __init__(self, req: Request, index: int, stream: Any, top: int, *,
+               final_only: bool = False, final_text: bool = False):
     self.req, self.index, self.stream = req, index, stream
     self.sent, self.done = 0, False
     self.with_logprobs, self.top = req.sampling is not None and req.sampling.logprobs > 0, top
+    self.final_only = final_only  # one chunk, when the request finishes
+    self.final_text = final_text  # that chunk's text decoded then, all at once
 
 
 class Engine:
@@ -331,14 +336,17 @@ class Engine:
 
   def add(self, prompt_ids: Sequence[int], sampling: SamplingParams | None = None, *,
           max_tokens: int = DEFAULT_MAX_TOKENS, request_id: Hashable | None = None,
-          index: int = 0, detokenize: bool = True) -> Hashable:
+          index: int = 0, detokenize: bool = True, final_only: bool = False) -> Hashable:
     """Queues one request; returns its id (a fresh `"req-<n>"` unless given).
 
     The checkpoint's end-of-sequence ids join `sampling.stop_token_ids` (unless the
     sampling has a true `ignore_eos`). With `sampling.n > 1` its samples are live
     requests too (`request(id).samples`, ids `parallel_sampling.sample_ids`), each
     with chunks of its own. With `detokenize=False` its chunks carry token ids only
-    (`text` None): the caller decodes them (a server's front process).
+    (`text` None): the caller decodes them (a server's front process). With
+    `final_only=True` it has one chunk, when it finishes, holding all its tokens,
+    logprobs and text (decoded once then, not token by token): for a caller that
+    wants whole completions (vLLM's `RequestOutputKind.FINAL_ONLY`).
 
     Raises:
       ContextLengthExceeded: prompt plus `max_tokens` beyond `max_seq_len`.
@@ -361,12 +369,14 @@ class Engine:
       raise InvalidArgument(f"request id {rid!r} is in use")
     req = Request(rid, np.asarray(prompt_ids, np.int32), int(max_tokens), sampling=sampling)
     self.scheduler.submit(req)
+    text = self.tokenizer is not None and detokenize
     for r in (req, *req.samples):
       stream = None
-      if self.tokenizer is not None and detokenize:  # the text ends before a stop string
+      if text and not final_only:  # the text ends before a stop string
         stream = (StopStringMatcher(self.tokenizer, sampling.stop) if sampling.stop
                   else self.tokenizer.stream())
-      self._live[r.request_id] = _Tracker(r, index, stream, sampling.logprobs)
+      self._live[r.request_id] = _Tracker(r, index, stream, sampling.logprobs,
+                                          final_only=final_only, final_text=text and final_only)
     return rid
 
   def abort(self, request_id: Hashable) -> CompletionChunk | None:
@@ -388,12 +398,30 @@ class Engine:
       self.scheduler.step()
       self.scheduler.take_finished()  # the engine's trackers hold what it needs
       seen: set = set()
+      changed = []
       for rid in self._changed:
         tracker = self._live.get(rid)
-        if tracker is not None and rid not in seen:
+        if tracker is not None and rid not in seen and (not tracker.final_only
+                                                         or tracker.req.done):
           seen.add(rid)
-          chunks.append(self._chunk(tracker))
+          changed.append(tracker)
+      texts = self._one_token_texts(changed)
+      chunks += [self._chunk(t, text) for t, text in zip(changed, texts)]
     return chunks
+
+  @staticmethod
+  def _one_token_texts(trackers: list[_Tracker]) -> list[str | None]:
+    """The new text of each tracker that got one token through a plain `TextStream`,
+    decoded together (`TextStream.add_each`); None for the others (`_chunk` decodes)."""
+    out: list[str | None] = [None] * len(trackers)
+    one = [i for i, t in enumerate(trackers)
+           if type(t.stream) is TextStream and len(t.req.output) == t.sent + 1]  # pylint: disable=unidiomatic-typecheck
+    if len(one) > 1:
+      texts = TextStream.add_each([trackers[i].stream for i in one],
+                                  [trackers[i].req.output[-1] for i in one])
+      for i, text in zip(one, texts):
+        out[i] = text
+    return out
 
   def completion(self, req: Request, text: str | None) -> Completion:
     """The `Completion` of a finished request, its text given (its chunks' texts)."""
@@ -434,13 +462,14 @@ class Engine:
     return TokenLogprob(int(req.output[i]), float(logprob),
                         tuple((int(t), float(lp)) for t, lp in list(alternatives)[:top]))
 
-  def _chunk(self, tracker: _Tracker) -> CompletionChunk:
+  def _chunk(self, tracker: _Tracker, text: str | None = None) -> CompletionChunk:
+    """The chunk of `tracker`'s tokens since its last one; `text`: their text, already
+    added to its stream (None: added here)."""
     req = tracker.req
     new = req.output[tracker.sent:]
     start, tracker.sent = tracker.sent, len(req.output)
-    text = None
-    if tracker.stream is not None:
-      text = "".join(tracker.stream.add(t) for t in new)
+    if text is None and tracker.stream is not None:
+      text = "".join([tracker.stream.add(t) for t in new])
     logprobs = None
     if tracker.with_logprobs:
       logprobs = tuple(self._logprob(req, i, tracker.top)
@@ -450,9 +479,13 @@ class Engine:
     if finished:
       if tracker.stream is not None:
         text += tracker.stream.flush()
+      elif tracker.final_text:
+        stops = req.sampling.stop if req.sampling is not None else ()
+        text = (text_until_stop(self.tokenizer, req.output, stops) if stops
+                else self.tokenizer.decode(req.output))
       del self._live[req.request_id]
       prompt_logprobs = self.prompt_logprobs(req)
-    return CompletionChunk(req.request_id, tracker.index, text, tuple(int(t) for t in new),
+    return CompletionChunk(req.request_id, tracker.index, text, tuple(map(int, new)),
                            logprobs, finished,
                            FINISH_REASONS.get(req.stop_reason, req.stop_reason)
                            if finished else None, len(req.output), _sample(req.request_id),
@@ -646,13 +679,15 @@ class LLM:
     planned = self._requests(prompts, sampling, max_tokens)
     return (chunk for chunk, _ in self._run(planned))
 
-  def _run(self, planned: list) -> Iterator[tuple[CompletionChunk, Request]]:
-    """Queues `planned` requests and yields (chunk, its request) until all finished."""
+  def _run(self, planned: list, *, final_only: bool = False
+           ) -> Iterator[tuple[CompletionChunk, Request]]:
+    """Queues `planned` requests and yields (chunk, its request) until all finished
+    (`final_only`: only their last chunks, as `Engine.add`)."""
     engine = self.engine
     reqs: dict[Hashable, Request] = {}
     try:
       for i, (p, s, m) in enumerate(planned):
-        req = engine.request(engine.add(p, s, max_tokens=m, index=i))
+        req = engine.request(engine.add(p, s, max_tokens=m, index=i, final_only=final_only))
         for r in (req, *req.samples):
           reqs[r.request_id] = r
     except BaseException:
@@ -703,7 +738,8 @@ class LLM:
     """
     texts: dict[tuple[int, int], list[str]] = {}
     done: dict[tuple[int, int], Completion] = {}
-    for chunk, req in self._run(self._requests(prompts, sampling, max_tokens)):
+    for chunk, req in self._run(self._requests(prompts, sampling, max_tokens),
+                                final_only=True):
       key = (chunk.index, chunk.sample)
       if chunk.text is not None:
         texts.setdefault(key, []).append(chunk.text)

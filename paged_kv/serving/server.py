@@ -207,7 +207,8 @@ class _Submitted:
       for i, (prompt, limit) in enumerate(ids_and_limits):
         ids = sample_ids(f"{self.prefix}-{i}", self.n)
         self.live.update(ids)
-        self.server.engine.submit(ids[0], prompt, sampling, limit, sink, index=i)
+        self.server.engine.submit(ids[0], prompt, sampling, limit, sink, index=i,
+                                  final_only=self.queue is None)
     except BaseException:
       self.live.difference_update(ids)
       self.abort()

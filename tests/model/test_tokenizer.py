@@ -136,7 +136,8 @@ def test_stream_decodes_a_window_not_the_whole_output(tok_dir):
 
 
 class _Counting:
-  """A `tokenizers.Tokenizer` that records how many ids each `decode` call got."""
+  """A `tokenizers.Tokenizer` that records how many ids each `decode` call got (and
+  each `decode_batch` call as `("batch", sequences)`)."""
 
   def __init__(self, tok, sizes):
     self._tok, self._sizes = tok, sizes
@@ -144,3 +145,44 @@ class _Counting:
   def decode(self, ids, **kwargs):
     self._sizes.append(len(ids))
     return self._tok.decode(ids, **kwargs)
+
+  def decode_batch(self, sequences, **kwargs):
+    self._sizes.append(("batch", len(sequences)))
+    return self._tok.decode_batch(sequences, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_add_each_equals_adding_one_by_one(tmp_path, kind):
+  """A step's ids added to many streams at once (two tokenizer calls) give each stream
+  the pieces `add` gives it alone, held-back characters included; other streams or
+  mixed tokenizers fall back to `add`; a length mismatch adds nothing."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from paged_kv.core.errors import InvalidArgument  # pylint: disable=import-outside-toplevel
+  from paged_kv.model.tokenizer import TextStream  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(1)
+  if kind == "byte_level":
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+  else:
+    tok = _sentencepiece_style(tmp_path)
+  outputs = rng.integers(0, tok.vocab_size, (12, 40)).tolist()
+  together, alone = [tok.stream() for _ in outputs], [tok.stream() for _ in outputs]
+  calls = []
+  tok._tok = _Counting(tok._tok, calls)  # pylint: disable=protected-access
+  for step in range(40):
+    live = [i for i in range(len(outputs)) if rng.random() < 0.8]  # rows come and go
+    del calls[:]
+    got = TextStream.add_each([together[i] for i in live], [outputs[i][step] for i in live])
+    assert len(calls) <= 2 and all(isinstance(c, tuple) for c in calls), calls
+    assert got == [alone[i].add(outputs[i][step]) for i in live], step
+  assert [s.flush() for s in together] == [s.flush() for s in alone]
+  # Streams of two tokenizers: each added alone (one `decode` call each here).
+  mixed = [tok.stream(), Tokenizer.from_dir(tmp_path).stream()]
+  del calls[:]
+  ids = outputs[0][:2]
+  assert TextStream.add_each(mixed, ids) == [s.add(i) for s, i in zip(
+      [tok.stream(), tok.stream()], ids)]
+  assert not any(isinstance(c, tuple) for c in calls), calls
+  with pytest.raises(InvalidArgument, match="2 streams, 1 ids"):
+    TextStream.add_each(together[:2], [3])
+  assert [s.flush() for s in together[:2]] == ["", ""]  # nothing was added

@@ -193,6 +193,36 @@ def test_two_streams_of_one_llm_interleave(llm, dense):
   _idle(llm)
 
 
+def test_a_final_only_request_has_one_chunk_with_everything(llm, dense):
+  """`Engine.add(final_only=True)` (what `generate` uses): no chunk until it finishes,
+  then one with all its tokens, logprobs and text, beside a streamed request; aborted,
+  its one chunk holds what it had."""
+  _, want = dense
+  eng, tok = llm.engine, llm.tokenizer
+  whole = eng.add(eng.encode(PROMPTS[0]), SamplingParams(logprobs=1), max_tokens=8,
+                  final_only=True)
+  streamed = eng.add(eng.encode(PROMPTS[2]), max_tokens=8)
+  got = {whole: [], streamed: []}
+  while eng.has_work:
+    for chunk in eng.step():
+      got[chunk.request_id].append(chunk)
+  (last,) = got[whole]
+  assert last.finished and last.token_ids == tuple(want[0])
+  assert last.text == tok.decode(want[0]) and last.num_tokens == len(want[0])
+  assert [lp.token_id for lp in last.logprobs] == want[0]
+  assert len(got[streamed]) > 1
+  assert "".join(c.text for c in got[streamed]) == tok.decode(want[2])
+  rid = eng.add(eng.encode(PROMPTS[1]), SamplingParams(ignore_eos=True), max_tokens=8,
+                final_only=True)
+  while len(eng.request(rid).output) < 3:
+    assert eng.step() == []
+  chunk = eng.abort(rid)
+  assert chunk.finished and chunk.finish_reason == "abort"
+  assert len(chunk.token_ids) == chunk.num_tokens >= 3
+  assert chunk.text == tok.decode(chunk.token_ids)
+  _idle(llm)
+
+
 def test_closing_a_stream_aborts_what_it_started(llm):
   aborted = llm.scheduler.stats.aborted
   stream = llm.stream(PROMPTS, max_tokens=8)

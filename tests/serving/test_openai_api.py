@@ -150,17 +150,19 @@ class FakeEngine:
   def has_work(self):
     return bool(self.live)
 
-  def add(self, prompt, sampling, *, max_tokens, request_id, index):
-    del prompt, sampling
+  def add(self, prompt, sampling, *, max_tokens, request_id, index, detokenize=True,
+          final_only=False):
+    del prompt, sampling, detokenize
     if max_tokens > 100:
       raise api.InvalidArgument("too many")
-    self.live[request_id] = [index, max_tokens, 0]
+    self.live[request_id] = [index, max_tokens, 0, final_only]
 
   def abort(self, rid):
     if rid not in self.live:
       return None
-    index, _, n = self.live.pop(rid)
-    return CompletionChunk(rid, index, "", (), None, True, "abort", n)
+    index, _, n, final_only = self.live.pop(rid)
+    return CompletionChunk(rid, index, "t" * n if final_only else "", (7,) * n if final_only
+                           else (), None, True, "abort", n)
 
   def step(self):
     self.gate.wait()
@@ -173,8 +175,12 @@ class FakeEngine:
       done = state[2] == state[1]
       if done:
         del self.live[rid]
-      out.append(CompletionChunk(rid, state[0], "t", (7,), None, done,
-                                 "length" if done else None, state[2]))
+      if state[3] and done:  # final_only: one chunk with everything
+        out.append(CompletionChunk(rid, state[0], "t" * state[2], (7,) * state[2], None, True,
+                                   "length", state[2]))
+      elif not state[3]:
+        out.append(CompletionChunk(rid, state[0], "t", (7,), None, done,
+                                   "length" if done else None, state[2]))
     return out
 
 
@@ -211,6 +217,10 @@ def test_engine_thread_serves_bounds_and_aborts():
     assert c_done.wait(10) and isinstance(c[0], RequestFailed)
     assert "too many" in str(c[0].error) and thread.outstanding == 0
     assert thread.call(lambda e: e.steps) >= 3
+    # final_only: one chunk, when the request finishes.
+    f, f_done, f_sink = _collector()
+    thread.submit("f", [1], None, 3, f_sink, final_only=True)
+    assert f_done.wait(10) and [c.token_ids for c in f] == [(7, 7, 7)]
   finally:
     thread.stop()
   assert not thread.running
@@ -452,8 +462,16 @@ def test_engine_process_serves_bounds_and_aborts_like_the_thread():
     gate.clear()
     e, e_done, e_sink = _collector()
     proc.submit("e", [1], None, 50, e_sink)
+    stop_sent, send = threading.Event(), proc._send  # pylint: disable=protected-access
+
+    def send_and_note(message):
+      send(message)
+      if message[0] == "stop":
+        stop_sent.set()
+    proc._send = send_and_note  # pylint: disable=protected-access
     stopper = threading.Thread(target=proc.stop)
     stopper.start()
+    assert stop_sent.wait(10)  # the steps resume once the stop is on its way, not before
     gate.set()
     stopper.join(30)
     assert e_done.wait(10) and e[-1].finish_reason == "abort"

@@ -18,6 +18,7 @@ import re
 import socket
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -170,11 +171,14 @@ def test_chat_renders_the_template(served):
 
 def test_streams_add_up_to_the_whole_response(served):
   server, _, client = served
-  whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
-                                    temperature=0)
-  parts = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
-                                         temperature=0, stream=True,
-                                         stream_options={"include_usage": True}))
+  with mock.patch.object(server.engine, "submit", wraps=server.engine.submit) as submit:
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                      temperature=0)
+    parts = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+  # A whole response takes its request's one last chunk; a stream takes every step's.
+  assert [c.kwargs["final_only"] for c in submit.call_args_list] == [True, False]
   assert "".join(p.choices[0].text for p in parts if p.choices) == whole.choices[0].text
   assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
   assert parts[-1].usage.completion_tokens == 12
