@@ -211,6 +211,16 @@ def test_bench_scheduler(monkeypatch):
     assert float(r[-3]) <= 1.0 and float(r[-2]) == 0.0 and r[-1] == "0", out
 
 
+def test_bench_engine(tmp_path):
+  pytest.importorskip("tokenizers", reason="the hf extra (pip install 'paged-kv[hf]')")
+  out = _run("bench_engine.py", "--batch=8", "--steps=4", "--warmup=3", "--repeats=1",
+             "--vocab=400", f"--record={tmp_path}")
+  rows = [l.split() for l in out.splitlines() if l.split()[:1] == ["8"]]
+  assert [r[1] for r in rows] == ["stream", "final", "ids"], out
+  assert all(float(x) > 0 for r in rows for x in r[2:4]), out  # engine and scheduler ms
+  assert json.loads(next(tmp_path.glob("bench_engine-*.json")).read_text())["results"]["rows"], out
+
+
 def test_bench_shrink():
   out = _run("bench_shrink.py", "--sizes=256", "--seeds=0", "--max_batch=16",
              "--after_steps=20", "--prefill_token_budget=1024")
