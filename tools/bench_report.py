@@ -827,6 +827,19 @@ def render_soak_server(root):
   return "\n\n".join(parts + [provenance(recs)])
 
 
+def render_engine(root):
+  recs = _load("engine", root)
+  head = ["batch", "requests", "Engine.step ms", "Scheduler.step ms inside it",
+          "the engine's own ms", "MetricsExporter.observe ms"]
+  rows = []
+  for r in recs:
+    for row in r["results"]["rows"]:
+      rows.append([row["batch"], row["mode"], f"{row['engine_ms']:.3f}",
+                   f"{row['scheduler_ms']:.3f}", f"{row['own_ms']:.3f}",
+                   "-" if row["observe_ms"] is None else f"{row['observe_ms']:.3f}"])
+  return "\n\n".join([table(head, rows), provenance(recs)])
+
+
 RENDERERS = {
     "gpu_check": render_gpu_check,
     "soak_server": render_soak_server,
@@ -849,6 +862,7 @@ RENDERERS = {
     "overlap": render_overlap,
     "pool_ops": render_pool_ops,
     "scheduler": render_scheduler,
+    "engine": render_engine,
     "requests": render_requests,
     "shrink": render_shrink,
     "serving": render_serving,
