@@ -462,6 +462,42 @@ class HostState:
     self.num_table_blocks -= int(np.count_nonzero(tr[uniq] == 0))
     self._change_refs_general(uniq, -count, distinct=True)
 
+  def release_rows(self, rows: np.ndarray, blocks: np.ndarray = _NO_IDS,
+                   deltas: np.ndarray = _NO_IDS) -> np.ndarray:
+    """Ends live distinct `rows` (`i64[R]`) and adds `deltas` to `ref_count[blocks]` in
+    one pass: every row's entries and the outside holders' changes summed into one
+    count update, one free-index update (`release_row` of each row after
+    `change_refs(blocks, deltas)`, the same end state). `blocks` (`i64[K]`) are
+    distinct and each change is valid against the counts before (the caller's check:
+    `transitions._apply_ref_deltas_fast`). Returns the freed blocks."""
+    r = rows
+    self.log.touch_rows(self, r)
+    ns = self.num_segments[r]
+    k = int(ns.max()) if r.size else 0
+    held = self.block[r, :k][np.arange(k) < ns[:, None]].astype(np.int64)
+    for a in (self.block, self.start, self.length):
+      a[r] = 0
+    self.num_segments[r] = 0
+    self.seq_len[r] = 0
+    self.active[r] = False
+    if held.size:
+      uniq, count = aggregate(self.stamp, held, 1)
+      count = np.broadcast_to(np.asarray(count, np.int64), uniq.shape)
+      tr = self.table_refs
+      tr[uniq] -= count
+      self.num_table_blocks -= int(np.count_nonzero(tr[uniq] == 0))
+      if blocks.size:
+        uniq, total = aggregate(self.stamp, np.concatenate([uniq, blocks]),
+                                np.concatenate([-count, deltas]))
+      else:
+        total = -count
+    else:
+      uniq, total = blocks, deltas
+    if not uniq.size:
+      return _NO_IDS
+    old = self.ref_count[uniq]
+    return self.set_refs(uniq, old, old + total)
+
   def move_tail(self, row: int, tail: int, block: int) -> None:
     """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail
     copy; `write_rows` of one entry)."""
