@@ -189,16 +189,21 @@ class HostState:
     freed = uniq[flip & now_free]
     taken = uniq[flip & was_free]
     if freed.size:
-      self.slots[freed] = 0
-      self.log.freed(freed)
-      dyn = self.region[freed] == REGION_DYNAMIC
-      self.free.mark(freed[dyn], +1)
-      self.num_free_base += freed.size - int(np.count_nonzero(dyn))
+      self._blocks_freed(freed)
     if taken.size:
       dyn = self.region[taken] == REGION_DYNAMIC
       self.free.mark(taken[dyn], -1)
       self.num_free_base -= taken.size - int(np.count_nonzero(dyn))
     return freed
+
+  def _blocks_freed(self, freed: np.ndarray) -> None:
+    """Blocks whose count just reached 0 (distinct `i64`): slots cleared, into the free
+    index (dynamic ones) or counted free (base ones)."""
+    self.slots[freed] = 0
+    self.log.freed(freed)
+    dyn = self.region[freed] == REGION_DYNAMIC
+    self.free.mark(freed[dyn], +1)
+    self.num_free_base += freed.size - int(np.count_nonzero(dyn))
 
   def _change_refs_small(self, b: np.ndarray, d: np.ndarray) -> np.ndarray:
     """`change_refs` of a few entries (`b: i64[k]`, `d`: `i64[k]` or a scalar): sums
@@ -471,7 +476,7 @@ class HostState:
     distinct and each change is valid against the counts before (the caller's check:
     `transitions._apply_ref_deltas_fast`). Returns the freed blocks."""
     r = rows
-    self.log.touch_rows(self, r)
+    self.touch_few_rows(r)
     ns = self.num_segments[r]
     k = int(ns.max()) if r.size else 0
     held = self.block[r, :k][np.arange(k) < ns[:, None]].astype(np.int64)
@@ -480,23 +485,42 @@ class HostState:
     self.num_segments[r] = 0
     self.seq_len[r] = 0
     self.active[r] = False
+    ref = self.ref_count
+    # No count leaves 0 upwards (increfs are on live blocks): only frees to follow,
+    # among the rows' blocks and the outside changes' (a 0 change frees nothing).
+    if blocks.size:
+      self.log.touch_owned(blocks)
+      ref[blocks] += deltas.astype(np.int32)
+      ext = blocks if deltas.all() else blocks[deltas != 0]
+    else:
+      ext = blocks
     if held.size:
       uniq, count = aggregate(self.stamp, held, 1)
-      count = np.broadcast_to(np.asarray(count, np.int64), uniq.shape)
       tr = self.table_refs
       tr[uniq] -= count
       self.num_table_blocks -= int(np.count_nonzero(tr[uniq] == 0))
-      if blocks.size:
-        uniq, total = aggregate(self.stamp, np.concatenate([uniq, blocks]),
-                                np.concatenate([-count, deltas]))
-      else:
-        total = -count
+      self.log.touch_owned(uniq)
+      ref[uniq] -= np.int32(count) if np.ndim(count) == 0 else count.astype(np.int32)
+      changed = np.concatenate([uniq, ext]) if ext.size else uniq
+    elif ext.size:
+      changed = ext
     else:
-      uniq, total = blocks, deltas
-    if not uniq.size:
       return _NO_IDS
-    old = self.ref_count[uniq]
-    return self.set_refs(uniq, old, old + total)
+    freed = changed[ref[changed] == 0]
+    if not freed.size:
+      return _NO_IDS
+    if held.size and ext.size and freed.size > 1:
+      freed = freed[distinct_mask(self.stamp, freed)]  # a block in both parts
+    self._blocks_freed(freed)
+    return freed
+
+  def touch_few_rows(self, rows: np.ndarray) -> None:
+    """`log.touch_rows(rows)`, one row at a time when they are a few (distinct `rows`)."""
+    if rows.size <= 8:
+      for x in rows.tolist():
+        self.log.touch_row(self, x)
+    else:
+      self.log.touch_rows(self, rows)
 
   def move_tail(self, row: int, tail: int, block: int) -> None:
     """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail

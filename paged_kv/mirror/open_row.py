@@ -143,7 +143,7 @@ def open_many_held(h: HostState, rows: np.ndarray, segs: list[np.ndarray], block
   pass: one scatter of every row's segments, one count update for all their blocks
   (`open_held` of each row, the same end state)."""
   nums = np.fromiter((x.shape[0] for x in segs), np.int64, len(segs))
-  h.log.touch_rows(h, rows)
+  h.touch_few_rows(rows)
   for a in (h.block, h.start, h.length):
     a[rows] = 0
   h.num_segments[rows] = nums

@@ -154,7 +154,11 @@ class BatchedEventsTest(parameterized.TestCase):
       room = h.ref_count[blocks].astype(np.int64) - h.table_refs[blocks]
       deltas = np.where((room > 0) & (w.rng.random(blocks.size) < 0.4), -room,
                         w.rng.integers(1, 3, blocks.size)).astype(np.int64)
-      deltas = np.where(h.ref_count[blocks] == 0, 0, deltas)
+      if w.rng.random() < 0.2:  # no change on a block (a free one, or a held one)
+        extra = np.setdiff1d(np.flatnonzero(h.ref_count == 0), blocks)[:1]
+        if w.rng.random() < 0.5 and blocks.size:
+          deltas[0] = 0
+        blocks, deltas = np.concatenate([blocks, extra]), np.concatenate([deltas, extra * 0])
       if blocks.size:
         self.assertIsNotNone(T._apply_ref_deltas_fast(h, blocks, deltas, apply=False), what)
       h.log.reset(h)
