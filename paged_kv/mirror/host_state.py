@@ -475,16 +475,17 @@ class HostState:
     `change_refs(blocks, deltas)`, the same end state). `blocks` (`i64[K]`) are
     distinct and each change is valid against the counts before (the caller's check:
     `transitions._apply_ref_deltas_fast`). Returns the freed blocks."""
-    r = rows
-    self.touch_few_rows(r)
-    ns = self.num_segments[r]
-    k = int(ns.max()) if r.size else 0
-    held = self.block[r, :k][np.arange(k) < ns[:, None]].astype(np.int64)
-    for a in (self.block, self.start, self.length):
-      a[r] = 0
-    self.num_segments[r] = 0
-    self.seq_len[r] = 0
-    self.active[r] = False
+    held = []  # every row's blocks (rows are a few: plain slices, one row at a time)
+    for x in rows.tolist():
+      self.log.touch_row(self, x)
+      ns = int(self.num_segments[x])
+      held += self.block[x, :ns].tolist()
+      for a in (self.block, self.start, self.length):
+        a[x] = 0
+      self.num_segments[x] = 0
+      self.seq_len[x] = 0
+      self.active[x] = False
+    held = np.array(held, np.int64)
     ref = self.ref_count
     # No count leaves 0 upwards (increfs are on live blocks): only frees to follow,
     # among the rows' blocks and the outside changes' (a 0 change frees nothing).
@@ -513,14 +514,6 @@ class HostState:
       freed = freed[distinct_mask(self.stamp, freed)]  # a block in both parts
     self._blocks_freed(freed)
     return freed
-
-  def touch_few_rows(self, rows: np.ndarray) -> None:
-    """`log.touch_rows(rows)`, one row at a time when they are a few (distinct `rows`)."""
-    if rows.size <= 8:
-      for x in rows.tolist():
-        self.log.touch_row(self, x)
-    else:
-      self.log.touch_rows(self, rows)
 
   def move_tail(self, row: int, tail: int, block: int) -> None:
     """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail

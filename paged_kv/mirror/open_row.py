@@ -138,28 +138,21 @@ def open_held(h: HostState, row: int, segs: np.ndarray, blocks: np.ndarray, ref:
 
 def open_many_held(h: HostState, rows: np.ndarray, segs: list[np.ndarray], blocks: np.ndarray,
                    ref: np.ndarray, tr: np.ndarray) -> None:
-  """Opens inactive distinct `rows` (`i64[R]`) on `segs` (one `i32[k_i, 3]` each, no
-  tail copy), which passed `held_counts_many` (giving `blocks`, `ref`, `tr`), in one
-  pass: one scatter of every row's segments, one count update for all their blocks
-  (`open_held` of each row, the same end state)."""
-  nums = np.fromiter((x.shape[0] for x in segs), np.int64, len(segs))
-  h.touch_few_rows(rows)
-  for a in (h.block, h.start, h.length):
-    a[rows] = 0
-  h.num_segments[rows] = nums
-  h.active[rows] = True
+  """Opens inactive distinct `rows` (`i64[R]`, a few) on `segs` (one `i32[k_i, 3]` each,
+  no tail copy), which passed `held_counts_many` (giving `blocks`, `ref`, `tr`): the
+  rows written one by one, then one count update for all their blocks (`open_held`
+  of each row, the same end state)."""
+  for row, x in zip(rows.tolist(), segs):  # a few rows: plain slices, one row at a time
+    k = x.shape[0]
+    h.log.touch_row(h, row)
+    h.block[row, :k] = x[:, 0]
+    h.start[row, :k] = x[:, 1]
+    h.length[row, :k] = x[:, 2]
+    h.num_segments[row] = k
+    h.seq_len[row] = sum(x[:, 2].tolist())
+    h.active[row] = True
   if not blocks.size:
-    h.seq_len[rows] = 0
     return
-  flat = np.concatenate(segs) if len(segs) > 1 else segs[0]
-  ends = np.cumsum(nums)
-  rr = np.repeat(rows, nums)
-  cols = np.arange(flat.shape[0]) - np.repeat(ends - nums, nums)
-  h.block[rr, cols] = flat[:, 0]
-  h.start[rr, cols] = flat[:, 1]
-  h.length[rr, cols] = flat[:, 2]
-  tokens = np.concatenate([[0], np.cumsum(flat[:, 2], dtype=np.int64)])
-  h.seq_len[rows] = tokens[ends] - tokens[ends - nums]
   # Held blocks (`ref > tr >= 0`): no count leaves 0, so the free index stays.
   uniq, count = aggregate(h.stamp, blocks, 1)
   if uniq is not blocks:  # a block twice (a split inside it, or two rows): counts summed
