@@ -501,7 +501,7 @@ class HostState:
       tr[uniq] -= count
       self.num_table_blocks -= int(np.count_nonzero(tr[uniq] == 0))
       self.log.touch_owned(uniq)
-      ref[uniq] -= np.int32(count) if np.ndim(count) == 0 else count.astype(np.int32)
+      ref[uniq] -= count.astype(np.int32) if isinstance(count, np.ndarray) else count
       changed = np.concatenate([uniq, ext]) if ext.size else uniq
     elif ext.size:
       changed = ext
