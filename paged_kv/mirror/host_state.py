@@ -31,8 +31,6 @@ _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.setflags(write=False)
 # `change_refs` of at most this many entries takes the plain-Python path.
 SMALL_CHANGES = 32
-# `release_rows` of at most this many blocks (rows' entries + outside changes): dicts.
-SMALL_RELEASE = 256
 
 
 class HostState:
@@ -487,43 +485,7 @@ class HostState:
       self.num_segments[x] = 0
       self.seq_len[x] = 0
       self.active[x] = False
-    if len(held) + blocks.size > SMALL_RELEASE:
-      return self._release_counts(np.array(held, np.int64), blocks, deltas)
-    # A few dozen entries: the sums per block in dicts, one gather and one scatter per
-    # count (a numpy call costs what ~50 dict updates do).
-    table: dict[int, int] = {}
-    for b in held:
-      table[b] = table.get(b, 0) + 1
-    acc = {b: -c for b, c in table.items()}
-    if blocks.size:
-      for b, d in zip(blocks.tolist(), deltas.tolist()):
-        acc[b] = acc.get(b, 0) + d
-    if not acc:
-      return _NO_IDS
-    if table:
-      tu = np.fromiter(table, np.int64, len(table))
-      tr = self.table_refs
-      new_tr = [t - c for t, c in zip(tr[tu].tolist(), table.values())]
-      tr[tu] = new_tr
-      self.num_table_blocks -= new_tr.count(0)
-    ids = list(acc)
-    uniq = np.fromiter(ids, np.int64, len(ids))
-    self.log.touch_owned(uniq)
-    old = self.ref_count[uniq].tolist()
-    new = [o + d for o, d in zip(old, acc.values())]
-    self.ref_count[uniq] = new
-    # No count leaves 0 upwards (increfs are on live blocks): only frees to follow.
-    freed = [b for b, o, n in zip(ids, old, new) if n == 0 and o]
-    if not freed:
-      return _NO_IDS
-    f = np.array(freed, np.int64)
-    self._blocks_freed(f)
-    return f
-
-  def _release_counts(self, held: np.ndarray, blocks: np.ndarray,
-                      deltas: np.ndarray) -> np.ndarray:
-    """`release_rows`' count update, vectorised (many entries); `held`: the released
-    rows' blocks (repeats allowed)."""
+    held = np.array(held, np.int64)
     ref = self.ref_count
     # No count leaves 0 upwards (increfs are on live blocks): only frees to follow,
     # among the rows' blocks and the outside changes' (a 0 change frees nothing).

@@ -12,14 +12,12 @@ per row): the same refusals, the same mirror and the same change log.
 from __future__ import annotations
 
 import copy
-from unittest import mock
 
 import numpy as np
 from absl.testing import absltest, parameterized
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.mirror import open_row
-from paged_kv.mirror import host_state
 from paged_kv.mirror import transitions as T
 from paged_kv.mirror.host_state import HostState
 from tests.mirror.test_one_row import _same
@@ -136,11 +134,8 @@ class BatchedEventsTest(parameterized.TestCase):
     self.assertGreater(refused, 1)
     self.assertGreater(shared, 5)  # rows sharing a block (the counts summed across rows)
 
-  @parameterized.product(i=(0, 1, 2), small=(True, False))
-  def test_release_together_equals_deltas_then_releases(self, i, small):
-    # `small`: the dict path (a step's few rows); else the vectorised one.
-    if not small:
-      self.enter_context(mock.patch.object(host_state, "SMALL_RELEASE", 0))
+  @parameterized.parameters(0, 1, 2)
+  def test_release_together_equals_deltas_then_releases(self, i):
     w = _World(_config(i), 10 + i)
     released = freed = 0
     for step in range(600):
