@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -777,30 +778,37 @@ class BlockPool:
     self._done()
     return row
 
-  def _opens_alone(self, segs: np.ndarray) -> bool:
-    """Whether a row opens on `segs` (`i32[k, 3]`) without the general path: at most
-    `max_segments`, on blocks that something outside the tables holds (no dead-slot
-    question), and the open's own checks pass (`open_row.held_counts`)."""
-    return not segs.shape[0] or open_row.held_counts(self.host, segs) is not None
-
   def _open_few(self, segments: Sequence, copy_tails: Sequence[bool]) -> np.ndarray | None:
     """`open_sequences(segments)` in the lowest free rows, then `cow_split(rows marked
-    in copy_tails, skip_exhausted=True)`, one row at a time (`_open_one`: the same
-    rows, blocks and copies, since an open changes nothing another row's checks
-    read); None when a row needs the general path (nothing changed then)."""
+    in copy_tails, skip_exhausted=True)`: every row checked in one pass, the rows
+    without a tail copy opened in one pass (`open_row.open_many_held`), then the
+    others one at a time in row order (`_open_one`); the same rows, blocks and
+    copies as one open after the other, since an open changes nothing another
+    row's checks read. None when a row needs the general path (nothing changed)."""
     h = self.host
-    if int(np.count_nonzero(~h.active)) < len(segments):
+    rows = np.flatnonzero(~h.active)[:len(segments)]
+    if rows.size < len(segments):
       return None
     segs = [empty_segments() if x is None else _fast_segments(x) for x in segments]
-    if any(x is None or not self._opens_alone(x) for x in segs):
+    if any(x is None for x in segs):
       return None
-    rows = []
-    for x, copy_tail in zip(segs, copy_tails):
-      row = self._open_one(x, copy_tail=copy_tail)
-      if row is None:
-        raise InternalInconsistency("open: a row checked to open was refused")
-      rows.append(row)
-    return np.array(rows, np.int64)
+    counts = open_row.held_counts_many(h, segs)
+    if counts is None:
+      return None
+    if any(copy_tails):  # those rows after the others, in order (the lowest free rows left)
+      alone = np.array(copy_tails, bool)
+      blocks, ref, tr = counts
+      keep = np.repeat(~alone, [x.shape[0] for x in segs])
+      batch = [x for x, a in zip(segs, copy_tails) if not a]
+      if batch:
+        open_row.open_many_held(h, rows[~alone], batch, blocks[keep], ref[keep], tr[keep])
+      for x in itertools.compress(segs, copy_tails):
+        if self._open_one(x, copy_tail=True) is None:
+          raise InternalInconsistency("open: a row checked to open was refused")
+    else:
+      open_row.open_many_held(h, rows, segs, *counts)
+    self._done()
+    return rows.astype(np.int64)
 
   def reserve_tokens(self, seq_ids, num_new) -> np.ndarray:
     """Room for `num_new[i]` more tokens of each sequence; returns `slot_idx i32[B, T]`.

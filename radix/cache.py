@@ -273,6 +273,16 @@ class RefDeltas:
     keep = summed != 0
     return RefDeltas(uniq[keep].astype(np.int32), summed[keep].astype(np.int32))
 
+  @staticmethod
+  def increfs(block_ids: np.ndarray) -> RefDeltas | None:
+    """One reference more on each of ``block_ids`` (``int32[k]``, ``k >= 1``) when
+    they are distinct (a new leaf's segments, the usual insert): ``from_pairs(block_ids,
+    1)`` without its per-id sums. None when a block repeats (``from_pairs`` then)."""
+    ids = block_ids.tolist()
+    if len(set(ids)) != len(ids):
+      return None
+    return RefDeltas(np.sort(block_ids).astype(np.int32, copy=False), np.ones(len(ids), np.int32))
+
   def __add__(self, other: RefDeltas) -> RefDeltas:
     return RefDeltas.from_pairs(
         np.concatenate([self.block_ids, other.block_ids]),
@@ -597,12 +607,14 @@ class PrefixCache:
       self._inserted_tokens += num_new
       rebound = self._rebound
       self._rebound = []
-      deltas = RefDeltas.from_pairs(
-          np.concatenate([leaf.value[:, 0], np.asarray(blocks, np.int32),
-                          np.asarray(rebound, np.int32)]),
-          np.concatenate([np.ones(leaf.value.shape[0] + len(blocks), np.int64),
-                          -np.ones(len(rebound), np.int64)]),
-      )
+      deltas = None if blocks or rebound else RefDeltas.increfs(leaf.value[:, 0])
+      if deltas is None:
+        deltas = RefDeltas.from_pairs(
+            np.concatenate([leaf.value[:, 0], np.asarray(blocks, np.int32),
+                            np.asarray(rebound, np.int32)]),
+            np.concatenate([np.ones(leaf.value.shape[0] + len(blocks), np.int64),
+                            -np.ones(len(rebound), np.int64)]),
+        )
       if self.pack_tails:
         short = leaf.value[leaf.value[:, 2] < self.block_size]
         pack = tuple(PackCandidate(res.leaf, tuple(int(x) for x in row)) for row in short)

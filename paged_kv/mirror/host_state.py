@@ -189,16 +189,21 @@ class HostState:
     freed = uniq[flip & now_free]
     taken = uniq[flip & was_free]
     if freed.size:
-      self.slots[freed] = 0
-      self.log.freed(freed)
-      dyn = self.region[freed] == REGION_DYNAMIC
-      self.free.mark(freed[dyn], +1)
-      self.num_free_base += freed.size - int(np.count_nonzero(dyn))
+      self._blocks_freed(freed)
     if taken.size:
       dyn = self.region[taken] == REGION_DYNAMIC
       self.free.mark(taken[dyn], -1)
       self.num_free_base -= taken.size - int(np.count_nonzero(dyn))
     return freed
+
+  def _blocks_freed(self, freed: np.ndarray) -> None:
+    """Blocks whose count just reached 0 (distinct `i64`): slots cleared, into the free
+    index (dynamic ones) or counted free (base ones)."""
+    self.slots[freed] = 0
+    self.log.freed(freed)
+    dyn = self.region[freed] == REGION_DYNAMIC
+    self.free.mark(freed[dyn], +1)
+    self.num_free_base += freed.size - int(np.count_nonzero(dyn))
 
   def _change_refs_small(self, b: np.ndarray, d: np.ndarray) -> np.ndarray:
     """`change_refs` of a few entries (`b: i64[k]`, `d`: `i64[k]` or a scalar): sums
@@ -461,6 +466,54 @@ class HostState:
     tr[uniq] -= count
     self.num_table_blocks -= int(np.count_nonzero(tr[uniq] == 0))
     self._change_refs_general(uniq, -count, distinct=True)
+
+  def release_rows(self, rows: np.ndarray, blocks: np.ndarray = _NO_IDS,
+                   deltas: np.ndarray = _NO_IDS) -> np.ndarray:
+    """Ends live distinct `rows` (`i64[R]`) and adds `deltas` to `ref_count[blocks]` in
+    one pass: every row's entries and the outside holders' changes summed into one
+    count update, one free-index update (`release_row` of each row after
+    `change_refs(blocks, deltas)`, the same end state). `blocks` (`i64[K]`) are
+    distinct and each change is valid against the counts before (the caller's check:
+    `transitions._apply_ref_deltas_fast`). Returns the freed blocks."""
+    held = []  # every row's blocks (rows are a few: plain slices, one row at a time)
+    for x in rows.tolist():
+      self.log.touch_row(self, x)
+      ns = int(self.num_segments[x])
+      held += self.block[x, :ns].tolist()
+      for a in (self.block, self.start, self.length):
+        a[x] = 0
+      self.num_segments[x] = 0
+      self.seq_len[x] = 0
+      self.active[x] = False
+    held = np.array(held, np.int64)
+    ref = self.ref_count
+    # No count leaves 0 upwards (increfs are on live blocks): only frees to follow,
+    # among the rows' blocks and the outside changes' (a 0 change frees nothing).
+    if blocks.size:
+      self.log.touch_owned(blocks)
+      ref[blocks] += deltas.astype(np.int32)
+      ext = blocks if deltas.all() else blocks[deltas != 0]
+    else:
+      ext = blocks
+    if held.size:
+      uniq, count = aggregate(self.stamp, held, 1)
+      tr = self.table_refs
+      tr[uniq] -= count
+      self.num_table_blocks -= int(np.count_nonzero(tr[uniq] == 0))
+      self.log.touch_owned(uniq)
+      ref[uniq] -= count.astype(np.int32) if isinstance(count, np.ndarray) else count
+      changed = np.concatenate([uniq, ext]) if ext.size else uniq
+    elif ext.size:
+      changed = ext
+    else:
+      return _NO_IDS
+    freed = changed[ref[changed] == 0]
+    if not freed.size:
+      return _NO_IDS
+    if held.size and ext.size and freed.size > 1:
+      freed = freed[distinct_mask(self.stamp, freed)]  # a block in both parts
+    self._blocks_freed(freed)
+    return freed
 
   def move_tail(self, row: int, tail: int, block: int) -> None:
     """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail

@@ -39,10 +39,32 @@ def held_counts(h: HostState,
   block in range and held outside the tables (`ref_count > table_refs`: so live, and
   no dead-slot question), every segment well formed on written slots. None
   otherwise (the general path then decides and raises; nothing was changed)."""
-  c = h.config
-  k = segs.shape[0]
-  if k > c.max_segments:
+  if segs.shape[0] > h.config.max_segments:
     return None
+  return _held(h, segs)
+
+
+def held_counts_many(h: HostState, segs: list[np.ndarray]
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+  """`held_counts` of several rows' segments at once (`i32[k_i, 3]` each, C order,
+  any `k_i >= 0`): one gather and one check over them all, concatenated. Returns
+  the concatenation's `(blocks, ref_count, table_refs)` (empty when no row has a
+  segment) or None when any row would be refused alone. The same answer as one
+  `held_counts` per row: an open changes neither `ref_count - table_refs` (a held
+  block gains one of each) nor any slot word, which is all the checks read."""
+  m = h.config.max_segments
+  if any(x.shape[0] > m for x in segs):
+    return None
+  flat = np.concatenate(segs) if len(segs) > 1 else segs[0]
+  if not flat.shape[0]:
+    e = np.zeros(0, np.intp)
+    return e, e, e
+  return _held(h, flat)
+
+
+def _held(h: HostState, segs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+  """`held_counts` without the row-length check (`segs`: `k >= 1` segments)."""
+  c = h.config
   # One contiguous intp copy of the ids: numpy indexes with it without a cast per use.
   blk = segs[:, 0].astype(np.intp)
   st, ln = segs[:, 1], segs[:, 2]
@@ -112,3 +134,30 @@ def open_held(h: HostState, row: int, segs: np.ndarray, blocks: np.ndarray, ref:
     h.table_refs[fresh] += 1
     h.num_table_blocks += 1
   return copy
+
+
+def open_many_held(h: HostState, rows: np.ndarray, segs: list[np.ndarray], blocks: np.ndarray,
+                   ref: np.ndarray, tr: np.ndarray) -> None:
+  """Opens inactive distinct `rows` (`i64[R]`, a few) on `segs` (one `i32[k_i, 3]` each,
+  no tail copy), which passed `held_counts_many` (giving `blocks`, `ref`, `tr`): the
+  rows written one by one, then one count update for all their blocks (`open_held`
+  of each row, the same end state)."""
+  for row, x in zip(rows.tolist(), segs):  # a few rows: plain slices, one row at a time
+    k = x.shape[0]
+    h.log.touch_row(h, row)
+    h.block[row, :k] = x[:, 0]
+    h.start[row, :k] = x[:, 1]
+    h.length[row, :k] = x[:, 2]
+    h.num_segments[row] = k
+    h.seq_len[row] = sum(x[:, 2].tolist())
+    h.active[row] = True
+  if not blocks.size:
+    return
+  # Held blocks (`ref > tr >= 0`): no count leaves 0, so the free index stays.
+  uniq, count = aggregate(h.stamp, blocks, 1)
+  if uniq is not blocks:  # a block twice (a split inside it, or two rows): counts summed
+    ref, tr = h.ref_count[uniq], h.table_refs[uniq]
+  h.log.touch_owned(uniq)
+  h.ref_count[uniq] = ref + count
+  h.table_refs[uniq] = tr + count
+  h.num_table_blocks += uniq.size - int(np.count_nonzero(tr))

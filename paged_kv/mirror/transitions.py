@@ -544,9 +544,10 @@ def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
                       deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """`segments.release_with_refs`; returns `(row_status, ref_status)`.
 
-  A few distinct live rows with valid deltas (what a scheduler's finishing
-  sequences hand over) take a short path: the deltas applied, then the rows
-  released one by one (the same end state as the batch release).
+  A few distinct live rows with valid distinct deltas (what a scheduler's finishing
+  sequences hand over) take a short path: the deltas checked, then the deltas and
+  every row's release applied in one pass (`HostState.release_rows`: the same end
+  state as the batch release).
   """
   ids = np.asarray(ids, np.int64)
   block_ids = np.asarray(block_ids, np.int64)
@@ -554,13 +555,11 @@ def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
     rows = ids.tolist()
     s, active = h.config.max_seqs, h.active
     if (len(set(rows)) == len(rows) and all(0 <= i < s and active[i] for i in rows)):
-      ref_status = _apply_ref_deltas_fast(h, block_ids, np.asarray(deltas, np.int64),
-                                          apply=True)
-      if ref_status is not None or not block_ids.size:
-        for i in rows:
-          h.release_row(i)
-        return (np.zeros(ids.shape, np.int32),
-                np.zeros(block_ids.shape, np.int32) if ref_status is None else ref_status)
+      deltas = np.asarray(deltas, np.int64)
+      if not block_ids.size or _apply_ref_deltas_fast(h, block_ids, deltas,
+                                                      apply=False) is not None:
+        h.release_rows(ids, block_ids, deltas.reshape(-1) if block_ids.size else block_ids)
+        return np.zeros(ids.shape, np.int32), np.zeros(block_ids.shape, np.int32)
   rows = row_status(h, ids, want_active=True)
   rows_ok = bool(np.all(rows == _OK))
   ref_status = apply_ref_deltas(h, np.where(rows_ok, block_ids, -1), deltas, apply=False)

@@ -576,6 +576,21 @@ class PrefixCacheTest(parameterized.TestCase):
     self.assertEqual(d.block_ids.dtype, np.int32)
     self.assertLen(RefDeltas.empty(), 0)
 
+  def test_increfs_of_distinct_blocks_equal_from_pairs(self):
+    rng = np.random.default_rng(0)
+    for k in (1, 3, 70):  # the dict path and the sorting path of from_pairs
+      ids = rng.permutation(200)[:k].astype(np.int32)
+      got, want = RefDeltas.increfs(ids[::-1][::-1]), RefDeltas.from_pairs(ids, 1)
+      for a, b in ((got.block_ids, want.block_ids), (got.deltas, want.deltas)):
+        np.testing.assert_array_equal(a, b)
+        self.assertEqual(a.dtype, b.dtype)
+    self.assertIsNone(RefDeltas.increfs(np.array([4, 2, 4], np.int32)))  # a repeat
+    # An insert hands the tree's references as one incref per new segment's block.
+    tokens = np.arange(10, dtype=np.int32)
+    out = self.cache.insert("n", tokens, [[7, 0, 4], [3, 0, 4], [9, 0, 2]])
+    np.testing.assert_array_equal(out.ref_deltas.block_ids, [3, 7, 9])
+    np.testing.assert_array_equal(out.ref_deltas.deltas, [1, 1, 1])
+
   def test_constructor_validation(self):
     with self.assertRaises(ValueError):
       PrefixCache(block_size=0)
