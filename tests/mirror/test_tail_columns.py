@@ -1,0 +1,86 @@
+"""The mirror's per-row tail columns (`HostState.tail_block`, `tail_end`, `tail_room`).
+
+They are derived from the tables and the slots (`HostState.row_tails`) but kept by
+the row mutators alone (only the rows a call changes), so a step's reservation and
+admission read them instead of the tables. Checked here: they equal the derivation
+after every step of a serving loop (opens on cached prefixes with tail copies,
+decode rows growing in place on the host or in the step, rows taking fresh blocks,
+prompt chunks, releases), and a column that drifts is reported by the mirror's
+compare (`verify`, so debug mode and `check_invariants`). The random differential
+runs of `test_transitions_match` compare them after every operation too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import paged_kv
+from paged_kv.core.errors import InternalInconsistency
+from paged_kv.mirror import open_row
+from paged_kv.mirror.host_state import HostState
+from paged_kv.serving.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
+
+
+class TailColumnsTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(("host_reserves", True), ("step_reserves", False))
+  def test_columns_follow_a_serving_loop(self, host_reserves):
+    bs, batch = 4, 12
+    cfg = paged_kv.PoolConfig(num_blocks=120, block_size=bs, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=batch, max_segments=32)
+    pool = paged_kv.BlockPool(cfg, debug=False)
+    sched = Scheduler(pool, DryExecutor(cfg, takes_reserved_slots=host_reserves),
+                      SchedulerConfig(max_batch=batch, prefill_chunk=4 * bs,
+                                      prefill_token_budget=8 * bs, compaction=None,
+                                      output_reserve_ratio=0.0, stats_every=0,
+                                      snapshot_every=0))
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 1000, 3 * bs + 2)  # a partial shared tail: opens copy it
+    calls = {"grow_in_place": 0, "open_held": 0}
+    grow, held = HostState.grow_in_place, open_row.open_held
+
+    def counted(name, fn):
+      def wrapper(*args, **kwargs):
+        calls[name] += 1
+        return fn(*args, **kwargs)
+      return wrapper
+
+    HostState.grow_in_place = counted("grow_in_place", grow)
+    open_row.open_held = counted("open_held", held)
+    count = 0
+    try:
+      for step in range(40):
+        while len(sched.running) + len(sched.waiting) < batch:
+          prompt = np.concatenate([system, rng.integers(0, 1000, int(rng.integers(1, 3 * bs)))])
+          sched.submit(Request(count, prompt, int(rng.integers(3, 16))))
+          count += 1
+        sched.step()
+        self.assertEqual(pool.host.tail_differences(), [], f"step {step}")
+    finally:
+      HostState.grow_in_place, open_row.open_held = grow, held
+    self.assertGreater(sched.stats.finished, 10)
+    self.assertGreater(calls["open_held"], 10)  # admissions on cached prefixes
+    if host_reserves:
+      self.assertGreater(calls["grow_in_place"], 10)  # rows the step grows
+    sched.check_invariants()
+
+  def test_a_drifted_column_is_reported(self):
+    cfg = paged_kv.PoolConfig(num_blocks=16, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=8)
+    for name in ("tail_block", "tail_end", "tail_room"):
+      pool = paged_kv.BlockPool(cfg, debug=False)
+      seq = pool.open_sequence()
+      pool.reserve_tokens([seq], [6])
+      self.assertEqual(pool.host.tail_room[seq], 2)  # 6 tokens: one block and 2 of 4 slots
+      self.assertEqual(pool.host.tail_end[seq], 2)
+      getattr(pool.host, name)[seq] += 1
+      self.assertIn(name, " ".join(pool.host.tail_differences()))
+      with self.assertRaisesRegex(InternalInconsistency, name):
+        pool.verify()
+      pool.check_invariants()  # the mirror reloaded from the device: consistent again
+      self.assertEqual(pool.host.tail_differences(), [])
+
+
+if __name__ == "__main__":
+  absltest.main()
