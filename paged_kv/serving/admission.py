@@ -363,7 +363,8 @@ class Admission:
     if not ids.size:
       return 0
     h = self.pool.host
-    room = (h.tail_room[ids] > 0) & (h.ref_count[h.tail_block[ids]] == 1)  # `row_tails`
+    tails = h.tails[ids]  # `HostState.row_tails`
+    room = (tails[:, 2] > 0) & (h.ref_count[tails[:, 0]] == 1)
     return int(np.count_nonzero(~room))
 
   # ------------------------------------------------------------------ the output reserve
