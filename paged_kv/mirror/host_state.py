@@ -34,8 +34,6 @@ from paged_kv.mirror.ids import aggregate, distinct_mask, sum_by_id  # noqa: F40
 _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.setflags(write=False)
 _SLOT_RANGES: dict[int, np.ndarray] = {}
-_ONE_SLOT = np.array([1, -1], np.int32)  # a tail's (end, room) after one token in place
-_ONE_SLOT.setflags(write=False)
 
 
 def _slot_range(block_size: int) -> np.ndarray:
@@ -58,12 +56,10 @@ class HostState:
     block, start, length: `i32[S, M]`; num_segments, seq_len: `i32[S]`;
     active: `bool[S]`: the segment tables.
     table_refs: `i32[n]` live table segments per block (derived).
-    tails: `i32[S, 3]` per row (derived, `row_tails`): its tail segment's block,
-      the slot after it, and the free slots from there on when the block is
-      dynamic (what the reservation's in-place rule reads; the block's
-      `ref_count == 1`, the rule's last part, is read where it is used); one
-      array, so a step reads a batch's three facts in one gather.
-      `tail_block`, `tail_end`, `tail_room` are its columns (views).
+    tail_block, tail_end, tail_room: `i32[S]` per row (derived, `row_tails`): its
+      tail segment's block, the slot after it, and the free slots from there on
+      when the block is dynamic (what the reservation's in-place rule reads; the
+      block's `ref_count == 1`, the rule's last part, is read where it is used).
     num_table_blocks: blocks with `table_refs > 0` (derived).
     num_free_base: free base-region blocks (derived).
     step: the logical clock (`PoolState.step`).
@@ -91,7 +87,8 @@ class HostState:
     self.num_free_base = int(np.count_nonzero((self.ref_count == 0)
                                               & (self.region == REGION_BASE)))
     self.stamp = np.zeros(config.num_blocks, np.int64)  # scratch of `distinct_mask`
-    self.tails = np.stack(self.row_tails(np.arange(config.max_seqs, dtype=np.int64)), axis=1)
+    self.tail_block, self.tail_end, self.tail_room = self.row_tails(
+        np.arange(config.max_seqs, dtype=np.int64))
     self.log = log if log is not None else ChangeLog(config)
     self.log.reset(self)
 
@@ -154,18 +151,6 @@ class HostState:
     out[:, 2] = self.length[row, :k]
     return out
 
-  @property
-  def tail_block(self) -> np.ndarray:
-    return self.tails[:, 0]
-
-  @property
-  def tail_end(self) -> np.ndarray:
-    return self.tails[:, 1]
-
-  @property
-  def tail_room(self) -> np.ndarray:
-    return self.tails[:, 2]
-
   def row_tails(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`(tail_block, tail_end, tail_room)` of `rows` (`i64[R]`) from the tables, `i32[R]`
     each: the block of the row's last segment (column 0's for a row without one),
@@ -190,31 +175,31 @@ class HostState:
   def refresh_tail(self, row: int) -> None:
     """`row_tails` of one row into the tail columns, in plain Python (after a
     mutator rewrote the row)."""
-    ns = self.num_segments.item(row)
+    ns = int(self.num_segments[row])
     col = max(ns - 1, 0)
-    tb = self.block.item(row, col)
-    end = self.start.item(row, col) + self.length.item(row, col)
+    tb = int(self.block[row, col])
+    end = int(self.start[row, col]) + int(self.length[row, col])
     room = 0
-    if ns > 0 and self.active.item(row) and self.region.item(tb) == REGION_DYNAMIC:
-      if self.config.slot_words == 1:
-        bits = self.slots.item(tb, 0)
-      else:
-        bits = 0
-        for k, word in enumerate(self.slots[tb].tolist()):
-          bits |= word << (32 * k)
+    if ns > 0 and self.active[row] and self.region[tb] == REGION_DYNAMIC:
+      bits = 0
+      for k, word in enumerate(self.slots[tb].tolist()):
+        bits |= word << (32 * k)
       after = bits >> end
       room = (after & -after).bit_length() - 1 if after else self.config.block_size - end
-    self.tails[row] = (tb, end, room)
+    self.tail_block[row] = tb
+    self.tail_end[row] = end
+    self.tail_room[row] = room
 
   def _refresh_tails(self, rows: np.ndarray) -> None:
     """`row_tails` of `rows` (`i64[R]`) into the tail columns."""
-    self.tails[rows] = np.stack(self.row_tails(rows), axis=1)
+    self.tail_block[rows], self.tail_end[rows], self.tail_room[rows] = self.row_tails(rows)
 
   def tail_differences(self) -> list[str]:
     """The tail columns that differ from `row_tails` of the tables (empty: none)."""
     want = self.row_tails(np.arange(self.config.max_seqs, dtype=np.int64))
     out = []
-    for name, col, w in zip(("tail_block", "tail_end", "tail_room"), self.tails.T, want):
+    for name, col, w in zip(("tail_block", "tail_end", "tail_room"),
+                            (self.tail_block, self.tail_end, self.tail_room), want):
       if not np.array_equal(col, w):
         out.append(f"{name} (column != tables at rows {np.flatnonzero(col != w)[:4].tolist()})")
     return out
@@ -470,8 +455,9 @@ class HostState:
     self.table_refs[cell_blocks] += 1
     self.num_table_blocks += int(np.asarray(cell_blocks).size)
     if one_fresh:
-      self.tails[r] = np.stack([cell_blocks, cell_lengths,
-                                self.config.block_size - cell_lengths], axis=1)
+      self.tail_block[r] = cell_blocks
+      self.tail_end[r] = cell_lengths
+      self.tail_room[r] = self.config.block_size - cell_lengths
     else:
       self._refresh_tails(r)
 
@@ -528,9 +514,8 @@ class HostState:
     k = int(blocks.size)
     if grow:
       self.length[row, tail] += grow
-      t = self.tails[row]  # the grown tokens took the room after the tail (the caller's)
-      t[1] += grow
-      t[2] -= grow
+      self.tail_end[row] += grow  # into the room after the tail (the caller's)
+      self.tail_room[row] -= grow
     if k:
       self.block[row, ns:ns + k] = blocks
       self.start[row, ns:ns + k] = 0
@@ -539,7 +524,9 @@ class HostState:
       self.table_refs[blocks] += 1
       self.num_table_blocks += k
       last = int(lengths[-1])  # the last fresh block: `last` slots from 0, the rest free
-      self.tails[row] = (int(blocks[-1]), last, self.config.block_size - last)
+      self.tail_block[row] = int(blocks[-1])
+      self.tail_end[row] = last
+      self.tail_room[row] = self.config.block_size - last
     self.seq_len[row] += tokens
 
   def release_row(self, row: int) -> None:
@@ -555,7 +542,7 @@ class HostState:
     self.num_segments[row] = 0
     self.seq_len[row] = 0
     self.active[row] = False
-    self.tails[row] = 0  # a cleared row's (`row_tails`)
+    self.tail_block[row] = self.tail_end[row] = self.tail_room[row] = 0  # a cleared row's
     if ns <= SMALL_CHANGES:
       self._change_table_refs(blocks, blocks[:0])
       self.change_refs(blocks, -1)
@@ -586,7 +573,8 @@ class HostState:
     self.log.touch_rows(self, r)
     self.length[r, tail] += 1
     self.seq_len[r] += 1
-    self.tails[r, 1:] += _ONE_SLOT
+    self.tail_end[r] += 1
+    self.tail_room[r] -= 1
 
   def grow_in_place(self, rows: np.ndarray, tail: np.ndarray, blocks: np.ndarray,
                     pos: np.ndarray) -> None:
@@ -600,7 +588,8 @@ class HostState:
     flat[at] |= np.uint32(1) << (p & 31)
     self.length[rows, tail] += 1
     self.seq_len[rows] += 1
-    self.tails[rows, 1:] += _ONE_SLOT
+    self.tail_end[rows] += 1
+    self.tail_room[rows] -= 1
     self.log.device_growth(blocks, rows.size)
 
   def copy_slots(self, src_block, src_start, dst_block, dst_start, length) -> None:

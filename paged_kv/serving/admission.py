@@ -363,8 +363,7 @@ class Admission:
     if not ids.size:
       return 0
     h = self.pool.host
-    tails = h.tails[ids]  # `HostState.row_tails`
-    room = (tails[:, 2] > 0) & (h.ref_count[tails[:, 0]] == 1)
+    room = (h.tail_room[ids] > 0) & (h.ref_count[h.tail_block[ids]] == 1)  # `row_tails`
     return int(np.count_nonzero(~room))
 
   # ------------------------------------------------------------------ the output reserve
