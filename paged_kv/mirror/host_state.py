@@ -7,7 +7,7 @@ logical clock `step`. Not mirrored: the K/V pages (data, not bookkeeping) and
 `last_use` (read only by device-side metrics; the commit stamps touched blocks
 with the step). Derived and kept up to date: `table_refs[b]`, the live table
 segments on block `b` (what eviction and `apply_ref_deltas` check against), and
-each row's tail facts (`tail_block`, `tail_end`, `tail_room`: what a reservation
+each row's tail facts (`tail_block`, `tail_end`, `tail_limit`: what a reservation
 reads of every row every step), changed only for the rows a mutator changes and
 checked against the tables by `tail_differences` (so by `differences`, debug mode's
 compare).
@@ -56,9 +56,10 @@ class HostState:
     block, start, length: `i32[S, M]`; num_segments, seq_len: `i32[S]`;
     active: `bool[S]`: the segment tables.
     table_refs: `i32[n]` live table segments per block (derived).
-    tail_block, tail_end, tail_room: `i32[S]` per row (derived, `row_tails`): its
-      tail segment's block, the slot after it, and the free slots from there on
-      when the block is dynamic (what the reservation's in-place rule reads; the
+    tail_block, tail_end, tail_limit: `i32[S]` per row (derived, `row_tails`): its
+      tail segment's block, the slot after it, and the end of the free slots from
+      there on (`tail_limit - tail_end` of them, 0 unless the row is active with a
+      segment on a dynamic block): what the reservation's in-place rule reads (the
       block's `ref_count == 1`, the rule's last part, is read where it is used).
     num_table_blocks: blocks with `table_refs > 0` (derived).
     num_free_base: free base-region blocks (derived).
@@ -87,7 +88,7 @@ class HostState:
     self.num_free_base = int(np.count_nonzero((self.ref_count == 0)
                                               & (self.region == REGION_BASE)))
     self.stamp = np.zeros(config.num_blocks, np.int64)  # scratch of `distinct_mask`
-    self.tail_block, self.tail_end, self.tail_room = self.row_tails(
+    self.tail_block, self.tail_end, self.tail_limit = self.row_tails(
         np.arange(config.max_seqs, dtype=np.int64))
     self.log = log if log is not None else ChangeLog(config)
     self.log.reset(self)
@@ -152,12 +153,13 @@ class HostState:
     return out
 
   def row_tails(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(tail_block, tail_end, tail_room)` of `rows` (`i64[R]`) from the tables, `i32[R]`
-    each: the block of the row's last segment (column 0's for a row without one),
-    the slot after that segment, and the free slots from there to the next written
-    slot or the block's end when the row is active with a segment on a dynamic
-    block (else 0). A reservation grows a row in place iff its room is > 0 and its
-    tail block has one reference (`mirror.transitions`)."""
+    """`(tail_block, tail_end, tail_limit)` of `rows` (`i64[R]`) from the tables,
+    `i32[R]` each: the block of the row's last segment (column 0's for a row
+    without one), the slot after that segment, and the next written slot after it
+    or the block's end when the row is active with a segment on a dynamic block
+    (else `tail_end`): the row's room is `tail_limit - tail_end`. A reservation
+    grows a row in place iff it has room and its tail block has one reference
+    (`mirror.transitions`); growing keeps the limit."""
     c = self.config
     bs, m = c.block_size, c.max_segments
     ns = self.num_segments[rows]
@@ -169,37 +171,40 @@ class HostState:
     bits = ((words[:, i // 32] >> (i % 32).astype(np.uint32)) & 1).astype(bool)
     first = np.min(np.where(bits & (i[None, :] >= end[:, None]), i, bs), axis=1)
     live = (ns > 0) & self.active[rows] & (self.region[tb] == REGION_DYNAMIC)
-    room = np.where(live, first - end, 0)
-    return tb.astype(np.int32), end.astype(np.int32), room.astype(np.int32)
+    limit = np.where(live, first, end)
+    return tb.astype(np.int32), end.astype(np.int32), limit.astype(np.int32)
 
   def refresh_tail(self, row: int) -> None:
     """`row_tails` of one row into the tail columns, in plain Python (after a
     mutator rewrote the row)."""
-    ns = int(self.num_segments[row])
+    ns = self.num_segments.item(row)
     col = max(ns - 1, 0)
-    tb = int(self.block[row, col])
-    end = int(self.start[row, col]) + int(self.length[row, col])
-    room = 0
-    if ns > 0 and self.active[row] and self.region[tb] == REGION_DYNAMIC:
-      bits = 0
-      for k, word in enumerate(self.slots[tb].tolist()):
-        bits |= word << (32 * k)
+    tb = self.block.item(row, col)
+    end = self.start.item(row, col) + self.length.item(row, col)
+    limit = end
+    if ns > 0 and self.active.item(row) and self.region.item(tb) == REGION_DYNAMIC:
+      if self.config.slot_words == 1:
+        bits = self.slots.item(tb, 0)
+      else:
+        bits = 0
+        for k, word in enumerate(self.slots[tb].tolist()):
+          bits |= word << (32 * k)
       after = bits >> end
-      room = (after & -after).bit_length() - 1 if after else self.config.block_size - end
+      limit = end + (after & -after).bit_length() - 1 if after else self.config.block_size
     self.tail_block[row] = tb
     self.tail_end[row] = end
-    self.tail_room[row] = room
+    self.tail_limit[row] = limit
 
   def _refresh_tails(self, rows: np.ndarray) -> None:
     """`row_tails` of `rows` (`i64[R]`) into the tail columns."""
-    self.tail_block[rows], self.tail_end[rows], self.tail_room[rows] = self.row_tails(rows)
+    self.tail_block[rows], self.tail_end[rows], self.tail_limit[rows] = self.row_tails(rows)
 
   def tail_differences(self) -> list[str]:
     """The tail columns that differ from `row_tails` of the tables (empty: none)."""
     want = self.row_tails(np.arange(self.config.max_seqs, dtype=np.int64))
     out = []
-    for name, col, w in zip(("tail_block", "tail_end", "tail_room"),
-                            (self.tail_block, self.tail_end, self.tail_room), want):
+    for name, col, w in zip(("tail_block", "tail_end", "tail_limit"),
+                            (self.tail_block, self.tail_end, self.tail_limit), want):
       if not np.array_equal(col, w):
         out.append(f"{name} (column != tables at rows {np.flatnonzero(col != w)[:4].tolist()})")
     return out
@@ -457,7 +462,7 @@ class HostState:
     if one_fresh:
       self.tail_block[r] = cell_blocks
       self.tail_end[r] = cell_lengths
-      self.tail_room[r] = self.config.block_size - cell_lengths
+      self.tail_limit[r] = self.config.block_size
     else:
       self._refresh_tails(r)
 
@@ -515,7 +520,6 @@ class HostState:
     if grow:
       self.length[row, tail] += grow
       self.tail_end[row] += grow  # into the room after the tail (the caller's)
-      self.tail_room[row] -= grow
     if k:
       self.block[row, ns:ns + k] = blocks
       self.start[row, ns:ns + k] = 0
@@ -526,7 +530,7 @@ class HostState:
       last = int(lengths[-1])  # the last fresh block: `last` slots from 0, the rest free
       self.tail_block[row] = int(blocks[-1])
       self.tail_end[row] = last
-      self.tail_room[row] = self.config.block_size - last
+      self.tail_limit[row] = self.config.block_size
     self.seq_len[row] += tokens
 
   def release_row(self, row: int) -> None:
@@ -542,7 +546,7 @@ class HostState:
     self.num_segments[row] = 0
     self.seq_len[row] = 0
     self.active[row] = False
-    self.tail_block[row] = self.tail_end[row] = self.tail_room[row] = 0  # a cleared row's
+    self.tail_block[row] = self.tail_end[row] = self.tail_limit[row] = 0  # a cleared row's
     if ns <= SMALL_CHANGES:
       self._change_table_refs(blocks, blocks[:0])
       self.change_refs(blocks, -1)
@@ -565,7 +569,7 @@ class HostState:
 
   def grow_tails(self, rows: np.ndarray, tail: np.ndarray) -> None:
     """One more token in the tail segment (column `tail`) of each of `rows`
-    (distinct, each with room after its tail: `tail_room > 0`; the slot itself is
+    (distinct, each with room after its tail: `tail_limit > tail_end`; the slot itself is
     the caller's `set_slots`)."""
     r = np.asarray(rows, np.int64)
     if r.size == 0:
@@ -574,7 +578,6 @@ class HostState:
     self.length[r, tail] += 1
     self.seq_len[r] += 1
     self.tail_end[r] += 1
-    self.tail_room[r] -= 1
 
   def grow_in_place(self, rows: np.ndarray, tail: np.ndarray, blocks: np.ndarray,
                     pos: np.ndarray) -> None:
@@ -589,7 +592,6 @@ class HostState:
     self.length[rows, tail] += 1
     self.seq_len[rows] += 1
     self.tail_end[rows] += 1
-    self.tail_room[rows] -= 1
     self.log.device_growth(blocks, rows.size)
 
   def copy_slots(self, src_block, src_start, dst_block, dst_start, length) -> None:

@@ -274,7 +274,7 @@ def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
   tail = np.maximum(ns - 1, 0)  # num_segments <= max_segments
   tb = h.tail_block[row]  # the rows' tail facts, kept by the mirror (`HostState.row_tails`)
   pos = h.tail_end[row]
-  room = (h.tail_room[row] > 0) & (h.ref_count[tb] == 1)
+  room = (h.tail_limit[row] > pos) & (h.ref_count[tb] == 1)
   in_place = one & room
   fresh = one & ~room & (ns < m)
   other = (ids != -1) & ~in_place & ~fresh
@@ -928,8 +928,8 @@ def _reserve_one(h: HostState, i: int, count: int,
     return slot_idx, np.array([_INVALID_COUNT], np.int32)
   ns = int(h.num_segments[i])
   tail = min(max(ns - 1, 0), m - 1)
-  tb, pos = int(h.tail_block[i]), int(h.tail_end[i])
-  room = int(h.tail_room[i]) if int(h.ref_count[tb]) == 1 else 0
+  tb, pos = h.tail_block.item(i), h.tail_end.item(i)
+  room = h.tail_limit.item(i) - pos if h.ref_count.item(tb) == 1 else 0
   in_place = min(count, room)
   rest = count - in_place
   need = _cdiv(rest, bs)
@@ -975,7 +975,7 @@ def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
   num_free = h.free.num_free
   wanted = 0  # blocks the valid rows so far ask for
   active, ref_count = h.active, h.ref_count
-  tail_block, tail_end, tail_room = h.tail_block, h.tail_end, h.tail_room
+  tail_block, tail_end, tail_limit = h.tail_block, h.tail_end, h.tail_limit
   for j, (i, count) in enumerate(zip(ids, counts)):
     if i == -1:
       continue
@@ -989,8 +989,8 @@ def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
       continue
     ns = int(h.num_segments[i])
     tail = max(ns - 1, 0)
-    tb, pos = int(tail_block[i]), int(tail_end[i])
-    room = int(tail_room[i]) if int(ref_count[tb]) == 1 else 0
+    tb, pos = tail_block.item(i), tail_end.item(i)
+    room = tail_limit.item(i) - pos if ref_count.item(tb) == 1 else 0
     in_place = min(count, room)
     rest = count - in_place
     need = -(-rest // bs)

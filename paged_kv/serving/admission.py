@@ -363,7 +363,7 @@ class Admission:
     if not ids.size:
       return 0
     h = self.pool.host
-    room = (h.tail_room[ids] > 0) & (h.ref_count[h.tail_block[ids]] == 1)  # `row_tails`
+    room = (h.tail_limit[ids] > h.tail_end[ids]) & (h.ref_count[h.tail_block[ids]] == 1)
     return int(np.count_nonzero(~room))
 
   # ------------------------------------------------------------------ the output reserve

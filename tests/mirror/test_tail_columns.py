@@ -1,4 +1,4 @@
-"""The mirror's per-row tail columns (`HostState.tail_block`, `tail_end`, `tail_room`).
+"""The mirror's per-row tail columns (`HostState.tail_block`, `tail_end`, `tail_limit`).
 
 They are derived from the tables and the slots (`HostState.row_tails`) but kept by
 the row mutators alone (only the rows a call changes), so a step's reservation and
@@ -68,12 +68,12 @@ class TailColumnsTest(parameterized.TestCase):
   def test_a_drifted_column_is_reported(self):
     cfg = paged_kv.PoolConfig(num_blocks=16, block_size=4, num_layers=1, num_kv_heads=1,
                               head_dim=2, max_seqs=4, max_segments=8)
-    for name in ("tail_block", "tail_end", "tail_room"):
+    for name in ("tail_block", "tail_end", "tail_limit"):
       pool = paged_kv.BlockPool(cfg, debug=False)
       seq = pool.open_sequence()
       pool.reserve_tokens([seq], [6])
-      self.assertEqual(pool.host.tail_room[seq], 2)  # 6 tokens: one block and 2 of 4 slots
-      self.assertEqual(pool.host.tail_end[seq], 2)
+      self.assertEqual(pool.host.tail_end[seq], 2)  # 6 tokens: one block and 2 of 4 slots
+      self.assertEqual(pool.host.tail_limit[seq], 4)  # room for 2 more
       getattr(pool.host, name)[seq] += 1
       self.assertIn(name, " ".join(pool.host.tail_differences()))
       with self.assertRaisesRegex(InternalInconsistency, name):
