@@ -432,7 +432,7 @@ class HostState:
   def extend_rows(self, rows: np.ndarray, tail: np.ndarray, grow: np.ndarray,
                   cell_rows: np.ndarray, cell_cols: np.ndarray, cell_blocks: np.ndarray,
                   cell_lengths: np.ndarray, add_segments: np.ndarray,
-                  add_tokens: np.ndarray, *, one_fresh: bool = False) -> None:
+                  add_tokens: np.ndarray) -> None:
     """Appends to live rows (what `reserve_tokens` does), touching only what changes.
 
     Args:
@@ -442,9 +442,6 @@ class HostState:
         of `cell_blocks` (fresh blocks, distinct: their first table reference)
         with `cell_lengths` tokens.
       add_segments, add_tokens: `[R]` added to `num_segments` and `seq_len`.
-      one_fresh: each row took one block, cell `i` row `i`'s, which becomes its
-        tail (its slots: `cell_lengths` from slot 0, the rest free): its tail
-        facts follow without reading the tables.
     """
     r = np.asarray(rows, np.int64)
     if r.size == 0:
@@ -459,12 +456,27 @@ class HostState:
     self.seq_len[r] += add_tokens.astype(np.int32)
     self.table_refs[cell_blocks] += 1
     self.num_table_blocks += int(np.asarray(cell_blocks).size)
-    if one_fresh:
-      self.tail_block[r] = cell_blocks
-      self.tail_end[r] = cell_lengths
-      self.tail_limit[r] = self.config.block_size
-    else:
-      self._refresh_tails(r)
+    self._refresh_tails(r)
+
+  def start_tails(self, rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray) -> None:
+    """One token more in each of `rows` (distinct, live), at slot 0 of its own fresh
+    block `blocks[i]` (distinct, taken with that slot set), a new segment at column
+    `cols[i]` (the row's `num_segments`): `extend_rows` of a decode step's rows that
+    start a block, whose tail facts follow without reading the tables."""
+    r = np.asarray(rows, np.int64)
+    if r.size == 0:
+      return
+    self.log.touch_rows(self, r)
+    self.block[r, cols] = blocks
+    self.start[r, cols] = 0
+    self.length[r, cols] = 1
+    self.num_segments[r] += 1
+    self.seq_len[r] += 1
+    self.table_refs[blocks] += 1
+    self.num_table_blocks += int(r.size)
+    self.tail_block[r] = blocks
+    self.tail_end[r] = 1
+    self.tail_limit[r] = self.config.block_size  # the block's other slots are free
 
   def open_row(self, row: int, block: np.ndarray, start: np.ndarray,
                length: np.ndarray, *, tail_taken: bool = False) -> None:

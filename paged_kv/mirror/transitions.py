@@ -307,9 +307,7 @@ def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
     g = np.flatnonzero(fresh)  # ascending: the lowest free blocks in batch order
     new = h.free.lowest(nf)
     h.take_blocks(new, _prefix_words(1, w))
-    ones = np.ones(nf, np.int64)
-    h.extend_rows(row[g], tail[g], np.zeros(nf, np.int64), _arange(nf), ns[g], new, ones, ones,
-                  ones, one_fresh=True)
+    h.start_tails(row[g], ns[g], new)
     slot_idx[g, 0] = new * bs
   return np.flatnonzero(other)
 
