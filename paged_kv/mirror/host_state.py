@@ -33,6 +33,8 @@ from paged_kv.mirror.ids import aggregate, distinct_mask, sum_by_id  # noqa: F40
 
 _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.setflags(write=False)
+# `change_refs` of at most this many entries takes the plain-Python path.
+SMALL_CHANGES = 32
 _SLOT_RANGES: dict[int, np.ndarray] = {}
 
 
@@ -43,8 +45,6 @@ def _slot_range(block_size: int) -> np.ndarray:
     a = _SLOT_RANGES[block_size] = np.arange(block_size, dtype=np.int64)
     a.setflags(write=False)
   return a
-# `change_refs` of at most this many entries takes the plain-Python path.
-SMALL_CHANGES = 32
 
 
 class HostState:
