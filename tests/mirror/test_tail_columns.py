@@ -39,8 +39,9 @@ def _random_op(h: HostState, rng: np.random.Generator) -> str:
       grid[:, 0, :k] = np.stack([h.block[src, :k], h.start[src, :k], h.length[src, :k]])
       if k and rng.random() < 0.5:
         grid[2, 0, k - 1] = max(1, grid[2, 0, k - 1] - int(rng.integers(0, 3)))
-    T.open_rows(h, np.array([int(rng.choice(dead)), -1]), grid[0], grid[1], grid[2],
-                np.array([k, 0]))
+    b = int(rng.integers(1, 3))  # one row (`open_row`) or a batch (`write_rows`)
+    T.open_rows(h, np.array([int(rng.choice(dead)), -1][:b]), grid[0, :b], grid[1, :b],
+                grid[2, :b], np.array([k, 0][:b]))
   elif op == "reserve" and live.size:
     ids = rng.choice(live, size=min(live.size, int(rng.integers(1, 4))), replace=False)
     T.reserve(h, ids, rng.integers(0, 2 * bs, ids.size), max_new_tokens=2 * bs,
@@ -57,7 +58,8 @@ def _random_op(h: HostState, rng: np.random.Generator) -> str:
     T.fork(h, np.array([int(rng.choice(live))]), np.array([int(rng.choice(dead))]))
   elif op == "cow" and live.size:
     h.log.reset(h)  # a window without earlier page work
-    T.cow_split(h, rng.choice(live, size=min(2, live.size), replace=False), atomic=False)
+    k = min(int(rng.integers(1, 3)), live.size)  # one row (`move_tail`) or a batch
+    T.cow_split(h, rng.choice(live, size=k, replace=False), atomic=False)
   return op
 
 
@@ -93,9 +95,11 @@ class TailColumnsTest(parameterized.TestCase):
     grow, held = HostState.grow_in_place, open_row.open_held
 
     def counted(name, fn):
-      def wrapper(*args, **kwargs):
+      def wrapper(h, *args, **kwargs):
         calls[name] += 1
-        return fn(*args, **kwargs)
+        out = fn(h, *args, **kwargs)
+        self.assertEqual(h.tail_differences(), [], name)  # at once: a later call may mend it
+        return out
       return wrapper
 
     HostState.grow_in_place = counted("grow_in_place", grow)
