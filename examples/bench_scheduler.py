@@ -5,8 +5,13 @@ math): `--batch` sequences always running (a finished one is replaced by a new
 request sharing a system prompt with the others, so admission, prefix matching,
 cache insertion, release and eviction all run in the timed steps), on pools of
 `--pools` blocks. Per configuration it reports the median and p90 wall time of
-`step()` over `--steps` steps after a warm-up, and the part spent inside the
-executor's step (the rest is the scheduler's host logic).
+`step()` over `--steps` steps after a warm-up, the part spent inside the
+executor's step, and the part spent in the pool's commits (the jitted program that
+applies the mirror's changes on the device, `paged_kv.core.commit`). Both are
+device work, timed until done: on this CPU XLA runs them on the calling thread, on
+a GPU they are asynchronous launches. `host` is the rest: the scheduler's and the
+mirror's own work, what issue T counts ("count the host-side work"); `host+commit`
+is the older figure (the step minus the executor only), kept for comparison.
 
 `--reserve=host` (the default) runs the serving loop's step as `ModelExecutor`
 does: the host reserves on its mirror and commits, the executor's jitted step
@@ -44,6 +49,7 @@ import numpy as np
 from absl import app, flags
 
 import paged_kv
+from paged_kv import pool as pool_module
 from paged_kv.runtime import compile_cache
 from paged_kv.serving import serving_bench
 from paged_kv.serving.executor import DryExecutor
@@ -101,6 +107,34 @@ class _StatsTimer:
     metrics.step_stats_host = self._compute
 
 
+class _CommitTimer:
+  """Accumulates the seconds of the pool's commits (`paged_kv.pool.commit`, each
+  waited for: device work, like the executor's step)."""
+
+  def __init__(self):
+    self.seconds = 0.0
+    self.calls = 0
+    self._commit = pool_module.commit
+
+  def __enter__(self):
+    timer, inner = self, self._commit
+
+    def commit(*args, **kwargs):
+      t0 = time.perf_counter()
+      out = inner(*args, **kwargs)
+      jax.block_until_ready(out)
+      timer.seconds += time.perf_counter() - t0
+      timer.calls += 1
+      return out
+
+    commit.lower = inner.lower  # a warm-up lowers the program ahead
+    pool_module.commit = commit
+    return self
+
+  def __exit__(self, *exc):
+    pool_module.commit = self._commit
+
+
 class TimedExecutor(DryExecutor):
   """`DryExecutor` that accumulates the seconds spent in its `step` (results ready)."""
 
@@ -120,8 +154,8 @@ class TimedExecutor(DryExecutor):
 
 def _run(num_blocks: int, batch: int, mode: str, seed: int
          ) -> tuple[float, float, float, float, int]:
-  """(median step ms, p90 step ms, median executor ms, mean cheap-stats ms per step,
-  the figures' final interval in steps) of one configuration."""
+  """What `FIELDS` names, of one configuration (step, executor and commit times
+  are medians over the steps; a step's commit time is its commits' sum)."""
   bs = _BLOCK_SIZE.value
   config = paged_kv.PoolConfig(num_blocks=num_blocks, block_size=bs, num_layers=1,
                                num_kv_heads=1, head_dim=2, dtype="bfloat16",
@@ -137,27 +171,31 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
   for _ in range(_WARMUP.value):
     top_up(sched)
     sched.step()
-  times, exec_times = [], []
+  times, exec_times, commit_times, host_times = [], [], [], []
   before = sched.runtime
-  with _StatsTimer() as timer:
+  with _StatsTimer() as timer, _CommitTimer() as commits:
     for _ in range(_STEPS.value):
       top_up(sched)
-      executor.seconds = 0.0
+      executor.seconds = commits.seconds = 0.0
       t0 = time.perf_counter()
       sched.step()
       times.append(time.perf_counter() - t0)
       exec_times.append(executor.seconds)
+      commit_times.append(commits.seconds)
+      host_times.append(times[-1] - executor.seconds - commits.seconds)
+    num_commits = commits.calls
   traffic = sched.runtime.since(before)
   sched.check_invariants()
   return (1e3 * statistics.median(times), 1e3 * float(np.percentile(times, 90)),
           1e3 * statistics.median(exec_times), 1e3 * timer.seconds / _STEPS.value,
           sched.stats_interval if mode != "off" else 0,
           traffic.bookkeeping_dispatches / _STEPS.value, traffic.blocking_reads / _STEPS.value,
-          sched.stats.compiles_after_warmup)
+          sched.stats.compiles_after_warmup, 1e3 * statistics.median(commit_times),
+          1e3 * statistics.median(host_times), num_commits / _STEPS.value)
 
 
 FIELDS = ("step_ms", "p90_ms", "executor_ms", "stats_ms", "stats_every", "dispatches",
-          "reads", "compiles")
+          "reads", "compiles", "commit_ms", "host_ms", "commits")
 """What `_run` returns, in order (per step)."""
 
 
@@ -177,31 +215,38 @@ def main(argv):
       out = _run(num_blocks, batch, mode, _SEED.value + r)
       runs[(batch, num_blocks, mode)].append(out)
       print(f"round {r} batch {batch:4d} pool {num_blocks:8d} {mode:6s}: step {out[0]:7.3f} ms "
-            f"(p90 {out[1]:7.3f}), executor {out[2]:7.3f} ms, stats {out[3]:6.3f} ms", flush=True)
+            f"(p90 {out[1]:7.3f}), executor {out[2]:7.3f} ms, commit {out[8]:7.3f} ms, "
+            f"host {out[9]:7.3f} ms, stats {out[3]:6.3f} ms", flush=True)
   print("\nHost time per scheduler step (ms; median of "
         f"{_REPEATS.value} rounds x {_STEPS.value} steps; DryExecutor, --reserve="
         f"{_RESERVE.value}). 'executor': its jitted step (the in-place growth, or the "
-        "reserve), waited for (device work; on this CPU it runs on the host), 'host': the "
-        "rest; 'stats': the cheap figures' host ms per step (timed directly), 'share': of "
-        "the rest of the step, 'every': their interval in steps at the end; 'bk/step': "
-        "bookkeeping dispatches per step, 'reads/step': blocking host reads per step, "
-        "'compiles': after warm-up; ratios paired per round, median [min-max]")
+        "reserve), waited for (device work; on this CPU it runs on the host); 'commit': "
+        "the pool's commits of the step (the jitted program applying the mirror's "
+        "changes), waited for (device work too), 'commits': their number per step; "
+        "'host': the step's own host work, step - executor - commit per step (issue T's "
+        "host time); 'host+commit': step - executor (the older 'host' figure); 'stats': "
+        "the cheap figures' host ms per step (timed directly), 'share': of the rest of "
+        "the step, 'every': their interval in steps at the end; 'bk/step': bookkeeping "
+        "dispatches per step, 'reads/step': blocking host reads per step, 'compiles': "
+        "after warm-up; ratios paired per round, median [min-max]")
   print(f"{'batch':>5} {'blocks':>8} {'mode':>6} {'step':>8} {'p90':>8} {'executor':>8} "
-        f"{'host':>8} {'stats':>7} {'share':>6} {'every':>5} {'vs smallest pool':>24} "
+        f"{'commit':>7} {'commits':>7} {'host':>8} {'host+commit':>11} {'stats':>7} "
+        f"{'share':>6} {'every':>5} {'vs smallest pool':>24} "
         f"{'vs off':>24} {'bk/step':>7} {'reads/step':>10} {'compiles':>8}")
   smallest = int(_POOLS.value[0])
   for batch, n, mode in configs:
     mine = runs[(batch, n, mode)]
-    med, p90, ex, tel, every, disp, reads, comp = (statistics.median(x) for x in zip(*mine))
+    (med, p90, ex, tel, every, disp, reads, comp, cm, host,
+     ncm) = (statistics.median(x) for x in zip(*mine))
     vs_small = records.format_median_range(
         [a[0] / b[0] for a, b in zip(mine, runs[(batch, smallest, mode)])], suffix="x")
     off = runs.get((batch, n, "off"))
     vs_off = (records.format_median_range([a[0] / b[0] for a, b in zip(mine, off)], suffix="x")
               if off else "-")
     share = 100 * tel / max(med - tel, 1e-9)
-    print(f"{batch:5d} {n:8d} {mode:>6} {med:8.3f} {p90:8.3f} {ex:8.3f} {med - ex:8.3f} "
-          f"{tel:7.3f} {share:5.1f}% {every:5.0f} {vs_small:>24} {vs_off:>24} {disp:7.2f} "
-          f"{reads:10.2f} {comp:8.0f}")
+    print(f"{batch:5d} {n:8d} {mode:>6} {med:8.3f} {p90:8.3f} {ex:8.3f} {cm:7.3f} {ncm:7.2f} "
+          f"{host:8.3f} {med - ex:11.3f} {tel:7.3f} {share:5.1f}% {every:5.0f} {vs_small:>24} "
+          f"{vs_off:>24} {disp:7.2f} {reads:10.2f} {comp:8.0f}")
   rec.write({"steps": _STEPS.value, "warmup": _WARMUP.value, "repeats": _REPEATS.value,
              "runs": [dict(batch=b, num_blocks=n, mode=m,
                            rounds=[dict(zip(FIELDS, out)) for out in runs[(b, n, m)]])

@@ -6,7 +6,11 @@ What is mirrored: `BlockMeta.ref_count`, `slots`, `region` and the free index
 logical clock `step`. Not mirrored: the K/V pages (data, not bookkeeping) and
 `last_use` (read only by device-side metrics; the commit stamps touched blocks
 with the step). Derived and kept up to date: `table_refs[b]`, the live table
-segments on block `b` (what eviction and `apply_ref_deltas` check against).
+segments on block `b` (what eviction and `apply_ref_deltas` check against), and
+each row's tail facts (`tail_block`, `tail_end`, `tail_limit`: what a reservation
+reads of every row every step), changed only for the rows a mutator changes and
+checked against the tables by `tail_differences` (so by `differences`, debug mode's
+compare).
 
 Every change goes through a mutator (`change_refs`, `take_blocks`, `set_slots`,
 `write_rows`, `extend_rows`, `copy_slots`, `move_pages`), which
@@ -31,6 +35,16 @@ _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.setflags(write=False)
 # `change_refs` of at most this many entries takes the plain-Python path.
 SMALL_CHANGES = 32
+_SLOT_RANGES: dict[int, np.ndarray] = {}
+
+
+def _slot_range(block_size: int) -> np.ndarray:
+  """`np.arange(block_size)` (int64), cached (read only)."""
+  a = _SLOT_RANGES.get(block_size)
+  if a is None:
+    a = _SLOT_RANGES[block_size] = np.arange(block_size, dtype=np.int64)
+    a.setflags(write=False)
+  return a
 
 
 class HostState:
@@ -42,6 +56,11 @@ class HostState:
     block, start, length: `i32[S, M]`; num_segments, seq_len: `i32[S]`;
     active: `bool[S]`: the segment tables.
     table_refs: `i32[n]` live table segments per block (derived).
+    tail_block, tail_end, tail_limit: `i32[S]` per row (derived, `row_tails`): its
+      tail segment's block, the slot after it, and the end of the free slots from
+      there on (`tail_limit - tail_end` of them, 0 unless the row is active with a
+      segment on a dynamic block): what the reservation's in-place rule reads (the
+      block's `ref_count == 1`, the rule's last part, is read where it is used).
     num_table_blocks: blocks with `table_refs > 0` (derived).
     num_free_base: free base-region blocks (derived).
     step: the logical clock (`PoolState.step`).
@@ -69,6 +88,8 @@ class HostState:
     self.num_free_base = int(np.count_nonzero((self.ref_count == 0)
                                               & (self.region == REGION_BASE)))
     self.stamp = np.zeros(config.num_blocks, np.int64)  # scratch of `distinct_mask`
+    self.tail_block, self.tail_end, self.tail_limit = self.row_tails(
+        np.arange(config.max_seqs, dtype=np.int64))
     self.log = log if log is not None else ChangeLog(config)
     self.log.reset(self)
 
@@ -129,6 +150,63 @@ class HostState:
     out[:, 0] = self.block[row, :k]
     out[:, 1] = self.start[row, :k]
     out[:, 2] = self.length[row, :k]
+    return out
+
+  def row_tails(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(tail_block, tail_end, tail_limit)` of `rows` (`i64[R]`) from the tables,
+    `i32[R]` each: the block of the row's last segment (column 0's for a row
+    without one), the slot after that segment, and the next written slot after it
+    or the block's end when the row is active with a segment on a dynamic block
+    (else `tail_end`): the row's room is `tail_limit - tail_end`. A reservation
+    grows a row in place iff it has room and its tail block has one reference
+    (`mirror.transitions`); growing keeps the limit."""
+    c = self.config
+    bs, m = c.block_size, c.max_segments
+    ns = self.num_segments[rows]
+    at = rows * m + np.maximum(ns - 1, 0)
+    tb = self.block.reshape(-1)[at]
+    end = self.start.reshape(-1)[at] + self.length.reshape(-1)[at]
+    i = _slot_range(bs)
+    words = self.slots[tb]
+    bits = ((words[:, i // 32] >> (i % 32).astype(np.uint32)) & 1).astype(bool)
+    first = np.min(np.where(bits & (i[None, :] >= end[:, None]), i, bs), axis=1)
+    live = (ns > 0) & self.active[rows] & (self.region[tb] == REGION_DYNAMIC)
+    limit = np.where(live, first, end)
+    return tb.astype(np.int32), end.astype(np.int32), limit.astype(np.int32)
+
+  def refresh_tail(self, row: int) -> None:
+    """`row_tails` of one row into the tail columns, in plain Python (after a
+    mutator rewrote the row)."""
+    ns = self.num_segments.item(row)
+    col = max(ns - 1, 0)
+    tb = self.block.item(row, col)
+    end = self.start.item(row, col) + self.length.item(row, col)
+    limit = end
+    if ns > 0 and self.active.item(row) and self.region.item(tb) == REGION_DYNAMIC:
+      if self.config.slot_words == 1:
+        bits = self.slots.item(tb, 0)
+      else:
+        bits = 0
+        for k, word in enumerate(self.slots[tb].tolist()):
+          bits |= word << (32 * k)
+      after = bits >> end
+      limit = end + (after & -after).bit_length() - 1 if after else self.config.block_size
+    self.tail_block[row] = tb
+    self.tail_end[row] = end
+    self.tail_limit[row] = limit
+
+  def _refresh_tails(self, rows: np.ndarray) -> None:
+    """`row_tails` of `rows` (`i64[R]`) into the tail columns."""
+    self.tail_block[rows], self.tail_end[rows], self.tail_limit[rows] = self.row_tails(rows)
+
+  def tail_differences(self) -> list[str]:
+    """The tail columns that differ from `row_tails` of the tables (empty: none)."""
+    want = self.row_tails(np.arange(self.config.max_seqs, dtype=np.int64))
+    out = []
+    for name, col, w in zip(("tail_block", "tail_end", "tail_limit"),
+                            (self.tail_block, self.tail_end, self.tail_limit), want):
+      if not np.array_equal(col, w):
+        out.append(f"{name} (column != tables at rows {np.flatnonzero(col != w)[:4].tolist()})")
     return out
 
   def dynamic(self, blocks: np.ndarray) -> np.ndarray:
@@ -333,6 +411,7 @@ class HostState:
     new_used = self.used_mask(r)
     new_blocks = self.block[r][new_used]
     self._change_table_refs(old_blocks, new_blocks)
+    self._refresh_tails(r)
 
   def _change_table_refs(self, old_blocks: np.ndarray, new_blocks: np.ndarray) -> None:
     """`table_refs` loses one per `old_blocks` entry and gains one per `new_blocks`
@@ -382,6 +461,27 @@ class HostState:
     self.seq_len[r] += add_tokens.astype(np.int32)
     self.table_refs[cell_blocks] += 1
     self.num_table_blocks += int(np.asarray(cell_blocks).size)
+    self._refresh_tails(r)
+
+  def start_tails(self, rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray) -> None:
+    """One token more in each of `rows` (distinct, live), at slot 0 of its own fresh
+    block `blocks[i]` (distinct, taken with that slot set), a new segment at column
+    `cols[i]` (the row's `num_segments`): `extend_rows` of a decode step's rows that
+    start a block, whose tail facts follow without reading the tables."""
+    r = np.asarray(rows, np.int64)
+    if r.size == 0:
+      return
+    self.log.touch_rows(self, r)
+    self.block[r, cols] = blocks
+    self.start[r, cols] = 0
+    self.length[r, cols] = 1
+    self.num_segments[r] += 1
+    self.seq_len[r] += 1
+    self.table_refs[blocks] += 1
+    self.num_table_blocks += int(r.size)
+    self.tail_block[r] = blocks
+    self.tail_end[r] = 1
+    self.tail_limit[r] = self.config.block_size  # the block's other slots are free
 
   def open_row(self, row: int, block: np.ndarray, start: np.ndarray,
                length: np.ndarray, *, tail_taken: bool = False) -> None:
@@ -398,6 +498,7 @@ class HostState:
     self.num_segments[row] = k
     self.seq_len[row] = int(length.sum())
     self.active[row] = True
+    self.refresh_tail(row)
     if not k:
       return
     refs = block[:-1] if tail_taken else block
@@ -435,6 +536,7 @@ class HostState:
     k = int(blocks.size)
     if grow:
       self.length[row, tail] += grow
+      self.tail_end[row] += grow  # into the room after the tail (the caller's)
     if k:
       self.block[row, ns:ns + k] = blocks
       self.start[row, ns:ns + k] = 0
@@ -442,6 +544,10 @@ class HostState:
       self.num_segments[row] = ns + k
       self.table_refs[blocks] += 1
       self.num_table_blocks += k
+      last = int(lengths[-1])  # the last fresh block: `last` slots from 0, the rest free
+      self.tail_block[row] = int(blocks[-1])
+      self.tail_end[row] = last
+      self.tail_limit[row] = self.config.block_size
     self.seq_len[row] += tokens
 
   def release_row(self, row: int) -> None:
@@ -457,6 +563,7 @@ class HostState:
     self.num_segments[row] = 0
     self.seq_len[row] = 0
     self.active[row] = False
+    self.tail_block[row] = self.tail_end[row] = self.tail_limit[row] = 0  # row_tails of a cleared row
     if ns <= SMALL_CHANGES:
       self._change_table_refs(blocks, blocks[:0])
       self.change_refs(blocks, -1)
@@ -485,6 +592,7 @@ class HostState:
       self.num_segments[x] = 0
       self.seq_len[x] = 0
       self.active[x] = False
+      self.tail_block[x] = self.tail_end[x] = self.tail_limit[x] = 0  # row_tails of a cleared row
     held = np.array(held, np.int64)
     ref = self.ref_count
     # No count leaves 0 upwards (increfs are on live blocks): only frees to follow,
@@ -523,16 +631,19 @@ class HostState:
     self.block[row, tail] = block
     self.start[row, tail] = 0
     self._change_table_refs(np.array([old], np.int64), np.array([block], np.int64))
+    self.refresh_tail(row)
 
   def grow_tails(self, rows: np.ndarray, tail: np.ndarray) -> None:
     """One more token in the tail segment (column `tail`) of each of `rows`
-    (distinct; the slot itself is the caller's `set_slots`)."""
+    (distinct, each with room after its tail: `tail_limit > tail_end`; the slot itself is
+    the caller's `set_slots`)."""
     r = np.asarray(rows, np.int64)
     if r.size == 0:
       return
     self.log.touch_rows(self, r)
     self.length[r, tail] += 1
     self.seq_len[r] += 1
+    self.tail_end[r] += 1
 
   def grow_in_place(self, rows: np.ndarray, tail: np.ndarray, blocks: np.ndarray,
                     pos: np.ndarray) -> None:
@@ -546,6 +657,7 @@ class HostState:
     flat[at] |= np.uint32(1) << (p & 31)
     self.length[rows, tail] += 1
     self.seq_len[rows] += 1
+    self.tail_end[rows] += 1
     self.log.device_growth(blocks, rows.size)
 
   def copy_slots(self, src_block, src_start, dst_block, dst_start, length) -> None:
@@ -572,7 +684,7 @@ class HostState:
                                                   t.num_segments),
              ("seq_len", self.seq_len, t.seq_len), ("active", self.active, t.active),
              ("step", self.step, step)]
-    out = []
+    out = self.tail_differences()  # the host's own derived columns first
     for name, host, dev in pairs:
       host, dev = np.asarray(host), np.asarray(dev)
       if host.shape != dev.shape or not np.array_equal(host, dev):

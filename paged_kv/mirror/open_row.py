@@ -118,6 +118,7 @@ def open_held(h: HostState, row: int, segs: np.ndarray, blocks: np.ndarray, ref:
   h.num_segments[row] = k
   h.seq_len[row] = int(segs[:, 2].sum())
   h.active[row] = True
+  h.refresh_tail(row)  # the row's tail columns (host_state.HostState.row_tails)
   if refs:
     # Live blocks (held: `ref > tr >= 0`), so no count leaves 0: the free index stays.
     blk = blocks[:refs]
@@ -151,6 +152,7 @@ def open_many_held(h: HostState, rows: np.ndarray, segs: list[np.ndarray], block
     h.num_segments[row] = k
     h.seq_len[row] = sum(x[:, 2].tolist())
     h.active[row] = True
+    h.refresh_tail(row)  # the row's tail columns (host_state.HostState.row_tails)
   if not blocks.size:
     return
   # Held blocks (`ref > tr >= 0`): no count leaves 0, so the free index stays.

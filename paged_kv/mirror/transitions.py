@@ -272,18 +272,9 @@ def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
   one &= ~_repeated(ids)
   ns = h.num_segments[row]
   tail = np.maximum(ns - 1, 0)  # num_segments <= max_segments
-  flat = row * m + tail
-  tb = h.block.reshape(-1)[flat]
-  pos = h.start.reshape(-1)[flat] + h.length.reshape(-1)[flat]
-  cp = np.minimum(pos, bs - 1).astype(np.uint32)
-  if w == 1:
-    word = h.slots.reshape(-1)[tb]
-  else:
-    word = h.slots.reshape(-1)[tb * w + (cp >> 5)]
-  room = ((word >> (cp & 31)) & 1) == 0
-  room &= (pos < bs) & (ns > 0)
-  room &= h.ref_count[tb] == 1
-  room &= h.region[tb] == REGION_DYNAMIC
+  tb = h.tail_block[row]  # the rows' tail facts, kept by the mirror (`HostState.row_tails`)
+  pos = h.tail_end[row]
+  room = (h.tail_limit[row] > pos) & (h.ref_count[tb] == 1)
   in_place = one & room
   fresh = one & ~room & (ns < m)
   other = (ids != -1) & ~in_place & ~fresh
@@ -316,9 +307,7 @@ def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
     g = np.flatnonzero(fresh)  # ascending: the lowest free blocks in batch order
     new = h.free.lowest(nf)
     h.take_blocks(new, _prefix_words(1, w))
-    ones = np.ones(nf, np.int64)
-    h.extend_rows(row[g], tail[g], np.zeros(nf, np.int64), _arange(nf), ns[g], new, ones, ones,
-                  ones)
+    h.start_tails(row[g], ns[g], new)
     slot_idx[g, 0] = new * bs
   return np.flatnonzero(other)
 
@@ -936,14 +925,8 @@ def _reserve_one(h: HostState, i: int, count: int,
     return slot_idx, np.array([_INVALID_COUNT], np.int32)
   ns = int(h.num_segments[i])
   tail = min(max(ns - 1, 0), m - 1)
-  tb = int(h.block[i, tail])
-  pos = int(h.start[i, tail]) + int(h.length[i, tail])
-  room = 0
-  if ns > 0 and int(h.ref_count[tb]) == 1 and int(h.region[tb]) == REGION_DYNAMIC:
-    tail_bits = _words_to_int(h.slots[tb])
-    after = tail_bits >> pos
-    room = ((after & -after).bit_length() - 1) if after else bs - pos
-    room = max(min(room, bs - pos), 0)
+  tb, pos = h.tail_block.item(i), h.tail_end.item(i)
+  room = h.tail_limit.item(i) - pos if h.ref_count.item(tb) == 1 else 0
   in_place = min(count, room)
   rest = count - in_place
   need = _cdiv(rest, bs)
@@ -958,7 +941,7 @@ def _reserve_one(h: HostState, i: int, count: int,
   if in_place:
     out[:in_place] = np.arange(tb * bs + pos, tb * bs + pos + in_place)
     h.set_slots(np.array([tb], np.int64),
-                _int_to_words(tail_bits | _mask_int(pos, in_place), w)[None, :])
+                _int_to_words(_words_to_int(h.slots[tb]) | _mask_int(pos, in_place), w)[None, :])
   fresh, lengths = _NO_BLOCKS, _NO_BLOCKS
   if need:
     fresh, lengths = _take_fresh(h, need, rest)
@@ -988,7 +971,8 @@ def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
   seen: set[int] = set()
   num_free = h.free.num_free
   wanted = 0  # blocks the valid rows so far ask for
-  active = h.active
+  active, ref_count = h.active, h.ref_count
+  tail_block, tail_end, tail_limit = h.tail_block, h.tail_end, h.tail_limit
   for j, (i, count) in enumerate(zip(ids, counts)):
     if i == -1:
       continue
@@ -1002,14 +986,8 @@ def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
       continue
     ns = int(h.num_segments[i])
     tail = max(ns - 1, 0)
-    tb = int(h.block[i, tail])
-    pos = int(h.start[i, tail]) + int(h.length[i, tail])
-    room = 0
-    if ns > 0 and int(h.ref_count[tb]) == 1 and int(h.region[tb]) == REGION_DYNAMIC:
-      tail_bits = _words_to_int(h.slots[tb])
-      after = tail_bits >> pos
-      room = ((after & -after).bit_length() - 1) if after else bs - pos
-      room = max(min(room, bs - pos), 0)
+    tb, pos = tail_block.item(i), tail_end.item(i)
+    room = tail_limit.item(i) - pos if ref_count.item(tb) == 1 else 0
     in_place = min(count, room)
     rest = count - in_place
     need = -(-rest // bs)
@@ -1026,7 +1004,8 @@ def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
     if in_place:
       out[:in_place] = _arange(in_place) + (tb * bs + pos)
       h.set_slots(np.array([tb], np.int64),
-                  _int_to_words(tail_bits | _mask_int(pos, in_place), c.slot_words)[None, :])
+                  _int_to_words(_words_to_int(h.slots[tb]) | _mask_int(pos, in_place),
+                                c.slot_words)[None, :])
     fresh, lengths = _NO_BLOCKS, _NO_BLOCKS
     if need:
       fresh, lengths = _take_fresh(h, need, rest)

@@ -227,42 +227,50 @@ def _token_slots_host(plan: StepPlan, slot_idx: np.ndarray,
                       status: np.ndarray) -> np.ndarray | None:
   """`token_slots(np, ...)` in a few numpy calls over the rows and their tokens (not
   `B x W` nor a search per token): row b's first `num_new[b]` slots, laid out row
-  after row. None when a row asks for more tokens than `slot_idx` is wide, for a
-  negative count, or when the tokens exceed `T` (the general form decides those)."""
+  after row. The leading one-token rows (a step's decode rows) in one pass, the rows
+  after them one at a time when they are few (a step's prompt chunks and padding),
+  else in a repeat form. None when a row asks for more tokens than `slot_idx` is
+  wide, for a negative count, or when the tokens exceed `T` (the general form
+  decides those)."""
   num_new = np.asarray(plan.num_new)
   b, width = slot_idx.shape
-  out = np.full(plan.tokens.shape[0], -1, np.int32)
+  t = plan.tokens.shape[0]
+  out = np.full(t, -1, np.int32)
   ok = (np.asarray(plan.seq_ids) >= 0) & (status == int(Status.OK))
-  if width == 1:  # a decode step: one slot per row with a token
-    if num_new.min(initial=0) < 0 or num_new.max(initial=0) > 1:
-      return None
-    picked = np.where(ok, slot_idx[:, 0], -1)[num_new == 1]
-  else:
-    if num_new.min(initial=0) < 0 or num_new.max(initial=0) > width or b > _ARANGE.size:
-      return None
-    ends = np.cumsum(num_new)
-    total = int(ends[-1])
-    if total > out.size or total > _ARANGE.size:
-      return None
-    big = np.flatnonzero(num_new > 1)
-    if big.size <= _FEW_WIDE_ROWS:  # decode rows, and a few prompt chunks one at a time
-      one = num_new == 1
-      out[ends[one] - 1] = np.where(ok[one], slot_idx[one, 0], -1)
-      for i, end, n in zip(big.tolist(), ends[big].tolist(), num_new[big].tolist()):
-        if ok[i]:
-          out[end - n:end] = slot_idx[i, :n]
-      return out
-    rows = np.repeat(_ARANGE[:b], num_new)
-    j = _ARANGE[:total] - np.repeat(ends - num_new, num_new)
-    picked = np.where(ok[rows], slot_idx[rows, j], -1)
-  if picked.size > out.size:
+  other = num_new != 1
+  nd = int(other.argmax())  # rows before the first that is not one token
+  if not other[nd]:
+    nd = b
+  if nd > t:
     return None
-  out[:picked.size] = picked
+  out[:nd] = np.where(ok[:nd], slot_idx[:nd, 0], -1)
+  if nd == b:
+    return out
+  rest = num_new[nd:]
+  live = np.flatnonzero(rest)
+  if live.size <= _FEW_WIDE_ROWS:  # decode rows, then a few prompt chunks (and padding)
+    pos = nd
+    for i, n in zip((live + nd).tolist(), rest[live].tolist()):
+      if n < 0 or n > width or pos + n > t:
+        return None
+      if ok[i]:
+        out[pos:pos + n] = slot_idx[i, :n]
+      pos += n
+    return out
+  if num_new.min() < 0 or num_new.max() > width or b > _ARANGE.size:
+    return None
+  ends = np.cumsum(num_new)
+  total = int(ends[-1])
+  if total > t or total > _ARANGE.size:
+    return None
+  rows = np.repeat(_ARANGE[:b], num_new)
+  j = _ARANGE[:total] - np.repeat(ends - num_new, num_new)
+  out[:total] = np.where(ok[rows], slot_idx[rows, j], -1)
   return out
 
 
 _ARANGE = np.arange(1 << 16)
-_FEW_WIDE_ROWS = 16  # rows of several tokens that `_token_slots_host` copies one by one
+_FEW_WIDE_ROWS = 16  # rows after the leading one-token ones that `_token_slots_host` copies one by one
 
 
 def _build(xp, plan: StepPlan, table: SegmentTable, status, slot_mapping) -> dict:

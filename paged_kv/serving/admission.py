@@ -31,7 +31,6 @@ from typing import NamedTuple
 import numpy as np
 
 from paged_kv.core.errors import InvalidArgument, PagedKVError, PoolExhausted
-from paged_kv.core.state import REGION_DYNAMIC
 from paged_kv.serving import parallel_sampling
 from paged_kv.serving.cached_pool import CachedPool
 from paged_kv.serving.eviction import Evictor
@@ -363,17 +362,8 @@ class Admission:
     ids = t.seq_id[order[t.num_cached[order] >= t.prefill_target[order]]]
     if not ids.size:
       return 0
-    h, c = self.pool.host, self.pool.config
-    bs, w = c.block_size, c.slot_words
-    ns = h.num_segments[ids]
-    flat = ids * c.max_segments + np.maximum(ns - 1, 0)  # the tails, in the flat tables
-    tb = h.block.reshape(-1)[flat].astype(np.intp)
-    pos = h.start.reshape(-1)[flat] + h.length.reshape(-1)[flat]
-    cp = np.minimum(pos, bs - 1).astype(np.uint32)
-    word = h.slots.reshape(-1)[tb * w + (cp >> 5) if w > 1 else tb]
-    free_slot = ((word >> (cp & 31)) & 1) == 0
-    room = (free_slot & (pos < bs) & (ns > 0) & (h.ref_count[tb] == 1)
-            & (h.region[tb] == REGION_DYNAMIC))
+    h = self.pool.host
+    room = (h.tail_limit[ids] > h.tail_end[ids]) & (h.ref_count[h.tail_block[ids]] == 1)
     return int(np.count_nonzero(~room))
 
   # ------------------------------------------------------------------ the output reserve

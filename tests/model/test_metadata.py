@@ -169,6 +169,10 @@ class StepMetadataTest(chex.TestCase):
     for _ in range(400):
       b, w = int(rng.integers(1, 40)), int(rng.choice([1, 2, 5, 16]))
       num_new = rng.integers(0, w + 1, b).astype(np.int32)
+      if rng.random() < 0.5:  # a step's layout: one-token rows, then chunks, then padding
+        nd, nc = int(rng.integers(0, b + 1)), int(rng.integers(0, 6))
+        num_new[:nd] = 1
+        num_new[nd + nc:] = 0
       if rng.random() < 0.1:
         num_new[rng.integers(0, b)] = w + 2  # wider than slot_idx: the general form
       seq_ids = rng.integers(-1, 30, b).astype(np.int32)
