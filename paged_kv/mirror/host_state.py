@@ -29,22 +29,12 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
 from paged_kv.mirror.changes import ChangeLog
 from paged_kv.mirror.free_index import HostFreeIndex
-from paged_kv.mirror.ids import aggregate, distinct_mask, sum_by_id  # noqa: F401 (re-exported)
+from paged_kv.mirror.ids import aggregate, arange, distinct_mask, sum_by_id, words_to_int  # noqa: F401 (re-exported)
 
 _NO_IDS = np.zeros(0, np.int64)
 _NO_IDS.setflags(write=False)
 # `change_refs` of at most this many entries takes the plain-Python path.
 SMALL_CHANGES = 32
-_SLOT_RANGES: dict[int, np.ndarray] = {}
-
-
-def _slot_range(block_size: int) -> np.ndarray:
-  """`np.arange(block_size)` (int64), cached (read only)."""
-  a = _SLOT_RANGES.get(block_size)
-  if a is None:
-    a = _SLOT_RANGES[block_size] = np.arange(block_size, dtype=np.int64)
-    a.setflags(write=False)
-  return a
 
 
 class HostState:
@@ -166,7 +156,7 @@ class HostState:
     at = rows * m + np.maximum(ns - 1, 0)
     tb = self.block.reshape(-1)[at]
     end = self.start.reshape(-1)[at] + self.length.reshape(-1)[at]
-    i = _slot_range(bs)
+    i = arange(bs)
     words = self.slots[tb]
     bits = ((words[:, i // 32] >> (i % 32).astype(np.uint32)) & 1).astype(bool)
     first = np.min(np.where(bits & (i[None, :] >= end[:, None]), i, bs), axis=1)
@@ -183,12 +173,8 @@ class HostState:
     end = self.start.item(row, col) + self.length.item(row, col)
     limit = end
     if ns > 0 and self.active.item(row) and self.region.item(tb) == REGION_DYNAMIC:
-      if self.config.slot_words == 1:
-        bits = self.slots.item(tb, 0)
-      else:
-        bits = 0
-        for k, word in enumerate(self.slots[tb].tolist()):
-          bits |= word << (32 * k)
+      bits = (self.slots.item(tb, 0) if self.config.slot_words == 1
+              else words_to_int(self.slots[tb]))
       after = bits >> end
       limit = end + (after & -after).bit_length() - 1 if after else self.config.block_size
     self.tail_block[row] = tb

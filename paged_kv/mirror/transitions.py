@@ -21,7 +21,7 @@ from paged_kv.core import compact
 from paged_kv.core.errors import Status
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC
 from paged_kv.mirror.host_state import HostState
-from paged_kv.mirror.ids import distinct_mask, sum_by_id
+from paged_kv.mirror.ids import arange, distinct_mask, sum_by_id, words_to_int
 
 _I32_MAX = np.iinfo(np.int32).max
 # Status codes as plain ints (numpy compares an IntEnum member more slowly).
@@ -763,23 +763,6 @@ def allocate(h: HostState, num: int, *, contiguous: str) -> tuple[np.ndarray, in
 
 
 _NO_BLOCKS = np.zeros(0, np.int64)
-_ARANGES: dict[int, np.ndarray] = {}
-
-
-def _arange(k: int) -> np.ndarray:
-  """`np.arange(k)` (int64), cached (read only)."""
-  a = _ARANGES.get(k)
-  if a is None:
-    a = _ARANGES[k] = np.arange(k, dtype=np.int64)
-    a.setflags(write=False)
-  return a
-
-
-def _words_to_int(words: np.ndarray) -> int:
-  out = 0
-  for k, w in enumerate(words.tolist()):
-    out |= int(w) << (32 * k)
-  return out
 
 
 def _int_to_words(x: int, num_words: int) -> np.ndarray:
@@ -894,7 +877,7 @@ def _check_open_segments(h: HostState, blk: np.ndarray, st: np.ndarray, ln: np.n
     if min(s) < 0 or max(s) >= bs or min(l) < 1 or any(x > bs - y for x, y in zip(l, s)):
       return _INVALID_SEGMENT
     words = h.slots[blk]
-    held = (words[:, 0].tolist() if c.slot_words == 1 else [_words_to_int(w) for w in words])
+    held = (words[:, 0].tolist() if c.slot_words == 1 else [words_to_int(w) for w in words])
     for w, y, x in zip(held, s, l):
       mask = ((1 << x) - 1) << y
       if w & mask != mask:
@@ -941,11 +924,11 @@ def _reserve_one(h: HostState, i: int, count: int,
   if in_place:
     out[:in_place] = np.arange(tb * bs + pos, tb * bs + pos + in_place)
     h.set_slots(np.array([tb], np.int64),
-                _int_to_words(_words_to_int(h.slots[tb]) | _mask_int(pos, in_place), w)[None, :])
+                _int_to_words(words_to_int(h.slots[tb]) | _mask_int(pos, in_place), w)[None, :])
   fresh, lengths = _NO_BLOCKS, _NO_BLOCKS
   if need:
     fresh, lengths = _take_fresh(h, need, rest)
-    out[in_place:count] = (fresh[:, None] * bs + _arange(bs)).reshape(-1)[:rest]
+    out[in_place:count] = (fresh[:, None] * bs + arange(bs)).reshape(-1)[:rest]
   h.extend_row(i, tail, in_place, fresh, lengths, count)
   h.step += 1
   return slot_idx, np.array([_OK], np.int32)
@@ -1002,14 +985,14 @@ def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
       continue
     out = slot_idx[j]
     if in_place:
-      out[:in_place] = _arange(in_place) + (tb * bs + pos)
+      out[:in_place] = arange(in_place) + (tb * bs + pos)
       h.set_slots(np.array([tb], np.int64),
-                  _int_to_words(_words_to_int(h.slots[tb]) | _mask_int(pos, in_place),
+                  _int_to_words(words_to_int(h.slots[tb]) | _mask_int(pos, in_place),
                                 c.slot_words)[None, :])
     fresh, lengths = _NO_BLOCKS, _NO_BLOCKS
     if need:
       fresh, lengths = _take_fresh(h, need, rest)
-      out[in_place:count] = (fresh[:, None] * bs + _arange(bs)).reshape(-1)[:rest]
+      out[in_place:count] = (fresh[:, None] * bs + arange(bs)).reshape(-1)[:rest]
     h.extend_row(i, tail, in_place, fresh, lengths, count)
   return slot_idx, status
 
@@ -1055,7 +1038,7 @@ def _cow_split_one(h: HostState, i: int) -> tuple[np.ndarray, np.ndarray]:
   tail = min(max(ns - 1, 0), m - 1)
   tb = int(h.block[i, tail])
   ts, tl = int(h.start[i, tail]), int(h.length[i, tail])
-  after_busy = (_words_to_int(h.slots[tb]) >> (ts + tl)) != 0
+  after_busy = (words_to_int(h.slots[tb]) >> (ts + tl)) != 0
   blocked = (int(h.ref_count[tb]) > 1 or int(h.region[tb]) != REGION_DYNAMIC or ts > 0
              or after_busy)
   if not (ns > 0 and tl < bs and blocked):
