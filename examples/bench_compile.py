@@ -157,9 +157,9 @@ def _cold_scheduler(model: llama.TinyLlama):
   """A `Scheduler` over `model` with the flags' batch and prefill sizes, every compiled
   program and JAX cache released first (so what follows compiles from nothing)."""
   # pylint: disable=import-outside-toplevel
-  from paged_kv.serving import warmup as warmup_lib
-  from paged_kv.serving.executor import ModelExecutor
-  from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
+  from paged_kv.scheduler import warmup as warmup_lib
+  from paged_kv.scheduler.executor import ModelExecutor
+  from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
   pool_config = _pool_config(model.config)
   sched = Scheduler(paged_kv.BlockPool(pool_config), ModelExecutor(model, pool_config),
                     SchedulerConfig(max_batch=_MAX_BATCH.value,
@@ -186,7 +186,7 @@ def _program_times(model: llama.TinyLlama) -> list[dict]:
   """Each warm-up program lowered and compiled alone, one after the other (every cache
   cleared first): `{"name", "lower_s", "compile_s"}`; programs the warm-up cannot
   lower ahead (they run eagerly: persistence) get their run's time as `compile_s`."""
-  from paged_kv.serving import warmup as warmup_lib  # pylint: disable=import-outside-toplevel
+  from paged_kv.scheduler import warmup as warmup_lib  # pylint: disable=import-outside-toplevel
   sched = _cold_scheduler(model)
   out = []
   for run in warmup_lib.program_runs(sched):

@@ -36,9 +36,9 @@ from absl import app, flags
 import paged_kv
 from paged_kv.model import random_checkpoint
 from paged_kv.model.tokenizer import Tokenizer
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.llm import Engine
-from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.entrypoints.llm import Engine
+from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
 from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_list("batch", ["64", "256"], "Live requests per step.")

@@ -25,9 +25,9 @@ import time
 from absl import app, flags
 
 import paged_kv
-from paged_kv.serving import serving_bench
-from paged_kv.serving.latency_executor import LatencyExecutor
-from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
+from paged_kv.sim import serving_bench
+from paged_kv.scheduler.latency_executor import LatencyExecutor
+from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
 from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_integer("batch", 64, "Running sequences per step.")

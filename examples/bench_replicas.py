@@ -7,7 +7,7 @@ Usage:
 
 The requests of a slice of the Mooncake conversation trace (`--num_requests` rows from
 each of `--offsets`, arrival times from the slice's first row) go end to end through
-`paged_kv.serving.replicas.ReplicaSet`: real processes, each a `Scheduler` with a
+`paged_kv.cluster.replicas.ReplicaSet`: real processes, each a `Scheduler` with a
 `DryExecutor` on its own `BlockPool` and prefix cache, fed over pipes; the router
 (`routing.CacheAwareRouter`, `--load_weight`) probes every replica's cache and
 backlog per request. Nothing about the caches is simulated: the hit tokens are what
@@ -65,12 +65,12 @@ from absl import app, flags
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.runtime import compile_cache
-from paged_kv.serving import traces
-from paged_kv.serving.replay import ReplayConfig, ReplayResult, SimState, serve_tokens
-from paged_kv.serving.replicas import ReplicaRequest, ReplicaSet, ReplicaSpec
-from paged_kv.serving.routing import (CacheAwareRouter, GlobalCache, ReplicaCluster,
+from paged_kv.sim import traces
+from paged_kv.sim.replay import ReplayConfig, ReplayResult, SimState, serve_tokens
+from paged_kv.cluster.replicas import ReplicaRequest, ReplicaSet, ReplicaSpec
+from paged_kv.cluster.routing import (CacheAwareRouter, GlobalCache, ReplicaCluster,
                                       RoutedRequest, ServeOutcome)
-from paged_kv.serving.scheduler import SchedulerConfig
+from paged_kv.scheduler.scheduler import SchedulerConfig
 from radix.cache import PrefixCache
 
 GOAL = 0.95

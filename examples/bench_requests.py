@@ -23,7 +23,7 @@ request at a time. The same requests go through:
   dispatch and no blocking read per request (a request touching more blocks than one
   commit carries, `CommitWidths.block_width`, takes one per chunk);
 * **host**: the same `radix.PrefixCache` over `HostBlockPool` (numpy block accounting,
-  vectorised; `paged_kv.serving.replay.serve_tokens`): the bookkeeping alone;
+  vectorised; `paged_kv.sim.replay.serve_tokens`): the bookkeeping alone;
 * **vLLM / SGLang**: not timed yet. The script reports whether they import (their
   `--no-deps` installs pull in their server stacks; see WORKSPACE_NOTES.md); adapters
   replaying these requests through their prefix-cache + block-pool code are to do.
@@ -154,7 +154,7 @@ def chat_requests(conversations: int, turns: int, seed: int) -> list[Req]:
 
 
 def mooncake_requests(path: str, max_requests: int) -> list[Req]:
-  from paged_kv.serving import traces
+  from paged_kv.sim import traces
   rows = traces.load_mooncake(path, max_requests)
   src = traces.TokenSource(rows)
   return [Req(p, p) for p in (src.prompt(r) for r in rows)]
@@ -163,7 +163,7 @@ def mooncake_requests(path: str, max_requests: int) -> list[Req]:
 # ---------------------------------------------------------------------------- ours
 def make_ours(capacity: int, max_len: int, block_size: int):
   import paged_kv
-  from paged_kv.serving import CachedPool
+  from paged_kv.cache import CachedPool
   num_blocks = capacity // block_size
   config = paged_kv.PoolConfig(num_blocks=num_blocks, block_size=block_size, num_layers=1,
                                num_kv_heads=1, head_dim=8, dtype="float32", max_seqs=8,
@@ -241,7 +241,7 @@ class HostPath:
   """The same `radix.PrefixCache` over `HostBlockPool` (`replay.serve_tokens`)."""
 
   def __init__(self, capacity: int, block_size: int, **config_kw):
-    from paged_kv.serving.replay import ReplayConfig, ReplayResult, SimState, serve_tokens
+    from paged_kv.sim.replay import ReplayConfig, ReplayResult, SimState, serve_tokens
     self._serve_tokens = serve_tokens
     config = ReplayConfig(capacity, block_size=block_size, **config_kw)
     self.sim = SimState([], config)
@@ -458,7 +458,7 @@ def main(argv):
       workloads.append((f"chat {_CHAT_CAPACITY.value // 1000}k", reqs, _CHAT_CAPACITY.value))
     elif w == "mooncake":
       if not os.path.exists(_TRACE.value):
-        from paged_kv.serving import traces
+        from paged_kv.sim import traces
         print(f"skipping mooncake: {_TRACE.value} not found; it is "
               f"{traces.describe_trace(_TRACE.value)}")
         continue

@@ -53,11 +53,11 @@ import numpy as np
 from absl import app, flags
 
 import paged_kv
-from paged_kv import pool as pool_module
+from paged_kv.pool import block_pool as pool_module
 from paged_kv.runtime import compile_cache
-from paged_kv.serving import serving_bench
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
+from paged_kv.sim import serving_bench
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
 from paged_kv.telemetry import metrics, records
 
 _POOLS = flags.DEFINE_list("pools", ["4096", "65536", "262144", "1048576"],
@@ -112,7 +112,7 @@ class _StatsTimer:
 
 
 class _CommitTimer:
-  """Accumulates the seconds of the pool's commits (`paged_kv.pool.commit`, each
+  """Accumulates the seconds of the pool's commits (`paged_kv.pool.block_pool.commit`, each
   waited for: device work, like the executor's step)."""
 
   def __init__(self):

@@ -9,7 +9,7 @@ rounds:
   * facade: `LLM.generate(prompts)` on the engine's thread (the server idle);
   * server: the same prompts as `--batch` concurrent `/v1/completions` requests from
     a client process (httpx, one connection per request), the server on 127.0.0.1 in
-    this process (`paged_kv.serving.server.BackgroundServer`: uvicorn's event loop,
+    this process (`paged_kv.entrypoints.api_server.BackgroundServer`: uvicorn's event loop,
     and the engine on a thread of this process, `--engine=thread`; a task of the
     loop, `loop`; or a process of its own, `process`, where the facade runs too);
   * server, streamed: the same with `stream: true` (server-sent events, a chunk per
@@ -91,7 +91,7 @@ _IN_PROCESS: dict = {}  # the LLM, when the engine is a thread or task of this p
 
 def _facade(prompts: list, max_tokens: int, _engine) -> tuple[float, list[str]]:
   """`LLM.generate` of the prompts: its wall and texts."""
-  from paged_kv.serving.engine_process import served_llm  # pylint: disable=import-outside-toplevel
+  from paged_kv.entrypoints.engine_process import served_llm  # pylint: disable=import-outside-toplevel
   llm = served_llm() or _IN_PROCESS["llm"]
   t0 = time.perf_counter()
   outs = llm.generate(prompts, max_tokens=max_tokens)
@@ -100,7 +100,7 @@ def _facade(prompts: list, max_tokens: int, _engine) -> tuple[float, list[str]]:
 
 def _engine_cpu(_engine) -> float:
   """CPU seconds of the engine: its process's (JAX's threads included), or its thread's."""
-  from paged_kv.serving.engine_process import served_llm  # pylint: disable=import-outside-toplevel
+  from paged_kv.entrypoints.engine_process import served_llm  # pylint: disable=import-outside-toplevel
   return time.process_time() if served_llm() is not None else time.thread_time()
 
 
@@ -203,9 +203,9 @@ def main(argv):
   if _SWITCH.value is not None:
     sys.setswitchinterval(_SWITCH.value / 1000)
   # pylint: disable=import-outside-toplevel
-  from paged_kv.serving.llm import LLM
-  from paged_kv.serving.scheduler_config import SchedulerConfig
-  from paged_kv.serving.server import BackgroundServer, Server
+  from paged_kv.entrypoints.llm import LLM
+  from paged_kv.scheduler.scheduler_config import SchedulerConfig
+  from paged_kv.entrypoints.api_server import BackgroundServer, Server
   batch, max_tokens = _BATCH.value, _MAX_TOKENS.value
   with tempfile.TemporaryDirectory() as tmp:
     ckpt = Path(_CHECKPOINT.value) if _CHECKPOINT.value else _write_tiny(Path(tmp) / "tiny")

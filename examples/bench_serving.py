@@ -8,7 +8,7 @@ one instead. Either is loaded with `hf_checkpoint.load_checkpoint`.
 
 The workload: random prompts (`--prompt_len`, `--output_len`, `--num_requests`,
 `--seed`; ids uniform in [3, vocab)) or a request trace (`--trace`, Mooncake or
-Azure, `paged_kv.serving.traces`; lengths divided by `--trace_scale` and capped
+Azure, `paged_kv.sim.traces`; lengths divided by `--trace_scale` and capped
 at `--prompt_len` / `--output_len`; arrival times unused). No stop token: every
 request generates its full output length.
 
@@ -74,9 +74,9 @@ from absl import app, flags
 
 from paged_kv.model import hf_checkpoint, hf_reference, random_checkpoint
 from paged_kv.runtime import compile_cache, counters
-from paged_kv.serving import serving_bench as sb
-from paged_kv.serving.executor import ModelExecutor
-from paged_kv.serving.scheduler import SchedulerConfig
+from paged_kv.sim import serving_bench as sb
+from paged_kv.scheduler.executor import ModelExecutor
+from paged_kv.scheduler.scheduler import SchedulerConfig
 from paged_kv.telemetry import records
 # pylint: enable=wrong-import-position
 

@@ -47,8 +47,8 @@ import numpy as np
 import paged_kv
 from paged_kv.core import compact, regions
 from paged_kv.runtime import compile_cache
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.telemetry import records
 
 _SIZES = flags.DEFINE_list("sizes", ["28610", "2048"], "Pool sizes in blocks (28,610: the KV "

@@ -1,6 +1,6 @@
 """Block size study: internal waste at blocks 16, 32 and 64 over public traces, slotting on.
 
-For each trace (a Mooncake `.jsonl` or Azure `.csv`, `paged_kv.serving.traces`) and
+For each trace (a Mooncake `.jsonl` or Azure `.csv`, `paged_kv.sim.traces`) and
 each block size, the sequences' lengths (prompt + output tokens of each request)
 are held in a real pool, and two numbers are measured:
 
@@ -42,7 +42,7 @@ import numpy as np
 
 import paged_kv
 from paged_kv.core import alloc, block_size as block_size_rule, segments, slots
-from paged_kv.serving import traces
+from paged_kv.sim import traces
 from paged_kv.telemetry import records
 
 _TRACE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",

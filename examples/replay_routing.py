@@ -7,9 +7,9 @@ Usage:
       --capacity_tokens=1000000 --routers=round_robin,cache_aware,prefix_only \
       --tokens_per_s=10000
 
-Every replica is a ``paged_kv.serving.replay.SimReplica`` (a prefix cache over a
+Every replica is a ``paged_kv.sim.replay.SimReplica`` (a prefix cache over a
 capacity-limited ``HostBlockPool`` of ``--capacity_tokens`` tokens, LRU eviction, the
-trace's clock). The routers and the load model are ``paged_kv.serving.routing``; see
+trace's clock). The routers and the load model are ``paged_kv.cluster.routing``; see
 its docstring for the routing rule. For each per-replica capacity the script runs:
 
 * ``global_cache``: one cache of ``N x capacity`` tokens that every request sees (its
@@ -41,9 +41,9 @@ import sys
 from absl import app, flags
 
 from paged_kv.runtime import compile_cache
-from paged_kv.serving import replay, traces
-from paged_kv.serving.replay import ReplayConfig, SimReplica, replay_cluster
-from paged_kv.serving.routing import (
+from paged_kv.sim import replay, traces
+from paged_kv.sim.replay import ReplayConfig, SimReplica, replay_cluster
+from paged_kv.cluster.routing import (
     CacheAwareRouter,
     ClusterStats,
     GlobalCache,

@@ -12,14 +12,14 @@ Usage:
 The default ``--trace`` is the Mooncake conversation trace in ``../shared/traces/``
 beside the repository (from github.com/kvcache-ai/Mooncake,
 ``FAST25-release/traces/conversation_trace.jsonl``); the script says so in one line
-and exits when it is missing. Formats: ``paged_kv.serving.traces``.
+and exits when it is missing. Formats: ``paged_kv.sim.traces``.
 
-Simulation mode (the default; ``paged_kv.serving.replay``): no attention math and no
+Simulation mode (the default; ``paged_kv.sim.replay``): no attention math and no
 device; requests served one at a time in arrival order through a prefix cache over
 host block accounting. With unlimited capacity the hit rate must equal the exact bound
 computed from the hash ids: both are printed and the script fails if they disagree.
 
-Engine mode (``--engine``; ``paged_kv.serving.engine_replay``): the real scheduler and
+Engine mode (``--engine``; ``paged_kv.sim.engine_replay``): the real scheduler and
 JAX block pool with a dry executor (memory dynamics with arrival times and output
 lengths, no model math), one row per ``--variants`` entry.
 
@@ -46,9 +46,9 @@ import numpy as np
 from absl import app, flags
 
 from paged_kv.runtime import compile_cache
-from paged_kv.serving import engine_replay, replay, traces
-from paged_kv.serving.governance import CacheGovernance
-from paged_kv.serving.replay import ReplayConfig, ReplayResult, replay_sim
+from paged_kv.sim import engine_replay, replay, traces
+from paged_kv.cache.governance import CacheGovernance
+from paged_kv.sim.replay import ReplayConfig, ReplayResult, replay_sim
 from paged_kv.telemetry import records
 
 try:
@@ -97,7 +97,7 @@ _MAX_BATCH = flags.DEFINE_integer("max_batch", 64, "Engine mode: sequences per s
 _VARIANTS = flags.DEFINE_list(
     "variants",
     list(engine_replay.ENGINE_VARIANTS),
-    "Engine mode: configurations to compare (paged_kv.serving.engine_replay.ENGINE_VARIANTS).",
+    "Engine mode: configurations to compare (paged_kv.sim.engine_replay.ENGINE_VARIANTS).",
 )
 _SKIP_REQUESTS = flags.DEFINE_integer(
     "skip_requests", 0, "Start at this request of the trace (a later slice; with "

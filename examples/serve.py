@@ -3,7 +3,7 @@
 Conversations share a system prompt; each turn's prompt is the whole
 conversation so far plus a new user message, so later turns hit the prefix
 cache. The scheduler runs continuous batching (one forward pass per step for the
-prefill chunks and decodes together, `paged_kv.serving.executor.ModelExecutor`)
+prefill chunks and decodes together, `paged_kv.scheduler.executor.ModelExecutor`)
 with chunked prefill, eviction, preemption and compaction; the final report, PNG
 plots and a metrics JSONL go to `--out_dir`. This is what `make demo` runs.
 
@@ -60,8 +60,8 @@ import paged_kv
 from paged_kv.core import compact
 from paged_kv.model import llama
 from paged_kv.runtime import compile_cache, host_memory
-from paged_kv.serving.executor import ModelExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.executor import ModelExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.telemetry import plots
 from paged_kv.telemetry.export import JsonlLogger, MetricsExporter, read_jsonl
 
@@ -222,7 +222,7 @@ def serve_checkpoint(path: Path) -> None:
   from paged_kv.core.errors import InvalidArgument
   from paged_kv.model import hf_checkpoint
   from paged_kv.model.tokenizer import Tokenizer
-  from paged_kv.serving.sampling_params import SamplingParams
+  from paged_kv.scheduler.sampling_params import SamplingParams
   if not path.is_dir():
     raise UserError(f"checkpoint directory {str(path)!r} does not exist" if not path.exists()
                     else f"--checkpoint {str(path)!r} is not a directory")

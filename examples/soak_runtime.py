@@ -90,9 +90,9 @@ import numpy as np
 
 import paged_kv
 from paged_kv.runtime import compile_cache, counters, host_memory
-from paged_kv.serving.cached_pool import CachedPool
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.cache.cached_pool import CachedPool
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.telemetry import records
 
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 4096, "Blocks in the pool.")

@@ -1,7 +1,7 @@
 """Soak the OpenAI-compatible server: a mixed, misbehaving client load for a fixed time.
 
 One `paged_kv.LLM` (a random tiny Llama checkpoint with a byte-level BPE tokenizer,
-or `--checkpoint DIR`), warmed up, behind `paged_kv.serving.server` on 127.0.0.1;
+or `--checkpoint DIR`), warmed up, behind `paged_kv.entrypoints.api_server` on 127.0.0.1;
 a client process keeps `--concurrency` connections busy for `--seconds`
 (`PAGED_KV_SOAK_SECONDS` overrides it), each drawing its next request from:
 
@@ -235,9 +235,9 @@ def _write_tiny(path: Path) -> Path:
 def soak(seconds: float) -> dict:
   """Serves the client load for `seconds`; returns the results (checks included)."""
   # pylint: disable=import-outside-toplevel
-  from paged_kv.serving.llm import LLM
-  from paged_kv.serving.scheduler_config import SchedulerConfig
-  from paged_kv.serving.server import BackgroundServer, Server
+  from paged_kv.entrypoints.llm import LLM
+  from paged_kv.scheduler.scheduler_config import SchedulerConfig
+  from paged_kv.entrypoints.api_server import BackgroundServer, Server
   batch, max_tokens = _MAX_BATCH.value, _MAX_TOKENS.value
   context = 256
   with tempfile.TemporaryDirectory() as tmp:

@@ -1,21 +1,25 @@
 """paged_kv: a functional, fragmentation-aware KV-cache memory manager for JAX.
 
-Layers (imports point down only):
+Folders, from the bottom up (imports point down only):
 
-  paged_kv.serving    scheduler, executors, the cache-bound pool (`CachedPool`),
-                      swap, persistence, routing, trace replay
-  paged_kv.model      what model code imports: `StepMetadata`, `paged_attention`,
-                      the NNX `PagedAttention` layer, jitted steps, a Llama model
-  paged_kv.BlockPool  the validating host API over the core
-  paged_kv.core       pure, jitted device transitions on `PoolState`
-  paged_kv.telemetry  metrics snapshots, Prometheus and JSONL export
-  paged_kv.parallel   tensor-parallel pools
+  paged_kv.core         pure, jitted device transitions on `PoolState`
+  paged_kv.runtime      counters of dispatches, blocking reads and compiles
+  paged_kv.pool         `BlockPool`: the validating host API, decided on the host
+  paged_kv.telemetry    metrics snapshots, Prometheus and JSONL export
+  paged_kv.model        what model code imports: `StepMetadata`, `paged_attention`,
+                        the NNX `PagedAttention` layer, jitted steps, a Llama model
+  paged_kv.cache        the radix prefix cache bound to the pool, persistence
+  paged_kv.scheduler    continuous batching: the step loop, requests, executors
+  paged_kv.parallel     tensor-parallel pools and executors
+  paged_kv.cluster      data-parallel replicas, routing, multi-process lockstep
+  paged_kv.entrypoints  `LLM`, its engines, the OpenAI-compatible server
+  paged_kv.sim          traces, the synthetic workload, replays
 
 This module re-exports the core and the host API; `import paged_kv` needs only
 jax, jaxlib and numpy. The other layers are imported on first use
-(`paged_kv.model`, `paged_kv.serving`, ...) or explicitly, and so are the text-in,
-text-out facade `paged_kv.LLM` (`paged_kv.serving.llm`: flax, and the `hf` extra for
-a checkpoint) and `paged_kv.SamplingParams` (`paged_kv.serving.sampling_params`).
+(`paged_kv.model`, `paged_kv.scheduler`, ...) or explicitly, and so are the text-in,
+text-out facade `paged_kv.LLM` (`paged_kv.entrypoints.llm`: flax, and the `hf` extra for
+a checkpoint) and `paged_kv.SamplingParams` (`paged_kv.scheduler.sampling_params`).
 """
 
 import importlib
@@ -38,13 +42,14 @@ from paged_kv.core.segment_format import (Segments, as_segments, empty_segments,
 from paged_kv.core.segments import fork, open_sequence, release, reserve_tokens
 from paged_kv.core.slots import OWNER_EXTERNAL, cow_split, pack_slots, reclaim_slots
 from paged_kv.core.state import BlockMeta, KVPages, PoolState, SegmentTable, init_pool
-from paged_kv.pool import BlockPool
+from paged_kv.pool.block_pool import BlockPool
 
 __version__ = "0.2.0.dev0"
 
-_SUBPACKAGES = ("core", "model", "serving", "telemetry", "parallel")
-# Names imported from a layer on first use: `paged_kv.LLM` loads the serving layer.
-_LAZY = {"LLM": "paged_kv.serving.llm", "SamplingParams": "paged_kv.serving.sampling_params"}
+_SUBPACKAGES = ("core", "runtime", "pool", "telemetry", "model", "cache", "scheduler",
+                "parallel", "cluster", "entrypoints", "sim")
+# Names imported from a layer on first use: `paged_kv.LLM` loads the entrypoints.
+_LAZY = {"LLM": "paged_kv.entrypoints.llm", "SamplingParams": "paged_kv.scheduler.sampling_params"}
 
 __all__ = [
     "__version__",

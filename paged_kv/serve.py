@@ -3,7 +3,7 @@
 Loads a Hugging Face Llama/Mistral/Qwen2 checkpoint directory into `paged_kv.LLM`
 (pool sized from free device memory unless `--num-blocks`) and serves
 `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health` and `/metrics`
-(`paged_kv.serving.server`; the `server` extra: pip install 'paged-kv[server]').
+(`paged_kv.entrypoints.api_server`; the `server` extra: pip install 'paged-kv[server]').
 A user error (no such directory, a bad flag) prints `error: <message>` and exits 2.
 
 Example:
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--max-batch", type=int, default=32, help="sequences per step")
   p.add_argument("--block-size", type=int, default=16, help="tokens per block")
   p.add_argument("--num-blocks", type=int, default=None, help="the pool's blocks (default: "
-                 "from free device memory, paged_kv.serving.llm.pool_blocks)")
+                 "from free device memory, paged_kv.entrypoints.llm.pool_blocks)")
   p.add_argument("--memory-fraction", type=float, default=None, help="share of the free "
                  "device memory for the KV cache (default 0.8 on a GPU, 0.25 on a CPU)")
   p.add_argument("--max-queued", type=int, default=256, help="requests queued or running "
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     # pylint: disable=import-outside-toplevel
     from paged_kv.core.errors import InvalidArgument
     from paged_kv.runtime import compile_cache, host_memory
-    from paged_kv.serving import openai_api, server
-    from paged_kv.serving.llm import LLM
+    from paged_kv.entrypoints import openai_api, api_server as server
+    from paged_kv.entrypoints.llm import LLM
   except ModuleNotFoundError as err:
     print(f"error: {err} (pip install 'paged-kv[server]')", file=sys.stderr)
     return 2

@@ -2,7 +2,7 @@
 
 Host-only bookkeeping: numpy, no JAX, nothing from ``paged_kv``. The cache never
 touches the pool; every call returns what the caller must apply to it. With a
-``paged_kv.BlockPool`` that caller is ``paged_kv.serving.cached_pool.CachedPool``,
+``paged_kv.BlockPool`` that caller is ``paged_kv.cache.cached_pool.CachedPool``,
 which owns both and applies every delta itself; a simulator (host ``ref_count``
 mirror) applies them with ``RefDeltas.apply_to``.
 
@@ -570,7 +570,7 @@ class PrefixCache:
       tokens: int32-compatible token ids, shape [n].
       segments: ``int32[m, 3]`` ``(block, start, length)`` rows of the sequence,
         covering exactly n tokens in order (e.g. ``BlockPool.segments(seq_id)``;
-        ``paged_kv.serving.cached_pool.CachedPool.insert`` reads them itself).
+        ``paged_kv.cache.cached_pool.CachedPool.insert`` reads them itself).
       pin_ttl: if given, pin the whole inserted path for this long.
 
     Returns:

@@ -73,7 +73,7 @@ class ImportTest(absltest.TestCase):
           else:
             raise AssertionError(name + " loaded without flax")
         try:
-          from paged_kv.serving import ModelExecutor
+          from paged_kv.scheduler import ModelExecutor
           ModelExecutor(object(), None)
         except ModuleNotFoundError as e:
           assert "paged-kv[model]" in str(e), e

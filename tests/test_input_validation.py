@@ -314,8 +314,8 @@ class BadConfigTest(parameterized.TestCase):
 # `InvalidArgument` naming the owner and the field. Before: plain ValueError/TypeError
 # for some, silently accepted for the others (then failing later, or never).
 def _policy(owner, **kw):
-  from paged_kv.serving import SchedulerConfig  # pylint: disable=g-import-not-at-top
-  from paged_kv.serving.governance import CacheGovernance  # pylint: disable=g-import-not-at-top
+  from paged_kv.scheduler import SchedulerConfig  # pylint: disable=g-import-not-at-top
+  from paged_kv.cache.governance import CacheGovernance  # pylint: disable=g-import-not-at-top
   return {"SchedulerConfig": SchedulerConfig, "CompactionPolicy": compact.CompactionPolicy,
           "CacheGovernance": CacheGovernance,
           "WatermarkQuota": functools.partial(regions.WatermarkQuota, 100)}[owner](**kw)
@@ -356,8 +356,8 @@ class BadPolicyTest(parameterized.TestCase):
     self.assertIn(repr(value) if not isinstance(value, float) else "got", str(ctx.exception))
 
   def test_bounds_that_need_the_pool(self):
-    from paged_kv.serving import Scheduler, SchedulerConfig  # pylint: disable=g-import-not-at-top
-    from paged_kv.serving.executor import DryExecutor  # pylint: disable=g-import-not-at-top
+    from paged_kv.scheduler import Scheduler, SchedulerConfig  # pylint: disable=g-import-not-at-top
+    from paged_kv.scheduler.executor import DryExecutor  # pylint: disable=g-import-not-at-top
     pool = paged_kv.BlockPool(CFG)  # 8 blocks, max_seqs 4
     for kw, part in ((dict(max_batch=5), "max_batch"),
                      (dict(max_batch=4, watermark_blocks=8), "watermark")):
@@ -367,7 +367,7 @@ class BadPolicyTest(parameterized.TestCase):
       Scheduler(pool, DryExecutor(CFG), {"max_batch": 4})
 
   def test_numpy_scalars_are_normalised(self):
-    from paged_kv.serving import SchedulerConfig  # pylint: disable=g-import-not-at-top
+    from paged_kv.scheduler import SchedulerConfig  # pylint: disable=g-import-not-at-top
     cfg = SchedulerConfig(max_batch=np.int64(4), output_reserve_ratio=np.float32(0.25),
                           pack_tails=np.bool_(False))
     self.assertIs(type(cfg.max_batch), int)

@@ -105,7 +105,7 @@ planes { id: 1 name: "/host:CPU"
 def test_a_profiler_failure_leaves_the_timing_and_says_why(monkeypatch):
   """`serving_bench.device_step(profile=True)` keeps its seconds when the profiler
   cannot trace (a GPU without CUPTI, a trace already running): the reason instead."""
-  from paged_kv.serving import serving_bench  # pylint: disable=import-outside-toplevel
+  from paged_kv.sim import serving_bench  # pylint: disable=import-outside-toplevel
   f = jax.jit(lambda x: jnp.sort(x @ x, axis=-1))
   x = jnp.ones((128, 128))
   f(x).block_until_ready()

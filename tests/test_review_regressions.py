@@ -12,7 +12,7 @@ import pytest
 
 import paged_kv
 from paged_kv import PoolConfig, BlockPool
-from paged_kv.serving.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
 
 
 def _snapshot(pool):

@@ -16,10 +16,11 @@ import numpy as np
 from absl.testing import absltest
 
 import paged_kv
-from paged_kv import pool as pool_lib
+from paged_kv.pool import block_pool as pool_lib
 from paged_kv.core import device_memory
-from paged_kv.serving import CachedPool, DryExecutor, Request, Scheduler, SchedulerConfig
-from paged_kv.serving.warmup import WarmupReport
+from paged_kv.cache import CachedPool
+from paged_kv.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.warmup import WarmupReport
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = paged_kv.PoolConfig(num_blocks=32, block_size=4, num_layers=1, num_kv_heads=1,
@@ -78,9 +79,9 @@ class TypedErrorsTest(absltest.TestCase):
 
   def test_the_docs_a_new_user_reads(self):
     from paged_kv.model.tokenizer import TextStream  # pylint: disable=import-outside-toplevel
-    from paged_kv.serving import ModelExecutor  # pylint: disable=import-outside-toplevel
+    from paged_kv.scheduler import ModelExecutor  # pylint: disable=import-outside-toplevel
     readme = (ROOT / "README.md").read_text()
-    self.assertIn("from paged_kv.serving import SamplingParams", readme)
+    self.assertIn("from paged_kv import SamplingParams", readme)
     self.assertIn("tokenizer.stream()", readme)
     self.assertNotIn("greedy choice", ModelExecutor.__doc__)
     self.assertIn("plan.sampling", ModelExecutor.__doc__)

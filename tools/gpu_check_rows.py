@@ -12,7 +12,7 @@ layer, meta, impl=...)`, `paged_kv.model.attention.default_impl`,
 `pallas_kernels.permute_blocks.permute_blocks(pages, src, dst, impl=...,
 interpret=...)`, and JAX's `jax.experimental.pallas.ops.gpu.paged_attention`.
 The serving rows use `paged_kv.model.random_checkpoint`, `hf_checkpoint`,
-`paged_kv.serving.serving_bench` (Scheduler + ModelExecutor, `PagedRunner`) and
+`paged_kv.sim.serving_bench` (Scheduler + ModelExecutor, `PagedRunner`) and
 `paged_kv.model.hf_reference` (transformers).
 
 Byte counts: attention rows count whole blocks touched (K and V, every block a
@@ -1214,7 +1214,7 @@ def _serving_model(shape: ServingShape, dry):
 def _serving_workload(shape: ServingShape):
   """Batch `shape.batch`'s prompts: the same for both loops, none shared with the
   other batch (no prefix-cache hits from another row)."""
-  from paged_kv.serving import serving_bench as sb
+  from paged_kv.sim import serving_bench as sb
   vocab = shape.hf_config["vocab_size"]
   return sb.random_workload(shape.num_requests, shape.prompt_len, shape.output_len, vocab,
                             seed=1 + shape.batch)
@@ -1223,9 +1223,9 @@ def _serving_workload(shape: ServingShape):
 def _serving_sched(shape: ServingShape, dry, loop: str, *, build: bool):
   """The warm scheduler of `loop`; with `build`, made and warmed (once per worker)
   over the one executor every loop shares (so they share programs)."""
-  from paged_kv.serving import serving_bench as sb
-  from paged_kv.serving.executor import ModelExecutor
-  from paged_kv.serving.scheduler import SchedulerConfig
+  from paged_kv.sim import serving_bench as sb
+  from paged_kv.scheduler.executor import ModelExecutor
+  from paged_kv.scheduler.scheduler import SchedulerConfig
   if loop in _Serving.scheds:
     return _Serving.scheds[loop]
   if not build:
@@ -1280,7 +1280,7 @@ def run_serving_device(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Resul
   """The device's own decode step for the batch: `PagedRunner.decode`, 16 steps per
   jitted call (`decode_multi`), no scheduler; then one more call traced by JAX's
   profiler: the step's device time per op (issue U item 5) in the note."""
-  from paged_kv.serving import serving_bench as sb
+  from paged_kv.sim import serving_bench as sb
   del spec
   ckpt = _serving_model(shape, dry)
   prompts = _serving_workload(shape).prompts[:shape.batch]
@@ -1297,7 +1297,7 @@ def run_serving_prefill(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Resu
   row (`PagedRunner.prefill`), then the same traced by JAX's profiler: tokens/s, the
   model's matmul FLOP rate (2 x parameters read per token; attention's FLOPs not
   counted) and the per-op breakdown (issue U item 5)."""
-  from paged_kv.serving import serving_bench as sb
+  from paged_kv.sim import serving_bench as sb
   del spec
   ckpt = _serving_model(shape, dry)
   hf = shape.hf_config
@@ -1315,7 +1315,7 @@ def run_serving(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
   """`batch` requests in flight through the loop `spec.impl` (warmed by its warm-up
   row). us/call: wall time per `batch` output tokens (so `% copy`
   is the share of the bandwidth ceiling reached); step p50 in `step_us`."""
-  from paged_kv.serving import serving_bench as sb
+  from paged_kv.sim import serving_bench as sb
   loop = spec.impl
   sched = _serving_sched(shape, dry, loop, build=False)
   wl = _serving_workload(shape)
@@ -1342,7 +1342,7 @@ def run_serving_hf(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
   `generate` (requests equal in full) and teacher-forced (each token transformers'
   argmax given our sequence, near-ties allowed); wrong tokens fail the row."""
   from paged_kv.model import hf_reference
-  from paged_kv.serving import serving_bench as sb
+  from paged_kv.sim import serving_bench as sb
   del spec
   why = hf_reference.available()
   if why:
@@ -1383,13 +1383,13 @@ COLD_START_GOALS = {"cold": 20.0, "cache": 5.0}
 
 
 def run_serving_cold_start(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
-  """Two fresh processes (`paged_kv.serving.cold_start.measure`) on the row's
+  """Two fresh processes (`paged_kv.scheduler.cold_start.measure`) on the row's
   checkpoint: a cold start on an empty persistent compilation cache, then a restart
   on that cache, which must compile nothing (else `Wrong`). The note: seconds from
   each launch to the first token, and `Scheduler.warmup()`'s seconds, programs,
   compiles and loads, against issue V's goals."""
   import shutil
-  from paged_kv.serving import cold_start
+  from paged_kv.scheduler import cold_start
   del spec
   _serving_model(shape, dry)  # written (or found) by the checkpoint row's worker
   cache = _serving_root(dry) / "cold_start_cache"

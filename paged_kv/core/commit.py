@@ -1,7 +1,7 @@
 """`commit`: apply the host's bookkeeping decisions to the device state in one program.
 
-The host API (`paged_kv.pool.BlockPool`) decides every bookkeeping change on an
-exact host mirror of the pool (`paged_kv.mirror`) and queues it; a flush sends
+The host API (`paged_kv.pool.block_pool.BlockPool`) decides every bookkeeping change on an
+exact host mirror of the pool (`paged_kv.pool`) and queues it; a flush sends
 the queue here as one `CommitBatch`: the *final* `ref_count` and slot bits of
 every touched block, the final contents of every touched table row, the K/V
 page work (whole-block moves, slot-range copies) and the new clock. Because it
@@ -22,7 +22,7 @@ device, so the device keeps its own (sound) state for the host to reload.
 The free index follows each touched block's change (device old vs new count),
 freed blocks are zeroed when the pool scrubs (after the copies read them,
 before the copies write into them), and touched live blocks get `last_use =
-step`. All widths are static (`paged_kv.mirror.changes.CommitWidths`); `-1` ids
+step`. All widths are static (`paged_kv.pool.changes.CommitWidths`); `-1` ids
 are padding. Work is O(widths), never O(num_blocks): the donated per-block
 arrays are updated in place (`tests/core/test_complexity.py`).
 """
@@ -142,7 +142,7 @@ class CommitLayout:
   stored bit for bit (`u32` viewed as `i32`), flags as 0/1.
 
   Attributes:
-    blocks, rows, copies, moves: the widths (`paged_kv.mirror.changes.CommitWidths`).
+    blocks, rows, copies, moves: the widths (`paged_kv.pool.changes.CommitWidths`).
     slot_words, max_segments: from the pool's config.
   """
 
@@ -298,7 +298,7 @@ def commit(state: PoolState, batch: PackedCommit, *,
   Args:
     state: the pool (donated).
     batch: the host's decisions, padded to static widths and packed
-      (`paged_kv.mirror.changes.ChangeLog.batches`).
+      (`paged_kv.pool.changes.ChangeLog.batches`).
     config: the pool's static config.
 
   Returns:

@@ -1,7 +1,7 @@
 """`grow_tails`: the device's half of a host reservation, in-place tail growth.
 
 The serving loop reserves a step's slots on the host mirror
-(`paged_kv.pool.BlockPool.reserve_step`). A row whose tokens all fit after its
+(`paged_kv.pool.block_pool.BlockPool.reserve_step`). A row whose tokens all fit after its
 tail, in its exclusive tail block, changes only its tail segment's length, its
 `seq_len` and that block's slot bits: values the step can compute from the table
 it already reads. So those rows stay out of the commit (no change-log row, no
@@ -29,7 +29,7 @@ def grow_tails(state: PoolState, seq_ids: jax.Array, grow: jax.Array, clock: jax
     state: the pool, after the commit that preceded the step.
     seq_ids: `i32[B]` the step's rows (`-1` = padding); rows with `grow > 0` are
       distinct, active, and own their tail block with room for `grow` tokens (the
-      host checked: `paged_kv.mirror.transitions.reserve`).
+      host checked: `paged_kv.pool.host_transitions.reserve`).
     grow: `i32[B]` tokens each row grows in place by (0: none, or in the commit).
     clock: `i32[]` the host's logical clock after the reservation.
     config: static pool config.

@@ -9,7 +9,7 @@ Every host API that takes or returns segments speaks this layout:
 `BlockPool.segments()` / `open_sequence(segments=)` / `pack_slots(extra_segments=)` /
 `reclaim_slots()`, `check_invariants(extra_segments=)`, the metrics
 (`live_slot_mask`, `snapshot`), `radix.PrefixCache` (`match`, `insert`,
-`segment_refs`, ...) and `paged_kv.serving.cached_pool.CachedPool`. The device-side
+`segment_refs`, ...) and `paged_kv.cache.cached_pool.CachedPool`. The device-side
 `SegmentTable` holds the same triples as three `[max_seqs, max_segments]` arrays
 (one per field, padded, with `num_segments` beside them): a layout for jitted
 gathers, not an argument format.

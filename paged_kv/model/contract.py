@@ -1,6 +1,6 @@
 """The model contract: what `ModelExecutor` and the jitted steps call, checked once.
 
-A model served through `paged_kv.serving.ModelExecutor` (or run by
+A model served through `paged_kv.scheduler.ModelExecutor` (or run by
 `paged_kv.model.steps`) is called once per scheduler step, inside jit, as
 
     pages, logits = model(tokens, pages, meta, impl=impl, interpret=interpret)

@@ -11,7 +11,7 @@ its previous step's sampled token.
 `reserve_decode_steps` is the same schedule with reservations only (one slot per
 running row per step): the memory dynamics of k decode steps, no model.
 
-Needs only JAX (no flax): `paged_kv.serving.executor.DryExecutor` uses it.
+Needs only JAX (no flax): `paged_kv.scheduler.executor.DryExecutor` uses it.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ the k-step decodes (their tokens stay on the device).
 What the host must guarantee: every position `< seq_len` of a penalized row was
 cached by this request's own steps. A cached prefix shared from the radix cache is
 not (another request computed it), so the scheduler admits a penalized request
-without one (`paged_kv.serving.admission`).
+without one (`paged_kv.scheduler.admission`).
 
 Memory: `R * L * 4` bytes (4 bytes per token of row capacity; at 256 rows of 8192
 positions, 8 MiB), where per-row vocabulary histograms would take `R * vocab * 4`

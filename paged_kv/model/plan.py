@@ -55,7 +55,7 @@ class ReservedSlots:
   """A step's reservation, decided by the host and already in the pool's table.
 
   The serving loop reserves a step's slots on the pool's host mirror
-  (`paged_kv.pool.BlockPool.reserve_step`), whose commit puts the rows' new
+  (`paged_kv.pool.block_pool.BlockPool.reserve_step`), whose commit puts the rows' new
   segments and lengths on the device before the step runs; the step then only
   reads them (`paged_kv.model.metadata.StepMetadata.from_reserved`) instead of
   reserving again inside its program. Build it with

@@ -9,8 +9,8 @@
     `hook(runner, step)` runs before every decode call, where features under test
     (compaction, swap, packing, eviction) can act on `runner.state`.
 
-The serving loop does not use these (it runs `paged_kv.serving.Scheduler` over
-`paged_kv.serving.executor.ModelExecutor`); the dense references they are checked
+The serving loop does not use these (it runs `paged_kv.scheduler.Scheduler` over
+`paged_kv.scheduler.executor.ModelExecutor`); the dense references they are checked
 against are in `paged_kv.model.reference`.
 """
 
@@ -31,7 +31,7 @@ from paged_kv.model.llama import check_pool_matches_model
 from paged_kv.model.ragged import bucket
 from paged_kv.model.steps import NO_STOP_TOKEN, bind
 from paged_kv.core.segment_format import Segments, empty_segments, take_tokens
-from paged_kv.pool import raise_for_status
+from paged_kv.pool.block_pool import raise_for_status
 
 
 def prefix_segments(state: PoolState, seq_id: int, num_tokens: int) -> Segments:

@@ -108,7 +108,7 @@ class SamplingBatch:
 
     Args:
       row: the batch row.
-      params: the request's `paged_kv.serving.SamplingParams`.
+      params: the request's `paged_kv.scheduler.SamplingParams`.
       seed: its sampling seed; index: the output index of the token sampled.
       stop_ids: its stop tokens (what `min_tokens` holds back).
       prompt_len: its prompt's length (read with penalties only).

@@ -5,7 +5,7 @@ host, `jax.distributed`) are in the submodules, imported on use:
 `distributed` (initialize, the host `Channel`, its typed errors), `lockstep`
 (`LockstepScheduler`: one schedule on every process), `executor`
 (`ShardedModelExecutor`: the model step SPMD on a head-sharded pool), `launch`
-(`python -m paged_kv.parallel.launch -n N -- cmd`) and `selfcheck`.
+(`python -m paged_kv.cluster.launch -n N -- cmd`) and `selfcheck`.
 
 See `docs/scaling.md`.
 """

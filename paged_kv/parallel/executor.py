@@ -1,6 +1,6 @@
 """The model step on a pool sharded over kv heads, run SPMD on a (global) mesh.
 
-`ShardedModelExecutor` is `paged_kv.serving.executor.ModelExecutor` for a pool
+`ShardedModelExecutor` is `paged_kv.scheduler.executor.ModelExecutor` for a pool
 built by `sharding.init_sharded_pool` (pages split over kv heads along one mesh
 axis, metadata replicated). Under `jax.distributed` the mesh spans every
 process's devices and every process runs the same step (SPMD):
@@ -38,7 +38,7 @@ from paged_kv.core.kv import gather_kv
 from paged_kv.core.state import PoolState, init_pool
 from paged_kv.model import penalties
 from paged_kv.parallel import sharding
-from paged_kv.serving.executor import ModelExecutor
+from paged_kv.scheduler.executor import ModelExecutor
 
 if TYPE_CHECKING:
   from flax import nnx

@@ -69,7 +69,7 @@ def listen_for_compiles() -> None:
   """Registers the compile listeners with `jax.monitoring` (once per process).
 
   Compiles before the first call are not counted; `import paged_kv.runtime.counters`
-  registers them, so importing `paged_kv.pool` is enough.
+  registers them, so importing `paged_kv.pool.block_pool` is enough.
   """
   global _listening
   with _lock:

@@ -107,7 +107,7 @@ def release_owned() -> int:
   count = owned_executables()
   for fn in _owned_functions():
     fn.clear_cache()
-  warmup = sys.modules.get("paged_kv.serving.warmup")
+  warmup = sys.modules.get("paged_kv.scheduler.warmup")
   if warmup is not None:
     warmup.release_programs()
   gc.collect()

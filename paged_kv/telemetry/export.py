@@ -307,7 +307,7 @@ class MetricsExporter:
     print(exporter.url)                                         # http://127.0.0.1:<port>/metrics
     exporter.stop()
 
-  Feed it with `observe(report)` (a `paged_kv.serving.scheduler.StepReport`, what
+  Feed it with `observe(report)` (a `paged_kv.scheduler.scheduler.StepReport`, what
   `Scheduler(on_step=...)` passes after every step; `attach(sched)` wires it), or
   piecewise: `observe_step_stats`, `observe_snapshot`, `observe_pool_counters`,
   `observe_scheduler_stats`, `observe_process`, `record_alerts`, `observe_finished`.
@@ -489,7 +489,7 @@ class MetricsExporter:
     self._count("promotions_total", counters.promotions)
 
   def observe_scheduler_stats(self, stats: Any) -> None:
-    """Counts the cumulative totals of a `paged_kv.serving.scheduler.SchedulerStats`."""
+    """Counts the cumulative totals of a `paged_kv.scheduler.scheduler.SchedulerStats`."""
     self._count("scheduler_steps_total", stats.steps)
     self._count("num_preemptions_total", stats.preemptions_recompute, mode="recompute")
     self._count("num_preemptions_total", stats.preemptions_swap, mode="swap")
@@ -555,7 +555,7 @@ class MetricsExporter:
     return count
 
   def observe(self, report: Any) -> None:
-    """Takes one `paged_kv.serving.scheduler.StepReport` (what `on_step` is passed)."""
+    """Takes one `paged_kv.scheduler.scheduler.StepReport` (what `on_step` is passed)."""
     if report.pool is not None:
       self.observe_step_stats(report.pool)
     if report.snapshot is not None:

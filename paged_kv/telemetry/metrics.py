@@ -49,7 +49,7 @@ def region_free_masks(ref_count: np.ndarray, region: np.ndarray) -> dict[str, np
 
 
 def _is_mirror(state) -> bool:
-  """Whether `state` is a host mirror (`paged_kv.mirror.HostState`): numpy, no device."""
+  """Whether `state` is a host mirror (`paged_kv.pool.host_state.HostState`): numpy, no device."""
   return hasattr(state, "free") and hasattr(state, "table_refs")
 
 

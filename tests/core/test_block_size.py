@@ -11,7 +11,7 @@ from absl.testing import absltest, parameterized
 import paged_kv
 from paged_kv.core import block_size
 from paged_kv.core.errors import InvalidArgument
-from paged_kv.serving import traces
+from paged_kv.sim import traces
 
 _TRACES = pathlib.Path(__file__).resolve().parents[3] / "shared" / "traces"
 

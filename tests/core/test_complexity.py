@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv
-from paged_kv import pool as pool_lib
+from paged_kv.pool import block_pool as pool_lib
 from paged_kv.core import alloc, commit, segments
-from paged_kv.mirror.changes import CommitWidths, empty_batch
-from paged_kv.mirror.host_state import HostState
+from paged_kv.pool.changes import CommitWidths, empty_batch
+from paged_kv.pool.host_state import HostState
 
 N = 1 << 20
 CONFIG = paged_kv.PoolConfig(num_blocks=N, block_size=16, num_layers=1, num_kv_heads=1,

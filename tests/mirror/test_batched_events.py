@@ -17,9 +17,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from paged_kv.core.config import PoolConfig
-from paged_kv.mirror import open_row
-from paged_kv.mirror import transitions as T
-from paged_kv.mirror.host_state import HostState
+from paged_kv.pool import open_row
+from paged_kv.pool import host_transitions as T
+from paged_kv.pool.host_state import HostState
 from tests.mirror.test_one_row import _same
 
 

@@ -13,7 +13,7 @@ from absl.testing import absltest, parameterized
 
 import paged_kv
 from paged_kv.core.commit import _FIELDS
-from paged_kv.mirror import changes
+from paged_kv.pool import changes
 
 
 class CommitBufferTest(parameterized.TestCase):

@@ -1,6 +1,6 @@
 """The one-row lean paths of the mirror's transitions against their general paths.
 
-`paged_kv.mirror.transitions` routes a one-row `open_rows`, `reserve`, `release`
+`paged_kv.pool.host_transitions` routes a one-row `open_rows`, `reserve`, `release`
 and `cow_split`, and `apply_ref_deltas` of a few entries, to a lean path; here
 each is compared with the general path on the same state (a one-row call padded
 with a `-1` row takes the general path):
@@ -21,8 +21,8 @@ from absl.testing import absltest, parameterized
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import Status
-from paged_kv.mirror import transitions as T
-from paged_kv.mirror.host_state import HostState
+from paged_kv.pool import host_transitions as T
+from paged_kv.pool.host_state import HostState
 
 FIELDS = ("ref_count", "slots", "region", "block", "start", "length", "num_segments",
           "seq_len", "active", "table_refs")

@@ -29,10 +29,10 @@ from absl.testing import absltest, parameterized
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import REGION_DYNAMIC
-from paged_kv.mirror import free_index
-from paged_kv.mirror import transitions as T
-from paged_kv.mirror.free_index import HostFreeIndex
-from paged_kv.mirror.host_state import SMALL_CHANGES, HostState
+from paged_kv.pool import free_index
+from paged_kv.pool import host_transitions as T
+from paged_kv.pool.free_index import HostFreeIndex
+from paged_kv.pool.host_state import SMALL_CHANGES, HostState
 from tests.mirror.test_one_row import _same
 
 

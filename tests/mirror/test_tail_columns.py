@@ -18,10 +18,10 @@ from absl.testing import absltest, parameterized
 import paged_kv
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InternalInconsistency
-from paged_kv.mirror import open_row
-from paged_kv.mirror import transitions as T
-from paged_kv.mirror.host_state import HostState
-from paged_kv.serving.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
+from paged_kv.pool import open_row
+from paged_kv.pool import host_transitions as T
+from paged_kv.pool.host_state import HostState
+from paged_kv.scheduler.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
 
 
 def _random_op(h: HostState, rng: np.random.Generator) -> str:

@@ -1,7 +1,7 @@
 """The host mirror's transitions against the device's, on random operation sequences.
 
 Two pools start equal: a device state driven by the jitted transitions of
-`paged_kv.core` and a `HostState` driven by `paged_kv.mirror.transitions`, plus a
+`paged_kv.core` and a `HostState` driven by `paged_kv.pool.host_transitions`, plus a
 third device state that receives only the mirror's commits. After every
 operation the statuses and results must be equal and the mirror must equal the
 device bit for bit (every bookkeeping array but `last_use`); after every flush
@@ -27,9 +27,9 @@ from paged_kv.core import alloc, compact, regions, segments, slots
 from paged_kv.core.commit import commit
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, KVPages, init_pool
-from paged_kv.mirror import transitions as T
-from paged_kv.mirror.free_index import HostFreeIndex
-from paged_kv.mirror.host_state import HostState
+from paged_kv.pool import host_transitions as T
+from paged_kv.pool.free_index import HostFreeIndex
+from paged_kv.pool.host_state import HostState
 from paged_kv.core.state import build_free_index
 from paged_kv.telemetry.metrics import largest_free_run
 

@@ -12,7 +12,7 @@ from flax import nnx
 import paged_kv
 from paged_kv.model import (LlamaConfig, ModelContractError, PagedModel, TinyLlama,
                             check_model, last_token_index, pool_config_for)
-from paged_kv.serving import ModelExecutor
+from paged_kv.scheduler import ModelExecutor
 
 CONFIG = LlamaConfig(vocab_size=32, d_model=16, num_layers=1, num_q_heads=2, num_kv_heads=1,
                      head_dim=8, ffn_dim=32)

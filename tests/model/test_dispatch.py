@@ -22,7 +22,7 @@ from paged_kv.model.plan import CarriedTokens
 from paged_kv.model.runner import PagedRunner
 from paged_kv.model.sampling import SamplingBatch
 from paged_kv.runtime import counters
-from paged_kv.serving.executor import ModelExecutor
+from paged_kv.scheduler.executor import ModelExecutor
 
 B = 4
 

@@ -198,8 +198,8 @@ def test_served_greedy_equals_dense(checkpoints, name, layout):
   """The loaded model through Scheduler + ModelExecutor (paged, logits_indices) generates
   what llama.dense_forward does, token for token, in either layer layout."""
   # pylint: disable=import-outside-toplevel
-  from paged_kv.serving.executor import ModelExecutor
-  from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+  from paged_kv.scheduler.executor import ModelExecutor
+  from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
   path, hf, _ = checkpoints[name]
   ckpt = hf_checkpoint.load_checkpoint(path, dtype="float32", max_seq_len=64,
                                        scan_layers=LAYOUTS[layout])
@@ -348,7 +348,7 @@ class Block:
     if name.split('.')[0] in ('safetensors', 'tokenizers'):
       raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, Block())
-import paged_kv, paged_kv.model, paged_kv.serving
+import paged_kv, paged_kv.model, paged_kv.scheduler, paged_kv.cache
 from paged_kv.model import hf_checkpoint, tokenizer
 for call in (lambda: hf_checkpoint.load_checkpoint(sys.argv[1]),
              lambda: tokenizer.Tokenizer.from_file(sys.argv[1] + '/config.json')):

@@ -58,7 +58,7 @@ def test_signature_decides_the_form(model):
     del logits_indices
   assert contract.accepts_logits_indices(positional)
   assert not contract.accepts_logits_indices(42)
-  from paged_kv.serving import ModelExecutor  # pylint: disable=import-outside-toplevel
+  from paged_kv.scheduler import ModelExecutor  # pylint: disable=import-outside-toplevel
   assert ModelExecutor(model, POOL).uses_logits_indices
   assert not ModelExecutor(WithoutIndices(model), POOL).uses_logits_indices
 
@@ -139,7 +139,7 @@ class IgnoresIndices(nnx.Module):
 
 
 def test_a_model_that_ignores_the_indices_is_refused(model):
-  from paged_kv.serving import ModelExecutor  # pylint: disable=import-outside-toplevel
+  from paged_kv.scheduler import ModelExecutor  # pylint: disable=import-outside-toplevel
   bad = IgnoresIndices(model)
   with pytest.raises(contract.ModelContractError,
                      match=r"takes logits_indices, so its logits must be floating "

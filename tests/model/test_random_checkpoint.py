@@ -24,9 +24,9 @@ from safetensors.numpy import load_file
 
 from paged_kv.model import hf_checkpoint, hf_reference, random_checkpoint, reference
 from paged_kv.model import llama
-from paged_kv.serving import serving_bench as sb
-from paged_kv.serving.executor import ModelExecutor
-from paged_kv.serving.scheduler import SchedulerConfig
+from paged_kv.sim import serving_bench as sb
+from paged_kv.scheduler.executor import ModelExecutor
+from paged_kv.scheduler.scheduler import SchedulerConfig
 from tests.model.test_hf_checkpoint import ref_logits
 # pylint: enable=wrong-import-position
 

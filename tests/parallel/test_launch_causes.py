@@ -8,7 +8,7 @@ import sys
 
 from absl.testing import absltest
 
-from paged_kv.parallel import launch as launch_lib
+from paged_kv.cluster import launch as launch_lib
 
 # Process 0 prints a line and dies by SIGKILL (no word to its peers); process 1
 # waits for the launcher; process 2 aborts itself as the coordination service would.

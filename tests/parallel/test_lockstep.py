@@ -12,10 +12,10 @@ import pytest
 
 import paged_kv
 from paged_kv.core.errors import InvalidArgument
-from paged_kv.parallel import distributed, lockstep
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.sampling_params import SamplingParams
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.cluster import distributed, lockstep
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.scheduler.sampling_params import SamplingParams
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 
 CONFIG = paged_kv.PoolConfig(num_blocks=24, block_size=4, num_layers=1, num_kv_heads=2,
                              head_dim=8, max_seqs=4, max_segments=16)

@@ -1,7 +1,7 @@
 """Multi-process runs on this host: `jax.distributed` over 127.0.0.1, CPU collectives (gloo).
 
-Each run is `paged_kv.parallel.launch` starting N copies of
-`python -m paged_kv.parallel.selfcheck` (one CPU device per process, a global
+Each run is `paged_kv.cluster.launch` starting N copies of
+`python -m paged_kv.cluster.selfcheck` (one CPU device per process, a global
 mesh over all of them, the pool's pages split over kv heads across processes,
 `LockstepScheduler` + `ShardedModelExecutor`). The reference is the same
 workload in one plain process (`--plain`). Checked:
@@ -33,8 +33,8 @@ import time
 import numpy as np
 import pytest
 
-from paged_kv.parallel import launch
-from paged_kv.parallel import selfcheck
+from paged_kv.cluster import launch
+from paged_kv.cluster import selfcheck
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_TIMEOUT_S = 420  # one model launch (4 processes: 122 s at load ~15, 265 s at load 35, 2 cores)
@@ -77,7 +77,7 @@ def _assert_no_orphans(result: launch.LaunchResult) -> None:
 
 
 def _run(out, num_processes: int, *args: str, timeout_s: float = RUN_TIMEOUT_S,
-         grace_s: float = 5.0, module: str = "paged_kv.parallel.selfcheck") -> launch.LaunchResult:
+         grace_s: float = 5.0, module: str = "paged_kv.cluster.selfcheck") -> launch.LaunchResult:
   command = [sys.executable, "-m", module, "--out", str(out), *args]
   result = launch.launch(command, num_processes, timeout_s=timeout_s, grace_s=grace_s,
                          env=_env(), cwd=_ROOT)
@@ -107,7 +107,7 @@ def _fail(result: launch.LaunchResult) -> str:
 def reference(tmp_path_factory):
   """The workload in one plain process (`--plain`: Scheduler + ModelExecutor, one device)."""
   out = tmp_path_factory.mktemp("plain")
-  proc = subprocess.run([sys.executable, "-m", "paged_kv.parallel.selfcheck", "--plain",
+  proc = subprocess.run([sys.executable, "-m", "paged_kv.cluster.selfcheck", "--plain",
                          "--out", str(out)], env=_env(), cwd=_ROOT, capture_output=True,
                         text=True, timeout=RUN_TIMEOUT_S, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -218,7 +218,7 @@ def test_launcher_timeout_stops_everything():
 
 
 def test_launcher_cli():
-  proc = subprocess.run([sys.executable, "-m", "paged_kv.parallel.launch", "-n", "2",
+  proc = subprocess.run([sys.executable, "-m", "paged_kv.cluster.launch", "-n", "2",
                          "--timeout", "60", "--", sys.executable, "-c", _CHILD, "ok"],
                         env=_env(), cwd=_ROOT, capture_output=True, text=True, timeout=90,
                         check=False)

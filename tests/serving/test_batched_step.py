@@ -9,10 +9,10 @@ import numpy as np
 from absl.testing import absltest
 
 import paged_kv
-from paged_kv.pool import BlockPool
-from paged_kv.serving.cached_pool import CachedPool
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.pool.block_pool import BlockPool
+from paged_kv.cache.cached_pool import CachedPool
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 
 CFG = paged_kv.PoolConfig(num_blocks=32, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=2, max_seqs=8, max_segments=16)

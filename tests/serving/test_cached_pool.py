@@ -26,7 +26,7 @@ import paged_kv
 from paged_kv.core import segment_format
 from paged_kv.runtime import counters
 from paged_kv.core.errors import InvalidArgument, InvalidSegmentLayout, InvariantViolation
-from paged_kv.serving.cached_pool import CachedPool, CacheView
+from paged_kv.cache.cached_pool import CachedPool, CacheView
 from paged_kv.telemetry import metrics
 from radix.cache import InvalidSegmentsError, PrefixCache
 import radix.cache
@@ -606,7 +606,7 @@ class IssueJCachedPoolTest(absltest.TestCase):
     cp.unlock(m.node)
 
   def test_recover_drops_a_cache_the_pool_disagrees_with(self):
-    from paged_kv.serving import cached_pool as cp_mod
+    from paged_kv.cache import cached_pool as cp_mod
     pool = self._pool()
     cp = CachedPool(pool)
     s = cp.open()

@@ -26,7 +26,7 @@ from paged_kv.model.plan import CarriedTokens
 from paged_kv.model.sampling import SamplingBatch
 from paged_kv.parallel import sharding
 from paged_kv.parallel.executor import ShardedModelExecutor
-from paged_kv.serving.executor import DryExecutor, ModelExecutor
+from paged_kv.scheduler.executor import DryExecutor, ModelExecutor
 
 MODEL = llama.LlamaConfig(num_layers=2)
 POOL = llama.pool_config_for(MODEL, num_blocks=24, block_size=4, max_seqs=4, max_segments=8)

@@ -1,10 +1,10 @@
-"""Tests of paged_kv.serving.engine_replay: a trace through the scheduler in dry mode."""
+"""Tests of paged_kv.sim.engine_replay: a trace through the scheduler in dry mode."""
 
 from __future__ import annotations
 
 from absl.testing import absltest
 
-from paged_kv.serving import engine_replay
+from paged_kv.sim import engine_replay
 from tests.serving.trace_files import session_trace
 
 

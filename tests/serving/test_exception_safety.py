@@ -43,13 +43,13 @@ from absl.testing import absltest
 
 import paged_kv
 from paged_kv.core import compact
-from paged_kv.mirror import transitions as host_ops
-from paged_kv.serving import admission as admission_mod
-from paged_kv.serving import persist
-from paged_kv.serving import preemption as preemption_mod
-from paged_kv.serving.cached_pool import CachedPool
-from paged_kv.serving.governance import CacheGovernance
-from paged_kv.serving.scheduler import (DryExecutor, Phase, Request, Scheduler, SchedulerBroken,
+from paged_kv.pool import host_transitions as host_ops
+from paged_kv.scheduler import admission as admission_mod
+from paged_kv.cache import persist
+from paged_kv.scheduler import preemption as preemption_mod
+from paged_kv.cache.cached_pool import CachedPool
+from paged_kv.cache.governance import CacheGovernance
+from paged_kv.scheduler.scheduler import (DryExecutor, Phase, Request, Scheduler, SchedulerBroken,
                                         SchedulerConfig)
 from radix.cache import PrefixCache
 from tests.serving import kv_tags

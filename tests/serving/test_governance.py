@@ -9,9 +9,9 @@ from absl.testing import absltest
 
 import paged_kv
 from paged_kv.core.errors import InvalidArgument
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.governance import CacheGovernance
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.cache.governance import CacheGovernance
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.telemetry import metrics
 
 CFG = paged_kv.PoolConfig(num_blocks=128, block_size=8, num_layers=1, num_kv_heads=1, head_dim=2,

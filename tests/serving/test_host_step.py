@@ -28,11 +28,11 @@ from absl.testing import absltest
 
 import paged_kv
 from paged_kv.core import compact
-from paged_kv.mirror import transitions
+from paged_kv.pool import host_transitions as transitions
 from paged_kv.model import metadata
 from paged_kv.model.plan import StepPlan
-from paged_kv.serving.running_rows import RunningList, RunningRows
-from paged_kv.serving.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.running_rows import RunningList, RunningRows
+from paged_kv.scheduler.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
 from radix.cache import PrefixCache
 
 
@@ -202,7 +202,7 @@ def _decode_step_calls(batch: int, overlap: bool) -> int:
   for _ in range(4):  # prompts done, first tokens read, every row decoding
     sched.step()
   assert len(sched.running) == batch and not sched.waiting
-  calls = _count_calls(sched.step, ("/paged_kv/serving/",))
+  calls = _count_calls(sched.step, ("/paged_kv/scheduler/", "/paged_kv/cache/"))
   assert len(sched.running) == batch and not sched.finished
   return calls
 

@@ -13,9 +13,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import paged_kv
-from paged_kv.serving import UnknownRequest
-from paged_kv.serving.scheduler import DryExecutor, Phase, Request, Scheduler, SchedulerConfig
-from paged_kv.serving.streaming import generate
+from paged_kv.scheduler import UnknownRequest
+from paged_kv.scheduler.scheduler import DryExecutor, Phase, Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.streaming import generate
 
 CFG = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=2, max_seqs=8, max_segments=40)

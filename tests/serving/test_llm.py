@@ -14,9 +14,9 @@ pytest.importorskip("tokenizers", reason="the hf extra (pip install 'paged-kv[hf
 # pylint: disable=wrong-import-position
 import paged_kv
 from paged_kv.core.errors import InvalidArgument
-from paged_kv.serving.llm import ContextLengthExceeded, LLM, pool_blocks
-from paged_kv.serving.parallel_sampling import SampleId
-from paged_kv.serving.sampling_params import SamplingParams
+from paged_kv.entrypoints.llm import ContextLengthExceeded, LLM, pool_blocks
+from paged_kv.scheduler.parallel_sampling import SampleId
+from paged_kv.scheduler.sampling_params import SamplingParams
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
 

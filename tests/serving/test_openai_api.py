@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("jinja2", reason="the server extra (pip install 'paged-kv[server]')")
 
 # pylint: disable=wrong-import-position
-from paged_kv.serving import openai_api as api
-from paged_kv.serving.engine_process import EngineProcess, EngineStartError
-from paged_kv.serving.engine_task import EngineTask
-from paged_kv.serving.engine_thread import EngineStopped, EngineThread, QueueFull, RequestFailed
-from paged_kv.serving.llm import CompletionChunk
-from paged_kv.serving.sampling_params import SamplingParams
+from paged_kv.entrypoints import openai_api as api
+from paged_kv.entrypoints.engine_process import EngineProcess, EngineStartError
+from paged_kv.entrypoints.engine_task import EngineTask
+from paged_kv.entrypoints.engine_thread import EngineStopped, EngineThread, QueueFull, RequestFailed
+from paged_kv.entrypoints.llm import CompletionChunk
+from paged_kv.scheduler.sampling_params import SamplingParams
 
 
 def _completion(**fields):
@@ -298,7 +298,7 @@ def test_a_streamed_event_is_one_line_for_any_line_splitter(char):
   """Generated text may hold any character: an event stays one line for a client that
   splits lines as `str.splitlines` does (httpx's `aiter_lines`) and decodes to the text."""
   import json  # pylint: disable=import-outside-toplevel
-  from paged_kv.serving import server  # pylint: disable=import-outside-toplevel
+  from paged_kv.entrypoints import api_server as server  # pylint: disable=import-outside-toplevel
   data = {"choices": [{"text": f"a{char}b é"}]}
   event = server._sse(data)  # pylint: disable=protected-access
   assert event.endswith("\n\n")

@@ -32,12 +32,12 @@ openai = pytest.importorskip("openai", reason="the test extra (pip install 'page
 httpx = pytest.importorskip("httpx", reason="the test extra (pip install 'paged-kv[test]')")
 
 # pylint: disable=wrong-import-position
-from paged_kv.serving import openai_api
-from paged_kv.serving.engine_process import served_llm
-from paged_kv.serving.engine_thread import EngineStopped
-from paged_kv.serving.llm import LLM
-from paged_kv.serving.sampling_params import SamplingParams
-from paged_kv.serving.server import BackgroundServer, Server, build_app
+from paged_kv.entrypoints import openai_api
+from paged_kv.entrypoints.engine_process import served_llm
+from paged_kv.entrypoints.engine_thread import EngineStopped
+from paged_kv.entrypoints.llm import LLM
+from paged_kv.scheduler.sampling_params import SamplingParams
+from paged_kv.entrypoints.api_server import BackgroundServer, Server, build_app
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
 

@@ -19,9 +19,9 @@ from flax import nnx
 import paged_kv
 from paged_kv.model import llama
 from paged_kv.model.reference import generate_dense
-from paged_kv.serving.executor import DryExecutor, ModelExecutor, attach_state
-from paged_kv.serving.latency_executor import LatencyExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.executor import DryExecutor, ModelExecutor, attach_state
+from paged_kv.scheduler.latency_executor import LatencyExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 
 MODEL_CONFIG = llama.LlamaConfig(num_layers=2)
 NEW_TOKENS = 8

@@ -15,9 +15,8 @@ from flax import nnx
 
 import paged_kv
 from paged_kv.model import LlamaConfig, TinyLlama, pool_config_for
-from paged_kv.serving import (ModelExecutor, Request, SamplingParams, Scheduler,
-                              SchedulerConfig)
-from paged_kv.serving.parallel_sampling import SampleId
+from paged_kv.scheduler import ModelExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
+from paged_kv.scheduler.parallel_sampling import SampleId
 
 CONFIG = LlamaConfig(vocab_size=64, d_model=16, num_layers=1, num_q_heads=2, num_kv_heads=1,
                      head_dim=8, ffn_dim=32)
@@ -118,7 +117,7 @@ class ParallelSamplingTest(absltest.TestCase):
     self.assertEqual((aborted.stop_reason, aborted.output), ("abort", want[:3]))
     self.assertEqual((first.output, other.output), (want, want))
     self.assertEqual(sched.pool.num_free_blocks, POOL.num_blocks)
-    with self.assertRaises(paged_kv.serving.UnknownRequest):
+    with self.assertRaises(paged_kv.scheduler.UnknownRequest):
       sched.abort(SampleId("r", 1))
 
   def test_abort_of_the_first_request_after_the_fork_leaves_its_samples(self):

@@ -19,8 +19,7 @@ import paged_kv
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.model import LlamaConfig, TinyLlama, llama, penalties, pool_config_for
 from paged_kv.model.metadata import StepMetadata
-from paged_kv.serving import (ModelExecutor, Request, SamplingParams, Scheduler,
-                              SchedulerConfig)
+from paged_kv.scheduler import ModelExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
 
 V = 32
 CONFIG = LlamaConfig(vocab_size=V, d_model=16, num_layers=1, num_q_heads=2, num_kv_heads=1,

@@ -21,7 +21,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import paged_kv
-from paged_kv.serving import persist
+from paged_kv.cache import persist
 from radix.cache import PrefixCache
 
 _GEOMETRY = dict(num_layers=2, num_kv_heads=2, head_dim=4)
@@ -162,7 +162,7 @@ class RoundTripTest(parameterized.TestCase):
   def test_promoted_blocks_restore_into_a_pool_of_the_same_config(self):
     """A cache with promoted blocks in the base region, the dynamic region full too, restores into a fresh pool of the same config (a restart): loaded
     blocks move into the base region as the dynamic one fills. Before: PoolExhausted."""
-    from paged_kv.serving.cached_pool import CachedPool  # pylint: disable=g-import-not-at-top
+    from paged_kv.cache.cached_pool import CachedPool  # pylint: disable=g-import-not-at-top
     cfg = paged_kv.PoolConfig(num_blocks=32, block_size=4, num_layers=1, num_kv_heads=1,
                               head_dim=2, max_seqs=4, max_segments=32, base_pool_fraction=0.25)
     cp = CachedPool(paged_kv.BlockPool(cfg))
@@ -491,7 +491,7 @@ _CRASH_CHILD = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
 import paged_kv
-from paged_kv.serving import persist
+from paged_kv.cache import persist
 from tests.serving.test_persist import _SRC, build_cache
 path, offset = sys.argv[2], int(sys.argv[3])
 config = paged_kv.PoolConfig(**_SRC)

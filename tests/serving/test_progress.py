@@ -21,7 +21,7 @@ from absl.testing import absltest
 
 import paged_kv
 from paged_kv.core.errors import InvalidArgument, PoolExhausted
-from paged_kv.serving import Request, Scheduler, SchedulerConfig, SchedulerStalled
+from paged_kv.scheduler import Request, Scheduler, SchedulerConfig, SchedulerStalled
 from tests.serving import kv_tags
 from tests.serving.test_scheduler_parts import Parts, _running
 

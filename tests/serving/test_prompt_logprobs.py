@@ -16,8 +16,7 @@ from flax import nnx
 
 import paged_kv
 from paged_kv.model import LlamaConfig, TinyLlama, llama, pool_config_for
-from paged_kv.serving import (ModelExecutor, Request, SamplingParams, Scheduler,
-                              SchedulerConfig, warmup)
+from paged_kv.scheduler import ModelExecutor, Request, SamplingParams, Scheduler, SchedulerConfig, warmup
 
 CONFIG = LlamaConfig(vocab_size=64, d_model=16, num_layers=1, num_q_heads=2, num_kv_heads=1,
                      head_dim=8, ffn_dim=32)
@@ -124,7 +123,7 @@ class PromptLogprobsTest(absltest.TestCase):
       ModelExecutor(self.model, POOL, prompt_logprobs=1)
 
   def test_warm_up_compiles_them_only_when_built_for_them(self):
-    mixed = len(paged_kv.serving.batching.token_widths(SchedulerConfig(**SCHED))[1])
+    mixed = len(paged_kv.scheduler.batching.token_widths(SchedulerConfig(**SCHED))[1])
     with_flag = [r.name for r in warmup.program_runs(self._sched(), persistence=False)]
     plain = [r.name for r in warmup.program_runs(
         self._sched(ModelExecutor(self.model, POOL)), persistence=False)]

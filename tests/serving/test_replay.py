@@ -1,15 +1,15 @@
-"""Tests of the simulated replay: paged_kv.serving.host_pool and paged_kv.serving.replay."""
+"""Tests of the simulated replay: paged_kv.sim.host_pool and paged_kv.sim.replay."""
 
 from __future__ import annotations
 
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from paged_kv.serving import traces
-from paged_kv.serving.host_pool import HostBlockPool
-from paged_kv.serving.replay import (ReplayConfig, ReplayResult, SimState, replay_sim,
+from paged_kv.sim import traces
+from paged_kv.sim.host_pool import HostBlockPool
+from paged_kv.sim.replay import (ReplayConfig, ReplayResult, SimState, replay_sim,
                                      serve_request)
-from paged_kv.serving.traces import TraceRequest
+from paged_kv.sim.traces import TraceRequest
 from tests.serving.trace_files import BLOCK, session_trace, tmp_file, write_azure, write_mooncake
 
 

@@ -19,12 +19,12 @@ import pytest
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument
-from paged_kv.serving.replica_worker import ReplicaServer
-from paged_kv.serving.replicas import (ReplicaRequest, ReplicaSet, ReplicaSpec,
+from paged_kv.cluster.replica_worker import ReplicaServer
+from paged_kv.cluster.replicas import (ReplicaRequest, ReplicaSet, ReplicaSpec,
                                        ReplicaStartError)
-from paged_kv.serving.routing import CacheAwareRouter
-from paged_kv.serving.scheduler import SchedulerConfig
-from paged_kv.serving.traces import TokenSource, scaled_prompt
+from paged_kv.cluster.routing import CacheAwareRouter
+from paged_kv.scheduler.scheduler import SchedulerConfig
+from paged_kv.sim.traces import TokenSource, scaled_prompt
 from tests.serving.trace_files import session_trace
 
 POOL = PoolConfig(num_blocks=256, block_size=16, num_layers=1, num_kv_heads=1, head_dim=2,
@@ -137,7 +137,7 @@ def test_tiny_llama_factory_serves_the_seeded_model_greedily():
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from paged_kv.model import llama  # pylint: disable=g-import-not-at-top
   from paged_kv.model.reference import generate_dense  # pylint: disable=g-import-not-at-top
-  from paged_kv.serving.replica_worker import TinyLlamaFactory  # pylint: disable=g-import-not-at-top
+  from paged_kv.cluster.replica_worker import TinyLlamaFactory  # pylint: disable=g-import-not-at-top
   cfg = llama.LlamaConfig(num_layers=1, dtype="float32")
   pool = llama.pool_config_for(cfg, num_blocks=32, block_size=4, max_seqs=2, max_segments=8)
   factory = pickle.loads(pickle.dumps(TinyLlamaFactory(cfg, seed=3)))

@@ -1,6 +1,6 @@
-"""Tests of paged_kv.serving.routing: routers, load model, clusters, and the routing replay script.
+"""Tests of paged_kv.cluster.routing: routers, load model, clusters, and the routing replay script.
 
-Replicas are ``paged_kv.serving.replay.SimReplica`` (the simulated pool + prefix cache)
+Replicas are ``paged_kv.sim.replay.SimReplica`` (the simulated pool + prefix cache)
 fed small synthetic Mooncake-style requests: block hash ``h`` is 512 tokens, and equal
 leading hashes mean an equal prefix. The script test writes its own trace file.
 """
@@ -15,8 +15,8 @@ import sys
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from paged_kv.serving.replay import ReplayConfig, SimReplica, routed_requests
-from paged_kv.serving.routing import (
+from paged_kv.sim.replay import ReplayConfig, SimReplica, routed_requests
+from paged_kv.cluster.routing import (
     CacheAwareRouter,
     GlobalCache,
     LeastLoadRouter,
@@ -26,7 +26,7 @@ from paged_kv.serving.routing import (
     RoundRobinRouter,
     RoutedRequest,
 )
-from paged_kv.serving.traces import TokenSource, TraceRequest, exact_hit_bound
+from paged_kv.sim.traces import TokenSource, TraceRequest, exact_hit_bound
 from tests.serving.trace_files import BLOCK, session_trace, tmp_file, write_mooncake
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]

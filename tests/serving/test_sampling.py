@@ -18,8 +18,7 @@ from flax import nnx
 import paged_kv
 from paged_kv.model import LlamaConfig, TinyLlama, pool_config_for
 from paged_kv.model.sampling import SamplingBatch, sample
-from paged_kv.serving import (ModelExecutor, Request, SamplingParams, Scheduler,
-                              SchedulerConfig)
+from paged_kv.scheduler import ModelExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
 
 V = 16
 

@@ -27,10 +27,9 @@ from paged_kv.model import LlamaConfig, TinyLlama, pool_config_for
 from paged_kv.model.sampling import (ADJUST_WIDTH, SamplingBatch, apply_adjustments,
                                      apply_penalties, sample)
 from paged_kv.model.tokenizer import Tokenizer
-from paged_kv.serving import (ModelExecutor, Request, SamplingParams, Scheduler,
-                              SchedulerConfig)
-from paged_kv.serving.sampling_params import MAX_LOGIT_ADJUSTMENTS
-from paged_kv.serving.stop_strings import StopStringMatcher, text_until_stop
+from paged_kv.scheduler import ModelExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
+from paged_kv.scheduler.sampling_params import MAX_LOGIT_ADJUSTMENTS
+from paged_kv.scheduler.stop_strings import StopStringMatcher, text_until_stop
 
 V = 24
 

@@ -5,8 +5,8 @@ from absl.testing import absltest, parameterized
 
 import paged_kv
 from paged_kv.core import compact
-from paged_kv.serving.cached_pool import CachedPool, CacheView
-from paged_kv.serving.scheduler import DryExecutor, Phase, Request, Scheduler, SchedulerConfig
+from paged_kv.cache.cached_pool import CachedPool, CacheView
+from paged_kv.scheduler.scheduler import DryExecutor, Phase, Request, Scheduler, SchedulerConfig
 from radix.cache import PrefixCache
 
 CFG = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1,

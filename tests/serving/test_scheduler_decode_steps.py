@@ -15,9 +15,9 @@ from flax import nnx
 
 import paged_kv
 from paged_kv.model import llama
-from paged_kv.serving.executor import DryExecutor, ModelExecutor
-from paged_kv.serving.sampling_params import SamplingParams
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.executor import DryExecutor, ModelExecutor
+from paged_kv.scheduler.sampling_params import SamplingParams
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 
 MODEL_CONFIG = llama.LlamaConfig(num_layers=2)
 

@@ -70,9 +70,10 @@ from absl.testing import absltest
 
 import paged_kv
 from paged_kv.core import compact
-from paged_kv.serving import Request, SamplingParams, Scheduler, SchedulerConfig, persist
-from paged_kv.serving.executor import attach_state
-from paged_kv.serving.governance import CacheGovernance
+from paged_kv.scheduler import Request, SamplingParams, Scheduler, SchedulerConfig
+from paged_kv.cache import persist
+from paged_kv.scheduler.executor import attach_state
+from paged_kv.cache.governance import CacheGovernance
 from radix.cache import PrefixCache
 from tests.serving import kv_tags
 

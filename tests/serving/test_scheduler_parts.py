@@ -1,5 +1,5 @@
 """The scheduler's parts on their own: batching, stats pacing, eviction, admission,
-preemption, maintenance, shrink control, recovery (`paged_kv.serving.*`)."""
+preemption, maintenance, shrink control, recovery (`paged_kv.scheduler.*`)."""
 
 import inspect
 
@@ -8,17 +8,17 @@ from absl.testing import absltest
 
 import paged_kv
 from paged_kv.core.errors import InvalidArgument, PoolExhausted
-from paged_kv.serving import batching, maintenance, recovery
-from paged_kv.serving.admission import Admission
-from paged_kv.serving.cached_pool import CachedPool
-from paged_kv.serving.eviction import Evictor
-from paged_kv.serving.finishing import Finishing
-from paged_kv.serving.preemption import Preemption
-from paged_kv.serving.request import Phase, Request, RequestQueues, is_finished
-from paged_kv.serving.scheduler import Scheduler
-from paged_kv.serving.scheduler_config import SchedulerConfig
-from paged_kv.serving.stats_pacing import MAX_STATS_INTERVAL, StatsPacer
-from paged_kv.serving.step_report import SchedulerStats, StepRecord
+from paged_kv.scheduler import batching, maintenance, recovery
+from paged_kv.scheduler.admission import Admission
+from paged_kv.cache.cached_pool import CachedPool
+from paged_kv.scheduler.eviction import Evictor
+from paged_kv.scheduler.finishing import Finishing
+from paged_kv.scheduler.preemption import Preemption
+from paged_kv.scheduler.request import Phase, Request, RequestQueues, is_finished
+from paged_kv.scheduler.scheduler import Scheduler
+from paged_kv.scheduler.scheduler_config import SchedulerConfig
+from paged_kv.scheduler.stats_pacing import MAX_STATS_INTERVAL, StatsPacer
+from paged_kv.scheduler.step_report import SchedulerStats, StepRecord
 from paged_kv.telemetry import metrics
 
 CFG = paged_kv.PoolConfig(num_blocks=32, block_size=4, num_layers=1, num_kv_heads=1,
@@ -140,7 +140,7 @@ class AdmissionTest(absltest.TestCase):
       p.admission.check_fits(big)
     with self.assertRaisesRegex(InvalidArgument, "logprobs"):
       p.admission.check_fits(Request(1, np.arange(4, dtype=np.int32), 2,
-                                     sampling=paged_kv.serving.SamplingParams(logprobs=2)))
+                                     sampling=paged_kv.scheduler.SamplingParams(logprobs=2)))
 
   def test_max_seq_len_bounds_prompt_plus_output(self):
     p = Parts(SchedulerConfig(max_batch=4, compaction=None, max_seq_len=12))

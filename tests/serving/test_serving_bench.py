@@ -1,4 +1,4 @@
-"""`paged_kv.serving.serving_bench`: the workloads, the closed loop, the bandwidth
+"""`paged_kv.sim.serving_bench`: the workloads, the closed loop, the bandwidth
 ceiling (SERVING.md's H200 figures recomputed) and the comparison with a reference."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 import paged_kv
 from paged_kv.model import hf_reference
-from paged_kv.serving import serving_bench as sb
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.scheduler import Scheduler, SchedulerConfig
+from paged_kv.sim import serving_bench as sb
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.serving.trace_files import session_trace, write_mooncake
 
 

@@ -18,8 +18,8 @@ import paged_kv
 from paged_kv.core import compact
 from paged_kv.model import llama
 from paged_kv.model.reference import generate_dense
-from paged_kv.serving.executor import ModelExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.executor import ModelExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 
 MODEL_CONFIG = llama.LlamaConfig(num_layers=2)
 NEW_TOKENS = 8

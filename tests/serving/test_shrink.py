@@ -22,8 +22,8 @@ from absl.testing import absltest
 
 import paged_kv
 from paged_kv.core import compact, regions
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 from tests.serving import kv_tags
 
 CFG = paged_kv.PoolConfig(num_blocks=192, block_size=4, num_layers=1, num_kv_heads=1,
@@ -310,7 +310,7 @@ class ShrinkRefusalTest(absltest.TestCase):
   def test_model_executor_follows_a_resize(self):
     from flax import nnx  # pylint: disable=import-outside-toplevel
     from paged_kv.model import llama  # pylint: disable=import-outside-toplevel
-    from paged_kv.serving.executor import ModelExecutor  # pylint: disable=import-outside-toplevel
+    from paged_kv.scheduler.executor import ModelExecutor  # pylint: disable=import-outside-toplevel
     model_config = llama.LlamaConfig(num_layers=1)
     pool_config = llama.pool_config_for(model_config, num_blocks=64, block_size=4, max_seqs=4,
                                         max_segments=24, base_pool_fraction=0.1)

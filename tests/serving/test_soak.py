@@ -67,9 +67,9 @@ from absl.testing import absltest
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.runtime import counters, host_memory
-from paged_kv.serving import Request, Scheduler, SchedulerConfig
-from paged_kv.serving.cached_pool import CachedPool
-from paged_kv.serving.traces import TokenSource, load_mooncake, scaled_prompt
+from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.cache.cached_pool import CachedPool
+from paged_kv.sim.traces import TokenSource, load_mooncake, scaled_prompt
 from tests.serving import kv_tags
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -437,7 +437,7 @@ class MooncakeSoakTest(absltest.TestCase):
     _skip_unless(self, "model")
     from flax import nnx
     from paged_kv.model import llama
-    from paged_kv.serving.executor import ModelExecutor
+    from paged_kv.scheduler.executor import ModelExecutor
 
     t_start = time.monotonic()
     host_memory.return_freed_memory()

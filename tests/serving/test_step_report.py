@@ -8,9 +8,9 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import paged_kv
-from paged_kv.serving import scheduler as scheduler_mod
-from paged_kv.serving.executor import DryExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig, StepReport
+from paged_kv.scheduler import scheduler as scheduler_mod
+from paged_kv.scheduler.executor import DryExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig, StepReport
 from paged_kv.telemetry import metrics
 from tests.testutil import HostTransfers
 

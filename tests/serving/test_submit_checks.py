@@ -14,8 +14,7 @@ from flax import nnx
 
 import paged_kv
 from paged_kv.model import LlamaConfig, TinyLlama, pool_config_for
-from paged_kv.serving import (DryExecutor, ModelExecutor, Request, SamplingParams, Scheduler,
-                              SchedulerConfig)
+from paged_kv.scheduler import DryExecutor, ModelExecutor, Request, SamplingParams, Scheduler, SchedulerConfig
 
 CONFIG = LlamaConfig(vocab_size=32, d_model=16, num_layers=1, num_q_heads=2, num_kv_heads=1,
                      head_dim=8, ffn_dim=32)

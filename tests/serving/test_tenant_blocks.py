@@ -19,7 +19,8 @@ import numpy as np
 from absl.testing import absltest
 
 import paged_kv
-from paged_kv.serving import Request, Scheduler, SchedulerConfig, persist
+from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.cache import persist
 from radix.cache import PrefixCache
 from tests.serving import kv_tags
 

@@ -20,7 +20,7 @@ from absl.testing import absltest, parameterized
 
 import paged_kv
 from paged_kv.core import compact
-from paged_kv.serving import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
 from tests.serving import kv_tags
 
 TENANTS = {"tenant-a": 0, "tenant-b": 1}

@@ -1,4 +1,4 @@
-"""Tests of paged_kv.serving.traces: the trace formats, token ids and the exact bound.
+"""Tests of paged_kv.sim.traces: the trace formats, token ids and the exact bound.
 
 Trace files are written by the tests themselves (``trace_files``), never read from
 ``../shared``.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 from absl.testing import absltest
 
-from paged_kv.serving import traces
-from paged_kv.serving.traces import TokenSource, TraceRequest
+from paged_kv.sim import traces
+from paged_kv.sim.traces import TokenSource, TraceRequest
 from tests.serving.trace_files import BLOCK, session_trace, tmp_file, write_azure, write_mooncake
 
 

@@ -21,12 +21,12 @@ import pytest
 from flax import nnx
 
 import paged_kv
-from paged_kv.mirror.changes import CommitWidths
+from paged_kv.pool.changes import CommitWidths
 from paged_kv.model import llama
 from paged_kv.runtime import counters
-from paged_kv.serving import batching, warmup
-from paged_kv.serving.executor import ModelExecutor
-from paged_kv.serving.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.scheduler import batching, warmup
+from paged_kv.scheduler.executor import ModelExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 
 MODEL_CONFIG = llama.LlamaConfig(num_layers=2)
 SCHED = SchedulerConfig(max_batch=8, prefill_chunk=32, prefill_token_budget=64, decode_steps=4,

@@ -1,7 +1,7 @@
 """Small synthetic traces, in memory and as files in the public formats, for tests.
 
 The tests never read ``../shared/traces``: a test that needs a trace file writes one
-here, in the same format (``paged_kv.serving.traces`` documents both):
+here, in the same format (``paged_kv.sim.traces`` documents both):
 
 * Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``,
   one object per line, ``len(hash_ids) == ceil(input_length / 512)``;
@@ -19,7 +19,7 @@ import unittest
 
 import numpy as np
 
-from paged_kv.serving.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from paged_kv.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 BLOCK = MOONCAKE_BLOCK_TOKENS
 

@@ -1,0 +1,22 @@
+"""Continuous batching: `Scheduler` runs one mixed forward pass per step.
+
+`scheduler` is the step loop and the request lifecycle; its parts decide the KV side
+(admission, batching, forward_pass, preemption and swap, eviction, finishing,
+maintenance, shrink_control, recovery, warmup). `request`, `sampling_params`,
+`parallel_sampling`, `stop_strings` and `streaming` describe requests and their output;
+`executor` is the model behind a step (`ModelExecutor` imports flax when built).
+"""
+
+from paged_kv.scheduler.executor import (DryExecutor, Executor, ModelExecutor, attach_state,
+                                         attached_state)
+from paged_kv.scheduler.parallel_sampling import SampleId
+from paged_kv.scheduler.sampling_params import SamplingParams
+from paged_kv.scheduler.scheduler import (Phase, Request, Scheduler, SchedulerBroken,
+                                          SchedulerConfig, SchedulerStalled, SchedulerStats,
+                                          UnknownRequest)
+from paged_kv.scheduler.swap import SwappedKV, swap_in, swap_out
+
+__all__ = ["DryExecutor", "Executor", "ModelExecutor", "Phase", "Request", "SampleId",
+           "SamplingParams", "Scheduler", "SchedulerBroken", "SchedulerConfig",
+           "SchedulerStalled", "SchedulerStats", "SwappedKV", "UnknownRequest", "attach_state",
+           "attached_state", "swap_in", "swap_out"]

@@ -1,0 +1,422 @@
+"""Serving measurements shared by `examples/bench_serving.py` and `tools/gpu_check.sh`.
+
+  * `Workload`, `random_workload`, `trace_workload` — prompts and output lengths.
+  * `serving_pool_config`, `build_scheduler` — a pool sized for a workload and a
+    `Scheduler` over a `ModelExecutor`.
+  * `run_closed_loop` — `batch` concurrent requests (a finished one is replaced by
+    the next) through a warm scheduler; per-request TTFT / TPOT, per-step wall
+    times, compiles and host reads of the run (`RunResult`).
+  * `weight_bytes_per_step`, `kv_bytes_per_token`, `copy_rate` — the bandwidth
+    floor of a decode step: the weights it reads (all but an untied input
+    embedding, of which it gathers rows) plus the K/V of the batch's context,
+    over the device's copy rate measured in the same process.
+  * `device_step_seconds` / `device_step` — the device's own decode step for a batch
+    (`device_step(profile=True)` adds the per-op breakdown of JAX's profiler):
+    `PagedRunner.decode` with `steps_per_call` steps per jitted call
+    (`decode_multi`), no scheduler.
+  * `prefill_step` — one prefill chunk on an empty row, timed and profiled per op.
+  * `compare_with_reference` — served tokens against a reference implementation
+    (`paged_kv.model.hf_reference.Reference`: transformers), greedy and
+    teacher-forced.
+
+Definitions (those of vLLM's serving benchmark): output tokens/s = output
+tokens / wall time of the run; TTFT = first token - submit; TPOT = (last token -
+first token) / (output tokens - 1); times on the scheduler's clock.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+import dataclasses
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import paged_kv
+from paged_kv.core.config import PoolConfig
+from paged_kv.runtime import counters
+from paged_kv.sim import traces
+from paged_kv.scheduler.executor import ModelExecutor
+from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
+
+FIRST_TOKEN_ID = 3
+"""Random prompts draw ids from [3, vocab): 0-2 are often special tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """Prompts (`i32[n]` each) and how many tokens each request generates."""
+
+  prompts: tuple[np.ndarray, ...]
+  output_lens: tuple[int, ...]
+  source: str
+
+  def __len__(self) -> int:
+    return len(self.prompts)
+
+  @property
+  def max_seq_len(self) -> int:
+    return max(len(p) + o for p, o in zip(self.prompts, self.output_lens))
+
+  @property
+  def mean_context(self) -> float:
+    """Mean context of a decode step: prompt + half the output, averaged over requests."""
+    return float(np.mean([len(p) + o / 2 for p, o in zip(self.prompts, self.output_lens)]))
+
+  @property
+  def output_tokens(self) -> int:
+    return int(sum(self.output_lens))
+
+
+def random_workload(num_requests: int, prompt_len: int, output_len: int, vocab_size: int,
+                    seed: int) -> Workload:
+  """`num_requests` prompts of `prompt_len` uniform ids in [3, vocab), `output_len` each."""
+  rng = np.random.default_rng(seed)
+  prompts = tuple(rng.integers(FIRST_TOKEN_ID, vocab_size, prompt_len).astype(np.int32)
+                  for _ in range(num_requests))
+  return Workload(prompts, (output_len,) * num_requests,
+                  f"random: {prompt_len} prompt, {output_len} output tokens")
+
+
+def chat_top_up(batch: int, block_size: int, seed: int) -> Callable[[Scheduler], None]:
+  """The host benchmarks' chat workload: `top_up(sched)` submits requests until
+  `batch` are running or waiting, each a shared system prompt of 4 blocks plus 1 to
+  3 blocks of its own, generating 16-127 tokens (ids in [0, 50,000), seeded)."""
+  rng = np.random.default_rng(seed)
+  system = rng.integers(0, 50_000, 4 * block_size)
+  count = [0]
+
+  def top_up(sched: Scheduler) -> None:
+    while len(sched.running) + len(sched.waiting) < batch:
+      own = rng.integers(0, 50_000, int(rng.integers(1, 3 * block_size)))
+      sched.submit(Request(count[0], np.concatenate([system, own]), int(rng.integers(16, 128))))
+      count[0] += 1
+
+  return top_up
+
+
+def trace_workload(path: str, num_requests: int, vocab_size: int, *, skip: int = 0,
+                   scale: int = 1, max_prompt_len: int, max_output_len: int) -> Workload:
+  """Requests `[skip, skip + num_requests)` of a Mooncake or Azure trace (`traces`).
+
+  Lengths are divided by `scale` (Mooncake blocks keep their prefix structure,
+  `traces.scaled_prompt`) and capped at `max_prompt_len` / `max_output_len`; token
+  ids are folded into [3, vocab) (equal ids stay equal, so shared prefixes stay
+  shared). Arrival times are not used: the run keeps a fixed concurrency.
+  """
+  rows = traces.load_trace(path, skip + num_requests)[skip:]
+  if len(rows) < num_requests:
+    raise ValueError(f"{path} has {skip + len(rows)} requests; {skip + num_requests} needed")
+  tokens = traces.TokenSource(rows)
+  prompts, outs = [], []
+  for r in rows:
+    ids = traces.scaled_prompt(r, tokens, scale)[:max_prompt_len].astype(np.int64)
+    prompts.append((FIRST_TOKEN_ID + ids % (vocab_size - FIRST_TOKEN_ID)).astype(np.int32))
+    outs.append(int(min(max(1, -(-r.output_length // scale)), max_output_len)))
+  return Workload(tuple(prompts), tuple(outs),
+                  f"trace {traces.describe_trace(path)}, requests {skip}-{skip + num_requests}"
+                  f", lengths / {scale}, prompt <= {max_prompt_len}, output <= "
+                  f"{max_output_len}")
+
+
+def serving_pool_config(model_config, *, max_batch: int, max_seq_len: int,
+                        block_size: int = 16, num_blocks: int = 0) -> PoolConfig:
+  """A pool for `max_batch` sequences of up to `max_seq_len` tokens (`num_blocks` 0:
+  twice what they can hold at once, the rest for the prefix cache)."""
+  from paged_kv.model import llama  # pylint: disable=import-outside-toplevel
+  blocks_per_seq = -(-max_seq_len // block_size)
+  return llama.pool_config_for(
+      model_config, block_size=block_size,
+      num_blocks=num_blocks or 2 * max_batch * blocks_per_seq + 1, max_seqs=max_batch,
+      max_segments=blocks_per_seq + 2, base_pool_fraction=0.0)
+
+
+def build_scheduler(executor: ModelExecutor, pool_config: PoolConfig,
+                    config: SchedulerConfig) -> Scheduler:
+  """A scheduler over a fresh pool; `executor` may be shared by several (it holds no pool)."""
+  return Scheduler(paged_kv.BlockPool(pool_config), executor, config)
+
+
+@dataclasses.dataclass
+class RunResult:
+  """One closed-loop run.
+
+  Attributes:
+    batch: concurrent requests.
+    requests: requests served.
+    output_tokens: tokens generated.
+    wall_s: from the first submit to the last token.
+    step_s: wall seconds of every `Scheduler.step()`.
+    ttft_s, tpot_s: per request (TPOT for requests of >= 2 tokens).
+    compiles: XLA compiles during the run (0 after a warm-up).
+    host_reads, dispatches: blocking device reads and bookkeeping dispatches.
+    outputs: each request's output tokens, in workload order.
+  """
+
+  batch: int
+  requests: int
+  output_tokens: int
+  wall_s: float
+  step_s: list[float]
+  ttft_s: list[float]
+  tpot_s: list[float]
+  compiles: int
+  host_reads: int
+  dispatches: int
+  outputs: list[list[int]]
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+  def figures(self) -> dict:
+    """TTFT, TPOT and step percentiles in ms, tokens/s and the counts, for a table or record."""
+    pct = lambda xs, q: 1e3 * float(np.percentile(xs, q)) if xs else float("nan")
+    return dict(batch=self.batch, requests=self.requests, output_tokens=self.output_tokens,
+                wall_s=self.wall_s, tokens_per_s=self.tokens_per_s, steps=len(self.step_s),
+                ttft_p50_ms=pct(self.ttft_s, 50), ttft_p99_ms=pct(self.ttft_s, 99),
+                tpot_p50_ms=pct(self.tpot_s, 50), tpot_p99_ms=pct(self.tpot_s, 99),
+                step_p50_ms=pct(self.step_s, 50), step_p90_ms=pct(self.step_s, 90),
+                compiles=self.compiles, host_reads_per_step=self.host_reads / max(
+                    1, len(self.step_s)),
+                dispatches_per_step=self.dispatches / max(1, len(self.step_s)))
+
+
+def run_closed_loop(sched: Scheduler, workload: Workload, batch: int, *,
+                    first_id: int = 0) -> RunResult:
+  """Serves `workload` keeping `batch` requests in the scheduler (waiting or running):
+  each finished request is replaced by the next one before the following step.
+  Request ids are `first_id + i` (unique per scheduler across runs)."""
+  reqs = [Request(first_id + i, p, o) for i, (p, o) in
+          enumerate(zip(workload.prompts, workload.output_lens))]
+  pending = collections.deque(reqs)
+  steps: list[float] = []
+  runtime0, compiles0 = sched.runtime, counters.backend_compiles()
+  t0 = time.perf_counter()
+  while pending or not sched.idle:
+    while pending and len(sched.running) + len(sched.waiting) + len(sched.swapped) < batch:
+      sched.submit(pending.popleft())
+    ts = time.perf_counter()
+    sched.step()
+    steps.append(time.perf_counter() - ts)
+    sched.take_finished()
+  wall = time.perf_counter() - t0
+  traffic = sched.runtime.since(runtime0)
+  ttft = [r.first_token_time - r.submit_time for r in reqs]
+  tpot = [(r.last_token_time - r.first_token_time) / (len(r.output) - 1)
+          for r in reqs if len(r.output) > 1]
+  return RunResult(batch=batch, requests=len(reqs),
+                   output_tokens=sum(len(r.output) for r in reqs), wall_s=wall, step_s=steps,
+                   ttft_s=ttft, tpot_s=tpot, compiles=counters.backend_compiles() - compiles0,
+                   host_reads=traffic.num_host_reads,
+                   dispatches=traffic.bookkeeping_dispatches,
+                   outputs=[[int(t) for t in r.output] for r in reqs])
+
+
+def shadow_workload(workload: Workload, vocab_size: int, seed: int) -> Workload:
+  """A workload of the same prompt and output lengths with fresh random prompts:
+  served untimed, it runs (and compiles) the steps `workload` will, without giving
+  its prompts prefix-cache hits."""
+  rng = np.random.default_rng(seed)
+  prompts = tuple(rng.integers(FIRST_TOKEN_ID, vocab_size, len(p)).astype(np.int32)
+                  for p in workload.prompts)
+  return Workload(prompts, workload.output_lens, f"shadow of {workload.source}")
+
+
+def warm_run(sched: Scheduler, workload: Workload, batch: int, *, first_id: int,
+             output_len: int = 4) -> None:
+  """An untimed run of `min(batch, len(workload))` requests of `output_len` tokens."""
+  n = min(batch, len(workload))
+  short = Workload(workload.prompts[:n], (output_len,) * n, workload.source)
+  run_closed_loop(sched, short, batch, first_id=first_id)
+
+
+# Bandwidth floor -------------------------------------------------------------------------
+
+
+def weight_bytes_per_step(model) -> int:
+  """Bytes of parameters a decode step reads: all of them, but an untied input
+  embedding (the step gathers a row per token from it)."""
+  from paged_kv.model.nnx_import import nnx  # pylint: disable=import-outside-toplevel
+  state = nnx.state(model, nnx.Param)
+  total = sum(x.nbytes for x in jax.tree.leaves(state))
+  if not model.config.tie_embeddings:
+    total -= model.embed.embedding[...].nbytes
+  return int(total)
+
+
+def kv_bytes_per_token(pool_config: PoolConfig) -> int:
+  """Bytes of K and V of one token, all layers."""
+  return int(2 * pool_config.num_layers * pool_config.num_kv_heads * pool_config.head_dim
+             * jnp.dtype(pool_config.dtype).itemsize)
+
+
+def decode_step_bytes(weight_bytes: int, kv_per_token: int, batch: int,
+                      mean_context: float) -> int:
+  """Bytes one decode step of `batch` rows reads at `mean_context` tokens each."""
+  return int(weight_bytes + batch * mean_context * kv_per_token)
+
+
+def copy_rate(nbytes: int, *, repeats: int = 10, calls: int = 5) -> float:
+  """Bytes/s of a device copy (`x + 1` on bf16) moving `nbytes` (read + written):
+  the median of `repeats` timings of `calls` chained calls."""
+  n = max(1, nbytes // 4)
+  fn = jax.jit(lambda x: x + jnp.ones((), x.dtype))
+  x = jax.block_until_ready(jnp.zeros((n,), jnp.bfloat16))
+  x = jax.block_until_ready(fn(x))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      x = fn(x)
+    jax.block_until_ready(x)
+    times.append((time.perf_counter() - t0) / calls)
+  return 4 * n / statistics.median(times)
+
+
+def device_step_seconds(model, prompts, *, block_size: int = 16, steps_per_call: int = 16,
+                        calls: int = 4, prefill_chunk: int = 512,
+                        impl: str | None = None) -> float:
+  """Seconds per decode step of the batch `prompts` through `PagedRunner.decode`,
+  `steps_per_call` steps per jitted call (`decode_multi`), on a pool of
+  `len(prompts)` rows: one untimed call (it compiles), then `calls` timed ones."""
+  return device_step(model, prompts, block_size=block_size, steps_per_call=steps_per_call,
+                     calls=calls, prefill_chunk=prefill_chunk, impl=impl).seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceStep:
+  """`device_step`'s result: seconds per decode step, and with `profile=True` the
+  device time per op of one more call (`paged_kv.runtime.op_profile.OpProfile`;
+  `ops.runs` counts that call's steps, so its per-run figures are per step), or why
+  the profiler failed (`ops_error`: the timing stands without it)."""
+  seconds: float
+  ops: Any = None
+  ops_error: str | None = None
+
+  def ops_summary(self, per: str) -> str:
+    """`ops.summary(per=per)`, or what kept the profile from being taken."""
+    if self.ops is not None:
+      return self.ops.summary(per=per)
+    return f"no per-op profile: {self.ops_error or 'not asked'}"
+
+
+def _profiled(fn: Callable[[], Any], *, runs: int) -> tuple[Any, str | None]:
+  """`(OpProfile of fn() with `runs` steps, None)`, or `(None, why)` when JAX's profiler
+  cannot trace here (a timing must not be lost to it)."""
+  from paged_kv.runtime import op_profile  # pylint: disable=import-outside-toplevel
+  try:
+    return dataclasses.replace(op_profile.profile_ops(fn), runs=runs), None
+  except Exception as err:  # pylint: disable=broad-except  (reported beside the timing)
+    return None, f"{type(err).__name__}: {err}"
+
+
+def device_step(model, prompts, *, block_size: int = 16, steps_per_call: int = 16,
+                calls: int = 4, prefill_chunk: int = 512, impl: str | None = None,
+                profile: bool = False) -> DeviceStep:
+  """`device_step_seconds`, and with `profile` one more `decode_multi` call traced by
+  JAX's profiler (nothing recompiled) for the per-op breakdown."""
+  from paged_kv.model.runner import PagedRunner  # pylint: disable=import-outside-toplevel
+  budget = steps_per_call * (calls + 1 + int(profile)) + 1
+  pool_config = serving_pool_config(model.config, max_batch=len(prompts),
+                                    max_seq_len=max(map(len, prompts)) + budget,
+                                    block_size=block_size)
+  runner = PagedRunner(model, pool_config, prefill_chunk=prefill_chunk, impl=impl)
+  seqs = [runner.open(p, max_new_tokens=budget) for p in prompts]
+  runner.prefill(seqs)
+  runner.decode(seqs, num_tokens=steps_per_call, steps_per_call=steps_per_call)
+  jax.block_until_ready(runner.state)
+  t0 = time.perf_counter()
+  runner.decode(seqs, num_tokens=steps_per_call * calls, steps_per_call=steps_per_call)
+  jax.block_until_ready(runner.state)
+  seconds = (time.perf_counter() - t0) / (steps_per_call * calls)
+  if not profile:
+    return DeviceStep(seconds)
+
+  def one_call():
+    runner.decode(seqs, num_tokens=steps_per_call, steps_per_call=steps_per_call)
+    return runner.state
+  return DeviceStep(seconds, *_profiled(one_call, runs=steps_per_call))
+
+
+def prefill_step(model, prompt_len: int, *, vocab: int, block_size: int = 16,
+                 impl: str | None = None, seed: int = 0) -> DeviceStep:
+  """Seconds of one prefill chunk of `prompt_len` new tokens on an empty row
+  (`PagedRunner.prefill`, chunk = `prompt_len`): one untimed call on another prompt
+  (it compiles), a timed one, then one traced by JAX's profiler (`DeviceStep.ops`,
+  one run). The timed call includes its result's read (the runner reads the next
+  token)."""
+  from paged_kv.model.runner import PagedRunner  # pylint: disable=import-outside-toplevel
+  pool_config = serving_pool_config(model.config, max_batch=1, max_seq_len=prompt_len + 1,
+                                    block_size=block_size, num_blocks=-(-(prompt_len + 1) //
+                                                                        block_size) + 1)
+  runner = PagedRunner(model, pool_config, prefill_chunk=prompt_len, impl=impl)
+  rng = np.random.default_rng(seed)
+
+  def one() -> Any:
+    seq = runner.open(rng.integers(0, vocab, prompt_len).tolist(), max_new_tokens=0)
+    runner.prefill([seq])
+    runner.release([seq])
+    return runner.state
+
+  jax.block_until_ready(one())
+  t0 = time.perf_counter()
+  jax.block_until_ready(one())
+  seconds = time.perf_counter() - t0
+  return DeviceStep(seconds, *_profiled(one, runs=1))
+
+
+def ceiling(tokens_per_s: float, step_bytes: int, rate: float, batch: int) -> tuple[float, float]:
+  """`(ceiling tokens/s, share of it reached)`: `batch` tokens per decode step that
+  reads `step_bytes` at `rate` bytes/s."""
+  floor_s = step_bytes / rate
+  top = batch / floor_s
+  return top, (tokens_per_s / top if top > 0 else math.nan)
+
+
+def compare_with_reference(ref, prompts: dict, output_lens: dict, outputs: dict, *,
+                           tie_tolerance: float = 0.1, batch_size: int = 64
+                           ) -> tuple[dict, float]:
+  """Served outputs against `ref` (`hf_reference.Reference` or the same interface).
+
+  Args:
+    ref: has `greedy(prompts, output_lens, batch_size=)` and `check(prompts, outputs,
+      tie_tolerance=)`.
+    prompts: `{prompt set: [prompt, ...]}`.
+    output_lens: `{prompt set: [tokens to generate, ...]}`.
+    outputs: `{(prompt set, label): [served output, ...]}`, the first
+      `len(outputs[...])` prompts of the set (e.g. one entry per loop).
+    tie_tolerance: the teacher-forced check's near-tie allowance (in standard
+      deviations of the position's logits).
+    batch_size: requests per reference `generate` call.
+
+  Returns:
+    `({(prompt set, label): verdict}, reference tokens/s)`; a verdict holds
+    `compared`, `equal` (requests whose greedy tokens equal the reference's in full),
+    `first_diffs` ((request, position) of the first 8 others), `tokens` checked
+    teacher-forced, `tokens_off` and `off` (the first 8: request, position, gap).
+  """
+  from paged_kv.model import hf_reference  # pylint: disable=import-outside-toplevel
+  sizes = {p: max((len(o) for (q, _), o in outputs.items() if q == p), default=0)
+           for p in prompts}
+  flat = [x for p in prompts for x in prompts[p][:sizes[p]]]
+  lens = [x for p in prompts for x in output_lens[p][:sizes[p]]]
+  greedy = ref.greedy(flat, lens, batch_size=batch_size)
+  theirs, at = {}, 0
+  for p in prompts:
+    theirs[p] = greedy.outputs[at:at + sizes[p]]
+    at += sizes[p]
+  verdicts = {}
+  for (p, label), ours in outputs.items():
+    equal, diffs = hf_reference.compare(ours, theirs[p][:len(ours)])
+    check = ref.check(prompts[p][:len(ours)], ours, tie_tolerance=tie_tolerance)
+    verdicts[p, label] = dict(compared=len(ours), equal=equal, first_diffs=diffs[:8],
+                              tokens=check.tokens, tokens_off=len(check.off),
+                              off=check.off[:8])
+  return verdicts, sum(lens) / max(greedy.seconds, 1e-9)
