@@ -1,6 +1,6 @@
 """Cold start: from process start to the first token, with and without the compile cache.
 
-Each measurement is a fresh Python process (`paged_kv.scheduler.cold_start.measure`;
+Each measurement is a fresh Python process (`paged_kv.sim.cold_start.measure`;
 the parent only launches them and collects what they print): import the library, load a Llama-shaped Hugging Face
 checkpoint (`--shape`, written once by the parent with
 `paged_kv.model.random_checkpoint`, or `--checkpoint DIR`), build the pool,
@@ -82,7 +82,7 @@ def main(argv):
   if not batches or min(batches) < 1 or _REPEATS.value < 1:
     raise app.UsageError("--batch values and --repeats must be >= 1")
   import jax  # pylint: disable=import-outside-toplevel
-  from paged_kv.scheduler import cold_start  # pylint: disable=import-outside-toplevel
+  from paged_kv.sim import cold_start  # pylint: disable=import-outside-toplevel
   from paged_kv.telemetry import records  # pylint: disable=import-outside-toplevel
   on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
   rec = records.Recorder(_RECORD.value, "bench_cold_start", flag_values=records.script_flags(),

@@ -1383,13 +1383,13 @@ COLD_START_GOALS = {"cold": 20.0, "cache": 5.0}
 
 
 def run_serving_cold_start(spec: RowSpec, shape: ServingShape, *, dry, **_) -> Result:
-  """Two fresh processes (`paged_kv.scheduler.cold_start.measure`) on the row's
+  """Two fresh processes (`paged_kv.sim.cold_start.measure`) on the row's
   checkpoint: a cold start on an empty persistent compilation cache, then a restart
   on that cache, which must compile nothing (else `Wrong`). The note: seconds from
   each launch to the first token, and `Scheduler.warmup()`'s seconds, programs,
   compiles and loads, against issue V's goals."""
   import shutil
-  from paged_kv.scheduler import cold_start
+  from paged_kv.sim import cold_start
   del spec
   _serving_model(shape, dry)  # written (or found) by the checkpoint row's worker
   cache = _serving_root(dry) / "cold_start_cache"

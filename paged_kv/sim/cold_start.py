@@ -1,7 +1,7 @@
 """Cold start, measured in a fresh process: shared by `examples/bench_cold_start.py`
 and `tools/gpu_check.sh`.
 
-`measure(spec)` launches `python -m paged_kv.scheduler.cold_start SPEC` and returns the
+`measure(spec)` launches `python -m paged_kv.sim.cold_start SPEC` and returns the
 seconds from the launch to each milestone of a server's start: the library
 imported, the checkpoint loaded (`hf_checkpoint.load_checkpoint`), the pool +
 `ModelExecutor` + `Scheduler` built, `Scheduler.warmup()` done (with its programs,
@@ -66,7 +66,7 @@ def measure(spec: ColdStartSpec, *, timeout_s: float = 1800.0) -> dict:
   root = str(pathlib.Path(__file__).resolve().parents[2])
   env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
   t0 = time.time()
-  proc = subprocess.run([sys.executable, "-m", "paged_kv.scheduler.cold_start",
+  proc = subprocess.run([sys.executable, "-m", "paged_kv.sim.cold_start",
                          json.dumps(dataclasses.asdict(spec))], env=env, capture_output=True,
                         text=True, timeout=timeout_s, check=False)
   line = next((l for l in proc.stdout.splitlines() if l.startswith(MARK)), None)
