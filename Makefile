@@ -1,6 +1,6 @@
 # paged_kv: `make demo` runs the demo, `make test` runs the test suite but its long
-# tier, `make test-long` the long tier (CI runs both: every test once; the tiers are
-# listed in tests/conftest.py), `make test-fast` all but the slow whole-system runs
+# tier, `make test-long` the long tier (CI runs both: every test once; a test's tier is
+# a mark on the test, `pytest.mark.long` or `slow`), `make test-fast` all but the slow runs
 # (the edit-test loop),
 # `make compile-tier` compiles the GPU programs for Hopper without a GPU (CI runs it
 # after the suite; tests_compile/, its own .venv-cuda: tools/compile_tier/setup.sh).
@@ -46,7 +46,7 @@ test: $(STAMP)
 test-long: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) -m long tests
 
-# The edit-test loop: everything but the whole-system runs (`slow`, tests/conftest.py).
+# The edit-test loop: everything but the tests marked `slow` (and `long`, which is slow too).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n $(WORKERS) -m "not slow" tests
 

@@ -19,6 +19,10 @@ import subprocess
 import sys
 
 from absl.testing import absltest
+import pytest
+
+# A child process building pool shapes.
+pytestmark = pytest.mark.slow
 
 _CHILD = r"""
 import json, sys

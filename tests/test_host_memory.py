@@ -14,9 +14,12 @@ import sys
 import textwrap
 
 from absl.testing import absltest
+import pytest
 
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.runtime import host_memory
+
+pytestmark = pytest.mark.slow
 
 _PROBE = textwrap.dedent("""
     import ctypes, sys

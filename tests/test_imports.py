@@ -20,6 +20,7 @@ import textwrap
 import tomllib
 
 from absl.testing import absltest
+import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPTIONAL = ("flax", "optax", "absl", "chex", "tqdm", "matplotlib", "prometheus_client",
@@ -46,6 +47,7 @@ _PROGRAM = textwrap.dedent("""
 
 class ImportTest(absltest.TestCase):
 
+  @pytest.mark.slow
   def test_core_loads_no_optional_dependency(self):
     env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _PROGRAM], cwd=_ROOT, env=env,
@@ -96,6 +98,7 @@ class ImportTest(absltest.TestCase):
     top = {name.split(".")[0] for name in json.loads(proc.stdout)}
     self.assertEqual(sorted(top & {"jax", "jaxlib", "paged_kv", "pallas_kernels"}), [])
 
+  @pytest.mark.slow
   def test_nothing_imports_examples(self):
     # (tests/examples/load_example loads a script by path for a test of its logic.)
     scripts = {p.stem for p in (_ROOT / "examples").glob("*.py")}

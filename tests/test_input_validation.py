@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.core import alloc, compact, regions
@@ -435,6 +436,7 @@ class AcceptedInputTest(absltest.TestCase):
     pool.check_invariants(extra_segments=res.extra_segments)
 
 
+@pytest.mark.slow
 class NoOpMoveTest(chex.TestCase):
   """A move call that moves nothing leaves the state bit-identical (free list too)."""
 
@@ -480,6 +482,7 @@ class NoOpMoveTest(chex.TestCase):
     _assert_same(self, before, pool)
 
 
+@pytest.mark.slow
 class ApplyRefDeltasTransitionTest(chex.TestCase):
   """The pure transition reports overflow and in-use correctly (not REF_UNDERFLOW)."""
 

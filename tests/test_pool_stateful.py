@@ -15,9 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+import pytest
 
 import paged_kv
 from paged_kv.core.kv import token_slots
+
+# Hypothesis state machines.
+pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("PAGED_KV_HYPOTHESIS_EXAMPLES", "200"))
 CONFIG = paged_kv.PoolConfig(num_blocks=24, block_size=4, num_layers=2, num_kv_heads=1,

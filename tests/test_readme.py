@@ -18,6 +18,10 @@ import sys
 import textwrap
 
 from absl.testing import absltest
+import pytest
+
+# The README's code, run as written.
+pytestmark = pytest.mark.slow
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```", re.S | re.M)

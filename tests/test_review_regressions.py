@@ -66,6 +66,7 @@ def test_apply_ref_deltas_does_not_wrap_large_deltas():
   assert int(pool.state.meta.ref_count[blk]) != 0, "an incref freed the block"
 
 
+@pytest.mark.slow
 def test_allocate_best_fit_prefers_shortest_run_on_large_pool():
   """FIXED alloc.py allocate(fit="best"): `score = (end - j) * n + j` overflows int32 once
   run_length * num_blocks >= 2**31, so the longest run scores lowest and is taken."""
@@ -132,6 +133,7 @@ def test_scheduler_admission_with_many_cached_segments_does_not_raise_or_leak_lo
   assert sched.stats.finished == 3
 
 
+@pytest.mark.slow
 def test_recompute_preemption_with_cache_preempts_only_what_is_needed():
   """FIXED scheduler.py _relieve_pressure: with the prefix cache on, a recompute
   preemption inserts the victim's blocks into the cache before releasing it, so
@@ -154,6 +156,7 @@ def test_recompute_preemption_with_cache_preempts_only_what_is_needed():
   assert len(sched.running) == 2
 
 
+@pytest.mark.slow
 def test_pack_tails_with_promotion_does_not_crash():
   """FIXED scheduler.py _pack: a new leaf's short segment can lie on a block promoted into
   the base region (promote_readers=1 promotes every live block); pack_slots refuses
@@ -175,6 +178,7 @@ def test_pack_tails_with_promotion_does_not_crash():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_guard_scrub_zeroes_every_free_block_after_moves_and_keeps_live_kv():
   """GUARD: with scrub_freed_blocks, cow_split, pack_slots, compaction and promotion
   free their source blocks through paths other than `release` (only `release` was

@@ -10,6 +10,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import paged_kv
 from paged_kv.core import alloc, compact
@@ -100,6 +101,7 @@ def _ref_run(free: np.ndarray, num: int, fit: str):
   return min(fits, key=lambda r: (r[1], r[0]))[0]
 
 
+@pytest.mark.slow
 class AllocateTest(chex.TestCase, parameterized.TestCase):
 
   @chex.variants(with_jit=True)

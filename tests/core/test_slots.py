@@ -82,6 +82,11 @@ class CowSplitTest(chex.TestCase):
     model.check()
 
 
+# Only the variant without jit (op by op) is slow; chex generates it from the
+# method above, so it is marked by its generated name.
+pytest.mark.slow(CowSplitTest.test_forked_tail_is_copied_and_appends_continue_in_place__without_jit)
+
+
 class PackSlotsTest(chex.TestCase):
 
   def _pack(self, state, rows, config, atomic=False, impl="xla", interpret=False,
@@ -206,6 +211,11 @@ class PackSlotsTest(chex.TestCase):
     self.assertEqual(int(status[0]), Status.NO_FREE_BLOCK)
     give_back(pool, taken)
     model.check()
+
+
+# Only the variant without jit (op by op) is slow; chex generates it from the
+# method above, so it is marked by its generated name.
+pytest.mark.slow(PackSlotsTest.test_external_short_segments_share_one_fresh_block__without_jit)
 
 
 class HostWrapperTest(absltest.TestCase):

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.core import alloc, kv, segments
@@ -109,6 +110,7 @@ class TransitionTest(chex.TestCase):
     paged_kv.check_invariants(state)
 
   @chex.variants(with_jit=True, without_jit=True)
+  @pytest.mark.slow
   def test_reserve_failures_leave_rows_untouched(self):
     fn = self.variant(segments.reserve_tokens.__wrapped__,
                       static_argnames=("config", "max_new_tokens", "atomic"))
@@ -217,6 +219,12 @@ class TransitionTest(chex.TestCase):
       kv.write_kv(pages, 0, jnp.asarray(slots), k[..., :2], v[..., :2])
     with self.assertRaises(ValueError):
       kv.write_kv(pages, 0, jnp.asarray(slots), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+
+
+# Only the variants without jit (op by op) are slow; chex generates them from the
+# methods above, so they are marked by their generated names.
+pytest.mark.slow(TransitionTest.test_allocate_lowest_first_and_contiguous__without_jit)
+pytest.mark.slow(TransitionTest.test_allocate_require_contiguous__without_jit)
 
 
 class ConfigTest(parameterized.TestCase):

@@ -8,6 +8,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+# The example scripts' smoke runs (subprocesses).
+pytestmark = pytest.mark.slow
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

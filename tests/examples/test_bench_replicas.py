@@ -13,7 +13,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from tests.serving.trace_files import session_trace, write_mooncake
+
+# The example scripts' smoke runs (subprocesses).
+pytestmark = pytest.mark.slow
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _SCRIPT = _ROOT / "examples" / "bench_replicas.py"

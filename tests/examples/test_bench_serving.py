@@ -18,6 +18,9 @@ import pytest
 
 from tests.serving.trace_files import session_trace, write_mooncake
 
+# The example scripts' smoke runs (subprocesses).
+pytestmark = pytest.mark.slow
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 _HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 

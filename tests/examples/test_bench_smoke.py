@@ -12,6 +12,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+# The example scripts' smoke runs (subprocesses).
+pytestmark = pytest.mark.slow
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

@@ -26,6 +26,9 @@ import pytest
 
 from tests.serving.trace_files import session_trace, write_azure, write_mooncake
 
+# The example scripts' smoke runs (subprocesses).
+pytestmark = pytest.mark.slow
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -47,6 +50,8 @@ def _run(script: str, *args: str, timeout: int = 300) -> str:
   return proc.stdout
 
 
+# One of the two largest example runs; `make test` keeps the other examples' smoke runs.
+@pytest.mark.long
 def test_serve(tmp_path):
   # ~50 s alone on 2 idle cores (45 s of it the warm-up's compiles); beside the other
   # xdist worker it has taken 270 s, so its guard is wider than the others'.
@@ -135,6 +140,8 @@ def test_replay_missing_default_trace_is_one_line(tmp_path, script):
   assert "github.com/kvcache-ai/Mooncake" in lines[0], lines[0]
 
 
+# One of the two largest example runs; `make test` keeps the other examples' smoke runs.
+@pytest.mark.long
 def test_fragmentation_study(tmp_path):
   out = _run("fragmentation_study.py", f"--out_dir={tmp_path}", "--steps=30", "--chat_steps=8",
              "--num_blocks=256", "--timing_reps=2", "--modes=segments,require",

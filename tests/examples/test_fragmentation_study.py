@@ -12,8 +12,12 @@ from __future__ import annotations
 from absl import flags
 from absl.testing import absltest, parameterized
 import numpy as np
+import pytest
 
 from tests.examples import load_example
+
+# The example scripts' smoke runs (subprocesses).
+pytestmark = pytest.mark.slow
 
 fs = load_example("fragmentation_study")
 

@@ -20,6 +20,9 @@ pytest.importorskip("tokenizers", reason="the hf extra (pip install 'paged-kv[hf
 from tests.model.hf_files import (  # pylint: disable=wrong-import-position
     LLAMA, write_checkpoint, write_tokenizer)
 
+# The example scripts' smoke runs (subprocesses).
+pytestmark = pytest.mark.slow
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROMPT = "the quick brown fox"
 NEW_TOKENS = 8

@@ -33,6 +33,10 @@ import sys
 
 import pytest
 
+# A soak (a varied runtime workload read by four tests); `make test` keeps
+# serving/test_runtime_discipline.py.
+pytestmark = pytest.mark.long
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 SECONDS = 20
 NUM_BLOCKS = 512

@@ -19,6 +19,9 @@ import sys
 
 import pytest
 
+# The server under a misbehaving client load; `make test` keeps the server's tests.
+pytestmark = pytest.mark.long
+
 pytest.importorskip("flax", reason="the model extra (pip install 'paged-kv[model]')")
 pytest.importorskip("tokenizers", reason="the hf extra (pip install 'paged-kv[hf]')")
 pytest.importorskip("fastapi", reason="the server extra (pip install 'paged-kv[server]')")

@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -67,6 +69,8 @@ def _table(out_dir) -> dict[str, list[str]]:
 _LONG_TIER_ROWS = ("check/attn/mosaic-prefill", "prefill/", "layer/mixed/mosaic-1launch")
 
 
+# gpu_check.sh --dry over every row; `make test` keeps its subset and plan tests.
+@pytest.mark.long
 def test_dry_mode_every_row_and_injected_faults(tmp_path):
   proc = _run(tmp_path, f"--limit={_HANG}=3", f"--skip={','.join(_LONG_TIER_ROWS)}",
               inject=f"hang:{_HANG},raise:{_RAISE},wrong:{_WRONG},crash:{_CRASH}")

@@ -20,6 +20,9 @@ from pallas_kernels import lowering
 from pallas_kernels import paged_attention as pa
 from tests.kernels.test_paged_attention import _TOL, _case, ref64
 
+# Mosaic GPU interpret mode with race checks.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 # Lengths: 1, multiples of block_size, partial, an empty row, long rows.
@@ -42,7 +45,7 @@ _CASES = [
     # warp-specialized kernel (producer warpgroup), 256 the one whose two
     # warpgroups split the head dim. 7-15 s each on CPU: the cases that repeat what
     # the first three check with another dtype or group are in the long tier
-    # (`make test-long`, tests/conftest.py).
+    # (`make test-long`).
     (jnp.bfloat16, 4, None, 1, 64),
     (jnp.bfloat16, 1, 5.0, 3, 64),
     (jnp.bfloat16, 2, None, 2, 256),

@@ -76,6 +76,7 @@ def test_xla_matches_reference(dtype, group, soft_cap):
 _LONG_ROWS = ((150, 97), (40, 0), (70, 33))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,group,rows", [
     (jnp.float32, 4, _ROWS),  # T = 52 < 64: one tile, padded
     (jnp.float32, 2, _LONG_ROWS),
@@ -163,6 +164,7 @@ def test_entries_needed_stops_at_the_tokens_last_visible_segment():
   np.testing.assert_array_equal(np.asarray(got), [1, 1, 2, 3, 3, 4, 0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_q", [8, 64])
 def test_prefill_tile_does_not_stream_future_pages(block_q):
   """A `4 * block_q`-token prefill from nothing in 8 whole blocks of

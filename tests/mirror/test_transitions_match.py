@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 from paged_kv.core import alloc, compact, regions, segments, slots
 from paged_kv.core.commit import commit
@@ -32,6 +33,8 @@ from paged_kv.pool.free_index import HostFreeIndex
 from paged_kv.pool.host_state import HostState
 from paged_kv.core.state import build_free_index
 from paged_kv.telemetry.metrics import largest_free_run
+
+pytestmark = pytest.mark.slow
 
 SEEDS = int(os.environ.get("PAGED_KV_MIRROR_SEEDS", "1"))
 STEPS = int(os.environ.get("PAGED_KV_MIRROR_STEPS", "100"))
@@ -213,6 +216,13 @@ class TransitionsMatchTest(parameterized.TestCase):
       self.assertGreater(sum(applied.values()), STEPS // 4, applied)
       for name in ("reserve", "decode", "release", "cow"):
         self.assertGreater(applied.get(name, 0), 0, (name, applied))
+
+
+# The other configurations; `make test` keeps the first. absl generates one test per
+# configuration, so they are marked by their generated names.
+pytest.mark.long(TransitionsMatchTest.test_random_operations1)
+pytest.mark.long(TransitionsMatchTest.test_random_operations2)
+pytest.mark.long(TransitionsMatchTest.test_random_operations3)
 
 
 class ChangeLogTest(absltest.TestCase):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.core import segments
@@ -290,6 +291,11 @@ class PagedAttentionTest(chex.TestCase, parameterized.TestCase):
     msgs = [str(w.message) for w in caught]
     self.assertEqual(len(msgs), 1, msgs)
     self.assertIn("untimed", msgs[0])
+
+
+# Only the variant without jit (op by op) is slow; chex generates it from a
+# method above, so it is marked by its generated name.
+pytest.mark.slow(PagedAttentionTest.test_mixed_batch_matches_dense_reference_pallas__without_jit)
 
 
 if __name__ == "__main__":

@@ -192,6 +192,7 @@ def test_loads_in_the_checkpoint_dtype(checkpoints):
   assert tied.bos_token_id is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_served_greedy_equals_dense(checkpoints, name, layout):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 from flax import nnx
+import pytest
 
 import paged_kv
 from paged_kv.core import segments
@@ -36,6 +37,7 @@ def _ragged(x_rows, plan):
 class PagedAttentionLayerTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
+  @pytest.mark.slow
   def test_paged_steps_equal_dense_attention(self):
     """Prefill two rows, then a mixed step (a decode and a chunk): each token's output
     equals the dense layer's output at its position over the whole sequence."""

@@ -63,6 +63,7 @@ def test_signature_decides_the_form(model):
   assert not ModelExecutor(WithoutIndices(model), POOL).uses_logits_indices
 
 
+@pytest.mark.slow
 def test_same_tokens_and_logits_with_and_without_indices(model):
   """Prefill, mixed prefill + decode, then decode-only plans: both forms agree."""
   forms = {}
@@ -116,6 +117,7 @@ def _head_dot_rows(m, num_rows: int, num_tokens: int) -> tuple[list[int], list[i
   return lowered_rows, sorted(int(m[1]) for m in hlo.finditer(lowered.compile().as_text()))
 
 
+@pytest.mark.slow
 def test_compiled_prefill_runs_the_head_on_the_rows_only(model):
   """T=64 tokens in B=4 rows: the head's dot is [4, vocab]; without the keyword it is
   [64, vocab] (the same probe finds it, so the guard cannot pass by accident)."""

@@ -67,6 +67,7 @@ def _check_prefix_shared(runner: PagedRunner, tokens_done: int) -> None:
     assert refs.tolist() == [3, 3], refs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps_per_call", [1, 4])
 def test_shared_prefixes_match_dense(model, steps_per_call):
   prompts, prefixes = shared_prefix_requests()
@@ -79,6 +80,7 @@ def test_shared_prefixes_match_dense(model, steps_per_call):
   assert_matches_dense(model, runner)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps_per_call", [1, 4])
 def test_fork_then_both_branches_continue(model, steps_per_call):
   prompts, _ = shared_prefix_requests(seed=1)
@@ -154,6 +156,7 @@ def test_pool_exhaustion_is_reported_not_silent(model):
   assert dense_mismatches(model, [runner.records[a], runner.records[b]]) == []
 
 
+@pytest.mark.slow
 def test_steps_donate_state_and_compile_once(model):
   """The pool is updated in place (aliased) and a second call compiles nothing.
 
@@ -194,10 +197,13 @@ def test_steps_donate_state_and_compile_once(model):
   np.testing.assert_allclose(decode_logits[0], dense[0, CHUNK], rtol=1e-5, atol=1e-5)
 
 
+# The Pallas kernels in interpret mode; `make test` keeps the jnp reference and the kernels' own
+# tests.
+@pytest.mark.long
 def test_pallas_kernels_match_dense(model):
   """The same shared-prefix generation through the Pallas kernels (interpret on CPU).
 
-  13-30 s on CPU: in the long tier (tests/conftest.py), which CI runs.
+  13-30 s on CPU: in the long tier, which CI runs.
   """
   prompts, prefixes = shared_prefix_requests()
   prompts, prefixes = prompts[:2], prefixes[:2]

@@ -74,6 +74,7 @@ def test_tensors_are_transformers_and_load(tiny):
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_served_tokens_equal_the_dense_reference_and_follow_the_context(tiny):
   path, hf = tiny
   wl = sb.random_workload(5, 12, 6, hf["vocab_size"], seed=5)

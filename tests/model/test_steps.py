@@ -30,6 +30,7 @@ def _open(state, ids):
   return state
 
 
+@pytest.mark.slow
 def test_mixed_step_matches_dense_and_compiles_once(model):
   graphdef, params = nnx.split(model)
   kwargs = dict(graphdef=graphdef, config=POOL)

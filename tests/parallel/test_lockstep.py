@@ -36,6 +36,7 @@ def _channel() -> distributed.Channel:
   return distributed.Channel(distributed.single_process(), timeout_s=5.0)
 
 
+@pytest.mark.slow
 def test_one_process_lockstep_equals_plain_scheduler():
   plain = Scheduler(paged_kv.BlockPool(CONFIG), DryExecutor(CONFIG), SCHED)
   ls = lockstep.LockstepScheduler(paged_kv.BlockPool(CONFIG), DryExecutor(CONFIG), SCHED,

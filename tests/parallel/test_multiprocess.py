@@ -36,6 +36,10 @@ import pytest
 from paged_kv.cluster import launch
 from paged_kv.cluster import selfcheck
 
+# 2- and 4-process lockstep runs (their CPU is outside the xdist workers); `make test` keeps
+# parallel/test_lockstep.py (one process, the same protocol).
+pytestmark = pytest.mark.long
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_TIMEOUT_S = 420  # one model launch (4 processes: 122 s at load ~15, 265 s at load 35, 2 cores)
 FAULT_TIMEOUT_S = 90

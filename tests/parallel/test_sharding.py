@@ -27,11 +27,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.parallel import sharding
 from paged_kv.core.config import PoolConfig
+
+pytestmark = pytest.mark.slow
 
 NUM_DEVICES = 8
 WORKER_FLAG = "--sharding-worker"

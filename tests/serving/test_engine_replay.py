@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from absl.testing import absltest
+import pytest
 
 from paged_kv.sim import engine_replay
 from tests.serving.trace_files import session_trace
@@ -10,6 +11,7 @@ from tests.serving.trace_files import session_trace
 
 class EngineReplayTest(absltest.TestCase):
 
+  @pytest.mark.slow
   def test_small_trace_finishes_with_hits(self):
     trace = session_trace(seed=0, num=16, num_sessions=3, partial=True, gap_s=0.05)
     steps = []

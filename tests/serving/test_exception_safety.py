@@ -54,6 +54,8 @@ from paged_kv.scheduler.scheduler import (DryExecutor, Phase, Request, Scheduler
 from radix.cache import PrefixCache
 from tests.serving import kv_tags
 
+pytestmark = pytest.mark.slow
+
 CFG = paged_kv.PoolConfig(num_blocks=20, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=2, max_seqs=6, max_segments=24, base_pool_fraction=0.2)
 # The tagged scenarios (governance, shrink, save): K/V of `kv_tags.TAG_DIM`; 28 blocks,
@@ -459,18 +461,25 @@ class FaultInjectionTest(absltest.TestCase):
   def test_every_call_site_recompute_shard1(self):
     self._run_all("recompute", 1)
 
+  # Fault injection at the swap, governance and shrink_to sites; `make test` keeps the recompute
+  # scenario (both shards, most sites).
+  @pytest.mark.long
   def test_every_call_site_swap_shard0(self):
     self._run_all("swap", 0)
 
+  @pytest.mark.long
   def test_every_call_site_swap_shard1(self):
     self._run_all("swap", 1)
 
+  @pytest.mark.long
   def test_every_call_site_governance_shard0(self):
     self._run_all("governance", 0)
 
+  @pytest.mark.long
   def test_every_call_site_governance_shard1(self):
     self._run_all("governance", 1)
 
+  @pytest.mark.long
   def test_every_call_site_inside_shrink_to_and_its_steps(self):
     self._run_all("shrink", None)
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.core.errors import InvalidArgument
@@ -56,6 +57,7 @@ class QuotaTest(absltest.TestCase):
     delayed = lambda s: sum(r.admit_step > r.submit_step for r in s.finished)
     self.assertGreater(delayed(sched), delayed(plain))
 
+  @pytest.mark.slow
   def test_cached_blocks_above_the_cached_quota_are_evicted(self):
     gov = CacheGovernance(live_fraction=0.8, max_step=1)
     reqs = _requests(1, 30, shared=8)
@@ -69,6 +71,7 @@ class QuotaTest(absltest.TestCase):
     fig = metrics.step_stats(sched.pool.state, CFG)
     self.assertLessEqual(fig.cached_blocks, quota.cached_quota + quota.max_step)
 
+  @pytest.mark.slow
   def test_a_tiny_quota_never_stalls(self):
     sched = _run(CacheGovernance(live_fraction=0.01), _requests(2, 20))
     self.assertEqual(sched.stats.finished, 20)

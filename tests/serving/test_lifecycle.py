@@ -11,6 +11,7 @@ import inspect
 
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.scheduler import UnknownRequest
@@ -100,6 +101,7 @@ class AbortTest(parameterized.TestCase):
     self.assertEqual(sched.stats.finished, len(reqs))
     _assert_empty(self, sched)
 
+  @pytest.mark.slow
   def test_abort_a_swapped_request(self):
     sched = Scheduler(paged_kv.BlockPool(CFG), DryExecutor(CFG),
                       SchedulerConfig(max_batch=8, prefill_chunk=16, prefill_token_budget=32,

@@ -20,6 +20,10 @@ from paged_kv.scheduler.sampling_params import SamplingParams
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
 
+# The facade, and the server on 127.0.0.1 (10-20 s each).
+pytestmark = pytest.mark.slow
+
+
 EOS = 2
 PROMPTS = ["the quick brown fox", "paged attention keeps", [1, 40, 41, 42, 43]]
 

@@ -245,6 +245,7 @@ def test_an_engine_failure_ends_every_request_and_stops_the_thread():
     thread.submit("b", [1], None, 1, sink)
 
 
+@pytest.mark.slow
 def test_python_m_paged_kv_serve(tmp_path):
   """The command line: a missing directory is a user error (exit 2); a checkpoint is
   served until the process is stopped."""
@@ -418,6 +419,9 @@ def _crash():
   raise RuntimeError("out of memory")
 
 
+# The engine process over a fake engine (a spawn each, ~2 s of imports); `make test` keeps the real
+# server over an engine process.
+@pytest.mark.long
 def test_engine_process_serves_bounds_and_aborts_like_the_thread():
   """The fake engine built in the engine process (its gate a process-shared event):
   the queue bound, an abort, a refused request, `call` and `acall`, sinks on the loop,
@@ -485,6 +489,7 @@ def test_engine_process_serves_bounds_and_aborts_like_the_thread():
     proc.submit("f", [1], None, 1, lambda item: None)
 
 
+@pytest.mark.long
 def test_an_engine_failure_ends_every_request_and_stops_the_process():
   """A step that raises, then an engine process killed: each ends every live request
   with a RequestFailed and the engine says why."""
@@ -517,6 +522,7 @@ def test_an_engine_failure_ends_every_request_and_stops_the_process():
     loop.close()
 
 
+@pytest.mark.long
 def test_engine_process_start_failures_leave_no_process():
   """`make` refusing (InvalidArgument, raised as is) or failing (EngineStartError with
   the traceback); a callable is required (an `LLM` object is not sent); an engine

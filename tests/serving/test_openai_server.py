@@ -41,6 +41,9 @@ from paged_kv.entrypoints.api_server import BackgroundServer, Server, build_app
 from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
 
+pytestmark = pytest.mark.slow
+
+
 MODEL = "tiny-chat"
 PROMPTS = ["the quick brown fox", "paged attention keeps", "a tiny tokenizer", "héllo",
            "jumps over the lazy dog", "kv cache in blocks", "trained in memory", "round trip"]

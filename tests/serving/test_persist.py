@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.cache import persist
@@ -524,6 +525,7 @@ print("completed")
 """
 
 
+@pytest.mark.slow
 class CrashMidSaveTest(absltest.TestCase):
   """A save killed at any byte leaves the previous file, whole: it loads bit-exact
   (or, once the rename happened, the new one does). `PAGED_KV_CRASH_OFFSETS=N` kills
@@ -612,6 +614,7 @@ class StaleTempTest(absltest.TestCase):
     self.assertEqual(persist.remove_stale_temps(other), [f"{other}.tmp-{foreign.pid}"])
 
 
+@pytest.mark.slow
 class BitFlipSweepTest(absltest.TestCase):
   """Every single-bit flip of a small saved file: a typed error with the pool unchanged,
   or (a flip in a field the reader ignores, e.g. a zip timestamp) a bit-exact load.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.core.errors import InvalidArgument, PoolExhausted
@@ -59,6 +60,8 @@ def scheduler(config: SchedulerConfig = CONFIG, clock=None) -> Scheduler:
   return sched
 
 
+# The livelock reproductions.
+@pytest.mark.slow
 class UnstickTest(absltest.TestCase):
 
   def test_lone_row_on_a_shared_layout_finishes(self):

@@ -103,6 +103,7 @@ def _broken_executor(config):
 
 
 # ----------------------------------------------------------------------------- in process
+@pytest.mark.slow
 def test_server_commands_in_process():
   # Outputs still to come count at weight 1 here (the default, 0, counts prompts only).
   server = ReplicaServer(ReplicaSpec(POOL, SCHED, warmup=False, output_weight=1.0), index=3)
@@ -129,6 +130,7 @@ def test_server_commands_in_process():
     server.handle(("nope",))
 
 
+@pytest.mark.slow
 def test_tiny_llama_factory_serves_the_seeded_model_greedily():
   """A replica built from `TinyLlamaFactory` (the factory pickled and rebuilt, as a
   spawned replica gets it) gives the dense reference's greedy tokens of the model
@@ -166,6 +168,7 @@ def test_spec_and_request_validation():
 
 
 # ----------------------------------------------------------------------------- processes
+@pytest.mark.slow
 def test_routes_over_processes_and_reuses_prefixes(cache_dir):
   reqs = _requests(1, 40)
   with ReplicaSet([_spec(cache_dir)] * 2, CacheAwareRouter(load_weight=0.1),
@@ -188,6 +191,7 @@ def test_routes_over_processes_and_reuses_prefixes(cache_dir):
     assert s["hit_tokens"] == sum(r.hit_tokens for r in results if r.replica == i)
 
 
+@pytest.mark.slow
 def test_dead_and_hung_replicas_are_routed_around(cache_dir):
   """SIGKILL one replica and SIGSTOP another mid-run: the third finishes everything."""
   reqs = _requests(2, 36)
@@ -223,6 +227,7 @@ def test_dead_and_hung_replicas_are_routed_around(cache_dir):
   assert {r.replica for r in late} == {survivor}
 
 
+@pytest.mark.slow
 def test_wall_clock_replicas_and_an_exception_inside_the_set(cache_dir):
   """Wall-clock replicas step on their own; an exception in the block stops them all."""
   reqs = _requests(4, 12)

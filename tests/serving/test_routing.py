@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 from paged_kv.sim.replay import ReplayConfig, SimReplica, routed_requests
 from paged_kv.cluster.routing import (
@@ -249,6 +250,7 @@ class SimReplicaTest(absltest.TestCase):
       backend.serve(RoutedRequest(item.tokens, 0.0, 1, "other", payload=trace[0]))
 
 
+@pytest.mark.slow
 class ScriptTest(absltest.TestCase):
 
   def _run(self, script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:

@@ -24,12 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.core.errors import InternalInconsistency
 from paged_kv.runtime import counters
 from paged_kv.scheduler.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
+
+pytestmark = pytest.mark.slow
 
 CFG = paged_kv.PoolConfig(num_blocks=256, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=2, max_seqs=16, max_segments=32)

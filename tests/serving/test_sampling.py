@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from flax import nnx
+import pytest
 
 import paged_kv
 from paged_kv.model import LlamaConfig, TinyLlama, pool_config_for
@@ -130,6 +131,7 @@ def _prompt(i):
   return np.random.default_rng(i).integers(0, 32, 5 + i)
 
 
+@pytest.mark.slow
 class ServeTest(absltest.TestCase):
 
   def test_default_params_are_greedy_and_seeds_reproduce(self):

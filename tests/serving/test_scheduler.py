@@ -2,6 +2,7 @@
 
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.core import compact
@@ -86,6 +87,7 @@ class SchedulerTest(parameterized.TestCase):
     self.assertEqual(sched.stats.finished, len(reqs))
     self.assertEqual(sched.stats.preemptions, 0)
 
+  @pytest.mark.slow
   def test_unlimited_pool_hits_exact_prefix_bound(self):
     cfg = paged_kv.PoolConfig(num_blocks=2048, block_size=4, num_layers=1, num_kv_heads=1,
                               head_dim=2, max_seqs=8, max_segments=64)
@@ -100,6 +102,7 @@ class SchedulerTest(parameterized.TestCase):
       self.assertGreaterEqual(r.hit_tokens, 10)
     self.assertEqual(reqs[0].hit_tokens, 0)
 
+  @pytest.mark.slow
   def test_namespaces_do_not_share(self):
     cfg = paged_kv.PoolConfig(num_blocks=512, block_size=4, num_layers=1, num_kv_heads=1,
                               head_dim=2, max_seqs=4, max_segments=64)
@@ -112,6 +115,7 @@ class SchedulerTest(parameterized.TestCase):
     _run(sched, [a, b, c])
     self.assertEqual((a.hit_tokens, b.hit_tokens, c.hit_tokens), (0, 0, 19))
 
+  @pytest.mark.slow
   def test_compaction_runs_and_cache_follows_remap(self):
     pool = paged_kv.BlockPool(CFG)
     policy = compact.CompactionPolicy(threshold=0.0, budget=4)
@@ -130,6 +134,7 @@ class SchedulerTest(parameterized.TestCase):
 
 
 
+@pytest.mark.slow
 class PackTailsTest(absltest.TestCase):
 
   def test_pack_tails_lowers_internal_fragmentation(self):
@@ -152,6 +157,7 @@ class PackTailsTest(absltest.TestCase):
     self.assertLess(frag[True], frag[False] / 2)
 
 
+@pytest.mark.slow
 class PromotionTest(absltest.TestCase):
 
   def test_shared_prefix_blocks_move_to_the_base_pool(self):
@@ -206,6 +212,7 @@ class CachedPoolSchedulerTest(absltest.TestCase):
     self.assertEqual(pool.num_free_blocks, CFG.num_blocks)
 
 
+@pytest.mark.slow
 class IssueJRegressionTest(absltest.TestCase):
   """Issue J: each test failed before its fix."""
 

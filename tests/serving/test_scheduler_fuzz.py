@@ -67,6 +67,7 @@ import traceback
 
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.core import compact
@@ -76,6 +77,10 @@ from paged_kv.scheduler.executor import attach_state
 from paged_kv.cache.governance import CacheGovernance
 from radix.cache import PrefixCache
 from tests.serving import kv_tags
+
+# Random scheduler configs and streams; `make test` keeps the scheduler's unit tests and the issue-J
+# small-pool sweep.
+pytestmark = pytest.mark.long
 
 NAMESPACES = ("alpha", "beta", 3)
 _TENANT = {ns: i for i, ns in enumerate(NAMESPACES)}

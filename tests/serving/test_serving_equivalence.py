@@ -21,6 +21,8 @@ from paged_kv.model.reference import generate_dense
 from paged_kv.scheduler.executor import ModelExecutor
 from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
 
+pytestmark = pytest.mark.slow
+
 MODEL_CONFIG = llama.LlamaConfig(num_layers=2)
 NEW_TOKENS = 8
 
@@ -94,6 +96,8 @@ def test_pressure_and_preemption_change_no_token(model, workload, preemption):
     assert st.preemptions_swap > 0 and st.swap_to_host_bytes > 0
 
 
+# `make test` keeps token equality under pressure and preemption (both modes).
+@pytest.mark.long
 def test_forced_compaction_and_promotion_change_no_token(model, workload):
   prompts, dense = workload
   policy = compact.CompactionPolicy(threshold=0.0, budget=3)
@@ -106,6 +110,8 @@ def test_forced_compaction_and_promotion_change_no_token(model, workload):
   assert sched.stats.hit_tokens > 0
 
 
+# `make test` keeps token equality under pressure and preemption (both modes).
+@pytest.mark.long
 def test_slotted_packing_changes_no_token(model, workload):
   """Finished sequences' tails are packed into slotted blocks; the next turn of each
   conversation (whole history + a new message) matches and reads them back."""

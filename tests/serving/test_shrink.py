@@ -19,6 +19,7 @@ import functools
 import jax
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.core import compact, regions
@@ -165,6 +166,7 @@ def _runs():
   return _serve(0, target=None, check=False), shrunk  # the second run is warm
 
 
+@pytest.mark.slow
 class ShrinkWhileServingTest(absltest.TestCase):
 
   def test_shrink_with_prefix_cache_moves_evicts_and_cuts_once(self):
@@ -203,6 +205,7 @@ class ShrinkWhileServingTest(absltest.TestCase):
 
 class ShrinkWaitsForLiveDataTest(absltest.TestCase):
 
+  @pytest.mark.slow
   def test_live_growth_past_the_target_waits_and_loses_nothing(self):
     """No cache to evict: sequences outgrow the room below, the shrink waits for them."""
     rng = np.random.default_rng(5)

@@ -63,6 +63,7 @@ import time
 
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.core import compact
@@ -71,6 +72,9 @@ from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.cache.cached_pool import CachedPool
 from paged_kv.sim.traces import TokenSource, load_mooncake, scaled_prompt
 from tests.serving import kv_tags
+
+# The Mooncake trace soak; `make test` keeps the scheduler's tests.
+pytestmark = pytest.mark.long
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRACE = os.environ.get("PAGED_KV_SOAK_TRACE") or os.path.normpath(

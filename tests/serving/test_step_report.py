@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.scheduler import scheduler as scheduler_mod
@@ -37,6 +38,7 @@ class FakeClock:
     return self.now
 
 
+@pytest.mark.slow
 class StepStatsTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -132,6 +134,7 @@ class StepReportTest(absltest.TestCase):
     self.assertTrue(all(rep.pool is None for rep in reports))
     self.assertIsInstance(sched.take_snapshot(), metrics.PoolSnapshot)
 
+  @pytest.mark.slow
   def test_stats_budget_paces_the_figures(self):
     # A budget no reduction can meet: the figures on the first step, then every
     # MAX_STATS_INTERVAL steps.
@@ -151,6 +154,7 @@ class StepReportTest(absltest.TestCase):
       with self.assertRaises(paged_kv.InvalidArgument):
         SchedulerConfig(stats_budget=bad)
 
+  @pytest.mark.slow
   def test_alerts_fire_in_the_step_they_cross(self):
     # A tiny pool that live sequences fill: KV usage crosses 0.95 and the alert
     # reaches the report of that very step (not only the end of the run).
@@ -172,6 +176,7 @@ class StepReportTest(absltest.TestCase):
     self.assertEqual([a.metric for a in sched.alerts], [m for _, m in fired])
 
 
+@pytest.mark.slow
 class NoPerBlockHostReadsTest(absltest.TestCase):
   """A scheduler step copies nothing of per-block size to the host (issue L)."""
 

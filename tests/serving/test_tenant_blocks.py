@@ -17,12 +17,16 @@ import tempfile
 
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.cache import persist
 from radix.cache import PrefixCache
 from tests.serving import kv_tags
+
+# A mixed-tenant run, three times.
+pytestmark = pytest.mark.slow
 
 NAMESPACES = ("alpha", "beta", 3)
 TENANT = {ns: i for i, ns in enumerate(NAMESPACES)}

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import numpy as np
 from absl.testing import absltest, parameterized
+import pytest
 
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
 from tests.serving import kv_tags
+
+pytestmark = pytest.mark.slow
 
 TENANTS = {"tenant-a": 0, "tenant-b": 1}
 

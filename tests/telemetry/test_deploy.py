@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 
 from absl.testing import absltest
+import pytest
 
 from paged_kv.telemetry import export, metrics
 from tests.telemetry import serving_run
@@ -78,6 +79,7 @@ class DashboardTest(absltest.TestCase):
         self.assertTrue(p["description"], p["title"])
         self.assertIn("unit", p["fieldConfig"]["defaults"], p["title"])
 
+  @pytest.mark.slow
   def test_every_metric_used_is_served(self):
     served = served_sample_names()
     for title, expr in dashboard_targets():
@@ -152,6 +154,7 @@ class AlertRulesTest(absltest.TestCase):
     self.assertEqual((rule["for"], rule["labels"]["severity"]), ("5m", "warning"))
     self.assertIn("vm.max_map_count", rule["annotations"]["description"])
 
+  @pytest.mark.slow
   def test_every_metric_used_is_served(self):
     served = served_sample_names()
     for rule in load_rules():

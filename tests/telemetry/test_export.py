@@ -16,6 +16,7 @@ from unittest import mock
 
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.telemetry import export, metrics
@@ -164,6 +165,7 @@ class LiveScrapeTest(absltest.TestCase):
     self.assertIn(60.0, buckets)
     self.assertGreaterEqual(max(b for b in buckets if b != float("inf")), 1200.0)  # 20 min
 
+  @pytest.mark.slow
   def test_runtime_series_after_warmup(self):
     sched = serving_run.make_scheduler()
     report = sched.warmup(progress=False)

@@ -5,10 +5,13 @@ import tempfile
 
 import numpy as np
 from absl.testing import absltest
+import pytest
 
 import paged_kv
 from paged_kv.telemetry import export, plots
 from tests.telemetry import serving_run
+
+pytestmark = pytest.mark.slow
 
 try:
   import matplotlib  # pylint: disable=unused-import
