@@ -47,8 +47,6 @@ class ReplicaSpec:
   """How one replica process builds its scheduler (picklable: it crosses a spawn).
 
   Attributes:
-    pool_config: the replica's own pool.
-    scheduler_config: its scheduling and memory policies.
     executor_factory: `f(pool_config) -> Executor`, picklable (e.g.
       `TinyLlamaFactory`); None: a `DryExecutor` (memory dynamics only).
     clock: `"trace"` (driven by `advance`) or `"wall"` (`time.monotonic`).
