@@ -339,13 +339,9 @@ class EngineProcess:
       self._send(("abort", rid))
 
   def call(self, fn: Callable[[Engine], Any], timeout: float | None = 30.0) -> Any:
-    """Runs the picklable `fn(engine)` in the engine process between two steps.
-
-    Raises:
-      EngineStopped: the engine is not running.
-      InvalidArgument: called on the event loop's thread (use `acall`).
-      TimeoutError: no answer within `timeout` seconds.
-    """
+    """Runs the picklable `fn(engine)` in the engine process between two steps; raises
+    as `EngineThread.call`, and `InvalidArgument` on the event loop's thread (use
+    `acall`)."""
     if threading.get_ident() == self._loop_thread:
       raise InvalidArgument("EngineProcess.call on the event loop's thread would wait for "
                             "the loop itself: await acall(fn) there")
