@@ -43,10 +43,9 @@ from pallas_kernels import paged_attention as _pa
 
 DEFAULT_BLOCK_Q = 64  # new tokens per program (`default_block_q` may lower it)
 # Largest query tile (block_q x padded group x head_dim elements) of the default
-# `block_q`. Compiled for sm_90a (compile tier, ptxas -v on the dumped PTX), 128 x 128
-# with 8 warps uses 200-255 registers and spills nothing at the tier's prefill shapes;
-# 256 x 128 spills 0.5-5.7 KB per thread (group 4 and 8 at head_dim 128, group 8 at
-# 64), and 256 x 256 exceeds 227 KiB of shared memory. UNMEASURED on a GPU.
+# `block_q`: compiled for sm_90a, 128 x 128 with 8 warps spills nothing at the compile
+# tier's prefill shapes, 256 x 128 spills and 256 x 256 exceeds shared memory. Not
+# timed on a GPU.
 MAX_QUERY_TILE = 128 * 128
 _WIDE_TILE = 64 * 128  # query tiles of this many elements or more run 8 warps
 DEFAULT_PAGES_PER_STEP = _pa.DEFAULT_PAGES_PER_STEP
