@@ -22,7 +22,10 @@ that build) a shape whose kernel cannot lower; `lowerable_decode_impls` asks ahe
 Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]`, or the pool's
 stacked `[num_layers, ...]` with `layer=` (an int or a traced i32 scalar, clipped
 into range). Pass the stack: `pages[layer]` would be materialised as a copy of the
-whole layer, while every path reads only the blocks it needs from the stack.
+whole layer, while every path reads only the blocks it needs from the stack ("xla":
+one gather `pages[layer, :, blocks]`; "pallas": the layer axis whole in its BlockSpec,
+the layer added to its gather indices; "mosaic": the pool viewed as `[num_layers *
+num_kv_heads, ...]`).
 
 `ref_paged_attention` rebuilds every sequence's K/V token by token, independently of
 the block-level paths, so that it can check them.
