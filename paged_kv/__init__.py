@@ -15,11 +15,8 @@ Folders, from the bottom up (imports point down only):
   paged_kv.entrypoints  `LLM`, its engines, the OpenAI-compatible server
   paged_kv.sim          traces, the synthetic workload, replays
 
-This module re-exports the core and the host API; `import paged_kv` needs only
-jax, jaxlib and numpy. The other layers are imported on first use
-(`paged_kv.model`, `paged_kv.scheduler`, ...) or explicitly, and so are the text-in,
-text-out facade `paged_kv.LLM` (`paged_kv.entrypoints.llm`: flax, and the `hf` extra for
-a checkpoint) and `paged_kv.SamplingParams` (`paged_kv.scheduler.sampling_params`).
+This module re-exports the core and the host API (jax, jaxlib and numpy only); the
+other folders, `paged_kv.LLM` and `paged_kv.SamplingParams` load on first use.
 """
 
 import importlib

@@ -7,24 +7,9 @@ asked for. That runs the Pallas -> Triton and Pallas -> Mosaic GPU lowering pass
 (layout inference, TMA and shared-memory checks) and stops before LLVM/ptxas:
 passing is necessary, not sufficient.
 
-  * `target_platform()`: the platform the trace in progress builds for ("cuda"
-    under an abstract GPU mesh, else the default backend, "gpu" read as "cuda").
-    The kernels' wrappers use it to refuse, at trace time and with a clear error,
-    shapes whose kernel cannot lower there.
-  * `abstract_gpu_mesh(device_kind)` / `lower_for_gpu(fn, *args)`: the lowering
-    tier's entry points (`tests/kernels/test_lowering.py`, `tests/model/test_lowering.py`;
-    `pallas_kernels.compile_tier` compiles on from there).
-  * `gpu_interpret_params(...)`: `plgpu.InterpretGPUParams` with the keywords the
-    installed JAX knows (`on_race` is new in 0.12; the GPU machine runs 0.11.2).
-  * `reserve_cpu_threads_for_gpu_interpreter()`: sizes XLA:CPU's thread pools for
-    the GPU interpreter before the CPU client exists (see below); the tests'
-    conftest and `tools/gpu_check.py --dry` call it.
-
-Which impl builds for a shape: `paged_attention.lowerable_decode_impls` /
-`decode_impl_problem` and `permute_blocks.lowerable_permute_impls` /
-`permute_impl_problem` (the wrappers raise the same reasons at trace time).
-
-Verified with JAX 0.12.0.1 and 0.11.2.
+`target_platform()` is what the kernels' wrappers check to refuse, at trace time,
+shapes that cannot lower; `abstract_gpu_mesh` / `lower_for_gpu` are the lowering
+tier's entry points. Verified with JAX 0.12.0.1 and 0.11.2.
 """
 
 from __future__ import annotations
@@ -61,11 +46,8 @@ def is_gpu_target() -> bool:
 
 def lowerable_impls(gpu_preference: tuple[str, ...], problem, *, platform: str | None = None,
                     **shape) -> tuple[str, ...]:
-  """The impls for which `problem(impl, platform=..., **shape)` reports nothing.
-
-  Ordered by `gpu_preference` on a GPU platform, "xla" first elsewhere; `platform`
-  defaults to the trace's target (`target_platform()`).
-  """
+  """The impls for which `problem(impl, platform=..., **shape)` reports nothing, by
+  `gpu_preference` on a GPU platform, "xla" first elsewhere."""
   platform = platform or target_platform()
   order = gpu_preference if platform in ("cuda", "rocm") else ("xla", "pallas", "mosaic")
   return tuple(i for i in order if problem(i, platform=platform, **shape) is None)
@@ -97,9 +79,8 @@ _POOL_ENV = ("PJRT_NPROC", "NPROC")  # read by XLA's DefaultThreadPoolSize, in o
 
 
 def _cpu_pool_threads() -> int:
-  """Threads of XLA:CPU's intra-op pool: counted (`/proc`, Linux) once the CPU
-  client exists; before, what a client created now gets: `PJRT_NPROC`, then
-  `NPROC`, else one per schedulable core."""
+  """Threads of XLA:CPU's intra-op pool: counted (`/proc`) once the client exists,
+  else what one created now would get (`PJRT_NPROC`, `NPROC`, the cores)."""
   if _cpu_client_created():
     try:
       tasks = os.listdir("/proc/self/task")
@@ -133,22 +114,13 @@ def _cpu_client_created() -> bool:
 
 def reserve_cpu_threads_for_gpu_interpreter(
     threads: int = INTERPRETER_CPU_THREADS) -> bool:
-  """Makes XLA:CPU's thread pools at least `threads` wide (`PJRT_NPROC`) for
-  the Mosaic GPU interpreter, if the CPU client does not exist yet and neither
-  `PJRT_NPROC` nor `NPROC` is set. Returns whether the pools will be that wide
-  (False: the client exists with fewer threads, or a smaller size was set;
-  nothing changed).
+  """Makes XLA:CPU's thread pools at least `threads` wide (`PJRT_NPROC`) for the
+  Mosaic GPU interpreter, if the CPU client does not exist yet and neither
+  `PJRT_NPROC` nor `NPROC` is set; returns whether they will be that wide.
 
-  Why: the interpreter runs each warpgroup of a kernel with `num_threads > 1`
-  as its own CPU program (`thread_map`), and a barrier wait blocks the XLA:CPU
-  thread it runs on until the other warpgroup arrives. XLA:CPU sizes its
-  intra-op and execution pools by the core count (2 threads on a 2-core
-  machine). When the calling program's own callback and one warpgroup's
-  blocked barrier wait hold both threads, the other warpgroup's program never
-  gets a thread, and the kernel hangs (seen as intermittent hangs of the
-  gpu_check dry rows; thread dumps: one warpgroup in `Barrier.wait`, the
-  other's program never started). More threads than blocked callbacks remove
-  the deadlock; on a GPU nothing here runs.
+  Why: the interpreter runs each warpgroup as its own CPU program whose barrier
+  waits block an XLA:CPU thread; with one thread per core (2 on a small machine)
+  the other warpgroup may never get one, and the kernel hangs.
   """
   if _cpu_pool_threads() >= threads:
     return True
@@ -162,9 +134,8 @@ _warned_threads: list[bool] = []
 
 
 def gpu_interpret_params(**kwargs):
-  """`plgpu.InterpretGPUParams(**kwargs)` minus the keywords this JAX lacks
-  (e.g. `on_race`, added after 0.11.2; without it races are recorded, not
-  raised, and `get_races()` reports them)."""
+  """`plgpu.InterpretGPUParams(**kwargs)` minus the keywords this JAX lacks (e.g.
+  `on_race` before 0.12: races are then recorded for `get_races()`, not raised)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
   if _cpu_pool_threads() < INTERPRETER_CPU_THREADS and not _warned_threads:

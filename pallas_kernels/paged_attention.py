@@ -8,54 +8,27 @@ Several segments (of one or several sequences) may share a block ("slotted block
 shared prefixes), so every kernel masks slots outside `[start, start + length)`.
 
 Implementations (`impl=`):
-  * "xla":    gathers whole blocks with `jnp.take` and runs a masked softmax. The
-              library's CPU default; cost is O(batch * max_segments * block_size).
-  * "pallas": grid-based generic Pallas kernel, grid (batch, kv_head, split). One
-              program holds the GQA group of query heads of one kv head, walks its
-              split's segments `pages_per_step` blocks at a time with an online
-              softmax, and writes an unnormalised partial result; a small jnp pass
-              merges the splits (flash decoding). Runs on CPU with `interpret=True`
-              and lowers through the Triton backend on GPUs.
-  * "mosaic": Mosaic GPU (Hopper) kernel in `paged_attention_mosaic.py`, grid
-              (row, kv head, split): 64- or 128-key stages of pages stream
-              through a TMA/barrier SMEM ring (filled by a producer warpgroup
-              for head_dim <= 128), wgmma on SMEM operands against the group
-              padded to 64 rows, online softmax in exp2, split-K merged by LSE.
-              bf16/f16 pages, and fp8 pages at head_dim 64/128 (upcast to
-              f16 in shared memory). Needs a GPU, or `interpret=True` / a
-              `plgpu.InterpretGPUParams` on CPU; without either the wrapper
-              raises a ValueError.
+  * "xla":    gathers whole blocks and runs a masked softmax (the CPU default).
+  * "pallas": grid (batch, kv_head, split); one program holds the GQA group of one
+              kv head, walks its split's segments `pages_per_step` blocks at a time
+              with an online softmax; a jnp pass merges the splits (flash
+              decoding). Lowers through Triton on GPUs; `interpret=True` on CPU.
+  * "mosaic": the Mosaic GPU (Hopper) kernel of `paged_attention_mosaic.py`; on
+              CPU it needs `interpret=`.
 
-On a GPU target (a GPU backend, or `lowering.abstract_gpu_mesh()` entered for the
-lowering tier) the wrapper refuses at trace time, with a ValueError naming the
-impls that do build, any shape whose kernel cannot lower there;
-`lowerable_decode_impls(...)` answers the same question ahead of time (in
-`GPU_DECODE_PREFERENCE` order), `decode_impl_problem(impl, ...)` says why one is
-refused.
+On a GPU target the wrapper refuses at trace time (ValueError naming the impls
+that build) a shape whose kernel cannot lower; `lowerable_decode_impls` asks ahead.
 
-Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]`, or the
-pool's stacked `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`
-with `layer=` (a Python int or a traced i32 scalar, e.g. a `lax.scan` index).
-The stacked form is what the model layer passes: slicing `pages[layer]` first
-is a dynamic slice of a whole layer, which XLA materialises as a copy of the
-layer's pool (gigabytes per call) before a custom call can read it. Instead
-every path takes the stacked operand untouched and reads only the blocks it
-needs: "xla" gathers `pages[layer, :, blocks]` in one gather; "pallas" maps the
-layer axis whole into its BlockSpec (a pointer, no copy; Triton switches to
-64-bit offsets past 4 GiB) and adds the layer, a scalar operand, to its
-gather's indices; "mosaic" views the pool as `[num_layers * num_kv_heads, ...]`
-(a bitcast reshape) and TMA-copies pages from row `layer * num_kv_heads + head`,
-the layer carried in its SMEM segment table. A traced layer is read like a
-numpy index (negative counts from the end) and clipped into range.
+Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]`, or the pool's
+stacked `[num_layers, ...]` with `layer=` (an int or a traced i32 scalar, clipped
+into range). Pass the stack: `pages[layer]` would be materialised as a copy of the
+whole layer, while every path reads only the blocks it needs from the stack ("xla":
+one gather `pages[layer, :, blocks]`; "pallas": the layer axis whole in its BlockSpec,
+the layer added to its gather indices; "mosaic": the pool viewed as `[num_layers *
+num_kv_heads, ...]`).
 
-Split-K (`num_splits=None`, the default): `default_num_splits` picks the split
-count from static shapes only (batch, kv heads, and the context bound: the
-table's `S` entries of `block_size` tokens) so that batch x kv heads x splits
-fills the GPU's SMs at batch 1 and long contexts; a full batch gets 1.
-
-`ref_paged_attention` is the float reference: it rebuilds every sequence's logical
-K/V token by token and runs a plain softmax. It is written independently of the
-block-level paths above so that it can check them.
+`ref_paged_attention` rebuilds every sequence's K/V token by token, independently of
+the block-level paths, so that it can check them.
 """
 
 from __future__ import annotations
@@ -84,8 +57,8 @@ MAX_TRITON_TILE = 128 * 256
 _SUPPORTED_IMPLS = ("xla", "pallas")
 _DECODE_IMPLS = ("xla", "pallas", "mosaic")
 _KNOWN_IMPLS = ("xla", "pallas", "mosaic")
-# Preference order on a GPU: Mosaic GPU (the Hopper path) where it builds, then
-# Triton, then xla (issue 22; UNMEASURED: no path has been timed on a GPU yet).
+# Preference order on a GPU: Mosaic GPU where it builds, then Triton, then xla, the
+# order of their decode-layer times on an H200 (docs/records/gpu_check/).
 # `lowerable_decode_impls` filters it by shape; `paged_kv.model.default_impl`
 # takes the first that builds (its order is configurable).
 GPU_DECODE_PREFERENCE = ("mosaic", "pallas", "xla")
@@ -136,11 +109,9 @@ def stacked_pages(k_pages, v_pages, layer):
   """`(k, v, layer)`: the pages as a `[num_layers, num_kv_heads, num_blocks,
   block_size, head_dim]` stack and the layer to read, an i32 scalar in range.
 
-  One layer's 4-D pages become a one-layer stack (`[None]`: a reshape, no copy)
-  read at layer 0; `layer` must then be None or 0. Stacked pages need `layer`:
-  a Python int (range-checked) or a traced i32 scalar (negative counts from
-  the end, as a numpy index; clipped into range so that no kernel reads outside
-  the pool).
+  4-D pages become a one-layer stack (no copy; `layer` None or 0). Stacked pages
+  need `layer`: an int (range-checked) or a traced scalar (negative counts from the
+  end; clipped so that no kernel reads outside the pool).
   """
   if k_pages.ndim == 4:
     if layer is not None and not (isinstance(layer, int) and layer == 0):
@@ -163,9 +134,8 @@ def stacked_pages(k_pages, v_pages, layer):
 
 
 def compute_dtype(q_dtype, kv_dtype):
-  """Dtype of the Q K^T operands: the promoted type of q and the pages, or q's
-  dtype for 8-bit (fp8) pages, which JAX does not promote implicitly (the pages
-  are upcast; nothing is rounded to 8 bits)."""
+  """Dtype of the Q K^T operands: q and the pages promoted, or q's dtype for fp8
+  pages (upcast; nothing is rounded to 8 bits)."""
   if jnp.dtype(kv_dtype).itemsize == 1:
     return jnp.dtype(q_dtype)
   return jnp.promote_types(q_dtype, kv_dtype)
@@ -246,11 +216,8 @@ def static_validate_inputs(q, k_pages, v_pages, seg_block, seg_start, seg_length
                            num_segments, *, sm_scale, soft_cap, num_splits, impl,
                            pages_per_step, interpret=False,
                            supported_impls=_SUPPORTED_IMPLS):
-  """Checks shapes, dtypes and static arguments; raises ValueError.
-
-  `supported_impls`: the implementations the calling op has ("mosaic" only for
-  decode attention, which passes `_DECODE_IMPLS`).
-  """
+  """Checks shapes, dtypes and static arguments against `supported_impls`; raises
+  ValueError."""
   if q.ndim != 3:
     raise ValueError(f"q must be [batch, num_q_heads, head_dim], got {q.shape}")
   if k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
@@ -322,9 +289,8 @@ def dynamic_validate_inputs(
     block_size: int):
   """Host-side check of a concrete segment table (debug/tests); raises ValueError.
 
-  Valid entries (`s < num_segments[b]`) need `0 <= block < num_blocks`,
-  `length >= 1`, `start >= 0` and `start + length <= block_size`. Padding entries
-  are not inspected.
+  Entries `s < num_segments[b]` need `0 <= block < num_blocks`, `length >= 1`,
+  `start >= 0`, `start + length <= block_size`; padding is not inspected.
   """
   blk, st, ln, ns = (np.asarray(a) for a in (seg_block, seg_start, seg_length,
                                              num_segments))
@@ -352,14 +318,8 @@ def default_pages_per_step(block_size: int) -> int:
 def default_decode_pages_per_step(*, block_size: int, head_dim: int, dtype) -> int:
   """Pages per step of the "pallas" decode kernel for `pages_per_step=None`:
   `KEYS_PER_STEP` slots, doubled while a step's K bytes stay within
-  `DECODE_STEP_BYTES` and its K tile within `MAX_TRITON_TILE` (128 slots at
-  head_dim 64 bf16 and at head_dim 128 fp8, 64 at head_dim 128 bf16).
-
-  Why: on an H200 (2026-12-04) fp8 pages at 64 slots a step took about the
-  time per step of head_dim 128 bf16, i.e. streamed half the bytes per second;
-  a step's loads are indexed gathers its math waits for, so a step's time is
-  likely about one load latency whatever its bytes. Untimed at 128 slots
-  (`gpu_check` rows `kernel/*-fp8/pallas-pps*`)."""
+  `DECODE_STEP_BYTES` and its K tile within `MAX_TRITON_TILE` (a step costs about
+  one load latency whatever its bytes, so narrow rows take more slots)."""
   keys = KEYS_PER_STEP
   row_bytes = head_dim * jnp.dtype(dtype).itemsize
   while (2 * keys * row_bytes <= DECODE_STEP_BYTES
@@ -369,9 +329,8 @@ def default_decode_pages_per_step(*, block_size: int, head_dim: int, dtype) -> i
 
 
 def target_num_cores() -> int:
-  """SMs of the GPU being built for: the abstract device's `num_cores` under an
-  abstract mesh (the lowering tier), else the first GPU's `core_count`, else
-  `DEFAULT_NUM_CORES` (H100/H200)."""
+  """SMs of the GPU being built for (abstract mesh, else first GPU, else
+  `DEFAULT_NUM_CORES`)."""
   mesh = jax.sharding.get_abstract_mesh()
   device = getattr(mesh, "abstract_device", None)
   cores = getattr(device, "num_cores", None) if device is not None else None
@@ -383,17 +342,10 @@ def target_num_cores() -> int:
 def default_num_splits(*, batch: int, num_kv_heads: int, num_seg_slots: int,
                        pages_per_step: int, block_size: int | None = None,
                        num_cores: int | None = None) -> int:
-  """Split-K factor for `num_splits=None`, from static shapes only.
-
-  The context bound is the table width: `num_seg_slots` entries of (at most)
-  `block_size` tokens. Asks for enough (row, kv head, split) programs to fill
-  `num_cores` SMs (default `target_num_cores()`) twice over, i.e.
-  `ceil(2 * num_cores / (batch * num_kv_heads))` splits, but gives each split
-  at least one step of `pages_per_step` entries and `MIN_KEYS_PER_SPLIT` slots
-  (merging partials costs more than a short split saves), and at most
-  `MAX_SPLITS`. Batch 1 x 8 kv heads x a 128k-token bound at block 16 gets 33
-  splits (264 programs); 256 rows x 8 heads get 1.
-  """
+  """Split-K factor for `num_splits=None`, from static shapes only: enough programs
+  to fill `num_cores` SMs twice, each split at least `pages_per_step` entries and
+  `MIN_KEYS_PER_SPLIT` slots (merging costs more than a short split saves), at most
+  `MAX_SPLITS`."""
   num_cores = target_num_cores() if num_cores is None else num_cores
   programs = max(1, batch * num_kv_heads)
   want = max(1, -(-2 * num_cores // programs))
@@ -411,11 +363,8 @@ def default_path_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
                          head_dim: int, block_size: int, dtype,
                          pages_per_step: int | None = None,
                          platform: str | None = None, q_dtype=None) -> str | None:
-  """`decode_impl_problem`, plus what keeps a library default (`impl=None`) off
-  an impl that builds but is known to be bad at this shape (the Mosaic kernel
-  at head_dim 192, where it spills registers:
-  `paged_attention_mosaic.mosaic_default_caveat`).
-  None: the default path may pick it."""
+  """`decode_impl_problem`, plus why the default (`impl=None`) avoids an impl that
+  builds but is bad at this shape (`mosaic_default_caveat`); None: it may pick it."""
   problem = decode_impl_problem(
       impl, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
       block_size=block_size, dtype=dtype, pages_per_step=pages_per_step,
@@ -433,13 +382,10 @@ def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
                         pages_per_step: int | None = None,
                         platform: str | None = None,
                         q_dtype=None) -> str | None:
-  """Why `paged_attention(impl=impl)` cannot be built for this shape on
-  `platform` (default: the trace's target, `lowering.target_platform()`), or
-  None if it can. What it says matches the lowering tier
-  (`tests/kernels/test_lowering.py`): every shape it accepts lowers for an
-  abstract H100/H200 with JAX 0.11.2 and 0.12. On CPU every impl is accepted
-  ("mosaic" then needs `interpret=`; the wrapper says so). `q_dtype` (default:
-  the pages' dtype): "mosaic" needs queries in the pages' dtype.
+  """Why `paged_attention(impl=impl)` cannot be built for this shape on `platform`
+  (default: the trace's target), or None. Every shape it accepts lowers for an
+  abstract H100/H200 (the lowering tier checks); on CPU every impl is accepted.
+  "mosaic" needs queries in the pages' dtype (`q_dtype`).
   """
   from pallas_kernels import lowering
 
@@ -490,10 +436,8 @@ def lowerable_decode_impls(*, num_q_heads: int, num_kv_heads: int, head_dim: int
                            platform: str | None = None,
                            preference: tuple[str, ...] | None = None,
                            q_dtype=None) -> tuple[str, ...]:
-  """The decode impls that build for this shape on `platform` (default: the
-  trace's target), in `preference` order on a GPU (default
-  `GPU_DECODE_PREFERENCE`), "xla" first elsewhere. "xla" is always in it (if
-  in `preference`); `[0]` is the one to use."""
+  """The decode impls that build for this shape on `platform`, in `preference`
+  order on a GPU, "xla" first elsewhere; `[0]` is the one to use."""
   from pallas_kernels import lowering
 
   return lowering.lowerable_impls(
@@ -509,8 +453,7 @@ def lowerable_decode_impls(*, num_q_heads: int, num_kv_heads: int, head_dim: int
 
 def _xla_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
                          seg_length, num_segments, *, sm_scale, soft_cap):
-  """`k_pages`, `v_pages`: the stacked pool; one gather per operand reads the
-  row's blocks of `layer` (`pages[layer, :, blocks]`), never the whole layer."""
+  """One gather per operand reads the rows' blocks of `layer`, never the whole layer."""
   batch, num_q_heads, head_dim = q.shape
   _, num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -548,20 +491,15 @@ def load_segment_pages(k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_re
                        layer=None):
   """Loads segments `first .. first+pages_per_step-1` (entries < `end` valid).
 
-  `k_ref`, `v_ref`: one kv head's pages, `[num_blocks, bs, D]`, or, with
-  `layer` (an i32 scalar), every layer's `[num_layers, num_blocks, bs, D]` read
-  at `layer`. The table refs
-  must have at least `first + pages_per_step` entries per row (the wrappers pad
-  them to a multiple of `pages_per_step`), so the table slice is always in
-  bounds. The step's blocks come in one indexed (gather) load each for K and V
-  (one Triton load of `[P, bs, D]`, no concatenate).
+  `k_ref`, `v_ref`: one kv head's pages `[num_blocks, bs, D]`, or with `layer` (i32
+  scalar) `[num_layers, num_blocks, bs, D]`. The table refs need at least `first +
+  pages_per_step` entries per row (the wrappers pad them). One gather load each for
+  K and V.
 
   Returns `(k [P*bs, D], v [P*bs, D] with masked slots zeroed, both in the pages'
-  dtype, mask bool[P*bs], key_pos i32[P*bs])`. `key_pos` is the logical token
-  position of each slot when `cum_before_ref` (i32[B, S], tokens before each
-  segment) is given, else the slot index. Padding entries are never
-  dereferenced: their block index is replaced by 0 before the load and every slot
-  they cover is masked.
+  dtype, mask bool[P*bs], key_pos i32[P*bs])`; `key_pos` is the logical position
+  when `cum_before_ref` (i32[B, S]) is given, else the slot index. Padding entries
+  read block 0 and are masked.
   """
   num_blocks, block_size, head_dim = k_ref.shape[-3:]
   num_pages = pages_per_step
@@ -589,17 +527,14 @@ def load_segment_pages(k_ref, v_ref, seg_block_ref, seg_start_ref, seg_length_re
 
 
 def pv_dtype(q_dtype, v_dtype):
-  """Dtype of the P V operands: the pages' dtype (bf16 stays bf16, f32
-  accumulate), except 8-bit (fp8) pages, whose V is upcast to q's dtype rather
-  than rounding the probabilities to 8 bits."""
+  """Dtype of the P V operands: the pages' dtype, or q's for fp8 pages."""
   return jnp.dtype(q_dtype) if jnp.dtype(v_dtype).itemsize == 1 else jnp.dtype(v_dtype)
 
 
 def online_softmax_update(carry, logits, v, p_dtype=None):
   """One flash step. carry = (m f32[R], l f32[R], acc f32[R, D]); logits f32[R, N]
-  already masked with -inf; v [N, D] (pages' dtype) with masked rows zero. The
-  probabilities and V go into the dot in `p_dtype` (default v's dtype: bf16
-  stays bf16; see `pv_dtype`), accumulated in f32."""
+  masked with -inf; v [N, D] with masked rows zero; P V in `p_dtype` (default v's),
+  accumulated in f32."""
   m_prev, l_prev, acc_prev = carry
   p_dtype = v.dtype if p_dtype is None else p_dtype
   m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1))
@@ -657,11 +592,8 @@ def paged_attention_kernel(
 
 
 def merge_splits(acc, m, l, axis):
-  """Stable merge of split partials: acc [..., NS, R, D], m/l [..., NS, R].
-
-  Splits that saw no token have m = -inf and l = 0 and get weight 0; rows with no
-  token at all return 0.
-  """
+  """Stable merge of split partials: acc [..., NS, R, D], m/l [..., NS, R]; empty
+  splits (m = -inf, l = 0) weigh 0, rows with no token return 0."""
   m_max = jnp.max(m, axis=axis, keepdims=True)
   m_max = jnp.where(m_max == _NEG_INF, 0.0, m_max)
   w = jnp.exp(m - m_max)  # exp(-inf) = 0 for empty splits
@@ -673,9 +605,8 @@ def merge_splits(acc, m, l, axis):
 
 
 def pad_segment_table(*tables, multiple):
-  """Pads the entry axis of `i32[B, S]` tables to a multiple of `multiple`
-  (padding entries lie past every row's `num_segments`, so they are masked and
-  never dereferenced)."""
+  """Pads the entry axis of `i32[B, S]` tables to a multiple of `multiple` (the
+  padding lies past `num_segments`, so it is masked)."""
   num_seg_slots = tables[0].shape[1]
   padded = pl.cdiv(num_seg_slots, multiple) * multiple
   pad = lambda a: jnp.pad(a, ((0, 0), (0, padded - num_seg_slots)))
@@ -695,9 +626,8 @@ def split_entries(num_seg_slots: int, num_splits: int, multiple: int) -> tuple[i
 
 
 def pages_spec(num_layers, num_blocks, block_size, head_dim, head_of):
-  """BlockSpec of the stacked pages for one kv head (`head_of(*program_ids)`):
-  every layer of that head, whole (the kernel indexes the layer itself), so the
-  operand is the pool as it is: no slice, no copy."""
+  """BlockSpec of one kv head's pages, every layer whole (the kernel indexes the
+  layer), so the pool is read in place: no slice, no copy."""
   return pl.BlockSpec((num_layers, None, num_blocks, block_size, head_dim),
                       lambda *ids: (0, head_of(*ids), 0, 0, 0))
 
@@ -785,38 +715,27 @@ def paged_attention(
   Args:
     q: queries, `num_q_heads` a multiple of `num_kv_heads` (GQA).
     k_pages, v_pages: one layer's pages `[num_kv_heads, num_blocks, block_size,
-      head_dim]`, or the pool's stacked pages `[num_layers, ...]` with `layer`.
-      Pass the stacked pages rather than `pages[layer]`: that slice becomes a
-      copy of the whole layer in the compiled step; every impl reads the
-      stacked operand in place (module docstring).
+      head_dim]`, or the pool's stacked pages `[num_layers, ...]` with `layer`
+      (preferred: `pages[layer]` copies the whole layer).
     seg_block, seg_start, seg_length: segment table padded to S entries per row;
       only entries `s < num_segments[b]` are read.
     num_segments: number of valid segments per row; 0 gives a zero output row.
     sm_scale: logits scale, default `1/sqrt(head_dim)`.
     soft_cap: if set, logits become `soft_cap * tanh(logits / soft_cap)` (after
       scaling).
-    num_splits: split-K factor over segment entries ("pallas", "mosaic"; flash
-      decoding); None (the default) picks one from the static shapes
-      (`default_num_splits`: batch x kv heads x splits fills the SMs at batch
-      1 and long contexts). "mosaic" raises it so no split holds more than
-      1,024 entries. The "xla" path computes the exact softmax in one pass and
-      ignores it.
-    impl: "xla" (CPU default), "pallas" or "mosaic" (Mosaic GPU, Hopper). On a
-      GPU target the wrapper refuses, at trace time, a shape the impl cannot
-      build for (ValueError naming the impls that can);
-      `lowerable_decode_impls(...)` asks the same question ahead of time.
+    num_splits: split-K factor over segment entries ("pallas", "mosaic"); None:
+      `default_num_splits`. "mosaic" raises it so no split holds more than 1,024
+      entries; "xla" ignores it.
+    impl: "xla" (CPU default), "pallas" or "mosaic" (Mosaic GPU, Hopper); a shape
+      the impl cannot build on a GPU target raises ValueError at trace time.
     interpret: run the kernel in interpret mode (CPU): a bool for "pallas"; for
       "mosaic", True (= `plgpu.InterpretGPUParams(detect_races=True)`) or a
       `plgpu.InterpretGPUParams`.
-    pages_per_step: segments loaded per online-softmax step ("pallas") or per
-      SMEM ring stage ("mosaic"); None: `default_decode_pages_per_step`
-      ("pallas": 64 slots at head_dim 128 bf16, 128 at head_dim 64
-      or fp8) and `paged_attention_mosaic.default_pages_per_stage` ("mosaic":
-      128 slots at head_dim 64), so that a step of a narrow row moves the
-      bytes of a head_dim 128 bf16 step.
-    layer: which layer of stacked pages to read (an int or a traced i32
-      scalar; negative counts from the end; clipped into range); None with
-      one layer's pages.
+    pages_per_step: segments per online-softmax step ("pallas") or SMEM ring stage
+      ("mosaic"); None: `default_decode_pages_per_step` /
+      `paged_attention_mosaic.default_pages_per_stage`.
+    layer: which layer of stacked pages to read (an int or a traced i32 scalar;
+      negative counts from the end; clipped); None with one layer's pages.
 
   Accumulation is float32 for every input dtype; fp8 pages are upcast to q's
   dtype before both products (the probabilities are never rounded to fp8).

@@ -1,88 +1,42 @@
 """Mosaic GPU (Hopper) decode attention over segment tables (`impl="mosaic"`).
 
-Same contract as `paged_attention.paged_attention` (see that module for the segment
-table format); `paged_attention.ref_paged_attention` is the reference it is tested
-against. Written in the idioms of JAX's own `ops/gpu/attention_mgpu.py`, which
-lower for Hopper:
+Same contract as `paged_attention.paged_attention`; tested against
+`paged_attention.ref_paged_attention`. Written in the idioms of JAX's
+`ops/gpu/attention_mgpu.py`:
 
-  * grid (row, kv head, split), named ("row", "head", "split"): split-K over the
-    row's segment entries, so a single 128k-token row keeps every SM busy; a
-    small jnp pass merges the splits (log2-domain LSE weights);
-  * the GQA group's queries (1-64 rows) are padded to the 64-row wgmma M tile
-    (`BLOCK_ROWS`); decode stays memory-bound with the padding (64 FLOP per K/V
-    byte against Hopper's ~200-300 ridge);
-  * a ring stage holds 64 or 128 keys (`STAGE_KEYS`; `pages_per_step` pages,
-    each its own TMA copy and barrier); `num_stages` stages (2-4, as many as
-    fit shared memory) are in flight, refilled as soon as a stage's math is
-    done. `default_pages_per_stage` takes 128 keys where a 64-key stage would
-    carry less than a head_dim 128 bf16 stage's bytes (head_dim 64: on an
-    H200 its 64-key stages ran at ~the same time per stage as head_dim 128's,
-    hence at half the bytes per second) and the S tile plus the accumulator
-    fit the registers (`MAX_F32_COLUMNS`);
-  * fp8 pages (e4m3fn, e5m2; head_dim <= 128): the ring holds the fp8 pages
-    as TMA copied them (half the bytes of bf16); the consumer upcasts each
-    stage, 64 columns at a time, into f16 stage buffers in shared memory
-    (`FP8_COMPUTE_DTYPE`, exact for both formats), fences, and runs both
-    wgmmas in f16 with the queries cast to f16 (exact for bf16 queries of
-    magnitude 6.1e-5 to 65,504; larger ones overflow). Scales: the pool
-    stores fp8 values without scales today, so there are none to apply;
-    a per-page or per-head scale would multiply the upcast values here;
-  * S = Q K^T by `plgpu.wgmma` on SMEM operands (tiling (8, 64) + 128-byte
-    swizzle) into a `plgpu.ACC`; masks from `plgpu.broadcasted_iota` in the
-    WGMMA layout; row max/sum in `Layout.WGMMA.reduce(1)`, broadcast back with
-    `lax.broadcast_in_dim`; `exp2` with log2(e) folded into the scale;
-  * P goes registers -> SMEM (bf16) and P V is a second wgmma with both operands
-    in SMEM (an A operand from registers lowers too, but the GPU interpreter
-    only runs SMEM operands, and one path is verified, not two);
-  * masked slots of V may hold anything (NaN): a stage that is not made of
-    whole valid pages has its masked V rows zeroed in SMEM (load in the WGMMA
-    layout, `where`, store, proxy fence) before the P V wgmma, since 0 * NaN
-    would leak;
-  * the split's segment table is one TMA copy of `[4, chunks, 128]` i32 (rows
-    block, start, length, and a row holding the split's count of entries and
-    the layer), every box dimension <= 256; at most `MAX_TABLE_CHUNKS * 128`
-    entries per split (the wrapper raises the split count to fit); a split's
-    entries need not fill its chunks (short splits for split-K at batch 1);
-  * the pages are the pool's stacked `[num_layers, num_kv_heads, num_blocks,
-    block_size, head_dim]`, viewed as `[num_layers * num_kv_heads, ...]` (a
-    bitcast reshape, no copy); a program copies pages from row
-    `layer * num_kv_heads + head`, so no per-layer slice of the pool (which XLA
-    would materialise as a copy before the custom call) is ever made;
-  * head_dim <= 128 (`kernel_config`): warp specialized, as upstream's
-    attention: a producer warpgroup (40 registers) issues every TMA copy and
-    refills a ring slot as soon as the consumer warpgroup (232 registers)
-    arrives on that slot's `k_free` / `v_free` barrier; 4 stages = 256 keys in
-    flight per program;
-  * head_dim 256 (no producer warpgroup fits shared memory): two warpgroups
-    split the head dim, each holding the f32 accumulator of 128 output columns
-    (64 registers a thread; one warpgroup with all 256 columns needed 255
-    registers and spilled 548 B). Both compute the whole S = Q K^T and softmax
-    (the same values: the QK product is a small share of the work), each its
-    own P buffer, V half (own TMA copies and barriers) and output half;
-    warpgroup 0 issues the copies and refills a slot once both have arrived
-    on its `free` barrier, which both wait on. 2 stages; the ring and P
-    buffers live in one `pl.run_scoped` region and the f32 output tile in
-    another, so they share shared memory.
-Not done: a Mosaic prefill (extend) kernel; a persistent grid.
+  * grid (row, kv head, split): split-K over the row's segment entries so one long
+    row keeps every SM busy; a jnp pass merges the splits by log2-sum-exp2;
+  * the GQA group's queries (1-64 rows) are padded to the 64-row wgmma tile
+    (`BLOCK_ROWS`): decode stays memory-bound with the padding;
+  * a ring stage holds 64 or 128 keys (`STAGE_KEYS`; one TMA copy and barrier per
+    page); 2-4 stages in flight, as many as fit shared memory;
+  * fp8 pages (e4m3fn, e5m2; head_dim <= 128) are upcast per stage into f16 stage
+    buffers in shared memory and both wgmmas run in f16 (exact for bf16 queries of
+    magnitude 6.1e-5 to 65,504; larger ones overflow). The pool stores fp8 without
+    scales, so none are applied;
+  * S = Q K^T and P V are wgmmas on SMEM operands (P goes registers -> SMEM: the GPU
+    interpreter runs only SMEM operands); softmax in exp2 with log2(e) in the scale;
+  * masked slots of V may hold anything (NaN): a stage not made of whole valid pages
+    has its masked V rows zeroed in SMEM before P V, since 0 * NaN would leak;
+  * a split's segment table is one TMA copy of `i32[4, chunks, 128]` (block, start,
+    length, and a row with the count and the layer); at most `MAX_TABLE_CHUNKS * 128`
+    entries per split (the wrapper raises the split count to fit);
+  * pages are the stacked pool viewed as `[num_layers * num_kv_heads, num_blocks,
+    block_size, head_dim]` (a bitcast, no copy), read at row `layer * num_kv_heads +
+    head`;
+  * head_dim <= 128: warp specialized (a producer warpgroup issues the copies, the
+    consumer does the math); head_dim 256: two consumer warpgroups split the head dim
+    so no thread holds more than a 64 x 128 f32 accumulator (one spilled).
 
-Shapes it builds for (`mosaic_problem`): bf16/f16, head_dim a multiple of 64 up
-to 256 (fp8: 64 and 128), block_size 8-64 dividing 64, GQA group <= 64; lowered
-in the lowering tier for H100/H200 with JAX 0.11.2 and 0.12. Verified
-numerically in the GPU interpreter (`plgpu.InterpretGPUParams(detect_races=True)`,
-race-free) against the float64 reference with NaN in every unused slot
-(tests/kernels/test_mosaic_attention.py). Compiled for sm_90a through ptxas in
-the compile tier (`tests_compile/test_kernels.py`: no spills at head_dim 64, 128
-and 256, 64- and 128-key stages, fp8). Timed on an H200 (2026-12-04, JAX 0.11.2,
-`tools/gpu_check.py`) with 64-key bf16 stages only: head_dim 128 and 256 at copy
-bandwidth, head_dim 64 at 48% of it; 128-key stages and fp8 pages are untimed.
+Shapes it builds for (`mosaic_problem`): bf16/f16, head_dim a multiple of 64 up to
+256 (fp8: 64 and 128), block_size 8-64 dividing 64, GQA group <= 64. Checked in the
+GPU interpreter with race detection against the float64 reference with NaN in every
+unused slot (tests/kernels/test_mosaic_attention.py) and compiled for sm_90a without
+spills in the compile tier; H200 timings in docs/records/gpu_check/.
 
-Interpreter notes (JAX 0.11.2 and 0.12 on CPU): `pl.program_id` is always 0
-there, so programs read their coordinates with `lax.axis_index`; its wgmma reads
-both operands from SMEM. It runs each warpgroup as a CPU program of its own whose
-barrier waits block an XLA:CPU pool thread: with pools of one thread per core (2
-on a small machine) the two warpgroups could deadlock, so interpret mode wants
-`lowering.reserve_cpu_threads_for_gpu_interpreter()` (8 threads) before JAX
-creates its CPU client (the tests and `gpu_check --dry` call it).
+Interpreter (CPU): `pl.program_id` is always 0 there, so programs read
+`lax.axis_index`; each warpgroup's barrier waits block an XLA:CPU thread, so call
+`lowering.reserve_cpu_threads_for_gpu_interpreter()` before JAX's CPU client exists.
 """
 
 from __future__ import annotations
@@ -144,12 +98,9 @@ def _smem_bytes(head_dim, itemsize, num_stages, *, warp_specialized,
 
 
 def kernel_config(head_dim: int, dtype, block_kv: int = BLOCK_KV) -> tuple[bool, int]:
-  """(warp specialized, ring stages) for this head_dim and stage width
-  (`block_kv` keys): a producer warpgroup with the deepest ring (<=
-  `MAX_STAGES`, >= 2) that fits `SMEM_BUDGET` when one does (head_dim <= 192
-  at 64 keys), else two warpgroups splitting the head dim in halves of a
-  multiple of 64 columns, whose ring and output tile share memory (head_dim
-  256). (False, 0) if nothing fits."""
+  """(warp specialized, ring stages) for this head_dim and `block_kv`-key stages: a
+  producer warpgroup with the deepest ring (2..`MAX_STAGES`) within `SMEM_BUDGET`
+  when one fits, else two warpgroups splitting the head dim; (False, 0) if none."""
   itemsize = jnp.dtype(dtype).itemsize
   for ws in (True, False):
     if not ws and (head_dim % 128 or itemsize == 1):
@@ -174,18 +125,10 @@ def _fits_registers(head_dim, dtype, block_kv) -> bool:
 
 def default_pages_per_stage(*, head_dim: int, block_size: int, dtype) -> int:
   """Pages per ring stage for `pages_per_step=None`: the widest stage in
-  `STAGE_KEYS` whose K bytes stay within `TARGET_STAGE_BYTES` (64 keys at
-  head_dim 128/256 bf16; 128 keys at head_dim 64), within
-  `MAX_PAGES_PER_STAGE` pages and with a warp-specialized ring of >= 2 stages
-  (a wide stage never takes the producer warpgroup away).
-
-  Why: on an H200 (2026-12-04) head_dim 64's 64-key stages took about the
-  time per stage of head_dim 128's, i.e. streamed half the bytes per second:
-  a stage's fixed costs (two wgmma waits, the row max/sum shuffles, the P
-  store and fence, the page masks; or the loads in flight, 4 stages of half
-  the bytes) do not shrink with the head dim. A wider stage moves the head_dim
-  128 stage's bytes per round trip. Untimed (`gpu_check` rows
-  `kernel/b64x8k-d64/mosaic-pps*`)."""
+  `STAGE_KEYS` whose K bytes stay within `TARGET_STAGE_BYTES`, within
+  `MAX_PAGES_PER_STAGE` pages, keeping a warp-specialized ring of >= 2 stages
+  (128 keys at head_dim 64, else 64: a stage's fixed costs do not shrink with the
+  head dim, so narrow rows take wider stages)."""
   row_bytes = head_dim * jnp.dtype(dtype).itemsize
   keys = BLOCK_KV
   for wide in STAGE_KEYS[1:]:
@@ -199,9 +142,8 @@ def default_pages_per_stage(*, head_dim: int, block_size: int, dtype) -> int:
 
 def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
                    pages_per_step=None) -> str | None:
-  """Why this kernel cannot be built for Hopper at this shape (None if it can);
-  `paged_attention.decode_impl_problem` asks it for impl="mosaic", and the
-  wrapper raises it (on every platform: interpret mode runs only what lowers)."""
+  """Why this kernel cannot be built for Hopper at this shape, or None; the wrapper
+  raises it on every platform (interpret mode runs only what lowers)."""
   shape = (f"{num_q_heads}/{num_kv_heads} heads, head_dim {head_dim}, block "
            f"{block_size}, {jnp.dtype(dtype).name}")
   fp8 = jnp.dtype(dtype) in [jnp.dtype(d) for d in _FP8_DTYPES]
@@ -241,19 +183,10 @@ def mosaic_problem(*, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
 
 
 def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
-  """Why the library's default path (`impl=None`) should skip this kernel at a
-  shape it does build for, or None. The producer-warpgroup kernel at head_dim
-  192 spills registers when compiled for sm_90a (compile tier, ptxas: 232
-  registers, 248-1,276 B of spill over page sizes; three warpgroups of 64 and
-  two of 96 columns spilled too); head_dim 256 (two warpgroups splitting the
-  head dim: 208-218 registers, no spill) and 64/128 do not. Explicit
-  `impl="mosaic"` still runs 192.
-
-  fp8 pages (staged to f16 in shared memory) build, compile without spills
-  and match the reference in the GPU interpreter, but have never run on a
-  GPU: the default path keeps the Triton kernel for them until the
-  `gpu_check` rows `kernel/b64x8k-fp8/*` and `kernel/b1x128k-fp8/*` have
-  compared the two (explicit `impl="mosaic"` runs them)."""
+  """Why the default path (`impl=None`) should skip this kernel at a shape it builds
+  for, or None (explicit `impl="mosaic"` still runs it): head_dim 192 spills
+  registers on sm_90a, and fp8 pages have not been timed against the Triton kernel
+  on a GPU."""
   if head_dim == 192:
     return (f"impl='mosaic' at head_dim {head_dim} spills registers when compiled for "
             f"sm_90a (compile tier); the default path skips it")
@@ -276,21 +209,13 @@ def mosaic_paged_attention_kernel(
     lse_gmem,  # f32[B, KVH, NS, 64] log2-sum-exp2 of each split (-inf: empty)
     *, sm_scale, soft_cap, pages_per_step, num_stages, chunks,
     warp_specialized, num_kv_heads):
-  """Program (row, kv head, split): attention of the padded group over the
-  split's segments, written as a normalised tile plus its LSE.
+  """Program (row, kv head, split): attention of the padded group over the split's
+  segments, written as a normalised tile plus its LSE.
 
-  Two warpgroups ("wg") either way.
-  `warp_specialized`: warpgroup 1 (the producer, few registers) issues the
-  table/query copies and every K/V page copy, refilling a ring slot once the
-  consumer has arrived on that slot's `k_free` / `v_free` barrier; warpgroup 0
-  (the consumer) waits on the page barriers and does the math over every
-  column. Otherwise (head_dim 256) both warpgroups are consumers, each owning
-  half of the head dim (`H` = 2 column halves): each computes the whole S and
-  softmax (the same values), and P V and the f32 accumulator for its half, so
-  that no thread holds more than a 64 x 128 accumulator; warpgroup 0 also
-  issues every copy, refilling a slot once both have arrived on its `free`
-  barrier (which both wait on: the output tile, written last, shares memory
-  with the ring).
+  `warp_specialized`: warpgroup 1 issues every copy, refilling a ring slot once
+  warpgroup 0 (the math) arrives on its `k_free` / `v_free` barrier. Otherwise both
+  compute S and softmax, each P V for its half of the head dim (`H` = 2), and
+  warpgroup 0 issues the copies once both arrived on a slot's `free` barrier.
   """
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
@@ -347,9 +272,8 @@ def mosaic_paged_attention_kernel(
   def program(table_smem, q_smem, lse_smem, in_barriers, k_barriers, v_barriers,
               k_free, v_free, k_ring, v_ring, p_smem, o_smem, k_stage=None,
               v_stage=None):
-    """The whole program over its buffers (`o_smem` None: allocated at the end,
-    sharing memory with the ring; `v_free` None: `k_free` frees both;
-    `k_stage`, `v_stage`: the 16-bit copies of an fp8 stage)."""
+    """The program over its buffers (`o_smem` None: shares memory with the ring;
+    `v_free` None: `k_free` frees both; `k_stage`, `v_stage`: an fp8 stage in f16)."""
     @as_producer
     def _():
       plgpu.copy_gmem_to_smem(table_gmem.at[row, split], table_smem,
@@ -577,10 +501,9 @@ def mosaic_paged_attention_kernel(
 
 def pack_segment_table(seg_block, seg_start, seg_length, num_segments, *,
                        num_splits, layer=None):
-  """`i32[B, NS, 4, C, 128]`: split s holds entries `[s*per, (s+1)*per)` with
-  `per = ceil(S / NS)` (padded to `C * 128` lanes) as rows block, start,
-  length; row 3 holds the split's count of valid entries at `[3, 0, 0]` and the
-  layer (default 0) at `[3, 0, 1]`."""
+  """`i32[B, NS, 4, C, 128]`: split s holds entries `[s*per, (s+1)*per)`, `per =
+  ceil(S / NS)`, as rows block, start, length; row 3 holds the split's count of
+  valid entries at `[3, 0, 0]` and the layer at `[3, 0, 1]`."""
   batch, num_seg_slots = seg_block.shape
   per = pl.cdiv(num_seg_slots, num_splits)
   chunks = pl.cdiv(per, TABLE_LANES)
@@ -635,18 +558,13 @@ def mosaic_paged_attention(
   `paged_attention.static_validate_inputs`; shape limits by `mosaic_problem`).
 
   Args:
-    k_pages, v_pages: one layer's pages, or the stacked pool with `layer`
-      (read in place: see the module docstring).
     sm_scale: logits scale (already resolved, not None).
-    soft_cap: optional tanh cap applied after scaling.
     interpret: None (compile for Hopper), True (`InterpretGPUParams(
       detect_races=True)`) or a `plgpu.InterpretGPUParams`.
-    pages_per_step: pages per ring stage, `STAGE_KEYS` (64 or 128) keys in
-      at most `MAX_PAGES_PER_STAGE` pages; None: `default_pages_per_stage`
-      (128 keys at head_dim 64, else 64).
+    pages_per_step: pages per ring stage of `STAGE_KEYS` keys; None:
+      `default_pages_per_stage`.
     num_splits: split-K factor; raised so that no split has more than
       `MAX_TABLE_CHUNKS * 128` segment entries.
-    layer: the layer of stacked pages (`paged_attention.stacked_pages`).
   """
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 

@@ -1,38 +1,17 @@
 """In-place block moves (compaction) and slot-range copies (COW, slot packing).
 
-`permute_blocks(pages, src, dst)` copies whole blocks `pages[:, :, src[i]]` to
-`pages[:, :, dst[i]]` (all layers, all kv heads) of a pool
-`[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`, in place: the pages
-are donated and aliased to the output. Moves with `src == -1` or `dst == -1` are
-padding and ignored. The planner guarantees that the set of sources and the set of
-destinations are disjoint (and destinations distinct), so every
-(move, layer, head) chunk is an independent copy and the order of copies does not
-matter; `dynamic_validate_moves` checks that on the host.
+Both work in place on a donated pool `[num_layers, num_kv_heads, num_blocks,
+block_size, head_dim]`, all layers and heads. `permute_blocks` copies whole blocks
+`src[i] -> dst[i]` (-1: padding); sources and destinations are disjoint and
+destinations distinct, so copies are independent (`dynamic_validate_moves`).
+`copy_slots` copies slot ranges between blocks (length 0: padding); destination
+slots are distinct and disjoint from sources (`dynamic_validate_slot_copies`).
 
-`copy_slots(pages, src_block, src_start, dst_block, dst_start, length)` copies, for
-each entry e, slots `[src_start, src_start+length)` of block `src_block` to slots
-`[dst_start, dst_start+length)` of block `dst_block` (all layers, heads); entries
-with `length == 0` are padding. Destination slots must be distinct and disjoint
-from source slots (`dynamic_validate_slot_copies`).
-
-Implementations (`impl=`):
-  * "xla":    gather + scatter on the donated pages (`.at[].set(mode="drop")`);
-              XLA updates the buffer in place. The CPU default.
-  * "pallas": generic grid Pallas kernel, grid (move, layer); pages stay in place
-              through `input_output_aliases`. Runs in interpret mode on CPU.
-  * "mosaic": `permute_blocks` only. Mosaic GPU kernel, grid (move chunk of 32,
-              layer, head chunk): a program TMA-loads its chunk of the move table
-              (barrier-waited before any scalar read), then streams its moves'
-              `[heads, bs, head_dim]` chunks GMEM -> SMEM (TMA, barrier) -> GMEM
-              (TMA store) through an R-slot ring (R-1 loads in flight; the head
-              chunk and R sized so the ring fits shared memory for any head
-              count, `mosaic_permute_config`); move tables of any length. Runs on
-              CPU under `plgpu.InterpretGPUParams(detect_races=True)`.
-On a GPU target the wrapper refuses, at trace time, a shape an impl cannot build
-for; `lowerable_permute_impls(...)` asks ahead of time.
-
-`ref_permute_blocks` / `ref_copy_slots` are numpy-free `jnp` references that apply
-the moves one by one.
+Implementations (`impl=`): "xla" (gather + scatter, the CPU default), "pallas"
+(grid (move, layer), aliased through `input_output_aliases`) and, for
+`permute_blocks` only, "mosaic" (TMA through an SMEM ring, `mosaic_permute_config`).
+On a GPU target the wrapper refuses a shape an impl cannot build for.
+`ref_permute_blocks` / `ref_copy_slots` apply the moves one by one.
 """
 
 from __future__ import annotations
@@ -251,13 +230,9 @@ def _pallas_copy_slots(pages, src_block, src_start, dst_block, dst_start, length
 
 def mosaic_permute_config(*, num_kv_heads: int, block_size: int, head_dim: int,
                           dtype) -> tuple[int, int]:
-  """(heads per program, ring slots) of the Mosaic GPU permutation.
-
-  A ring slot holds `heads x block_size x head_dim` elements: as many kv heads
-  as fit `_MOSAIC_SLOT_BYTES` (at least one, a divisor of `num_kv_heads`), and as
-  many slots as fit `_MOSAIC_RING_BYTES` (2 to `_MOSAIC_MAX_RING`), so the ring
-  fits shared memory for any head count.
-  """
+  """(heads per program, ring slots): as many kv heads as fit `_MOSAIC_SLOT_BYTES`
+  (a divisor of `num_kv_heads`, at least one) and 2..`_MOSAIC_MAX_RING` slots within
+  `_MOSAIC_RING_BYTES`, so the ring fits shared memory for any head count."""
   head_bytes = block_size * head_dim * jnp.dtype(dtype).itemsize
   heads = max([h for h in range(1, num_kv_heads + 1)
                if num_kv_heads % h == 0 and h * head_bytes <= _MOSAIC_SLOT_BYTES]
@@ -272,16 +247,9 @@ def mosaic_permute_blocks_kernel(table_gmem, pages_gmem, table_smem, ring_smem,
   `pages[l, heads of h, src[i]] -> pages[l, heads of h, dst[i]]` for the live
   moves i of chunk c.
 
-  table_gmem i32[num_chunks, 3, M]: rows src, dst and `[count, 0, ...]`; the
-  wrapper sorts live moves first, so a chunk's live moves are its first `count`
-  entries (padding moves are never dereferenced).
-
-  Pipeline (one program, R ring slots): loads of moves 0..R-2 are issued up
-  front; at move i the program waits on the slot's barrier, TMA-stores the slot
-  to the destination, then, once at most one store is still reading SMEM
-  (`wait_smem_to_gmem(1, wait_read_only=True)`: the store of move i-1 is done
-  with its slot), loads move i+R-1 into that slot. So R-1 loads and up to two
-  stores are in flight per program. Finally all stores are waited on.
+  table_gmem i32[num_chunks, 3, M]: rows src, dst and `[count, 0, ...]`, live moves
+  first. R-1 loads and up to two stores are in flight: a slot is reloaded once the
+  store of the move before has finished reading it.
   """
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
@@ -368,9 +336,8 @@ def _mosaic_permute_blocks(pages, src, dst, *, interpret):
 def permute_impl_problem(impl: str, *, num_layers: int, num_kv_heads: int,
                          block_size: int, head_dim: int, dtype, num_moves: int,
                          platform: str | None = None) -> str | None:
-  """Why `permute_blocks(impl=impl)` cannot be built for this pool and move
-  count on `platform` (default: the trace's target), or None if it can. Matches
-  the lowering tier (`tests/kernels/test_lowering.py`)."""
+  """Why `permute_blocks(impl=impl)` cannot be built for this pool and move count
+  on `platform` (default: the trace's target), or None."""
   from pallas_kernels import lowering
 
   platform = platform or lowering.target_platform()

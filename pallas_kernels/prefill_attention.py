@@ -9,37 +9,19 @@ i of row b sits at logical position `seq_len_b - q_len_b + i` and attends causal
 to logical positions `<= ` its own. Tokens at `t >= cu_q_lens[B]` (padding) give 0.
 
 Implementations (`impl=`):
-  * "xla":    the new tokens in tiles of one row each (`xla_tile_size`); a tile
-              gathers its row's blocks (`jnp.take`) and runs a masked softmax;
-              tiles go 8 at a time through `lax.map`. Cost O((T + B * tile) * S *
-              block_size): linear in the batch. The library's CPU default.
-  * "pallas": grid (q tile, kv head). A program holds `block_q` consecutive tokens
-              times the GQA group (padded to a power of two) as the rows of
-              its dots, loops over the rows its tokens belong to and,
-              per row, over its segments `pages_per_step` blocks at a time with an
-              online softmax; masks keep keys of other rows, slots outside
-              segments and future positions out. Causal cutoff per tile: a row's
-              loop stops after the last segment that starts at or before the
-              tile's last position in that row (`entries_needed`), so a chunk's
-              early tiles never stream its later tokens' pages. Output tiles
-              never overlap, so programs are independent. A row's pages are
-              streamed once per tile of its tokens, `q_len / block_q` times
-              (per kv head): `block_q=None` picks `default_block_q`, up to
-              64 tokens while the query tile (`block_q x padded group x
-              head_dim`) stays within `MAX_QUERY_TILE` = 128 x 128 elements
-              (every dot then has >= 64 rows: 64 tokens at group 1 x
-              head_dim 128, 32 at group 4, 16 at group 8, 8 at group 8 x
-              head_dim 256); tiles of 64 x 128 elements or more run 8 warps.
-  * "mosaic": the Hopper kernel of `prefill_attention_mosaic` (wgmma, a TMA
-              ring of K/V pages, a producer warpgroup and two consumer
-              warpgroups of 64 query rows; tiles of one row, tile tokens x
-              padded group = 128 rows); bf16/f16, head_dim 64 or 128
-              (`mosaic_prefill_problem`). On CPU it runs in the Mosaic GPU
-              interpreter only (`interpret=True`).
+  * "xla":    tiles of one row's new tokens (`xla_tile_size`), each gathering its
+              row's blocks for a masked softmax; cost linear in the batch. The
+              CPU default.
+  * "pallas": grid (q tile, kv head); a program holds `block_q` tokens times the
+              GQA group (padded to a power of two) as the rows of its dots and
+              walks each of its rows' segments with an online softmax, stopping
+              at the last one its tokens can see (`entries_needed`). A row's pages
+              are streamed once per tile of its tokens.
+  * "mosaic": the Hopper kernel of `prefill_attention_mosaic`; bf16/f16, head_dim
+              64 or 128; on CPU only with `interpret=`.
 
-Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]` or the
-stacked pool with `layer=`, read in place exactly as the decode kernels do (see
-`paged_attention`'s module docstring: no per-layer slice, hence no copy).
+Pages: one layer's `[num_kv_heads, num_blocks, block_size, head_dim]` or the stacked
+pool with `layer=`, read in place as the decode kernels do.
 
 `ref_prefill_attention` is the float reference on logical token order.
 """
@@ -61,10 +43,9 @@ from pallas_kernels import paged_attention as _pa
 
 DEFAULT_BLOCK_Q = 64  # new tokens per program (`default_block_q` may lower it)
 # Largest query tile (block_q x padded group x head_dim elements) of the default
-# `block_q`. Compiled for sm_90a (compile tier, ptxas -v on the dumped PTX), 128 x 128
-# with 8 warps uses 200-255 registers and spills nothing at the tier's prefill shapes;
-# 256 x 128 spills 0.5-5.7 KB per thread (group 4 and 8 at head_dim 128, group 8 at
-# 64), and 256 x 256 exceeds 227 KiB of shared memory. UNMEASURED on a GPU.
+# `block_q`: compiled for sm_90a, 128 x 128 with 8 warps spills nothing at the compile
+# tier's prefill shapes, 256 x 128 spills and 256 x 256 exceeds shared memory. Not
+# timed on a GPU.
 MAX_QUERY_TILE = 128 * 128
 _WIDE_TILE = 64 * 128  # query tiles of this many elements or more run 8 warps
 DEFAULT_PAGES_PER_STEP = _pa.DEFAULT_PAGES_PER_STEP
@@ -89,11 +70,9 @@ def _token_rows(cu_q_lens, seq_lens, num_tokens):
 
 
 def entries_needed(cum_before, num_segments, row, pos):
-  """`i32[T]`: table entries token t (of `row[t]`, at logical position `pos[t]`)
-  can see: those whose segment starts at or before `pos[t]` (`cum_before`,
-  `i32[B, S]`, is non-decreasing along a row). 0 for padding tokens
-  (`row == B`, `pos < 0`). A binary search per token, one element gathered per
-  token and step: O(T log S), nothing of size T x S."""
+  """`i32[T]`: table entries token t (of `row[t]`, at position `pos[t]`) can see:
+  those whose segment starts at or before `pos[t]`; 0 for padding tokens. A binary
+  search per token over `cum_before i32[B, S]`: O(T log S), nothing of size T x S."""
   batch, num_seg_slots = cum_before.shape
   safe = jnp.minimum(row, batch - 1)
 
@@ -112,11 +91,9 @@ def entries_needed(cum_before, num_segments, row, pos):
 
 
 def default_block_q(*, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
-  """`block_q` for `block_q=None`: `DEFAULT_BLOCK_Q` new tokens per program,
-  halved (a power of two, at least 1) until the query tile `block_q x
-  padded_group x head_dim` fits `MAX_QUERY_TILE` elements. Static: the group and
-  head_dim only (head_dim 128: group 1-2 -> 64, 4 -> 32 (llama3-8b), 8 -> 16;
-  group 8 x head_dim 256 -> 8). A row's pages are read `q_len / block_q` times."""
+  """`block_q` for `block_q=None`: `DEFAULT_BLOCK_Q` new tokens per program, halved
+  until the query tile `block_q x padded_group x head_dim` fits `MAX_QUERY_TILE`
+  (head_dim 128: group 1-2 -> 64, 4 -> 32, 8 -> 16)."""
   rows_per_token = _pa.padded_group(num_q_heads // num_kv_heads)
   block_q = DEFAULT_BLOCK_Q
   while block_q > 1 and block_q * rows_per_token * head_dim > MAX_QUERY_TILE:
@@ -176,13 +153,9 @@ def ref_prefill_attention(
 def static_validate_inputs(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
                            seg_length, num_segments, *, sm_scale, soft_cap, impl,
                            block_q, pages_per_step, interpret=False):
-  """Checks shapes, dtypes and static arguments; raises ValueError.
-
-  On a GPU target (`lowering.target_platform()`, not interpreting), "pallas"
-  must lower through Triton: the decode rules of
-  `paged_attention.decode_impl_problem` apply, and `block_q` must be None (the
-  default, a power of two) or a power of two.
-  """
+  """Checks shapes, dtypes and static arguments; raises ValueError. On a GPU target
+  "pallas" follows the decode rules of `decode_impl_problem`, and `block_q` must be
+  None or a power of two."""
   if q.ndim != 3:
     raise ValueError(f"q must be [T, num_q_heads, head_dim], got {q.shape}")
   batch = seg_block.shape[0] if seg_block.ndim == 2 else -1
@@ -249,12 +222,9 @@ def xla_tile_size(num_tokens: int, batch: int) -> int:
 def _xla_prefill_attention(q, k_pages, v_pages, layer, cu_q_lens, seg_block,
                            seg_start, seg_length, num_segments, *, sm_scale,
                            soft_cap):
-  """Tiles of `tile` consecutive new tokens of one row each (at most
-  `cdiv(T, tile) + B` tiles); every tile attends to its own row's blocks only,
-  so the cost is O((T + B * tile) * S * block_size), linear in the batch. Tiles
-  run `_XLA_TILES_PER_STEP` at a time under `lax.map` to bound memory.
-  `k_pages`, `v_pages`: the stacked pool; a tile gathers its row's blocks of
-  `layer` in one gather (`pages[layer, :, blocks]`), never the whole layer."""
+  """Tiles of `tile` new tokens of one row each (at most `cdiv(T, tile) + B`), each
+  gathering only its row's blocks of `layer`: O((T + B * tile) * S * block_size).
+  `_XLA_TILES_PER_STEP` tiles at a time under `lax.map` bound memory."""
   num_tokens, num_q_heads, head_dim = q.shape
   _, num_kv_heads, num_blocks, block_size, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -460,8 +430,7 @@ def prefill_attention(
   Args:
     q: new tokens of all rows, concatenated (T may include trailing padding).
     k_pages, v_pages: one layer's pages, or the pool's stacked pages with
-      `layer`, already holding the new tokens' K/V. Pass the stacked pages
-      rather than `pages[layer]` (a slice that becomes a copy of the layer).
+      `layer`, already holding the new tokens' K/V.
     cu_q_lens: row b owns tokens `cu_q_lens[b] : cu_q_lens[b+1]`; `cu_q_lens[0]`
       must be 0.
     seg_block, seg_start, seg_length, num_segments: segment table covering prefix
@@ -470,9 +439,7 @@ def prefill_attention(
     impl: "xla" (CPU default), "pallas" or "mosaic" (Hopper; module docstring).
     interpret: run the Pallas kernel in interpret mode (CPU); for "mosaic" also
       a `plgpu.InterpretGPUParams` (True: with race detection).
-    block_q: new tokens per Pallas program (a row's pages are read once per
-      tile of its tokens); None = `default_block_q` (64, lower for wide
-      group x head_dim: the query tile stays within `MAX_QUERY_TILE`).
+    block_q: new tokens per Pallas program; None = `default_block_q`.
     pages_per_step: segments loaded per online-softmax step ("pallas"); None =
       `paged_attention.default_pages_per_step(block_size)`.
     layer: which layer of stacked pages (as in `paged_attention.paged_attention`).

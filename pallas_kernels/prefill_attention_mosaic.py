@@ -1,60 +1,30 @@
 """Mosaic GPU (Hopper) prefill attention over segment tables (`impl="mosaic"`).
 
-Same contract as `prefill_attention.prefill_attention` (ragged new tokens split
-by `cu_q_lens`, each row's segment table covering its cached prefix and its new
-tokens, causal within the chunk, padding tokens give 0);
-`prefill_attention.ref_prefill_attention` is the reference it is tested against.
-Built in the idioms of the decode kernel (`paged_attention_mosaic`, whose
-constants it shares) and of JAX's `ops/gpu/attention_mgpu.py`:
+Same contract as `prefill_attention.prefill_attention`, tested against
+`prefill_attention.ref_prefill_attention`; built like the decode kernel
+(`paged_attention_mosaic`, whose constants it shares):
 
-  * work is cut into tiles of one row each: `tile_tokens = NC * 64 / padded
-    group` consecutive new tokens of a row times the GQA group (padded to a
-    power of two) fill `NC` (`NUM_CONSUMERS` = 2) consumer warpgroups' 64-row
-    wgmma M tiles (`BLOCK_ROWS`), token-major (row r is token `r //
-    padded_group`, head `r % padded_group`); the consumers share every K/V
-    stage, so a stage read from memory serves 128 query rows (as upstream's
-    attention with two compute warpgroups). A row of `q_len` new tokens gets
-    `ceil(q_len / tile_tokens)` tiles; the grid is (tile, kv head) over a
-    static `ceil(T / tile_tokens) + B` tiles (the bound of one partial tile per
-    row), the unused ones empty (count 0, output 0). A decode row is a
-    one-token tile, so one launch can serve a mixed step;
-  * causal cutoff per tile: a tile walks its row's entries only up to the last
-    one its last token can see (`prefill_attention.entries_needed`), so early
-    tiles of a chunk never stream later tokens' pages;
-  * per tile a 128-lane i32 header (TMA) gives the row, that entry count, the
-    first token's logical position, the tile's token count and the layer; the
-    producer then copies the row's whole segment table `[3, chunks, 128]`
-    (block, start, length; shared by the row's tiles) and the query tile;
-  * the K/V ring as in the decode kernel: `BLOCK_KV` = 64 keys a stage (one TMA
-    copy and barrier per page), a producer warpgroup (40 registers) refills a
-    slot once both consumers (232 registers each) have arrived on its `k_free`
-    / `v_free` barrier; as many stages (2-4) as fit shared memory beside the
-    table;
-  * S = Q K^T and P V by `plgpu.wgmma` on SMEM operands (tiling (8, 64) +
-    128-byte swizzle), online softmax in the log2 domain; each key's logical
-    position is its entry's running offset (a scalar carried from stage to
-    stage) plus its slot, and a key is kept when its slot is live and its
-    position is at or before the query row's token; masked V rows of a stage
-    that is not made of whole valid pages are zeroed in SMEM before P V (unused
-    slots may hold NaN; 0 * NaN would leak) by consumer 0, which then arrives on
-    the slot's `v_masked` barrier that the other consumer waits on;
-  * the first stage holds the row's position 0, which every token sees, so
-    every live query row has a finite running max from the first stage on;
-  * the output tile is written in the query's dtype through the query's SMEM
-    buffer (TMA), then scattered back to token order by the wrapper.
+  * tiles of one row each: `tile_tokens = NC * 64 / padded group` new tokens of a
+    row times the GQA group fill the `NC` (`NUM_CONSUMERS` = 2) consumer
+    warpgroups' 64-row wgmma tiles, token-major; the consumers share every K/V
+    stage. The grid is (tile, kv head) over a static `ceil(T / tile_tokens) + B`
+    tiles, unused ones empty; a decode row is a one-token tile, so one launch can
+    serve a mixed step;
+  * causal cutoff per tile (`prefill_attention.entries_needed`);
+  * per tile a 128-lane i32 header gives the row, entry count, first position,
+    token count and layer; the producer copies the row's table `[3, chunks, 128]`
+    and the query tile, then refills a K/V ring of `BLOCK_KV`-key stages (2-4, as
+    fit shared memory beside the table);
+  * masked V rows of a stage not made of whole valid pages are zeroed in SMEM by
+    consumer 0 (unused slots may hold NaN), which then arrives on `v_masked`;
+  * the first stage holds position 0, which every token sees, so every live query
+    row has a finite running max from the first stage on;
+  * the output tile is written in the query's dtype, scattered back to token order
+    by the wrapper.
 
-Shapes it builds for (`mosaic_prefill_problem`): bf16/f16 pages with q in the
-same dtype, head_dim 64 or 128 (the warp-specialized layout; 192 spills in the
-decode kernel and 256 needs the split-head layout), block_size 8-64 dividing
-64, GQA group <= 64, a row's table within shared memory beside two stages.
-
-Not done here (the next steps, in order): a causal mask only on the stages
-that cross the tile's first token; overlapping one consumer's softmax with the
-other's wgmma (upstream's schedule barrier); the query gather and output
-scatter inside the kernel (TMA from token order) instead of in the wrapper; a
-decode row in a one-launch mixed step leaves its second consumer computing
-padding. UNMEASURED on a GPU: timings wait on the `gpu_check` rows
-`prefill/...` and `layer/mixed/...`.
+Shapes it builds for (`mosaic_prefill_problem`): bf16/f16 pages with q in the same
+dtype, head_dim 64 or 128, block_size 8-64 dividing 64, GQA group <= 64, a row's
+table within shared memory beside two stages. Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -391,12 +361,9 @@ def mosaic_prefill_kernel(
 def tile_plan(cu_q_lens, seg_length, num_segments, *, num_tokens: int, group: int,
               num_consumers: int = NUM_CONSUMERS):
   """The static tiling of a ragged batch: `(meta i32[NT, 128], tok i32[NT, tt],
-  tok_ok bool[NT, tt], out_index i32[T])` with `tt = tile_tokens(group,
-  num_consumers)` and
-  `NT = ceil(T / tt) + B`. Row b's new tokens fill tiles `cu_tiles[b] ..` in
-  order; `tok[n, i]` is tile n's i-th token (clipped into range where
-  `tok_ok` is False) and `out_index[t]` the flat (tile, token) slot of token t
-  (NT * tt for padding tokens, read as 0)."""
+  tok_ok bool[NT, tt], out_index i32[T])`, `tt = tile_tokens(...)`, `NT = ceil(T /
+  tt) + B`; `tok[n, i]` is tile n's i-th token (clipped where not `tok_ok`) and
+  `out_index[t]` token t's flat (tile, token) slot (NT * tt: padding)."""
   from pallas_kernels import prefill_attention as pf
 
   batch = seg_length.shape[0]
@@ -459,10 +426,8 @@ def mosaic_prefill_attention(
     interpret=None,
     num_consumers: int = NUM_CONSUMERS,
 ) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
-  """Prefill attention with the Mosaic GPU kernel: the stacked pool and the
-  layer (read in place, as the decode kernel does), inputs validated by the
-  caller (`prefill_attention.static_validate_inputs`), shape limits by
-  `mosaic_prefill_problem` (raised here as ValueError).
+  """Prefill attention with the Mosaic GPU kernel on the stacked pool (inputs
+  validated by the caller; `mosaic_prefill_problem` raised as ValueError).
 
   interpret: None (compile for Hopper), True (`InterpretGPUParams(
   detect_races=True)`) or a `plgpu.InterpretGPUParams`.

@@ -1,30 +1,13 @@
 """Multi-controller runs: one Python process per host, `jax.distributed`, host messages.
 
-A pool sharded over several hosts is one JAX program run by every process: each
-process calls `initialize` (`jax.distributed.initialize` with CPU collectives
-over gloo and bounded timeouts), builds the same global mesh and issues the same
-device programs in the same order. What the processes must agree on beyond the
-device programs (a step's arrivals, a digest of every decision) travels through
-a `Channel`: the coordination service's key-value store, which every
-`jax.distributed` job already runs in process 0. A wait on the store is polled
-in short slices, so it ends with a typed error instead of hanging:
-
-* `ScheduleDiverged`: the processes reported different digests for the same
-  exchange (their schedules, or their plans, differ);
-* `PeerFailed`: another process raised and posted its error (`Channel.report_failure`;
-  a process leaving on an error calls `Channel.stop`, which also keeps the
-  leader's process, and the service with it, up until the others have stopped);
-* `PeerTimeout`: a process did not report within the channel's timeout.
-
-A process that dies without a word (killed, segfault) stops sending heartbeats;
-the coordination service then terminates every other process (SIGABRT, after
-`heartbeat_timeout_s`, with a log line naming the unhealthy task), also those
-blocked in a device collective, which no host-side timeout could reach.
-`paged_kv.cluster.launch` kills whatever is left and reports the first failure.
-
-Environment (set by `paged_kv.cluster.launch`, read by `initialize()` when its
-arguments are omitted): `PAGED_KV_COORDINATOR` (`host:port` of process 0),
-`PAGED_KV_NUM_PROCESSES`, `PAGED_KV_PROCESS_ID`.
+Every process calls `initialize`, builds the same global mesh and issues the same
+device programs in the same order. What they must agree on beyond those (a step's
+arrivals, digests of decisions) travels through a `Channel` over the coordination
+service's key-value store, polled in slices so a wait ends in a typed error
+(`ScheduleDiverged`, `PeerFailed`, `PeerTimeout`), never a hang. A process that dies
+silently stops its heartbeats and the service aborts the others after
+`heartbeat_timeout_s`. `launch` sets `PAGED_KV_COORDINATOR`,
+`PAGED_KV_NUM_PROCESSES` and `PAGED_KV_PROCESS_ID`. Failure table: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -56,13 +39,8 @@ class DistributedError(PagedKVError):
 
 
 class ScheduleDiverged(DistributedError):
-  """The processes disagree: their digests of the same exchange differ.
-
-  Attributes:
-    label: what was compared (`"setup"`, `"plan"`, `"step"`, ...).
-    step: the scheduler step (-1 outside a step).
-    digests: `{process_id: digest}` as each process reported it.
-  """
+  """The processes disagree: their digests of the same exchange (`label`) differ.
+  `step` is -1 outside a step; `digests` maps process id -> digest."""
 
   def __init__(self, label: str, step: int, digests: dict[int, str]):
     self.label, self.step, self.digests = label, step, dict(digests)
@@ -76,13 +54,8 @@ class ScheduleDiverged(DistributedError):
 class PeerFailed(DistributedError):
   """Another process stopped with an error (its own report, or its service gone).
 
-  A process that had not yet read every digest of a diverged exchange learns of
-  the divergence this way (`error_type == "ScheduleDiverged"`).
-
-  Attributes:
-    process_id: the failed process.
-    reason: its error, as it reported it (`"<type>: <message>"`).
-    error_type: the name of its exception's type ("" when unknown).
+  A process that had not read every digest of a diverged exchange learns of it this
+  way (`error_type == "ScheduleDiverged"`; "" when unknown).
   """
 
   def __init__(self, process_id: int, reason: str):
@@ -92,13 +65,7 @@ class PeerFailed(DistributedError):
 
 
 class PeerTimeout(DistributedError):
-  """Processes did not report within the channel's timeout.
-
-  Attributes:
-    missing: the processes whose message never came.
-    label: the exchange waited on.
-    waited_s: seconds waited.
-  """
+  """Processes (`missing`) did not report within the channel's timeout."""
 
   def __init__(self, missing: Sequence[int], label: str, waited_s: float):
     self.missing, self.label, self.waited_s = tuple(missing), label, waited_s
@@ -108,14 +75,8 @@ class PeerTimeout(DistributedError):
 
 @dataclasses.dataclass(frozen=True)
 class ProcessGroup:
-  """This process's place in a multi-controller run.
-
-  Attributes:
-    process_id: this process, `[0, num_processes)`; 0 is the leader.
-    num_processes: processes in the run.
-    coordinator: `host:port` of the coordination service (None: one process,
-      no `jax.distributed`).
-  """
+  """This process's place in a run: process 0 leads; `coordinator` is None with one
+  process (no `jax.distributed`)."""
 
   process_id: int
   num_processes: int
@@ -151,16 +112,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     num_processes: processes in the run (default `$PAGED_KV_NUM_PROCESSES`).
     process_id: this process (default `$PAGED_KV_PROCESS_ID`).
     cpu_collectives: `jax_cpu_collectives_implementation` for CPU devices
-      (`"gloo"`; `"mpi"` where JAX was built with it). Set before the backend
-      starts; it changes nothing on GPU devices.
-    initialization_timeout_s: how long to wait for every process to connect.
+      (`"gloo"`, or `"mpi"`); no effect on GPUs.
     heartbeat_timeout_s: a process silent this long is declared dead, and the
-      coordination service terminates the others (bounded stop on a crash).
-    shutdown_timeout_s: how long `shutdown` waits for the others.
+      coordination service terminates the others.
 
   Returns:
-    The `ProcessGroup`. With one process (`num_processes` 1, or nothing given
-    and no environment), `jax.distributed` is not started.
+    The `ProcessGroup`; with one process `jax.distributed` is not started.
 
   Raises:
     InvalidArgument: an argument or environment variable is missing or bad.
@@ -228,17 +185,9 @@ def _client():
 class Channel:
   """Ordered host messages between the processes of a run (the coordination KV store).
 
-  Every process makes the same calls in the same order; call `n` of every
-  process uses keys `<namespace>/<n>/...`, so a process that makes a different
-  call (another label) is caught by the comparison, not left waiting. A key is
-  deleted by its writer once every process has passed a later exchange.
-
-  Args:
-    group: this process's `ProcessGroup`.
-    namespace: key prefix (one per run sharing a coordination service).
-    timeout_s: the longest wait for another process (`PeerTimeout` after it);
-      it must cover the slowest step, compiles included.
-    poll_s: the slice of a wait between two looks at the failure reports.
+  Every process makes the same calls in the same order; call `n` uses keys
+  `<namespace>/<n>/...`, so a different call (label) is caught, not left waiting.
+  `timeout_s` must cover the slowest step, compiles included.
   """
 
   def __init__(self, group: ProcessGroup, *, namespace: str = "paged_kv",
@@ -273,12 +222,8 @@ class Channel:
     return got
 
   def exchange(self, value: str, *, label: str = "exchange", step: int = -1) -> list[str]:
-    """Every process's `value`, in process order (this one's included).
-
-    Raises:
-      ScheduleDiverged: another process made a different call (label) here.
-      PeerFailed, PeerTimeout: see the module docstring.
-    """
+    """Every process's `value`, in process order; raises `ScheduleDiverged` if another
+    process made a different call here, or `PeerFailed` / `PeerTimeout`."""
     seq = self._next()
     me = self.group.process_id
     self._put(seq, f"{seq}/x/{me}", json.dumps([label, value]))
@@ -314,11 +259,9 @@ class Channel:
   def stop(self, exc: BaseException | None = None, *, linger_s: float = 10.0) -> None:
     """Leaves a run that failed; call it before the process exits on an error.
 
-    Posts `exc` for the others (`report_failure`), marks this process stopped
-    and, on the leader, whose process hosts the coordination service, waits up
-    to `linger_s` until every other process has stopped too: without the wait
-    the service would vanish under them and they would be aborted by it before
-    reading the error. Best effort: never raises.
+    Posts `exc` for the others; the leader (whose process hosts the coordination
+    service) waits up to `linger_s` for the others to stop, so they read the error
+    before the service vanishes. Best effort: never raises.
     """
     if self._client is None:
       return

@@ -10,18 +10,11 @@ Every process gets `PAGED_KV_COORDINATOR=127.0.0.1:PORT` (a free port unless
 unless set (every process must hash alike) and `PYTHONUNBUFFERED=1`. Its output
 is echoed with a `[i]` prefix (and kept in `--log-dir/process_i.log`).
 
-Shutdown: each process runs in its own session (process group) and, on Linux,
-dies with the launcher (`PR_SET_PDEATHSIG`). When one exits non-zero, the others
-get `--grace` seconds to stop by themselves (their peers' failure reports, or the
-coordination service's heartbeat), then SIGTERM, then SIGKILL, whole groups. On
-`--timeout`, SIGINT or SIGTERM to the launcher: the same. No process is left behind.
-
-Exit status: 0 when every process exited 0; else the first failing process's
-status (124 on the timeout). The summary printed last names, for every process that
-failed, why: the first failure's exit or signal and last output line; the others,
-stopped by the launcher or aborted by the coordination service after that peer.
-One host only: on N hosts, run one process per host
-with the same three variables (see docs/scaling.md).
+When one process exits non-zero (or on `--timeout`, SIGINT, SIGTERM), the others get
+`--grace` seconds to stop, then SIGTERM, then SIGKILL, whole process groups; each
+also dies with the launcher (`PR_SET_PDEATHSIG`). Exit status: 0, else the first
+failing process's (124 on the timeout); the last summary says why each failed. One
+host only: on N hosts, run one process per host with the same variables.
 """
 
 from __future__ import annotations
@@ -53,15 +46,9 @@ class LaunchResult:
 
   Attributes:
     returncodes: each process's exit status (negative: killed by that signal).
-    pids: the processes' ids (all reaped when `launch` returns).
-    first_failure: the process that failed first (None: none failed).
-    timed_out: the launch ran past its timeout and was stopped.
-    seconds: wall seconds from start to the last exit.
     stop_seconds: from the first failure to the last exit (0 without failure).
-    tails: the last lines of each process's output.
-    coordinator: the `host:port` the processes were given.
-    stopped: the processes the launcher signalled (SIGTERM, then SIGKILL) after the
-      first failure or the timeout, still running then.
+    stopped: the processes the launcher had to signal after the first failure or
+      the timeout.
   """
 
   returncodes: tuple[int, ...]
@@ -101,11 +88,8 @@ class LaunchResult:
     return "\n".join(lines)
 
   def cause(self, i: int) -> str:
-    """Why process `i` ended, in words, naming the peer whose failure ended it ("" for a
-    clean exit). The first failure: its exit or signal and its last output line. The
-    others: stopped by the launcher, aborted by JAX's coordination service (SIGABRT:
-    the service ends every process once a peer stops sending heartbeats), or their own
-    error after the peer's."""
+    """Why process `i` ended, in words ("" for a clean exit): the first failure's exit
+    and last line; for the others, who stopped them after which peer."""
     rc = self.returncodes[i]
     if rc == 0:
       return ""
@@ -142,8 +126,7 @@ def _last_line(tail: str) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-  """A TCP port free on `host` now (the OS's choice; another program may take it
-  before the coordinator binds it: a launch then fails fast and can be retried)."""
+  """A TCP port free on `host` now (it may be taken before the coordinator binds it)."""
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind((host, 0))
     return s.getsockname()[1]
@@ -186,15 +169,10 @@ def launch(command: Sequence[str], num_processes: int, *, timeout_s: float = 600
   """Runs `num_processes` copies of `command` as one multi-controller run and waits.
 
   Args:
-    command: the program and its arguments (the same for every process).
-    num_processes: processes to start (>= 1).
-    timeout_s: stop everything after this many seconds.
     grace_s: after the first failure, how long the others may take to stop by
       themselves before they are terminated.
     host, port: the coordinator's address (process 0 binds it); default a free port.
     env: the environment (default `os.environ`), to which the run's variables are added.
-    cwd: the processes' working directory.
-    log_dir: keep each process's output in `log_dir/process_<i>.log`.
     echo: a text stream to echo every line to, prefixed `[i] ` (None: quiet).
 
   Returns:

@@ -1,33 +1,12 @@
 """One schedule on every process: the same deterministic `Scheduler`, arrivals broadcast.
 
-In a multi-controller run every process must issue the same device programs in
-the same order (the pool's bookkeeping, the model step), so every process must
-take the same scheduling decisions. `LockstepScheduler` gets there without
-shipping plans: every process runs the same `Scheduler` on the same inputs.
-
-Per `step()`:
-
-1. **Arrivals**: the leader (process 0) owns admission; the requests (and
-   aborts) it takes this step, the leader's clock and whether more may come are
-   broadcast (`Channel.broadcast`). Every process submits the same requests in
-   the same order; a request `submit` refuses is refused everywhere (`rejected`).
-2. **The step**: `Scheduler.step()` on every process. Before the model step is
-   issued, every process compares a digest of its `StepPlan` (rows, token
-   counts, tokens, sampling): a process whose plan differs stops all of them
-   with `ScheduleDiverged` *before* a collective could mix different programs.
-3. **Digest**: after the step, every process compares a digest of its outcome
-   (finished requests and their tokens, the running rows and their lengths, the
-   queues, free blocks, rejections): `ScheduleDiverged` names the processes.
-
-Determinism: the scheduler's clock (latencies, LRU, GC TTL) is the leader's
-clock broadcast with the step (`StepClock`), the same number everywhere; the
-wall-clock `SchedulerConfig.stats_budget` pacing is refused; a setup digest
-(library and JAX versions, `PYTHONHASHSEED`, the configs) is compared first.
-An exception on one process is posted to the others (`Channel.report_failure`),
-which raise `PeerFailed` on their next wait.
-
-Not supported across processes: swap preemption (a process cannot copy the
-heads it does not hold to its host; use `preemption="recompute"`).
+Every process of a multi-controller run must issue the same device programs in the
+same order, so every process runs the same deterministic `Scheduler` on the same
+inputs instead of shipping plans. Per step the leader broadcasts its arrivals, aborts
+and clock; every process compares a digest of its `StepPlan` before the model step
+(so a divergence stops the run before a collective mixes programs) and of its outcome
+after it (`ScheduleDiverged`). Swap preemption is refused across processes. Design:
+docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -53,11 +32,7 @@ __all__ = ["StepClock", "LockstepResult", "LockstepScheduler", "encode_request",
 
 
 class StepClock:
-  """The leader's clock at the start of the current step: the same value on every process.
-
-  A `Scheduler`'s clock (latencies, the cache's LRU and GC TTL); set by
-  `LockstepScheduler` from each step's broadcast.
-  """
+  """The leader's clock at the start of the current step, the same on every process."""
 
   def __init__(self, now: float = 0.0):
     self.now = float(now)
@@ -155,12 +130,9 @@ class LockstepResult:
   """What one `LockstepScheduler.step` did (the same on every process).
 
   Attributes:
-    step: the step's index (0, 1, ...).
-    finished: requests finished in this step (`stop_reason` says why).
     rejected: `(request_id, error)` of this step's arrivals `submit` refused.
     done: the leader closed the arrivals and nothing is left to run.
-    seconds: wall seconds of the call on this process (messages included).
-    wait_seconds: of which waiting for the other processes.
+    wait_seconds: of `seconds`, waiting for the other processes.
   """
 
   step: int
@@ -191,12 +163,7 @@ class LockstepScheduler:
       raise
     distributed.shutdown()
 
-  Attributes:
-    scheduler: the `Scheduler` (read it; do not step or submit to it directly).
-    channel: the `Channel` of the run.
-    clock: the `StepClock` the scheduler reads.
-    step_index: the index of the next (or current) step.
-    closed: the leader said no more arrivals will come.
+  `scheduler` is for reading: do not step or submit to it directly.
   """
 
   def __init__(self, pool, executor, config: SchedulerConfig = SchedulerConfig(), *,
@@ -204,13 +171,8 @@ class LockstepScheduler:
                check_plans: bool = True, **scheduler_kwargs):
     """Builds the scheduler and compares the setup across processes.
 
-    Args:
-      pool, executor, config: as for `Scheduler` (the same on every process).
-      channel: the run's `Channel`.
-      leader_clock: the leader's time source (read on the leader only).
-      check_plans: compare each model step's plan before issuing it.
-      **scheduler_kwargs: more `Scheduler` arguments (`cache`, `on_step`, ...);
-        not `clock` (the lockstep clock is the leader's).
+    `pool`, `executor`, `config` and `**scheduler_kwargs` go to `Scheduler` (the same
+    on every process; not `clock`); `leader_clock` is read on the leader only.
 
     Raises:
       InvalidArgument: `clock` passed, `stats_budget` set (wall-clock pacing
@@ -249,23 +211,9 @@ class LockstepScheduler:
 
   def step(self, arrivals: Sequence[Request] = (), aborts: Sequence[Hashable] = (), *,
            closed: bool = False) -> LockstepResult:
-    """One step on every process (see the module docstring).
-
-    Args:
-      arrivals: on the leader, the requests to submit before this step (fresh
-        `Request`s, in order); elsewhere empty.
-      aborts: on the leader, request ids to abort before this step; elsewhere empty.
-      closed: on the leader, no arrivals after this step.
-
-    Returns:
-      The `LockstepResult` (the same on every process but for the timings).
-
-    Raises:
-      ScheduleDiverged, PeerFailed, PeerTimeout: the run cannot go on.
-      InvalidArgument: arrivals given on a process other than the leader, or after
-        the leader closed the arrivals.
-      Anything `Scheduler.step` raises (the same on every process).
-    """
+    """One step on every process; `arrivals`, `aborts` and `closed` are the leader's
+    (empty elsewhere). Raises `ScheduleDiverged`, `PeerFailed`, `PeerTimeout`, or
+    `InvalidArgument` for arrivals off the leader or after it closed them."""
     payload = self._payload(arrivals, aborts, closed)  # a caller's mistake stops nothing
     return self._guard(lambda: self._step(payload))
 
@@ -274,14 +222,8 @@ class LockstepScheduler:
             on_result: Callable[[LockstepResult], None] | None = None) -> list[Request]:
     """Steps until the leader's arrivals are exhausted and every request finished.
 
-    Args:
-      arrivals: on the leader, `arrivals(step) -> requests`, None once no more
-        will come; elsewhere None.
-      max_steps: stop after this many steps (None: until done).
-      on_result: called with every step's `LockstepResult`.
-
-    Returns:
-      Every request finished during the call, in finishing order.
+    `arrivals(step) -> requests` (None once no more will come) on the leader, None
+    elsewhere. Returns the requests finished during the call, in order.
     """
     if arrivals is not None and not self.channel.group.is_leader:
       raise InvalidArgument("only the leader has arrivals (pass None elsewhere)")

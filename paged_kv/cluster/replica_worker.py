@@ -1,49 +1,19 @@
 """One data-parallel replica: a `Scheduler` on its own pool, served over a pipe.
 
-The parent side (`paged_kv.cluster.replicas`) starts one process per replica
-(`multiprocessing`, spawn context) running `serve`; this module is what runs inside
-it, plus the plain data the two sides exchange (all picklable):
+`serve` runs in each process `paged_kv.cluster.replicas` spawns; `ReplicaSpec`,
+`ReplicaRequest` and `ReplicaResult` are the picklable data the two sides exchange.
+`ReplicaServer` answers the commands (tests drive it in-process, no pipe); each reply
+is `("ok", value)` or `("error", text)`:
 
-  * `ReplicaSpec`     how to build the replica (pool, scheduler policies, executor,
-                      clock);
-  * `ReplicaRequest`  one request as the front end hands it over;
-  * `ReplicaResult`   what the replica reports when the request finished.
+  * `("advance", now_s, max_steps[, namespace, tokens])` (trace clock): steps until
+    the clock reaches `now_s` or `max_steps` ran -> `(reached, results, probe)`.
+  * `("probe", namespace, tokens)`: a read-only match -> `(matched, backlog_tokens)`.
+  * `("submit", request)` -> None, or a `"rejected"` `ReplicaResult`.
+  * `("drain", max_steps)` -> `(idle, results)`.
+  * `("stats",)` -> `SchedulerStats` fields and `pid`; `("stop",)` -> None, then exit.
 
-`ReplicaServer` holds the scheduler and answers the commands below; it is a plain
-object, so tests drive it in-process with no pipe. `serve` is the process's main
-loop: it builds the server, says `("ready", pid)`, then answers one reply per
-command until `stop` or until the parent's end of the pipe closes.
-
-Commands (a tuple, the name first) and replies (`("ok", value)` or
-`("error", text)`):
-
-  * `("advance", now_s, max_steps[, namespace, tokens])`: trace clock only. Steps
-    the scheduler, each step `step_s` of trace time, until its clock reaches `now_s`
-    (an idle scheduler jumps there) or `max_steps` steps ran. Value: `(reached,
-    results, probe)`; with a namespace, `probe` is `probe(namespace, tokens)`'s
-    value once reached (one round trip per request instead of two), else None.
-  * `("probe", namespace, tokens)`: the cached prefix of `tokens` (a read-only
-    match: no lock, no hit statistics, no LRU touch) and the replica's backlog.
-    Value: `(matched_tokens, backlog_tokens)`.
-  * `("submit", request)`: queues a `ReplicaRequest`. Value: None, or its
-    `ReplicaResult` with `stop_reason="rejected"` when it can never fit the pool.
-  * `("drain", max_steps)`: steps until idle or `max_steps` steps ran (the trace
-    clock advances with them; with the wall clock the loop already steps on its
-    own, so this only collects). Value: `(idle, results)`.
-  * `("stats",)`: the scheduler's `SchedulerStats` fields as a dict, plus `pid`.
-  * `("stop",)`: replies None, then the process exits.
-
-`advance` and `drain` hand over the results of every request that finished since
-the last of them, so nothing finishes unseen.
-
-Clocks: `"trace"` (the front end drives time with `advance`: deterministic, the
-same whatever the machine's load) or `"wall"` (`time.monotonic`; the loop steps
-whenever it has work and no command is waiting).
-
-Backlog: the work the replica still has queued, in tokens, as
-`paged_kv.cluster.routing`'s load model counts it: prompt tokens not yet computed
-plus `output_weight` times the output tokens still to generate, over every
-waiting, running and swapped request.
+`advance` and `drain` hand over every result since the last of them. Backlog: prompt
+tokens not yet computed plus `output_weight` times the output tokens still to come.
 """
 
 from __future__ import annotations
@@ -77,23 +47,14 @@ class ReplicaSpec:
   """How one replica process builds its scheduler (picklable: it crosses a spawn).
 
   Attributes:
-    pool_config: the replica's own pool.
-    scheduler_config: its scheduling and memory policies.
-    executor_factory: `f(pool_config) -> Executor`, a picklable callable (a
-      module-level function or a dataclass instance such as `TinyLlamaFactory`);
-      None: a `DryExecutor` (memory dynamics only, as in trace replay).
+    executor_factory: `f(pool_config) -> Executor`, picklable (e.g.
+      `TinyLlamaFactory`); None: a `DryExecutor` (memory dynamics only).
     clock: `"trace"` (driven by `advance`) or `"wall"` (`time.monotonic`).
     step_s: trace seconds per scheduler step (trace clock).
-    output_weight: backlog per output token still to generate, in prompt tokens.
-      0 (the default): a continuous-batching replica decodes its running requests in
-      parallel, so outputs do not queue; counting them at weight 1 (the routing
-      simulation's load model) moved sessions off their history replica (Mooncake
-      conversation slices through `examples/bench_replicas.py`: 0.907 of the global
-      cache's hit rate on one slice at N=4, against 0.951-1.016 over six slices at N=2
-      and 4 at 0).
-    warmup: compile every serving program (`Scheduler.warmup`) before `ready`.
-    compile_cache_dir: JAX's persistent compilation cache directory for the
-      process (None: off), so a restart or a second replica loads its programs.
+    output_weight: backlog per output token still to generate, in prompt tokens;
+      0 by default, since a continuous-batching replica decodes its batch in
+      parallel (docs/scaling.md).
+    compile_cache_dir: JAX's persistent compilation cache for the process (None: off).
   """
 
   pool_config: PoolConfig
@@ -130,14 +91,8 @@ class ReplicaSpec:
 class TinyLlamaFactory:
   """A `ReplicaSpec.executor_factory`: a `ModelExecutor` over `llama.TinyLlama`.
 
-  Every replica built from it holds the same weights (`nnx.Rngs(seed)`), so a request
-  gets the same greedy tokens whichever replica serves it. Imports flax only when
-  called (in the replica process).
-
-  Attributes:
-    model_config: a `paged_kv.model.llama.LlamaConfig` (it must match the pool's
-      layers, kv heads and head dim; `ModelExecutor` checks).
-    seed: the weights' seed.
+  Every replica gets the same weights (`nnx.Rngs(seed)`), so greedy tokens do not
+  depend on the replica. `model_config` must match the pool's shape.
   """
 
   model_config: Any
@@ -156,11 +111,9 @@ class ReplicaRequest:
   """One request as the front end routes it.
 
   Attributes:
-    request_id: the caller's id, unique among the requests of one `ReplicaSet`.
+    request_id: unique among the requests of one `ReplicaSet`.
     prompt: i32[n] prompt tokens (n >= 1).
-    max_new_tokens: tokens to generate (>= 1).
-    namespace: prefix-cache namespace.
-    arrival_s: arrival time (trace seconds with the trace clock; non-decreasing).
+    arrival_s: trace seconds with the trace clock; non-decreasing.
     forced_output: optional i32[max_new_tokens] tokens to emit instead of samples
       (trace replay, where only lengths are known).
   """
@@ -191,15 +144,11 @@ class ReplicaResult:
   """A finished request, as its replica reported it.
 
   Attributes:
-    request_id: the request's id.
-    replica: index of the replica that finished it.
-    prompt_tokens: prompt length.
     hit_tokens: prompt tokens served from that replica's prefix cache (at its
       first admission there).
     output: i32[k] the tokens it emitted.
-    stop_reason: `"length"`, `"stop_token"`, `"table_full"`, `"abort"`, or
-      `"rejected"` (it can never fit the replica's pool; nothing ran).
-    num_preemptions: times it was preempted on that replica.
+    stop_reason: a `Request.stop_reason`, or `"rejected"` (it can never fit the
+      replica's pool; nothing ran).
     reroutes: times the front end re-routed it off a replica that went down.
   """
 
@@ -223,12 +172,7 @@ def backlog_tokens(scheduler: Scheduler, output_weight: float) -> float:
 
 
 class ReplicaServer:
-  """A `Scheduler` on its own pool, answering the commands of the module docstring.
-
-  Args:
-    spec: what to build.
-    index: the replica's index in its set (written into every result).
-  """
+  """A `Scheduler` on its own pool, answering the commands of the module docstring."""
 
   def __init__(self, spec: ReplicaSpec, index: int):
     from paged_kv.pool.block_pool import BlockPool  # pylint: disable=g-import-not-at-top
@@ -355,10 +299,8 @@ def _die_with_parent() -> None:
 def serve(conn, spec: ReplicaSpec, index: int, parent_pid: int) -> None:
   """The replica process: builds a `ReplicaServer`, then answers commands on `conn`.
 
-  Exits on `stop`, when the parent's end of the pipe closes, or (Linux) when the
-  parent process dies. An exception while building is sent as `("error", text)`
-  instead of `("ready", pid)`; one while answering a command is sent as that
-  command's reply, and the loop goes on.
+  Exits on `stop`, when the pipe closes, or (Linux) when the parent dies. A build
+  error is sent instead of `("ready", pid)`; a command's error is its reply.
   """
   _die_with_parent()
   if os.getppid() != parent_pid:  # the parent died before the line above

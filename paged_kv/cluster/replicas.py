@@ -1,11 +1,8 @@
 """Data-parallel replicas in separate processes behind the cache-aware router.
 
-`ReplicaSet` starts one process per `ReplicaSpec` (`multiprocessing`, spawn
-context; no other dependency), each running a `Scheduler` on its own pool
-(`paged_kv.cluster.replica_worker`), and routes every request with a
-`paged_kv.cluster.routing` router: it probes every live replica's prefix cache
-(read-only, over the pipe) and backlog, hands the router one `ReplicaView` per live
-replica, and submits the request to the replica it picks.
+`ReplicaSet` starts one process per `ReplicaSpec` (`multiprocessing`, spawn), each a
+`Scheduler` on its own pool (`replica_worker`), probes every live replica's cache and
+backlog per request and submits it where the `routing` router picks.
 
     specs = [ReplicaSpec(pool_config, scheduler_config)] * 4
     with ReplicaSet(specs, CacheAwareRouter(load_weight=0.1)) as replicas:
@@ -14,31 +11,14 @@ replica, and submits the request to the replica it picks.
       results = replicas.drain()          # ReplicaResult per request
     # every replica process is gone here, whatever was raised
 
-A replica that dies (its process exits, its pipe breaks, or a command gets no
-reply within `reply_timeout_s`) is marked down: its process is killed and reaped,
-it leaves `live_indices` (the router never sees it again), and the requests it
-had in flight are routed again, from scratch, to the live ones (`reroutes` in their
-results counts it). Delivery is at least once: a request the dead replica finished
-but had not reported yet runs again elsewhere. `NoLiveReplica` is raised when none
-is left.
-
-Routing: the views handed to the router are the live replicas', in index order;
-the router returns a position in that list (every router of `routing` does; with
-all replicas live it is the replica's index).
-
-Clocks (`ReplicaSpec.clock`, the same for every replica of a set): with `"trace"`,
-`submit` first advances every live replica to the request's `arrival_s` (their
-schedulers step `step_s` of trace time per step, in parallel), so a replay is
-deterministic and independent of the machine's speed; with `"wall"`, replicas step
-on their own and `submit` only routes.
-
-Shutdown: `close()` (the context manager calls it on any exit, an exception
-included) asks each live replica to stop, then terminates and kills what is left,
-and reaps every process. As a last resort, a replica process dies with its parent
-(Linux `PR_SET_PDEATHSIG`, set when the process starts: the parent is the *thread*
-that built the set, so build it on a thread that outlives it) and exits when its
-pipe closes; the processes are daemonic, so `multiprocessing` also ends them at
-interpreter exit.
+A replica that exits, breaks its pipe or does not reply within `reply_timeout_s` is
+killed, reaped and dropped from `live_indices`; its in-flight requests are routed
+again (delivery at least once). The router gets the live replicas' views in index
+order and returns a position in that list. With the `"trace"` clock `submit` first
+advances every replica to the request's `arrival_s` (deterministic replays).
+`close()` (any exit of the context manager) stops, terminates, kills and reaps every
+process; a child also dies with its parent *thread* (`PR_SET_PDEATHSIG`), so build the
+set on a thread that outlives it.
 """
 
 from __future__ import annotations
@@ -78,12 +58,7 @@ class ReplicaStartError(ReplicaError):
 
 
 class ReplicaDown(ReplicaError):
-  """A replica is gone: its process exited, its pipe broke, or it did not reply in time.
-
-  Attributes:
-    index: the replica's index.
-    reason: what was seen.
-  """
+  """A replica is gone: its process exited, its pipe broke, or it did not reply in time."""
 
   def __init__(self, index: int, reason: str):
     super().__init__(f"replica {index} is down: {reason}")
@@ -101,13 +76,7 @@ class NoLiveReplica(ReplicaError):
 
 # ----------------------------------------------------------------------------- one
 class Replica:
-  """One replica process and the parent's end of its pipe.
-
-  Args:
-    spec: what the process builds.
-    index: the replica's index (in its results).
-    context: a `multiprocessing` context (spawn).
-  """
+  """One replica process and the parent's end of its pipe."""
 
   def __init__(self, spec: ReplicaSpec, index: int, *, context: Any):
     self.index = index
@@ -123,12 +92,7 @@ class Replica:
     self.pid: int = self.process.pid
 
   def wait_ready(self, timeout_s: float) -> None:
-    """Waits for the process's `ready`.
-
-    Raises:
-      ReplicaStartError: it failed to build (its traceback in the message), exited,
-        or was not ready within `timeout_s`.
-    """
+    """Waits for the process's `ready`; raises `ReplicaStartError` otherwise."""
     try:
       kind, value = self._receive(timeout_s)
     except ReplicaDown as e:
@@ -137,23 +101,15 @@ class Replica:
       raise ReplicaStartError(f"replica {self.index} failed to start:\n{value}")
 
   def send(self, message: tuple) -> None:
-    """Sends one command.
-
-    Raises:
-      ReplicaDown: the pipe is broken (the process is gone).
-    """
+    """Sends one command; raises `ReplicaDown` if the pipe is broken."""
     try:
       self.conn.send(message)
     except (BrokenPipeError, EOFError, OSError) as e:
       raise ReplicaDown(self.index, f"pipe broken on send ({type(e).__name__})") from None
 
   def receive(self, timeout_s: float) -> Any:
-    """The value of the reply to the command sent last.
-
-    Raises:
-      ReplicaDown: the process exited, the pipe closed, or no reply in `timeout_s`.
-      ReplicaCommandError: the replica raised while answering (it is still up).
-    """
+    """The reply to the last command; `ReplicaDown` if none comes, `ReplicaCommandError`
+    if the replica raised (it is still up)."""
     kind, value = self._receive(timeout_s)
     if kind == "error":
       raise ReplicaCommandError(f"replica {self.index} raised:\n{value}")
@@ -206,17 +162,7 @@ def _reap_all(processes: list[Any]) -> None:
 # ----------------------------------------------------------------------------- set
 @dataclasses.dataclass(frozen=True)
 class ReplicaSetSummary:
-  """Totals over the results of a `ReplicaSet`.
-
-  Attributes:
-    num_requests: requests with a result.
-    rejected: of which could never fit a pool.
-    prompt_tokens: prompt tokens of all of them.
-    hit_tokens: prompt tokens served from a replica's prefix cache.
-    rerouted: requests routed again off a replica that went down.
-    per_replica_requests: requests finished by each replica (index order).
-    down: replica index -> why it was marked down.
-  """
+  """Totals over the results of a `ReplicaSet` (`down`: replica index -> why)."""
 
   num_requests: int
   rejected: int
@@ -233,23 +179,16 @@ class ReplicaSetSummary:
 
 
 class ReplicaSet:
-  """`N` replica processes behind a router (see the module docstring).
+  """`N` replica processes behind a router (default `CacheAwareRouter()`).
 
   Args:
     specs: one `ReplicaSpec` per replica (all with the same clock).
-    router: picks a replica per request (default `CacheAwareRouter()`).
     reply_timeout_s: the longest wait for one reply; a replica silent longer is
       marked down and killed.
-    submit_timeout_s: the longest `submit` waits for any one reply (default:
-      `reply_timeout_s`); a replica silent longer is frozen: marked down and killed,
-      and the request routed to another. Set it well above what one command takes
-      (with the trace clock, `max_steps_per_call` steps; with the wall clock, one
-      step), and short only once the replicas compiled their programs (a replica
-      compiling on its first request answers late).
-    start_timeout_s: the longest wait for every replica to be ready (imports,
-      scheduler, warm-up compiles).
-    max_steps_per_call: scheduler steps one `advance`/`drain` command may run
-      (keeps every reply within `reply_timeout_s`).
+    submit_timeout_s: the same within `submit` (default `reply_timeout_s`). Keep it
+      above what one command takes, and short only once the replicas compiled
+      their programs (a replica compiling answers late).
+    max_steps_per_call: scheduler steps one `advance`/`drain` command may run.
     poll_s: wall clock: the pause between polls while draining.
   """
 
@@ -298,11 +237,8 @@ class ReplicaSet:
 
   # ------------------------------------------------------------------ lifecycle
   def start(self) -> "ReplicaSet":
-    """Starts every replica process and waits until all are ready.
-
-    Raises:
-      ReplicaStartError: one failed or timed out; every process started is gone.
-    """
+    """Starts every replica and waits until all are ready (`ReplicaStartError`: one
+    failed or timed out; every process started is gone)."""
     if self.replicas or self._closed:
       raise ReplicaError("a ReplicaSet starts once")
     context = multiprocessing.get_context("spawn")
@@ -371,12 +307,8 @@ class ReplicaSet:
   def submit(self, request: ReplicaRequest) -> int:
     """Routes `request` to a live replica and queues it there; returns that index.
 
-    With the trace clock, every live replica first advances to `request.arrival_s`
-    (which must not go backwards). Requests in flight on a replica that went down
-    are routed again first. Returns -1 when the chosen replica rejected it (it can
-    never fit its pool; its result says `"rejected"`). A frozen replica holds it at
-    most `submit_timeout_s` per reply (then it is marked down and the request goes
-    to another).
+    With the trace clock every live replica first advances to `request.arrival_s`.
+    Returns -1 when the chosen replica rejected it (it can never fit its pool).
 
     Raises:
       InvalidArgument: not a `ReplicaRequest`, an id seen before, time going backwards.
@@ -454,11 +386,8 @@ class ReplicaSet:
 
   def _broadcast(self, indices: list[int], message: tuple,
                  timeout_s: float | None = None) -> dict[int, Any]:
-    """Sends `message` to each replica, then collects each reply (they work in parallel),
-    waiting at most `timeout_s` (default `reply_timeout_s`) for each.
-
-    A replica that fails is marked down and left out of the answer.
-    """
+    """Sends `message` to each replica, then collects the replies (they work in
+    parallel); a replica that fails is marked down and left out."""
     timeout_s = self.reply_timeout_s if timeout_s is None else timeout_s
     sent = []
     for i in indices:

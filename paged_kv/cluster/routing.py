@@ -1,63 +1,20 @@
 """Data-parallel replicas and cache-aware request routing (host side; numpy + radix).
 
-A data-parallel deployment runs ``N`` independent replicas, each with its own block pool
-and prefix cache. A router picks, for every request, the replica that serves it. This
-module holds the routing decisions and a small cluster simulation around them; it uses
-no JAX (importing it through ``paged_kv`` still loads the package's JAX modules).
+``N`` replicas each hold their own pool and prefix cache; a router picks the replica
+of every request. A replica is a ``ReplicaBackend``; the router only reads its cache
+with a probe (``match(..., lock=False, record=False)``) that changes no statistics,
+LRU order or locks.
 
-Replicas
---------
-A replica is anything with a ``cache`` (a ``radix.PrefixCache``) and a
-``serve(request) -> ServeOutcome`` method that matches, allocates (evicting under
-capacity pressure), inserts and releases the request on its own pool: see
-``ReplicaBackend``. The trace replays use ``paged_kv.sim.replay.SimReplica``
-(``SimState`` and ``serve_request`` over a capacity-limited ``HostBlockPool``); a serving
-deployment would wrap a ``Scheduler``. The router only *reads* a replica's cache, with a
-probe ``cache.match(namespace, tokens, lock=False, record=False)`` that changes neither
-hit statistics, access times (LRU order) nor locks.
+Load model: each replica is one FIFO server doing ``tokens_per_s`` tokens of work per
+second of trace time; a request's work is its uncached prompt tokens plus
+``output_weight`` times its output tokens, and its queueing delay is the replica's
+backlog over ``tokens_per_s`` at arrival. It ignores batching and memory; it makes
+"balanced by load" mean something.
 
-Load model
-----------
-Each replica is one FIFO server that works through ``tokens_per_s`` tokens of work per
-second of trace time (``ReplicaLoad``). A request's work is its uncached prompt tokens
-(prefill) plus ``output_weight`` times its output tokens (decode). The replica's *load*
-at time ``t`` is its backlog: work assigned and not yet done,
-``backlog(t) = max(0, backlog(t0) - tokens_per_s * (t - t0))`` plus each new request's
-work. A request's queueing delay is ``backlog / tokens_per_s`` at its arrival. The
-model ignores batching and memory; it is there so that "balanced by load" means
-something: sending every request of a hot prefix to one replica makes its queue grow.
-
-Routers
--------
-* ``RoundRobinRouter``: replica ``i mod N`` for the ``i``-th request (no probe).
-* ``LeastLoadRouter``: the smallest backlog (no probe); ties rotate.
-* ``CacheAwareRouter(load_weight, tie_tokens)``: probes every replica and picks
-
-      argmax_i  matched_i - load_weight * backlog_i        (both in tokens)
-
-  Scores within ``tie_tokens`` of the best are near-ties; among them the smallest
-  backlog wins, then rotation. A request whose prefix no replica holds beyond what all
-  of them hold (e.g. only the shared system prompt) therefore goes to the least loaded
-  replica, and a session sticks to the replica holding its history until that
-  replica's backlog exceeds the history's length divided by ``load_weight``.
-
-  Choosing ``load_weight``: with ``load_weight = 1`` the rule minimizes the request's
-  own finish time in the load model (on replica ``i`` it waits ``backlog_i`` and
-  computes ``L - matched_i`` tokens). That is myopic: a prefix kept on its replica
-  also serves the session's later turns, and a request moved away duplicates its
-  history on a second replica. On the Mooncake conversation trace (8 replicas, 1M
-  tokens each, 10k tokens/s each) ``load_weight = 1`` reaches 0.85 of the global
-  cache's hit rate and ``0.1`` reaches 0.98, for a p99 queueing delay of 2.8 s instead
-  of 1.6 s (median 0 for both); so the default is ``0.1``.
-  ``load_weight = 0`` is pure longest-prefix routing and collapses: once one replica
-  holds the shared system prompt, every new session matches there and nowhere else.
-
-Baseline
---------
-``GlobalCache``: one cache of the total capacity (the backend is built with ``N`` times
-one replica's capacity) shared by ``N`` compute replicas, as in Mooncake's global KV
-store; every request sees the whole cache, and compute goes to the least loaded
-replica. Its hit rate is what the routers are measured against.
+Routers: ``RoundRobinRouter``, ``LeastLoadRouter`` (no probe) and
+``CacheAwareRouter`` (``argmax_i matched_i - load_weight * backlog_i``, in tokens).
+``GlobalCache`` is the baseline: one cache of ``N`` times the capacity (Mooncake's
+global KV store). Why ``load_weight = 0.1``: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -94,10 +51,8 @@ class RoutedRequest:
 
   Attributes:
     tokens: int32[n] prompt token ids (what the probe matches).
-    arrival_s: arrival time in seconds; non-decreasing across a cluster's requests.
-    num_output_tokens: tokens the request will generate (decode work).
-    namespace: cache namespace of the request.
-    payload: opaque, passed unchanged to ``ReplicaBackend.serve`` (e.g. the trace row).
+    arrival_s: seconds; non-decreasing across a cluster's requests.
+    payload: opaque, passed unchanged to ``ReplicaBackend.serve``.
   """
 
   tokens: np.ndarray
@@ -113,14 +68,8 @@ class RoutedRequest:
 
 @dataclasses.dataclass(frozen=True)
 class ServeOutcome:
-  """What serving one request did to a replica.
-
-  Attributes:
-    admitted: False when the request could not fit even with an empty cache.
-    hit_tokens: prompt tokens served from the replica's cache (0 when not admitted).
-    evicted_tokens: tokens the replica's cache evicted to make room.
-    evicted_nodes: cache nodes evicted to make room.
-  """
+  """What serving one request did to a replica (`admitted` False: it could not fit
+  even in an empty cache; `hit_tokens` 0 then)."""
 
   admitted: bool
   hit_tokens: int
@@ -144,11 +93,7 @@ class ReplicaBackend(Protocol):
 
 # ----------------------------------------------------------------------------- load
 class ReplicaLoad:
-  """Backlog of one replica: a FIFO server doing ``tokens_per_s`` tokens of work per s.
-
-  Args:
-    tokens_per_s: service rate, tokens of work per second (> 0).
-  """
+  """Backlog of one replica: a FIFO server doing ``tokens_per_s`` (> 0) tokens of work per s."""
 
   def __init__(self, tokens_per_s: float):
     if not tokens_per_s > 0:
@@ -177,14 +122,7 @@ class ReplicaLoad:
 # ----------------------------------------------------------------------------- routers
 @dataclasses.dataclass(frozen=True)
 class ReplicaView:
-  """What a router sees of one replica when it routes a request.
-
-  Attributes:
-    index: replica index in ``[0, N)``.
-    matched_tokens: cached prefix length of the request on this replica (0 when the
-      router does not probe).
-    backlog_tokens: outstanding work of the replica (``ReplicaLoad``).
-  """
+  """What a router sees of one replica (`matched_tokens` 0 when it does not probe)."""
 
   index: int
   matched_tokens: int
@@ -192,13 +130,8 @@ class ReplicaView:
 
 
 class Router(Protocol):
-  """Picks a replica for each request.
-
-  Attributes:
-    name: label used in reports.
-    needs_probe: True when ``choose`` reads ``ReplicaView.matched_tokens`` (the
-      cluster then probes every replica's cache; otherwise it does not).
-  """
+  """Picks a replica for each request; `needs_probe`: whether ``choose`` reads
+  ``matched_tokens`` (only then are the caches probed)."""
 
   name: str
   needs_probe: bool
@@ -257,15 +190,10 @@ class LeastLoadRouter:
 class CacheAwareRouter:
   """Longest cached prefix across replicas, balanced by load.
 
-  Picks ``argmax_i matched_i - load_weight * backlog_i`` (tokens); scores within
-  ``tie_tokens`` of the best are near-ties, resolved by the smallest backlog and then
-  by rotation. See the module docstring for the choice of ``load_weight``.
-
-  Args:
-    load_weight: tokens of cached prefix one token of backlog is worth (>= 0);
-      0 routes by prefix alone (ties by load).
-    tie_tokens: score tolerance (tokens, >= 0) under which replicas count as tied.
-    name: label used in reports.
+  Picks ``argmax_i matched_i - load_weight * backlog_i`` (tokens, ``load_weight >=
+  0``); scores within ``tie_tokens`` of the best tie, resolved by the smallest backlog,
+  then by rotation. A session thus sticks to its replica until that backlog exceeds
+  its history's length over ``load_weight``.
   """
 
   needs_probe = True
@@ -308,9 +236,7 @@ class RouteDecision:
   """Where one request went and what it got.
 
   Attributes:
-    replica: compute replica that served the request.
     matched_tokens: int64[N] probe results at routing time (zeros without a probe).
-    outcome: what the serving cache did.
     wait_s: queueing delay in the load model.
   """
 
@@ -334,9 +260,6 @@ class ClusterStats:
   Attributes:
     name: router (or baseline) label.
     num_replicas: compute replicas N.
-    num_requests, rejected: requests seen, requests that did not fit.
-    prompt_tokens, hit_tokens: prompt tokens seen and served from a cache.
-    evicted_tokens, evicted_nodes: summed over the caches.
     assigned_tokens: int64[N] prompt tokens routed to each replica.
     assigned_requests: int64[N] requests routed to each replica.
     work_tokens: float64[N] work (load model) done by each replica.
@@ -440,14 +363,8 @@ class _ClusterBase:
 
 
 class ReplicaCluster(_ClusterBase):
-  """``N`` independent replicas (one cache each) behind a router.
-
-  Args:
-    backends: the replicas, one ``ReplicaBackend`` each.
-    router: picks the replica of every request.
-    tokens_per_s: service rate of one replica (load model).
-    output_weight: work per output token, in prompt-token units.
-  """
+  """``N`` independent replicas (one cache each) behind a router; ``tokens_per_s`` and
+  ``output_weight`` (work per output token, in prompt tokens) set the load model."""
 
   def __init__(
       self,
@@ -497,12 +414,6 @@ class GlobalCache(_ClusterBase):
 
   Every request is served by ``backend`` (build it with ``N`` times one replica's
   capacity); its compute goes to the least loaded replica (ties rotate).
-
-  Args:
-    backend: the single, shared cache and its block accounting.
-    num_replicas: compute replicas N.
-    tokens_per_s, output_weight: load model, as in ``ReplicaCluster``.
-    name: label used in reports.
   """
 
   def __init__(

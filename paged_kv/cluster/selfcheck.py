@@ -186,9 +186,8 @@ def run_lockstep(w: Workload, channel, *, kv_every: int = 2, fault: tuple | None
                  dry: bool = False) -> tuple[dict, dict]:
   """This process's part of the lockstep run; returns (report, captured K/V).
 
-  `dry`: a `DryExecutor` instead of the model (the pool's bookkeeping only: no
-  model compile; for the failure checks).
-  """
+  `dry`: a `DryExecutor` instead of the model (bookkeeping only, for the failure
+  checks)."""
   import jax  # pylint: disable=g-import-not-at-top
   import paged_kv  # pylint: disable=g-import-not-at-top
   from paged_kv.parallel import executor, sharding  # pylint: disable=g-import-not-at-top
@@ -245,12 +244,8 @@ def _raise_injected():
 
 
 def compare(reference: dict, runs: Sequence[dict], reference_kv: dict, run_kv: dict) -> list[str]:
-  """What differs between the reference and the processes of a run (empty: nothing).
-
-  Tokens of every request, the K/V captured at every step (arrays bit for bit
-  against `run_kv`, the leader's, and every process's digests), and that every
-  process of the run agrees with every other.
-  """
+  """What differs between the reference and the processes of a run (empty: nothing):
+  every request's tokens and the K/V captured at every step, bit for bit."""
   problems = []
   if sorted(reference["tokens"]) != sorted(runs[0]["tokens"]):
     problems.append(f"finished requests differ: {sorted(reference['tokens'])} vs "

@@ -10,18 +10,9 @@ once the engine has stopped), `GET /metrics` (the Prometheus exporter,
 process runs it). `stream: true`
 answers with server-sent events (`data: {...}` chunks, then `data: [DONE]`).
 
-Where the scheduler runs (`Server(engine=...)`): by default on one background thread
-(`EngineThread`); the handlers run on uvicorn's event loop and hand requests over
-through the thread's inbox; each request's chunks come back through an
-`asyncio.Queue`, every step's chunks in one `loop.call_soon_threadsafe`. With
-`engine="loop"` the scheduler is a task of the event loop itself (`EngineTask`):
-no interpreter-lock hand-offs between the two, but the loop parses requests only
-between steps. With `engine="process"` it runs in a process of its own
-(`EngineProcess`, which builds the `LLM` there: pass a callable that builds it);
-this process parses, tokenizes, decodes the tokens each step sends and writes the
-responses. A client that disconnects (mid-stream, or while a
-non-streamed request runs) gets its request aborted: its row and blocks go back
-to the pool at once.
+`Server(engine=...)` runs the scheduler on a thread (`EngineThread`, the default),
+as a task of the event loop (`EngineTask`) or in a process (`EngineProcess`); see
+docs/server.md. A client that disconnects gets its request aborted at once.
 
 Status codes: 400 for a request the API refuses (OpenAI's error body names the
 field), 404 for another model's name, 429 when `max_queued` requests are already

@@ -1,37 +1,13 @@
 """`EngineProcess`: a server's `Engine` in a process of its own, driven over a pipe
 from the server's event loop.
 
-The third place a server can run its scheduler (`Server(engine="process")`), after
-a thread of the server's process (`EngineThread`) and a task of its event loop
-(`EngineTask`): the scheduler's steps and the HTTP path (parsing, tokenizing,
-detokenizing, JSON, server-sent events) never wait for one interpreter lock, and
-each has a core. vLLM's V1 engine splits the same way (AsyncLLM / EngineCore over
-ZMQ); here with the standard library: `multiprocessing` (spawn) and one duplex pipe.
-
-The engine process builds the `LLM` itself by calling a picklable `make` (for a
-checkpoint, `functools.partial(LLM, path, ...)`: no model crosses the pipe), sends
-`("ready", ServedModel)` (the tokenizer, the context, the vocabulary), then loops:
-it applies the commands that arrived (add, abort, call, stop), runs one scheduler
-step and sends one message with every row's new tokens. Its requests are added with
-`detokenize=False`: this side decodes each request's text with the same
-`TextStream` / `StopStringMatcher` the `Engine` would use (the scheduler still
-watches stop strings, with the engine process's copy of the tokenizer).
-
-The interface is `EngineThread`'s (`submit`, `abort`, `call`, `stop`, `running`,
-`outstanding`, `max_queued`, `error`), with the same queue bound and failure
-semantics. The process starts in the constructor (which waits for `ready`);
-`start()` runs on the event loop (an app's lifespan) and makes the loop read the
-pipe (`add_reader`): a step's chunks reach their sinks, on the loop, with no thread
-between. `call(fn)` takes a picklable `fn` (a module-level function or a partial
-of one) and runs it in the engine process on its `Engine` (`served_llm()` there is
-the whole `LLM`); on the loop's own thread, which must read the answer, use
-`await acall(fn)`.
-
-Failure: a step that raises, an engine process that exits (EOF on the pipe) or a
-broken pipe stops the engine: `error` says why, every live request's sink gets a
-`RequestFailed`, submissions raise `EngineStopped`. The engine process dies with
-this one (Linux `PR_SET_PDEATHSIG` and EOF on its pipe); `stop()`, a failed start
-and garbage collection reap it.
+`Server(engine="process")`: the scheduler's steps and the HTTP path never share an
+interpreter lock (vLLM V1's AsyncLLM / EngineCore split, here with `multiprocessing`
+spawn and one duplex pipe). The engine process builds the `LLM` from a picklable
+`make`, sends `("ready", ServedModel)`, then loops: commands, one step, one message
+of new tokens. Requests are added with `detokenize=False`; this side decodes text.
+The interface and failure semantics are `EngineThread`'s; the engine process dies
+with this one (`PR_SET_PDEATHSIG`, EOF on its pipe). Details: docs/server.md.
 """
 
 from __future__ import annotations
@@ -89,9 +65,7 @@ def render_metrics(_engine: Any) -> str | None:
 
 
 def _portable(exc: BaseException) -> BaseException:
-  """`exc` if it survives pickling, else an `InvalidArgument` / `PagedKVError` /
-  `RuntimeError` with its text (an exception whose `__init__` differs from its
-  `args` does not unpickle)."""
+  """`exc` if it survives pickling, else a library error or `RuntimeError` with its text."""
   try:
     pickle.loads(pickle.dumps(exc))
     return exc
@@ -239,23 +213,14 @@ class _Route:
 
 
 class EngineProcess:
-  """An engine in a process of its own (see the module docstring).
+  """An engine in a process of its own, started by the constructor.
 
   Args:
-    make: a picklable callable that builds, in the engine process, the `LLM` to
-      serve (or, for tests, an object with `Engine`'s `add`, `abort`, `step` and
-      `has_work`).
-    max_queued: the most requests submitted and not finished (settable).
-    model_name: the model's label in the metrics (default: the `LLM`'s name).
+    make: a picklable callable that builds the `LLM` in the engine process (or, for
+      tests, an object with `Engine`'s `add`, `abort`, `step` and `has_work`).
     metrics: attach a `MetricsExporter` to the scheduler there (`render_metrics`).
-    start_timeout_s: the longest wait for the engine to be built.
-    compile_cache_dir: JAX's persistent compilation cache there (default: the one
-      this process has on, if any).
-
-  Attributes:
-    served: the `ServedModel` the engine process reported (None for a non-`LLM`).
-    pid: the engine process's id.
-    error: the exception that stopped the engine, or None.
+    compile_cache_dir: JAX's persistent compilation cache there (default: this
+      process's, if any).
 
   Raises (constructor):
     InvalidArgument: `make` raised it in the engine process (a bad checkpoint path,
@@ -346,17 +311,10 @@ class EngineProcess:
 
   def submit(self, request_id: Hashable, prompt_ids: Sequence[int], sampling: Any,
              max_tokens: int, sink: Sink, *, index: int = 0, final_only: bool = False) -> None:
-    """Queues a request for the engine (a refusal there reaches `sink` as a
-    `RequestFailed`). Call it on the event loop's thread (sinks run there).
-    `final_only`: one chunk per sample, when it finishes (`Engine.add`).
-
-    A request with `sampling.n > 1` counts `n`: each sample (`parallel_sampling.sample_ids`)
-    has chunks, a decoder and an `abort` of its own, all going to `sink`.
+    """As `EngineThread.submit`, on the event loop's thread (sinks run there).
 
     Raises:
-      QueueFull: `max_queued` requests are outstanding.
-      EngineStopped: the engine is not running.
-      InvalidArgument: the id is in use, or `sampling.n` is above `max_queued`.
+      QueueFull, EngineStopped, InvalidArgument: as `take_places` (also: id in use).
     """
     fronts = sample_ids(request_id, getattr(sampling, "n", 1))
     n = take_places(self, request_id, sampling,
@@ -381,14 +339,9 @@ class EngineProcess:
       self._send(("abort", rid))
 
   def call(self, fn: Callable[[Engine], Any], timeout: float | None = 30.0) -> Any:
-    """Runs the picklable `fn(engine)` in the engine process between two steps; returns
-    its result (or raises what it raised).
-
-    Raises:
-      EngineStopped: the engine is not running.
-      InvalidArgument: called on the event loop's thread (use `acall`).
-      TimeoutError: no answer within `timeout` seconds.
-    """
+    """Runs the picklable `fn(engine)` in the engine process between two steps; raises
+    as `EngineThread.call`, and `InvalidArgument` on the event loop's thread (use
+    `acall`)."""
     if threading.get_ident() == self._loop_thread:
       raise InvalidArgument("EngineProcess.call on the event loop's thread would wait for "
                             "the loop itself: await acall(fn) there")
@@ -399,9 +352,7 @@ class EngineProcess:
     return await asyncio.wrap_future(self._call(fn))
 
   def stop(self, timeout: float | None = _STOP_WAIT_S) -> None:
-    """Stops the engine after its current step (live requests are aborted: their sinks
-    get their last chunk) and reaps its process. Off the loop's thread it waits up to
-    `timeout` seconds for the engine's last messages."""
+    """As `EngineThread.stop`, and reaps the process."""
     if not self._stopped.is_set():
       try:
         self._send(("stop",))  # never started: the process exits all the same

@@ -1,21 +1,9 @@
 """`EngineTask`: an `Engine` stepped by a task of the server's own asyncio loop.
 
-The alternative to `EngineThread` for a server: one thread holds both the HTTP
-handlers and the scheduler, so no step waits for the interpreter lock while the
-loop parses a request (and the other way round), and the chunks of a step reach
-their requests without a cross-thread wake-up. Between two steps the task yields
-to the loop once (`await asyncio.sleep(0)`): the loop reads the sockets that are
-ready and runs the handlers, whose requests join the next step. The cost is that a
-step holds the loop for its host time (and, where the step waits for its device
-result, that wait): requests are parsed between steps, not during them. This is
-the design of vLLM's first `AsyncLLMEngine`; its second runs the engine in its own
-process instead.
-
-The interface is `EngineThread`'s (`submit`, `abort`, `call`, `stop`, `running`,
-`outstanding`, `error`), with the same queue bound and failure semantics:
-commands wait in the inbox until the task's next turn, and a request's chunks go
-to its sink on the loop. `start()` must run on the loop (e.g. in an app's
-lifespan); `stop()` and `call()` may come from any other thread.
+`EngineThread`'s interface and failure semantics on one thread: no interpreter-lock
+contention and no cross-thread wake-up, but a step holds the loop for its host time
+(the task yields once per step). `start()` must run on the loop; `stop()` and
+`call()` may come from any thread. Trade-offs: docs/server.md.
 """
 
 from __future__ import annotations
@@ -36,8 +24,7 @@ _log = logging.getLogger(__name__)
 
 
 class EngineTask(EngineThread):
-  """Runs `engine` as a task of the asyncio loop `start()` is called on (see the
-  module docstring). `dispatch` is not used: sinks run on the loop directly."""
+  """Runs `engine` as a task of the loop `start()` is called on; sinks run on the loop."""
 
   def __init__(self, engine: Engine, *, max_queued: int = 256,
                name: str = "paged_kv-engine"):
@@ -74,13 +61,8 @@ class EngineTask(EngineThread):
     self._poke()
 
   def call(self, fn: Callable[[Engine], Any], timeout: float | None = 30.0) -> Any:
-    """Runs `fn(engine)` between two steps and returns its result. On the loop's own
-    thread it runs at once (no step is under way while another coroutine runs).
-
-    Raises:
-      EngineStopped: the task is not running.
-      TimeoutError: no answer within `timeout` seconds.
-    """
+    """As `EngineThread.call`; on the loop's own thread it runs at once (no step is
+    under way while another coroutine runs)."""
     if not self.running:
       raise EngineStopped(self._why_stopped())
     if self._on_loop():
@@ -91,9 +73,7 @@ class EngineTask(EngineThread):
     return future.result(timeout)
 
   def stop(self, timeout: float | None = 30.0) -> None:
-    """Stops the task after its current step; live requests are aborted (their sinks
-    get their last chunk). From another thread it waits up to `timeout` seconds for
-    the task to end; on the loop's thread it returns at once."""
+    """As `EngineThread.stop`; on the loop's thread it returns without waiting."""
     self._stop.set()
     self._inbox.put(("stop", None))
     if self._task is None:

@@ -1,21 +1,11 @@
 """`EngineThread`: one background thread runs an `Engine`; other threads talk to it
-through a thread-safe inbox and per-request callbacks.
+through a thread-safe inbox and per-request sinks.
 
-JAX programs of one scheduler must not be dispatched from several threads at once
-(each step donates the pool's state), so exactly one thread touches the `Engine`:
-this one. A server's handlers (any thread, or an asyncio loop) call `submit`,
-`abort` and `call`; they return at once, and the thread applies them between two
-scheduler steps, in order. Each request's chunks go to the `sink` its `submit`
-gave, called on the engine thread; or, with a `dispatch` callback, handed over
-once per step as one list of `(sink, item)` pairs (an asyncio server passes a
-function that schedules them on its loop with one `loop.call_soon_threadsafe`:
-one wake-up of the loop per step, not one per request).
-
-The number of requests submitted and not finished is bounded (`max_queued`):
-`submit` raises `QueueFull` beyond it, `EngineStopped` once the thread has stopped
-(or died: `error` says why). A request with `sampling.n > 1` counts `n`: each of its
-samples is a request with chunks of its own (`parallel_sampling.sample_ids`), all
-going to its sink.
+One thread touches the `Engine` because each step donates the pool's state. `submit`,
+`abort` and `call` return at once; the thread applies them between two steps, in
+order. Chunks go to each request's sink on the engine thread, or, with `dispatch`,
+once per step as one list of `(sink, item)` pairs (one loop wake-up per step).
+Requests outstanding are bounded by `max_queued`; one with `sampling.n > 1` counts `n`.
 """
 
 from __future__ import annotations
@@ -51,12 +41,7 @@ class EngineStopped(PagedKVError):
 
 @dataclasses.dataclass(frozen=True)
 class RequestFailed:
-  """A request's last item when it could not be served.
-
-  Attributes:
-    request_id: the request.
-    error: the exception (`InvalidArgument` & co. when `Engine.add` refused it).
-  """
+  """A request's last item when it could not be served (`error`: why)."""
 
   request_id: Hashable
   error: BaseException
@@ -64,11 +49,10 @@ class RequestFailed:
 
 def take_places(engine: Any, request_id: Hashable, sampling: Any,
                 in_use: Callable[[], bool] | None = None) -> int:
-  """Counts a request's `sampling.n` samples against `engine`'s queue bound, under its
-  lock (`EngineThread` and `EngineProcess`); returns `n`.
+  """Counts a request's `sampling.n` samples against `engine`'s queue bound; returns `n`.
 
   Raises:
-    InvalidArgument: `n` above `max_queued` (it could never be queued), or `in_use()`.
+    InvalidArgument: `n` above `max_queued`, or `in_use()`.
     EngineStopped: the engine is not running.
     QueueFull: the samples do not fit beside the outstanding requests.
   """
@@ -90,13 +74,8 @@ def take_places(engine: Any, request_id: Hashable, sampling: Any,
 
 
 class EngineThread:
-  """Runs `engine` on a daemon thread (see the module docstring).
-
-  Attributes:
-    engine: the `Engine` (touch it only through `call`).
-    max_queued: the most requests submitted and not finished (settable).
-    error: the exception that stopped the thread, or None.
-  """
+  """Runs `engine` on a daemon thread; touch `engine` only through `call`. `error`:
+  the exception that stopped the thread, or None."""
 
   def __init__(self, engine: Engine, *, max_queued: int = 256, idle_wait_s: float = 0.05,
                dispatch: Callable[[list[tuple[Sink, Any]]], None] | None = None,
@@ -130,27 +109,18 @@ class EngineThread:
 
   def submit(self, request_id: Hashable, prompt_ids: Sequence[int], sampling: Any,
              max_tokens: int, sink: Sink, *, index: int = 0, final_only: bool = False) -> None:
-    """Queues a request for the engine (`Engine.add` runs on the thread; a refusal
-    there reaches `sink` as a `RequestFailed`, one per sample). `final_only`: `sink`
-    gets one chunk per sample, when it finishes (`Engine.add`).
-
-    Raises:
-      QueueFull: `max_queued` requests are outstanding.
-      EngineStopped: the thread is not running.
-      InvalidArgument: `sampling.n` above `max_queued` (it could never be queued).
-    """
+    """Queues a request; `Engine.add` runs on the thread and a refusal there reaches
+    `sink` as a `RequestFailed` per sample. Raises as `take_places`."""
     take_places(self, request_id, sampling)
     self._inbox.put(("add", (request_id, list(prompt_ids), sampling, max_tokens, sink, index,
                              final_only)))
 
   def abort(self, request_id: Hashable) -> None:
-    """Ends a request (its row and blocks are released on the thread); its last chunk
-    (`finish_reason="abort"`) goes to its sink. Unknown ids are ignored."""
+    """Ends a request; its last chunk goes to its sink. Unknown ids are ignored."""
     self._inbox.put(("abort", request_id))
 
   def call(self, fn: Callable[[Engine], Any], timeout: float | None = 30.0) -> Any:
-    """Runs `fn(engine)` on the engine thread between two steps; returns its result
-    (or raises what it raised).
+    """Runs `fn(engine)` on the engine thread between two steps; returns its result.
 
     Raises:
       EngineStopped: the thread is not running.
@@ -228,8 +198,7 @@ class EngineThread:
           future.set_exception(exc)
 
   def _drain_inbox(self) -> None:
-    """Applies every queued command, in order, before the next step; a "stop" sets the
-    stop flag and leaves the rest for `_shutdown`."""
+    """Applies the queued commands in order; a "stop" leaves the rest for `_shutdown`."""
     while True:
       try:
         kind, arg = self._inbox.get_nowait()

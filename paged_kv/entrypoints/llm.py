@@ -5,37 +5,10 @@
                      max_tokens=32)
   print(out[0].text, out[0].finish_reason)
 
-`LLM` loads a Hugging Face checkpoint (`paged_kv.model.hf_checkpoint`) and its
-tokenizer (`paged_kv.model.tokenizer`), or takes a model and a tokenizer, sizes a
-pool (`pool_blocks`, below), and serves through the library's `Scheduler` and
-`ModelExecutor` with the default `SchedulerConfig` (the overlapped loop): the
-facade adds no loop of its own, so it gets faster when the loop does.
-
-  * `generate(prompts, sampling, max_tokens=)` runs prompts (text, or token ids)
-    to the end and returns one `Completion` each: text, token ids, per-token
-    logprobs when asked for, and an OpenAI-style `finish_reason`; with
-    `sampling.n > 1`, the prompt's `n` completions (`Completion.sample`), its prompt
-    computed once (`paged_kv.scheduler.parallel_sampling`).
-  * `stream(...)` yields `CompletionChunk`s as the steps produce tokens; `abort(id)`
-    ends a request between two chunks (its blocks go back to the pool at once).
-  * A prompt whose tokens plus `max_tokens` exceed the model's context
-    (`max_position_embeddings`, or the `max_seq_len` given) is refused with
-    `ContextLengthExceeded`, before anything is submitted.
-
-`Engine` is the single-threaded core both use: it owns the scheduler, turns
-prompts into `Request`s and each step's tokens into chunks with their text. A
-server runs one `Engine` on one thread (`paged_kv.entrypoints.engine_thread`).
-
-**Pool sizing** (`pool_blocks`): `num_blocks` when given; otherwise the bytes
-`kv_cache_bytes` (when given) or `memory_fraction` of the device's free memory
-measured after the weights are loaded (`paged_kv.core.device_memory.free_bytes`:
-the allocator's limit minus what is in use on a GPU; `MemAvailable` on a CPU
-host), divided by one block's bytes, then clamped: at least one sequence of
-`max_seq_len` tokens, at most twice what `max_batch` such sequences hold (the
-second half for the prefix cache; more would sit unused). `memory_fraction`
-defaults to 0.8 on an accelerator (the rest for activations, logits and the
-compiled programs' scratch) and 0.25 on a CPU host (the host runs everything
-else too).
+`LLM` loads a Hugging Face checkpoint and its tokenizer (or takes a model and a
+tokenizer), sizes a pool (`pool_blocks`) and serves through the library's
+`Scheduler` and `ModelExecutor`: the facade adds no loop of its own. `Engine` is the
+single-threaded core it and the server share: prompts in, `CompletionChunk`s out.
 """
 
 from __future__ import annotations
@@ -68,13 +41,7 @@ FINISH_REASONS = {"length": "length", "table_full": "length", "stop_token": "sto
 
 
 class ContextLengthExceeded(InvalidArgument):
-  """The prompt plus `max_tokens` exceed the model's context (`max_seq_len`).
-
-  Attributes:
-    prompt_tokens: the prompt's tokens.
-    max_tokens: the tokens asked for.
-    max_seq_len: the context the model serves.
-  """
+  """The prompt plus `max_tokens` exceed the model's context (`max_seq_len`)."""
 
   def __init__(self, prompt_tokens: int, max_tokens: int, max_seq_len: int):
     self.prompt_tokens, self.max_tokens, self.max_seq_len = prompt_tokens, max_tokens, max_seq_len
@@ -92,8 +59,7 @@ class TokenLogprob:
     token_id: the token.
     logprob: its log-probability under the model (before sampling's truncation).
     top: `((token_id, logprob), ...)`: the `logprobs` most likely tokens, best first.
-    rank: its rank there (1: the most likely), for a prompt token; None for a
-      generated one.
+    rank: its rank there (1: the most likely) for a prompt token; None if generated.
   """
 
   token_id: int
@@ -118,11 +84,8 @@ class Completion:
       sequence's table was full) or `"abort"`.
     stop_reason: the scheduler's `Request.stop_reason`.
     sample: which of the prompt's `sampling.n` samples (0 when `n == 1`).
-    prompt_logprobs: with `sampling.prompt_logprobs` (an `LLM` built with
-      `prompt_logprobs=True`), one entry per prompt token: None for the first, then
-      its `TokenLogprob` given the tokens before it (`rank` set; `top` the
-      `prompt_logprobs` most likely there); None otherwise. Every sample of a
-      prompt carries its prompt's.
+    prompt_logprobs: with `sampling.prompt_logprobs`, one entry per prompt token
+      (None for the first, then a `TokenLogprob` with `rank` set); else None.
   """
 
   request_id: Hashable
@@ -143,8 +106,8 @@ class CompletionChunk:
   Attributes:
     request_id: the request's id (a sample's own, as `Completion.request_id`).
     index: its prompt's position in the `stream` / `generate` call's prompts.
-    text: the new text (may be "" while a multi-byte character is incomplete);
-      None without a tokenizer.
+    text: the new text ("" while a multi-byte character is incomplete); None
+      without a tokenizer.
     token_ids: the new tokens.
     logprobs: their `TokenLogprob`s when asked for, else None.
     finished: whether this is the request's last chunk.
@@ -168,14 +131,8 @@ class CompletionChunk:
 
 @dataclasses.dataclass(frozen=True)
 class PoolSizing:
-  """How `pool_blocks` sized a pool (`LLM.sizing`).
-
-  Attributes:
-    num_blocks: the pool's blocks.
-    block_bytes: one block's K/V bytes (all layers).
-    budget_bytes: the bytes the rule divided (None when `num_blocks` was given).
-    rule: which branch decided, in words.
-  """
+  """How `pool_blocks` sized a pool (`LLM.sizing`); `block_bytes` counts all layers,
+  `budget_bytes` is None when `num_blocks` was given, `rule` says which branch decided."""
 
   num_blocks: int
   block_bytes: int
@@ -186,7 +143,12 @@ class PoolSizing:
 def pool_blocks(*, block_bytes: int, block_size: int, max_seq_len: int, max_batch: int,
                 num_blocks: int | None = None, kv_cache_bytes: int | None = None,
                 free_bytes: int | None = None, memory_fraction: float = 0.8) -> PoolSizing:
-  """The pool's blocks by the rule of the module docstring (pure: every input given).
+  """The pool's blocks: `num_blocks` if given, else a byte budget over one block's bytes.
+
+  The budget is `kv_cache_bytes`, or `memory_fraction` of `free_bytes` (free device
+  memory after the weights; `LLM` defaults the fraction to 0.8 on an accelerator,
+  0.25 on a CPU host). The count is clamped to at most twice what `max_batch`
+  full-length sequences hold (the second half for the prefix cache).
 
   Raises:
     InvalidArgument: a non-positive size, or a budget below one full-length sequence
@@ -280,12 +242,10 @@ class _Tracker:
 
 
 class Engine:
-  """The single-threaded core of `LLM` and of the server: a scheduler, a tokenizer,
-  and the requests it serves as chunks of text.
+  """The single-threaded core of `LLM` and of the server: requests in, chunks out.
 
-  Call it from one thread at a time (the scheduler steps JAX programs on the pool's
-  donated state). `add` queues a request, `step` runs one scheduler step and returns
-  the chunks it produced (every live request's, in submit order), `abort` ends one.
+  One thread at a time (the scheduler steps JAX programs on donated state). `step`
+  returns the chunks one scheduler step produced, in submit order.
   """
 
   def __init__(self, scheduler: Any, tokenizer: Any, *, max_seq_len: int, vocab_size: int,
@@ -322,12 +282,7 @@ class Engine:
     return bool(self._live) or not self.scheduler.idle
 
   def encode(self, prompt: str | Sequence[int]) -> list[int]:
-    """A prompt's token ids: text through the tokenizer, ids checked against the vocabulary.
-
-    Raises:
-      InvalidArgument: empty, not text or ints, an id outside [0, vocab), or text
-        without a tokenizer.
-    """
+    """As `encode_prompt`, with this engine's tokenizer and vocabulary."""
     return encode_prompt(prompt, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
 
   def check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -339,14 +294,10 @@ class Engine:
           index: int = 0, detokenize: bool = True, final_only: bool = False) -> Hashable:
     """Queues one request; returns its id (a fresh `"req-<n>"` unless given).
 
-    The checkpoint's end-of-sequence ids join `sampling.stop_token_ids` (unless the
-    sampling has a true `ignore_eos`). With `sampling.n > 1` its samples are live
-    requests too (`request(id).samples`, ids `parallel_sampling.sample_ids`), each
-    with chunks of its own. With `detokenize=False` its chunks carry token ids only
-    (`text` None): the caller decodes them (a server's front process). With
-    `final_only=True` it has one chunk, when it finishes, holding all its tokens,
-    logprobs and text (decoded once then, not token by token): for a caller that
-    wants whole completions (vLLM's `RequestOutputKind.FINAL_ONLY`).
+    The checkpoint's end-of-sequence ids join `sampling.stop_token_ids` unless
+    `ignore_eos`. With `sampling.n > 1` each sample is a live request with its own
+    chunks. `detokenize=False`: chunks carry ids only (the caller decodes).
+    `final_only=True`: one chunk when it finishes, its text decoded once.
 
     Raises:
       ContextLengthExceeded: prompt plus `max_tokens` beyond `max_seq_len`.
@@ -380,8 +331,7 @@ class Engine:
     return rid
 
   def abort(self, request_id: Hashable) -> CompletionChunk | None:
-    """Ends a live request now (its row and blocks are released at once); returns its
-    last chunk, or None if no live request has this id (finished already)."""
+    """Ends a live request now, releasing its blocks; its last chunk, or None if unknown."""
     tracker = self._live.get(request_id)
     if tracker is None:
       return None
@@ -390,8 +340,8 @@ class Engine:
     return self._chunk(tracker)
 
   def step(self) -> list[CompletionChunk]:
-    """One scheduler step (when it has work); the chunks of the requests that got
-    tokens or finished, and of requests that ended between steps."""
+    """One scheduler step (when it has work); the chunks of requests that got tokens
+    or finished, here or between steps."""
     chunks = [self._chunk(t) for t in list(self._live.values()) if t.req.done]
     if not self.scheduler.idle:
       self._changed = []
@@ -411,8 +361,8 @@ class Engine:
 
   @staticmethod
   def _one_token_texts(trackers: list[_Tracker]) -> list[str | None]:
-    """The new text of each tracker that got one token through a plain `TextStream`,
-    decoded together (`TextStream.add_each`); None for the others (`_chunk` decodes)."""
+    """Decodes together the trackers that got one token through a plain `TextStream`;
+    None for the others."""
     out: list[str | None] = [None] * len(trackers)
     one = [i for i, t in enumerate(trackers)
            if type(t.stream) is TextStream and len(t.req.output) == t.sent + 1]  # pylint: disable=unidiomatic-typecheck
@@ -436,8 +386,7 @@ class Engine:
 
   @staticmethod
   def prompt_logprobs(req: Request) -> tuple[TokenLogprob | None, ...] | None:
-    """The prompt logprobs of `req` (its first sample's, for a sample), or None when
-    its sampling did not ask (see `Completion.prompt_logprobs`)."""
+    """As `Completion.prompt_logprobs` (a sample's are its prompt's)."""
     req = req.sample_of or req
     sp = req.sampling
     if sp is None or sp.prompt_logprobs is None:
@@ -463,8 +412,7 @@ class Engine:
                         tuple((int(t), float(lp)) for t, lp in list(alternatives)[:top]))
 
   def _chunk(self, tracker: _Tracker, text: str | None = None) -> CompletionChunk:
-    """The chunk of `tracker`'s tokens since its last one; `text`: their text, already
-    added to its stream (None: added here)."""
+    """The chunk of `tracker`'s tokens since its last one (`text` if decoded already)."""
     req = tracker.req
     new = req.output[tracker.sent:]
     start, tracker.sent = tracker.sent, len(req.output)
@@ -494,11 +442,6 @@ class Engine:
 
 class LLM:
   """Generate text from a checkpoint directory, or from a model and a tokenizer.
-
-  Example:
-    llm = paged_kv.LLM("Qwen2-0.5B", max_seq_len=4096)
-    for chunk in llm.stream("Once upon a time", max_tokens=64):
-      print(chunk.text, end="", flush=True)
 
   Attributes:
     engine: the `Engine` (scheduler, tokenizer, live requests).
@@ -530,18 +473,13 @@ class LLM:
         `max_position_embeddings` (needed with `model`).
       dtype: the checkpoint's dtype (default its `torch_dtype`).
       eos_token_ids: tokens that end every request (default: the tokenizer's and
-        the checkpoint's end-of-sequence ids).
-      max_batch: sequences per step.
-      block_size: tokens per block.
+        the checkpoint's).
       num_blocks, kv_cache_bytes, memory_fraction: the pool's size (`pool_blocks`).
-      scheduler_config: a `SchedulerConfig` (default: `SchedulerConfig(max_batch=...,
-        max_logprobs=20)`, overlapped); its `max_seq_len` is set to the context.
+      scheduler_config: default `SchedulerConfig(max_batch=..., max_logprobs=20)`;
+        its `max_seq_len` is set to the context.
       impl: the attention path (`None`: `paged_kv.model.default_impl()`).
-      warmup: compile every program of the serving path now (`Scheduler.warmup()`).
-      model_name: the name a server reports (default: the directory's name).
-      prompt_logprobs: serve `SamplingParams.prompt_logprobs` (`ModelExecutor`'s
-        flag: their step programs compile too, in the warm-up or on first use);
-        False: such requests are refused.
+      warmup: compile every program of the serving path now.
+      prompt_logprobs: serve `SamplingParams.prompt_logprobs` (False: refused).
 
     Raises:
       InvalidArgument: no such directory, neither or both of `checkpoint` and
@@ -618,10 +556,7 @@ class LLM:
 
   @property
   def attention_impl(self) -> str:
-    """The decode attention path the model's steps use: `impl` when one was given,
-    else what `paged_kv.model.default_impl` picks for this backend and shape
-    (`"xla"` on a CPU; on a GPU `"mosaic"`, `"pallas"` or `"xla"`, a fallback warned
-    about once with its reason)."""
+    """The decode attention path in use: `impl` if given, else `default_impl`'s pick."""
     from paged_kv.model import default_impl  # pylint: disable=import-outside-toplevel
     impl = self.scheduler.executor.kernel_args.get("impl")
     if impl is not None:
@@ -666,23 +601,19 @@ class LLM:
       max_tokens: tokens to generate per prompt (default `DEFAULT_MAX_TOKENS`).
 
     Yields:
-      `CompletionChunk`s (`index`: the prompt's position); each request's last one has
-      `finished=True`. `abort(chunk.request_id)` between two chunks ends a request;
-      its last chunk (`finish_reason="abort"`) comes next. Closing the iterator early
-      aborts the requests not finished.
+      `CompletionChunk`s; each request's last has `finished=True`. Closing the
+      iterator early aborts the requests not finished.
 
     Raises:
-      ContextLengthExceeded, InvalidArgument: when called (the prompts are checked
-        then), before anything is queued; the requests are queued when the iteration
-        starts.
+      ContextLengthExceeded, InvalidArgument: when called, before anything is queued
+        (the requests are queued when the iteration starts).
     """
     planned = self._requests(prompts, sampling, max_tokens)
     return (chunk for chunk, _ in self._run(planned))
 
   def _run(self, planned: list, *, final_only: bool = False
            ) -> Iterator[tuple[CompletionChunk, Request]]:
-    """Queues `planned` requests and yields (chunk, its request) until all finished
-    (`final_only`: only their last chunks, as `Engine.add`)."""
+    """Queues `planned` and yields (chunk, request) until all finished."""
     engine = self.engine
     reqs: dict[Hashable, Request] = {}
     try:
@@ -726,15 +657,9 @@ class LLM:
   def generate(self, prompts: Any,
                sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
                max_tokens: int | Sequence[int] | None = None) -> list[Completion]:
-    """Runs the prompts to the end; one `Completion` per prompt, in order (with
-    `sampling.n > 1`, the prompt's `n`, by `Completion.sample`).
+    """Runs the prompts to the end; one `Completion` per prompt and sample, in order.
 
-    Arguments as `stream`'s.
-
-    Raises:
-      ContextLengthExceeded: a prompt plus its `max_tokens` beyond `max_seq_len`
-        (nothing was queued).
-      InvalidArgument: a bad prompt, sampling or `max_tokens` (nothing was queued).
+    Arguments and errors as `stream`'s (nothing is queued on an error).
     """
     texts: dict[tuple[int, int], list[str]] = {}
     done: dict[tuple[int, int], Completion] = {}
@@ -749,9 +674,8 @@ class LLM:
     return [done[k] for k in sorted(done)]
 
   def abort(self, request_id: Hashable) -> None:
-    """Ends a request now, with its samples when `sampling.n > 1` (a sample's own id
-    ends that sample alone); its last chunks come next from `stream`. Rows and blocks
-    are released at once. Unknown or finished ids are ignored."""
+    """Ends a request and its samples now (a sample's id: that sample alone); its last
+    chunks come next from `stream`. Unknown or finished ids are ignored."""
     req = self.engine.request(request_id)
     for r in () if req is None else (req, *req.samples):
       if not r.done:
@@ -760,17 +684,8 @@ class LLM:
 
 @dataclasses.dataclass(frozen=True)
 class ServedModel:
-  """What a server's front needs of the `LLM` it serves, wherever its engine runs (a
-  thread of this process, or another process: picklable, no model inside).
-
-  Attributes:
-    model_name: the name the API lists.
-    max_seq_len: the longest prompt + output.
-    vocab_size: the model's vocabulary (token-id prompts are checked against it).
-    max_logprobs: the scheduler's widest logprobs (`SchedulerConfig.max_logprobs`).
-    tokenizer: the `Tokenizer`, or None (prompts are token ids, no text out).
-    sizing: how the pool was sized, or None.
-  """
+  """What a server's front needs of the `LLM` it serves: picklable, no model inside,
+  so the engine may run in another process."""
 
   model_name: str
   max_seq_len: int

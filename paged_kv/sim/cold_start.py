@@ -1,17 +1,10 @@
 """Cold start, measured in a fresh process: shared by `examples/bench_cold_start.py`
 and `tools/gpu_check.sh`.
 
-`measure(spec)` launches `python -m paged_kv.sim.cold_start SPEC` and returns the
-seconds from the launch to each milestone of a server's start: the library
-imported, the checkpoint loaded (`hf_checkpoint.load_checkpoint`), the pool +
-`ModelExecutor` + `Scheduler` built, `Scheduler.warmup()` done (with its programs,
-XLA compiles and persistent-cache loads), and one request's first token. A fresh
-process is the only honest measure: JAX's in-memory caches, the imported modules
-and the loaded weights of an earlier run would otherwise hide what a restart pays.
-
-`ColdStartSpec.cache_dir` names JAX's persistent compilation cache (an empty
-directory: a cold start that fills it; the same directory again: a restart that
-should load every program and compile none); None runs without one.
+`measure(spec)` times a server's start milestones (import, checkpoint load, build,
+warm-up, first token) in a fresh process: in-memory caches of an earlier run would
+hide what a restart pays. An empty `cache_dir` measures a cold start that fills the
+persistent compilation cache; the same directory again, a restart.
 """
 
 from __future__ import annotations
@@ -32,14 +25,8 @@ MARK = "COLD_START "
 class ColdStartSpec:
   """One measured start: the checkpoint, the scheduler's shape and the first request.
 
-  Attributes:
-    checkpoint: a Hugging Face checkpoint directory.
-    max_batch: the scheduler's `max_batch` (and the pool's rows).
-    max_seq_len: the tokens per sequence the pool is sized for.
-    prefill_chunk, prefill_token_budget: the scheduler's.
-    prompt_len: the first request's prompt tokens (random ids, `seed`).
-    cache_dir: JAX's persistent compilation cache directory, or None (off).
-    seed: the prompt's seed.
+  `prompt_len` random ids (`seed`) make the first request; `cache_dir` is JAX's
+  persistent compilation cache, or None (off).
   """
 
   checkpoint: str
@@ -55,13 +42,7 @@ class ColdStartSpec:
 def measure(spec: ColdStartSpec, *, timeout_s: float = 1800.0) -> dict:
   """Runs `spec` in a fresh interpreter; the seconds from its launch to `import`,
   `load`, `first_token`, plus `build_s`, `warmup_s`, `programs`, `compiles`,
-  `cache_loads` and `backend`.
-
-  Raises:
-    RuntimeError: the process failed or printed no result (its output's tail in
-      the message).
-    subprocess.TimeoutExpired: it ran past `timeout_s`.
-  """
+  `cache_loads` and `backend`. `RuntimeError` if it failed (its output's tail)."""
   env = dict(os.environ)
   root = str(pathlib.Path(__file__).resolve().parents[2])
   env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -81,8 +62,7 @@ def measure(spec: ColdStartSpec, *, timeout_s: float = 1800.0) -> dict:
 
 
 def _child(spec: ColdStartSpec) -> None:
-  """The measured start, in this process; prints one `MARK` line (wall clock times,
-  seconds since the epoch: the parent subtracts its launch time)."""
+  """The measured start; prints one `MARK` line of epoch times (the parent subtracts)."""
   # pylint: disable=import-outside-toplevel
   import jax
   import numpy as np

@@ -1,16 +1,10 @@
 """Trace replay through the real scheduler and JAX block pool, in dry mode.
 
-``replay_engine`` drives ``paged_kv.scheduler.scheduler.Scheduler`` with a
-``paged_kv.scheduler.executor.DryExecutor`` (slots reserved, no model math): requests
-arrive at their trace times, each scheduler step advances the clock by ``step_ms`` of
-trace time, and every length is divided by ``token_scale`` so an hour-long trace fits
-a CPU run (a 512-token hash block becomes ``512 // token_scale`` tokens; the prefix
-structure is kept). Output tokens are forced to fresh unique ids (a trace has lengths,
-not tokens). It measures the memory dynamics: concurrency, preemptions, OOMs by
-reason, fragmentation, packing and compaction. A request that could never fit the
-pool is rejected at submission.
-
-``ENGINE_VARIANTS`` names the configurations compared in docs/benchmarks.md.
+A ``Scheduler`` with a ``DryExecutor`` (slots reserved, no model math); each step is
+``step_ms`` of trace time and lengths are divided by ``token_scale`` (prefix structure
+kept) so an hour-long trace fits a CPU run. It measures memory dynamics: concurrency,
+preemptions, OOMs, fragmentation, packing, compaction. ``ENGINE_VARIANTS`` are the
+configurations compared in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -38,13 +32,9 @@ class EngineVariant:
   """One scheduler configuration of the engine replay.
 
   Attributes:
-    pack_tails: pack finished sequences' short tails into slotted blocks.
-    compaction: run merge compaction between steps (``CompactionPolicy()`` defaults).
-    preemption: ``"recompute"`` or ``"swap"``.
     output_reserve_ratio: share of every running sequence's remaining output kept free
       at admission (0 admits on the prompt alone).
-    governance: live/cached watermark quotas and the two-phase GC (None: plain LRU
-      eviction on demand, no regions).
+    governance: watermark quotas and the two-phase GC (None: LRU eviction on demand).
   """
 
   pack_tails: bool
@@ -78,29 +68,11 @@ class EngineResult:
   """Outcome of one engine replay.
 
   Attributes:
-    label: a name for reports (usually the trace file).
-    variant: the ``ENGINE_VARIANTS`` key.
-    submitted: requests submitted.
     rejected: requests refused at submission (they can never fit).
-    finished: requests finished.
-    steps: scheduler steps.
-    max_running: the most sequences running at once.
-    preemptions: preemptions (recompute or swap).
-    swap_bytes: bytes swapped to host.
-    hit_rate: prefix-cache hit rate (tokens).
-    oom: OOM events by reason.
-    frag_mean: mean fragmentation ratio over the snapshots.
-    frag_p99: p99 fragmentation ratio.
-    internal_frag_mean: mean internal fragmentation.
-    utilization_mean: mean block-pool utilization.
-    compaction_moves: blocks moved by compaction.
-    compaction_bytes: bytes those moves copied.
+    frag_mean, frag_p99: fragmentation ratio over the snapshots.
     delayed: requests that waited at least one step before their admission.
     delay_steps_mean: mean steps from submit to admission over the delayed ones.
     quota_holds: admissions held back by the live quota (governance).
-    gc_evicted_tokens: tokens evicted from GC-marked nodes.
-    pack_moves: tails packed into slotted blocks.
-    wall_s: wall time in seconds.
   """
 
   label: str
@@ -143,20 +115,8 @@ def replay_engine(
 ) -> EngineResult:
   """Replays ``requests`` through a ``Scheduler`` with a ``DryExecutor``.
 
-  Args:
-    requests: trace rows in arrival order.
-    variant: an ``ENGINE_VARIANTS`` key.
-    label: a name for the result.
-    pool_tokens: pool size in tokens (after scaling).
-    block_size: tokens per block.
-    token_scale: every length is divided by this.
-    step_ms: trace time per scheduler step.
-    max_batch: sequences per step.
-    policy: the cache's eviction policy.
-    on_step: called with the scheduler before every step (e.g. a progress bar).
-
-  Returns:
-    The totals; the scheduler's invariants are checked at the end.
+  ``pool_tokens`` counts tokens after scaling; ``on_step`` is called with the
+  scheduler before every step. The scheduler's invariants are checked at the end.
   """
   if variant not in ENGINE_VARIANTS:
     raise ValueError(f"unknown variant {variant!r}; choose from {sorted(ENGINE_VARIANTS)}")

@@ -1,10 +1,8 @@
 """Block accounting on the host (numpy): the pool model of the simulated replays.
 
-``HostBlockPool`` keeps only what a prefix-cache replay needs from a block pool: a
-reference count per block (segments of sequences + segments of cache nodes, as in
-``paged_kv``'s ``BlockMeta.ref_count``) and lowest-address-first allocation. No pages,
-no segment tables, no JAX: a full one-hour trace replays in seconds. The real pool is
-``paged_kv.BlockPool``; ``paged_kv.sim.engine_replay`` replays through it.
+Only what a prefix-cache replay needs of a block pool: a reference count per block
+and lowest-address-first allocation, so a one-hour trace replays in seconds.
+``engine_replay`` replays through the real ``BlockPool``.
 """
 
 from __future__ import annotations
@@ -17,15 +15,8 @@ __all__ = ["HostBlockPool"]
 class HostBlockPool:
   """Host block accounting: ref counts, lowest-address-first allocation.
 
-  ``ref_count[b]`` counts segment references (sequences + cache), as in paged_kv; a
-  block is free iff its count is 0. With ``num_blocks=None`` the pool is unlimited
-  (it grows on demand).
-
-  Attributes:
-    block_size: tokens per block.
-    unlimited: True when the pool grows on demand.
-    num_free: free blocks.
-    peak_used: the most blocks in use at once so far.
+  ``ref_count[b]`` counts segment references (sequences + cache); a block is free iff
+  its count is 0. ``num_blocks=None``: unlimited (it grows on demand).
   """
 
   def __init__(self, num_blocks: int | None, block_size: int):
@@ -79,10 +70,7 @@ class HostBlockPool:
 
   def change_refs(self, block_ids: np.ndarray, deltas: np.ndarray | int) -> None:
     """``ref_count[block_ids] += deltas`` (repeats allowed); frees blocks that reach 0.
-
-    Raises:
-      RuntimeError: a count would go below 0 (the caller's deltas drifted).
-    """
+    RuntimeError if a count would go below 0."""
     block_ids = np.asarray(block_ids)
     if block_ids.size == 0:
       return
@@ -98,10 +86,8 @@ class HostBlockPool:
       self._low = min(self._low, int(gone[0]))
 
   def fresh_segments(self, num_tokens: int) -> np.ndarray | None:
-    """i32[k, 3] ``(block, start, length)`` segments over new blocks for ``num_tokens``.
-
-    None when the pool has too few free blocks (nothing is allocated then).
-    """
+    """i32[k, 3] ``(block, start, length)`` segments over new blocks for ``num_tokens``;
+    None (nothing allocated) when too few blocks are free."""
     bs = self.block_size
     n = -(-num_tokens // bs)
     ids = self.allocate(n)

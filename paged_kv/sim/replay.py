@@ -1,23 +1,10 @@
 """Simulated trace replay: a radix prefix cache over host block accounting.
 
-No attention math and no device. Requests are served one at a time in arrival order
-(``serve_request``): match the prompt in the prefix cache, open a sequence on the
-matched segments, allocate blocks for the rest of the prompt (evicting from the cache
-when the pool is full), insert the finished sequence into the cache, release the
-sequence. Block accounting is a ``HostBlockPool`` (lowest address first) that applies
-exactly the reference deltas the cache returns. The cache's clock is the trace's own
-time (seconds).
-
-With unlimited capacity the hit tokens equal ``traces.exact_hit_bound``; a replay
-checks at the end that the pool's counts equal the cache's own references.
-
-Output tokens are not inserted by default (their ids are unknown; the next turn's hash
-ids already cover them); ``ReplayConfig.insert_output`` caches them as unique tokens
-to model their capacity cost.
-
-``SimReplica`` wraps one simulation as a ``paged_kv.cluster.routing.ReplicaBackend``,
-so the routers of ``routing`` can be compared over ``N`` simulated replicas
-(``replay_cluster``).
+No device: requests are served one at a time in arrival order (match, open, allocate
+the rest evicting as needed, insert, release) over a ``HostBlockPool`` that applies
+exactly the reference deltas the cache returns; the cache's clock is trace time. With
+unlimited capacity the hits equal ``traces.exact_hit_bound``. ``SimReplica`` makes one
+simulation a ``routing.ReplicaBackend`` for ``replay_cluster``.
 """
 
 from __future__ import annotations
@@ -55,17 +42,11 @@ class ReplayConfig:
 
   Attributes:
     capacity_tokens: pool size in tokens (0 = unlimited).
-    block_size: tokens per block.
-    policy: the cache's eviction policy (``"lru"`` or ``"cost"``).
-    insert_output: also cache each request's output tokens (unique ids).
-    namespace: cache namespace of every request.
-    label: a name for reports.
-    continue_tails: a match ending at the end of a cached partial block copies
-      that tail into the request's first fresh block and continues after it (as
-      ``CachedPool.open`` does with ``cow_split``); the cache then moves its
-      reference onto the copy, so the old block's unused slots are freed.
-    granularity: the cache's eviction granularity (``"block"``: a leaf's tail
-      blocks first; ``"node"``: whole leaves).
+    insert_output: also cache each request's output tokens as unique ids (off by
+      default: the next turn's hash ids already cover them).
+    continue_tails: a match ending in a cached partial block copies that tail into
+      a fresh block and continues there (``CachedPool.open``'s ``cow_split``).
+    granularity: eviction by ``"block"`` (a leaf's tail blocks first) or ``"node"``.
   """
 
   capacity_tokens: int
@@ -88,20 +69,8 @@ class ReplayConfig:
 class ReplayResult:
   """Totals of one replay; times in seconds.
 
-  Attributes:
-    label: the config's label.
-    capacity_tokens: the config's capacity (0 = unlimited).
-    num_requests: requests served (admitted or rejected).
-    prompt_tokens: prompt tokens of all requests.
-    hit_tokens: prompt tokens served from the cache (admitted requests).
-    rejected: requests that did not fit even with an empty cache.
-    evicted_nodes: cache nodes evicted.
-    evicted_tokens: tokens evicted.
-    eviction_calls: calls of ``PrefixCache.evict``.
-    peak_blocks: the most blocks in use at once.
-    wall_s: wall time of the replay.
-    match_s: wall time of each ``match``.
-    insert_s: wall time of each ``insert``.
+  ``rejected`` counts requests that did not fit even with an empty cache;
+  ``match_s`` / ``insert_s`` hold the wall time of each call.
   """
 
   label: str
@@ -124,15 +93,7 @@ class ReplayResult:
 
 
 class SimState:
-  """Everything one simulated replay holds: clock, cache, pool, token source.
-
-  Attributes:
-    config: the replay's configuration.
-    now: the trace time of the request being served (the cache's clock).
-    pool: block accounting (``capacity_tokens // block_size`` blocks, or unlimited).
-    cache: the prefix cache.
-    tokens: token ids of the trace's requests.
-  """
+  """Everything one simulated replay holds: clock (``now``), cache, pool, token source."""
 
   def __init__(self, requests: list[TraceRequest], config: ReplayConfig):
     self.config = config
@@ -159,10 +120,8 @@ class SimState:
     return True
 
   def check_accounting(self) -> None:
-    """Raises RuntimeError if the pool's counts differ from the cache's references.
-
-    Between requests no sequence is open, so every reference is the cache's.
-    """
+    """Raises RuntimeError if the pool's counts differ from the cache's references
+    (between requests every reference is the cache's)."""
     tree_refs = self.cache.tree_ref_counts(self.pool.num_blocks)
     if not np.array_equal(tree_refs, self.pool.ref_count):
       raise RuntimeError("pool ref_count != cache segment references after replay")
@@ -186,15 +145,9 @@ def serve_tokens(sim: SimState, prompt: np.ndarray, tokens: np.ndarray, result: 
                  timings: dict[str, list[float]] | None = None) -> bool:
   """One request given its token ids: match ``prompt``, compute the rest of ``tokens``.
 
-  ``tokens`` starts with ``prompt`` (the prompt, or the prompt and its output);
-  everything after the matched prefix gets fresh blocks (evicting as needed), then
-  ``tokens`` go into the cache and the sequence is released. Returns False (and
-  counts ``result.rejected``) when it cannot fit even with an empty cache.
-
-  Args:
-    timings: when given, appends the wall time of each step under ``"match"``,
-      ``"open"``, ``"reserve"`` (eviction and allocation), ``"insert"`` and
-      ``"release"``.
+  ``tokens`` starts with ``prompt``. Returns False (and counts ``result.rejected``)
+  when it cannot fit even with an empty cache. ``timings``: appends each phase's wall
+  time under ``"match"``, ``"open"``, ``"reserve"``, ``"insert"``, ``"release"``.
   """
   clock = time.perf_counter
   ns = sim.config.namespace
@@ -266,13 +219,7 @@ def replay_sim(
 class SimReplica:
   """A ``paged_kv.cluster.routing.ReplicaBackend`` over one simulated replay.
 
-  ``serve`` runs ``serve_request`` on the request's trace row
-  (``RoutedRequest.payload``, a ``TraceRequest``) and reports what changed in its
-  ``ReplayResult``.
-
-  Attributes:
-    sim: the replica's simulation (pool, cache, clock).
-    result: the replica's totals so far.
+  ``serve`` runs ``serve_request`` on the trace row (``RoutedRequest.payload``).
   """
 
   def __init__(self, requests: list[TraceRequest], config: ReplayConfig):
@@ -308,11 +255,8 @@ class SimReplica:
 def routed_requests(
     requests: Iterable[TraceRequest], token_source: TokenSource, namespace: Hashable = "default"
 ) -> Iterator[RoutedRequest]:
-  """Trace rows as ``RoutedRequest``s, token ids expanded lazily (one at a time).
-
-  The whole Mooncake conversation trace is ~580 MB of token ids, so they are never
-  held at once. The trace row rides along as the payload (for ``SimReplica``).
-  """
+  """Trace rows as ``RoutedRequest``s, token ids expanded lazily (the whole Mooncake
+  trace is ~580 MB of ids); the row rides along as the payload."""
   for r in requests:
     yield RoutedRequest(
         tokens=token_source.prompt(r),
@@ -331,10 +275,7 @@ def replay_cluster(
     namespace: Hashable = "default",
     progress: Progress | None = None,
 ) -> float:
-  """Submits every request to ``cluster``; checks each backend's accounting.
-
-  Returns the wall time in seconds; the statistics are ``cluster.stats``.
-  """
+  """Submits every request to ``cluster``, checks each backend's accounting; wall seconds."""
   t0 = time.perf_counter()
   rows = progress(requests) if progress else requests
   for request in routed_requests(rows, TokenSource(requests), namespace):
@@ -345,11 +286,7 @@ def replay_cluster(
 
 
 def parse_capacities(values: Iterable[str]) -> list[int]:
-  """Pool capacities in tokens from strings, each an int >= 0 (0 = unlimited).
-
-  Raises:
-    ValueError: a value is not an integer, or is negative.
-  """
+  """Pool capacities in tokens from strings, each an int >= 0 (0 = unlimited); else ValueError."""
   try:
     capacities = [int(c) for c in values]
   except ValueError as e:

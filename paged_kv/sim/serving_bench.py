@@ -1,23 +1,10 @@
 """Serving measurements shared by `examples/bench_serving.py` and `tools/gpu_check.sh`.
 
-  * `Workload`, `random_workload`, `trace_workload` — prompts and output lengths.
-  * `serving_pool_config`, `build_scheduler` — a pool sized for a workload and a
-    `Scheduler` over a `ModelExecutor`.
-  * `run_closed_loop` — `batch` concurrent requests (a finished one is replaced by
-    the next) through a warm scheduler; per-request TTFT / TPOT, per-step wall
-    times, compiles and host reads of the run (`RunResult`).
-  * `weight_bytes_per_step`, `kv_bytes_per_token`, `copy_rate` — the bandwidth
-    floor of a decode step: the weights it reads (all but an untied input
-    embedding, of which it gathers rows) plus the K/V of the batch's context,
-    over the device's copy rate measured in the same process.
-  * `device_step_seconds` / `device_step` — the device's own decode step for a batch
-    (`device_step(profile=True)` adds the per-op breakdown of JAX's profiler):
-    `PagedRunner.decode` with `steps_per_call` steps per jitted call
-    (`decode_multi`), no scheduler.
-  * `prefill_step` — one prefill chunk on an empty row, timed and profiled per op.
-  * `compare_with_reference` — served tokens against a reference implementation
-    (`paged_kv.model.hf_reference.Reference`: transformers), greedy and
-    teacher-forced.
+Workloads, a closed-loop run through a warm scheduler (`run_closed_loop`), the
+bandwidth floor of a decode step (`weight_bytes_per_step`, `kv_bytes_per_token`,
+`copy_rate`), the device's own decode and prefill steps without a scheduler
+(`device_step`, `prefill_step`), and served tokens against a reference
+(`compare_with_reference`).
 
 Definitions (those of vLLM's serving benchmark): output tokens/s = output
 tokens / wall time of the run; TTFT = first token - submit; TPOT = (last token -
@@ -105,10 +92,8 @@ def trace_workload(path: str, num_requests: int, vocab_size: int, *, skip: int =
                    scale: int = 1, max_prompt_len: int, max_output_len: int) -> Workload:
   """Requests `[skip, skip + num_requests)` of a Mooncake or Azure trace (`traces`).
 
-  Lengths are divided by `scale` (Mooncake blocks keep their prefix structure,
-  `traces.scaled_prompt`) and capped at `max_prompt_len` / `max_output_len`; token
-  ids are folded into [3, vocab) (equal ids stay equal, so shared prefixes stay
-  shared). Arrival times are not used: the run keeps a fixed concurrency.
+  Lengths are divided by `scale` and capped; token ids are folded into [3, vocab)
+  (shared prefixes stay shared). Arrival times are not used.
   """
   rows = traces.load_trace(path, skip + num_requests)[skip:]
   if len(rows) < num_requests:
@@ -148,15 +133,10 @@ class RunResult:
   """One closed-loop run.
 
   Attributes:
-    batch: concurrent requests.
-    requests: requests served.
-    output_tokens: tokens generated.
     wall_s: from the first submit to the last token.
     step_s: wall seconds of every `Scheduler.step()`.
     ttft_s, tpot_s: per request (TPOT for requests of >= 2 tokens).
-    compiles: XLA compiles during the run (0 after a warm-up).
     host_reads, dispatches: blocking device reads and bookkeeping dispatches.
-    outputs: each request's output tokens, in workload order.
   """
 
   batch: int
@@ -220,9 +200,8 @@ def run_closed_loop(sched: Scheduler, workload: Workload, batch: int, *,
 
 
 def shadow_workload(workload: Workload, vocab_size: int, seed: int) -> Workload:
-  """A workload of the same prompt and output lengths with fresh random prompts:
-  served untimed, it runs (and compiles) the steps `workload` will, without giving
-  its prompts prefix-cache hits."""
+  """Same lengths, fresh random prompts: served untimed, it compiles the steps
+  `workload` will run without giving its prompts prefix-cache hits."""
   rng = np.random.default_rng(seed)
   prompts = tuple(rng.integers(FIRST_TOKEN_ID, vocab_size, len(p)).astype(np.int32)
                   for p in workload.prompts)
@@ -293,9 +272,8 @@ def device_step_seconds(model, prompts, *, block_size: int = 16, steps_per_call:
 @dataclasses.dataclass(frozen=True)
 class DeviceStep:
   """`device_step`'s result: seconds per decode step, and with `profile=True` the
-  device time per op of one more call (`paged_kv.runtime.op_profile.OpProfile`;
-  `ops.runs` counts that call's steps, so its per-run figures are per step), or why
-  the profiler failed (`ops_error`: the timing stands without it)."""
+  per-op `OpProfile` of one more call (per-run figures are per step), or why the
+  profiler failed (`ops_error`)."""
   seconds: float
   ops: Any = None
   ops_error: str | None = None
@@ -320,8 +298,7 @@ def _profiled(fn: Callable[[], Any], *, runs: int) -> tuple[Any, str | None]:
 def device_step(model, prompts, *, block_size: int = 16, steps_per_call: int = 16,
                 calls: int = 4, prefill_chunk: int = 512, impl: str | None = None,
                 profile: bool = False) -> DeviceStep:
-  """`device_step_seconds`, and with `profile` one more `decode_multi` call traced by
-  JAX's profiler (nothing recompiled) for the per-op breakdown."""
+  """`device_step_seconds`, plus with `profile` one more call traced per op."""
   from paged_kv.model.runner import PagedRunner  # pylint: disable=import-outside-toplevel
   budget = steps_per_call * (calls + 1 + int(profile)) + 1
   pool_config = serving_pool_config(model.config, max_batch=len(prompts),
@@ -347,11 +324,8 @@ def device_step(model, prompts, *, block_size: int = 16, steps_per_call: int = 1
 
 def prefill_step(model, prompt_len: int, *, vocab: int, block_size: int = 16,
                  impl: str | None = None, seed: int = 0) -> DeviceStep:
-  """Seconds of one prefill chunk of `prompt_len` new tokens on an empty row
-  (`PagedRunner.prefill`, chunk = `prompt_len`): one untimed call on another prompt
-  (it compiles), a timed one, then one traced by JAX's profiler (`DeviceStep.ops`,
-  one run). The timed call includes its result's read (the runner reads the next
-  token)."""
+  """Seconds of one prefill chunk of `prompt_len` tokens on an empty row, after an
+  untimed compile call, then one profiled call; the timing includes the next token's read."""
   from paged_kv.model.runner import PagedRunner  # pylint: disable=import-outside-toplevel
   pool_config = serving_pool_config(model.config, max_batch=1, max_seq_len=prompt_len + 1,
                                     block_size=block_size, num_blocks=-(-(prompt_len + 1) //
@@ -385,22 +359,11 @@ def compare_with_reference(ref, prompts: dict, output_lens: dict, outputs: dict,
                            ) -> tuple[dict, float]:
   """Served outputs against `ref` (`hf_reference.Reference` or the same interface).
 
-  Args:
-    ref: has `greedy(prompts, output_lens, batch_size=)` and `check(prompts, outputs,
-      tie_tolerance=)`.
-    prompts: `{prompt set: [prompt, ...]}`.
-    output_lens: `{prompt set: [tokens to generate, ...]}`.
-    outputs: `{(prompt set, label): [served output, ...]}`, the first
-      `len(outputs[...])` prompts of the set (e.g. one entry per loop).
-    tie_tolerance: the teacher-forced check's near-tie allowance (in standard
-      deviations of the position's logits).
-    batch_size: requests per reference `generate` call.
-
-  Returns:
-    `({(prompt set, label): verdict}, reference tokens/s)`; a verdict holds
-    `compared`, `equal` (requests whose greedy tokens equal the reference's in full),
-    `first_diffs` ((request, position) of the first 8 others), `tokens` checked
-    teacher-forced, `tokens_off` and `off` (the first 8: request, position, gap).
+  `prompts` and `output_lens` map a prompt set to its lists; `outputs` maps
+  `(prompt set, label)` to served outputs for the set's first prompts.
+  `tie_tolerance` is in standard deviations of the position's logits. Returns
+  `({(prompt set, label): verdict}, reference tokens/s)`; a verdict counts greedy
+  `equal` requests and teacher-forced `tokens_off`, with the first 8 differences.
   """
   from paged_kv.model import hf_reference  # pylint: disable=import-outside-toplevel
   sizes = {p: max((len(o) for (q, _), o in outputs.items() if q == p), default=0)

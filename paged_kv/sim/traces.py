@@ -11,14 +11,9 @@ Host side, numpy only. Two formats are read:
   ``TIMESTAMP,ContextTokens,GeneratedTokens`` and one row per request with an
   absolute time (``2023-11-16 18:15:46.6805900``). No prefix information.
 
-Token ids: block hash ``h`` expands to the 512 ids ``h * 512 + j`` (``j = 0..511``),
-the last block cut to the prompt's length, so distinct hash ids give disjoint token
-ids and a token-level prefix match equals a hash-level one (``mooncake_tokens``).
-Content with no prefix information gets fresh ids that match nothing
-(``TokenSource.unique``).
-
-``exact_hit_bound`` is the hit rate of an unlimited token-level prefix cache, computed
-from the hash ids alone: what a replay with unlimited capacity must reproduce.
+Token ids: block hash ``h`` expands to the ids ``h * 512 + j``, so a token-level
+prefix match equals a hash-level one; content without prefix information gets fresh
+ids that match nothing.
 """
 
 from __future__ import annotations
@@ -71,9 +66,7 @@ class TraceRequest:
   """One trace row.
 
   Attributes:
-    arrival_s: arrival time in seconds from the start of the trace.
-    input_length: prompt tokens.
-    output_length: generated tokens.
+    arrival_s: seconds from the start of the trace.
     hash_ids: i64[ceil(input_length / 512)] Mooncake block hashes, or None when the
       trace has no prefix information.
   """
@@ -161,8 +154,7 @@ def load_trace(path: str, max_requests: int = 0) -> list[TraceRequest]:
   """Reads a trace by extension: Mooncake ``.jsonl`` or Azure ``.csv``.
 
   Raises:
-    FileNotFoundError: ``path`` does not exist (the message names the file and,
-      for a known public trace, where it comes from).
+    FileNotFoundError: no such file (for a known public trace, says where to get it).
     ValueError: an unknown extension or a malformed row.
   """
   if not path.endswith((".jsonl", ".csv")):
@@ -185,11 +177,8 @@ def mooncake_tokens(hash_ids: np.ndarray, input_length: int) -> np.ndarray:
 
 
 class TokenSource:
-  """Expands requests into token ids; unique ids for content without prefix info.
-
-  Unique ids start above every Mooncake-derived id of ``requests``, so they never
-  match anything.
-  """
+  """Expands requests into token ids; unique ids (above every Mooncake-derived id of
+  ``requests``, so they match nothing) for content without prefix info."""
 
   def __init__(self, requests: Iterable[TraceRequest]):
     top = max(
@@ -214,10 +203,8 @@ class TokenSource:
 
 
 def scaled_prompt(request: TraceRequest, tokens: TokenSource, scale: int) -> np.ndarray:
-  """i32[ceil(input_length / scale)] prompt ids with every length divided by ``scale``.
-
-  A hash block becomes ``512 // scale`` tokens, so the prefix structure is kept.
-  """
+  """i32[ceil(input_length / scale)] prompt ids; a hash block becomes ``512 // scale``
+  tokens, so the prefix structure is kept."""
   n = max(1, -(-request.input_length // scale))
   if request.hash_ids is None:
     return tokens.unique(n)
@@ -232,9 +219,8 @@ def exact_hit_bound(requests: Iterable[TraceRequest]) -> tuple[int, int]:
   """(hit tokens, prompt tokens) of an unlimited token-level prefix cache.
 
   Each request hits ``max over earlier requests p`` of ``min(512 * d_p, L, L_p)``,
-  ``d_p`` = number of leading hash ids shared with ``p``. Computed from the hash ids
-  alone: a hash id identifies a block and its whole prefix, so ``longest[h]`` = the
-  longest earlier prompt containing block ``h`` is enough.
+  ``d_p`` = leading hash ids shared with ``p``; since a hash id names a block and its
+  whole prefix, the longest earlier prompt holding each block suffices.
   """
   longest: dict[int, int] = {}
   hit = total = 0
