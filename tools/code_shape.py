@@ -5,8 +5,8 @@ source text and prints one table per question:
 
 * lines per folder and its share of the library (a folder over 20% is a drawer);
 * docstring lines as a share of all lines;
-* functions and classes whose docstring is longer than their code (public entry
-  points, the names a package's `__all__` exports, are listed apart);
+* functions whose docstring is longer than their code (public entry points, the
+  names a package's `__all__` exports and their classes' public methods, apart);
 * classes over 500 lines;
 * code that cites an issue letter or number (`issue K`, `#12`) instead of saying why.
 
@@ -98,6 +98,8 @@ def measure(root: pathlib.Path) -> Shape:
       shape.folders[folder] = shape.folders.get(folder, 0) + n
       tree = ast.parse(text)
       doc_lines: set[int] = set()
+      owner = {id(f): c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef)
+               for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
       # Module, class and function docstrings, and the string right after an
       # assignment (an attribute's docstring).
       for node in ast.walk(tree):
@@ -118,8 +120,11 @@ def measure(root: pathlib.Path) -> Shape:
             doc = span[1] - span[0] + 1
             code = total - doc  # the signature counts as code
             if doc > code:
-              shape.long_docs.append(LongDoc(rel.as_posix(), node.name, doc, code,
-                                             node.name in exported))
+              cls = owner.get(id(node))
+              public = (node.name in exported if cls is None else
+                        cls in exported and not node.name.startswith("_"))
+              name = node.name if cls is None else f"{cls}.{node.name}"
+              shape.long_docs.append(LongDoc(rel.as_posix(), name, doc, code, public))
       shape.doc_lines += len(doc_lines)
       shape.folder_docs[folder] = shape.folder_docs.get(folder, 0) + len(doc_lines)
       for i, line in enumerate(text.splitlines(), 1):
