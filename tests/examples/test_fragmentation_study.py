@@ -13,9 +13,9 @@ from absl import flags
 from absl.testing import absltest, parameterized
 import numpy as np
 
-from tests.examples import load_example
+from tests.examples import load_script
 
-fs = load_example("fragmentation_study")
+fs = load_script("benchmarks/fragmentation_study.py")
 
 if not flags.FLAGS.is_parsed():
   flags.FLAGS.mark_as_parsed()
