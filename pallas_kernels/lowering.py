@@ -13,7 +13,7 @@ passing is necessary, not sufficient.
     shapes whose kernel cannot lower there.
   * `abstract_gpu_mesh(device_kind)` / `lower_for_gpu(fn, *args)`: the lowering
     tier's entry points (`tests/kernels/test_lowering.py`, `tests/model/test_lowering.py`;
-    `pallas_kernels.compile_tier` compiles on from there).
+    the compile tier, `tests_compile/compile_tier.py`, compiles on from there).
   * `gpu_interpret_params(...)`: `plgpu.InterpretGPUParams` with the keywords the
     installed JAX knows (`on_race` is new in 0.12; the GPU machine runs 0.11.2).
   * `reserve_cpu_threads_for_gpu_interpreter()`: sizes XLA:CPU's thread pools for
