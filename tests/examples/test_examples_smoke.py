@@ -78,6 +78,8 @@ def _record(path) -> dict:
   for key in ("command", "flags", "git", "date", "machine", "jax", "results"):
     assert key in rec, (key, sorted(rec))
   assert rec["command"].startswith("python benchmarks/"), rec["command"]
+  # benchmarks.shared_flags defines --record for the script: it is among the script's flags.
+  assert rec["flags"]["record"], sorted(rec["flags"])
   return rec
 
 
