@@ -38,7 +38,7 @@ def _load_records_module():
   only, so the report runs without importing JAX (or installing the package)."""
   import importlib.util  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location(
-      "paged_kv_records", _ROOT / "benchmarks" / "records.py")
+      "benchmarks_records", _ROOT / "benchmarks" / "records.py")
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod
