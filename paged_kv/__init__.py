@@ -4,7 +4,7 @@ Folders, from the bottom up (imports point down only):
 
   paged_kv.core         pure, jitted device transitions on `PoolState`
   paged_kv.runtime      counters of dispatches, blocking reads and compiles
-  paged_kv.pool         `BlockPool`: the validating host API, decided on the host
+  paged_kv.pool.block_pool         `BlockPool`: the validating host API, decided on the host
   paged_kv.telemetry    metrics snapshots, Prometheus and JSONL export
   paged_kv.model        what model code imports: `StepMetadata`, `paged_attention`,
                         the NNX `PagedAttention` layer, jitted steps, a Llama model

@@ -9,7 +9,7 @@ passing is necessary, not sufficient.
 
 `target_platform()` is what the kernels' wrappers check to refuse, at trace time,
 shapes that cannot lower; `abstract_gpu_mesh` / `lower_for_gpu` are the lowering
-tier's entry points. Verified with JAX 0.12.0.1 and 0.11.2.
+tier's entry points (the compile tier, `tests_compile/compile_tier.py`, compiles on from there). Verified with JAX 0.12.0.1 and 0.11.2.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import subprocess
 import tempfile
 import unittest
 
-from paged_kv.telemetry import records
+from benchmarks import records
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 _SPEC = importlib.util.spec_from_file_location("gpu_check_record",

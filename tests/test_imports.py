@@ -1,11 +1,13 @@
-"""Import boundaries: what each package may load, and that `examples/` is imported by nothing.
+"""Import boundaries: what each package may load, and that no script is imported.
 
 `pip install paged-kv` (no extras) installs jax, jaxlib and numpy only; flax (extra
 `model`), absl-py and tqdm (`scripts`), optax (`train`) and chex (`test`) are extras.
 A fresh interpreter imports `paged_kv`, `radix` and `pallas_kernels`, runs a
 `BlockPool` reserve/release, and must not have loaded any of them. `radix` loads
 neither JAX nor `paged_kv`. No module anywhere imports a script of `examples/` or
-edits `sys.path` to reach one.
+`benchmarks/` (the benchmarks' shared modules, `shared_flags` and `records`, are
+imported by the scripts and tools) or edits `sys.path` to reach one; the library imports
+nothing of `benchmarks/`, `tests/`, `tests_compile/` or `tools/`.
 """
 
 from __future__ import annotations
@@ -100,21 +102,28 @@ class ImportTest(absltest.TestCase):
 
   @pytest.mark.slow
   def test_nothing_imports_examples(self):
-    # (tests/examples/load_example loads a script by path for a test of its logic.)
+    # (tests/examples/load_script loads a script by path for a test of its logic.)
     scripts = {p.stem for p in (_ROOT / "examples").glob("*.py")}
+    benchmarks = {p.stem for p in (_ROOT / "benchmarks").glob("*.py")} - {
+        "__init__", "shared_flags", "records"}
+    library = ("paged_kv", "radix", "pallas_kernels")
     offenders = []
-    for folder in ("paged_kv", "radix", "pallas_kernels", "tests", "examples", "tools"):
+    for folder in (*library, "tests", "tests_compile", "examples", "benchmarks", "tools"):
       for path in sorted((_ROOT / folder).rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
           if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
           elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
+            names = [f"{node.module}.{a.name}" for a in node.names]
           else:
             names = []
           for name in names:
-            if name.split(".")[0] in scripts | {"examples"}:
+            parts = name.split(".")
+            if (parts[0] in scripts | benchmarks | {"examples"}
+                or parts[0] == "benchmarks" and parts[1:2] and parts[1] in benchmarks
+                or folder in library and parts[0] in (
+                    "benchmarks", "tests", "tests_compile", "tools")):
               offenders.append(f"{path.relative_to(_ROOT)}:{node.lineno} imports {name}")
           if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and node.func.attr in ("insert", "append")

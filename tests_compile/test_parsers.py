@@ -1,11 +1,11 @@
-"""The compile tier's readers of XLA's text (`pallas_kernels.compile_tier.parse_*`)
+"""The compile tier's readers of XLA's text (`tests_compile.compile_tier.parse_*`)
 on small hand-written modules, thunk sequences and ptxas reports; no compile."""
 
 from __future__ import annotations
 
 import textwrap
 
-from pallas_kernels import compile_tier as ct
+from tests_compile import compile_tier as ct
 
 _MODULE = textwrap.dedent("""\
     HloModule jit_step, is_scheduled=true, input_output_alias={ {0}: (1, {}, may-alias), {2}: (3, {}, must-alias) }, entry_computation_layout={(f32[4]{0})->f32[4]{0}}

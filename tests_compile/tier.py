@@ -21,7 +21,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import compile_tier
+from tests_compile import compile_tier
 
 S = jax.ShapeDtypeStruct
 I32 = jnp.int32

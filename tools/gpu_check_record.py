@@ -2,13 +2,13 @@
 
 The GPU check runs on a lent machine with no access to this repository's history;
 its `gpu_check.json` comes back through the device tool's output folder. This
-wraps it in the record format of `paged_kv.telemetry.records` (provenance:
+wraps it in the record format of `benchmarks.records` (provenance:
 date, device, JAX version, the command, the commit it ran) so that
 `tools/bench_report.py` renders it into docs/benchmarks.md with the other
 benchmarks.
 
 Usage:
-  python tools/gpu_check_record.py OUT/gpu_check.json --commit=b011580 --cpus=16 \
+  PYTHONPATH=. python tools/gpu_check_record.py OUT/gpu_check.json --commit=b011580 --cpus=16 \
       --record=docs/records/gpu_check/
 """
 
@@ -20,7 +20,7 @@ import pathlib
 import subprocess
 import sys
 
-from paged_kv.telemetry import records
+from benchmarks import records
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
 

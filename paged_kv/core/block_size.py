@@ -28,7 +28,7 @@ smallest block it must read to score as high: `efficiency(smallest) / efficiency
 The model counts tail slots only: a sequence's full blocks hold no waste at any
 block size, and prefixes shared at 512-token granularity (the Mooncake trace's) stay
 whole blocks at every candidate. Weights read per step, and the metadata per block
-(a few bytes against a block's K/V), are left out. `examples/block_size_study.py`
+(a few bytes against a block's K/V), are left out. `benchmarks/block_size_study.py`
 checks the model against the pool's own transitions over the public traces.
 """
 
@@ -125,7 +125,7 @@ def block_efficiency(lengths: np.ndarray, counts: np.ndarray, block_size: int, *
   moves into shared blocks) a share `slot_recovery` of the tail's empty slots is won
   back: 1 is ideal packing (a slotted tail costs its own tokens); what
   `slots.pack_slots` achieves depends on the order tails reach it and is measured by
-  `examples/block_size_study.py`.
+  `benchmarks/block_size_study.py`.
 
   Raises:
     InvalidArgument: a bad block size, share or recovery (the distribution is taken

@@ -1,7 +1,7 @@
 """`commit`: apply the host's bookkeeping decisions to the device state in one program.
 
 The host API (`paged_kv.pool.block_pool.BlockPool`) decides every bookkeeping change on an
-exact host mirror of the pool (`paged_kv.pool`) and queues it; a flush sends
+exact host mirror of the pool (`paged_kv.pool.block_pool`) and queues it; a flush sends
 the queue here as one `CommitBatch`: the *final* `ref_count` and slot bits of
 every touched block, the final contents of every touched table row, the K/V
 page work (whole-block moves, slot-range copies) and the new clock. Because it

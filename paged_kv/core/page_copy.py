@@ -82,7 +82,7 @@ def _loop_move_pages(pages: KVPages, src: jax.Array, dst: jax.Array) -> KVPages:
   (packed first, dynamic trip count) of one `dynamic_slice` +
   `dynamic_update_slice` per block and per K/V copies `[L, H, 1, bs, D]` slabs
   in place (pages donated) and costs about a third less
-  (`examples/bench_compaction.py`). Sources and destinations are disjoint, so
+  (`benchmarks/bench_compaction.py`). Sources and destinations are disjoint, so
   the sequential order does not matter.
   """
   live = (src >= 0) & (dst >= 0)

@@ -43,7 +43,7 @@ the step (`BlockPool.reserve_step`, what the serving loop does). The step then
 reserves nothing: it applies the rows' in-place tail growth the host left out of the
 commit (`reserved.grow`, `paged_kv.core.growth`), `StepMetadata.from_reserved` reads
 the table, and the program holds no allocator (its compile about halves:
-`examples/bench_compile.py`).
+`benchmarks/bench_compile.py`).
 The multi-step decodes (`decode_multi`, `decode_steps`) always reserve inside their
 program.
 

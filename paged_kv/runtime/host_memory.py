@@ -7,7 +7,7 @@ freed mmapped block raises the mmap threshold up to 32 MiB, so after a while the
 host buffers of a serving process (swapped-out K/V, a saved cache's arrays, the
 buffers XLA:CPU allocates for its programs, the old pool at a shrink's cut) come
 from the heap, and the memory they leave behind stays resident. Measured with
-`examples/soak_runtime.py --seconds=300` (4,096 blocks, swap preemption, a save every
+`benchmarks/soak_runtime.py --seconds=300` (4,096 blocks, swap preemption, a save every
 500 steps, a shrink to 3,072 blocks half-way; 2026-12-02, WORKSPACE_NOTES.md session
 8): RSS 469 -> 511 MB with glibc's defaults (x1.09, +26 MB after the cut), 479 -> 477
 MB with fixed 64 KiB thresholds, the cut giving the old pool's memory back.

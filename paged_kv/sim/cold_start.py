@@ -1,4 +1,4 @@
-"""Cold start, measured in a fresh process: shared by `examples/bench_cold_start.py`
+"""Cold start, measured in a fresh process: shared by `benchmarks/bench_cold_start.py`
 and `tools/gpu_check.sh`.
 
 `measure(spec)` times a server's start milestones (import, checkpoint load, build,

@@ -1,4 +1,4 @@
-"""Serving measurements shared by `examples/bench_serving.py` and `tools/gpu_check.sh`.
+"""Serving measurements shared by `benchmarks/bench_serving.py` and `tools/gpu_check.sh`.
 
 Workloads, a closed-loop run through a warm scheduler (`run_closed_loop`), the
 bandwidth floor of a decode step (`weight_bytes_per_step`, `kv_bytes_per_token`,

@@ -1,4 +1,4 @@
-"""`examples/bench_dispatch.py` runs end to end with tiny settings (so it does not rot):
+"""`benchmarks/bench_dispatch.py` runs end to end with tiny settings (so it does not rot):
 both paths' outputs equal, and the bound path hashes no graph per call."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_bench_dispatch_smoke(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
   record = tmp_path / "dispatch.json"
   proc = subprocess.run(
-      [sys.executable, str(_ROOT / "examples" / "bench_dispatch.py"), "--layers=1,2",
+      [sys.executable, str(_ROOT / "benchmarks" / "bench_dispatch.py"), "--layers=1,2",
        "--batch=2", "--calls=2", "--repeats=1", f"--record={record}"],
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""`examples/bench_replicas.py` end to end with tiny settings (so it does not rot).
+"""`benchmarks/bench_replicas.py` end to end with tiny settings (so it does not rot).
 
 The trace is written by the test (nothing here reads ../shared); the replicas compile
 into the test's temporary directory. The numbers are measured with full settings
@@ -21,7 +21,7 @@ from tests.serving.trace_files import session_trace, write_mooncake
 pytestmark = pytest.mark.slow
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
-_SCRIPT = _ROOT / "examples" / "bench_replicas.py"
+_SCRIPT = _ROOT / "benchmarks" / "bench_replicas.py"
 
 
 def _start(*args: str, timeout: int) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""`examples/bench_serving.py` on CPU with the tiny random checkpoint: the table comes
+"""`benchmarks/bench_serving.py` on CPU with the tiny random checkpoint: the table comes
 last with a row per (batch, loop), tokens are produced, nothing compiles after the
 warm-up, the loops agree, the device's own step is timed, and the record holds every
 run; then a trace workload. Each run is a subprocess as a user starts it; both share a
@@ -33,7 +33,7 @@ def _cache(tmp_path_factory):
 def _run(cache, *args: str) -> str:
   env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu",
              PAGED_KV_COMPILE_CACHE=str(cache))
-  proc = subprocess.run([sys.executable, str(_ROOT / "examples" / "bench_serving.py"),
+  proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "bench_serving.py"),
                          "--shape=tiny", "--prompt_len=16", "--output_len=8",
                          "--prefill_chunk=16", "--prefill_token_budget=16", *args],
                         cwd=_ROOT, env=env, capture_output=True, text=True, timeout=400)

@@ -24,7 +24,7 @@ def test_bench_kernels_smoke(tmp_path):
   out = tmp_path / "table.md"
   env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      [sys.executable, str(_ROOT / "examples" / "bench_kernels.py"),
+      [sys.executable, str(_ROOT / "benchmarks" / "bench_kernels.py"),
        "--interpret", "--small", "--runs=1", f"--out={out}"],
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=240)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -55,7 +55,7 @@ def test_bench_requests_smoke(tmp_path):
              PAGED_KV_COMPILE_CACHE=str(tmp_path / "jax_cache"))
   env.pop("PAGED_KV_DEBUG", None)  # the production path's counts (debug mode syncs)
   proc = subprocess.run(
-      [sys.executable, str(_ROOT / "examples" / "bench_requests.py"), "--workloads=chat",
+      [sys.executable, str(_ROOT / "benchmarks" / "bench_requests.py"), "--workloads=chat",
        "--chat_conversations=3", "--chat_turns=3", "--repeats=2",
        "--interleave_requests=4", "--novariants"],
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=240)

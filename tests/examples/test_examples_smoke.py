@@ -1,8 +1,9 @@
-"""Example scripts run end to end with tiny settings (so they do not rot).
+"""The scripts of examples/ and benchmarks/ run end to end with tiny settings (so they do not rot).
 
-Not smoke-tested yet: `bench_compaction.py`, `bench_pool_ops.py`, `bench_prefill_xla.py`
-and `train_tiny.py` (needs the `train` extra). `bench_kernels.py` and `bench_requests.py`
-run in `test_bench_smoke.py`, `soak_runtime.py` in `test_soak_runtime.py`.
+Not smoke-tested yet: `benchmarks/bench_compaction.py`, `bench_pool_ops.py`,
+`bench_prefill_xla.py` and `examples/train_tiny.py` (needs the `train` extra).
+`bench_kernels.py` and `bench_requests.py` run in `test_bench_smoke.py`, `soak_runtime.py`
+in `test_soak_runtime.py`.
 
 Each runs in a subprocess exactly as a user would start it; the assertions check
 that it finished and printed its report, not its numbers (those are measured,
@@ -39,8 +40,9 @@ def _compile_cache_in_tmp(tmp_path, monkeypatch):
 
 
 def _start(script: str | pathlib.Path, *args: str, timeout: int = 300):
+  """Runs `script` (a path from the repository's root, or absolute) as a user does."""
   env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, str(_ROOT / "examples" / script), *args], cwd=_ROOT,
+  return subprocess.run([sys.executable, str(_ROOT / script), *args], cwd=_ROOT,
                         env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -55,7 +57,7 @@ def _run(script: str, *args: str, timeout: int = 300) -> str:
 def test_serve(tmp_path):
   # ~50 s alone on 2 idle cores (45 s of it the warm-up's compiles); beside the other
   # xdist worker it has taken 270 s, so its guard is wider than the others'.
-  out = _run("serve.py", "--conversations=3", "--turns=2", "--num_blocks=48",
+  out = _run("examples/serve.py", "--conversations=3", "--turns=2", "--num_blocks=48",
              "--max_batch=4", f"--out_dir={tmp_path}", "--prometheus_port=0", timeout=600)
   assert "| requests finished | 6 / 6 |" in out, out
   assert (tmp_path / "metrics.jsonl").stat().st_size > 0
@@ -63,7 +65,7 @@ def test_serve(tmp_path):
 
 
 def test_pool_tour():
-  out = _run("demo.py", "--num_blocks=64")
+  out = _run("examples/demo.py", "--num_blocks=64")
   assert "all released" in out and "refused as expected" in out, out
 
 
@@ -80,14 +82,16 @@ def _record(path) -> dict:
   rec = json.loads(pathlib.Path(path).read_text())
   for key in ("command", "flags", "git", "date", "machine", "jax", "results"):
     assert key in rec, (key, sorted(rec))
-  assert rec["command"].startswith("python examples/"), rec["command"]
+  assert rec["command"].startswith("python benchmarks/"), rec["command"]
+  # benchmarks.shared_flags defines --record for the script: it is among the script's flags.
+  assert rec["flags"]["record"], sorted(rec["flags"])
   return rec
 
 
 def test_replay_trace_sim(traces, tmp_path):
   mooncake, azure = traces
-  out = _run("replay_trace.py", f"--trace={mooncake},{azure}", "--capacity_tokens=20000,0",
-             "--progress=false", f"--record={tmp_path / 'sim.json'}")
+  out = _run("benchmarks/replay_trace.py", f"--trace={mooncake},{azure}",
+             "--capacity_tokens=20000,0", "--progress=false", f"--record={tmp_path / 'sim.json'}")
   assert "replay and exact bound agree" in out, out
   rec = _record(tmp_path / "sim.json")
   assert rec["bench"] == "replay_trace" and rec["flags"]["capacity_tokens"] == ["20000", "0"]
@@ -104,7 +108,7 @@ def test_block_size_study(traces, tmp_path):
   gpu.write_text(json.dumps({"rows": [
       {"id": "layer/b64x8k/default", "gbps": 1000.0, "status": "ok"},
       {"id": "layer/b64x8k-bs64/default", "gbps": 2000.0, "status": "ok"}]}))
-  out = _run("block_size_study.py", f"--traces={traces[0]},{traces[1]}",
+  out = _run("benchmarks/block_size_study.py", f"--traces={traces[0]},{traces[1]}",
              "--block_sizes=16,64", "--window=16", "--chunk=8", f"--gpu_check={gpu}",
              f"--record={tmp_path / 'bs.json'}")
   assert "rule's pick: live 64, slotted 64" in out, out
@@ -120,17 +124,17 @@ def test_block_size_study(traces, tmp_path):
 
 
 def test_replay_trace_engine(traces):
-  out = _run("replay_trace.py", "--engine", f"--trace={traces[0]}", "--pool_tokens=4096",
-             "--max_requests=20", "--variants=all", "--progress=false")
+  out = _run("benchmarks/replay_trace.py", "--engine", f"--trace={traces[0]}",
+             "--pool_tokens=4096", "--max_requests=20", "--variants=all", "--progress=false")
   assert "| sessions.jsonl | all | 20 / 20 |" in out, out
 
 
 @pytest.mark.parametrize("script", ["replay_trace.py", "replay_routing.py"])
 def test_replay_missing_default_trace_is_one_line(tmp_path, script):
   """In a checkout with no ../shared beside it, the default trace is named in one line."""
-  (tmp_path / "repo" / "examples").mkdir(parents=True)
-  copy = tmp_path / "repo" / "examples" / script
-  shutil.copy(_ROOT / "examples" / script, copy)
+  (tmp_path / "repo" / "benchmarks").mkdir(parents=True)
+  copy = tmp_path / "repo" / "benchmarks" / script
+  shutil.copy(_ROOT / "benchmarks" / script, copy)
   proc = _start(copy, "--progress=false", timeout=120)
   assert proc.returncode != 0 and proc.stdout == "", proc.stdout + proc.stderr
   lines = proc.stderr.strip().splitlines()
@@ -143,7 +147,8 @@ def test_replay_missing_default_trace_is_one_line(tmp_path, script):
 # One of the two largest example runs; `make test` keeps the other examples' smoke runs.
 @pytest.mark.long
 def test_fragmentation_study(tmp_path):
-  out = _run("fragmentation_study.py", f"--out_dir={tmp_path}", "--steps=30", "--chat_steps=8",
+  out = _run("benchmarks/fragmentation_study.py", f"--out_dir={tmp_path}", "--steps=30",
+             "--chat_steps=8",
              "--num_blocks=256", "--timing_reps=2", "--modes=segments,require",
              "--policies=none,merge_every_step", "--chat_modes=flat,slotted+consolidate",
              "--step_fraction=0.005", f"--record={tmp_path / 'study.json'}")
@@ -157,7 +162,7 @@ def test_fragmentation_study(tmp_path):
 
 
 def test_bench_allocator(tmp_path):
-  out = _run("bench_allocator.py", "--pool_sizes=1024", "--batch=16", "--max_len=64",
+  out = _run("benchmarks/bench_allocator.py", "--pool_sizes=1024", "--batch=16", "--max_len=64",
              "--steps=3", "--scan=4", "--runs=1", f"--record={tmp_path / 'a.json'}")
   assert "| 1024 |" in out, out
   (row,) = _record(tmp_path / "a.json")["results"]["rows"]
@@ -166,19 +171,19 @@ def test_bench_allocator(tmp_path):
 
 
 def test_bench_allocator_help_prints_percent_once():
-  proc = _start("bench_allocator.py", "--help")  # absl's --help exits with status 1
+  proc = _start("benchmarks/bench_allocator.py", "--help")  # absl's --help exits with status 1
   out = proc.stdout + proc.stderr
   assert "85%" in out and "85%%" not in out, out
 
 
 def test_bench_decode():
-  out = _run("bench_decode.py", "--batch=2", "--prompt_len=4", "--num_tokens=4",
+  out = _run("benchmarks/bench_decode.py", "--batch=2", "--prompt_len=4", "--num_tokens=4",
              "--steps=1,2", "--repeats=1", "--num_layers=1")
   assert "tokens/s" in out or "tok/s" in out, out
 
 
 def test_bench_compile(tmp_path):
-  out = _run("bench_compile.py", "--layers=1", "--programs=decode", "--repeats=2",
+  out = _run("benchmarks/bench_compile.py", "--layers=1", "--programs=decode", "--repeats=2",
              "--max_batch=2", "--num_blocks=16", f"--record={tmp_path}/")
   rows = [l.split() for l in out.splitlines() if l.split()[:1] == ["decode"]]
   assert [(r[1], r[2]) for r in rows] == [("scanned", "1"), ("unrolled", "1")], out
@@ -188,7 +193,7 @@ def test_bench_compile(tmp_path):
 
 
 def test_bench_cold_start(tmp_path):
-  out = _run("bench_cold_start.py", "--batch=2", "--cache=off", "--max_seq_len=32",
+  out = _run("benchmarks/bench_cold_start.py", "--batch=2", "--cache=off", "--max_seq_len=32",
              "--prompt_len=8", "--prefill_chunk=16", "--prefill_token_budget=16",
              f"--record={tmp_path}/")
   rows = [l.split() for l in out.splitlines() if l.split()[:2] == ["2", "off"]]
@@ -199,15 +204,15 @@ def test_bench_cold_start(tmp_path):
 
 
 def test_bench_overlap():
-  out = _run("bench_overlap.py", "--batch=4", "--steps=3", "--warmup=2", "--repeats=1",
+  out = _run("benchmarks/bench_overlap.py", "--batch=4", "--steps=3", "--warmup=2", "--repeats=1",
              "--device_ms=0,2")
   assert re.search(r"^\s+2\.0\s+overlap\s+[\d.]+", out, re.M), out
 
 
 def test_bench_scheduler(monkeypatch):
   monkeypatch.delenv("PAGED_KV_DEBUG", raising=False)  # production counts (debug mode syncs)
-  out = _run("bench_scheduler.py", "--pools=1024", "--batch=8", "--modes=off,stats,budget",
-             "--steps=4", "--warmup=3", "--repeats=1")
+  out = _run("benchmarks/bench_scheduler.py", "--pools=1024", "--batch=8",
+             "--modes=off,stats,budget", "--steps=4", "--warmup=3", "--repeats=1")
   rows = [l.split() for l in out.splitlines() if l.split()[:2] == ["8", "1024"]]
   assert [r[2] for r in rows] == ["off", "stats", "budget"], out
   by_mode = {r[2]: r for r in rows}
@@ -223,7 +228,7 @@ def test_bench_scheduler(monkeypatch):
 
 def test_bench_engine(tmp_path):
   pytest.importorskip("tokenizers", reason="the hf extra (pip install 'paged-kv[hf]')")
-  out = _run("bench_engine.py", "--batch=8", "--steps=4", "--warmup=3", "--repeats=1",
+  out = _run("benchmarks/bench_engine.py", "--batch=8", "--steps=4", "--warmup=3", "--repeats=1",
              "--vocab=400", f"--record={tmp_path}")
   rows = [l.split() for l in out.splitlines() if l.split()[:1] == ["8"]]
   assert [r[1] for r in rows] == ["stream", "final", "ids"], out
@@ -232,7 +237,7 @@ def test_bench_engine(tmp_path):
 
 
 def test_bench_shrink():
-  out = _run("bench_shrink.py", "--sizes=256", "--seeds=0", "--max_batch=16",
+  out = _run("benchmarks/bench_shrink.py", "--sizes=256", "--seeds=0", "--max_batch=16",
              "--after_steps=20", "--prefill_token_budget=1024")
   rows = [l for l in out.splitlines() if l.split()[:2] == ["256", "0"]]
   assert len(rows) == 2, out  # the run, then its cut

@@ -12,14 +12,10 @@ from __future__ import annotations
 from absl import flags
 from absl.testing import absltest, parameterized
 import numpy as np
-import pytest
 
-from tests.examples import load_example
+from tests.examples import load_script
 
-# The example scripts' smoke runs (subprocesses).
-pytestmark = pytest.mark.slow
-
-fs = load_example("fragmentation_study")
+fs = load_script("benchmarks/fragmentation_study.py")
 
 if not flags.FLAGS.is_parsed():
   flags.FLAGS.mark_as_parsed()

@@ -1,4 +1,4 @@
-"""`examples/soak_runtime.py` for ~20 s at small sizes: after warm-up, compile once, never wait.
+"""`benchmarks/soak_runtime.py` for ~20 s at small sizes: after warm-up, compile once, never wait.
 
 The script runs once per module in a subprocess, exactly as a user starts it (as
 `test_examples_smoke.py` does: JAX on the CPU, the persistent compilation cache in
@@ -92,7 +92,7 @@ def _soak(tmp_path_factory) -> SoakRun:
              PAGED_KV_COMPILE_CACHE=str(tmp / "jax_cache"))
   env.pop("PAGED_KV_SOAK_SECONDS", None)  # the long soak's knob: this run stays short
   env.pop("PAGED_KV_DEBUG", None)  # the production path's reads and compiles (debug mode syncs)
-  proc = subprocess.run([sys.executable, str(_ROOT / "examples" / "soak_runtime.py"), *ARGS,
+  proc = subprocess.run([sys.executable, str(_ROOT / "benchmarks" / "soak_runtime.py"), *ARGS,
                          f"--out_dir={tmp / 'out'}"], cwd=_ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""`examples/soak_server.py` for a few seconds: a misbehaving client load leaves nothing.
+"""`benchmarks/soak_server.py` for a few seconds: a misbehaving client load leaves nothing.
 
 The script runs as a user starts it (a subprocess, JAX on the CPU, the persistent
 compilation cache in the test's temporary directory, `PAGED_KV_SOAK_SECONDS`
@@ -37,7 +37,7 @@ def test_a_short_soak_passes_its_checks(tmp_path):
              PAGED_KV_COMPILE_CACHE=str(tmp_path / "jax_cache"))
   env.pop("PAGED_KV_SOAK_SECONDS", None)
   proc = subprocess.run(
-      [sys.executable, str(_ROOT / "examples" / "soak_server.py"), "--seconds=12",
+      [sys.executable, str(_ROOT / "benchmarks" / "soak_server.py"), "--seconds=12",
        "--concurrency=24", "--max_batch=8", "--max_tokens=12", "--max_queued=16",
        "--slow_read_ms=50", f"--record={tmp_path}/soak.json"],
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -16,7 +16,7 @@ from flax import nnx
 import paged_kv
 from paged_kv.model import StepPlan, llama, steps
 from paged_kv.model.layers import PagedAttention
-from pallas_kernels import compile_tier
+from tests_compile import compile_tier
 
 MODEL_CONFIG = llama.LlamaConfig(num_layers=3)
 POOL = llama.pool_config_for(MODEL_CONFIG, num_blocks=64, block_size=8, max_seqs=4,

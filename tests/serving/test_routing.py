@@ -262,7 +262,7 @@ class ScriptTest(absltest.TestCase):
     trace = write_mooncake(tmp_file(self, "sessions.jsonl"),
                            session_trace(seed=11, num=200, num_sessions=24, partial=True))
     proc = self._run(
-        _ROOT / "examples" / "replay_routing.py",
+        _ROOT / "benchmarks" / "replay_routing.py",
         f"--trace={trace}",
         "--progress=false",
         "--capacity_tokens=200000,0",
@@ -282,7 +282,7 @@ class ScriptTest(absltest.TestCase):
     self.assertIn("goal (cache_aware >= 0.90 of global)", proc.stdout)
 
   def test_missing_trace_is_one_line(self):
-    proc = self._run(_ROOT / "examples" / "replay_routing.py", "--trace=/nowhere/trace.jsonl")
+    proc = self._run(_ROOT / "benchmarks" / "replay_routing.py", "--trace=/nowhere/trace.jsonl")
     self.assertNotEqual(proc.returncode, 0)
     self.assertEqual(proc.stdout, "")
     lines = proc.stderr.strip().splitlines()

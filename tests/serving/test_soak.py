@@ -31,7 +31,7 @@ Two executors (`PAGED_KV_SOAK_EXECUTOR=tags|model`; unset: both tests run):
   warmed up (`Scheduler.warmup`) first; the serving path's compiles after that
   (those of the checks' dense programs left out) are counted and must be 0. RSS
   and `/proc/self/maps` lines (`paged_kv.runtime.counters`, as in
-  `examples/soak_runtime.py`, with glibc's thresholds fixed as there) are sampled
+  `benchmarks/soak_runtime.py`, with glibc's thresholds fixed as there) are sampled
   after warm-up, every `SAMPLE_SECONDS` and after the drain; with
   `PAGED_KV_SOAK_SECONDS` set, the checks' dense programs are compiled before the
   first sample (every width a request can reach), and the end's mappings must stay
@@ -98,7 +98,7 @@ MODEL_CI_BLOCKS = 64  # ... in a pool this small, for pressure (evictions; 8 req
 # 96 blocks also swap once, but take ~35 s)
 MODEL_BLOCKS = 384  # a timed soak's pool: the longest request takes 248 blocks; with
 # 1024 the running sequences never filled it (30 minutes: 0 swap preemptions)
-MAPS_FLAT = 1.02  # as examples/soak_runtime.py
+MAPS_FLAT = 1.02  # as benchmarks/soak_runtime.py
 RSS_FLAT = 1.10
 
 

@@ -1,4 +1,4 @@
-"""Benchmark records (`paged_kv.telemetry.records`): provenance, JSON, report cells."""
+"""Benchmark records (`benchmarks.records`): provenance, JSON, report cells."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tempfile
 import numpy as np
 from absl.testing import absltest
 
-from paged_kv.telemetry import records
+from benchmarks import records
 
 
 class CellsTest(absltest.TestCase):
@@ -65,11 +65,11 @@ class RecorderTest(absltest.TestCase):
     with tempfile.TemporaryDirectory() as tmp:
       rec = records.Recorder(pathlib.Path(tmp) / "sub" / "r.json", "bench_test",
                              flag_values={"steps": 3}, seeds=[0, 1],
-                             argv=["examples/bench_test.py", "--steps=3"])
+                             argv=["benchmarks/bench_test.py", "--steps=3"])
       path = rec.write({"ratio": np.float64(1.5), "bad": math.nan}, notes=["loaded"])
       got = records.read_record(path)
     self.assertEqual(got["bench"], "bench_test")
-    self.assertEqual(got["command"], "python examples/bench_test.py --steps=3")
+    self.assertEqual(got["command"], "python benchmarks/bench_test.py --steps=3")
     self.assertEqual(got["flags"], {"steps": 3})
     self.assertEqual(got["seeds"], [0, 1])
     self.assertEqual(got["results"], {"ratio": 1.5, "bad": None})

@@ -26,7 +26,7 @@ fi
 "$VENV/bin/python" -m pip install -q -r "$REQ" -e '.[model]'
 # Fail here, loudly, if the plugin cannot describe an H200 (a broken install).
 JAX_PLATFORMS=cpu "$VENV/bin/python" -c '
-from pallas_kernels import compile_tier as ct
+from tests_compile import compile_tier as ct
 d = ct.topology_device(ct.H200)
 print(f"compile tier: {d.device_kind} ({d.platform}) via the CUDA plugin")'
 touch "$STAMP"

@@ -49,10 +49,10 @@ Without them it prints why it skipped. The loops' tokens are compared with each
 other too (they must be equal).
 
 Usage:
-  .venv/bin/python examples/bench_serving.py                       # GPU: 1B; CPU: tiny
-  python examples/bench_serving.py --shape=llama-3.2-1b --batch=1,16,64,256
-  python examples/bench_serving.py --checkpoint=/models/Llama-3.2-1B --batch=64
-  .venv/bin/python examples/bench_serving.py --shape=tiny --batch=1,4 --prompt_len=32 \
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_serving.py                       # GPU: 1B; CPU: tiny
+  PYTHONPATH=. python benchmarks/bench_serving.py --shape=llama-3.2-1b --batch=1,16,64,256
+  PYTHONPATH=. python benchmarks/bench_serving.py --checkpoint=/models/Llama-3.2-1B --batch=64
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_serving.py --shape=tiny --batch=1,4 --prompt_len=32 \
       --output_len=16 --prefill_token_budget=64 --record=docs/records/serving/
 """
 
@@ -72,12 +72,12 @@ import time
 import jax
 from absl import app, flags
 
+from benchmarks import records, shared_flags
 from paged_kv.model import hf_checkpoint, hf_reference, random_checkpoint
-from paged_kv.runtime import compile_cache, counters
+from paged_kv.runtime import counters
 from paged_kv.sim import serving_bench as sb
 from paged_kv.scheduler.executor import ModelExecutor
 from paged_kv.scheduler.scheduler import SchedulerConfig
-from paged_kv.telemetry import records
 # pylint: enable=wrong-import-position
 
 _SHAPE = flags.DEFINE_enum("shape", None, list(random_checkpoint.SHAPES),
@@ -90,7 +90,7 @@ _CHECKPOINT_DIR = flags.DEFINE_string("checkpoint_dir", None, "Where to write th
 _DTYPE = flags.DEFINE_enum("dtype", None, ["bfloat16", "float16", "float32"],
                            "The model's dtype (default: bfloat16 on a GPU, float32 on a CPU; "
                            "with --checkpoint, its own).")
-_SEED = flags.DEFINE_integer("seed", 0, "Weights and prompts seed.")
+_SEED = shared_flags.define_seed("Weights and prompts seed.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "Prompt tokens (a trace: the cap).")
 _OUTPUT_LEN = flags.DEFINE_integer("output_len", 128, "Output tokens (a trace: the cap).")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 0, "Requests per batch row (0: 2 x "
@@ -106,7 +106,7 @@ _OVERLAP = flags.DEFINE_enum("overlap", "both", ["sync", "overlapped", "both"],
                              "(measured in the same run).")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "SchedulerConfig.decode_steps: "
                                      "decode steps one dispatch may run.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_BLOCK_SIZE = shared_flags.define_block_size()
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 0, "Pool blocks (0: twice what the "
                                    "largest batch holds).")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 512, "Prompt tokens per sequence "
@@ -117,9 +117,9 @@ _IMPL = flags.DEFINE_enum("impl", None, ["xla", "pallas", "mosaic"],
 _WARMUP = flags.DEFINE_enum("warmup", "full", ["full", "serve"], "full: Scheduler.warmup() "
                             "(every program of the config); serve: an untimed pass of each "
                             "row's workload shape before its first round.")
-_REPEATS = flags.DEFINE_integer("repeats", 1, "Rounds over every (batch, loop), each with "
-                                "prompts of its own and the loops in turn first; the table "
-                                "shows each row's median round by tokens/s.")
+_REPEATS = shared_flags.define_repeats(1, "Rounds over every (batch, loop), each with "
+                                       "prompts of its own and the loops in turn first; the "
+                                       "table shows each row's median round by tokens/s.")
 _DEVICE_STEP = flags.DEFINE_bool("device_step", False, "Also time the device's own decode "
                                  "step per batch (PagedRunner, 16 steps per call; compiles "
                                  "two programs per batch).")
@@ -133,12 +133,8 @@ _HF_TIE = flags.DEFINE_float("hf_tie_tolerance", 0.1, "Teacher-forced check: a t
 _HF_BATCH = flags.DEFINE_integer("hf_batch", 64, "Requests per transformers generate call.")
 _COPY_MIB = flags.DEFINE_integer("copy_mib", 0, "MiB the copy-rate timing moves (0: 2048 "
                                  "on a GPU, 128 on a CPU).")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
-                                   "cache (restarts skip XLA compiles).")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_RECORD = shared_flags.define_record()
+_COMPILE_CACHE = shared_flags.define_compile_cache()
 
 LOOPS = {"sync": False, "overlapped": True}
 
@@ -216,8 +212,7 @@ def _serve_warmup(sched, workload: sb.Workload, batch: int, first_id: int, warm:
 
 def main(argv):
   del argv
-  if _COMPILE_CACHE.value:
-    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  _COMPILE_CACHE.enable()
   batches = sorted({int(b) for b in _BATCH.value})
   if min(batches) < 1:
     raise app.UsageError("--batch values must be >= 1")

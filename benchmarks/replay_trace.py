@@ -1,12 +1,12 @@
 """Replays request traces through the radix prefix cache and a simulated block pool.
 
 Usage:
-  .venv/bin/python examples/replay_trace.py \
+  PYTHONPATH=. .venv/bin/python benchmarks/replay_trace.py \
       --trace=../shared/traces/conversation_trace.jsonl \
       --capacity_tokens=1000000,3000000,10000000,0
-  .venv/bin/python examples/replay_trace.py --max_requests=500   # smoke run
-  .venv/bin/python examples/replay_trace.py --engine --max_requests=300 --pool_tokens=32768
-  .venv/bin/python examples/replay_trace.py --capacity_tokens=1000000 \
+  PYTHONPATH=. .venv/bin/python benchmarks/replay_trace.py --max_requests=500   # smoke run
+  PYTHONPATH=. .venv/bin/python benchmarks/replay_trace.py --engine --max_requests=300 --pool_tokens=32768
+  PYTHONPATH=. .venv/bin/python benchmarks/replay_trace.py --capacity_tokens=1000000 \
       --trace=../shared/traces/AzureLLMInferenceTrace_conv.csv,../shared/traces/AzureLLMInferenceTrace_code.csv
 
 The default ``--trace`` is the Mooncake conversation trace in ``../shared/traces/``
@@ -29,11 +29,11 @@ rate on one slice of the trace (``--tune_slice``) and then reported, beside the 
 baseline and the published settings, on another (``--eval_slice``), at every
 ``--holdout_pools`` size:
 
-  .venv/bin/python examples/replay_trace.py --engine --holdout --tune_slice=0:1500 \
+  PYTHONPATH=. .venv/bin/python benchmarks/replay_trace.py --engine --holdout --tune_slice=0:1500 \
       --eval_slice=1500:3000 --holdout_pools=32768,65536
 
 ``--record=PATH`` writes what was measured, with its provenance, as JSON
-(``paged_kv.telemetry.records``).
+(``benchmarks.records``).
 """
 
 from __future__ import annotations
@@ -45,21 +45,17 @@ import sys
 import numpy as np
 from absl import app, flags
 
-from paged_kv.runtime import compile_cache
+from benchmarks import records, shared_flags
 from paged_kv.sim import engine_replay, replay, traces
 from paged_kv.cache.governance import CacheGovernance
 from paged_kv.sim.replay import ReplayConfig, ReplayResult, replay_sim
-from paged_kv.telemetry import records
 
 try:
   import tqdm as _tqdm
 except ImportError:  # progress bars are optional
   _tqdm = None
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TRACE = os.path.normpath(
-    os.path.join(_REPO, "..", "shared", "traces", "conversation_trace.jsonl")
-)
+DEFAULT_TRACE = shared_flags.default_trace(__file__)
 
 _TRACE = flags.DEFINE_list(
     "trace",
@@ -70,13 +66,13 @@ _TRACE = flags.DEFINE_list(
 _CAPACITY = flags.DEFINE_list(
     "capacity_tokens", ["0"], "Pool capacities in tokens (comma-separated); 0 = unlimited."
 )
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
+_BLOCK_SIZE = shared_flags.define_block_size("Tokens per pool block.")
 _MAX_REQUESTS = flags.DEFINE_integer("max_requests", 0, "Replay only the first N (0 = all).")
 _POLICY = flags.DEFINE_enum("policy", "lru", ["lru", "cost"], "Eviction policy.")
 _INSERT_OUTPUT = flags.DEFINE_bool(
     "insert_output", False, "Also cache each request's output tokens (unique ids)."
 )
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar (needs tqdm).")
+_PROGRESS = shared_flags.define_progress()
 _NAMESPACE = flags.DEFINE_string("namespace", "default", "Cache namespace of all requests.")
 _ENGINE = flags.DEFINE_bool(
     "engine",
@@ -116,12 +112,8 @@ _GC_EVERY = flags.DEFINE_integer("gc_every", 16, "Holdout: steps between GC mark
 _WATERMARK_GRID = flags.DEFINE_list(
     "watermark_grid", ["0.85/0.5", "0.95/0.7", "0.7/0.3"],
     "Holdout: quota high/low watermarks tried (quotas + GC at the chosen TTL).")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
-                                   "cache (restarts skip XLA compiles).")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_RECORD = shared_flags.define_record()
+_COMPILE_CACHE = shared_flags.define_compile_cache()
 
 
 def _progress(desc: str):
@@ -357,8 +349,7 @@ def parse_capacities(values: list[str]) -> list[int]:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _COMPILE_CACHE.value:
-    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  _COMPILE_CACHE.enable()
   try:
     traces.check_trace_files(_TRACE.value)
   except FileNotFoundError as e:

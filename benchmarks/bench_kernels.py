@@ -4,9 +4,9 @@ The GPU session's check is `tools/gpu_check.sh` (rows flushed one by one,
 deadline, dry mode); this script is the longer sweep over placements.
 
 Usage:
-  PYTHONPATH=. python3 examples/bench_kernels.py                      # GPU, full
-  PYTHONPATH=. python3 examples/bench_kernels.py --interpret --small  # CPU smoke
-  PYTHONPATH=. python3 examples/bench_kernels.py --out=/tmp/table.md
+  PYTHONPATH=. python3 benchmarks/bench_kernels.py                      # GPU, full
+  PYTHONPATH=. python3 benchmarks/bench_kernels.py --interpret --small  # CPU smoke
+  PYTHONPATH=. python3 benchmarks/bench_kernels.py --out=/tmp/table.md
 
 Order: (1) copy bandwidth of a large device-to-device copy (bytes read + written);
 (2) decode attention for batch x context, 32 q / 8 kv heads, head_dim 128, bf16,
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from paged_kv.telemetry import records
+from benchmarks import records, shared_flags
 from pallas_kernels import paged_attention as pa
 from pallas_kernels import permute_blocks as pb
 
@@ -54,7 +54,7 @@ _PAGES_PER_STEP = flags.DEFINE_integer(
     "pages_per_step", 0, "Pages per step; 0 = the wrapper's default (None).")
 _RUNS = flags.DEFINE_integer("runs", 10, "Timed runs (median reported).")
 _OUT = flags.DEFINE_string("out", "", "Also write the final table to this file.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_RECORD = shared_flags.define_record()
 
 _BLOCK = 16
 

@@ -20,8 +20,8 @@ largest/smallest ratio is taken per round (paired) and reported as the median wi
 [min-max] over the rounds.
 
 Usage:
-  python examples/bench_pool_ops.py                            # 4k, 64k, 262k, 1M blocks
-  python examples/bench_pool_ops.py --sizes=4096,65536 --reps=20   # quick look
+  PYTHONPATH=. python benchmarks/bench_pool_ops.py                            # 4k, 64k, 262k, 1M blocks
+  PYTHONPATH=. python benchmarks/bench_pool_ops.py --sizes=4096,65536 --reps=20   # quick look
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ import time
 from absl import app, flags
 import numpy as np
 
+from benchmarks import records, shared_flags
 import paged_kv
-from paged_kv.telemetry import records
 
 _SIZES = flags.DEFINE_list("sizes", ["4096", "65536", "262144", "1048576"],
                            "Pool sizes in blocks.")
 _REPS = flags.DEFINE_integer("reps", 60, "Timed calls per operation and pool size.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Repeat the whole measurement; per-call medians "
                                "of all, size ratios paired per round.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_RECORD = shared_flags.define_record()
 _BATCHES = flags.DEFINE_list("batches", ["1", "32", "256"], "Batches for reserve_tokens.")
 _BLOCK_SIZE = 16
 

@@ -33,7 +33,7 @@ token or finish came later than without the shrink (same seed, same arrivals). P
 its path, its measured peak, its modelled peak and copy time at the model's size, and the
 copy's share of the step at the cut's load.
 
-Usage: python examples/bench_shrink.py [--sizes=28610,2048 --seeds=0,1 --step_fractions=0.02]
+Usage: PYTHONPATH=. python benchmarks/bench_shrink.py [--sizes=28610,2048 --seeds=0,1 --step_fractions=0.02]
 """
 
 from __future__ import annotations
@@ -44,19 +44,18 @@ import time
 from absl import app, flags
 import numpy as np
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.core import compact, regions
-from paged_kv.runtime import compile_cache
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
-from paged_kv.telemetry import records
 
 _SIZES = flags.DEFINE_list("sizes", ["28610", "2048"], "Pool sizes in blocks (28,610: the KV "
                            "share of an 80 GB card for Llama-3-8B at 16-token blocks).")
 _SEEDS = flags.DEFINE_list("seeds", ["0"], "Seeds (one run with and one without shrink each).")
 _STEP_FRACTIONS = flags.DEFINE_list("step_fractions", ["0.02"],
                                     "Shares of a step the shrink's moves may take (budget).")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_BLOCK_SIZE = shared_flags.define_block_size()
 _MODEL = flags.DEFINE_list("model", ["32", "8", "128", "2"],
                            "Modelled layers, kv heads, head_dim, bytes per element.")
 _STEP_MS = flags.DEFINE_float("step_ms", compact.DEFAULT_STEP_SECONDS * 1e3,
@@ -81,12 +80,8 @@ _TRICKLE = flags.DEFINE_float("trickle", 0.5, "Short requests arriving per step 
                               "burst (Poisson).")
 _AFTER = flags.DEFINE_integer("after_steps", 120, "Steps served after the shrink request.")
 _PREFILL_BUDGET = flags.DEFINE_integer("prefill_token_budget", 8192, "Prompt tokens per step.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
-                                   "cache (restarts skip XLA compiles).")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_RECORD = shared_flags.define_record()
+_COMPILE_CACHE = shared_flags.define_compile_cache()
 
 
 def model_block_bytes() -> int:
@@ -273,8 +268,7 @@ def summarize(run: dict, base: dict, step_fraction: float) -> dict:
 
 def main(argv):
   del argv
-  if _COMPILE_CACHE.value:
-    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  _COMPILE_CACHE.enable()
   bb = model_block_bytes()
   rec = records.Recorder(_RECORD.value, "bench_shrink", flag_values=records.script_flags(),
                          seeds=[int(x) for x in _SEEDS.value])

@@ -13,7 +13,7 @@ so the speedup over the first k is paired within a repeat and reported as the me
 with [min-max] over the repeats (tokens/s: medians).
 
 Usage:
-  python examples/bench_decode.py [--batch=8 --num_tokens=64 --steps=1,8,32 --repeats=5]
+  PYTHONPATH=. python benchmarks/bench_decode.py [--batch=8 --num_tokens=64 --steps=1,8,32 --repeats=5]
 """
 
 from __future__ import annotations
@@ -26,23 +26,23 @@ from absl import app, flags
 import numpy as np
 from flax import nnx
 
+from benchmarks import records, shared_flags
 from paged_kv.model import llama, resolve_impl
 from paged_kv.model.reference import dense_mismatches
 from paged_kv.model.runner import PagedRunner, SequenceRecord
-from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences decoded together.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per sequence.")
 _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 64, "Decoded (timed) tokens per sequence.")
 _STEPS = flags.DEFINE_list("steps", ["1", "8", "32"], "Decode steps per jit call (k).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repeats per k (median reported).")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
+_REPEATS = shared_flags.define_repeats(5, "Timed repeats per k (median reported).")
+_BLOCK_SIZE = shared_flags.define_block_size("Tokens per pool block.")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Decoder layers of the tiny model.")
 _IMPL = flags.DEFINE_enum("impl", None, ["xla", "pallas", "mosaic"],
                           "Attention path (default: per backend, paged_kv.model.default_impl).")
 _INTERPRET = flags.DEFINE_bool("interpret", None, "Pallas interpret mode (default: on CPU).")
-_SEED = flags.DEFINE_integer("seed", 0, "Weights and prompts seed.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_SEED = shared_flags.define_seed("Weights and prompts seed.")
+_RECORD = shared_flags.define_record()
 
 
 def _run_once(model, pool_config, prompts, steps_per_call: int) -> tuple[float, list[list[int]]]:

@@ -27,8 +27,8 @@ repeats every pool size (the sizes interleaved), and the ratios are reported as 
 with [min-max] over the runs, each ratio paired within one run.
 
 Usage:
-  python examples/bench_allocator.py                       # the full table
-  python examples/bench_allocator.py --pool_sizes=16384 --steps=20 --runs=1  # quick look
+  PYTHONPATH=. python benchmarks/bench_allocator.py                       # the full table
+  PYTHONPATH=. python benchmarks/bench_allocator.py --pool_sizes=16384 --steps=20 --runs=1  # quick look
 """
 
 from __future__ import annotations
@@ -42,23 +42,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.core import kv, segments
-from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_integer("batch", 256, "Sequences decoding together.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_BLOCK_SIZE = shared_flags.define_block_size()
 _POOL_SIZES = flags.DEFINE_list("pool_sizes", ["16384", "65536", "262144"], "Pools (blocks).")
 _MAX_LEN = flags.DEFINE_integer(
     "max_len", 8192, "Prompt lengths are drawn from 1..max_len, clipped so the batch fills at "
     "most 85% of the smallest pool (noted in the output).")
 _STEPS = flags.DEFINE_integer("steps", 60, "Timed decode steps (after warm-up).")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 32, "K/V head size (1 layer, 1 kv head).")
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_SEED = shared_flags.define_seed()
 _SCAN = flags.DEFINE_integer("scan", 32, "Decode steps per call in the lax.scan variant.")
 _RUNS = flags.DEFINE_integer("runs", 3, "Runs of every pool size (interleaved); ratios are "
                              "medians [min-max] over the runs.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_RECORD = shared_flags.define_record()
 
 
 class PythonHostPool:

@@ -26,7 +26,7 @@ invariants, 0 compiles after the warm-up, and the resident memory over the last
 Exit status 1 if any check fails. `--record` writes the JSON record.
 
 Usage:
-  .venv/bin/python examples/soak_server.py --seconds=1800 --concurrency=128 \\
+  PYTHONPATH=. .venv/bin/python benchmarks/soak_server.py --seconds=1800 --concurrency=128 \\
       --record=docs/records/soak_server/
 """
 
@@ -47,6 +47,8 @@ from pathlib import Path
 
 from absl import app, flags
 
+from benchmarks import records, shared_flags
+
 _SECONDS = flags.DEFINE_float("seconds", 60.0, "Wall seconds of load "
                               "(PAGED_KV_SOAK_SECONDS overrides).")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 64, "Client connections kept busy.")
@@ -62,8 +64,8 @@ _MAX_GROWTH = flags.DEFINE_float("max_rss_growth", 0.05, "Largest allowed growth
                                  "resident memory over the window.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A checkpoint directory (default: a "
                                   "random tiny Llama with a byte-level BPE tokenizer).")
-_SEED = flags.DEFINE_integer("seed", 0, "The client's seed.")
-_RECORD = flags.DEFINE_string("record", None, "Directory (or file) for the JSON record.")
+_SEED = shared_flags.define_seed("The client's seed.")
+_RECORD = shared_flags.define_record()
 _CLIENT = flags.DEFINE_string("client_url", None, "Internal: run as the client process of "
                               "this URL (its parameters as JSON on stdin, counts on stdout).")
 
@@ -257,7 +259,8 @@ def soak(seconds: float) -> dict:
                     scrape_every_s=_SCRAPE.value)
       rss.start()
       client = subprocess.run(
-          [sys.executable, os.path.abspath(__file__), f"--client_url={bg.url}"],
+          shared_flags.rerun_command(__file__) + [f"--client_url={bg.url}"],
+          cwd=shared_flags.REPO,
           input=json.dumps(params) + "\n", capture_output=True, text=True,
           env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=seconds + 600, check=False)
       if client.returncode != 0:
@@ -315,7 +318,6 @@ def main(argv):
   seconds = float(os.environ.get("PAGED_KV_SOAK_SECONDS") or _SECONDS.value)
   if seconds <= 0 or _CONCURRENCY.value < 1 or not 0 < _FLAT_WINDOW.value <= 1:
     raise app.UsageError("--seconds and --concurrency must be positive, --flat_window in (0, 1]")
-  from paged_kv.telemetry import records  # pylint: disable=import-outside-toplevel
   rec = records.Recorder(_RECORD.value, "soak_server", flag_values=records.script_flags(),
                          seeds=[_SEED.value])
   res = soak(seconds)

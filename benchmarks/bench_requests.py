@@ -1,11 +1,11 @@
 """Per-request cost and hit rate of the cache-bound pool against a host baseline (and peers).
 
 Usage:
-  .venv/bin/python examples/bench_requests.py                     # chat + Mooncake, all rows
-  .venv/bin/python examples/bench_requests.py --workloads=chat --chat_conversations=16
-  .venv/bin/python examples/bench_requests.py --workloads=mooncake --max_requests=500
-  .venv/bin/python examples/bench_requests.py --workloads=chat --repeats=5 --seed=1
-  .venv/bin/python examples/bench_requests.py --compile_only --compile_cache_dir=/tmp/jaxcache
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_requests.py                     # chat + Mooncake, all rows
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_requests.py --workloads=chat --chat_conversations=16
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_requests.py --workloads=mooncake --max_requests=500
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_requests.py --workloads=chat --repeats=5 --seed=1
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_requests.py --compile_only --compile_cache_dir=/tmp/jaxcache
 
 One request is the path the scheduler takes on `CachedPool`: `match` (locked, split at
 the match point) + `open` (the matched segments; a continuable partial tail is copied
@@ -67,15 +67,14 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import time
 
 import numpy as np
 from absl import app, flags
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TRACE = os.path.normpath(
-    os.path.join(_REPO, "..", "shared", "traces", "conversation_trace.jsonl"))
+from benchmarks import records, shared_flags
+
+DEFAULT_TRACE = shared_flags.default_trace(__file__)
 
 _WORKLOADS = flags.DEFINE_list("workloads", ["chat", "mooncake"], "chat and/or mooncake.")
 _TRACE = flags.DEFINE_string("trace", DEFAULT_TRACE, "The Mooncake conversation trace (.jsonl).")
@@ -86,11 +85,11 @@ _MOONCAKE_CAPACITY = flags.DEFINE_integer("mooncake_capacity_tokens", 500_000,
                                           "Mooncake pool size (tokens).")
 _CHAT_CONVERSATIONS = flags.DEFINE_integer("chat_conversations", 10, "Chat conversations.")
 _CHAT_TURNS = flags.DEFINE_integer("chat_turns", 8, "Turns per chat conversation.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
-_SEED = flags.DEFINE_integer("seed", 0, "Chat workload seed (and the order of the "
-                              "interleaved blocks: the first path alternates from it).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each path (interleaved); a "
-                                "request's time is its median over them.", lower_bound=1)
+_BLOCK_SIZE = shared_flags.define_block_size()
+_SEED = shared_flags.define_seed("Chat workload seed (and the order of the interleaved "
+                                 "blocks: the first path alternates from it).")
+_REPEATS = shared_flags.define_repeats(3, "Timed runs of each path (interleaved); a "
+                                       "request's time is its median over them.")
 _INTERLEAVE = flags.DEFINE_integer("interleave_requests", 8, "Requests per block when "
                                    "alternating the two paths in a run.", lower_bound=1)
 _VARIANTS = flags.DEFINE_bool("variants", True,
@@ -105,14 +104,8 @@ _COMPILE = flags.DEFINE_bool("compile", True, "Measure compile time (subprocesse
 _COMPILE_ONLY = flags.DEFINE_bool("compile_only", False,
                                   "Only time a cold pass over the chat workload (used by "
                                   "the compile-time rows); prints one JSON line.")
-_RECORD = flags.DEFINE_string(  # paged_kv is imported lazily here (the import is timed)
-    "record", None, "Write a JSON record of this run (paged_kv.telemetry.records) to this "
-    "path; a path ending in '/' or naming a directory gets <bench>-<UTC time>.json inside it.")
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
-                                   "cache (restarts skip XLA compiles).")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_RECORD = shared_flags.define_record()  # paged_kv is imported lazily here (it is timed)
+_COMPILE_CACHE = shared_flags.define_compile_cache()
 
 OPS = ("match", "open", "reserve", "insert", "release", "flush")  # host: no flush
 OURS, HOST = "ours (CachedPool)", "host (numpy)"
@@ -404,11 +397,12 @@ def compile_rows() -> list[tuple[str, float, float]]:
     for label, cache_args in (("no persistent cache", ["--nocompile_cache"]),
                               ("persistent cache, empty", [f"--compile_cache_dir={cache}"]),
                               ("persistent cache, filled", [f"--compile_cache_dir={cache}"])):
-      cmd = [sys.executable, os.path.abspath(__file__), "--compile_only",
+      cmd = [*shared_flags.rerun_command(__file__), "--compile_only",
              *cache_args, f"--chat_conversations={_CHAT_CONVERSATIONS.value}",
              f"--chat_turns={_CHAT_TURNS.value}", f"--block_size={_BLOCK_SIZE.value}",
              f"--chat_capacity_tokens={_CHAT_CAPACITY.value}", f"--seed={_SEED.value}"]
-      out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=_REPO)
+      out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                           cwd=shared_flags.REPO)
       d = json.loads(out.stdout.strip().splitlines()[-1])
       rows.append((label, d["first_request_s"], d["cold_extra_s"], d["import_s"]))
   return rows
@@ -417,9 +411,8 @@ def compile_rows() -> list[tuple[str, float, float]]:
 def compile_only() -> None:
   t0 = time.perf_counter()
   # Imported in every row (with the cache or without), so the import column compares.
-  from paged_kv.runtime.compile_cache import enable_compilation_cache
-  if _COMPILE_CACHE.value:
-    enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  import paged_kv.runtime.compile_cache  # pylint: disable=unused-import
+  _COMPILE_CACHE.enable()
   reqs = chat_requests(_CHAT_CONVERSATIONS.value, _CHAT_TURNS.value, _SEED.value)
   max_len = max(int(r.tokens.shape[0]) for r in reqs)
   t1 = time.perf_counter()
@@ -444,10 +437,7 @@ def main(argv):
   if _COMPILE_ONLY.value:
     compile_only()
     return
-  if _COMPILE_CACHE.value:
-    from paged_kv.runtime.compile_cache import enable_compilation_cache
-    enable_compilation_cache(_COMPILE_CACHE_DIR.value)
-  from paged_kv.telemetry import records
+  _COMPILE_CACHE.enable()
   rec = records.Recorder(_RECORD.value, "bench_requests", flag_values=records.script_flags(),
                          seeds=[_SEED.value])
   result = {"workloads": [], "hit_rates": [], "compile": []}

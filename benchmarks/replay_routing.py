@@ -1,9 +1,9 @@
 """Replays a Mooncake trace over N data-parallel replicas: routers vs one global cache.
 
 Usage:
-  .venv/bin/python examples/replay_routing.py                      # 8 replicas, 4 capacities
-  .venv/bin/python examples/replay_routing.py --max_requests=200   # smoke run
-  .venv/bin/python examples/replay_routing.py --num_replicas=8 \
+  PYTHONPATH=. .venv/bin/python benchmarks/replay_routing.py                      # 8 replicas, 4 capacities
+  PYTHONPATH=. .venv/bin/python benchmarks/replay_routing.py --max_requests=200   # smoke run
+  PYTHONPATH=. .venv/bin/python benchmarks/replay_routing.py --num_replicas=8 \
       --capacity_tokens=1000000 --routers=round_robin,cache_aware,prefix_only \
       --tokens_per_s=10000
 
@@ -40,7 +40,7 @@ import sys
 
 from absl import app, flags
 
-from paged_kv.runtime import compile_cache
+from benchmarks import records, shared_flags
 from paged_kv.sim import replay, traces
 from paged_kv.sim.replay import ReplayConfig, SimReplica, replay_cluster
 from paged_kv.cluster.routing import (
@@ -52,7 +52,6 @@ from paged_kv.cluster.routing import (
     RoundRobinRouter,
     Router,
 )
-from paged_kv.telemetry import records
 
 try:
   import tqdm as _tqdm
@@ -60,10 +59,7 @@ except ImportError:  # progress bars are optional
   _tqdm = None
 
 ROUTERS = ("round_robin", "least_load", "cache_aware", "prefix_only")
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TRACE = os.path.normpath(
-    os.path.join(_REPO, "..", "shared", "traces", "conversation_trace.jsonl")
-)
+DEFAULT_TRACE = shared_flags.default_trace(__file__)
 
 _TRACE = flags.DEFINE_string(
     "trace",
@@ -76,13 +72,13 @@ _CAPACITY = flags.DEFINE_list(
     ["500000", "1000000", "3000000", "0"],
     "Capacities per replica in tokens (comma-separated); 0 = unlimited.",
 )
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per pool block.")
+_BLOCK_SIZE = shared_flags.define_block_size("Tokens per pool block.")
 _MAX_REQUESTS = flags.DEFINE_integer("max_requests", 0, "Replay only the first N (0 = all).")
 _POLICY = flags.DEFINE_enum("policy", "lru", ["lru", "cost"], "Eviction policy.")
 _INSERT_OUTPUT = flags.DEFINE_bool(
     "insert_output", False, "Also cache each request's output tokens (unique ids)."
 )
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar (needs tqdm).")
+_PROGRESS = shared_flags.define_progress()
 _NAMESPACE = flags.DEFINE_string("namespace", "default", "Cache namespace of all requests.")
 _NUM_REPLICAS = flags.DEFINE_integer("num_replicas", 8, "Data-parallel replicas N.")
 _ROUTERS = flags.DEFINE_list(
@@ -105,12 +101,8 @@ _LOAD_WEIGHT = flags.DEFINE_list(
 _TIE_TOKENS = flags.DEFINE_float(
     "tie_tokens", 0.0, "cache_aware: score tolerance for near-ties (tokens)."
 )
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
-                                   "cache (restarts skip XLA compiles).")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_RECORD = shared_flags.define_record()
+_COMPILE_CACHE = shared_flags.define_compile_cache()
 
 
 def make_routers(name: str, *, load_weights: list[float], tie_tokens: float) -> list[Router]:
@@ -239,8 +231,7 @@ def parse_capacities(values: list[str]) -> list[int]:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _COMPILE_CACHE.value:
-    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  _COMPILE_CACHE.enable()
   path = _TRACE.value
   if not path.endswith(".jsonl"):
     raise app.UsageError(f"routing needs prefix information: a Mooncake .jsonl trace, got {path}")

@@ -22,9 +22,9 @@ facade's before a number is printed. The table gives each path's median wall and
 median of its per-round ratio to the facade's (paired: the same round's runs).
 
 Usage:
-  .venv/bin/python examples/bench_server.py                     # batch 16, 64 tokens
-  .venv/bin/python examples/bench_server.py --engine=process --client=sockets
-  .venv/bin/python examples/bench_server.py --batch=16 --max_tokens=128 --repeats=7
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_server.py                     # batch 16, 64 tokens
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_server.py --engine=process --client=sockets
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_server.py --batch=16 --max_tokens=128 --repeats=7
 """
 
 from __future__ import annotations
@@ -43,15 +43,17 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
+from benchmarks import shared_flags
+
 _BATCH = flags.DEFINE_integer("batch", 16, "Concurrent requests (and the scheduler's max_batch).")
 _PROMPT_TOKENS = flags.DEFINE_integer("prompt_tokens", 32, "Token ids per prompt.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "Tokens generated per request.")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Rounds (each runs the three paths once).")
+_REPEATS = shared_flags.define_repeats(5, "Rounds (each runs the three paths once).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "A checkpoint directory (default: a "
                                   "random tiny Llama with a byte-level BPE tokenizer).")
 _PREFIX_CACHE = flags.DEFINE_bool("prefix_cache", False, "The scheduler's prefix cache.")
 _METRICS = flags.DEFINE_bool("metrics", True, "Attach the Prometheus exporter to the server.")
-_SEED = flags.DEFINE_integer("seed", 0, "Prompt seed.")
+_SEED = shared_flags.define_seed("Prompt seed.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every program of the serving path first "
                             "(`Scheduler.warmup()`: requests arriving one by one over HTTP "
                             "run step shapes the facade's batch does not).")
@@ -231,9 +233,9 @@ def main(argv):
           os.sched_setaffinity(int(thread_id), cpus)
     with BackgroundServer(server) as bg:
       client = subprocess.Popen(
-          [sys.executable, os.path.abspath(__file__), f"--client_url={bg.url}",
+          [*shared_flags.rerun_command(__file__), f"--client_url={bg.url}",
            f"--client={_CLIENT_KIND.value}"],
-          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=shared_flags.REPO,
           env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
       def facade() -> tuple[float, list[str], float]:

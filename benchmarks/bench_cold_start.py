@@ -16,9 +16,9 @@ second process with the same directory and config loads every program from it
 (issue V: it compiles none). `--cache=off` adds a run with the cache disabled.
 
 Usage:
-  .venv/bin/python examples/bench_cold_start.py                   # CPU: tiny, batch 16
-  python examples/bench_cold_start.py --shape=llama-3.2-1b --batch=64,256   # a GPU
-  .venv/bin/python examples/bench_cold_start.py --repeats=3 --record=docs/records/cold_start/
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_cold_start.py                   # CPU: tiny, batch 16
+  PYTHONPATH=. python benchmarks/bench_cold_start.py --shape=llama-3.2-1b --batch=64,256   # a GPU
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_cold_start.py --repeats=3 --record=docs/records/cold_start/
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import statistics
 import tempfile
 
 from absl import app, flags
+
+from benchmarks import records, shared_flags
 
 _SHAPE = flags.DEFINE_string("shape", None, "A random checkpoint's shape "
                              "(paged_kv.model.random_checkpoint.SHAPES; default: "
@@ -46,10 +48,10 @@ _PREFILL_BUDGET = flags.DEFINE_integer("prefill_token_budget", 256,
                                        "SchedulerConfig.prefill_token_budget.")
 _CACHE = flags.DEFINE_list("cache", ["cold", "cache"], "Runs per row: cold (an empty "
                            "persistent cache), cache (the cold run's cache), off (none).")
-_REPEATS = flags.DEFINE_integer("repeats", 1, "Rounds (each with a fresh cache directory).")
-_SEED = flags.DEFINE_integer("seed", 0, "Weights and prompt seed.")
+_REPEATS = shared_flags.define_repeats(1, "Rounds (each with a fresh cache directory).")
+_SEED = shared_flags.define_seed("Weights and prompt seed.")
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 1800, "Wall limit of one process.")
-_RECORD = flags.DEFINE_string("record", None, "Directory (or file) for the JSON record.")
+_RECORD = shared_flags.define_record()
 MODES = ("cold", "cache", "off")
 
 
@@ -83,7 +85,6 @@ def main(argv):
     raise app.UsageError("--batch values and --repeats must be >= 1")
   import jax  # pylint: disable=import-outside-toplevel
   from paged_kv.sim import cold_start  # pylint: disable=import-outside-toplevel
-  from paged_kv.telemetry import records  # pylint: disable=import-outside-toplevel
   on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
   rec = records.Recorder(_RECORD.value, "bench_cold_start", flag_values=records.script_flags(),
                          seeds=[_SEED.value])

@@ -20,8 +20,8 @@ directly; the exporter the server attaches). On CPU the executor's device work r
 the host too; the engine's own part is host work everywhere.
 
 Usage:
-  .venv/bin/python examples/bench_engine.py                      # batch 64, 256
-  .venv/bin/python examples/bench_engine.py --batch=256 --repeats=5 --record=docs/records/engine/
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_engine.py                      # batch 64, 256
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_engine.py --batch=256 --repeats=5 --record=docs/records/engine/
 """
 
 from __future__ import annotations
@@ -33,24 +33,24 @@ import time
 import numpy as np
 from absl import app, flags
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.model import random_checkpoint
 from paged_kv.model.tokenizer import Tokenizer
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.entrypoints.llm import Engine
 from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
-from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_list("batch", ["64", "256"], "Live requests per step.")
 _MODES = flags.DEFINE_list("modes", ["stream", "final", "ids"], "Engine modes (see above).")
 _STEPS = flags.DEFINE_integer("steps", 200, "Timed steps per configuration.")
 _WARMUP = flags.DEFINE_integer("warmup", 60, "Untimed steps first (compilation).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Rounds (median of medians).")
+_REPEATS = shared_flags.define_repeats(3, "Rounds (median of medians).")
 _VOCAB = flags.DEFINE_integer("vocab", 2000, "Tokenizer vocabulary (trained BPE).")
-_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_SEED = shared_flags.define_seed("Workload seed.")
 _EXPORTER = flags.DEFINE_bool("exporter", True, "Also time MetricsExporter.observe per step "
                               "(needs prometheus-client).")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_RECORD = shared_flags.define_record()
 
 BLOCK_SIZE = 16
 

@@ -26,8 +26,8 @@ block must read to pay for its waste). With `--gpu_check=PATH` (a
 `gpu_check.json` with the block-size rows) the pick uses the measured rates;
 without, bandwidth is unmeasured and the rule picks the smallest block.
 
-Usage: python examples/block_size_study.py [--max_requests=4096 --record=PATH]
-       python examples/block_size_study.py --traces=a.csv --block_sizes=16,64   # smoke
+Usage: PYTHONPATH=. python benchmarks/block_size_study.py [--max_requests=4096 --record=PATH]
+       PYTHONPATH=. python benchmarks/block_size_study.py --traces=a.csv --block_sizes=16,64   # smoke
 """
 
 from __future__ import annotations
@@ -40,14 +40,13 @@ from absl import app, flags
 import jax
 import numpy as np
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.core import alloc, block_size as block_size_rule, segments, slots
 from paged_kv.sim import traces
-from paged_kv.telemetry import records
 
-_TRACE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
-                          "traces")
-_DEFAULT_TRACES = [os.path.join(_TRACE_DIR, name) for name in traces.KNOWN_TRACES]
+_DEFAULT_TRACES = [str(shared_flags.shared_traces(__file__) / name)
+                   for name in traces.KNOWN_TRACES]
 
 _TRACES = flags.DEFINE_list("traces", _DEFAULT_TRACES, "Trace files (.jsonl Mooncake, .csv "
                             "Azure); default: the public traces in ../shared/traces.")
@@ -63,7 +62,7 @@ _GPU_CHECK = flags.DEFINE_string("gpu_check", None, "A gpu_check.json with the b
                                  "rows: the rule then uses the measured read rates.")
 _GPU_SHAPE = flags.DEFINE_enum("gpu_shape", "b64x8k", ["b64x8k", "b1x128k"],
                                "Which decode shape's rates the rule uses.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_RECORD = shared_flags.define_record()
 
 
 def _bucket(x: int) -> int:

@@ -17,7 +17,7 @@ number is printed. `--runs` repeats the whole measurement (pool sizes interleave
 ratio to the copy is paired within a run and reported as the median with [min-max]
 over the runs.
 
-Usage: python examples/bench_compaction.py [--pool_sizes=512,4096 --moves=32 --reps=50 --runs=3]
+Usage: PYTHONPATH=. python benchmarks/bench_compaction.py [--pool_sizes=512,4096 --moves=32 --reps=50 --runs=3]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.core import alloc, compact, page_copy
-from paged_kv.telemetry import records
 
 _POOL_SIZES = flags.DEFINE_list("pool_sizes", ["512", "4096"], "Pool sizes (blocks).")
 _MOVES = flags.DEFINE_integer("moves", 32, "Block moves per compaction step.")
@@ -42,7 +42,7 @@ _HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "Head size.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "K/V dtype.")
 _RUNS = flags.DEFINE_integer("runs", 3, "Runs of the whole measurement; ratios are medians "
                              "[min-max] over the runs.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_RECORD = shared_flags.define_record()
 
 
 def _pool(n: int, moves: int, **dims) -> tuple[paged_kv.PoolConfig, paged_kv.PoolState]:

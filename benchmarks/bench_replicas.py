@@ -1,9 +1,9 @@
 """Hit rate of N real replica processes behind the router vs one global cache.
 
 Usage:
-  .venv/bin/python examples/bench_replicas.py                       # N=2,4; 3 slices
-  .venv/bin/python examples/bench_replicas.py --num_requests=200 --offsets=0 --replicas=2
-  .venv/bin/python examples/bench_replicas.py --json_out=/tmp/bench_replicas.json
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_replicas.py                       # N=2,4; 3 slices
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_replicas.py --num_requests=200 --offsets=0 --replicas=2
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_replicas.py --json_out=/tmp/bench_replicas.json
 
 The requests of a slice of the Mooncake conversation trace (`--num_requests` rows from
 each of `--offsets`, arrival times from the slice's first row) go end to end through
@@ -18,7 +18,7 @@ For each slice and each N of `--replicas` the script runs:
 * **global**: one process whose pool holds N x `--capacity_tokens` and which does
   N times one replica's work per step (N x `--max_batch` rows, N x the prefill
   budget): one shared cache in front of N replicas' compute, the comparison
-  `examples/replay_routing.py` makes (its `GlobalCache`);
+  `benchmarks/replay_routing.py` makes (its `GlobalCache`);
 * **routed**: N processes of `--capacity_tokens` each behind the router;
 * **sim** (`--sim`): the same two in `replay_routing.py`'s simulation
   (`routing.ReplicaCluster` / `GlobalCache` over prefix caches on host block
@@ -63,8 +63,8 @@ import time
 import numpy as np
 from absl import app, flags
 
+from benchmarks import shared_flags
 from paged_kv.core.config import PoolConfig
-from paged_kv.runtime import compile_cache
 from paged_kv.sim import traces
 from paged_kv.sim.replay import ReplayConfig, ReplayResult, SimState, serve_tokens
 from paged_kv.cluster.replicas import ReplicaRequest, ReplicaSet, ReplicaSpec
@@ -74,9 +74,7 @@ from paged_kv.scheduler.scheduler import SchedulerConfig
 from radix.cache import PrefixCache
 
 GOAL = 0.95
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_TRACE = os.path.normpath(
-    os.path.join(_REPO, "..", "shared", "traces", "conversation_trace.jsonl"))
+DEFAULT_TRACE = shared_flags.default_trace(__file__)
 
 _TRACE = flags.DEFINE_string("trace", DEFAULT_TRACE, "A Mooncake .jsonl trace. Default: the "
                              "Mooncake conversation trace in ../shared/traces/.")
@@ -88,7 +86,7 @@ _CAPACITY = flags.DEFINE_integer("capacity_tokens", 1_000_000,
                                  "Cache capacity per replica, in trace tokens (the global "
                                  "cache gets N times this).")
 _TOKEN_SCALE = flags.DEFINE_integer("token_scale", 16, "Every length is divided by this.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per pool block (after scaling).")
+_BLOCK_SIZE = shared_flags.define_block_size("Tokens per pool block (after scaling).")
 _STEP_MS = flags.DEFINE_float("step_ms", 100.0, "Trace milliseconds per scheduler step.")
 _CLUSTER_RATE = flags.DEFINE_float("cluster_tokens_per_s", 80_000.0,
                                    "Prefill trace tokens per second, all replicas together.")
@@ -108,15 +106,12 @@ _REPLY_TIMEOUT = flags.DEFINE_float("reply_timeout_s", 300.0, "A replica silent 
 _START_TIMEOUT = flags.DEFINE_float("start_timeout_s", 900.0, "The longest wait for the "
                                     "replicas to be ready.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results as JSON here.")
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Replicas use JAX's persistent "
-                                   "compilation cache.")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_COMPILE_CACHE = shared_flags.define_compile_cache(
+    "Replicas use JAX's persistent compilation cache.")
 _FLAG_HOLDERS = (_TRACE, _NUM_REQUESTS, _OFFSETS, _REPLICAS, _CAPACITY, _TOKEN_SCALE,
                  _BLOCK_SIZE, _STEP_MS, _CLUSTER_RATE, _MAX_BATCH, _PREFILL_CHUNK, _LOAD_WEIGHT,
                  _OUTPUT_WEIGHT, _SIM, _WARMUP, _REPLY_TIMEOUT, _START_TIMEOUT, _JSON_OUT,
-                 _COMPILE_CACHE, _COMPILE_CACHE_DIR)
+                 _COMPILE_CACHE.on, _COMPILE_CACHE.dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +290,7 @@ def format_table(pairs: list[tuple]) -> str:
 
 def _git(*args: str) -> str:
   try:
-    return subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True,
+    return subprocess.run(["git", *args], cwd=shared_flags.REPO, capture_output=True, text=True,
                           timeout=30).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     return ""
@@ -357,10 +352,7 @@ def main(argv: list[str]) -> None:
       raise app.UsageError(f"--{name} must be >= 1")
   if not (_STEP_MS.value > 0 and _CLUSTER_RATE.value > 0):
     raise app.UsageError("--step_ms and --cluster_tokens_per_s must be > 0")
-  cache_dir = None
-  if _COMPILE_CACHE.value:
-    cache_dir = _COMPILE_CACHE_DIR.value or os.environ.get(compile_cache.ENV_VAR) or \
-        compile_cache.default_cache_dir()
+  cache_dir = _COMPILE_CACHE.directory()
   all_rows = traces.load_trace(path)
   longest = longest_request(all_rows, _TOKEN_SCALE.value)
   print(f"{os.path.basename(path)}: {len(all_rows):,} rows; slices of {_NUM_REQUESTS.value} "

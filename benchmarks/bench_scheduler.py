@@ -39,8 +39,8 @@ On CPU the "device" is this CPU, so the jitted reserve and reduction run here to
 on a GPU they are asynchronous device work and the host part is what remains.
 
 Usage:
-  .venv/bin/python examples/bench_scheduler.py                      # all pools, batch 32,256
-  .venv/bin/python examples/bench_scheduler.py --pools=4096,65536 --batch=32 --steps=100
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_scheduler.py                      # all pools, batch 32,256
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_scheduler.py --pools=4096,65536 --batch=32 --steps=100
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ import jax
 import numpy as np
 from absl import app, flags
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.pool import block_pool as pool_module
-from paged_kv.runtime import compile_cache
 from paged_kv.sim import serving_bench
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
-from paged_kv.telemetry import metrics, records
+from paged_kv.telemetry import metrics
 
 _POOLS = flags.DEFINE_list("pools", ["4096", "65536", "262144", "1048576"],
                            "Pool sizes in blocks.")
@@ -66,18 +66,14 @@ _BATCH = flags.DEFINE_list("batch", ["32", "256"], "Running sequences per step."
 _MODES = flags.DEFINE_list("modes", ["off", "stats", "budget", "full"], "Telemetry modes.")
 _STEPS = flags.DEFINE_integer("steps", 200, "Timed steps per configuration.")
 _WARMUP = flags.DEFINE_integer("warmup", 60, "Untimed steps first (compilation).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Runs per configuration (median of medians).")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
-_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_REPEATS = shared_flags.define_repeats(3, "Runs per configuration (median of medians).")
+_BLOCK_SIZE = shared_flags.define_block_size()
+_SEED = shared_flags.define_seed("Workload seed.")
 _RESERVE = flags.DEFINE_enum("reserve", "host", ["host", "device"],
                              "Who reserves a step's slots: the host mirror (the serving "
                              "loop's step) or the executor's jitted step.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
-                                   "cache (restarts skip XLA compiles).")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_RECORD = shared_flags.define_record()
+_COMPILE_CACHE = shared_flags.define_compile_cache()
 
 MODES = {
     "off": dict(stats_every=0, snapshot_every=0),
@@ -205,8 +201,7 @@ FIELDS = ("step_ms", "p90_ms", "executor_ms", "stats_ms", "stats_every", "dispat
 
 def main(argv):
   del argv
-  if _COMPILE_CACHE.value:
-    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  _COMPILE_CACHE.enable()
   rec = records.Recorder(_RECORD.value, "bench_scheduler", flag_values=records.script_flags(),
                          seeds=[_SEED.value + r for r in range(_REPEATS.value)])
   configs = [(batch, n, mode) for batch in map(int, _BATCH.value)

@@ -23,11 +23,11 @@ runs per long sequence, and concurrency against a fluid upper bound: per step, t
 most of the requests present (running + queued) that fit the capacity in tokens,
 smallest first, with no ordering or contiguity constraint. Numbers quoted from the
 seed reports are printed beside ours, labelled as quoted; they are never computed.
-The compaction step's cost against a plain copy is `examples/bench_compaction.py`;
+The compaction step's cost against a plain copy is `benchmarks/bench_compaction.py`;
 a one-line check of it is printed last. PNGs go to --out_dir.
 
-Usage: python examples/fragmentation_study.py [--steps=200 --seed=0 --out_dir=out/]
-       python examples/fragmentation_study.py --scale=32 --num_blocks=2048   # smoke
+Usage: PYTHONPATH=. python benchmarks/fragmentation_study.py [--steps=200 --seed=0 --out_dir=out/]
+       PYTHONPATH=. python benchmarks/fragmentation_study.py --scale=32 --num_blocks=2048   # smoke
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.core import alloc, compact, segments, slots
-from paged_kv.runtime import compile_cache
-from paged_kv.telemetry import metrics, records
+from paged_kv.telemetry import metrics
 
 try:  # optional: a progress bar
   import tqdm as _tqdm
@@ -65,7 +65,7 @@ _CONSOLIDATE_MOVES = flags.DEFINE_integer("consolidate_moves", 64,
 _CHAT_BLOCKS = flags.DEFINE_integer("chat_blocks", 2048, "Pool blocks of study (a).")
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", None, "Pool blocks of study (b); default: "
                                    "the KV share of --card_gb for the modelled model.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_BLOCK_SIZE = shared_flags.define_block_size()
 _SCALE = flags.DEFINE_integer("scale", 1, "Divide the 64k/2k request lengths (smoke runs).")
 _LONG_TOKENS = flags.DEFINE_integer("long_tokens", 65536, "Mean long request, tokens.")
 _SHORT_TOKENS = flags.DEFINE_integer("short_tokens", 2048, "Mean short request, tokens.")
@@ -93,18 +93,14 @@ _BUDGET_BYTES = flags.DEFINE_integer("budget_bytes", None,
 _BUDGET = flags.DEFINE_integer("budget", None, "Cap on moves per step (derived cap).")
 _THRESHOLD = flags.DEFINE_float("threshold", 0.35, "Compaction trigger ratio.")
 _PERIOD = flags.DEFINE_integer("period", 50, "Steps between periodic full compactions.")
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed of study (b).")
+_SEED = shared_flags.define_seed("Random seed of study (b).")
 _FIT = flags.DEFINE_enum("fit", "first", ["first", "best"], "Which free run a long request's "
                          "contiguous allocation takes.")
 _TIMING_REPS = flags.DEFINE_integer("timing_reps", 20, "Repetitions of the timing (median).")
 _PARTS = flags.DEFINE_list("parts", ["a", "b", "timing"], "Which parts to run.")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar (needs tqdm).")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
-                                   "cache (restarts skip XLA compiles).")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_PROGRESS = shared_flags.define_progress()
+_RECORD = shared_flags.define_record()
+_COMPILE_CACHE = shared_flags.define_compile_cache()
 
 # Quoted from the seed reports (operators' field numbers, on their allocator); never
 # computed here, printed beside ours for reference only.
@@ -735,8 +731,7 @@ def _fmt(d):
 
 def main(argv):
   del argv
-  if _COMPILE_CACHE.value:
-    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  _COMPILE_CACHE.enable()
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   bs = _BLOCK_SIZE.value
   t_start = time.perf_counter()
@@ -844,7 +839,7 @@ def main(argv):
           f"{timing['device']}): {timing['compact_s'] * 1e3:.3f} ms; plain copy of the same "
           f"bytes: {timing['copy_s'] * 1e3:.3f} ms; ratio "
           f"{timing['compact_s'] / timing['copy_s']:.2f} (medians of {_TIMING_REPS.value}; "
-          "examples/bench_compaction.py for the breakdown)")
+          "benchmarks/bench_compaction.py for the breakdown)")
   paths = _plots(_OUT_DIR.value, chat_first, mix, mix.get(("require", "none"), {}).get("maps"),
                  modes, policies)
   print("plots: " + ", ".join(paths))

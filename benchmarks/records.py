@@ -1,10 +1,10 @@
 """Benchmark records: one JSON file per benchmark run, results with their provenance.
 
-Every script in `examples/` that measures something takes `--record=PATH` and, when it
-is given, writes what it measured together with how, where and when:
+A script in `benchmarks/` takes `--record=PATH` and, when it is given, writes what it
+measured together with how, where and when:
 
   {"schema": 1, "bench": "bench_allocator",
-   "command": "python examples/bench_allocator.py --steps=60", "argv": [...],
+   "command": "python benchmarks/bench_allocator.py --steps=60", "argv": [...],
    "flags": {...the script's own flags...}, "seeds": [0],
    "git": {"commit": "5c431e5...", "dirty": false},
    "date": "2026-12-03T07:12:09Z", "wall_s": 95.2,
@@ -18,9 +18,9 @@ helpers for that report's cells live here too, so that a script and the report r
 "median [min-max]" and "goal met" the same way: a goal is met only if the unrounded
 number meets it.
 
-A script uses it as (absl flags; `examples/` stays importable by nothing):
+A script uses it as (absl flags; `--record` from `benchmarks.shared_flags`):
 
-  _RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+  _RECORD = shared_flags.define_record()
   ...
   rec = records.Recorder(_RECORD.value, "bench_foo", flag_values=records.script_flags(),
                          seeds=[_SEED.value])
@@ -61,7 +61,7 @@ RECORD_FLAG_HELP = ("Write a JSON record of this run (command, flags, seeds, git
                     "date, machine, JAX version, results) to this path; a path ending in '/' "
                     "or naming a directory gets <bench>-<UTC time>.json inside it.")
 
-_REPO = pathlib.Path(__file__).resolve().parents[2]
+_REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def to_jsonable(x: Any) -> Any:

@@ -20,7 +20,7 @@ Before any number is printed, the real tiny model's outputs of both paths are
 checked equal (tokens, logits, pool state).
 
 Usage:
-  python examples/bench_dispatch.py [--layers=2,8,32 --calls=100 --repeats=7]
+  PYTHONPATH=. python benchmarks/bench_dispatch.py [--layers=2,8,32 --calls=100 --repeats=7]
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.model import StepPlan, llama, steps
-from paged_kv.telemetry import records
 
 _LAYERS = flags.DEFINE_list("layers", ["2", "8", "32"], "Model depths.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Decode rows per step.")
 _CALLS = flags.DEFINE_integer("calls", 100, "Back-to-back calls per timed repeat.")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed repeats (median reported).")
-_SEED = flags.DEFINE_integer("seed", 0, "Weights seed.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_REPEATS = shared_flags.define_repeats(7, "Timed repeats (median reported).")
+_SEED = shared_flags.define_seed("Weights seed.")
+_RECORD = shared_flags.define_record()
 
 
 class HollowLlama(llama.TinyLlama):

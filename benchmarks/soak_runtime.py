@@ -62,14 +62,14 @@ default; `paged_kv.runtime.host_memory`): with its dynamic defaults, freed host
 buffers (swapped-out K/V, saves, XLA's buffers, the old pool at the cut) stay
 resident and RSS creeps.
 
-The persistent compilation cache is on by default (as in the other examples);
+The persistent compilation cache is on by default (as in the other scripts);
 point `PAGED_KV_COMPILE_CACHE` at an empty directory, or pass `--nocompile_cache`,
 to see compiles rather than loads.
 
 Usage:
-  python examples/soak_runtime.py                     # 60 s, defaults
-  python examples/soak_runtime.py --seconds=1800      # the 30-minute goal
-  PAGED_KV_SOAK_SECONDS=300 python examples/soak_runtime.py --out_dir=/tmp/soak
+  PYTHONPATH=. python benchmarks/soak_runtime.py                     # 60 s, defaults
+  PYTHONPATH=. python benchmarks/soak_runtime.py --seconds=1800      # the 30-minute goal
+  PAGED_KV_SOAK_SECONDS=300 PYTHONPATH=. python benchmarks/soak_runtime.py --out_dir=/tmp/soak
 """
 
 from __future__ import annotations
@@ -88,15 +88,15 @@ from absl import app, flags
 import jax
 import numpy as np
 
+from benchmarks import records, shared_flags
 import paged_kv
-from paged_kv.runtime import compile_cache, counters, host_memory
+from paged_kv.runtime import counters, host_memory
 from paged_kv.cache.cached_pool import CachedPool
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
-from paged_kv.telemetry import records
 
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 4096, "Blocks in the pool.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_BLOCK_SIZE = shared_flags.define_block_size()
 _MAX_SEQS = flags.DEFINE_integer("max_seqs", 64, "Rows of the segment table.")
 _MAX_SEGMENTS = flags.DEFINE_integer("max_segments", 64, "Segments per row.")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 0, "Sequences per step (0: max_seqs).")
@@ -134,14 +134,10 @@ _SAMPLE_EVERY = flags.DEFINE_float("sample_every_seconds", 10.0, "Wall seconds b
                                    "samples.")
 _OUT_DIR = flags.DEFINE_string("out_dir", "/tmp/soak_runtime", "Where the CSVs and the PNG "
                                "go ('': nowhere).")
-_SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Progress bar during warm-up (tqdm).")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
-_COMPILE_CACHE = flags.DEFINE_bool("compile_cache", True, "Use JAX's persistent compilation "
-                                   "cache (restarts skip XLA compiles).")
-_COMPILE_CACHE_DIR = flags.DEFINE_string("compile_cache_dir", None, "The cache's directory "
-                                         "(default: $PAGED_KV_COMPILE_CACHE, else "
-                                         "~/.cache/paged_kv/jax).")
+_SEED = shared_flags.define_seed()
+_PROGRESS = shared_flags.define_progress("Progress bar during warm-up (tqdm).")
+_RECORD = shared_flags.define_record()
+_COMPILE_CACHE = shared_flags.define_compile_cache()
 _RETURN_FREED = flags.DEFINE_bool("return_freed_memory", True, "Fix glibc malloc's "
                                   "thresholds so that freed large buffers go back to the OS "
                                   "(`paged_kv.runtime.host_memory`; keeps RSS flat).")
@@ -378,8 +374,7 @@ def main(argv):
                          seeds=[_SEED.value])
   if _RETURN_FREED.value:
     host_memory.return_freed_memory()
-  if _COMPILE_CACHE.value:
-    compile_cache.enable_compilation_cache(_COMPILE_CACHE_DIR.value)
+  _COMPILE_CACHE.enable()
   seconds = float(os.environ.get(SECONDS_ENV) or _SECONDS.value)
   log = CompileLog()
   config = paged_kv.PoolConfig(num_blocks=_NUM_BLOCKS.value, block_size=_BLOCK_SIZE.value,
@@ -552,7 +547,7 @@ def main(argv):
     write_csv(out_dir / "samples.csv", rows)
     write_csv(out_dir / "compiles.csv",
               [dataclasses.asdict(e) for e in log.events[:last["logged_compiles"]]])
-    title = (f"examples/soak_runtime.py: {config.num_blocks} blocks x {config.block_size} "
+    title = (f"benchmarks/soak_runtime.py: {config.num_blocks} blocks x {config.block_size} "
              f"tokens, {config.max_seqs} rows x {config.max_segments} segments, "
              f"{_PREEMPTION.value} preemption, {_TENANTS.value} tenants, seed {_SEED.value}"
              f"\n(dashed: shrink requested; red: pool cut to {target} blocks)")

@@ -26,7 +26,7 @@ then also lowers and compiles each of the warm-up's programs alone, one after
 the other (scanned, the first warm-up depth): where the warm-up's time goes.
 
 Usage:
-  python examples/bench_compile.py [--layers=2,8,32 --repeats=3 --warmup_layers=2,32]
+  PYTHONPATH=. python benchmarks/bench_compile.py [--layers=2,8,32 --repeats=3 --warmup_layers=2,32]
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.model import StepPlan, llama, metadata, steps
-from paged_kv.telemetry import records
 
 _LAYERS = flags.DEFINE_list("layers", ["2", "8", "32"],
                             "Model depths of the compile table (empty: warm-ups only).")
@@ -53,21 +53,21 @@ _PROGRAM_NAMES = ("forward", "decode", "forward_reserved", "decode_reserved")
 _PROGRAMS = flags.DEFINE_list("programs", ["forward", "decode"],
                               "Programs: forward (mixed step), decode (decode_step), "
                               "forward_reserved / decode_reserved (host-reserved slots).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Fresh compiles per (depth, layout, program).")
+_REPEATS = shared_flags.define_repeats(3, "Fresh compiles per (depth, layout, program).")
 _MAX_BATCH = flags.DEFINE_integer("max_batch", 16, "Rows per step.")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 128, "Most tokens of a row per step.")
 _NUM_TOKENS = flags.DEFINE_integer("num_tokens", 256, "Tokens of the mixed step.")
 _PREFILL_BUDGET = flags.DEFINE_integer("prefill_token_budget", 256,
                                        "Scheduler's prompt tokens per step (warm-up).")
 _NUM_BLOCKS = flags.DEFINE_integer("num_blocks", 256, "Blocks in the pool.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_BLOCK_SIZE = shared_flags.define_block_size()
 _WARMUP_LAYERS = flags.DEFINE_list("warmup_layers", [],
                                    "Depths at which to time Scheduler.warmup() too.")
 _WARMUP_REPEATS = flags.DEFINE_integer("warmup_repeats", 1, "Warm-ups per depth and layout.")
 _PROGRAM_TIMES = flags.DEFINE_bool("program_times", False,
                                    "Also time each warm-up program's lower and compile alone.")
-_SEED = flags.DEFINE_integer("seed", 0, "Weights and tokens seed.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_SEED = shared_flags.define_seed("Weights and tokens seed.")
+_RECORD = shared_flags.define_record()
 
 _SCAN = {"scanned": True, "unrolled": False}
 # CPU seconds of this process (every thread: XLA compiles on several) per program and

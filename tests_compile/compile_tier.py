@@ -1,7 +1,7 @@
 """Compile tier: XLA compiles a program for an H100/H200 on a CPU-only machine,
 and the compiled program says what would run there.
 
-The lowering tier (`lowering.py`) stops before LLVM and ptxas. Here XLA runs its
+The lowering tier (`pallas_kernels.lowering`) stops before LLVM and ptxas. Here XLA runs its
 whole GPU pipeline (HLO passes, fusion, buffer assignment, LLVM -> PTX -> ptxas
 for its own kernels, Triton for the generic Pallas kernels, Mosaic GPU's own
 ptxas run) against a device described by a TargetConfig textproto

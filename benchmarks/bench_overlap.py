@@ -13,8 +13,8 @@ one that does not takes host + D. With `--decode_steps=k` the overlapped loop al
 runs k decode steps per dispatch when nothing waits (reported per decode step).
 
 Usage:
-  .venv/bin/python examples/bench_overlap.py                       # batch 64, D 2,5,20 ms
-  .venv/bin/python examples/bench_overlap.py --batch=256 --device_ms=1,3
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_overlap.py                       # batch 64, D 2,5,20 ms
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_overlap.py --batch=256 --device_ms=1,3
 """
 
 from __future__ import annotations
@@ -24,20 +24,20 @@ import time
 
 from absl import app, flags
 
+from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.sim import serving_bench
 from paged_kv.scheduler.latency_executor import LatencyExecutor
 from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
-from paged_kv.telemetry import records
 
 _BATCH = flags.DEFINE_integer("batch", 64, "Running sequences per step.")
 _DEVICE_MS = flags.DEFINE_list("device_ms", ["2", "5", "20"], "Simulated device ms per step.")
 _STEPS = flags.DEFINE_integer("steps", 100, "Timed steps per run.")
 _WARMUP = flags.DEFINE_integer("warmup", 20, "Untimed steps first.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Rounds (median of the rounds' medians).")
+_REPEATS = shared_flags.define_repeats(3, "Rounds (median of the rounds' medians).")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "k for the overlapped loop.")
-_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_SEED = shared_flags.define_seed("Workload seed.")
+_RECORD = shared_flags.define_record()
 
 BLOCK = 16
 

@@ -3,7 +3,7 @@ replaced (each row's pass over all T tokens, quadratic in batch) against
 `prefill_attention(impl="xla")` (token tiles of one row each, linear).
 
 Usage:
-  PYTHONPATH=. .venv/bin/python examples/bench_prefill_xla.py --batches=1,4,16 --q_len=256
+  PYTHONPATH=. .venv/bin/python benchmarks/bench_prefill_xla.py --batches=1,4,16 --q_len=256
 
 Both are checked against `ref_prefill_attention` before timing; medians of
 `--runs` calls, each ended by `block_until_ready`.
@@ -20,16 +20,16 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from paged_kv.telemetry import records
+from benchmarks import records, shared_flags
 from pallas_kernels import prefill_attention as pf
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "4", "16"], "Rows per batch.")
 _Q_LEN = flags.DEFINE_integer("q_len", 256, "New tokens per row (no prefix).")
 _HEADS = flags.DEFINE_list("heads", ["8", "2"], "q heads, kv heads.")
 _HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Head dim.")
-_BLOCK = flags.DEFINE_integer("block_size", 16, "Tokens per block.")
+_BLOCK = shared_flags.define_block_size()
 _RUNS = flags.DEFINE_integer("runs", 5, "Timed runs (median).")
-_RECORD = flags.DEFINE_string("record", None, records.RECORD_FLAG_HELP)
+_RECORD = shared_flags.define_record()
 
 
 def row_scan_prefill(q, k_pages, v_pages, cu_q_lens, seg_block, seg_start,
