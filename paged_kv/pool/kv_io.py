@@ -3,6 +3,7 @@
 Model code writes inside its jitted step with `paged_kv.core.kv.write_kv`
 instead, which checks nothing.
 """
+# pylint: disable=protected-access
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def warm_data(pool: BlockPool, length: int) -> None:
   width = bucket(length, 16)
   state = pool.state
   k, v, _ = kv.gather_kv(state, np.int32(0), max_len=width)
-  pool._state = write_layers(state, np.full((width,), -1, np.int32), k, v)  # pylint: disable=protected-access
+  pool._state = write_layers(state, np.full((width,), -1, np.int32), k, v)
   pool.runtime.dispatch("data", 2)
 
 
@@ -126,14 +127,13 @@ def _write(pool: BlockPool, program, what: str, s: np.ndarray, k, v, want: tuple
       raise InvalidArgument(f"{what}: {name} is {x.dtype}{list(x.shape)}, expected "
                             f"{dtype}{list(want)}")
   _check_write_targets(pool, s, seq_ids)
-  pool._state = program(pool.state)  # pylint: disable=protected-access
+  pool._state = program(pool.state)
   pool.runtime.dispatch("data")
-  pool._done()  # pylint: disable=protected-access
+  pool._done()
 
 
 def _check_write_targets(pool: BlockPool, s: np.ndarray, seq_ids) -> None:
   """`write_kv`'s ownership checks, on the mirror."""
-  # pylint: disable=protected-access
   c = pool.config
   bs = c.block_size
   h = pool.host
