@@ -1,28 +1,18 @@
 """`ChangeLog`: what the host mirror changed since the last commit, for the device.
 
-The host decides (which block, which slot, which row); the device applies the
-decisions in one jitted program per flush (`paged_kv.core.commit.commit`). The
-log holds, since the last flush:
+The host decides (which block, slot, row); the device applies the decisions in
+one jitted program per flush (`paged_kv.core.commit.commit`). Since the last
+flush the log holds the touched blocks (ids only, repeats allowed) and rows
+with their values before the window, the K/V page work in the order the device
+must run it (whole-block moves, then slot-range copies), the blocks freed (to
+scrub), and the mirror's totals after the previous commit (`expected`).
 
-* every touched block (ids only, repeats allowed: a touch is one list append);
-  its `(ref_count, slots)` before the window come from the log's copy of what
-  the device holds (`committed`, updated at each reset after a flush),
-* every touched row with its `(num_segments, seq_len, active)` before,
-* K/V page work: slot-range copies (`cow_split`'s tails) and whole-block moves
-  (compaction, promotion, shrink), in the order the device must run them
-  (moves, then copies),
-* the blocks freed in the window (zeroed on the device when the pool scrubs),
-* the mirror's totals right after the previous commit (`expected`): free
-  blocks, active rows, their tokens and segments, the clock.
-
-`batches(host)` turns it into packed commits (`CommitBatch` fields in one
-buffer, `PackedCommit`): the touched blocks' and rows' *final* values (so the
-order of the host's operations does not matter to the device), the page work,
-and the "before" values the device compares with what it holds (a mismatch is
-reported, see `paged_kv.pool.block_pool`, and the commit then applies nothing). Widths
-come from a small fixed set (`CommitWidths.for_config`), so the number of
-commit programs is bounded: a window larger than the block width is split into
-several commits (meta only; page work goes in the first).
+`batches(host)` packs it into commits carrying the touched entries' *final*
+values (so the order of the host's operations does not matter), the page work,
+and the "before" values the device compares with what it holds (on a mismatch
+the commit applies nothing and reports it). Widths come from a small fixed set
+(`CommitWidths.for_config`), so the commit programs are few; a larger window is
+split into several commits (page work in the first).
 """
 
 from __future__ import annotations
@@ -302,13 +292,10 @@ class ChangeLog:
     """Whether page work reading `sources` and writing `dests` (`copies` more slot
     copies) must wait for a flush.
 
-    One commit reads every source before it writes, so a window may not read or
-    write a block an earlier page op of it writes (a block is written at most once
-    per window, so its scrub, before or after the write, is decided when it frees);
-    moves run before copies, so moves may not follow copies; a commit holds at most
-    `max_seqs` copies; with scrubbing, a block freed earlier in the window is zeroed
-    after the reads, so it may not be read again (and the freed blocks must fit one
-    commit).
+    A commit reads every source before it writes, runs moves before copies and
+    holds at most `max_seqs` copies; with scrubbing, a block freed in the window
+    is zeroed after the reads. So a window may not touch a block an earlier page
+    op wrote, nor move after a copy, nor read a freed block again.
     """
     src = np.asarray(sources, np.int64).reshape(-1)
     dst = np.asarray(dests, np.int64).reshape(-1)

@@ -1,27 +1,16 @@
-"""The host copy of the free index: the device's arrays, kept in numpy.
+"""The host copy of the free index, in the device's layout (`BlockMeta`'s).
 
-Same layout as `BlockMeta`'s (`paged_kv.core.state.free_index_levels`):
 `bits: u32[ceil(n / 32)]` (bit `b % 32` of word `b // 32` set iff block `b` is a
-free dynamic block) and `counts: i32[...]` (count level `l >= 1`: free blocks
-per `32**(l + 1)` blocks), plus `num_free`. Because the arrays are the device's,
-the mirror can be compared with the device bit for bit.
+free dynamic block), `counts` (level `l >= 1`: free blocks per `32**(l + 1)`
+blocks) and `num_free`, so the mirror compares with the device bit for bit.
+`lowest(k)` (the k lowest free blocks, what the device's `take_blocks` hands
+out), `mark(blocks, delta)` and `largest_run()` (`free_runs.FreeRuns`) cost O(k)
+numpy work plus one pass over count level 1, never a pass over the blocks.
 
-Operations cost O(k) numpy work plus one pass over count level 1 (`n / 1024`
-entries, 1,024 at a million blocks), never a pass over the blocks:
-
-* `lowest(k)`: the k lowest free blocks (what the device's `take_blocks` hands
-  out, lowest address first);
-* `mark(blocks, delta)`: blocks become free (+1) or taken (-1);
-* `largest_run()`: the longest run of free blocks (a segment tree over the
-  words, `free_runs.FreeRuns`, updated from the words marked since).
-
-A request at a time takes and frees a few to a few dozen blocks per call, where
-each numpy call's fixed cost dominates: `lowest(k)` and `mark` of up to
-`SMALL_BLOCKS` blocks run in plain Python over the words (`_lowest_small`,
-`_mark_small`), starting from a hint (`_low`: no word below it has a free bit,
-lowered by every mark that frees a block) and falling back to the general,
-vectorised code (`_lowest_general`, `_mark_general`) when the 64 words after the
-first non-empty one hold too few free blocks; both give the same results
+A call that takes or frees at most `SMALL_BLOCKS` blocks runs in plain Python
+from a hint (`_low`: no word below it has a free bit), where numpy's per-call
+cost would dominate, and falls back to the vectorised code when the words after
+the hint hold too few free blocks; both give the same results
 (`tests/mirror/test_small_paths.py`).
 """
 

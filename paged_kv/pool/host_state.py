@@ -1,24 +1,16 @@
 """`HostState`: an exact numpy copy of a pool's bookkeeping, changed only through
 mutators that record every change for the device.
 
-What is mirrored: `BlockMeta.ref_count`, `slots`, `region` and the free index
-(`HostFreeIndex`, the device's own arrays), the whole `SegmentTable`, and the
-logical clock `step`. Not mirrored: the K/V pages (data, not bookkeeping) and
-`last_use` (read only by device-side metrics; the commit stamps touched blocks
-with the step). Derived and kept up to date: `table_refs[b]`, the live table
-segments on block `b` (what eviction and `apply_ref_deltas` check against), and
-each row's tail facts (`tail_block`, `tail_end`, `tail_limit`: what a reservation
-reads of every row every step), changed only for the rows a mutator changes and
-checked against the tables by `tail_differences` (so by `differences`, debug mode's
-compare).
+Mirrored: `BlockMeta.ref_count`, `slots`, `region`, the free index, the whole
+`SegmentTable` and the clock `step`. Not mirrored: the K/V pages and `last_use`
+(the commit stamps touched blocks with the step). Derived and kept up to date:
+`table_refs` (live table segments per block) and each row's tail facts, which a
+reservation reads every step; `tail_differences` checks them against the tables.
 
-Every change goes through a mutator (`change_refs`, `take_blocks`, `set_slots`,
-`write_rows`, `extend_rows`, `copy_slots`, `move_pages`), which
-first tells the attached `ChangeLog` what it is about to touch (the log keeps
-the value each block and row had before its first change since the last
-commit) and then changes the arrays. So nothing the device must apply can be
-forgotten, and the commit can check that the device held what the host
-expected before applying it.
+Every mutator first tells the attached `ChangeLog` what it is about to touch
+(the log keeps each block's and row's value before its first change since the
+last commit), so nothing the device must apply is forgotten and the commit can
+check that the device held what the host expected.
 """
 
 from __future__ import annotations
@@ -27,18 +19,16 @@ import numpy as np
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
+from paged_kv.pool import ref_counts
 from paged_kv.pool.changes import ChangeLog
 from paged_kv.pool.free_index import HostFreeIndex
 from paged_kv.pool.ids import aggregate, arange, distinct_mask, sum_by_id, words_to_int  # noqa: F401 (re-exported)
-
-_NO_IDS = np.zeros(0, np.int64)
-_NO_IDS.setflags(write=False)
-# `change_refs` of at most this many entries takes the plain-Python path.
-SMALL_CHANGES = 32
+from paged_kv.pool.ref_counts import NO_IDS as _NO_IDS
+from paged_kv.pool.ref_counts import SMALL_CHANGES
 
 
 class HostState:
-  """The host mirror of one pool's bookkeeping (see the module docstring).
+  """The host mirror of one pool's bookkeeping.
 
   Attributes:
     config: the pool's config.
@@ -46,11 +36,7 @@ class HostState:
     block, start, length: `i32[S, M]`; num_segments, seq_len: `i32[S]`;
     active: `bool[S]`: the segment tables.
     table_refs: `i32[n]` live table segments per block (derived).
-    tail_block, tail_end, tail_limit: `i32[S]` per row (derived, `row_tails`): its
-      tail segment's block, the slot after it, and the end of the free slots from
-      there on (`tail_limit - tail_end` of them, 0 unless the row is active with a
-      segment on a dynamic block): what the reservation's in-place rule reads (the
-      block's `ref_count == 1`, the rule's last part, is read where it is used).
+    tail_block, tail_end, tail_limit: `i32[S]` per row (derived, `row_tails`).
     num_table_blocks: blocks with `table_refs > 0` (derived).
     num_free_base: free base-region blocks (derived).
     step: the logical clock (`PoolState.step`).
@@ -143,13 +129,14 @@ class HostState:
     return out
 
   def row_tails(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`(tail_block, tail_end, tail_limit)` of `rows` (`i64[R]`) from the tables,
-    `i32[R]` each: the block of the row's last segment (column 0's for a row
-    without one), the slot after that segment, and the next written slot after it
-    or the block's end when the row is active with a segment on a dynamic block
-    (else `tail_end`): the row's room is `tail_limit - tail_end`. A reservation
-    grows a row in place iff it has room and its tail block has one reference
-    (`mirror.transitions`); growing keeps the limit."""
+    """`(tail_block, tail_end, tail_limit)`, `i32[R]` each, of `rows` from the tables.
+
+    The block of the row's last segment (column 0's for a row without one), the
+    slot after that segment, and the next written slot after it or the block's
+    end for an active row on a dynamic block (else `tail_end`). A reservation
+    grows a row in place iff `tail_limit > tail_end` and its tail block has one
+    reference (`host_transitions`).
+    """
     c = self.config
     bs, m = c.block_size, c.max_segments
     ns = self.num_segments[rows]
@@ -165,8 +152,7 @@ class HostState:
     return tb.astype(np.int32), end.astype(np.int32), limit.astype(np.int32)
 
   def refresh_tail(self, row: int) -> None:
-    """`row_tails` of one row into the tail columns, in plain Python (after a
-    mutator rewrote the row)."""
+    """`row_tails` of one row into the tail columns, in plain Python."""
     ns = self.num_segments.item(row)
     col = max(ns - 1, 0)
     tb = self.block.item(row, col)
@@ -213,169 +199,25 @@ class HostState:
     return np.array([self.free.num_free, int(act.sum()), int(self.seq_len[act].sum()),
                      int(self.num_segments[act].sum()), self.step], np.int64)
 
-  # ------------------------------------------------------------------ mutators
-  def change_refs(self, blocks: np.ndarray, deltas: np.ndarray, *,
-                  distinct: bool = False) -> np.ndarray:
-    """Adds `deltas` to `ref_count[blocks]` (repeats add up; the caller checked the
-    results stay >= 0). Blocks reaching 0 free: slots cleared, into the free index.
-    Blocks leaving 0 (dynamic) leave it. Returns the freed blocks. `distinct`: the
-    caller knows `blocks` holds no repeat."""
-    b = np.asarray(blocks, np.int64).reshape(-1)
-    if b.size == 0:
-      return b
-    d = np.asarray(deltas, np.int64)  # an array like `blocks`, or one delta for all
-    if d.ndim:
-      d = d.reshape(-1)
-    if b.size == 1:
-      return self._change_ref(int(b[0]), int(d.reshape(-1)[0]))
-    if b.size <= SMALL_CHANGES:
-      return self._change_refs_small(b, d)
-    return self._change_refs_general(b, d, distinct=distinct)
+  # -- block-side mutators (`ref_counts`), bound as methods ---------------------
+  # pylint: disable=protected-access
+  change_refs = ref_counts.change_refs
+  _change_refs_general = ref_counts._change_refs_general
+  set_refs = ref_counts.set_refs
+  _blocks_freed = ref_counts._blocks_freed
+  _change_refs_small = ref_counts._change_refs_small
+  set_refs_small = ref_counts.set_refs_small
+  _change_ref = ref_counts._change_ref
+  take_blocks = ref_counts.take_blocks
+  set_slots = ref_counts.set_slots
+  set_slot_bits = ref_counts.set_slot_bits
+  # pylint: enable=protected-access
 
-  def _change_refs_general(self, b: np.ndarray, d: np.ndarray, *,
-                           distinct: bool = False) -> np.ndarray:
-    """`change_refs`, vectorised (`b: i64[k]`, `d`: `i64[k]` or a scalar)."""
-    uniq, total = (b, d) if distinct else aggregate(self.stamp, b, d)
-    old = self.ref_count[uniq]
-    return self.set_refs(uniq, old, old + total)
-
-  def set_refs(self, uniq: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """`ref_count[uniq] = new` for distinct blocks whose counts are `old` now (every
-    `new >= 0`, checked by the caller), with `change_refs`' follow-up: freed blocks'
-    slots cleared and into the free index, taken ones out of it. Returns the freed
-    blocks. Vectorised (`set_refs_small` for a few)."""
-    self.log.touch_blocks(self, uniq, distinct=True)
-    self.ref_count[uniq] = new
-    was_free, now_free = old == 0, new == 0  # counts are never negative
-    flip = was_free != now_free
-    if not flip.any():
-      return _NO_IDS
-    freed = uniq[flip & now_free]
-    taken = uniq[flip & was_free]
-    if freed.size:
-      self._blocks_freed(freed)
-    if taken.size:
-      dyn = self.region[taken] == REGION_DYNAMIC
-      self.free.mark(taken[dyn], -1)
-      self.num_free_base -= taken.size - int(np.count_nonzero(dyn))
-    return freed
-
-  def _blocks_freed(self, freed: np.ndarray) -> None:
-    """Blocks whose count just reached 0 (distinct `i64`): slots cleared, into the free
-    index (dynamic ones) or counted free (base ones)."""
-    self.slots[freed] = 0
-    self.log.freed(freed)
-    dyn = self.region[freed] == REGION_DYNAMIC
-    self.free.mark(freed[dyn], +1)
-    self.num_free_base += freed.size - int(np.count_nonzero(dyn))
-
-  def _change_refs_small(self, b: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """`change_refs` of a few entries (`b: i64[k]`, `d`: `i64[k]` or a scalar): sums
-    per block in a dict, the flips to and from 0 in plain Python."""
-    ids = b.tolist()
-    if d.ndim:
-      acc: dict[int, int] = {}
-      for x, v in zip(ids, d.tolist()):
-        acc[x] = acc.get(x, 0) + v
-    else:
-      acc = dict.fromkeys(ids, 0)
-      v = int(d)
-      for x in ids:
-        acc[x] += v
-    uniq = np.fromiter(acc, np.int64, len(acc))
-    old = self.ref_count[uniq].tolist()
-    return self.set_refs_small(uniq, list(acc), old,
-                               [o + v for o, v in zip(old, acc.values())])
-
-  def set_refs_small(self, uniq: np.ndarray, ids: list[int], old: list[int],
-                     new: list[int]) -> np.ndarray:
-    """`ref_count[ids] = new` for a few distinct blocks whose counts are `old` now
-    (`uniq`: the same ids as an `i64` array; every `new >= 0`, checked by the
-    caller), with `change_refs`' follow-up in plain Python: freed blocks' slots
-    cleared and into the free index, taken ones out of it. Returns the freed blocks."""
-    self.log.touch_owned(uniq)
-    self.ref_count[uniq] = new
-    freed, taken = [], []
-    for x, o, n in zip(ids, old, new):
-      if (o == 0) != (n == 0):
-        (freed if n == 0 else taken).append(x)
-    if not freed and not taken:
-      return _NO_IDS
-    region = self.region
-    if freed:
-      f = np.array(freed, np.int64)
-      self.slots[f] = 0
-      self.log.freed(f)
-      dyn = [x for x in freed if region[x] == REGION_DYNAMIC]
-      self.free.mark(np.array(dyn, np.int64), +1)
-      self.num_free_base += len(freed) - len(dyn)
-    if taken:
-      dyn = [x for x in taken if region[x] == REGION_DYNAMIC]
-      self.free.mark(np.array(dyn, np.int64), -1)
-      self.num_free_base -= len(taken) - len(dyn)
-    return np.array(freed, np.int64)
-
-  def _change_ref(self, x: int, delta: int) -> np.ndarray:
-    """`change_refs` of one block, in plain Python."""
-    self.log.touch_blocks(self, np.array([x], np.int64))
-    old = int(self.ref_count[x])
-    new = old + delta
-    self.ref_count[x] = new
-    if (old == 0) == (new == 0):
-      return _NO_IDS
-    one = np.array([x], np.int64)
-    dyn = int(self.region[x]) == REGION_DYNAMIC
-    if new == 0:
-      self.slots[x] = 0
-      self.log.freed(one)
-      if dyn:
-        self.free.mark(one, +1)
-      else:
-        self.num_free_base += 1
-      return one
-    if dyn:
-      self.free.mark(one, -1)
-    else:
-      self.num_free_base -= 1
-    return _NO_IDS
-
-  def take_blocks(self, blocks: np.ndarray, slots: np.ndarray | None = None) -> None:
-    """Free dynamic `blocks` (distinct) become owned: `ref_count = 1`, out of the index;
-    `slots`: and their slot words become these (`set_slots` in the same touch)."""
-    b = np.asarray(blocks, np.int64)
-    if b.size == 0:
-      return
-    self.log.touch_blocks(self, b, distinct=True)
-    self.ref_count[b] = 1
-    if slots is not None:
-      self.slots[b] = slots
-    self.free.mark(b, -1)
-
-  def set_slots(self, blocks: np.ndarray, words: np.ndarray) -> None:
-    b = np.asarray(blocks, np.int64)
-    if b.size == 0:
-      return
-    self.log.touch_blocks(self, b)
-    self.slots[b] = words
-
-  def set_slot_bits(self, blocks: np.ndarray, slots: np.ndarray) -> None:
-    """Sets slot `slots[i]` of block `blocks[i]` (distinct blocks)."""
-    b = np.asarray(blocks, np.int64)
-    if b.size == 0:
-      return
-    self.log.touch_owned(b)
-    s = np.asarray(slots).astype(np.uint32)
-    flat = self.slots.reshape(-1)
-    at = b * self.config.slot_words + (s >> 5) if self.config.slot_words > 1 else b
-    flat[at] |= np.uint32(1) << (s & 31)
-
+  # ------------------------------------------------------------------ row mutators
   def write_rows(self, rows: np.ndarray, *, block=None, start=None, length=None,
                  num_segments=None, seq_len=None, active=None, clear: bool = False) -> None:
-    """Writes whole table rows (distinct `rows`); `clear` zeroes them (a release).
-
-    Each argument is the rows' new values (`[R, M]` or `[R]`), None to keep.
-    `table_refs` follows: the rows' old used entries are removed, the new added.
-    """
+    """Writes whole table rows (distinct `rows`): each argument their new values
+    (`[R, M]` or `[R]`) or None to keep; `clear` zeroes them (a release)."""
     r = np.asarray(rows, np.int64)
     if r.size == 0:
       return
@@ -400,8 +242,7 @@ class HostState:
     self._refresh_tails(r)
 
   def _change_table_refs(self, old_blocks: np.ndarray, new_blocks: np.ndarray) -> None:
-    """`table_refs` loses one per `old_blocks` entry and gains one per `new_blocks`
-    entry; `num_table_blocks` follows."""
+    """`table_refs` minus one per `old_blocks` entry, plus one per `new_blocks` entry."""
     tr = self.table_refs
     if old_blocks.size + new_blocks.size <= 4:  # a tail move: plain Python
       for x in old_blocks.tolist():
@@ -424,15 +265,12 @@ class HostState:
                   cell_rows: np.ndarray, cell_cols: np.ndarray, cell_blocks: np.ndarray,
                   cell_lengths: np.ndarray, add_segments: np.ndarray,
                   add_tokens: np.ndarray) -> None:
-    """Appends to live rows (what `reserve_tokens` does), touching only what changes.
+    """Appends to live rows (a reservation), touching only what changes.
 
-    Args:
-      rows: `[R]` distinct rows; `tail: [R]` their tail column; `grow: [R]` tokens
-        added to the tail segment in place.
-      cell_rows, cell_cols: `[C]` new segments (index into `rows`, column), at slot 0
-        of `cell_blocks` (fresh blocks, distinct: their first table reference)
-        with `cell_lengths` tokens.
-      add_segments, add_tokens: `[R]` added to `num_segments` and `seq_len`.
+    `rows: [R]` distinct, `tail: [R]` their tail column, `grow: [R]` tokens added
+    to it in place; `[C]` new segments at (`rows[cell_rows]`, `cell_cols`), at slot
+    0 of distinct fresh `cell_blocks` with `cell_lengths` tokens; `add_segments`
+    and `add_tokens` (`[R]`) go to `num_segments` and `seq_len`.
     """
     r = np.asarray(rows, np.int64)
     if r.size == 0:
@@ -450,10 +288,9 @@ class HostState:
     self._refresh_tails(r)
 
   def start_tails(self, rows: np.ndarray, cols: np.ndarray, blocks: np.ndarray) -> None:
-    """One token more in each of `rows` (distinct, live), at slot 0 of its own fresh
-    block `blocks[i]` (distinct, taken with that slot set), a new segment at column
-    `cols[i]` (the row's `num_segments`): `extend_rows` of a decode step's rows that
-    start a block, whose tail facts follow without reading the tables."""
+    """One token more in each of `rows` (distinct, live), in a new segment at column
+    `cols[i]` at slot 0 of its own fresh block `blocks[i]`: `extend_rows` of a
+    decode step's rows that start a block, without reading the tables."""
     r = np.asarray(rows, np.int64)
     if r.size == 0:
       return
@@ -471,11 +308,9 @@ class HostState:
 
   def open_row(self, row: int, block: np.ndarray, start: np.ndarray,
                length: np.ndarray, *, tail_taken: bool = False) -> None:
-    """Activates inactive `row` with the given segments (`i64[k]` each) on live blocks
-    (`ref_count > 0`, the caller's check), each gaining a reference (`write_rows` +
-    `change_refs` of one row, without their batch work); `tail_taken`: the last
-    segment's block is one the caller already took (a tail copy), which gains its
-    table reference only."""
+    """Activates inactive `row` on the given segments (`i64[k]` each, on live blocks),
+    each gaining a reference; `tail_taken`: the caller already took the last
+    segment's block (a tail copy), which gains its table reference only."""
     k = int(block.size)
     self.log.touch_row(self, row)
     for a, v in ((self.block, block), (self.start, start), (self.length, length)):
@@ -514,9 +349,8 @@ class HostState:
 
   def extend_row(self, row: int, tail: int, grow: int, blocks: np.ndarray,
                  lengths: np.ndarray, tokens: int) -> None:
-    """`extend_rows` of one row: `grow` tokens more in its tail segment (column
-    `tail`), then new segments at slot 0 of `blocks` (fresh, distinct) with
-    `lengths` tokens; `tokens` more in all."""
+    """`extend_rows` of one row: `grow` tokens in its tail segment (column `tail`),
+    then new segments at slot 0 of fresh `blocks` with `lengths` tokens."""
     self.log.touch_row(self, row)
     ns = int(self.num_segments[row])
     k = int(blocks.size)
@@ -537,9 +371,8 @@ class HostState:
     self.seq_len[row] += tokens
 
   def release_row(self, row: int) -> None:
-    """Ends live `row`: its table entries cleared and one reference less per segment
-    on their blocks (`write_rows(clear=True)` + `change_refs` of one row, the blocks
-    summed once for both counts)."""
+    """Ends live `row`: its entries cleared, one reference less per segment (the
+    blocks summed once for both counts)."""
     self.log.touch_row(self, row)
     ns = int(self.num_segments[row])
     blocks = self.block[row, :ns].astype(np.int64)
@@ -562,12 +395,10 @@ class HostState:
 
   def release_rows(self, rows: np.ndarray, blocks: np.ndarray = _NO_IDS,
                    deltas: np.ndarray = _NO_IDS) -> np.ndarray:
-    """Ends live distinct `rows` (`i64[R]`) and adds `deltas` to `ref_count[blocks]` in
-    one pass: every row's entries and the outside holders' changes summed into one
-    count update, one free-index update (`release_row` of each row after
-    `change_refs(blocks, deltas)`, the same end state). `blocks` (`i64[K]`) are
-    distinct and each change is valid against the counts before (the caller's check:
-    `transitions._apply_ref_deltas_fast`). Returns the freed blocks."""
+    """Ends live distinct `rows` and adds `deltas` to `ref_count[blocks]` (distinct,
+    each change valid against the counts before) in one count update and one
+    free-index update: the end state of `change_refs` then `release_row` of each
+    row. Returns the freed blocks."""
     held = []  # every row's blocks (rows are a few: plain slices, one row at a time)
     for x in rows.tolist():
       self.log.touch_row(self, x)
@@ -610,8 +441,7 @@ class HostState:
     return freed
 
   def move_tail(self, row: int, tail: int, block: int) -> None:
-    """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail
-    copy; `write_rows` of one entry)."""
+    """Row `row`'s segment at column `tail` now lies at slot 0 of `block` (a tail copy)."""
     self.log.touch_row(self, row)
     old = int(self.block[row, tail])
     self.block[row, tail] = block
@@ -620,9 +450,8 @@ class HostState:
     self.refresh_tail(row)
 
   def grow_tails(self, rows: np.ndarray, tail: np.ndarray) -> None:
-    """One more token in the tail segment (column `tail`) of each of `rows`
-    (distinct, each with room after its tail: `tail_limit > tail_end`; the slot itself is
-    the caller's `set_slots`)."""
+    """One more token in the tail segment (column `tail`) of each of `rows` (distinct,
+    each with room); the slot itself is the caller's `set_slots`."""
     r = np.asarray(rows, np.int64)
     if r.size == 0:
       return
@@ -633,10 +462,9 @@ class HostState:
 
   def grow_in_place(self, rows: np.ndarray, tail: np.ndarray, blocks: np.ndarray,
                     pos: np.ndarray) -> None:
-    """One more token in the tail segment of each of `rows` (distinct, not in the
-    log yet), at slot `pos` of its exclusive tail block `blocks`, which the step
-    applies on the device itself (`paged_kv.core.growth`): no log row, no touched
-    block; the log learns the blocks (their committed slots follow) and the tokens."""
+    """One more token in the tail of each of `rows` (distinct, not in the log yet), at
+    slot `pos` of its exclusive tail block, that the step applies on the device
+    (`paged_kv.core.growth`): the log learns only the blocks and the tokens."""
     flat = self.slots.reshape(-1)
     p = pos.astype(np.uint32)
     at = blocks * self.config.slot_words + (p >> 5) if self.config.slot_words > 1 else blocks

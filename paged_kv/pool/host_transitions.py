@@ -1,16 +1,11 @@
 """The pool's transitions on the host mirror: same statuses, same results as the device.
 
-Each function here is the numpy twin of a jitted transition in `paged_kv.core`
-(named in its docstring), run on a `HostState`: it returns the same status
-codes in the same order of precedence and, when it applies, leaves the mirror
-exactly as the device transition leaves the device state (the differential
-tests in `tests/mirror/` run both on random operation sequences and compare
-every array). Refused calls change nothing. Work is O(batch) numpy plus, for
-allocation, one pass over count level 1 of the free index (`n / 1024`).
-
-`reserve` also serves as the *prediction* of what a jitted step's own
-`reserve_tokens` will do on the device (same algorithm on the same state), so
-the host knows every slot and block of a step without reading the device.
+Each function is the numpy twin of the jitted transition in `paged_kv.core` its
+docstring names, run on a `HostState`: the same status codes in the same order
+of precedence and, when it applies, the same end state (`tests/mirror/` runs
+both on random operation sequences and compares every array). Refused calls
+change nothing. `reserve` is also the prediction of a jitted step's own
+`reserve_tokens`, so the host knows a step's slots without reading the device.
 """
 
 from __future__ import annotations
@@ -176,13 +171,9 @@ def open_rows(h: HostState, ids: np.ndarray, seg_block: np.ndarray, seg_start: n
 
 def dead_segments(h: HostState, seg_block: np.ndarray, seg_start: np.ndarray,
                   seg_length: np.ndarray, used: np.ndarray) -> np.ndarray:
-  """`bool[B, P]`: used segments that lie on dead slots.
-
-  What `segments.open_checked` flags as suspect (a well-formed segment on a live
-  block whose references are all table segments: no outside holder vouches for
-  it) and that no live table segment on its block covers: its K/V was left by a
-  released or moved segment and may be handed out again (`BlockPool` refuses
-  such an open with `InvalidSegment`).
+  """`bool[B, P]`: used segments on dead slots: on a live block only the tables
+  hold (`segments.open_checked`'s suspects), on slots no live table segment
+  covers, so their K/V may be handed out again (`BlockPool` refuses the open).
   """
   c = h.config
   n, bs = c.num_blocks, c.block_size
@@ -211,20 +202,14 @@ def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_token
             atomic: bool, grow: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """`segments.reserve_tokens`; returns `(slot_idx i32[B, T], status i32[B])`.
 
-  The blocks it takes and the tail blocks it appends to are in the mirror's change
-  log: what a prediction's caller verifies later. With `grow` (`i32[B]` zeros, a
-  host reservation the step completes: `BlockPool.reserve_step`), the decode rows
-  that grow in place and are not in the log yet stay out of it: `grow[b] = 1`
-  marks them for the step (`paged_kv.core.growth`), the mirror still changes.
+  With `grow` (`i32[B]` zeros: `BlockPool.reserve_step`), the decode rows that
+  grow in place and are not in the log yet stay out of it, marked `grow[b] = 1`
+  for the step to apply (`paged_kv.core.growth`); the mirror still changes.
 
-  Not atomic (a step's prediction), the rows that decode one token take a short
-  path first (`_decode_fast`): in place (a free slot right after the tail of an
-  exclusive tail block: most rows of a decode step), or into one fresh block when
-  those rows come before every other row of the batch and the free blocks suffice
-  (the lowest free blocks in batch order, as the general path hands them out). The
-  rows left go through the general path, one row at a time when they are few
-  (`_reserve_rows`). All give what the general path alone gives: in-place rows
-  take no block, so the others' first-come-first-served grants are the same.
+  Not atomic, one-token rows take a short path first (`_decode_fast`), the rest
+  the general path (row by row when few: `_reserve_rows`). The result is the
+  general path's: in-place rows take no block, so the others' first-come-
+  first-served grants are the same.
   """
   ids = np.asarray(ids, np.int64)
   num_new = np.asarray(num_new, np.int64)
@@ -251,16 +236,12 @@ def _decode_fast(h: HostState, ids: np.ndarray, num_new: np.ndarray,
                  slot_idx: np.ndarray, grow: np.ndarray | None = None) -> np.ndarray | None:
   """The short path of a non-atomic reservation's one-token rows (see `reserve`).
 
-  Writes the slots of the rows it applies into `slot_idx[:, 0]` and returns the
-  batch positions of the rows it left (padding excluded), or None when it applied
-  none; with `grow`, the in-place rows the log does not hold yet are the step's
-  (`grow[b] = 1`, `HostState.grow_in_place`). A row decodes in place when its id is valid, active and not repeated in
-  the batch, it asks for one token, and its tail block is exclusive (one
-  reference, dynamic) with the slot right after the tail free: exactly the rows
-  the general path grows in place. Such a row without that room (or without a
-  segment) and with room in its table takes a fresh block; those are applied
-  only when they all come before every other (non-padding) row of the batch and
-  the free blocks suffice for them.
+  Writes the applied rows' slots into `slot_idx[:, 0]`; returns the batch
+  positions of the rows left (padding excluded), or None when it applied none.
+  A valid, active, unrepeated one-token row grows in place when its tail block
+  is exclusive and dynamic with the next slot free (as the general path would);
+  else, with room in its table, it takes a fresh block, applied only when all
+  such rows come before every other row and the free blocks suffice.
   """
   c = h.config
   bs, m, s, w = c.block_size, c.max_segments, c.max_seqs, c.slot_words
@@ -533,10 +514,8 @@ def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
                       deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """`segments.release_with_refs`; returns `(row_status, ref_status)`.
 
-  A few distinct live rows with valid distinct deltas (what a scheduler's finishing
-  sequences hand over) take a short path: the deltas checked, then the deltas and
-  every row's release applied in one pass (`HostState.release_rows`: the same end
-  state as the batch release).
+  A few distinct live rows with valid distinct deltas (a step's finishing
+  sequences) take one pass (`HostState.release_rows`), with the same end state.
   """
   ids = np.asarray(ids, np.int64)
   block_ids = np.asarray(block_ids, np.int64)
@@ -822,11 +801,9 @@ def _open_one(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray
 def open_one_copying_tail(h: HostState, i: int, seg_block: np.ndarray, seg_start: np.ndarray,
                           seg_length: np.ndarray, *,
                           checked: bool = False) -> tuple[np.ndarray, bool]:
-  """`open_rows` of one row followed by `cow_split(atomic=False)` of it, in one pass
-  (the row opens on the copy: no reference taken on the tail block only to be
-  dropped). Returns `(status i32[1], copied)`, as the two calls one after the
-  other give (`copied`: the cow_split's `split`); refused: nothing changes.
-  `checked`: the segments passed `open_segments_status` (not checked again)."""
+  """`open_rows` of one row then `cow_split(atomic=False)` of it, in one pass (the
+  row opens on the copy); returns `(status i32[1], copied)` as the two calls give.
+  `checked`: the segments passed `open_segments_status` already."""
   k = int(seg_block.shape[0])
   c = h.config
   bs = c.block_size
@@ -939,13 +916,10 @@ def _reserve_rows(h: HostState, ids: list[int], counts: list[int],
   """`reserve(atomic=False)` of a few rows, one at a time in plain Python; returns
   `(slot_idx i32[k, T], status)`. The clock is the caller's to move.
 
-  The general path decides every row on the state before the call and grants
-  blocks first come first served, prefix-greedy: a valid row gets its blocks iff
-  the needs of the valid rows up to it fit the free blocks. Row by row gives the
-  same: the rows are distinct (a repeat is refused), a row reads only its own
-  entries and its tail block (an exclusive tail is no other row's, a fresh block
-  was free), and the lowest free blocks left after the rows before it are the
-  ones the general path hands it.
+  The general path grants blocks first come first served (a valid row gets them
+  iff the needs of the valid rows up to it fit). Row by row gives the same: the
+  rows are distinct, each reads only its own entries and tail block, and the
+  lowest free blocks left after the rows before it are the ones it would get.
   """
   c = h.config
   bs, m, s = c.block_size, c.max_segments, c.max_seqs

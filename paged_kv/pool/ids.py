@@ -1,11 +1,8 @@
-"""Distinct ids and sums per id without a sort: O(k) numpy over a scratch array; cached
-index ranges; slot words as one int.
+"""Distinct ids and sums per id without a sort (O(k) numpy over a scratch array),
+cached index ranges, and slot words as one int.
 
 The mirror's mutators take a few to a few thousand block ids per call, almost
-always distinct; `np.unique` sorts them every time (~10 us for 100 ids on the
-project's 2-core machine), `np.add.at` is as slow. `distinct_mask` tells
-distinct-ness and dedupes in four numpy calls, `aggregate` adds up repeats only
-when there are some (a bincount over positions when every entry counts the same).
+always distinct; `np.unique` sorts them every time and `np.add.at` is as slow.
 """
 
 from __future__ import annotations
@@ -14,13 +11,9 @@ import numpy as np
 
 
 def distinct_mask(stamp: np.ndarray, ids: np.ndarray) -> np.ndarray:
-  """`bool[k]`: True at exactly one entry of each distinct value of `ids`, in O(k)
-  with no sort.
-
-  `stamp` is a scratch `i64` array over the id space (its contents do not
-  matter): each entry writes its position at its id; whichever write of a
-  repeated id lands, exactly one of that id's entries reads its own position back.
-  """
+  """`bool[k]`: True at exactly one entry of each distinct value of `ids`, no sort:
+  each entry writes its position into `stamp` (scratch `i64` over the id space)
+  at its id, and exactly one entry of a repeated id reads its own back."""
   pos = np.arange(ids.shape[0])
   stamp[ids] = pos
   return stamp[ids] == pos
