@@ -55,15 +55,16 @@ import numpy as np
 
 from paged_kv.core import compact
 from paged_kv.core.errors import (InternalInconsistency, InvalidArgument, InvariantViolation,
-                                  PagedKVError, PoolExhausted)
+                                  PagedKVError)
 from paged_kv.core.resize import ResizeReport
 from paged_kv.core.segment_format import Segments, as_segments, take_tokens
 from paged_kv.pool.block_pool import BlockPool
-from paged_kv.cache import persist
+from paged_kv.cache import packing, persist
+from paged_kv.cache.cache_view import CacheView
 from paged_kv.telemetry import metrics
-from radix.cache import (CacheCounters, EvictableReport, Eviction, GcMark, InsertOutcome,
-                         MatchResult, PackCandidate, PrefixCache, RefDeltas)
-from radix.tree import HitStats, NodeId, RadixTree, StaleNodeError
+from radix.cache import (EvictableReport, Eviction, GcMark, InsertOutcome, MatchResult,
+                         PackCandidate, PrefixCache, RefDeltas)
+from radix.tree import NodeId
 
 __all__ = ["CacheView", "CachedPool", "PoolStateLost", "state_lost"]
 
@@ -93,77 +94,6 @@ def state_lost(pool: BlockPool) -> bool:
 def table_ref_counts(pool: BlockPool) -> np.ndarray:
   """`i64[num_blocks]`: the references the live tables hold, per block (the mirror's)."""
   return pool.host.table_refs.astype(np.int64)
-
-
-class CacheView:
-  """Read-only view of a `CachedPool`'s prefix cache.
-
-  Everything here reads; nothing locks, records a hit or moves a reference.
-  `tree` is the radix tree itself, for enumeration (`tree.nodes()`, ...): change
-  it only through the `CachedPool`.
-  """
-
-  def __init__(self, cache: PrefixCache):
-    self._cache = cache
-
-  @property
-  def block_size(self) -> int:
-    return self._cache.block_size
-
-  @property
-  def policy(self) -> str:
-    return self._cache.policy
-
-  @property
-  def pack_tails(self) -> bool:
-    return self._cache.pack_tails
-
-  @property
-  def tree(self) -> RadixTree:
-    return self._cache.tree
-
-  @property
-  def num_tokens(self) -> int:
-    return self._cache.num_tokens
-
-  @property
-  def num_segments(self) -> int:
-    return self._cache.num_segments
-
-  def now(self) -> float:
-    return self._cache.now()
-
-  def match(self, namespace: Hashable, tokens: Any, *, lock: bool = False,
-            record: bool = False) -> MatchResult:
-    """A read-only probe: the longest cached prefix, neither locked nor recorded.
-
-    Raises:
-      InvalidArgument: `lock` or `record` is True (use `CachedPool.match`).
-    """
-    if lock or record:
-      raise InvalidArgument("CacheView.match only probes (lock=False, record=False); "
-                            "lock or record a match with CachedPool.match")
-    return self._cache.match(namespace, tokens, lock=False, record=False)
-
-  def stats(self, namespace: Hashable | None = None) -> HitStats:
-    return self._cache.stats(namespace)
-
-  def counters(self) -> CacheCounters:
-    return self._cache.counters()
-
-  def segment_refs(self) -> Segments:
-    """`i32[n, 3]`: every `(block, start, length)` the tree holds (one reference each)."""
-    return self._cache.segment_refs()
-
-  def node_segments(self, node: NodeId) -> Segments:
-    """`i32[n, 3]`: a copy of a node's segments."""
-    return self._cache.node_segments(node)
-
-  def tree_ref_counts(self, num_blocks: int) -> np.ndarray:
-    return self._cache.tree_ref_counts(num_blocks)
-
-  def evictable(self, *, bytes_per_token: int = 0, ref_count: Any = None) -> EvictableReport:
-    return self._cache.evictable(bytes_per_token=bytes_per_token, ref_count=ref_count)
 
 
 class CachedPool:
@@ -578,57 +508,8 @@ class CachedPool:
       PoolExhausted: nowhere to pack now; nothing changed.
       InvariantViolation: the cache's and the pool's reference moves disagree.
     """
-    dynamic = self._dynamic()
-    live: list[PackCandidate] = []
-    for cand in candidates:
-      try:
-        held = self._cache.node_segments(cand.node)
-      except StaleNodeError:
-        continue
-      if (dynamic[cand.segment[0]]
-          and (held == np.asarray(cand.segment, np.int32)).all(axis=1).any()):
-        live.append(cand)
-    if not live:
-      return 0
-    old = np.array([c.segment for c in live], np.int32)
-    groups, block_groups = self._pack_groups(live)
-    result = self._pool.pack_slots(extra_segments=old, groups=groups, block_groups=block_groups)
-    moved = RefDeltas.empty()
-    num_moved = 0
-    for cand, seg_old, seg_new in zip(live, old, result.extra_segments):
-      if tuple(seg_old) != tuple(seg_new):
-        moved = moved + self._cache.rebind_segment(cand.node, seg_old, seg_new)
-        num_moved += 1
-    ids, deltas = result.ref_deltas
-    if not (np.array_equal(moved.block_ids, ids) and np.array_equal(moved.deltas, deltas)):
-      raise InvariantViolation("pack: the cache's rebind deltas differ from the pool's moves")
-    return num_moved
-
-  def _pack_groups(self, live: list[PackCandidate]) -> tuple[np.ndarray, np.ndarray]:
-    """`pack_slots`' groups: each candidate's namespace (an index), and as a
-    destination each block whose every holder is a cache node of one candidate's
-    namespace (-1 for the others: a block a table row or another namespace holds).
-    All 0 with `mix_namespaces`."""
-    n = self._pool.config.num_blocks
-    if self.mix_namespaces:
-      return np.zeros((len(live),), np.int64), np.zeros((n,), np.int32)
-    tree = self._cache.tree
-    index: dict[Hashable, int] = {}
-    groups = np.array([index.setdefault(tree.node(c.node).namespace, len(index))
-                       for c in live], np.int64)
-    blocks, owners = [], []
-    for node in tree.nodes():
-      if node.value.shape[0]:
-        blocks.append(node.value[:, 0])
-        owners.append(np.full(node.value.shape[0], index.get(node.namespace, -1), np.int64))
-    lowest = np.full((n,), len(index), np.int64)
-    highest = np.full((n,), -1, np.int64)
-    if blocks:
-      b, o = np.concatenate(blocks), np.concatenate(owners)
-      np.minimum.at(lowest, b, o)
-      np.maximum.at(highest, b, o)
-    one = (lowest == highest) & (self._pool.host.table_refs == 0)
-    return groups, np.where(one, highest, -1).astype(np.int32)
+    return packing.pack(self._pool, self._cache, candidates, dynamic=self._dynamic(),
+                        mix_namespaces=self.mix_namespaces)
 
   def reclaim_slots(self) -> int:
     """Frees slots no live segment (tables or tree) covers; returns how many."""
