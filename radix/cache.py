@@ -1,82 +1,16 @@
-"""Prefix cache: radix-tree nodes bound to KV segments of the block pool.
+"""Prefix cache: radix-tree nodes bound to KV segments of a block pool.
 
-Host-only bookkeeping: numpy, no JAX, nothing from ``paged_kv``. The cache never
-touches the pool; every call returns what the caller must apply to it. With a
-``paged_kv.BlockPool`` that caller is ``paged_kv.cache.cached_pool.CachedPool``,
-which owns both and applies every delta itself; a simulator (host ``ref_count``
-mirror) applies them with ``RefDeltas.apply_to``.
+Host bookkeeping only (numpy; nothing from JAX or ``paged_kv``). The cache never
+touches the pool: every call that changes the tree's references returns them as a
+``RefDeltas`` for the caller to apply (``paged_kv.cache.CachedPool`` does; a simulator
+uses ``RefDeltas.apply_to``). The rule: the pool's ``ref_count[b]`` counts one
+reference per segment on ``b`` in a live table (the pool's side: ``open_sequence``
+increfs a match's segments) plus one per segment a node holds (the cache's deltas:
++1 per segment stored or cut by a split, -1 per segment evicted or moved away). So
+``ref_count == table refs + bincount(cache.segment_refs()[:, 0])`` at every moment.
 
-Segments
---------
-A segment is one row ``(block, start, length)`` of an ``int32[n, 3]`` array
-(``Segments``): physical block id, first token slot in the block, number of tokens
-(``1 <= length`` and ``start + length <= block_size``). It is the one segment format
-of the library: ``paged_kv``'s ``BlockPool.segments()`` returns it and
-``open_sequence(segments=)`` takes it, so a match's segments open a sequence and a
-sequence's segments are inserted as they are. A node's tokens are the concatenation
-of its segments, in order. Splitting a node at token ``t`` splits its segment list at ``t``;
-when ``t`` falls inside a segment ``(b, s, l)`` that segment is cut in two,
-``(b, s, k)`` and ``(b, s + k, l - k)``, without copying any KV. The cut leaves one more
-segment on ``b`` held by the tree, hence a tree incref of +1 on ``b``.
-
-Who increfs what (the one rule)
--------------------------------
-``ref_count[b]`` in the pool counts segment references on ``b``: one per segment in a
-live sequence's table plus one per segment held by a cache node. Hence:
-
-* The **sequence side** is the pool's job. ``match`` returns segments to put into a
-  new sequence's table; the pool's ``open_sequence(segments)`` increfs them (one per
-  segment), and ``release`` decrefs the sequence's segments. The cache returns no
-  delta for these.
-* The **tree side** is reported by the cache as a ``RefDeltas`` (aggregated per block)
-  that the caller applies with ``apply_ref_deltas``: +1 per segment a node gains
-  (``insert`` of new tokens, a cut by a node split, ``rebind_segments``), -1 per
-  segment a node loses (eviction, ``rebind_segments``).
-
-So at every moment ``ref_count == table refs + bincount(cache.segment_refs()[:, 0])``
-and the sum of every ``RefDeltas`` the cache ever returned equals the tree's
-references. ``match`` never changes tree references (it never splits a node; a match
-ending inside a node returns a cut copy of the segment for the sequence only), unless
-``match(lock=True, split=True)`` splits the deepest node at the match point so that
-only the matched tokens are locked; then its cut comes back in ``ref_deltas``.
-
-Locks, pins and eviction
-------------------------
-``match(..., lock=True)`` locks the deepest node it touched (and its ancestors) until
-``unlock``; locked nodes are never evicted. ``reset_locks(held)`` rebuilds every lock
-count from the locks a caller still holds (after an interrupted operation).
-Eviction's block target can count only some blocks (``countable``, e.g. the pool's
-dynamic region: a freed base-region block is not a free block for new sequences). ``insert(..., pin_ttl=)`` or ``pin`` keeps a
-prefix (e.g. a system prompt) until its TTL expires. Under pressure ``evict`` removes
-unlocked, unpinned leaves (and parents that become leaves) by policy:
-
-* ``"lru"`` (default): least recently used first;
-* ``"cost"``: fewest hit tokens per stored token first (ties: LRU), so a long,
-  rarely reused branch goes before a short, hot one.
-
-With ``granularity="block"`` (the default) a leaf's segments go tail first and the
-last leaf is trimmed (split at a segment boundary, no cut) to what the target needs,
-so freeing one block never drops a whole long leaf; ``"node"`` evicts whole leaves.
-
-Continuing a shared partial block: a match that ends at the end of a node's partial
-last segment ``(b, s, l)`` reports ``MatchResult.continuable``; a pool that copies
-that tail into a fresh block ``c`` and appends after it (``CachedPool.open`` does,
-with the pool's ``cow_split``) hands ``insert`` a sequence whose segment straddles the
-prefix the tree holds. ``insert`` then rebinds the node's last segment to the
-sequence's copy on ``c`` (-1 on ``b``, +1 on ``c``), so ``b``'s unused slots are not
-kept alive by the tree: no dead slots per turn of a conversation.
-
-Two-phase GC: ``gc_mark(ttl)`` marks nodes not touched for ``ttl`` (a later touch
-unmarks them); ``gc_evict`` evicts only marked nodes, in block-address order, and only
-as many as the pool asks for. How many blocks a set of decrefs frees is the pool's
-business; given the pool's ``ref_count`` (a host mirror, or a lookup the cache asks for
-the blocks of the nodes it considers only), ``evict``/``gc_evict`` stop once their
-decrefs would free the requested number of blocks and report that count.
-
-Compaction: ``apply_remap(remap)`` with ``remap[old] = new`` rewrites every block id.
-
-``cache.tree`` is exposed for reading (statistics, enumeration); change the tree only
-through the cache (``split`` rather than ``tree.split``) so no reference is missed.
+``cache.tree`` is for reading; change it only through the cache (``split``, not
+``tree.split``) so that no reference is missed.
 """
 
 from __future__ import annotations
@@ -119,17 +53,12 @@ class MatchResult:
   """Result of ``PrefixCache.match``.
 
   Attributes:
-    length: matched tokens.
-    segments: int32[n, 3], the KV of tokens ``[:length]``, to put into the new
-      sequence's table (``open_sequence`` increfs them).
-    node: locked node handle (pass to ``unlock``), or None when nothing was
-      matched or ``lock=False``.
-    ref_deltas: tree reference changes; empty unless ``match(split=True)`` split
-      the deepest node and cut a segment (+1 on its block).
-    continuable: the last segment ``(b, s, l)`` is partial (``s + l <
-      block_size``) and ends where the tree's segment on ``b`` ends (the match
-      did not stop inside a segment): the sequence may copy it to a fresh block
-      and append after it; ``insert`` then moves the tree's reference to the copy.
+    segments: int32[n, 3], the KV of tokens ``[:length]`` for the new sequence's table.
+    node: the locked node (for ``unlock``); None when nothing matched or ``lock=False``.
+    ref_deltas: empty unless ``match(split=True)`` cut a segment (+1 on its block).
+    continuable: the last segment is a partial block's tail ending where the tree's
+      ends: a sequence that appends after a copy of it lets ``insert`` move the tree's
+      reference onto the copy (no dead slots kept).
   """
 
   length: int
@@ -141,14 +70,11 @@ class MatchResult:
 
 @dataclasses.dataclass(frozen=True)
 class PackCandidate:
-  """A short segment (< block_size tokens) held by the tree, worth packing (issue B).
+  """A short segment (< block_size tokens) of ``node`` worth packing into a shared block.
 
-  After the pool copies ``segment``'s slots elsewhere, call
-  ``rebind_segment(node, segment, new_segment)``. Its deltas (+1 new block, -1 old
-  block) describe the tree's reference moving. Apply them only if the packing did
-  not move the reference itself: ``paged_kv`` ``pack_slots`` with an external owner
-  already transfers it, so there the deltas are for checking only (compare them with
-  the pack result's deltas; applying them again would double-count).
+  Once the pool has moved it, ``rebind_segment(node, segment, new_segment)`` records
+  the move. Its deltas are for checking only when the pool moved the reference
+  itself (``pack_slots`` with an outside owner): applying them would count it twice.
   """
 
   node: NodeId
@@ -160,14 +86,11 @@ class InsertOutcome:
   """Result of ``PrefixCache.insert``.
 
   Attributes:
-    prefix_len: leading tokens the cache already held (their segments stay the
-      tree's own; the sequence's copies are not referenced by the tree).
-    num_new_tokens: tokens the tree took references for.
-    node: the new leaf, or None when nothing new was stored.
-    ref_deltas: tree increfs: +1 per new segment, +1 per segment cut by a split;
-      and when the sequence continued a copy of the held prefix's partial tail
-      (see the module docstring), +1 on the copy's block, -1 on the old one.
-    pack: short segments of the new leaf to pack (empty unless ``pack_tails``).
+    prefix_len: leading tokens the cache already held (the tree keeps its own segments).
+    num_new_tokens: tokens the tree took references for; ``node`` holds them (or None).
+    ref_deltas: +1 per new segment and per segment a split cut; a continued tail
+      also moves one reference (+1 on the copy, -1 on the old block).
+    pack: the new leaf's short segments (empty unless ``pack_tails``).
   """
 
   prefix_len: int
@@ -196,13 +119,10 @@ class PrefixCache:
   Args:
     block_size: tokens per pool block (validates segments).
     policy: default eviction policy, one of ``POLICIES``.
-    pack_tails: when True, ``insert`` names the new leaf's short segments to pack.
-    clock: returns the current time (float, any monotone unit: TTLs use the same
-      unit). Default ``time.monotonic``; simulators pass trace time.
-    granularity: what eviction takes. ``"block"`` (default): a leaf's segments go
-      tail first and the last leaf evicted is trimmed to what the target needs
-      (the LRU leaf loses its tail blocks, as a block-LRU would); ``"node"``:
-      whole leaves only.
+    pack_tails: ``insert`` names the new leaf's short segments to pack.
+    clock: the current time, any monotone unit (TTLs use it); simulators pass trace time.
+    granularity: ``"block"``: eviction takes a leaf's segments tail first and trims
+      the last leaf to the target; ``"node"``: whole leaves only.
   """
 
   def __init__(
@@ -247,7 +167,7 @@ class PrefixCache:
     return float(self._clock())
 
   def now(self) -> float:
-    """The cache's clock (the unit TTLs and access times use)."""
+    """The cache's clock (the unit of TTLs and access times)."""
     return self._now()
 
   def _node(self, node_id: NodeId) -> Node:
@@ -263,24 +183,13 @@ class PrefixCache:
       record: bool = True,
       split: bool = False,
   ) -> MatchResult:
-    """Longest cached prefix of ``tokens`` in ``namespace``.
+    """Longest cached prefix of ``tokens`` (int32[n]) in ``namespace``.
 
-    Match all the tokens you have: to keep at least one token to compute (for the
-    logits), pass ``tokens[:-1]``.
-
-    Args:
-      namespace: hashable namespace; never matches another namespace's entries.
-      tokens: int32-compatible token ids, shape [n].
-      lock: lock the deepest matched node until ``unlock(result.node)``.
-      record: update hit statistics and access times (False: read-only probe).
-      split: with ``lock``, when the match ends inside a node, split that node at
-        the match point first and lock only the head (the matched tokens), so the
-        unmatched tail stays evictable. A split that cuts a segment returns its
-        tree incref in ``ref_deltas`` (apply it to the pool). Without ``split`` the
-        whole deepest node is locked and ``ref_deltas`` is always empty.
-
-    Raises:
-      InvalidTokensError: bad tokens. InvalidNamespaceError: bad namespace.
+    Match ``tokens[:-1]`` to keep a token to compute for the logits. ``lock`` locks the
+    deepest matched node until ``unlock(result.node)``; ``record=False`` is a read-only
+    probe (no hit statistics, no access time). ``split`` (with ``lock``): a match ending
+    inside a node splits it there and locks only the matched head, so the unmatched
+    tail stays evictable. Raises ``InvalidTokensError``, ``InvalidNamespaceError``.
     """
     m = self.tree.match_prefix(namespace, tokens, now=self._now(), record=record)
     if m.length == 0:
@@ -303,37 +212,20 @@ class PrefixCache:
     return MatchResult(m.length, segments, node, deltas, continuable)
 
   def unlock(self, node: NodeId) -> None:
-    """Releases a lock taken by ``match``.
-
-    Raises:
-      StaleNodeError / LockError: unknown or unlocked node.
-    """
+    """Releases a lock taken by ``match`` (``StaleNodeError``, ``LockError``)."""
     self.tree.unlock(node)
 
   # ------------------------------------------------------------------ updates
   def insert(
       self, namespace: Hashable, tokens: Any, segments: Any, *, pin_ttl: float | None = None
   ) -> InsertOutcome:
-    """Stores a finished sequence: tokens and the segments holding their KV.
+    """Stores a finished sequence's tokens (int32[n]) and the segments holding their KV.
 
-    The tree takes one reference per segment for the tokens it did not hold
-    (``[prefix_len:]``; a segment straddling ``prefix_len`` is cut and only its
-    tail is referenced). Tokens already held keep the tree's own segments.
-
-    Args:
-      namespace: hashable namespace.
-      tokens: int32-compatible token ids, shape [n].
-      segments: ``int32[m, 3]`` ``(block, start, length)`` rows of the sequence,
-        covering exactly n tokens in order (e.g. ``BlockPool.segments(seq_id)``;
-        ``paged_kv.cache.cached_pool.CachedPool.insert`` reads them itself).
-      pin_ttl: if given, pin the whole inserted path for this long.
-
-    Returns:
-      InsertOutcome whose ``ref_deltas`` (increfs) the caller applies to the pool
-      before releasing the sequence.
-
-    Raises:
-      InvalidTokensError / InvalidSegmentsError: bad input; nothing changes.
+    ``segments`` (``int32[m, 3]``) cover exactly the n tokens in order. The tree
+    references only the tokens it did not hold (``[prefix_len:]``; a straddling segment
+    is cut); apply the outcome's ``ref_deltas`` before releasing the sequence.
+    ``pin_ttl`` pins the inserted path. Raises ``InvalidTokensError``,
+    ``InvalidSegmentsError``, ``ValueError``; nothing changes on error.
     """
     tokens = as_tokens(tokens)
     segs = as_segments(segments, block_size=self.block_size)
@@ -385,14 +277,9 @@ class PrefixCache:
     return InsertOutcome(res.prefix_len, num_new, res.leaf, deltas, pack)
 
   def _adopt_continuation(self, node: Node | None, segs: np.ndarray, prefix_len: int) -> list:
-    """Moves ``node``'s partial last segment onto the sequence's copy; returns ref changes.
-
-    ``node`` ends at token ``prefix_len``, where the sequence's segment
-    ``(c, s, L)`` covering ``[t0, t0 + L)`` is cut (``t0 < prefix_len < t0 + L``):
-    the sequence continued after a copy of the node's tail. The node's last
-    segment ``(b, sb, lb)`` (``lb <= prefix_len - t0``, ``b != c``) becomes
-    ``(c, s + prefix_len - t0 - lb, lb)``, the same tokens. Returns ``[c]`` (an
-    incref) and records ``b`` in ``_rebound`` (a decref); ``[]`` when nothing moved.
+    """Moves ``node``'s partial last segment ``(b, ...)`` onto the sequence's copy on
+    ``c`` (the segment straddling ``prefix_len``): returns ``[c]`` (an incref), records
+    ``b`` in ``_rebound`` (a decref); ``[]`` when the sequence did not continue a copy.
     """
     if node is None or node.parent is None or prefix_len <= 0:
       return []
@@ -413,16 +300,10 @@ class PrefixCache:
     return [c]
 
   def split(self, node: NodeId, offset: int) -> tuple[NodeId, RefDeltas]:
-    """Splits a node after ``offset`` tokens (any token, no KV copy).
+    """Splits a node after ``offset`` tokens (no KV copy); returns ``(head, deltas)``.
 
-    Use this rather than ``cache.tree.split``: the tree attribute is for reading;
-    splitting it directly would skip the incref of a cut segment.
-
-    Returns:
-      (head node id, RefDeltas): +1 on the block of a segment cut in two, else empty.
-
-    Raises:
-      StaleNodeError: unknown node. ValueError: offset outside [1, num_tokens - 1].
+    ``deltas``: +1 on the block of a segment cut in two. ``StaleNodeError``,
+    ``ValueError`` (offset outside ``[1, num_tokens - 1]``).
     """
     self._pending_cuts.clear()
     head = self.tree.split(node, offset)
@@ -431,18 +312,10 @@ class PrefixCache:
     return head, deltas
 
   def rebind_segments(self, node: NodeId, new_segments: Any) -> RefDeltas:
-    """Replaces all segments of a node (e.g. after the pool moved or packed them).
+    """Replaces a node's segments by ``new_segments`` (the same tokens, already copied).
 
-    The caller must already have copied the KV so that ``new_segments``
-    (``int32[n, 3]`` ``(block, start, length)`` rows) hold the node's tokens in order.
-
-    Returns:
-      RefDeltas: +1 per new segment, -1 per old segment (aggregated). Apply them
-      unless the pool already transferred these references (see PackCandidate).
-
-    Raises:
-      StaleNodeError: unknown node. InvalidSegmentsError: bad segments or a
-      different token count. Nothing changes on error.
+    Returns +1 per new, -1 per old segment (see ``PackCandidate`` on applying them).
+    Raises ``StaleNodeError``, ``InvalidSegmentsError``; nothing changes on error.
     """
     n = self._node(node)
     segs = as_segments(new_segments, block_size=self.block_size)
@@ -463,12 +336,8 @@ class PrefixCache:
   ) -> RefDeltas:
     """Replaces one segment of a node by another of the same length (packing).
 
-    Both segments are one ``(block, start, length)`` row.
-
-    Raises:
-      StaleNodeError: unknown node (e.g. evicted since the PackCandidate).
-      InvalidSegmentsError: ``old_segment`` not in the node (e.g. cut by a split
-        since), or lengths differ, or ``new_segment`` malformed.
+    Raises ``StaleNodeError`` (node gone) or ``InvalidSegmentsError`` (``old_segment``
+    not held, e.g. cut by a split since; lengths differ; malformed).
     """
     n = self._node(node)
     old = tuple(int(x) for x in old_segment)
@@ -483,14 +352,14 @@ class PrefixCache:
     return self.rebind_segments(node, segs)
 
   def reset_locks(self, held: Iterable[NodeId]) -> None:
-    """Rebuilds every lock count from the locks still held (``held``: one entry per
-    outstanding ``match(lock=True)``; repeats count, stale ids are ignored); every
-    other lock is dropped. For recovery after an interrupted caller."""
+    """Rebuilds lock counts from ``held`` (one per outstanding locked match)."""
     self.tree.reset_locks(held)
 
   def clear(self) -> RefDeltas:
-    """Drops every node, locked or pinned (e.g. when the pool can no longer vouch
-    for the tree's segments); returns the tree's decrefs (-1 per segment held)."""
+    """Drops every node, locked or pinned; returns the tree's decrefs.
+
+    For when the pool can no longer vouch for the tree's segments.
+    """
     refs = self.segment_refs()[:, 0]
     nodes = list(self.tree.nodes())
     self.tree.reset_locks(())
@@ -504,11 +373,9 @@ class PrefixCache:
     return RefDeltas.from_pairs(refs, -1)
 
   def pin(self, namespace: Hashable, tokens: Any, ttl: float) -> int:
-    """Pins the cached prefix of ``tokens`` for ``ttl`` time units.
+    """Pins the cached prefix of ``tokens`` (and its ancestors) for ``ttl``.
 
-    Returns the number of tokens pinned (the matched prefix; a node matched in part
-    is pinned whole). Pinned nodes and their ancestors are not evictable until
-    the TTL expires.
+    Returns the tokens pinned; a node matched in part is pinned whole.
     """
     if not ttl >= 0:
       raise ValueError(f"ttl must be >= 0, got {ttl!r}")
@@ -519,7 +386,7 @@ class PrefixCache:
     return m.length
 
   def unpin(self, namespace: Hashable, tokens: Any) -> None:
-    """Removes pins from the nodes below the prefix of ``tokens`` (inclusive)."""
+    """Unpins the nodes below the prefix of ``tokens``."""
     m = self.tree.match_prefix(namespace, tokens, now=self._now(), record=False)
     if m.path:
       self.tree.unpin(m.path[0])
@@ -563,25 +430,15 @@ class PrefixCache:
     """Evicts unlocked, unpinned leaves by policy until a target is reached.
 
     Args:
-      num_blocks: stop once the decrefs would free this many blocks given
-        ``ref_count``.
-      ref_count: the pool's reference counts, unchanged: an ``int[num_blocks]``
-        host mirror, or a lookup ``f(block_ids: int64[k]) -> int[k]`` that is
-        asked only for the blocks of the nodes considered (a few calls per
-        eviction, in doubling batches; e.g. one device gather each). Required
-        with ``num_blocks``; optional with ``num_tokens`` (then only used for the
-        ``num_freed_blocks`` estimate).
-      num_tokens: alternatively, stop once this many tokens are evicted.
-      policy: ``"lru"`` or ``"cost"``; default the cache's policy.
-      countable: optional ``bool[num_blocks]``: only blocks marked True count
-        toward ``num_blocks`` (and ``num_freed_blocks``); e.g. the pool's dynamic
-        region, since a freed base-region block serves no new sequence.
+      num_blocks: stop once the decrefs would free this many blocks (needs ``ref_count``).
+      ref_count: the pool's counts: ``int[num_blocks]``, or a lookup
+        ``f(block_ids: int64[k]) -> int[k]`` asked only about the blocks considered.
+      num_tokens: instead, stop once this many tokens are evicted.
+      policy: ``"lru"``, or ``"cost"`` (fewest hit tokens per stored token first).
+      countable: ``bool[num_blocks]``: the blocks that count toward ``num_blocks``.
 
-    Returns:
-      Eviction; may fall short of the target when nothing else is evictable.
-
-    Raises:
-      ValueError / RefCountMismatchError: bad arguments; nothing changes.
+    Returns the ``Eviction`` (short of the target when nothing else is evictable).
+    Raises ``ValueError``, ``RefCountMismatchError``; nothing changes on error.
     """
     policy = self.policy if policy is None else policy
     if policy not in POLICIES:
@@ -596,9 +453,9 @@ class PrefixCache:
     return self._commit(chosen, freed)
 
   def gc_mark(self, ttl: float) -> GcMark:
-    """GC phase 1: marks unlocked, unpinned nodes idle for at least ``ttl``.
+    """GC phase 1: marks the unlocked, unpinned nodes idle for ``ttl`` or longer.
 
-    Clears earlier marks first. A node touched after marking loses its mark.
+    Earlier marks are cleared; a node touched after marking loses its mark.
     """
     if not ttl >= 0:
       raise ValueError(f"ttl must be >= 0, got {ttl!r}")
@@ -621,13 +478,10 @@ class PrefixCache:
       order: str = "high_first",
       countable: Any = None,
   ) -> Eviction:
-    """GC phase 2: evicts marked nodes, in block-address order, up to a target.
+    """GC phase 2: evicts marked nodes in block-address order (targets as in ``evict``).
 
-    Only leaves can go, so a marked parent goes after its marked children.
-    ``order="high_first"`` evicts the node holding the highest block address first
-    (allocation is lowest-first, so this frees the top of the pool and leaves less
-    to compact); ``"low_first"`` the opposite. Targets (and ``countable``) as in
-    ``evict``.
+    ``"high_first"`` frees the top of the pool first: allocation is lowest-first, so
+    less is left to compact.
     """
     if order not in GC_ORDERS:
       raise ValueError(f"order must be one of {GC_ORDERS}, got {order!r}")
@@ -640,26 +494,18 @@ class PrefixCache:
     return self._commit(chosen, freed)
 
   def evictable(self, *, bytes_per_token: int = 0, ref_count: Any = None) -> EvictableReport:
-    """Reports what could be evicted now (unlocked and unpinned nodes).
-
-    Args:
-      bytes_per_token: KV bytes per token (2 * layers * kv_heads * head_dim *
-        itemsize) for ``num_bytes``.
-      ref_count: optional pool ref_count mirror, for ``num_blocks``.
+    """What eviction could reclaim now; ``bytes_per_token`` for ``num_bytes``,
+    ``ref_count`` (optional) for ``num_blocks``.
     """
     return self._planner.evictable(self._now(), bytes_per_token=bytes_per_token,
                                    ref_count=ref_count)
 
   # ------------------------------------------------------------------ compaction
   def apply_remap(self, remap: Any) -> None:
-    """Follows compaction: every block id ``b`` the tree holds becomes ``remap[b]``.
+    """Follows compaction: every held block id ``b`` becomes ``remap[b]``.
 
-    Args:
-      remap: int[num_blocks], ``remap[old] = new`` (identity for unmoved blocks).
-
-    Raises:
-      RefCountMismatchError: not 1-D integer, too short for a held block, values
-        out of range, or two held blocks mapped to one. Nothing changes on error.
+    Raises ``RefCountMismatchError`` (not 1-D integer, too short, out of range, two
+    held blocks sent to one); nothing changes on error.
     """
     rm = np.asarray(remap)
     if rm.ndim != 1 or rm.dtype == np.bool_ or not np.issubdtype(rm.dtype, np.integer):

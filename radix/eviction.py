@@ -1,9 +1,8 @@
-"""Choosing what an eviction takes from the prefix cache's tree, without changing it.
+"""Choosing what an eviction takes from the cache's tree, without changing it.
 
-``EvictionPlanner.select`` walks evictable leaves in a policy's order (``lru_key``,
-``cost_key``, or a GC address order, ``gc_key``) and takes each leaf's segments tail
-first until the decrefs would free the blocks asked for (or drop the tokens asked
-for). ``PrefixCache`` validates the request, asks for the choice and removes it.
+``EvictionPlanner.select`` walks evictable leaves in a policy's order and takes each
+leaf's segments tail first until the decrefs would free the blocks (or drop the
+tokens) asked for; ``PrefixCache`` removes what it chose.
 """
 
 from __future__ import annotations
@@ -41,12 +40,9 @@ class Eviction:
   """Result of ``evict`` / ``gc_evict``.
 
   Attributes:
-    ref_deltas: tree decrefs (-1 per evicted segment) to apply to the pool.
+    ref_deltas: the tree's decrefs (-1 per evicted segment) for the pool.
     nodes: evicted node ids, children before parents.
-    num_tokens: tokens evicted.
-    num_segments: segment references dropped.
-    num_freed_blocks: blocks whose ref_count would reach 0 given the ``ref_count``
-      passed in; None when none was passed.
+    num_freed_blocks: blocks the decrefs free given the ``ref_count`` passed (None without).
   """
 
   ref_deltas: RefDeltas
@@ -66,14 +62,9 @@ class GcMark:
 
 @dataclasses.dataclass(frozen=True)
 class EvictableReport:
-  """What eviction could reclaim now (unlocked, unpinned nodes).
-
-  Attributes:
-    num_nodes, num_tokens, num_segments: evictable nodes, their tokens and segments.
-    num_bytes: ``num_tokens * bytes_per_token``.
-    num_blocks: blocks that would become free if all of it were evicted (given
-      ``ref_count``; None without it).
-    num_gc_marked_tokens: tokens currently marked by the GC's phase 1.
+  """What eviction could reclaim now (unlocked, unpinned nodes): nodes, tokens,
+  segments, ``num_tokens * bytes_per_token`` bytes, the blocks freed if all of it
+  went (None without ``ref_count``), and the tokens the GC has marked.
   """
 
   num_nodes: int
@@ -106,7 +97,7 @@ def gc_key(order: str) -> Callable[[Node], tuple]:
 class EvictionPlanner:
   """Picks the leaves (and tail segments) an eviction takes from ``tree``.
 
-  Two per-block scratch arrays live between calls (zero and -1 between calls), so a
+  Its per-block scratch arrays stay zero (``_known``: -1) between calls, so a
   selection costs what it touches, not the pool's size.
   """
 
@@ -137,23 +128,13 @@ class EvictionPlanner:
       granularity: str = "block",
       lru_index: bool = False,
   ) -> tuple[list[tuple[Node, int]], int | None]:
-    """Picks what to evict without changing anything.
+    """Picks what to evict; returns ``(chosen, freed)`` and changes nothing.
 
-    Returns ``(chosen, freed)``: ``chosen`` lists ``(node, first)`` in eviction order
-    (children before parents), ``first`` the index of the node's first evicted
-    segment (0: the whole node; > 0: only its tail segments ``[first:]`` go, the
-    node is trimmed). A node's segments are taken tail first, so with
-    ``granularity="block"`` the last node is trimmed to what the target needs.
-
-    ``ref_count`` is the pool's counts: an array, or a lookup ``f(block_ids) ->
-    counts`` called on few blocks at a time (prefetched in doubling batches), so a
-    caller never has to copy the whole array from a device.
-
-    ``lru_index`` (``key`` must be ``lru_key``): take the leaves from the tree's
-    LRU index (`RadixTree.lru_pop`, O(log leaves) each, put back at the end) in
-    the same order as a heap over every eligible leaf would give them, instead of
-    building that heap (O(leaves) per call). ``heap`` then holds only the parents
-    this selection makes leaves.
+    ``chosen`` lists ``(node, first)`` children first: the node's segments ``[first:]``
+    go (0: all of it). ``ref_count`` is an array or a lookup ``f(block_ids)`` asked
+    about a few blocks at a time (prefetched in doubling batches). ``lru_index`` (with
+    ``lru_key``) pops leaves off the tree's LRU index instead of heaping every eligible
+    leaf: the same order, O(log leaves) each.
     """
     tree = self.tree
     if lru_index:
@@ -261,9 +242,9 @@ class EvictionPlanner:
                       touched: list, tokens: int, freed: int | None, num_blocks: int | None,
                       num_tokens: int | None, countable: np.ndarray | None,
                       trim: bool) -> tuple[int, int, int, int | None]:
-    """`_take_plain`, vectorised, with counts from `counts(blocks)` (None: no
-    ref_count); the tree's references chosen so far are counted in `_scratch` (its
-    entries to reset appended to `touched`)."""
+    """``_take_plain`` in numpy, the counts from ``counts(blocks)`` (None: no ref_count) and
+    the references taken so far in ``_scratch`` (entries to reset added to ``touched``).
+    """
     rev = segs[::-1]  # tail first
     blocks = rev[:, 0].astype(np.int64)
     self._grow(int(blocks.max()) + 1)
@@ -311,16 +292,11 @@ class EvictionPlanner:
                   num_blocks: int | None, ref_count: np.ndarray | None,
                   num_tokens: int | None, countable: np.ndarray | None,
                   trim: bool) -> tuple[int, int, int, int | None]:
-    """One node of `_select` with a host `ref_count` (or none), in plain Python.
+    """One node of ``select`` with a host ``ref_count`` (or none), in plain Python.
 
-    The node's segments go tail first; each drops one tree reference on its block
-    (`pending` counts the ones this selection dropped before, and is updated for
-    the segments taken). Returns `(k, num_segments, tokens, freed)`: the first `k`
-    segments (tail first) are taken, the totals after them.
-
-    Raises:
-      RefCountMismatchError: a block's `ref_count` is below the tree's references
-        on it (checked on every segment of the node), or beyond `ref_count`.
+    Takes segments tail first, each one reference (``pending`` counts this selection's,
+    per block); returns ``(k, num_segments, tokens, freed)`` after the ``k`` taken.
+    Raises ``RefCountMismatchError`` when a count is below the tree's references.
     """
     rows = segs.tolist()
     rows.reverse()
@@ -367,11 +343,9 @@ class EvictionPlanner:
 
   def check_targets(self, num_blocks: int | None, ref_count: Any, num_tokens: int | None,
                     countable: Any) -> tuple[Any, np.ndarray | None]:
-    """Validates an eviction's targets; returns ``(ref_count, countable)`` checked.
+    """Validates an eviction's targets; returns ``ref_count`` and ``countable`` checked.
 
-    Raises:
-      ValueError / RefCountMismatchError: not exactly one target, ``num_blocks``
-        without ``ref_count``, a negative target, a malformed array.
+    Raises ``ValueError`` or ``RefCountMismatchError``.
     """
     if (num_blocks is None) == (num_tokens is None):
       raise ValueError("give exactly one of num_blocks (with ref_count) or " "num_tokens")
@@ -396,13 +370,7 @@ class EvictionPlanner:
 
   def evictable(self, now: float, *, bytes_per_token: int = 0,
                 ref_count: Any = None) -> EvictableReport:
-    """Reports what could be evicted now (unlocked and unpinned nodes).
-
-    Args:
-      bytes_per_token: KV bytes per token (2 * layers * kv_heads * head_dim *
-        itemsize) for ``num_bytes``.
-      ref_count: optional pool ref_count mirror, for ``num_blocks``.
-    """
+    """``PrefixCache.evictable`` at time ``now``."""
     nodes = tokens = segments = marked = 0
     blocks = []
     for node in self.tree.nodes():

@@ -1,12 +1,9 @@
-"""Segments, the one KV layout the cache holds, and the reference deltas it returns.
+"""Segments, the KV layout the cache holds, and the reference deltas it returns.
 
-A segment is one row ``(block, start, length)`` of an ``int32[n, 3]`` array
-(``Segments``): physical block id, first token slot in the block, number of tokens
-(``1 <= length`` and ``start + length <= block_size``). ``paged_kv``'s
-``BlockPool.segments()`` returns this layout and ``open_sequence(segments=)`` takes it.
-Cutting a list after token ``t`` that falls inside a segment ``(b, s, l)`` splits that
-segment in two, ``(b, s, k)`` and ``(b, s + k, l - k)``, without copying any KV: one
-more segment on ``b``, so one more reference.
+A segment is a row ``(block, start, length)`` of an ``int32[n, 3]`` array
+(``Segments``), ``start + length <= block_size``: the layout ``paged_kv``'s
+``BlockPool.segments()`` returns. Cutting inside a segment splits it in two on the
+same block without copying KV: one more segment, one more reference.
 """
 
 from __future__ import annotations
@@ -44,10 +41,7 @@ Segments = npt.NDArray[np.int32]
 
 
 class InvalidSegmentsError(RadixTreeError, ValueError):
-  """Segments are malformed or do not cover the tokens they are given with.
-
-  A wrong layout's message names the expected ``int32[n, 3]`` rows and what was given.
-  """
+  """Segments are malformed or do not cover the tokens given with them."""
 
 
 class RefCountMismatchError(RadixTreeError, ValueError):
@@ -55,22 +49,14 @@ class RefCountMismatchError(RadixTreeError, ValueError):
 
 
 def as_segments(segments: Any, *, block_size: int, name: str = "segments") -> Segments:
-  """Validates segments and returns them as a C-contiguous ``int32[n, 3]`` array.
+  """Validates segments; returns them as a C-contiguous ``int32[n, 3]`` array.
 
-  The layout check is the same as ``paged_kv.core.segment_format.as_segments``
-  (radix cannot import ``paged_kv``; a test keeps the two in agreement), plus the
-  bounds a block of ``block_size`` tokens sets.
-
-  Args:
-    segments: array-like of shape [n, 3], rows ``(block, start, length)``; an empty
-      array-like (``[]``, shape ``(0, 3)``) is no segment.
-    block_size: tokens per block.
-    name: the argument's name, for the error message.
+  The layout check of ``paged_kv.core.segment_format.as_segments`` (a test keeps the
+  two in agreement) plus the bounds of a ``block_size`` block; ``[]`` is no segment.
 
   Raises:
-    InvalidSegmentsError: not ``[n, 3]``, not integers, values outside int32, a
-      tuple of three 1-D arrays (the column layout), negative block or start,
-      length < 1, or ``start + length > block_size``.
+    InvalidSegmentsError: not ``[n, 3]`` integers within int32 (a tuple of three
+      columns is named), negative block or start, length < 1, or past the block.
   """
   if (type(segments) is np.ndarray and segments.dtype == np.int32 and segments.ndim == 2
       and segments.shape[1] == 3 and 0 < segments.shape[0] <= SMALL_SEGMENTS
@@ -150,11 +136,9 @@ def cut(segs: np.ndarray, offset: int) -> tuple[np.ndarray, np.ndarray, bool]:
 
 @dataclasses.dataclass(frozen=True)
 class RefDeltas:
-  """Reference-count changes for the pool, aggregated per block.
+  """Reference-count changes for the pool: ``ref_count[block_ids] += deltas``.
 
-  Attributes:
-    block_ids: int32[k], unique and ascending.
-    deltas: int32[k], nonzero; apply as ``ref_count[block_ids] += deltas``.
+  ``block_ids`` int32[k] unique and ascending; ``deltas`` int32[k], nonzero.
   """
 
   block_ids: np.ndarray
@@ -190,9 +174,9 @@ class RefDeltas:
 
   @staticmethod
   def increfs(block_ids: np.ndarray) -> RefDeltas | None:
-    """One reference more on each of ``block_ids`` (``int32[k]``, ``k >= 1``) when
-    they are distinct (a new leaf's segments, the usual insert): ``from_pairs(block_ids,
-    1)`` without its per-id sums. None when a block repeats (``from_pairs`` then)."""
+    """+1 on each of ``block_ids`` when they are distinct (a new leaf's segments), without
+    ``from_pairs``' sums; None when a block repeats.
+    """
     ids = block_ids.tolist()
     if len(set(ids)) != len(ids):
       return None
