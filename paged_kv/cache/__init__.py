@@ -1,8 +1,6 @@
-"""The radix prefix cache bound to a block pool: `CachedPool`, persistence, governance.
-
-The tree itself is `radix.PrefixCache`; here it meets the pool (`cached_pool`, read
-through `cache_view`, its short segments packed by `packing`), is saved to and
-restored from disk (`persist`) and is kept within per-namespace budgets (`governance`).
+"""The radix prefix cache bound to a block pool (`CachedPool`, read through `CacheView`,
+short segments packed by `packing`), saved and restored (`persist`), and kept within
+budgets (`governance`). The tree itself is `radix.PrefixCache`.
 """
 
 from paged_kv.cache.cache_view import CacheView

@@ -16,11 +16,8 @@ __all__ = ["CacheView"]
 
 
 class CacheView:
-  """Read-only view of a `CachedPool`'s prefix cache.
-
-  Everything here reads; nothing locks, records a hit or moves a reference.
-  `tree` is the radix tree itself, for enumeration (`tree.nodes()`, ...): change
-  it only through the `CachedPool`.
+  """Read-only view of a `CachedPool`'s prefix cache: nothing here locks, records a hit
+  or moves a reference. Change `tree` only through the `CachedPool`.
   """
 
   def __init__(self, cache: PrefixCache):
@@ -55,10 +52,8 @@ class CacheView:
 
   def match(self, namespace: Hashable, tokens: Any, *, lock: bool = False,
             record: bool = False) -> MatchResult:
-    """A read-only probe: the longest cached prefix, neither locked nor recorded.
-
-    Raises:
-      InvalidArgument: `lock` or `record` is True (use `CachedPool.match`).
+    """A probe: the longest cached prefix, neither locked nor recorded (`InvalidArgument`
+    for `lock` or `record`: use `CachedPool.match`).
     """
     if lock or record:
       raise InvalidArgument("CacheView.match only probes (lock=False, record=False); "
