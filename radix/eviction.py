@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from radix.segments import EMPTY_IDS, SMALL_SEGMENTS, RefCountMismatchError, RefDeltas
-from radix.tree import Node, RadixTree
+from radix.tree import Node, NodeId, RadixTree
 
 __all__ = [
     "EvictableReport",
