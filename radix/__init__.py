@@ -1,21 +1,26 @@
 """Host-side radix prefix cache (numpy only; imports neither JAX nor paged_kv).
 
 ``radix.tree`` is the pure radix tree over token ids; ``radix.cache`` binds its nodes
-to block-pool segments and returns the reference deltas the caller applies to the pool.
+to block-pool segments (``radix.segments``) and returns the reference deltas the caller
+applies to the pool; ``radix.eviction`` chooses what an eviction takes.
 """
 
 from radix.cache import (
     CacheCounters,
+    InsertOutcome,
+    MatchResult,
+    PackCandidate,
+    PrefixCache,
+)
+from radix.eviction import (
     EvictableReport,
     Eviction,
     GRANULARITIES,
     GcMark,
-    InsertOutcome,
-    InvalidSegmentsError,
-    MatchResult,
-    PackCandidate,
     POLICIES,
-    PrefixCache,
+)
+from radix.segments import (
+    InvalidSegmentsError,
     RefCountMismatchError,
     RefDeltas,
     as_segments,

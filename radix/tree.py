@@ -1,34 +1,16 @@
 """A host-side radix tree over token ids, with namespaces, lock refs and hit statistics.
 
-Pure data structure: numpy only, no JAX and nothing from ``paged_kv``.
+Numpy only. Each namespace (tenant, adapter, cache salt) has its own root, so equal
+token sequences in two namespaces never share a node. A node holds its edge's tokens
+as one ``int32[n]`` span and an opaque ``value`` that the ``split_value`` function
+cuts in two when the node is split, so a value describing the tokens (the cache's
+segments) stays aligned with them.
 
-Each namespace (tenant, LoRA adapter, cache salt, ...) has its own root; a lookup only
-ever walks the tree of its own namespace, so identical token sequences in two
-namespaces never share a node. Namespaces are typed keys (``check_namespace``): a
-``str``, ``bytes`` or ``int`` (not ``bool``, not a numpy scalar, not ``float``) or a
-tuple of them, validated by every call that takes one, so tenant identity never rests
-on Python's cross-type equality (``1 == 1.0 == True``).
-
-A node stores the tokens of its edge as one compact ``int32[n]`` numpy span (never one
-Python object per token) and an opaque ``value`` (the prefix cache stores the node's
-segments there). A node can be split at any token: the tree calls the ``split_value``
-function given at construction to cut the value in two, so a value that describes the
-node's tokens (e.g. a list of KV segments) stays aligned with them.
-
-Handles: nodes are named by integer ids (``NodeId``) that are never reused, so a stale
-handle (a node evicted since) is detected instead of silently aliasing a new node.
-When a node is split at token ``k`` the node keeps its id and its *tail*
-(tokens ``[k:]``, its children, its leaf-ness); a new node with a new id takes the head
-and becomes its parent. A handle to a leaf therefore stays valid across splits.
-
-Locks: ``lock(node)`` increments ``lock_ref`` on the node and every ancestor (roots
-excluded); ``unlock`` decrements the same path. A split copies the lock count to the
-new parent, so an unlock after a split still balances. A node with ``lock_ref > 0`` is
-never removed.
-
-Time: the tree never reads a clock; every operation that touches nodes takes ``now``
-(any monotone float, e.g. seconds) and stamps ``last_access``. A second, strictly
-increasing counter ``access_seq`` breaks ties between equal timestamps.
+Node ids are never reused, so a stale handle raises instead of aliasing a new node.
+A split keeps the node's id on its tail (tokens ``[k:]``, children, leaf-ness) and
+gives the head a new id: a handle to a leaf survives splits. ``lock`` counts on the
+node and its ancestors; locked nodes are never removed. The tree reads no clock:
+callers pass ``now``, and ``access_seq`` breaks ties between equal times.
 """
 
 from __future__ import annotations
@@ -93,20 +75,15 @@ MAX_NAMESPACE_LENGTH = 1024
 
 
 def check_namespace(namespace: Any) -> Hashable:
-  """Validates a namespace and returns it unchanged.
+  """Validates a namespace (a typed key) and returns it unchanged.
 
-  Namespaces are *typed keys*: a ``str``, ``bytes`` or ``int`` (exactly: not
-  ``bool``, not a numpy integer, not ``float``), or a tuple of such keys. Two
-  allowed namespaces are equal only when their types agree element by element,
-  so ``1``, ``1.0``, ``True`` and ``np.int64(1)`` can never name one tenant
-  (Python equality would merge them); a typed key is also always hashable.
-  Sizes are capped: tuples nested at most ``MAX_NAMESPACE_DEPTH`` deep, at most
-  ``MAX_NAMESPACE_PARTS`` scalars in all, each ``str``/``bytes`` at most
-  ``MAX_NAMESPACE_LENGTH`` long, each ``int`` within int64. The check is
-  iterative: no key can exhaust the interpreter's recursion.
+  A ``str``, ``bytes`` or ``int`` (exactly: not ``bool``, a numpy integer or
+  ``float``), or a tuple of them, so ``1``, ``1.0`` and ``True`` never name one
+  tenant. Capped by ``MAX_NAMESPACE_DEPTH``, ``MAX_NAMESPACE_PARTS``,
+  ``MAX_NAMESPACE_LENGTH`` and int64; checked without recursion.
 
   Raises:
-    InvalidNamespaceError: any other type, or a key past a cap (named).
+    InvalidNamespaceError: another type, or a cap exceeded (named).
   """
   stack = [(namespace, 0)]
   parts = 0
@@ -140,14 +117,9 @@ def check_namespace(namespace: Any) -> Hashable:
 
 
 def as_tokens(tokens: Any) -> np.ndarray:
-  """Validates token ids and returns them as a C-contiguous ``int32[n]`` array.
+  """Validates token ids (1-D integers within int32); returns a C-contiguous ``int32[n]``.
 
-  Args:
-    tokens: a 1-D array-like of integers (list, tuple, numpy array), each in the
-      int32 range. An already valid ``int32[n]`` array is returned without a copy.
-
-  Raises:
-    InvalidTokensError: not 1-D, not integers, or out of the int32 range.
+  An ``int32[n]`` array comes back without a copy. Raises ``InvalidTokensError``.
   """
   if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32 and tokens.ndim == 1:
     return np.ascontiguousarray(tokens)
@@ -182,21 +154,15 @@ class Node:
   """One edge of the radix tree (identity semantics: two nodes are never equal).
 
   Attributes:
-    node_id: handle, unique for the tree's lifetime.
-    namespace: the namespace whose tree holds this node.
-    key: int32[num_tokens], the tokens of this edge (empty only for a root).
-    depth: number of tokens from the root to the first token of ``key``.
-    parent: parent node; None for a root.
+    key: int32[num_tokens], the edge's tokens (empty only for a root).
+    depth: tokens from the root to the first token of ``key``.
     children: first token id -> child node.
-    value: opaque payload describing ``key`` (split by ``split_value``).
-    lock_ref: number of outstanding locks on this node or a descendant.
-    last_access: ``now`` of the last match/insert that touched the node.
-    access_seq: strictly increasing tie-breaker for ``last_access``.
-    hit_count: number of matches that covered at least one token of the node.
-    hit_tokens: total tokens of this node matched, over all matches (a split
-      shares it between head and tail in proportion, approximately).
-    pinned_until: the node is pinned (not evictable) while ``now < pinned_until``.
-    gc_marked: set by a GC mark phase; cleared when the node is touched again.
+    value: payload describing ``key`` (cut by ``split_value``).
+    lock_ref: outstanding locks on this node or a descendant.
+    last_access, access_seq: time of the last touch, and its tie-breaker.
+    hit_count, hit_tokens: matches covering the node, and their tokens in it.
+    pinned_until: not evictable while ``now < pinned_until``.
+    gc_marked: set by a GC mark phase, cleared by a touch.
   """
 
   node_id: NodeId
@@ -232,13 +198,8 @@ class Node:
 
 @dataclasses.dataclass(frozen=True)
 class HitStats:
-  """Prefix-hit statistics (global or for one namespace).
-
-  Attributes:
-    num_queries: number of recorded ``match_prefix`` calls.
-    num_hit_queries: queries that matched at least one token.
-    query_tokens: tokens asked for, summed over queries.
-    hit_tokens: tokens matched, summed over queries.
+  """Prefix-hit statistics, global or of one namespace: recorded queries, queries that
+  matched a token, tokens asked for and tokens matched.
   """
 
   num_queries: int = 0
@@ -248,7 +209,7 @@ class HitStats:
 
   @property
   def hit_rate(self) -> float:
-    """Token hit rate ``hit_tokens / query_tokens`` (0.0 before any query)."""
+    """``hit_tokens / query_tokens`` (0.0 before any query)."""
     return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
   def __add__(self, other: HitStats) -> HitStats:
@@ -265,11 +226,9 @@ class PrefixMatch:
   """Result of ``RadixTree.match_prefix``.
 
   Attributes:
-    length: number of leading query tokens found in the tree.
-    path: ids of the nodes covering the matched tokens, root side first (roots
-      excluded). Every node but the last is matched in full.
-    last_offset: tokens matched within the last node of ``path`` (equal to its
-      length when fully matched; 0 when ``path`` is empty).
+    length: leading query tokens found.
+    path: node ids covering them, root side first; all but the last matched whole.
+    last_offset: tokens matched within the last node (0 when ``path`` is empty).
   """
 
   length: int
@@ -278,7 +237,7 @@ class PrefixMatch:
 
   @property
   def node(self) -> NodeId | None:
-    """The deepest node touched by the match (the one to lock), or None."""
+    """The deepest node the match touched (the one to lock), or None."""
     return self.path[-1] if self.path else None
 
 
@@ -293,12 +252,8 @@ class Split:
 
 @dataclasses.dataclass(frozen=True)
 class InsertResult:
-  """Result of ``RadixTree.insert``.
-
-  Attributes:
-    prefix_len: leading tokens the tree already held before the insert.
-    leaf: id of the new leaf holding tokens ``[prefix_len:]``; None when nothing new.
-    splits: the node splits the insert performed (at most one).
+  """Result of ``RadixTree.insert``: tokens already held (``prefix_len``), the new leaf
+  (None when nothing new) and the split it made (at most one).
   """
 
   prefix_len: int
@@ -316,9 +271,8 @@ class RadixTree:
   """Radix tree over int32 token ids, one root per namespace.
 
   Args:
-    split_value: ``f(value, offset) -> (head_value, tail_value)``: cuts a node's value
-      when the node is split at ``offset`` tokens (``0 < offset < num_tokens``). The
-      default accepts only ``None`` values.
+    split_value: ``f(value, offset) -> (head, tail)`` cuts a node's value at a split;
+      the default accepts only ``None`` values.
   """
 
   def __init__(self, split_value: Callable[[Any, int], tuple[Any, Any]] | None = None):
@@ -338,11 +292,7 @@ class RadixTree:
 
   # ------------------------------------------------------------------ access
   def node(self, node_id: NodeId) -> Node:
-    """Returns the live node ``node_id`` (read it, do not mutate it).
-
-    Raises:
-      StaleNodeError: no live node has this id.
-    """
+    """The live node ``node_id``, for reading (``StaleNodeError`` if none)."""
     try:
       return self._nodes[node_id]
     except (KeyError, TypeError):
@@ -368,11 +318,11 @@ class RadixTree:
     return iter(list(self._nodes.values()))
 
   def leaves(self) -> Iterator[Node]:
-    """All live leaves (non-root nodes without children)."""
+    """All live leaves."""
     return iter(list(self._leaves))
 
   def path_tokens(self, node_id: NodeId) -> np.ndarray:
-    """int32[depth + num_tokens]: all tokens from the root to the end of the node."""
+    """int32[depth + num_tokens]: the tokens from the root to the node's end."""
     node = self.node(node_id)
     parts = []
     while node is not None and node.parent is not None:
@@ -381,7 +331,7 @@ class RadixTree:
     return np.concatenate(parts[::-1]) if parts else np.zeros((0,), np.int32)
 
   def sequences(self, namespace: Hashable) -> list[np.ndarray]:
-    """Token arrays of every root-to-leaf path of a namespace (for checks/tests)."""
+    """The token arrays of every root-to-leaf path of a namespace."""
     root = self._roots.get(namespace)
     if root is None:
       return []
@@ -415,18 +365,16 @@ class RadixTree:
     self.lru_push(node)
 
   def lru_push(self, node: Node) -> None:
-    """(Re)enters leaf `node` in the LRU index at its current access time (for a
-    caller that took it off with `lru_pop` and did not remove it)."""
+    """(Re)enters leaf ``node`` in the LRU index at its current access time."""
     entry = (node.last_access, node.access_seq, node.node_id)
     self._lru_entry[node.node_id] = entry
     heapq.heappush(self._lru, entry)
 
   def lru_peek(self) -> tuple[float, int, NodeId] | None:
-    """The least recently used leaf in the index, as `(last_access, access_seq,
-    node_id)` (the order of `(last_access, access_seq)` with the id as tie-break),
-    or None. O(log leaves) amortized: the index is a heap cleaned lazily (removed
-    nodes and ex-leaves are dropped, a leaf touched since its entry is re-entered
-    at its new time when it surfaces), instead of a heap over every leaf per call.
+    """The least recently used leaf's ``(last_access, access_seq, node_id)``, or None.
+
+    The index is a heap cleaned lazily (removed nodes and ex-leaves dropped, touched
+    leaves re-entered when they surface): O(log leaves) amortized.
     """
     if self._lru_stale or len(self._lru) > 2 * len(self._leaves) + 64:
       self._lru = [(n.last_access, n.access_seq, n.node_id) for n in self._leaves]
@@ -452,8 +400,7 @@ class RadixTree:
     return None
 
   def lru_pop(self) -> Node | None:
-    """Takes the least recently used leaf off the LRU index (`lru_push` it back
-    unless it is removed); None when there is none."""
+    """Takes the LRU leaf off the index (``lru_push`` it back unless removed)."""
     entry = self.lru_peek()
     if entry is None:
       return None
@@ -490,20 +437,10 @@ class RadixTree:
   def match_prefix(
       self, namespace: Hashable, tokens: Any, *, now: float, record: bool = True
   ) -> PrefixMatch:
-    """Finds the longest prefix of ``tokens`` held in ``namespace``'s tree.
+    """Longest prefix of ``tokens`` held in ``namespace``'s tree (no split).
 
-    Never modifies the shape of the tree (no split): a match may end inside a node,
-    reported by ``last_offset``.
-
-    Args:
-      namespace: the namespace to search (an unknown namespace matches nothing).
-      tokens: int32-compatible token ids, shape [n].
-      now: current time; stamps ``last_access`` of every node on the path.
-      record: when True, update hit statistics (global, per namespace, per node)
-        and access times; when False the tree is not modified at all.
-
-    Raises:
-      InvalidTokensError: bad ``tokens``. InvalidNamespaceError: bad ``namespace``.
+    ``record`` stamps ``now`` on the path and updates hit statistics; False leaves
+    the tree untouched. Raises ``InvalidTokensError``, ``InvalidNamespaceError``.
     """
     tokens = as_tokens(tokens)
     root = self._root(namespace, create=False)
@@ -524,15 +461,11 @@ class RadixTree:
 
   # ------------------------------------------------------------------ updates
   def split(self, node_id: NodeId, offset: int) -> NodeId:
-    """Splits a node after ``offset`` tokens; returns the id of the new head node.
+    """Splits a node after ``offset`` tokens; returns the new head's id.
 
-    The node keeps its id, its tail tokens ``[offset:]``, children and leaf-ness;
-    the new head (tokens ``[:offset]``) becomes its parent and copies its lock
-    count, access time, hit counts, pin and GC mark.
-
-    Raises:
-      StaleNodeError: unknown node.
-      ValueError: ``offset`` not in ``[1, num_tokens - 1]``.
+    The node keeps its id and tail; the head becomes its parent and copies its lock
+    count, access time, hit counts, pin and GC mark. Raises ``StaleNodeError``,
+    ``ValueError`` (offset outside ``[1, num_tokens - 1]``).
     """
     node = self.node(node_id)
     if not 0 < offset < node.num_tokens:
@@ -574,23 +507,12 @@ class RadixTree:
       *,
       now: float,
   ) -> InsertResult:
-    """Inserts ``tokens`` into ``namespace``'s tree.
+    """Inserts ``tokens`` into ``namespace``'s tree; the new tokens go into one new leaf.
 
-    Tokens already held are left alone (the tree keeps its own value for them).
-    If the sequence diverges inside a node, that node is split at the divergence;
-    the new tokens ``[prefix_len:]`` go into one new leaf.
-
-    Args:
-      namespace: hashable namespace (created on first insert).
-      tokens: int32-compatible token ids, shape [n].
-      make_value: ``f(prefix_len) -> value`` for the new leaf (tokens
-        ``[prefix_len:]``); called at most once, before any change to the tree,
-        so it may raise to abort the insert. Default: value None.
-      now: current time; stamps every node on the path.
-
-    Raises:
-      InvalidTokensError: bad ``tokens``. InvalidNamespaceError: bad ``namespace``.
-      Nothing changes on error.
+    Tokens already held keep their value; a node diverging inside is split.
+    ``make_value(prefix_len)`` builds the leaf's value before any change (it may
+    raise to abort). Raises ``InvalidTokensError``, ``InvalidNamespaceError``; nothing
+    changes on error.
     """
     tokens = as_tokens(tokens)
     root = self._root(namespace, create=True)
@@ -627,12 +549,7 @@ class RadixTree:
     return InsertResult(prefix_len=length, leaf=leaf.node_id, splits=splits)
 
   def remove_leaf(self, node_id: NodeId) -> Any:
-    """Removes an unlocked leaf and returns its value.
-
-    Raises:
-      StaleNodeError: unknown node.
-      LockError: the node has children or is locked.
-    """
+    """Removes an unlocked leaf; returns its value (``StaleNodeError``, ``LockError``)."""
     node = self.node(node_id)
     if node.children:
       raise LockError(f"node {node_id} is not a leaf")
@@ -663,12 +580,7 @@ class RadixTree:
       node.lock_ref += 1
 
   def unlock(self, node_id: NodeId) -> None:
-    """Removes one lock from the node and each of its ancestors.
-
-    Raises:
-      StaleNodeError: unknown node.
-      LockError: the node is not locked (nothing changes).
-    """
+    """Removes one lock from the node and its ancestors (``LockError`` if unlocked)."""
     node = self.node(node_id)
     if node.lock_ref <= 0:
       raise LockError(f"node {node_id} is not locked")
@@ -676,10 +588,8 @@ class RadixTree:
       n.lock_ref -= 1
 
   def reset_locks(self, held: Iterable[NodeId]) -> None:
-    """Recomputes every ``lock_ref`` from the locks still held (after an interruption).
-
-    Each entry of ``held`` is one outstanding ``lock`` (repeats count); every other
-    lock is dropped. Stale ids are ignored.
+    """Recomputes every ``lock_ref`` from ``held``, one entry per outstanding lock
+    (repeats count, stale ids ignored); every other lock is dropped.
     """
     for node in self._nodes.values():
       node.lock_ref = 0

@@ -1,46 +1,16 @@
 """`CachedPool`: a `BlockPool` and a `radix.PrefixCache` kept in sync by one object.
 
-The radix cache is host bookkeeping that never touches the pool: every call that
-changes the tree's references returns a `RefDeltas` for the pool. `CachedPool`
-owns both and applies each delta itself, so no caller can forget one:
+The cache returns a `RefDeltas` for every change of the tree's references, and
+`CachedPool` applies each itself, so no caller can forget one:
 
-    cp = CachedPool(pool)                             # or CachedPool(pool, cache)
-    m = cp.match("tenant", prompt[:-1])               # longest cached prefix, locked
-    seq = cp.open(m.segments)                         # the sequence shares it (increfs)
-    ...                                               # cp.pool.reserve_tokens / write_kv
-    cp.insert("tenant", tokens, seq)                  # the tree takes its references
+    cp = CachedPool(pool)
+    m = cp.match("tenant", prompt[:-1])     # longest cached prefix, locked
+    seq = cp.open(m.segments)               # the sequence shares it
+    cp.insert("tenant", tokens, seq)        # after the model step: the tree takes its refs
     cp.release([seq]); cp.unlock(m.node)
-    cp.evict(num_blocks=8)                            # decrefs applied, blocks freed
-    cp.check_invariants()                             # counts the cache's references
+    cp.evict(num_blocks=8)                  # decrefs applied, blocks freed
 
-Who moves which reference:
-
-* the **sequence side** (`open`, `release`, and the pool's own `fork`,
-  `reserve_tokens`, `cow_split`) is the pool's: one reference per table segment;
-* the **tree side** (`insert`, `split`, `evict`, `gc_evict`) comes back from the
-  cache as `RefDeltas`, applied here with `BlockPool.apply_ref_deltas`;
-* **moves** (`compact`, `move_blocks`, `promote`) change block ids: the pool
-  remaps its tables and this object remaps the tree (`apply_remap`);
-* **packing** (`pack`) moves the tree's references inside the pool
-  (`pack_slots` with an outside owner); the cache only rewrites its records, and
-  its rebind deltas are checked against the pool's, not applied again;
-* **persistence** (`save`, `restore`) writes the tree and its K/V, and restores
-  them into fresh blocks with the tree's references applied.
-
-Interruptions: each call applies the pool side and the cache side one after the
-other. When an exception (a `KeyboardInterrupt` included) lands between the two,
-`recover()` restores the invariants: if the pool and the tree disagree, the tree
-is dropped (`PrefixCache.clear`) and the pool's reference counts are rebuilt from
-the live tables, so nothing leaks and no block is freed under a reader (the cache
-is only a cache). A pool whose donated state was lost (`state_lost`) cannot be
-recovered: `recover()` raises `PoolStateLost`.
-
-`cp.pool` is the `BlockPool` for the sequence-side work a model step does
-(`reserve_tokens`, `write_kv`, `gather_kv`, `fork`, `cow_split`, the executor's
-`state`); block moves and cache changes go through this object. `cp.cache` is a
-read-only `CacheView` (statistics, probes, enumeration).
-
-Segments are `Segments`, `int32[n, 3]` rows `(block, start, length)`, everywhere.
+`cp.pool` serves a model step's sequence-side work; `cp.cache` is a read-only view.
 """
 
 from __future__ import annotations
@@ -55,15 +25,16 @@ import numpy as np
 
 from paged_kv.core import compact
 from paged_kv.core.errors import (InternalInconsistency, InvalidArgument, InvariantViolation,
-                                  PagedKVError, PoolExhausted)
+                                  PagedKVError)
 from paged_kv.core.resize import ResizeReport
 from paged_kv.core.segment_format import Segments, as_segments, take_tokens
 from paged_kv.pool.block_pool import BlockPool
-from paged_kv.cache import persist
+from paged_kv.cache import packing, persist
+from paged_kv.cache.cache_view import CacheView
 from paged_kv.telemetry import metrics
-from radix.cache import (CacheCounters, EvictableReport, Eviction, GcMark, InsertOutcome,
-                         MatchResult, PackCandidate, PrefixCache, RefDeltas)
-from radix.tree import HitStats, NodeId, RadixTree, StaleNodeError
+from radix.cache import (EvictableReport, Eviction, GcMark, InsertOutcome, MatchResult,
+                         PackCandidate, PrefixCache, RefDeltas)
+from radix.tree import NodeId
 
 __all__ = ["CacheView", "CachedPool", "PoolStateLost", "state_lost"]
 
@@ -73,16 +44,13 @@ _SMALL_OPENS = 16
 
 
 class PoolStateLost(PagedKVError):
-  """The pool's state points at deleted buffers: a jitted call took it (donation)
-  and the new state never came back (e.g. an executor raised after donating).
-  Every K/V page and every reference count is gone; the pool cannot be used."""
+  """The pool's state buffers were donated to a jitted call whose result never came
+  back: every K/V page and reference count is gone; the pool cannot be used.
+  """
 
 
 def state_lost(pool: BlockPool) -> bool:
-  """True when some array of `pool.state` was deleted (donated and not returned).
-
-  Looks at the buffers only: applies no queued change (`BlockPool.unflushed_state`).
-  """
+  """True when an array of `pool.unflushed_state` was deleted (donated, never returned)."""
   for leaf in jax.tree.leaves(pool.unflushed_state):
     is_deleted = getattr(leaf, "is_deleted", None)
     if is_deleted is not None and is_deleted():
@@ -95,103 +63,21 @@ def table_ref_counts(pool: BlockPool) -> np.ndarray:
   return pool.host.table_refs.astype(np.int64)
 
 
-class CacheView:
-  """Read-only view of a `CachedPool`'s prefix cache.
-
-  Everything here reads; nothing locks, records a hit or moves a reference.
-  `tree` is the radix tree itself, for enumeration (`tree.nodes()`, ...): change
-  it only through the `CachedPool`.
-  """
-
-  def __init__(self, cache: PrefixCache):
-    self._cache = cache
-
-  @property
-  def block_size(self) -> int:
-    return self._cache.block_size
-
-  @property
-  def policy(self) -> str:
-    return self._cache.policy
-
-  @property
-  def pack_tails(self) -> bool:
-    return self._cache.pack_tails
-
-  @property
-  def tree(self) -> RadixTree:
-    return self._cache.tree
-
-  @property
-  def num_tokens(self) -> int:
-    return self._cache.num_tokens
-
-  @property
-  def num_segments(self) -> int:
-    return self._cache.num_segments
-
-  def now(self) -> float:
-    return self._cache.now()
-
-  def match(self, namespace: Hashable, tokens: Any, *, lock: bool = False,
-            record: bool = False) -> MatchResult:
-    """A read-only probe: the longest cached prefix, neither locked nor recorded.
-
-    Raises:
-      InvalidArgument: `lock` or `record` is True (use `CachedPool.match`).
-    """
-    if lock or record:
-      raise InvalidArgument("CacheView.match only probes (lock=False, record=False); "
-                            "lock or record a match with CachedPool.match")
-    return self._cache.match(namespace, tokens, lock=False, record=False)
-
-  def stats(self, namespace: Hashable | None = None) -> HitStats:
-    return self._cache.stats(namespace)
-
-  def counters(self) -> CacheCounters:
-    return self._cache.counters()
-
-  def segment_refs(self) -> Segments:
-    """`i32[n, 3]`: every `(block, start, length)` the tree holds (one reference each)."""
-    return self._cache.segment_refs()
-
-  def node_segments(self, node: NodeId) -> Segments:
-    """`i32[n, 3]`: a copy of a node's segments."""
-    return self._cache.node_segments(node)
-
-  def tree_ref_counts(self, num_blocks: int) -> np.ndarray:
-    return self._cache.tree_ref_counts(num_blocks)
-
-  def evictable(self, *, bytes_per_token: int = 0, ref_count: Any = None) -> EvictableReport:
-    return self._cache.evictable(bytes_per_token=bytes_per_token, ref_count=ref_count)
-
-
 class CachedPool:
   """A `BlockPool` and its `PrefixCache`, whose reference deltas it applies itself.
 
   Args:
-    pool: the block pool (owned from now on: move blocks only through this object).
-    cache: an existing cache with the pool's block size; its references must
-      already be in the pool (an empty cache, or one `load_prefix_cache` filled
-      for this pool): checked with the invariant checker. Default: a new cache
-      built from `policy`, `pack_tails` and `clock`.
-    policy, pack_tails, clock: of the new cache (see `radix.PrefixCache`); ignored
-      when `cache` is given.
-    continue_tails: when a match ends at the end of a cached partial block
-      (`MatchResult.continuable`), `open` copies that tail into a fresh block
-      (`BlockPool.cow_split`), so the sequence appends after it in place and
-      `insert` moves the tree's reference onto the copy: the old block's unused
-      slots are not kept alive (no dead slots per turn). False: the sequence
-      continues in a fresh block and the shared block keeps its unused slots.
-    mix_namespaces: let `pack` (and `restore`'s layout) put different namespaces'
-      tails in one block. Off (the default), a block a tail is packed into holds
-      one namespace's tokens only, as every other block does: tenants never share
-      a physical block. On, packing saves more blocks, at a risk: no slot is ever
-      shared and freed slots are zeroed before reuse when scrubbing, but a masking
-      bug in any attention kernel would then read another tenant's K/V.
+    pool: the block pool; move its blocks only through this object from now on.
+    cache: a cache whose references the pool already counts (checked); default a
+      new one from `policy`, `pack_tails` and `clock` (see `radix.PrefixCache`).
+    continue_tails: `open` copies a continuable cached tail, so the sequence appends
+      in place and `insert` moves the tree's reference onto the copy (no dead slots).
+    mix_namespaces: let `pack` and `restore` put different namespaces' tails in one
+      block: fewer blocks, but a masking bug in a kernel would then leak K/V across
+      tenants. Off, tenants never share a physical block.
 
   Raises:
-    InvalidArgument: the cache's block size differs from the pool's.
+    InvalidArgument: the block sizes differ.
     InvariantViolation: `cache` holds references the pool does not count.
   """
 
@@ -239,10 +125,8 @@ class CachedPool:
     return self._pool.host.ref_count
 
   def _dynamic(self) -> np.ndarray:
-    """`bool[num_blocks]`: the dynamic region, host side (no device read).
-
-    Regions are fixed by block id (`[0, num_base_blocks)` is the base pool; moves
-    and resizes keep it), so the mask is rebuilt only when the config changes.
+    """`bool[num_blocks]`: the dynamic region (no device read), rebuilt only when the
+    config changes (regions are fixed by block id).
     """
     c = self._pool.config
     key = (c.num_blocks, c.num_base_blocks)
@@ -258,14 +142,8 @@ class CachedPool:
   # ------------------------------------------------------------------ match / open
   def match(self, namespace: Hashable, tokens: Any, *, lock: bool = True,
             record: bool = True) -> MatchResult:
-    """Longest cached prefix of `tokens` (see `PrefixCache.match`).
-
-    To keep a token to compute (for the logits), match `tokens[:-1]`. The result's
-    `segments` (`i32[n, 3]`) go to `open`; a locked `node` to `unlock` once the
-    sequence is done with it. With `lock`, a match ending inside a node splits
-    that node at the match point first (its cut's incref is applied here) and
-    locks only the matched head: the unmatched tail stays evictable, so a short
-    match into a long node never pins blocks the sequence does not use.
+    """Longest cached prefix of `tokens` (see `PrefixCache.match`). With `lock`, a match
+    ending inside a node splits it, so only the matched head is locked.
     """
     m = self._cache.match(namespace, tokens, lock=lock, record=record, split=lock)
     self._apply(m.ref_deltas)
@@ -280,35 +158,13 @@ class CachedPool:
     self._cache.unlock(node)
 
   def open(self, segments: Segments | None = None, *, seq_id: int | None = None) -> int:
-    """Opens a sequence on a cached prefix; returns its row.
-
-    Args:
-      segments: `i32[n, 3]` `(block, start, length)` rows, a `match`'s
-        `segments` or a leading part of them (each gains the sequence's
-        reference); None or empty: an empty sequence.
-      seq_id: the row; default the lowest free one.
-
-    With `continue_tails`, when the last segment is a tail `match` reported
-    continuable, it is copied into a fresh block (`BlockPool.cow_split`) so the
-    sequence's next tokens go in place after it; with no free block for the copy
-    the sequence simply continues in a fresh block later.
-
-    Raises:
-      InvalidSegmentLayout, InvalidBlock, InvalidSegment, PoolExhausted,
-      InvalidSequence: as `BlockPool.open_sequence`; nothing changes.
-    """
+    """Opens a row on `segments` (a match's, or their prefix), a continuable tail copied
+    into a fresh block when one is free; errors as `BlockPool.open_sequence`."""
     return int(self.open_many([segments], None if seq_id is None else [seq_id])[0])
 
   def open_many(self, segments: Sequence[Segments | None], seq_ids=None) -> np.ndarray:
-    """Several `open`s at once: one device call opens every row, one copies the tails.
-
-    The rows open atomically (`BlockPool.open_sequences`: default the lowest free
-    rows, in order); then the continuable tails among them are copied in one
-    `cow_split` that serves the rows in order while free blocks last, exactly
-    as one `open` after the other would. Returns `i64[B]` the rows.
-
-    Raises:
-      As `open`, for the first row that fails; nothing changes.
+    """Several `open`s: the rows open atomically, then their continuable tails are copied
+    in one `cow_split`, in row order while free blocks last. Returns `i64[B]` the rows.
     """
     if len(segments) == 1 and seq_ids is None:  # one row: the open and the copy in one call
       segs = segments[0]
@@ -351,10 +207,7 @@ class CachedPool:
     return rows
 
   def continues_tail(self, segments: Segments | None) -> bool:
-    """Whether `open(segments)` would copy the last segment (a continuable tail).
-
-    The copy takes one free block when one is free (see `open`).
-    """
+    """Whether `open(segments)` would copy the last segment (taking a free block)."""
     if not self._continuable or segments is None or not len(segments):
       return False
     return tuple(int(x) for x in np.asarray(segments)[-1]) in self._continuable
@@ -366,29 +219,10 @@ class CachedPool:
   # ------------------------------------------------------------------ insert / evict
   def insert(self, namespace: Hashable, tokens: Any, seq_id: int, *,
              pin_ttl: float | None = None, release: bool = False) -> InsertOutcome:
-    """Stores the first `len(tokens)` tokens of live sequence `seq_id` in the cache.
-
-    The segments are read from the pool (`BlockPool.segments`), cut after
-    `len(tokens)` tokens; the tree takes one reference per new segment (and per
-    segment a node split cuts), applied to the pool here. The sequence stays
-    live: `release` it afterwards (or keep decoding). With `pack_tails`, pass the
-    outcome's `pack` to `pack` after the release.
-
-    Args:
-      namespace: cache namespace.
-      tokens: the sequence's token ids (its first `len(tokens)` cached tokens).
-      seq_id: a live sequence holding at least `len(tokens)` tokens.
-      pin_ttl: pin the inserted path for this long.
-      release: then end the sequence, in the same device call as the tree's
-        references (`insert_and_release` of one row).
-
-    Returns:
-      The cache's `InsertOutcome`; its `ref_deltas` are already applied.
-
-    Raises:
-      InvalidSequence: `seq_id` not live. InvalidArgument: more tokens than the
-      sequence holds. InvalidTokensError / ValueError: bad tokens or TTL. Nothing
-      changes on error.
+    """Stores the first `len(tokens)` tokens of live row `seq_id`; the tree's references
+    are applied here. `release`: end the row in the same device call. Raises
+    `InvalidSequence`, `InvalidArgument` (too many tokens), `InvalidTokensError`,
+    `ValueError`; nothing changes on error.
     """
     entries = [(namespace, tokens, seq_id)]
     if release:
@@ -397,36 +231,15 @@ class CachedPool:
 
   def insert_many(self, entries: Sequence[tuple[Hashable, Any, int]], *,
                   pin_ttl: float | None = None) -> list[InsertOutcome]:
-    """Several `insert`s: one read of the rows' segments, one reference update.
-
-    Args:
-      entries: `(namespace, tokens, seq_id)` per sequence, distinct live rows,
-        inserted in order (a later entry shares what an earlier one stored).
-      pin_ttl: pin every inserted path for this long.
-
-    Returns:
-      One `InsertOutcome` per entry; their `ref_deltas` are already applied, all
-      in one `BlockPool.apply_ref_deltas` after the tree took them.
-
-    Raises:
-      As `insert`. Every row and token count is checked before the tree changes;
-      if the tree refuses an entry (bad tokens, TTL), the references of the
-      entries before it are applied and the error is raised.
+    """`insert` of each `(namespace, tokens, seq_id)` in order, one reference update; a
+    refused entry raises after applying the earlier entries' references.
     """
     return self._insert(entries, pin_ttl, release=None)
 
   def insert_and_release(self, entries: Sequence[tuple[Hashable, Any, int]],
                          seq_ids: Sequence[int]) -> list[InsertOutcome]:
-    """`insert_many(entries)`, then `release(seq_ids)`: the tree's references and
-    the rows' end in one device call (`BlockPool.release(ref_deltas=...)`).
-
-    What a scheduler does with the sequences finishing in a step. With
-    `pack_tails`, pass the outcomes' `pack` to `pack` afterwards.
-
-    Raises:
-      As `insert_many` and `release`; every row is checked before the tree
-      changes. If the tree refuses an entry, the references of the entries
-      before it are applied, nothing is released and the error is raised.
+    """`insert_many(entries)` and `release(seq_ids)` in one device call; if the tree
+    refuses an entry, nothing is released.
     """
     ids = np.asarray(seq_ids, np.int64).reshape(-1)
     self._pool._check_ids(ids, active=True)  # pylint: disable=protected-access
@@ -479,20 +292,8 @@ class CachedPool:
 
   def evict(self, *, num_blocks: int | None = None, num_tokens: int | None = None,
             policy: str | None = None) -> Eviction:
-    """Evicts unlocked, unpinned leaves until `num_blocks` blocks free (or `num_tokens` go).
-
-    The pool's `ref_count` comes from its host mirror (the whole array, indexed
-    by the cache: no device read, no per-call lookup); the decrefs are applied,
-    so the blocks whose last reference was the tree's are free when this
-    returns. Leaves go tail first at block granularity (see
-    `radix.PrefixCache`'s `granularity`).
-
-    Only dynamic-region blocks count toward `num_blocks`: a freed base-region
-    (promoted) block never becomes a free block for new sequences.
-
-    Returns:
-      The cache's `Eviction` (its `ref_deltas` already applied); it may fall short
-      when nothing else is evictable.
+    """Evicts unlocked, unpinned leaves until `num_blocks` dynamic blocks free (or
+    `num_tokens` go); counts from the host mirror, decrefs applied.
     """
     ev = self._cache.evict(num_blocks=num_blocks, num_tokens=num_tokens, policy=policy,
                            ref_count=self._ref_count(), countable=self._dynamic())
@@ -533,12 +334,8 @@ class CachedPool:
 
   def compact(self, *, budget: int = 32, policy: compact.CompactionPolicy | None = None,
               impl: str = "xla") -> np.ndarray:
-    """One compaction step, tables and tree remapped; returns `remap i32[num_blocks]`.
-
-    Args:
-      budget: moves of the default `"top_down"` plan (`BlockPool.compact`).
-      policy: plan with this policy's strategy and budget instead.
-      impl: page copy implementation.
+    """One compaction step (`BlockPool.compact`'s plan of `budget` moves, or `policy`'s);
+    tables and tree remapped; returns `remap i32[num_blocks]`.
     """
     if policy is None:
       remap = self._pool.compact(budget=budget, impl=impl)
@@ -554,81 +351,17 @@ class CachedPool:
     return remap
 
   def resize(self, num_blocks: int, *, staging: str = "auto") -> ResizeReport:
-    """Shrinks or grows the pool (block ids are kept; see `BlockPool.resize`, which
-    also says what `staging` picks); returns the pool's `ResizeReport`.
-
-    Block ids do not change, so the tree needs no remap: a cut is refused
-    (`InvalidBlock`, nothing changed) while any block above it is referenced,
-    by a table or by the cache (`ref_count` counts both). Empty the tail first
-    with `move_blocks` of a `regions.plan_shrink` plan (`Scheduler.shrink_to`
-    does it while serving).
-    """
+    """`BlockPool.resize`: ids are kept (no tree remap); a cut is refused while a block
+    above it is referenced."""
     return self._pool.resize(num_blocks, staging=staging)
 
   # ------------------------------------------------------------------ packing
   def pack(self, candidates: Iterable[PackCandidate]) -> int:
-    """Packs the cache's short segments into slotted blocks; returns how many moved.
-
-    Candidates (an `InsertOutcome.pack`) whose node or segment is gone since
-    (evicted, split) or whose block is in the base region are skipped. The pool
-    moves the tree's references (`pack_slots` with an outside owner); the cache
-    rewrites its records, and its rebind deltas must equal the pool's.
-
-    Raises:
-      PoolExhausted: nowhere to pack now; nothing changed.
-      InvariantViolation: the cache's and the pool's reference moves disagree.
+    """Packs an `InsertOutcome.pack`'s live short segments into slotted blocks; returns
+    how many moved (`PoolExhausted`, `InvariantViolation`).
     """
-    dynamic = self._dynamic()
-    live: list[PackCandidate] = []
-    for cand in candidates:
-      try:
-        held = self._cache.node_segments(cand.node)
-      except StaleNodeError:
-        continue
-      if (dynamic[cand.segment[0]]
-          and (held == np.asarray(cand.segment, np.int32)).all(axis=1).any()):
-        live.append(cand)
-    if not live:
-      return 0
-    old = np.array([c.segment for c in live], np.int32)
-    groups, block_groups = self._pack_groups(live)
-    result = self._pool.pack_slots(extra_segments=old, groups=groups, block_groups=block_groups)
-    moved = RefDeltas.empty()
-    num_moved = 0
-    for cand, seg_old, seg_new in zip(live, old, result.extra_segments):
-      if tuple(seg_old) != tuple(seg_new):
-        moved = moved + self._cache.rebind_segment(cand.node, seg_old, seg_new)
-        num_moved += 1
-    ids, deltas = result.ref_deltas
-    if not (np.array_equal(moved.block_ids, ids) and np.array_equal(moved.deltas, deltas)):
-      raise InvariantViolation("pack: the cache's rebind deltas differ from the pool's moves")
-    return num_moved
-
-  def _pack_groups(self, live: list[PackCandidate]) -> tuple[np.ndarray, np.ndarray]:
-    """`pack_slots`' groups: each candidate's namespace (an index), and as a
-    destination each block whose every holder is a cache node of one candidate's
-    namespace (-1 for the others: a block a table row or another namespace holds).
-    All 0 with `mix_namespaces`."""
-    n = self._pool.config.num_blocks
-    if self.mix_namespaces:
-      return np.zeros((len(live),), np.int64), np.zeros((n,), np.int32)
-    tree = self._cache.tree
-    index: dict[Hashable, int] = {}
-    groups = np.array([index.setdefault(tree.node(c.node).namespace, len(index))
-                       for c in live], np.int64)
-    blocks, owners = [], []
-    for node in tree.nodes():
-      if node.value.shape[0]:
-        blocks.append(node.value[:, 0])
-        owners.append(np.full(node.value.shape[0], index.get(node.namespace, -1), np.int64))
-    lowest = np.full((n,), len(index), np.int64)
-    highest = np.full((n,), -1, np.int64)
-    if blocks:
-      b, o = np.concatenate(blocks), np.concatenate(owners)
-      np.minimum.at(lowest, b, o)
-      np.maximum.at(highest, b, o)
-    one = (lowest == highest) & (self._pool.host.table_refs == 0)
-    return groups, np.where(one, highest, -1).astype(np.int32)
+    return packing.pack(self._pool, self._cache, candidates, dynamic=self._dynamic(),
+                        mix_namespaces=self.mix_namespaces)
 
   def reclaim_slots(self) -> int:
     """Frees slots no live segment (tables or tree) covers; returns how many."""
@@ -636,22 +369,15 @@ class CachedPool:
 
   # ------------------------------------------------------------------ recovery
   def reset_locks(self, held: Iterable[NodeId]) -> None:
-    """Rebuilds the cache's lock counts from the locks still held (one entry per
-    outstanding `match(lock=True)`); every other lock is dropped."""
+    """Rebuilds the lock counts from `held`, one entry per outstanding locked match."""
     self._cache.reset_locks(held)
 
   def recover(self) -> bool:
     """Restores the invariants after an interrupted call; True when the cache was dropped.
 
-    When the pool's counts equal the tables' plus the tree's references (and
-    the other invariants hold) nothing changes. Otherwise the interruption fell
-    between the pool side and the cache side of a call: the tree is dropped
-    (every lock and node handle goes stale) and each block's count is set to the
-    tables' references, freeing what only the tree held.
-
-    Raises:
-      PoolStateLost: the pool's state was donated and not returned.
-      InvariantViolation: the tables themselves are inconsistent (not repairable).
+    When the pool's counts differ from the tables' plus the tree's, the tree goes and
+    each count is set to the tables' references. Raises `PoolStateLost`, or
+    `InvariantViolation` when the tables themselves are inconsistent.
     """
     if state_lost(self._pool):
       raise PoolStateLost("the pool's state buffers were deleted (donated to a jitted call "
@@ -679,14 +405,8 @@ class CachedPool:
     return self._cache.segment_refs()
 
   def check_invariants(self, *, extra_segments: Segments | None = None) -> None:
-    """The pool's invariants, counting the cache's references.
-
-    Args:
-      extra_segments: `i32[n, 3]` references held by other outside holders, on
-        top of the cache's.
-
-    Raises:
-      InvariantViolation: a violation. InvalidSegmentLayout: bad `extra_segments`.
+    """The pool's invariants, counting the cache's references and `extra_segments`
+    (`i32[n, 3]`, other outside holders). Raises `InvariantViolation`.
     """
     refs = self._cache.segment_refs()
     if extra_segments is not None:
@@ -706,11 +426,8 @@ class CachedPool:
     persist.save_prefix_cache(path, self._pool, self._cache)
 
   def restore(self, path: str | os.PathLike) -> None:
-    """Loads a saved cache into this (empty) cache, its references applied to the pool.
-
-    Raises:
-      InvalidArgument: the cache is not empty. The errors of
-      `persist.load_prefix_cache`; on every error the pool and cache are unchanged.
+    """Loads a saved cache into this empty one (`load_prefix_cache`'s errors; nothing
+    changes on error).
     """
     persist.load_prefix_cache(path, self._pool, self._cache,
                               mix_namespaces=self.mix_namespaces)

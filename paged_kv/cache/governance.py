@@ -1,23 +1,13 @@
-"""Cache governance run by the scheduler: live/cached quotas with watermarks, two-phase GC.
+"""Cache governance the scheduler applies each step: quotas with watermarks, two-phase GC.
 
-`CacheGovernance` is the policy a `SchedulerConfig` carries; the scheduler applies it
-every step:
-
-* **Quotas** (`regions.WatermarkQuota`): the dynamic blocks are split between live
-  sequences (`live_fraction`) and cached-only blocks (the prefix cache). When live
-  usage goes above `high_watermark` of the live limit, live sequences borrow up to
-  `max_step` blocks per step from the cached quota; below `low_watermark` they give
-  them back, `max_step` per step. Admission holds a request while the live limit
-  would be exceeded (never when nothing runs, so a request `submit` accepted always
-  runs); cached-only blocks above the cached limit are evicted.
-* **Two-phase GC** (`PrefixCache.gc_mark` / `gc_evict`): every `gc_every` steps the
-  cache nodes idle for `gc_ttl` seconds (the scheduler's clock) are marked; under
-  pressure marked nodes are evicted first, highest block address first (allocation is
-  lowest-first, so this frees the top of the pool and leaves less to compact), then
-  LRU.
-
-The usage figures come from the scheduler's cheap per-step `metrics.StepStats` (no
-per-block host copy).
+* Quotas (`regions.WatermarkQuota`): the dynamic blocks split into a live share
+  (`live_fraction`) and a cached share. Above `high_watermark` of its limit, live
+  borrows up to `max_step` blocks a step from the cached share; below
+  `low_watermark` it gives them back. Admission holds a request that would pass the
+  live limit (never when nothing runs); cached blocks above their limit are evicted.
+* GC (`PrefixCache.gc_mark` / `gc_evict`): every `gc_every` steps, nodes idle for
+  `gc_ttl` seconds are marked; under pressure marked nodes go first, highest block
+  first, then LRU.
 """
 
 from __future__ import annotations
@@ -33,17 +23,7 @@ __all__ = ["CacheGovernance"]
 
 @dataclasses.dataclass(frozen=True)
 class CacheGovernance:
-  """Quotas and GC for the scheduler (see the module docstring).
-
-  Attributes:
-    quotas: split the dynamic blocks into a live and a cached quota.
-    live_fraction: the live quota's share of the dynamic blocks.
-    high_watermark, low_watermark: live usage (of the live limit) above which
-      live borrows from the cached quota, below which it gives back.
-    max_step: blocks borrowed or given back per step at most.
-    gc_ttl: seconds a cache node must sit unused to be marked (None: no GC).
-    gc_every: steps between two marking passes.
-  """
+  """Quotas and GC for the scheduler (see the module docstring); `gc_ttl=None`: no GC."""
 
   quotas: bool = True
   live_fraction: float = 0.7
@@ -54,7 +34,7 @@ class CacheGovernance:
   gc_every: int = 64
 
   def __post_init__(self):
-    """Checks every field (`paged_kv.core.fields`; the quota's through `WatermarkQuota`)."""
+    """Checks every field (the quota's through `WatermarkQuota`)."""
     own = "CacheGovernance"
     put = lambda name, value: object.__setattr__(self, name, value)
     put("quotas", fields.check_bool(own, "quotas", self.quotas))

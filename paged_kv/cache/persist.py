@@ -1,74 +1,26 @@
 """Persistent prefix cache: save a `PrefixCache` and its K/V to disk, restore it into a pool.
 
-`save_prefix_cache(path, pool, cache)` writes the radix tree (namespaces, node token
-spans, parent structure, pins, LRU order) and the K/V of every token the tree holds,
-bit-exact, to one file. `load_prefix_cache(path, pool, cache=None)` validates the whole
-file, then writes the K/V compactly into the lowest free blocks of `pool` (a fresh
-allocation: the loaded cache is compacted on load), rebuilds the tree on the new
-segments and applies the tree's references to the pool, so that
-`pool.check_invariants(extra_segments=cache.segment_refs())` holds (segments are
-`int32[n, 3]` `(block, start, length)` rows, as everywhere). A
-`paged_kv.cache.cached_pool.CachedPool` wraps both: `cp.save(path)`,
-`cp.restore(path)`.
+`save_prefix_cache` writes the tree (namespaces, edges, parents, pins, LRU order) and,
+bit-exact, the K/V of every token it holds. `load_prefix_cache` validates the whole
+file before touching the pool, writes the K/V compactly into free blocks and rebuilds
+the tree on them, its references applied (`CachedPool.save` / `restore` wrap both).
 
-File format (version 1)
------------------------
-An uncompressed numpy ``.npz`` archive (a zip of ``.npy`` members; read with
-``allow_pickle=False``, so loading a file never runs code). Members:
+File format, version 1: an uncompressed `.npz`, read with `allow_pickle=False`:
+* `header`: `uint8[n]` UTF-8 JSON: `format` (`FORMAT_NAME`), `version`, `pool`
+  (`num_layers, num_kv_heads, head_dim, dtype, block_size`), `namespaces` (typed
+  entries `{"type": "str" | "int" | "bytes" (hex) | "tuple" (entries), "value"}`),
+  `num_nodes`, `num_tokens`, `checksum` (`"sha256:<hex>"` over the canonical JSON
+  without it, then each other member in name order: name, dtype, shape, bytes);
+* `node_namespace` `i32[N]`; `node_parent` `i64[N]` (-1 under a root; parents first);
+* `cu_tokens` `i64[N + 1]`: node i's edge is `tokens[cu[i]:cu[i + 1]]`, never empty;
+* `tokens` `i32[T]`; `node_recency` `i64[N]` (LRU rank, 0 oldest);
+* `node_pin_ttl` `f64[N]`: pin time left at save (0: none);
+* `k`, `v`: `uint{8,16,32}[L, H, T, D]`, the raw bits of each token's K/V.
+Locks, GC marks and hit statistics are not saved.
 
-* ``header``: ``uint8[n]`` UTF-8 JSON object:
-  ``format`` = ``"paged_kv.prefix_cache"``; ``version`` = 1;
-  ``pool``: ``{num_layers, num_kv_heads, head_dim, dtype, block_size}`` of the saving
-  pool (``block_size`` is informative: K/V are stored per token, so a pool of another
-  block size can load the file); ``namespaces``: list of ``{"type": "str" | "int",
-  "value": ...}``; ``num_nodes``, ``num_tokens``; ``checksum``: ``"sha256:<hex>"``.
-* ``node_namespace``: ``i32[N]`` index into ``namespaces``.
-* ``node_parent``: ``i64[N]`` index of the parent node, ``-1`` for a child of the
-  namespace root. Parents come before their children (``node_parent[i] < i``).
-* ``cu_tokens``: ``i64[N + 1]`` node ``i``'s tokens are ``tokens[cu[i]:cu[i+1]]``
-  (its edge, not the full path); every node has at least one token.
-* ``tokens``: ``i32[T]`` the edges' token ids, concatenated in node order.
-* ``node_recency``: ``i64[N]`` rank of the node in LRU order (0 = least recently used),
-  from the saving cache's ``(last_access, access_seq)``.
-* ``node_pin_ttl``: ``f64[N]`` remaining pin time in the cache clock's units at save
-  time (0 = not pinned; ``inf`` allowed). Absolute clock values are not stored: a
-  monotonic clock means nothing in another process.
-* ``k``, ``v``: ``uint{8,16,32}[num_layers, num_kv_heads, T, head_dim]`` the raw bits
-  of the K/V of token ``t`` of the stream (the pool dtype's bit pattern, viewed as the
-  unsigned integer of the same width, so no numpy extension dtype is needed to read it).
-
-``checksum`` is SHA-256 over the header JSON without its ``checksum`` key (canonical:
-sorted keys, compact separators) followed by every other member in name order, each as
-``name``, ``dtype.str``, ``shape`` and its raw C-order bytes. The zip's own CRC-32
-catches most damage first; the SHA-256 catches the rest (and any edit that rewrote
-the zip consistently).
-
-Not persisted: lock refs (they belong to the sequences of the old process), GC marks,
-and hit statistics (``PrefixCache`` has no public way to restore them; they restart at
-zero, so the ``"cost"`` eviction policy starts from scratch).
-
-Loading
--------
-Everything is validated before the pool is touched: the archive and its members, the
-format name and version (checked before the checksum: an unknown version may use
-another checksum scheme), the checksum, the tree structure (by building it on host
-with placeholder blocks), the pool geometry (layers, kv heads, head_dim, dtype), an
-empty target cache with the pool's block size, and room in the pool (its free dynamic
-blocks plus its free base-pool blocks). A pool too small for the whole saved cache is
-refused (`PoolExhausted`); no subset is loaded.
-
-Layout on load: each node of ``L`` tokens gets ``L // block_size`` whole blocks plus,
-for the ``L % block_size`` tail, a slot range in a partly filled block (best fit,
-lowest block first), so short nodes share ("slotted") blocks, every node has the
-minimum ``ceil(L / block_size)`` segments, and the whole cache takes the fewest
-blocks this scheme allows. Blocks come from the pool's ordinary allocator
-(`reserve_tokens` on temporary sequences, lowest address first), so in a fresh pool
-the cache occupies the lowest dynamic blocks. When the dynamic region runs out
-before the cache is loaded (a cache saved with promoted blocks, restored into a pool
-of the same size), loaded blocks move into free base-pool blocks (`BlockPool.promote`,
-the most referenced first, as promotion had placed them) and a run of whole blocks
-may load in two pieces. The temporary sequences are released once the tree's
-references are applied.
+On load a node of `L` tokens takes `L // block_size` whole blocks and a best-fit slot
+range for its tail in a block its namespace shares: the fewest blocks, lowest first.
+A pool too small for the whole cache is refused (`PoolExhausted`).
 """
 
 from __future__ import annotations
@@ -131,10 +83,9 @@ class CorruptFileError(PersistError):
 
 
 class UnreadableFileError(PersistError, OSError):
-  """The path cannot be read as a file: a directory, no permission, an I/O error.
+  """The path cannot be read as a file (a directory, no permission, an I/O error).
 
-  Also an `OSError`, so `except OSError` keeps working; `errno` and `filename`
-  are those of the underlying error.
+  An `OSError` too, with the underlying `errno` and `filename`.
   """
 
 
@@ -163,11 +114,8 @@ _MAX_NAMESPACE_DEPTH = 32  # tuple nesting a file may hold (a deeper one is corr
 
 
 def _encode_namespace(namespace: Hashable) -> dict[str, Any]:
-  """A JSON entry for a typed namespace key (`radix.tree.check_namespace`).
-
-  `str` and `int` map to themselves, `bytes` to hex, a tuple to the list of its
-  parts' entries; the type of every part is written, so a load gives back the
-  same key (`1` and `"1"` stay apart, as in the tree).
+  """A JSON entry for a typed namespace key: `bytes` as hex, a tuple as its parts'
+  entries, every part's type written, so `1` and `"1"` stay apart on load.
   """
   if type(namespace) is str:
     return {"type": "str", "value": namespace}
@@ -216,25 +164,13 @@ def _checksum(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
 def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCache) -> None:
   """Writes `cache`'s tree and the K/V of its segments (read from `pool`) to `path`.
 
-  The file is written to a temporary name beside `path`, flushed to disk, renamed
-  over `path` and the directory flushed, so a crash at any point leaves under `path`
-  either the previous file or the new one, whole (`tests/serving/test_persist.py`
-  kills a child mid-save at random bytes). A crash may leave the temporary file
-  (`<path>.tmp-<pid>`); loads never read it, and every save and load of `path`
-  removes those of dead writers (`remove_stale_temps`).
-
-  Args:
-    path: destination file (any name; the format is documented in the module docstring).
-    pool: the pool holding the cache's segments.
-    cache: the prefix cache; not modified (no hit or access is recorded).
+  Written to `<path>.tmp-<pid>`, flushed and renamed over `path`: a crash leaves the
+  old file or the new one whole (a stale temporary file is removed later).
 
   Raises:
-    UnsupportedNamespaceError: a namespace is not a typed key: str, bytes, int or a
-      tuple of them (nothing is written).
-    UnwritableFileError: `path` cannot be written (a directory, no permission, ...);
-      nothing is left behind.
-    InvalidArgument: the cache's block size differs from the pool's, or a segment lies
-      outside the pool.
+    UnsupportedNamespaceError: a namespace is not a typed key (nothing written).
+    UnwritableFileError: `path` cannot be written (nothing left behind).
+    InvalidArgument: the block sizes differ, or a segment lies outside the pool.
   """
   config = pool.config
   bs = config.block_size
@@ -258,8 +194,7 @@ def save_prefix_cache(path: str | os.PathLike, pool: BlockPool, cache: PrefixCac
   order = sorted(range(num_nodes), key=lambda i: (nodes[i].last_access, nodes[i].access_seq))
   recency = np.empty((num_nodes,), np.int64)
   recency[order] = np.arange(num_nodes)
-  # PrefixCache has no public clock accessor; its private `_now` is the clock pins use.
-  now = cache.now()  # pylint: disable=protected-access
+  now = cache.now()  # the clock pins use
   pin_ttl = np.array([max(n.pinned_until - now, 0.0) for n in nodes], np.float64)
 
   # Flat physical slot of every token of the stream, node by node, in token order.
@@ -349,16 +284,9 @@ def remove_stale_temps(path: str | os.PathLike, *,
                        max_age: float = STALE_TEMP_SECONDS) -> list[str]:
   """Removes the temporary files dead writers of `path` left; returns their paths.
 
-  A save writes `<path>.tmp-<pid>` and renames it over `path`; a writer killed
-  before the rename leaves it behind, one file per crash. A temporary file of `path`
-  is stale when its pid runs no process (the writer died), or when it was last
-  written more than `max_age` seconds ago (the pid was reused: a live writer
-  touches its file until the rename). Another process's live save is never
-  touched; nor is any other file. Writers in another pid namespace sharing the
-  directory look dead: give each its own path.
-
-  Errors reading the directory or removing a file (read-only media, a file another
-  cleaner removed first) are ignored: the cleanup never fails a save or a load.
+  A `<path>.tmp-<pid>` is stale when no process runs under its pid or it is older
+  than `max_age` seconds (a reused pid); writers in another pid namespace look dead.
+  Errors are ignored: the cleanup never fails a save or a load.
   """
   try:
     path = os.path.abspath(os.fspath(path))
@@ -393,10 +321,8 @@ CHUNK_TOKENS = 4096
 
 
 def gather_tokens(pool: BlockPool, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """`(k, v)`: `[L, H, T, D]` host arrays of the K/V at flat `slots: int[T]`.
-
-  Gathered in chunks of `CHUNK_TOKENS` (the last padded with slot 0): one
-  program for any number of tokens; the chunks are copied to the host (a read).
+  """`(k, v)`: `[L, H, T, D]` host arrays of the K/V at flat `slots: int[T]`, gathered
+  in padded chunks of `CHUNK_TOKENS` (one program for any size).
   """
   c = pool.config
   num = int(slots.shape[0])
@@ -488,13 +414,10 @@ def _read_bytes(path: str | os.PathLike) -> bytes:
 
 
 def _read(path: str | os.PathLike) -> _SavedCache:
-  """Reads and fully validates the file (format, version, checksum, array shapes).
+  """Reads and validates the file; every failure is a typed `PersistError`.
 
-  Every failure is a typed `PersistError` (or `InvalidArgument` for a path that is
-  not one): whatever the archive reader, the header parser or the validation raise
-  on a damaged file (`zipfile`'s `RuntimeError` for an "encrypted" member,
-  `NotImplementedError` for an unknown compression method, numpy's `ValueError`,
-  ...) becomes a `CorruptFileError` with the original as its cause.
+  Whatever the archive reader or the parser raise on a damaged file becomes a
+  `CorruptFileError` with the original as its cause.
   """
   raw = _read_bytes(path)
   try:
@@ -600,13 +523,9 @@ def _validate(header: dict[str, Any], a: dict[str, np.ndarray], where: str) -> _
 # ----------------------------------------------------------------------------- layout
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-  """Where each token of the stream goes, in placeholder ("virtual") blocks 0..B-1.
-
-  Attributes:
-    node_segments: per node, `i32[s, 3]` segments `(virtual block, start, length)`.
-    fill: `i64[B]` used slots of each virtual block (slots `[0, fill)`).
-    block_tokens: per virtual block, `i64[fill]` stream index of the token in each slot.
-    tree_refs: `i64[B]` segments of the tree on each virtual block.
+  """Where each token of the stream goes, in placeholder blocks 0..B-1: per node its
+  segments `i32[s, 3]`; per block its used slots `fill`, the stream index of each
+  slot's token (`block_tokens`) and the tree's segments on it (`tree_refs`).
   """
 
   node_segments: list[np.ndarray]
@@ -662,11 +581,10 @@ def _plan_layout(cu_tokens: np.ndarray, block_size: int,
 
 def _build_tree(cache: PrefixCache, saved: _SavedCache,
                 node_segments: list[np.ndarray]) -> RefDeltas:
-  """Inserts the saved tree into `cache` on the given segments; returns the tree's refs.
+  """Inserts the saved tree into `cache` on `node_segments`; returns the tree's references.
 
-  Leaves are inserted least recently used first (so LRU order among leaves is
-  preserved), each with its full path; node boundaries that are not branch points are
-  then recreated by splits (always on segment boundaries, so no segment is cut).
+  Leaves go in LRU order, each with its full path; inner node boundaries are then
+  recreated by splits on segment boundaries (no segment cut).
   """
   n = saved.num_nodes
   parent, cu = saved.node_parent, saved.cu_tokens
@@ -703,39 +621,20 @@ def load_prefix_cache(path: str | os.PathLike, pool: BlockPool,
                       mix_namespaces: bool = False) -> PrefixCache:
   """Restores a saved prefix cache into `pool`; returns the cache.
 
-  The pool may differ from the saving one in `num_blocks`, `max_seqs`, `max_segments`,
-  `block_size` and regions; layers, kv heads, head_dim and dtype must match. The K/V go
-  into newly allocated blocks, laid out compactly (see the module docstring), and the
-  tree's references are applied to the pool.
-
-  Args:
-    path: a file written by `save_prefix_cache`.
-    pool: the pool to load into; needs as many free blocks as the layout takes and
-      one free sequence row (used temporarily). Blocks load into the dynamic region;
-      when it is short (a cache saved with promoted blocks, restored into a pool of
-      the same size), loaded blocks move into free base-pool blocks to make room
-      (`BlockPool.promote`: the most referenced first), as promotion had placed them.
-    cache: an empty `PrefixCache` with the pool's block size to fill (to choose its
-      policy or clock); default a new `PrefixCache(block_size=pool.config.block_size)`.
-    mix_namespaces: let short tails of different namespaces share a block (fewer
-      blocks; see `CachedPool`'s `mix_namespaces` for the risk). Default: each block
-      holds one namespace's tokens.
-
-  Returns:
-    The cache holding the loaded tree; `pool.check_invariants(
-    extra_segments=cache.segment_refs())` holds.
+  The geometry (layers, kv heads, head_dim, dtype) must match the saving pool's; the
+  block count, block size, rows and regions may differ. `pool` needs the layout's
+  blocks free (base-region blocks count) and one free row. `cache`: an empty
+  `PrefixCache` with the pool's block size (default a new one). `mix_namespaces`:
+  let different namespaces' tails share a block (see `CachedPool`).
 
   Raises:
-    MissingFileError: no file at `path` (also a `FileNotFoundError`).
-    UnreadableFileError: `path` cannot be read (a directory, no permission, an I/O
-      error; also an `OSError`).
-    CorruptFileError: truncated or damaged file, checksum mismatch, malformed tree.
+    MissingFileError, UnreadableFileError: no file, or unreadable (`OSError`s too).
+    CorruptFileError: damaged file, checksum mismatch, malformed tree.
     UnsupportedVersionError: another format or version.
-    ConfigMismatchError: layers, kv heads, head_dim or dtype differ from the pool's.
+    ConfigMismatchError: the geometry differs from the pool's.
     InvalidArgument: `cache` is not empty or has another block size.
-    PoolExhausted: too few free blocks for the whole saved cache (`reason="no_free_block"`)
-      or no free sequence row (`reason="no_free_row"`); nothing is loaded.
-    On every error, the pool and `cache` are unchanged.
+    PoolExhausted: too few free blocks (`"no_free_block"`) or rows (`"no_free_row"`).
+    On every error the pool and `cache` are unchanged.
   """
   config = pool.config
   bs = config.block_size
@@ -796,16 +695,12 @@ def _free_base_blocks(pool: BlockPool) -> int:
 
 def _write_blocks(pool: BlockPool, saved: _SavedCache, layout: _Layout,
                   max_batch: int) -> np.ndarray:
-  """Allocates the layout's blocks, writes their K/V and applies the tree's references.
+  """Allocates the layout's blocks, writes their K/V and applies the tree's references;
+  returns `i64[B]`, the physical block of each virtual block.
 
-  Blocks are reserved by temporary sequences (one per run of whole blocks ended by a
-  partly filled one, at most `max_segments` blocks each), so the allocator marks exactly
-  the used slots. Each batch's tree references are applied before its sequences are
-  released. If anything fails half-way, the references taken so far are dropped again
-  (the blocks return to the free list) and the error propagates.
-
-  Returns:
-    `i64[B]` physical block of each virtual block.
+  Temporary sequences reserve the blocks (one per run of whole blocks ended by a
+  partial one), so the allocator marks exactly the used slots. On failure the
+  references taken so far are dropped again and the error propagates.
   """
   config = pool.config
   bs = config.block_size

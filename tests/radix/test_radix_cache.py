@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
 
 from radix import cache as radix_cache
+from radix import eviction, segments
 from radix.cache import (InvalidSegmentsError, PrefixCache, RefCountMismatchError, RefDeltas)
 from radix.tree import InvalidTokensError, StaleNodeError
 
@@ -626,9 +627,9 @@ class LruIndexTest(parameterized.TestCase):
         target = need - pool.num_free
         now = clock()
         eligible = lambda n: n.lock_ref == 0 and not n.is_pinned(now)
-        args = (eligible, radix_cache._lru_key, target, pool.ref_count, None, None, "block")
-        a = cache._select(*args, lru_index=False)  # pylint: disable=protected-access
-        b = cache._select(*args, lru_index=True)  # pylint: disable=protected-access
+        args = (eligible, eviction.lru_key, target, pool.ref_count, None, None, "block")
+        a = cache._planner.select(*args, lru_index=False)  # pylint: disable=protected-access
+        b = cache._planner.select(*args, lru_index=True)  # pylint: disable=protected-access
         self.assertEqual([(n.node_id, f) for n, f in a[0]], [(n.node_id, f) for n, f in b[0]],
                          f"seed {seed} step {step}")
         self.assertEqual(a[1], b[1])
@@ -659,13 +660,14 @@ class LruIndexTest(parameterized.TestCase):
 
 class PlainSelectTest(parameterized.TestCase):
   """Eviction with a host `ref_count` array (each node's segments in plain Python,
-  `PrefixCache._take_plain`) against the same eviction through a lookup (numpy per
+  `EvictionPlanner._take_plain`) against the same eviction through a lookup (numpy per
   node): the same nodes, trims, tokens and freed blocks, with a `countable` mask,
   token targets, and blocks a node holds twice."""
 
   @parameterized.parameters((0, 64), (1, 64), (2, 64), (0, 2), (1, 3))
   def test_same_choice_as_a_lookup(self, seed, small):
-    self.enter_context(mock.patch.object(radix_cache, "SMALL_SEGMENTS", small))
+    for module in (radix_cache, segments, eviction):
+      self.enter_context(mock.patch.object(module, "SMALL_SEGMENTS", small))
     rng = np.random.default_rng(seed)
     clock = Clock()
     pool = SimPool(num_blocks=40, block_size=4)
@@ -689,14 +691,14 @@ class PlainSelectTest(parameterized.TestCase):
                                        (None, int(rng.integers(1, 30)), countable)):
         for trim in ("block", "node"):
           rc = pool.ref_count if target is not None or rng.random() < 0.5 else None
-          a = cache._select(eligible, radix_cache._lru_key, target, rc, num_tokens, mask,  # pylint: disable=protected-access
+          a = cache._planner.select(eligible, eviction.lru_key, target, rc, num_tokens, mask,  # pylint: disable=protected-access
                             trim, lru_index=rc is not None)
           lookup = (lambda ids: pool.ref_count[ids]) if rc is not None else None
           if lookup is None:  # no counts: the plain path too; compare with the heap order
-            b = cache._select(eligible, radix_cache._lru_key, target, None, num_tokens, mask,  # pylint: disable=protected-access
+            b = cache._planner.select(eligible, eviction.lru_key, target, None, num_tokens, mask,  # pylint: disable=protected-access
                               trim)
           else:
-            b = cache._select(eligible, radix_cache._lru_key, target, lookup, num_tokens, mask,  # pylint: disable=protected-access
+            b = cache._planner.select(eligible, eviction.lru_key, target, lookup, num_tokens, mask,  # pylint: disable=protected-access
                               trim)
           what = f"seed {seed} step {step} {target} {num_tokens} {trim}"
           self.assertEqual([(n.node_id, f) for n, f in a[0]], [(n.node_id, f) for n, f in b[0]],

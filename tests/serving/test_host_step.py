@@ -33,7 +33,7 @@ from paged_kv.model import metadata
 from paged_kv.model.plan import StepPlan
 from paged_kv.scheduler.running_rows import RunningList, RunningRows
 from paged_kv.scheduler.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
-from radix.cache import PrefixCache
+from radix.eviction import EvictionPlanner
 
 
 def _count_calls(fn, where: tuple[str, ...] = ("",)) -> int:
@@ -155,9 +155,9 @@ class SteadyLoopTest(absltest.TestCase):
     watched = {
         (transitions, "row_status"): "general", (transitions, "_reserve"): "general",
         (paged_kv.BlockPool, "open_sequences"): "general",
-        (PrefixCache, "_take_looked_up"): "general",
+        (EvictionPlanner, "_take_looked_up"): "general",
         (transitions, "_reserve_rows"): "short", (paged_kv.BlockPool, "_open_few"): "short",
-        (PrefixCache, "_take_plain"): "short", (transitions, "_decode_fast"): "short"}
+        (EvictionPlanner, "_take_plain"): "short", (transitions, "_decode_fast"): "short"}
     calls = {key: 0 for key in watched}
     originals = {(owner, name): inspect.getattr_static(owner, name) for owner, name in watched}
 
