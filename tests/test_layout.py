@@ -1,4 +1,5 @@
-"""The package's folders import one way: each folder only from the folders below it.
+"""The package's shape: folders import one way (each only from the folders below it),
+no folder holds over a fifth of the library, no class runs over 500 lines.
 
 The order is the README's layout table; an import from a higher folder (at module
 level or inside a function) is an arrow back up, and two folders importing each other
@@ -59,3 +60,26 @@ def test_the_leaf_packages_import_nothing_of_paged_kv(package):
          for path in sorted((ROOT / package).rglob("*.py"))
          for line, module in _imported_modules(path) if module.split(".")[0] == "paged_kv"]
   assert not bad, "\n".join(bad)
+
+
+def _library_files():
+  for package in ("paged_kv", "radix", "pallas_kernels"):
+    yield from sorted((ROOT / package).rglob("*.py"))
+
+
+def test_no_folder_holds_over_a_fifth_of_the_library():
+  lines: dict[str, int] = {}
+  for path in _library_files():
+    rel = path.relative_to(ROOT).parts
+    folder = "/".join(rel[:2]) if rel[0] == "paged_kv" and len(rel) > 2 else rel[0]
+    lines[folder] = lines.get(folder, 0) + len(path.read_text().splitlines())
+  total = sum(lines.values())
+  big = {f: n for f, n in lines.items() if n > 0.2 * total}
+  assert not big, f"over 20% of {total} lines: {big}"
+
+
+def test_no_class_over_500_lines():
+  long = [f"{path.relative_to(ROOT)}: {node.name} {node.end_lineno - node.lineno + 1}"
+          for path in _library_files() for node in ast.walk(ast.parse(path.read_text()))
+          if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 500]
+  assert not long, "\n".join(long)
