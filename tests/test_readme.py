@@ -4,7 +4,7 @@ Every fenced ```python block of README.md is executed, in order, in one fresh
 interpreter (blocks share a namespace, as a reader pasting them into one session
 would). A block fenced as ```python no-run is skipped: the examples that need a
 checkpoint on disk or a running server (tests/model/test_hf_checkpoint.py,
-tests/serving/test_llm.py and tests/serving/test_openai_server.py make the same calls
+tests/entrypoints/test_llm.py and tests/entrypoints/test_openai_server.py make the same calls
 on tiny checkpoints they write).
 """
 

@@ -11,7 +11,7 @@ A call that takes or frees at most `SMALL_BLOCKS` blocks runs in plain Python
 from a hint (`_low`: no word below it has a free bit), where numpy's per-call
 cost would dominate, and falls back to the vectorised code when the words after
 the hint hold too few free blocks; both give the same results
-(`tests/mirror/test_small_paths.py`).
+(`tests/pool/test_small_paths.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each function is the numpy twin of the jitted transition in `paged_kv.core` its
 docstring names, run on a `HostState`: the same status codes in the same order
-of precedence and, when it applies, the same end state (`tests/mirror/` runs
+of precedence and, when it applies, the same end state (`tests/pool/` runs
 both on random operation sequences and compares every array). Refused calls
 change nothing. `reserve` is also the prediction of a jitted step's own
 `reserve_tokens`, so the host knows a step's slots without reading the device.

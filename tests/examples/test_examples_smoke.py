@@ -25,7 +25,7 @@ import sys
 
 import pytest
 
-from tests.serving.trace_files import session_trace, write_azure, write_mooncake
+from tests.sim.trace_files import session_trace, write_azure, write_mooncake
 
 # The example scripts' smoke runs (subprocesses).
 pytestmark = pytest.mark.slow

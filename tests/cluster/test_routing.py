@@ -28,7 +28,7 @@ from paged_kv.cluster.routing import (
     RoutedRequest,
 )
 from paged_kv.sim.traces import TokenSource, TraceRequest, exact_hit_bound
-from tests.serving.trace_files import BLOCK, session_trace, tmp_file, write_mooncake
+from tests.sim.trace_files import BLOCK, session_trace, tmp_file, write_mooncake
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 RATE = 10_000.0

@@ -22,7 +22,7 @@ import pytest
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
-from tests.serving import kv_tags
+from tests.scheduler import kv_tags
 
 pytestmark = pytest.mark.slow
 

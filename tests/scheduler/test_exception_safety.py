@@ -52,7 +52,7 @@ from paged_kv.cache.governance import CacheGovernance
 from paged_kv.scheduler.scheduler import (DryExecutor, Phase, Request, Scheduler, SchedulerBroken,
                                         SchedulerConfig)
 from radix.cache import PrefixCache
-from tests.serving import kv_tags
+from tests.scheduler import kv_tags
 
 pytestmark = pytest.mark.slow
 

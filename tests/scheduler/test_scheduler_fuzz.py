@@ -76,7 +76,7 @@ from paged_kv.cache import persist
 from paged_kv.scheduler.executor import attach_state
 from paged_kv.cache.governance import CacheGovernance
 from radix.cache import PrefixCache
-from tests.serving import kv_tags
+from tests.scheduler import kv_tags
 
 # Random scheduler configs and streams; `make test` keeps the scheduler's unit tests and the issue-J
 # small-pool sweep.

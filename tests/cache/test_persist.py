@@ -493,7 +493,7 @@ import os, sys
 sys.path.insert(0, sys.argv[1])
 import paged_kv
 from paged_kv.cache import persist
-from tests.serving.test_persist import _SRC, build_cache
+from tests.cache.test_persist import _SRC, build_cache
 path, offset = sys.argv[2], int(sys.argv[3])
 config = paged_kv.PoolConfig(**_SRC)
 pool_a, cache_a = build_cache(config, seed=3)

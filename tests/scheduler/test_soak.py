@@ -51,7 +51,7 @@ reason when the trace is not there (a clone without `../shared`).
 
 The 30-minute model soak:
   PAGED_KV_SOAK_SECONDS=1800 PAGED_KV_SOAK_EXECUTOR=model \
-      python -m pytest -q -s tests/serving/test_soak.py
+      python -m pytest -q -s tests/scheduler/test_soak.py
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from paged_kv.runtime import counters, host_memory
 from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.cache.cached_pool import CachedPool
 from paged_kv.sim.traces import TokenSource, load_mooncake, scaled_prompt
-from tests.serving import kv_tags
+from tests.scheduler import kv_tags
 
 # The Mooncake trace soak; `make test` keeps the scheduler's tests.
 pytestmark = pytest.mark.long

@@ -23,8 +23,8 @@ import pytest
 import paged_kv
 from paged_kv.core.errors import InvalidArgument, PoolExhausted
 from paged_kv.scheduler import Request, Scheduler, SchedulerConfig, SchedulerStalled
-from tests.serving import kv_tags
-from tests.serving.test_scheduler_parts import Parts, _running
+from tests.scheduler import kv_tags
+from tests.scheduler.test_scheduler_parts import Parts, _running
 
 NAMESPACES = ("a", "b", "c")
 TENANT = {ns: i for i, ns in enumerate(NAMESPACES)}

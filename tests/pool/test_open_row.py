@@ -20,7 +20,7 @@ from paged_kv.core.config import PoolConfig
 from paged_kv.pool import open_row
 from paged_kv.pool import host_transitions as T
 from paged_kv.pool.host_state import HostState
-from tests.mirror.test_one_row import _same
+from tests.pool.test_one_row import _same
 
 
 def _held_before(h: HostState, segs: np.ndarray) -> bool:

@@ -17,7 +17,7 @@ from paged_kv.core.errors import InvalidArgument
 from paged_kv.entrypoints.llm import ContextLengthExceeded, LLM, pool_blocks
 from paged_kv.scheduler.parallel_sampling import SampleId
 from paged_kv.scheduler.sampling_params import SamplingParams
-from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
+from tests.entrypoints.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
 
 # The facade, and the server on 127.0.0.1 (10-20 s each).

@@ -6,7 +6,7 @@ from absl.testing import absltest
 import pytest
 
 from paged_kv.sim import engine_replay
-from tests.serving.trace_files import session_trace
+from tests.sim.trace_files import session_trace
 
 
 class EngineReplayTest(absltest.TestCase):

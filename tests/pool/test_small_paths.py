@@ -33,7 +33,7 @@ from paged_kv.pool import free_index
 from paged_kv.pool import host_transitions as T
 from paged_kv.pool.free_index import HostFreeIndex
 from paged_kv.pool.host_state import SMALL_CHANGES, HostState
-from tests.mirror.test_one_row import _same
+from tests.pool.test_one_row import _same
 
 
 def _check(test, fast: HostFreeIndex, general: HostFreeIndex, free: np.ndarray, what: str):

@@ -25,7 +25,7 @@ from paged_kv.cluster.replicas import (ReplicaRequest, ReplicaSet, ReplicaSpec,
 from paged_kv.cluster.routing import CacheAwareRouter
 from paged_kv.scheduler.scheduler import SchedulerConfig
 from paged_kv.sim.traces import TokenSource, scaled_prompt
-from tests.serving.trace_files import session_trace
+from tests.sim.trace_files import session_trace
 
 POOL = PoolConfig(num_blocks=256, block_size=16, num_layers=1, num_kv_heads=1, head_dim=2,
                   dtype="bfloat16", max_seqs=8, max_segments=64)

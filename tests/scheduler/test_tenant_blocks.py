@@ -23,7 +23,7 @@ import paged_kv
 from paged_kv.scheduler import Request, Scheduler, SchedulerConfig
 from paged_kv.cache import persist
 from radix.cache import PrefixCache
-from tests.serving import kv_tags
+from tests.scheduler import kv_tags
 
 # A mixed-tenant run, three times.
 pytestmark = pytest.mark.slow

@@ -38,7 +38,7 @@ from paged_kv.entrypoints.engine_thread import EngineStopped
 from paged_kv.entrypoints.llm import LLM
 from paged_kv.scheduler.sampling_params import SamplingParams
 from paged_kv.entrypoints.api_server import BackgroundServer, Server, build_app
-from tests.serving.llm_files import MAX_POSITIONS, write_chat_checkpoint
+from tests.entrypoints.llm_files import MAX_POSITIONS, write_chat_checkpoint
 
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from paged_kv.sim.host_pool import HostBlockPool
 from paged_kv.sim.replay import (ReplayConfig, ReplayResult, SimState, replay_sim,
                                      serve_request)
 from paged_kv.sim.traces import TraceRequest
-from tests.serving.trace_files import BLOCK, session_trace, tmp_file, write_azure, write_mooncake
+from tests.sim.trace_files import BLOCK, session_trace, tmp_file, write_azure, write_mooncake
 
 
 class HostBlockPoolTest(absltest.TestCase):

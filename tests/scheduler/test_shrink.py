@@ -25,7 +25,7 @@ import paged_kv
 from paged_kv.core import compact, regions
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
-from tests.serving import kv_tags
+from tests.scheduler import kv_tags
 
 CFG = paged_kv.PoolConfig(num_blocks=192, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=kv_tags.TAG_DIM, max_seqs=8, max_segments=40,

@@ -13,7 +13,7 @@ from paged_kv.model import hf_reference
 from paged_kv.sim import serving_bench as sb
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.serving.trace_files import session_trace, write_mooncake
+from tests.sim.trace_files import session_trace, write_mooncake
 
 
 def test_random_workload():

@@ -259,7 +259,7 @@ def test_python_m_paged_kv_serve(tmp_path):
   for module in ("fastapi", "uvicorn", "flax", "safetensors", "tokenizers", "httpx"):
     pytest.importorskip(module, reason="the server, hf and test extras")
   import httpx  # pylint: disable=import-outside-toplevel
-  from tests.serving.llm_files import write_chat_checkpoint  # pylint: disable=import-outside-toplevel
+  from tests.entrypoints.llm_files import write_chat_checkpoint  # pylint: disable=import-outside-toplevel
   assert serve.main(["--checkpoint", str(tmp_path / "missing")]) == 2
   ckpt = write_chat_checkpoint(tmp_path / "tiny-chat")
   with socket.socket() as s:

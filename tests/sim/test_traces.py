@@ -11,7 +11,7 @@ from absl.testing import absltest
 
 from paged_kv.sim import traces
 from paged_kv.sim.traces import TokenSource, TraceRequest
-from tests.serving.trace_files import BLOCK, session_trace, tmp_file, write_azure, write_mooncake
+from tests.sim.trace_files import BLOCK, session_trace, tmp_file, write_azure, write_mooncake
 
 
 def brute_force_bound(requests: list[TraceRequest]) -> int:
