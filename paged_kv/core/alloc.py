@@ -37,12 +37,9 @@ def first_occurrence(ids: jax.Array) -> jax.Array:
 
 
 def reads_before_writes(reads, arrays):
-  """`(reads, arrays)` unchanged, with every gather behind `reads` ordered first.
-
-  XLA updates a donated array in place only if no read of its old values comes
-  after the update; otherwise it copies the whole array. The optimization barrier
-  pins that order (`tests/core/test_complexity.py` checks the compiled code).
-  """
+  """`(reads, arrays)` unchanged, with every gather behind `reads` ordered first."""
+  # XLA updates a donated array in place only if no read of its old values comes after
+  # the update, else it copies it whole; tests/core/test_complexity.py checks the HLO.
   return jax.lax.optimization_barrier((reads, arrays))
 
 

@@ -191,9 +191,8 @@ def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Arr
 def forward(params: nnx.State, state: PoolState, plan: StepPlan, *, graphdef: nnx.GraphDef,
             config: PoolConfig, impl: str | None = None,
             interpret=None) -> tuple[PoolState, tuple[jax.Array, ...]]:
-  """One mixed step: prefill chunks and decode tokens of `plan` in one forward pass (slow path).
+  """One mixed step: prefill chunks and decode tokens of `plan` in one pass (slow path: use `bind`).
 
-  Hashes `graphdef` every call; in a loop use `bind(model, config).forward`.
   Returns `(state, (next_tokens i32[B], last_logits f32[B, vocab], status i32[B]))`,
   tokens `-1` for padding, empty and failed rows (a failed row is left as it was).
   """
