@@ -1,29 +1,9 @@
 """Block allocation: the free index, `allocate`, `apply_ref_deltas`, freeing.
 
-The free index (`BlockMeta.free_bits`, `free_counts`, `num_free`) is a bitmap
-of the free dynamic blocks with count levels above it (fan-out 32: one count per
-32 words, one per 32 of those, ...; four levels at 1M blocks). Two operations,
-both O(batch * 32 * levels) and independent of the pool size:
-
-- `lowest_free(meta, ranks)`: the `r`-th lowest free block for each rank, by
-  descending the counts (the "select" of a rank/select tree). Taking the `k`
-  blocks of ranks `0..k-1` is lowest-address-first allocation, exactly what the
-  ascending free list this replaced handed out. When every rank lies in the
-  1024 blocks from the lowest free one (the usual decode step), one descent and
-  one pick per rank in that window do it (a `lax.cond`).
-- `mark_blocks(meta, blocks, delta)`: blocks become free (+1) or taken (-1):
-  one scatter-add into the bitmap words and one into the counts.
-
-So `take_blocks` (the decode path), `change_refs` (release, decrefs) and
-`apply_ref_deltas` update the index from the blocks that were taken or freed,
-never with a pass over the pool. Only a contiguous `allocate` of more than one
-block unpacks the bitmap (O(num_blocks)) to search for a run. Why this and not
-a free stack: a stack is O(batch) too, but hands out recently freed blocks
-first, wherever they lie; the tree keeps allocation lowest-address-first (dense
-low addresses, what compaction and shrinking want) at the same order of cost.
-
-Atomicity never costs a whole-array select: a refused call scatters nothing
-(every index it would write is pointed out of range and dropped).
+The free index is a bitmap of the free dynamic blocks with count levels above it
+(fan-out 32): `lowest_free` and `mark_blocks` cost O(batch * 32 * levels), never
+a pass over the pool. Unlike a free stack it hands out the lowest addresses
+first, keeping the pool dense for compaction and shrinking.
 """
 
 from __future__ import annotations
@@ -57,24 +37,17 @@ def first_occurrence(ids: jax.Array) -> jax.Array:
 
 
 def reads_before_writes(reads, arrays):
-  """`(reads, arrays)` unchanged, with every gather behind `reads` ordered first.
-
-  XLA updates a donated per-block array in place only if no read of its old
-  values is scheduled after the update; when it cannot order a gather first it
-  copies the whole array (O(num_blocks)) instead. An optimization barrier on the
-  gathered values and the arrays pins the order, so the scatters that follow
-  are in place. `tests/core/test_complexity.py` checks the compiled code.
-  """
+  """`(reads, arrays)` unchanged, with every gather behind `reads` ordered first."""
+  # XLA updates a donated array in place only if no read of its old values comes after
+  # the update, else it copies it whole; tests/core/test_complexity.py checks the HLO.
   return jax.lax.optimization_barrier((reads, arrays))
 
 
 def _pick(values: jax.Array, rank: jax.Array, small: bool = True
           ) -> tuple[jax.Array, jax.Array]:
-  """For `values: i32[K, F]` counts and `rank: i32[K]`: the child holding each rank.
+  """For counts `values: i32[K, F]` and `rank: i32[K]`: `(child, rank within child)`.
 
-  Returns `(child, rank within the child)`; the child is the first whose
-  running count exceeds the rank. `small`: every count is below 2**24, so the
-  running sum may be an f32 matmul (exact there).
+  `small`: every count is below 2**24, so the running sum may be an exact f32 matmul.
   """
   # A running sum over the 32 lanes as one small matmul (exact in f32: counts <= 2**24;
   # XLA's cumsum on CPU is a reduce-window, ~10x slower at these shapes).
@@ -117,11 +90,8 @@ def _descend(meta: BlockMeta, r: jax.Array) -> jax.Array:
 def lowest_free(meta: BlockMeta, ranks: jax.Array) -> jax.Array:
   """The `ranks[...]`-th lowest free dynamic block (0 = the lowest), `-1` out of range.
 
-  O(size(ranks) * 32 * levels): a descent of the count levels, then the word,
-  then the bit. Distinct ranks give distinct blocks, ascending with the rank.
-  Fast path (a `lax.cond`): when every rank falls in the 32 words (1024 blocks)
-  from the lowest free block's word, one descent (for rank 0) and one pick per
-  rank inside that window replace the per-rank descents.
+  O(size(ranks) * 32 * levels). When every rank falls in the 1024 blocks from the
+  lowest free one, one descent and a pick per rank replace the per-rank descents.
   """
   n = meta.ref_count.shape[0]
   sizes, _ = free_index_levels(n)
@@ -153,9 +123,7 @@ def lowest_free(meta: BlockMeta, ranks: jax.Array) -> jax.Array:
 def mark_blocks(meta: BlockMeta, blocks: jax.Array, delta: jax.Array) -> BlockMeta:
   """Marks blocks free (`delta = +1`) or taken (`-1`) in the free index; `0` skips.
 
-  O(size(blocks) * levels). The caller guarantees that the marked blocks are
-  distinct dynamic blocks, currently taken (for +1) or free (for -1), so each
-  bit flips once: the bitmap update is a scatter-add of the bits.
+  The blocks must be distinct dynamic blocks currently in the opposite state.
   """
   n = meta.ref_count.shape[0]
   sizes, offsets = free_index_levels(n)
@@ -178,19 +146,11 @@ def mark_blocks(meta: BlockMeta, blocks: jax.Array, delta: jax.Array) -> BlockMe
 
 def grant_prefix(need: jax.Array, ok: jax.Array, num_free: jax.Array, *,
                  atomic: bool) -> jax.Array:
-  """Which requests get their blocks: first come, first served, in batch order.
+  """`bool[B]`: the requests that get their `need` blocks, first come first served.
 
-  Args:
-    need: `i32[B]` blocks each request needs.
-    ok: `bool[B]` requests still valid.
-    num_free: `i32[]` free blocks.
-    atomic: grant nothing unless every valid request can be granted.
-
-  Returns:
-    `bool[B]` granted. A request needing no block is always granted; one
-    needing blocks is granted iff it and every earlier valid request fit in
-    `num_free` together (prefix-greedy: O(B), first come first served, so a
-    large early request that does not fit also stops later ones).
+  A request needing no block is always granted; otherwise it is granted iff it and
+  every earlier valid request fit in `num_free` together, so a large early request
+  that does not fit also stops later ones. `atomic`: all valid requests or none.
   """
   need = jnp.where(ok, need, 0)
   granted = ok & ((need == 0) | (jnp.cumsum(need) <= num_free))
@@ -201,20 +161,7 @@ def grant_prefix(need: jax.Array, ok: jax.Array, num_free: jax.Array, *,
 
 def take_blocks(meta: BlockMeta, need: jax.Array, granted: jax.Array, *, max_per_request: int,
                 step: jax.Array) -> tuple[BlockMeta, jax.Array]:
-  """Takes the lowest free blocks for every granted request, in batch order.
-
-  Args:
-    meta: block metadata.
-    need: `i32[B]` blocks per request (`<= max_per_request`).
-    granted: `bool[B]` from `grant_prefix`; their total need fits.
-    max_per_request: static width of the result.
-    step: logical clock written to `last_use`.
-
-  Returns:
-    `(meta, ids)` with `ids: i32[B, max_per_request]` ascending block ids per
-    request, `-1` where unused. Taken blocks get `ref_count = 1`. O(B *
-    max_per_request * levels): no pass over the pool.
-  """
+  """The lowest free blocks of each granted request: `(meta, ids i32[B, max_per_request])`."""
   n = meta.ref_count.shape[0]
   eff = jnp.where(granted, need, 0)
   offset = jnp.cumsum(eff) - eff
@@ -240,11 +187,7 @@ def rebuild_free_index(ref_count: jax.Array, region: jax.Array
 
 
 def rebuild_free_list(ref_count: jax.Array, region: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(free_list, num_free)` in the old ascending layout (`BlockMeta.free_list`). O(num_blocks).
-
-  For callers that set the index through `dataclasses.replace(meta,
-  free_list=..., num_free=...)`; new code calls `rebuild_free_index`.
-  """
+  """`(free_list, num_free)` in the ascending layout of `BlockMeta.free_list`. O(num_blocks)."""
   n = ref_count.shape[0]
   is_free = (ref_count == 0) & (region == REGION_DYNAMIC)
   num_free = jnp.sum(is_free, dtype=jnp.int32)
@@ -255,15 +198,10 @@ def rebuild_free_list(ref_count: jax.Array, region: jax.Array) -> tuple[jax.Arra
 
 def change_refs(state: PoolState, block_ids: jax.Array, deltas: jax.Array, *,
                 config: PoolConfig, may_free: bool = True) -> PoolState:
-  """Adds `deltas` to `ref_count[block_ids]`; blocks reaching zero become free.
+  """Adds `deltas` to `ref_count[block_ids]`; blocks reaching zero are freed (and scrubbed).
 
-  Freed blocks get their slot bitmap cleared, are zeroed when
-  `config.scrub_freed_blocks`, and return to the free index; a block that goes
-  from zero to referenced leaves it. Only the touched entries are read or
-  written: O(K log K) for K entries (the log from finding repeated ids), never
-  O(num_blocks). `may_free=False` (increfs of live blocks) skips the index.
-  Out-of-range ids (use `num_blocks` for padding) are dropped. The caller has
-  validated that no count goes negative.
+  O(K log K), never O(num_blocks); out-of-range ids drop. `may_free=False`
+  (increfs of live blocks) skips the free index.
   """
   meta = state.meta
   n = meta.ref_count.shape[0]
@@ -310,32 +248,14 @@ def change_refs(state: PoolState, block_ids: jax.Array, deltas: jax.Array, *,
 def allocate(state: PoolState, num: jax.Array, *, config: PoolConfig, max_blocks: int,
              contiguous: str = "prefer",
              fit: str = "first") -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
-  """Allocates `num` blocks (ref_count 1 each, owned by the caller).
+  """Allocates `num` blocks (ref_count 1 each, owned by the caller), lowest address first.
 
-  Lowest address first. For `num > 1` a contiguous run is preferred: a run of
-  `num` consecutive free blocks is taken when one exists
-  (`contiguous="prefer"`) — the lowest-addressed one (`fit="first"`) or the
-  start of the shortest free run that is long enough (`fit="best"`, which keeps
-  long runs whole for later contiguous requests); with `contiguous="require"`
-  the call fails with `NO_CONTIGUOUS_RUN` otherwise; with `"never"` the `num`
-  lowest free blocks are taken. `"never"` (and any call with `max_blocks <= 1`,
-  where every block is a run) costs O(max_blocks * levels), and so does a
-  first-fit call whose `num` lowest free blocks are consecutive (they are then
-  the lowest run); otherwise the run search unpacks the free bitmap
-  (O(num_blocks)). The decode path (`reserve_tokens`)
-  does not use this function.
-
-  Args:
-    state: the pool (donated).
-    num: `i32[]` blocks wanted, `0 <= num <= max_blocks`.
-    config: the pool's static config.
-    max_blocks: static width of the result.
-    contiguous: `"prefer"`, `"require"` or `"never"`.
-    fit: `"first"` or `"best"` (which run, when several are long enough).
-
-  Returns:
-    `(state, (ids, status))`: `ids: i32[max_blocks]` ascending, `-1` padded;
-    `status: i32[]` a `Status`. On failure the state is unchanged.
+  For `num > 1`, `contiguous="prefer"` takes a run of consecutive free blocks when
+  one exists (the lowest with `fit="first"`, the shortest that fits with
+  `fit="best"`), `"require"` fails with `NO_CONTIGUOUS_RUN` without one, `"never"`
+  takes the `num` lowest. A run search that cannot take the lowest blocks costs
+  O(num_blocks). Returns `(state, (ids: i32[max_blocks] ascending, -1 padded,
+  status: i32[]))`; on failure the state is unchanged.
   """
   if contiguous not in CONTIGUOUS_MODES:
     raise InvalidArgument(f"contiguous must be one of {CONTIGUOUS_MODES}, got {contiguous!r}")
@@ -406,9 +326,7 @@ def table_ref_counts(state: PoolState, *, num_blocks: int) -> jax.Array:
 def table_refs_at(state: PoolState, block_ids: jax.Array) -> jax.Array:
   """`i32[K]`: references the live segment tables hold on each of `block_ids` (traced).
 
-  O(K * max_seqs * max_segments) compares for small batches, a sort of the
-  tables' blocks (O(T log T), T = max_seqs * max_segments) for large ones;
-  never O(num_blocks). Ids outside `[0, num_blocks)` get 0.
+  Never O(num_blocks); ids outside `[0, num_blocks)` get 0.
   """
   t = state.table
   s, m = t.block.shape
@@ -423,10 +341,7 @@ def table_refs_at(state: PoolState, block_ids: jax.Array) -> jax.Array:
 
 
 def block_totals(block_ids: jax.Array, values: jax.Array) -> jax.Array:
-  """`i32[K]`: for each entry, the sum of `values` over the entries naming its block.
-
-  O(K log K) (a sort); no `num_blocks`-sized array.
-  """
+  """`i32[K]`: for each entry, the sum of `values` over the entries naming its block."""
   k = block_ids.shape[0]
   order = jnp.argsort(block_ids, stable=True)
   ids = block_ids[order]
@@ -439,31 +354,12 @@ def block_totals(block_ids: jax.Array, values: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def apply_ref_deltas(state: PoolState, block_ids: jax.Array, deltas: jax.Array, *,
                      config: PoolConfig) -> tuple[PoolState, jax.Array]:
-  """Applies a batch of reference-count changes (e.g. the prefix cache's), atomically.
+  """Applies reference-count changes of holders outside the segment tables, atomically.
 
-  These are the references of holders *outside* the segment tables (a prefix
-  cache, a caller of `allocate`); the tables' own references move only through
-  the sequence transitions. So an increment is only allowed on a live block
-  (ref_count > 0): new blocks come from `allocate`/`reserve_tokens`, never from an
-  incref of a free block; and a decrement may not take a block below the number
-  of live table segments on it (`BLOCK_IN_USE`): that would free, or leave
-  under-counted, a block a live sequence still reads. Blocks whose count reaches
-  zero are freed. Entries with `block_ids == -1` are padding. If any entry is
-  invalid nothing is applied.
-
-  Each block's summed delta must fit in int32 (the host API checks that with
-  int64 arithmetic); a sum that takes `ref_count` beyond int32 is `REF_OVERFLOW`.
-
-  Args:
-    state: the pool (donated).
-    block_ids: `i32[K]` blocks (repeats allowed; their deltas add up).
-    deltas: `i32[K]` changes.
-    config: the pool's static config.
-
-  Returns:
-    `(state, status)` with `status: i32[K]` (`INVALID_BLOCK`, `REF_UNDERFLOW`,
-    `REF_OVERFLOW`, `BLOCK_IN_USE`, `ABORTED` for valid entries of a refused
-    batch, else `OK`).
+  An increment needs a live block; a decrement may not go below the live tables'
+  segments on it (`BLOCK_IN_USE`); `-1` ids are padding; repeats add up. Returns
+  `(state, status: i32[K])` (`INVALID_BLOCK`, `REF_UNDERFLOW`, `REF_OVERFLOW`,
+  `BLOCK_IN_USE`, `ABORTED` for valid entries of a refused batch, or `OK`).
   """
   n = config.num_blocks
   block_ids = jnp.asarray(block_ids, jnp.int32)

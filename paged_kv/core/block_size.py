@@ -1,35 +1,10 @@
 """Choosing a pool's block size for a workload's length distribution (host, numpy only).
 
-A block of `B` tokens is the unit of allocation and of the decode kernel's reads.
-Two effects pull in opposite directions:
-
-* **Internal waste.** A sequence of `L` tokens holds `ceil(L / B)` blocks; its last
-  (tail) block leaves `B - (L mod B)` slots unused, up to `B - 1`. Short sequences
-  lose most: a 20-token node wastes 12 of 32 slots at `B = 16`, 44 of 64 at `B = 64`.
-  Slotted packing (`slots.pack_slots`) copies the tail of a finished sequence (one
-  a holder keeps, e.g. the prefix cache) into free slots of a shared block, winning
-  back part of its empty slots (`slot_recovery`: all of them with ideal packing);
-  the tail of a *live* row may still grow in place and is never packed.
-* **Read bandwidth.** Decode reads whole pages; bigger pages mean fewer, longer
-  contiguous reads and fewer table entries per token, so they may read faster. How
-  much is a device property, measured by the `gpu_check` rows at blocks 16, 32 and
-  64 (`bandwidth_from_gpu_check`); until a table is given, every candidate counts
-  as equally fast and the rule reports `measured=False`.
-
-The rule. Decode is bandwidth bound and a full pool is read once per step, so with
-the pool's bytes fixed the decode throughput is proportional to
-`efficiency(B) * bandwidth(B)`: efficiency sets how many sequences fit, bandwidth
-how fast their pages are read. `choose_block_size` picks the candidate with the
-largest product (ties: the smallest block). With no bandwidth table it picks the
-smallest candidate, since a bigger block never holds the same lengths with less
-waste. `BlockSizeChoice.break_even` says, per candidate, how much faster than the
-smallest block it must read to score as high: `efficiency(smallest) / efficiency(B)`.
-
-The model counts tail slots only: a sequence's full blocks hold no waste at any
-block size, and prefixes shared at 512-token granularity (the Mooncake trace's) stay
-whole blocks at every candidate. Weights read per step, and the metadata per block
-(a few bytes against a block's K/V), are left out. `benchmarks/block_size_study.py`
-checks the model against the pool's own transitions over the public traces.
+A tail block wastes up to `B - 1` slots, while bigger pages may read faster
+(measured by the `gpu_check` rows at blocks 16, 32, 64). With the pool's bytes
+fixed, decode throughput goes as `efficiency(B) * bandwidth(B)`;
+`choose_block_size` picks the largest product (ties and unmeasured bandwidth:
+the smallest block). `benchmarks/block_size_study.py` checks the model.
 """
 
 from __future__ import annotations
@@ -61,10 +36,6 @@ def length_distribution(lengths: Iterable[int] | None = None, *,
                         histogram: Mapping[int, int] | None = None
                         ) -> tuple[np.ndarray, np.ndarray]:
   """`(lengths, counts)`, both `i64[n]`, from raw lengths or a `{length: count}` histogram.
-
-  Exactly one of `lengths` (one entry per sequence, e.g. a trace's prompt + output
-  tokens) and `histogram` must be given. Lengths are positive ints, counts
-  non-negative ints, and at least one sequence must be counted.
 
   Raises:
     InvalidArgument: both or neither given, a non-int, non-positive length or
@@ -120,16 +91,8 @@ def block_efficiency(lengths: np.ndarray, counts: np.ndarray, block_size: int, *
                      slotted_share: float = 0.0, slot_recovery: float = 1.0) -> float:
   """Tokens held / slots allocated for the distribution at `block_size`, in (0, 1].
 
-  Every sequence costs `ceil(L / B) * B` slots, except that for a share
-  `slotted_share` of them (finished ones a holder keeps, whose tails slotted packing
-  moves into shared blocks) a share `slot_recovery` of the tail's empty slots is won
-  back: 1 is ideal packing (a slotted tail costs its own tokens); what
-  `slots.pack_slots` achieves depends on the order tails reach it and is measured by
-  `benchmarks/block_size_study.py`.
-
-  Raises:
-    InvalidArgument: a bad block size, share or recovery (the distribution is taken
-      as built by `length_distribution`).
+  Each sequence costs `ceil(L / B) * B` slots, less `slot_recovery` of its tail's
+  empty slots for the share `slotted_share` whose tails slotted packing holds.
   """
   b = _check_block_size(block_size)
   won = _check_share(slotted_share) * _check_share(slot_recovery, "slot_recovery")
@@ -139,17 +102,10 @@ def block_efficiency(lengths: np.ndarray, counts: np.ndarray, block_size: int, *
 
 
 def bandwidth_from_gpu_check(record: Mapping, shape: str = "b64x8k") -> dict[int, float]:
-  """`{block size: GB/s}` of the default decode path from a `gpu_check` JSON record.
+  """`{block size: GB/s}` of the default decode path from a `gpu_check` record (raw or wrapped).
 
-  Reads the rows `layer/<shape>/default` (block 16, the main table) and
-  `layer/<shape>-bs<B>/default` (the block-size rows), each only if it passed and
-  carries a rate. `shape` is `b64x8k` (batch 64 at 8k) or `b1x128k` (one row at 128k):
-  pick the one closer to the workload. Accepts the script's `gpu_check.json` or a
-  `docs/records/gpu_check` record (which wraps it under `"results"`).
-
-  Raises:
-    InvalidArgument: no row of that shape has a rate (e.g. a record from before the
-      block-size rows, or a dry run that failed them).
+  Reads the passing `layer/<shape>/default` and `layer/<shape>-bs<B>/default`
+  rows (`shape`: `b64x8k` or `b1x128k`); raises `InvalidArgument` when none has a rate.
   """
   data = record.get("results", record) if isinstance(record, Mapping) else None
   rows = data.get("rows") if isinstance(data, Mapping) else None
@@ -174,19 +130,11 @@ def bandwidth_from_gpu_check(record: Mapping, shape: str = "b64x8k") -> dict[int
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizeChoice:
-  """The rule's pick and the numbers behind it.
+  """The rule's pick and the numbers behind it (dicts keyed by candidate block size).
 
-  Attributes:
-    block_size: the pick.
-    candidates: the block sizes weighed, ascending.
-    efficiency: `{B: tokens / slots}` at each candidate.
-    bandwidth: `{B: relative read rate}` (1.0 for all when unmeasured).
-    score: `{B: efficiency * bandwidth}`: decode throughput of a full pool, relative.
-    break_even: `{B: efficiency(smallest) / efficiency(B)}`: the read rate, relative to
-      the smallest candidate's, at which `B` scores the same.
-    measured: whether a bandwidth table was given.
-    slotted_share: the share of sequences whose tails were counted as slotted.
-    slot_recovery: the share of a slotted tail's empty slots counted as won back.
+  `score = efficiency * bandwidth` (bandwidth 1.0 for all when not `measured`);
+  `break_even[B] = efficiency(smallest) / efficiency(B)`: the relative read rate
+  at which `B` scores as the smallest candidate does.
   """
   block_size: int
   candidates: tuple[int, ...]
@@ -207,21 +155,11 @@ def choose_block_size(lengths: Iterable[int] | None = None, *,
                       slot_recovery: float = 1.0) -> BlockSizeChoice:
   """Picks the block size that maximises `efficiency * bandwidth` (module docstring).
 
-  Args:
-    lengths: one length per resident sequence (tokens), or
-    histogram: `{length: count}` instead.
-    bandwidth: `{block size: read rate}` in any unit (only ratios matter), e.g.
-      `bandwidth_from_gpu_check(record)`; it must cover every candidate. None: all
-      equal (unmeasured), which picks the smallest candidate.
-    candidates: block sizes to weigh (powers of two up to 128, no repeats).
-    slotted_share: share of the sequences whose tails slotted packing holds (the
-      finished sequences a prefix cache keeps); 0 counts every tail as a live one.
-    slot_recovery: share of a slotted tail's empty slots packing wins back
-      (`block_efficiency`; 1: ideal).
-
-  Raises:
-    InvalidArgument: a bad distribution (`length_distribution`), candidate, share, or
-      recovery, or a bandwidth table missing a candidate or holding a non-positive rate.
+  `lengths` (one per resident sequence) or `histogram` (`{length: count}`) give
+  the distribution; `bandwidth` (`{block size: rate}`, any unit, every candidate)
+  None counts all as equal; `slotted_share` / `slot_recovery` as in
+  `block_efficiency`. Raises `InvalidArgument` for a bad distribution, candidate,
+  share, recovery or bandwidth table.
   """
   values, counts = length_distribution(lengths, histogram=histogram)
   if isinstance(candidates, (str, bytes)):

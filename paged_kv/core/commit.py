@@ -1,30 +1,10 @@
 """`commit`: apply the host's bookkeeping decisions to the device state in one program.
 
-The host API (`paged_kv.pool.block_pool.BlockPool`) decides every bookkeeping change on an
-exact host mirror of the pool (`paged_kv.pool.block_pool`) and queues it; a flush sends
-the queue here as one `CommitBatch`: the *final* `ref_count` and slot bits of
-every touched block, the final contents of every touched table row, the K/V
-page work (whole-block moves, slot-range copies) and the new clock. Because it
-carries final values, the device applies it in any order: the program has no
-decisions to make, and one dispatch serves a whole scheduler step's opens,
-tail copies, releases, reference changes and block moves.
-
-It also checks that the device held what the host expected before the window:
-each touched block's old `ref_count`/slots, each touched row's old
-`num_segments`/`seq_len`/`active`, and the totals (free blocks, active rows,
-their tokens and segments, the clock). A difference (a host bug, or a
-reservation the device decided differently from the host's prediction) sets
-a bit of the returned `mismatch` (1 blocks, 2 rows, 4 totals); the host reads
-it later, once ready, and raises `InternalInconsistency`. A commit that finds
-a mismatch applies nothing: its decisions were made on a wrong picture of the
-device, so the device keeps its own (sound) state for the host to reload.
-
-The free index follows each touched block's change (device old vs new count),
-freed blocks are zeroed when the pool scrubs (after the copies read them,
-before the copies write into them), and touched live blocks get `last_use =
-step`. All widths are static (`paged_kv.pool.changes.CommitWidths`); `-1` ids
-are padding. Work is O(widths), never O(num_blocks): the donated per-block
-arrays are updated in place (`tests/core/test_complexity.py`).
+A flush sends the host's queued decisions as one `CommitBatch` of *final*
+values, so one dispatch applies a whole step's changes in any order. It also
+checks that the device held what the host expected; a difference sets a bit of
+`mismatch`, applies nothing, and the host raises `InternalInconsistency`. Work
+is O(widths), never O(num_blocks).
 """
 
 from __future__ import annotations
@@ -49,27 +29,14 @@ MISMATCH_TOTALS = 4
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CommitBatch:
-  """One commit's arrays, as the program reads them (`-1` ids are padding); they
-  travel packed in one buffer (`PackedCommit`, `CommitLayout`).
+  """One commit's arrays as the program reads them (`-1` ids are padding).
 
-  Attributes:
-    block_ids: `i32[K]` touched blocks (distinct).
-    old_ref, new_ref: `i32[K]` their `ref_count` before the window and now.
-    old_slots, new_slots: `u32[K, W]` their slot bits before and now.
-    scrub_before, scrub_after: `bool[K]` zero the block's pages (freed in the
-      window, the pool scrubs) before the window's page writes (it freed before
-      them) or after (it freed after the window wrote into it).
-    rows: `i32[R]` touched table rows (distinct).
-    old_num_segments, old_seq_len: `i32[R]`; old_active: `bool[R]`: before.
-    row_block, row_start, row_length: `i32[R, max_segments]`;
-    row_num_segments, row_seq_len: `i32[R]`; row_active: `bool[R]`: the rows now.
-    copy_src_block, copy_src_start, copy_dst_block, copy_dst_start,
-    copy_length: `i32[C]` slot-range copies (after the moves).
-    move_src, move_dst: `i32[M]` whole-block moves.
-    expected: `i32[5]` free blocks, active rows, their tokens, their segments and
-      the clock before the window; checked when `check_totals`.
-    check_totals: `bool[]`.
-    step: `i32[]` the clock after the window.
+  Per touched block (`block_ids: i32[K]`, distinct): `ref_count` and slot bits
+  before the window (`old_*`) and now (`new_*`), and whether to zero it before or
+  after the page writes (`scrub_*`). Per touched row (`rows: i32[R]`): its old
+  length fields and the whole row now (`row_*`). Then slot-range copies
+  (`copy_*: i32[C]`, after the moves), block moves (`move_*: i32[M]`), the
+  `expected` totals before (checked when `check_totals`) and the new clock `step`.
   """
 
   block_ids: jax.Array
@@ -137,13 +104,8 @@ _GROUPS = {
 class CommitLayout:
   """Where each `CommitBatch` field lies in a `PackedCommit`'s `i32` buffer (static).
 
-  A commit crosses to the device as one array: one transfer and one argument
-  instead of 27 (a jitted call's cost grows with its arguments). Slot words are
-  stored bit for bit (`u32` viewed as `i32`), flags as 0/1.
-
-  Attributes:
-    blocks, rows, copies, moves: the widths (`paged_kv.pool.changes.CommitWidths`).
-    slot_words, max_segments: from the pool's config.
+  One array crosses instead of 27 arguments (a jitted call's cost grows with its
+  arguments); slot words are stored bit for bit, flags as 0/1.
   """
 
   blocks: int
@@ -195,9 +157,7 @@ class CommitLayout:
     return out
 
   def group(self, buf: np.ndarray, name: str) -> np.ndarray:
-    """`i32[fields, entries]`: a writable view of `buf` holding a run of same-shaped
-    fields (`_GROUPS`; a field's `[K, W]` / `[R, S]` entries flattened), so the host
-    fills a run with one assignment per field and no per-field call."""
+    """`i32[fields, entries]`: a writable view of `buf` over a run of same-shaped fields."""
     off, n, size = self._groups[name]
     return buf[off:off + n * size].reshape(n, size)
 
@@ -226,16 +186,14 @@ class CommitLayout:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedCommit:
-  """One commit as it crosses to the device: `buf: i32[layout.size]` (host or device)
-  and its static `layout` (part of the program's key: one program per layout)."""
+  """One commit as it crosses: `buf: i32[layout.size]` and its static `layout` (a program each)."""
 
   buf: jax.Array
   layout: CommitLayout = dataclasses.field(metadata=dict(static=True))
 
 
 def _slot_ranges(block, start, length, bs: int, n: int):
-  """`(blk, off, valid)`, `[C * bs]` each: the slots of ranges `[start, start + length)`
-  of `block` (`-1` = padding; invalid slots point at block `n`, dropped by scatters)."""
+  """`(blk, off, valid)`, `[C * bs]` each: the slots of each range (invalid ones at block `n`)."""
   j = jnp.arange(bs, dtype=jnp.int32)[None, :]
   valid = (j < length[:, None]) & (block[:, None] >= 0)
   blk = jnp.where(valid, block[:, None], n).reshape(-1)
@@ -257,10 +215,7 @@ def _scatter_slots(p: jax.Array, values: jax.Array, block, start, length) -> jax
 
 
 def _page_work(pages: KVPages, b: CommitBatch, *, scrub: bool) -> KVPages:
-  """Moves, then copies. Scrubbing: blocks freed before the window's writes are zeroed
-  after every read (the moves', the copies' gathers) and before the copies write;
-  those freed after a write into them, last. A moved-into block is never zeroed
-  before: the move rewrote all of it."""
+  """Moves, then copies; each block's scrub after its last read and before its next write."""
   if b.move_src.shape[0]:
     pages = move_pages(pages, b.move_src, b.move_dst)
   has_copies = b.copy_src_block.shape[0] > 0
@@ -293,18 +248,11 @@ def _page_work(pages: KVPages, b: CommitBatch, *, scrub: bool) -> KVPages:
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def commit(state: PoolState, batch: PackedCommit, *,
            config: PoolConfig) -> tuple[PoolState, jax.Array]:
-  """Applies one commit (see the module docstring).
+  """Applies one packed commit (module docstring) to `state` (donated).
 
-  Args:
-    state: the pool (donated).
-    batch: the host's decisions, padded to static widths and packed
-      (`paged_kv.pool.changes.ChangeLog.batches`).
-    config: the pool's static config.
-
-  Returns:
-    `(state, mismatch: i32[])`: 0 when the device held what the host expected
-    (bits `MISMATCH_BLOCKS`, `MISMATCH_ROWS`, `MISMATCH_TOTALS` otherwise). The
-    decisions are applied only when it is 0 (all or nothing).
+  Returns `(state, mismatch: i32[])`: 0 when the device held what the host
+  expected, else bits `MISMATCH_BLOCKS`, `MISMATCH_ROWS`, `MISMATCH_TOTALS`, and
+  then nothing is applied.
   """
   n, s = config.num_blocks, config.max_seqs
   meta, table = state.meta, state.table

@@ -1,18 +1,9 @@
 """Online compaction: fragmentation ratio, a budgeted move plan, the in-place permutation.
 
-`plan_compaction` picks up to `budget` live blocks of the dynamic region from
-the highest addresses and pairs them with the lowest free dynamic blocks below
-them; `compact_permute` copies the blocks (through `page_copy.move_pages`,
-`impl="xla"` or the Pallas kernels), moves `ref_count`, `slots` and `last_use`
-with them, rebuilds the free list, rewrites every segment table and returns
-`remap i32[num_blocks]` (`remap[old] = new`, identity elsewhere) for the
-structures outside the pool (the radix cache's `apply_remap`).
-
-Sources are live and destinations free, so the two sets are disjoint and the
-copies are order-independent. Base-region blocks (region 1) are never moved.
-Compaction runs between steps, budgeted in bytes per step (or a share of step
-time at a copy bandwidth) and converted to moves with the pool's bytes per block
-(`CompactionPolicy`).
+`plan_compaction` (device) and `plan_defrag` (host) pair live dynamic blocks
+with free ones; `compact_permute` copies the pages, moves the metadata, rewrites
+the tables and returns `remap` (`remap[old] = new`) for outside holders.
+Base-region blocks never move.
 """
 
 from __future__ import annotations
@@ -47,8 +38,7 @@ def largest_run(mask: jax.Array) -> jax.Array:
 
 
 def _word_runs(words: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per `u32` word (bit `i` = address `i`): ones from bit 0 up, ones from bit 31
-  down, and the longest run of ones inside the word, each `i32[W]`."""
+  """Per `u32` word, `i32[W]` each: ones from bit 0 up, ones from bit 31 down, longest inner run."""
   one = jnp.uint32(1)
   full = words == jnp.uint32(0xFFFFFFFF)
   inv = ~words
@@ -72,12 +62,9 @@ def _word_runs(words: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def largest_run_of_bits(free_bits: jax.Array) -> jax.Array:
-  """`i32[]`: the longest run of set bits of the free index's `u32` words.
+  """`i32[]`: `largest_run` of the dynamic free mask, from the free index's `u32` words.
 
-  The same number as `largest_run` of the dynamic free mask, from
-  `BlockMeta.free_bits` (32 blocks per word): O(num_blocks / 32) work, a
-  log-depth pairwise tree over words of (ones at the start, ones at the end,
-  longest run inside, size).
+  O(num_blocks / 32): a log-depth pairwise merge over the words.
   """
   pre, suf, best = _word_runs(free_bits)
   size = jnp.full(pre.shape, 32, jnp.int32)
@@ -96,10 +83,9 @@ def largest_run_of_bits(free_bits: jax.Array) -> jax.Array:
 
 
 def fragmentation_ratio(meta: BlockMeta, *, region: int = REGION_DYNAMIC) -> jax.Array:
-  """`f32[]`: 1 - largest contiguous free run / free blocks, within one region.
+  """`f32[]`: 1 - largest contiguous free run / free blocks, within one region (0 if none free).
 
-  0 when the region has no free block. Runs are counted in address order among
-  the region's blocks only (a base-region block breaks a dynamic run).
+  A block of another region breaks a run.
   """
   free = (meta.ref_count == 0) & (meta.region == region)
   total = jnp.sum(free, dtype=jnp.int32)
@@ -116,17 +102,9 @@ def region_fragmentation(meta: BlockMeta) -> jax.Array:
 def plan_compaction(meta: BlockMeta, *, budget: int) -> tuple[jax.Array, jax.Array]:
   """Up to `budget` moves of live dynamic blocks from high to low addresses.
 
-  The k-th highest live dynamic block moves to the k-th lowest free dynamic
-  block while the source lies above the destination; the plan stops there (or
-  at `budget`). Repeated plans end with every live dynamic block below every
-  free one (fragmentation ratio 0).
-
-  Args:
-    meta: block metadata.
-    budget: static maximum number of moves.
-
-  Returns:
-    `(src, dst)`: `i32[budget]` each, valid moves first, `-1` padding.
+  The k-th highest live block moves to the k-th lowest free block while the source
+  lies above the destination. Returns `(src, dst)`, `i32[budget]` each, valid
+  moves first, `-1` padding.
   """
   n = meta.ref_count.shape[0]
   live = (meta.ref_count > 0) & (meta.region == REGION_DYNAMIC)
@@ -160,29 +138,10 @@ def _leading_true(a: np.ndarray) -> int:
 def plan_defrag(ref_count, region, *, budget: int) -> tuple[np.ndarray, np.ndarray]:
   """Up to `budget` moves that lower the fragmentation ratio fastest (host, numpy).
 
-  `plan_compaction` slides live blocks from the top into the lowest holes, which
-  closes a large hole in the middle of the pool only after as many moves as the
-  hole is long. This planner instead grows the largest free run: each step takes
-  the live block next to that run (from the side whose live island is shorter,
-  so neighbouring free runs merge soonest) and puts it into a free block of the
-  *smallest* other free run. Every step lengthens the largest run by one and
-  shortens the free space outside it by one, so the ratio
-  `1 - largest run / free blocks` never rises and reaches 0 once no free block
-  lies outside the largest run (unless base-region blocks split the pool).
-
-  A block that received data earlier in the plan may need to move again; its
-  move is then retargeted (the data goes straight to the new place, no extra
-  move). Sources and destinations stay disjoint: a vacated source is never a
-  destination. Only dynamic blocks move.
-
-  Args:
-    ref_count: `i32[num_blocks]` (host or device array).
-    region: `i8[num_blocks]`.
-    budget: maximum number of moves.
-
-  Returns:
-    `(src, dst)`: `i32[budget]` each, valid moves first, `-1` padding (the
-    format `compact_permute` takes).
+  Grows the largest free run: each move takes the live block next to it (from
+  the side whose live island is shorter) into the smallest other free run, so the
+  ratio never rises. A block moved twice is retargeted (one copy). Returns `(src,
+  dst)` as `plan_compaction` does.
   """
   ref = np.asarray(ref_count)
   dyn = np.asarray(region) == REGION_DYNAMIC
@@ -246,13 +205,9 @@ def move_blocks(state: PoolState, src: jax.Array, dst: jax.Array, *, config: Poo
                                                                                       jax.Array]]:
   """Moves live dynamic blocks to free blocks of `dst_region` (traced helper).
 
-  Validates every move (`INVALID_BLOCK`: out of range, source not a live
-  dynamic block, destination not free or not in `dst_region`, a block named
-  twice); a single bad move refuses the whole call (the others `ABORTED`).
-  Used by `compact_permute` (region 0) and `regions.promote_blocks` (region 1).
-
-  Returns:
-    `(state, (remap, status))`: `remap: i32[num_blocks]`, `status: i32[M]`.
+  One bad move (out of range, source not live and dynamic, destination not free
+  or not in `dst_region`, a block named twice) refuses the call: `INVALID_BLOCK`
+  for it, `ABORTED` for the others. Returns `(state, (remap, status))`.
   """
   n = config.num_blocks
   meta, table = state.meta, state.table
@@ -304,20 +259,11 @@ def move_blocks(state: PoolState, src: jax.Array, dst: jax.Array, *, config: Poo
 def compact_permute(state: PoolState, src: jax.Array, dst: jax.Array, *, config: PoolConfig,
                     impl: str = "xla",
                     interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
-  """Applies compaction moves to the pages, the metadata and every segment table.
+  """Applies compaction moves `src -> dst` (`i32[M]`, `-1` padding) to pages, metadata and tables.
 
-  Args:
-    state: the pool (donated; the XLA path updates the pages in place).
-    src: `i32[M]` live dynamic blocks to move (`-1` = padding).
-    dst: `i32[M]` free dynamic blocks receiving them (`-1` = padding).
-    config: static pool config.
-    impl: block-move implementation, `"xla"`, `"pallas"` or `"mosaic"`.
-    interpret: interpret mode for the kernels (CPU).
-
-  Returns:
-    `(state, (remap, status))`: `remap: i32[num_blocks]` with `remap[old] = new`
-    for moved blocks and identity elsewhere (for holders outside the pool);
-    `status: i32[M]` per move. One invalid move refuses the whole plan.
+  `impl`: `"xla"`, `"pallas"` or `"mosaic"` block moves. Returns `(state, (remap,
+  status))`: `remap: i32[num_blocks]` (`remap[old] = new`, identity elsewhere),
+  `status: i32[M]`; one invalid move refuses the plan.
   """
   return move_blocks(state, src, dst, config=config, dst_region=REGION_DYNAMIC, impl=impl,
                      interpret=interpret)
@@ -325,18 +271,16 @@ def compact_permute(state: PoolState, src: jax.Array, dst: jax.Array, *, config:
 
 STRATEGIES = ("merge", "top_down")
 
-# Where the default figures come from (issue 13):
+# Defaults of `CompactionPolicy`.
 H200_COPY_BANDWIDTH = 4.3e12
-"""Bytes/s of a device-to-device copy on an H200, counting read + write (measured, issue 13).
+"""Bytes/s of a device-to-device copy, counting read + write (measured on an H200).
 
-A block move reads `block_bytes` and writes `block_bytes`, so it costs
-`2 * block_bytes / copy_bandwidth` seconds at this figure."""
+A block move costs `2 * block_bytes / copy_bandwidth` seconds at this figure.
+"""
 DEFAULT_STEP_SECONDS = 0.020
-"""Modelled time of one serving step: a decode step of an 8B-class model on an H200 with a
-full KV share reads ~16 GB of weights plus up to ~60 GB of K/V at ~4.8 TB/s (~16 ms); 20 ms
-rounds that up. Pass the measured step time (`CompactionPolicy(step_seconds=...)`)."""
+"""Modelled serving step: an 8B-class decode on an H200 (~16 ms), rounded up."""
 DEFAULT_STEP_FRACTION = 0.02
-"""Share of a step compaction may take by default (2%, issue 13)."""
+"""Share of a step compaction may take by default."""
 LEGACY_MOVES = 32
 """Moves per step when neither a move cap nor the pool's bytes per block is known."""
 
@@ -345,29 +289,12 @@ LEGACY_MOVES = 32
 class CompactionPolicy:
   """When and how much to compact: a per-step budget in bytes (or step time), not moves.
 
-  The budget is the bytes of K/V moved per step: `budget_bytes` when given, else
-  `step_fraction * step_seconds * copy_bandwidth / 2` (the bandwidth counts
-  read + write, a move does both). `max_moves(block_bytes)` turns it into
-  moves with the pool's bytes per block (`PoolConfig.block_bytes`), capped by
-  `budget` when set. With the defaults (2% of a 20 ms step at 4.3 TB/s) that is
-  860 MB per step: 410 moves of a 2 MiB block (Llama-3-8B, 16 tokens, bf16).
-
-  Attributes:
-    threshold: compact when the dynamic region's fragmentation ratio exceeds it.
-    budget: cap on block moves per step (derived cap; `None`: the byte budget
-      alone). When no bytes per block is known (`plan(meta)` with neither
-      `config` nor `block_bytes`) the plan has `budget` moves, or
-      `LEGACY_MOVES` (32) when `budget` is `None`.
-    budget_bytes: bytes of blocks moved per step (`None`: from step time).
-    step_fraction: share of a step compaction may take (default 2%).
-    step_seconds: modelled (or measured) seconds per step (`DEFAULT_STEP_SECONDS`).
-    copy_bandwidth: device copy bandwidth in bytes/s counting read + write
-      (`H200_COPY_BANDWIDTH`, 4.3e12).
-    on_contiguous_failure: also compact after a request failed with
-      `NO_CONTIGUOUS_RUN`.
-    strategy: `"merge"` (`plan_defrag`, host planner: grow the largest free
-      run, lowest ratio per move) or `"top_down"` (`plan_compaction`, on device:
-      highest live blocks into the lowest holes; used by `compact_step`).
+  The budget is `budget_bytes`, else `step_fraction * step_seconds *
+  copy_bandwidth / 2` (a move reads and writes), turned into moves by
+  `max_moves(block_bytes)` and capped by `budget`. `threshold`: compact above this
+  fragmentation ratio of the dynamic region; `on_contiguous_failure`: also after a
+  `NO_CONTIGUOUS_RUN`; `strategy`: `"merge"` (`plan_defrag`, host) or
+  `"top_down"` (`plan_compaction`).
   """
 
   threshold: float = 0.35
@@ -416,8 +343,7 @@ class CompactionPolicy:
     return int(min(moves, self.budget)) if self.budget is not None else int(moves)
 
   def num_moves(self, num_blocks: int, block_bytes: int | None = None) -> int:
-    """The width of a plan for a pool of `num_blocks`: `max_moves(block_bytes)`
-    clamped to `[1, num_blocks // 2]` (the most moves that can exist)."""
+    """`max_moves(block_bytes)` clamped to `[1, num_blocks // 2]`, the most moves that can exist."""
     return max(1, min(self.max_moves(block_bytes), int(num_blocks) // 2))
 
   def step_time_share(self, num_moves: int, block_bytes: int,
@@ -428,14 +354,9 @@ class CompactionPolicy:
 
   def plan(self, meta: BlockMeta, *, config: PoolConfig | None = None,
            block_bytes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """`(src, dst)` of up to `max_moves` moves by this policy's strategy (host arrays).
+    """`(src, dst)` of up to `num_moves` moves by this policy's strategy (host arrays).
 
-    Args:
-      meta: block metadata.
-      config: the pool's config; its `block_bytes` turns the byte budget into
-        moves (the width is also capped at `num_blocks // 2`, the most moves
-        that can exist).
-      block_bytes: bytes per block, instead of (or overriding) `config`'s.
+    `block_bytes` overrides `config.block_bytes` for the byte budget.
     """
     if block_bytes is None and config is not None:
       block_bytes = config.block_bytes
@@ -455,26 +376,11 @@ class CompactionPolicy:
 def compact_step(state: PoolState, force: jax.Array | bool = False, *, config: PoolConfig,
                  policy: CompactionPolicy = CompactionPolicy(), impl: str = "xla",
                  interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
-  """One budgeted compaction step, entirely on device.
+  """One budgeted compaction step on device, `"top_down"` whatever `policy.strategy` says.
 
-  Uses the on-device `plan_compaction` (the `"top_down"` strategy) whatever
-  `policy.strategy` says; the `"merge"` planner runs on the host
-  (`CompactionPolicy.plan`, then `compact_permute`). Plans
-  `policy.max_moves(config.block_bytes)` moves (the byte budget over the pool's
-  bytes per block, capped by `policy.budget` and `num_blocks // 2`) and applies
-  them when the dynamic region's fragmentation ratio exceeds `policy.threshold`
-  or `force` is set (the host sets it after a `NO_CONTIGUOUS_RUN` failure);
-  otherwise moves nothing.
-
-  Args:
-    state: the pool (donated).
-    force: `bool[]` compact regardless of the ratio.
-    config: static pool config.
-    policy: static thresholds and budget.
-    impl, interpret: block-move implementation (see `compact_permute`).
-
-  Returns:
-    `(state, (remap, num_moves))`: `remap: i32[num_blocks]`, `num_moves: i32[]`.
+  Moves nothing unless the dynamic region's ratio exceeds `policy.threshold` or
+  `force` is set (after a `NO_CONTIGUOUS_RUN` failure). Returns `(state, (remap,
+  num_moves))`.
   """
   ratio = fragmentation_ratio(state.meta)
   go = (ratio > policy.threshold) | jnp.asarray(force, bool)

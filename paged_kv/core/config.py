@@ -20,13 +20,10 @@ _ALLOWED_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5
 _I32_MAX = int(np.iinfo(np.int32).max)
 
 MAX_POOL_BYTES = 2**42
-"""Upper bound on the K+V page bytes of one `PoolConfig` (4 TiB).
+"""Upper bound on the K+V page bytes of one `PoolConfig` (4 TiB, above any single node).
 
-Above the memory of any single accelerator node today (8 x H200 is about 1.1 TB),
-so a config beyond it cannot be allocated and is refused when it is built, with
-its size in the message, instead of failing later with `RESOURCE_EXHAUSTED`. The
-check is arithmetic only: device memory is never probed (a config within the bound
-can still exceed one device; that fails when the pages are allocated).
+A config beyond it is refused when built, with its size in the message, rather
+than failing later with `RESOURCE_EXHAUSTED`; device memory is never probed.
 """
 
 
@@ -41,25 +38,17 @@ class PoolConfig:
 
   Attributes:
     num_blocks: physical blocks in the pool.
-    block_size: tokens per block (slots); a power of two from 1 to 128.
-    num_layers: transformer layers whose K/V the pool holds.
-    num_kv_heads: KV heads per layer.
-    head_dim: size of one head.
-    dtype: K/V element type, as a string (`"bfloat16"`, `"float32"`, ...).
-    max_seqs: rows of the segment table (concurrent sequences).
-    max_segments: segments per sequence row.
+    block_size: tokens per block; a power of two from 1 to 128.
+    num_layers, num_kv_heads, head_dim: the K/V shape per token.
+    dtype: K/V element type as a string (`"bfloat16"`, ...).
+    max_seqs, max_segments: segment-table rows and segments per row.
     base_pool_fraction: fraction of blocks, at the lowest addresses, reserved for
-      pinned shared prefixes (region 1). Ordinary allocation never takes them.
-      The library default is 0 (a plain pool); `examples/serve.py` uses 0.15 with
-      `SchedulerConfig.promote_readers` moving widely shared blocks there.
-    scrub_freed_blocks: zero the K/V of a block when it becomes free (for
-      deployments that must not leave one tenant's data in memory). Off by default.
+      pinned shared prefixes (region 1).
+    scrub_freed_blocks: zero a block's K/V when it becomes free (no tenant's data
+      left behind).
 
-  Every field is type-checked when the config is built (ints must be ints, not
-  bools or floats; `scrub_freed_blocks` must be a bool; numpy scalars are
-  normalised to Python ones) and the sizes must be able to exist: flat slot
-  indices fit in int32 and the pages fit in `MAX_POOL_BYTES`. A bad config raises
-  `InvalidArgument` (a `ValueError`) naming the field and the limit.
+  Fields are type-checked and the sizes must fit (slot indices in int32, pages in
+  `MAX_POOL_BYTES`), else `InvalidArgument` names the field and the limit.
   """
 
   num_blocks: int
@@ -129,20 +118,11 @@ class PoolConfig:
   def for_workload(cls, lengths=None, *, pool_tokens: int, histogram=None, bandwidth=None,
                    candidates=None, slotted_share: float = 0.0, slot_recovery: float = 1.0,
                    **fields) -> "PoolConfig":
-    """A config whose block size `block_size.choose_block_size` picks for a length
-    distribution, holding `pool_tokens` tokens (`num_blocks = pool_tokens // block_size`,
-    so the pages' bytes stay the same whatever the pick).
+    """A config with the block size `choose_block_size` picks, holding `pool_tokens` tokens.
 
-    Args:
-      lengths / histogram / bandwidth / candidates / slotted_share / slot_recovery:
-        as `choose_block_size` (candidates default to `DEFAULT_CANDIDATES`).
-      pool_tokens: token capacity of the pool (positive int, at least one block of
-        the largest candidate).
-      **fields: every other `PoolConfig` field (not `block_size` or `num_blocks`).
-
-    Raises:
-      InvalidArgument: what `choose_block_size` or the config refuses, `pool_tokens`
-        not a positive int or below one block, or `block_size` / `num_blocks` given.
+    Takes `choose_block_size`'s arguments; `num_blocks = pool_tokens // block_size`;
+    `**fields` are the other fields. Raises `InvalidArgument` for what either
+    refuses, or a bad `pool_tokens`.
     """
     for name in ("block_size", "num_blocks"):
       if name in fields:

@@ -1,12 +1,8 @@
 """Free memory of a device, and the check a pool makes before it allocates its pages.
 
-`BlockPool` allocates all its pages at once (`init_pool`). A config that cannot fit
-would fail inside XLA with an untyped out-of-memory error, or on a CPU host push the
-machine into swap; `check_fits` refuses it first with `PoolTooLarge`, naming both
-numbers. The free memory comes from the device's allocator (`Device.memory_stats()`:
-`bytes_limit - bytes_in_use`, on GPUs and TPUs) or, for the host CPU, from the
-kernel (`MemAvailable` in `/proc/meminfo`). Where neither is known the check passes
-(`PoolConfig` still caps pages at `MAX_POOL_BYTES`).
+`check_fits` refuses a pool too big for its device with `PoolTooLarge` before
+XLA fails with an untyped out-of-memory error. Free memory comes from
+`Device.memory_stats()`, or `/proc/meminfo` on the host; when unknown the check passes.
 """
 
 from __future__ import annotations
@@ -50,13 +46,10 @@ def pool_bytes(config: PoolConfig) -> int:
 
 def check_fits(config: PoolConfig, device: jax.Device | None = None, *,
                reusable: int = 0) -> None:
-  """Raises `PoolTooLarge` when `config`'s pool needs more than `device` has free.
+  """Raises `PoolTooLarge` (bytes needed and free) when `config`'s pool does not fit `device`.
 
   `reusable`: bytes in use now that are freed before the pool is allocated (a
   staged resize frees the old pages first), counted as free.
-
-  Raises:
-    PoolTooLarge: naming the bytes needed and the bytes free.
   """
   free = free_bytes(device)
   need = pool_bytes(config)
@@ -72,15 +65,10 @@ def check_fits(config: PoolConfig, device: jax.Device | None = None, *,
 
 @contextlib.contextmanager
 def allocating(config: PoolConfig):
-  """Turns the allocator's out-of-memory error inside the block into `PoolTooLarge`.
+  """Turns an out-of-memory error inside the block into `PoolTooLarge` (chained).
 
-  `check_fits` reads the free memory before the pages are allocated; the allocation
-  can still fail (memory taken meanwhile, fragmentation, a device without the
-  query), and JAX then raises its untyped `RESOURCE_EXHAUSTED` runtime error. That
-  error is chained to the `PoolTooLarge` raised instead.
-
-  Raises:
-    PoolTooLarge: the allocation inside the block ran out of device memory.
+  The allocation can fail even after `check_fits` (memory taken meanwhile,
+  fragmentation, a device without the query).
   """
   try:
     yield

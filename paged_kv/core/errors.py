@@ -1,9 +1,8 @@
 """Status codes reported by jitted transitions and the typed exceptions of the host API.
 
 Jitted transitions never raise: they return an `i32` status per request (0 = OK)
-and leave the state unchanged for every failed request. `BlockPool` turns a
-non-zero status into one of the exceptions below, with the pool state exactly
-as it was before the call.
+and leave the state unchanged for every failed request; `BlockPool` turns a
+non-zero status into an exception with the state as it was before the call.
 """
 
 from __future__ import annotations
@@ -68,11 +67,8 @@ class RefCountOverflow(PagedKVError):
 class BlockInUse(InvalidBlock):
   """The operation would free, rebind or overwrite a block or slot another holder uses.
 
-  Raised when a decref would drop a block below the references that live sequence
-  tables hold on it, when `pack_slots` is told a segment is held outside the pool
-  but the ref counts show no outside holder for it, and when `write_kv` targets a
-  slot that is not exclusively the writer's (shared, cache-held, or another live
-  sequence's). A subclass of `InvalidBlock`.
+  E.g. a decref below the live tables' references, `pack_slots` of a segment with
+  no outside holder, `write_kv` into a slot that is not the writer's alone.
   """
 
 
@@ -81,19 +77,11 @@ class InvalidArgument(PagedKVError, ValueError):
 
 
 class PoolTooLarge(InvalidArgument):
-  """A pool's pages do not fit the free memory of the device it would live on.
-
-  Raised by `BlockPool` before anything is allocated; the message names the bytes
-  the pages need and the bytes the device has free (`paged_kv.core.device_memory`).
-  """
+  """A pool's pages do not fit its device's free memory; raised before anything is allocated."""
 
 
 class InvalidSegmentLayout(InvalidArgument):
-  """A segments argument is not an `int32[n, 3]` array of `(block, start, length)` rows.
-
-  The message names the expected layout and what was given (its shape and dtype, or
-  "a tuple of three 1-D arrays" for the old column layout).
-  """
+  """A segments argument is not an `int32[n, 3]` array of `(block, start, length)` rows."""
 
 
 class InvariantViolation(PagedKVError, AssertionError):
@@ -103,9 +91,7 @@ class InvariantViolation(PagedKVError, AssertionError):
 class InternalInconsistency(InvariantViolation):
   """The device state differs from the host mirror the pool decided with.
 
-  Raised when a deferred check (a commit's comparison of what the device held
-  with what the host expected, or a jitted step's reservation status against the
-  host's prediction) or a debug-mode comparison fails. The message names the
-  call. A bug, never load: `BlockPool.resync()` reloads the mirror from the
-  device, and `check_invariants()` says whether the device state is sound.
+  Raised by a deferred check (a commit's comparison, a step's status against the
+  host's prediction) or a debug-mode comparison. A bug, never load:
+  `BlockPool.resync()` reloads the mirror, `check_invariants()` checks the device.
   """

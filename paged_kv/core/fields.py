@@ -1,16 +1,8 @@
 """Typed checks of config fields: one message format, one error type.
 
-Every config and policy dataclass of the library (`PoolConfig`, `SchedulerConfig`,
-`CompactionPolicy`, `CacheGovernance`, `WatermarkQuota`) checks each field when it
-is built, with these helpers: a wrong type or a value out of range raises
-`InvalidArgument` (a `PagedKVError` and a `ValueError`) naming the owner, the
-field, the value and what is allowed, e.g.
-
-    SchedulerConfig.watermark_blocks must be an int in [0, 2147483647], got 10**9
-
-Ints are Python or numpy integers, never bools; numbers are ints or floats (not
-bools), finite; bools are `bool` or `numpy.bool_`. The checked value comes back
-normalised to a Python scalar, for the caller to store.
+A wrong type or value raises `InvalidArgument` naming owner, field, value and
+what is allowed (`SchedulerConfig.watermark_blocks must be an int in [0,
+2147483647], got 10**9`); the value comes back as a Python scalar.
 """
 
 from __future__ import annotations

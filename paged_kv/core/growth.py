@@ -1,12 +1,7 @@
 """`grow_tails`: the device's half of a host reservation, in-place tail growth.
 
-The serving loop reserves a step's slots on the host mirror
-(`paged_kv.pool.block_pool.BlockPool.reserve_step`). A row whose tokens all fit after its
-tail, in its exclusive tail block, changes only its tail segment's length, its
-`seq_len` and that block's slot bits: values the step can compute from the table
-it already reads. So those rows stay out of the commit (no change-log row, no
-touched block: most rows of a decode step) and the step applies them here, before
-it builds its metadata; rows that got a new block or segment come in the commit.
+Rows whose step tokens all fit in their exclusive tail block (most of a decode
+step) stay out of the commit; the step grows them here from the table it reads.
 """
 
 from __future__ import annotations
@@ -23,20 +18,10 @@ from paged_kv.core.state import PoolState
 
 def grow_tails(state: PoolState, seq_ids: jax.Array, grow: jax.Array, clock: jax.Array, *,
                config: PoolConfig) -> PoolState:
-  """Adds `grow[b]` tokens in place to the tail segment of row `seq_ids[b]` (traced).
+  """Adds `grow[b]` tokens in place to the tail of row `seq_ids[b]`, and sets the clock (traced).
 
-  Args:
-    state: the pool, after the commit that preceded the step.
-    seq_ids: `i32[B]` the step's rows (`-1` = padding); rows with `grow > 0` are
-      distinct, active, and own their tail block with room for `grow` tokens (the
-      host checked: `paged_kv.pool.host_transitions.reserve`).
-    grow: `i32[B]` tokens each row grows in place by (0: none, or in the commit).
-    clock: `i32[]` the host's logical clock after the reservation.
-    config: static pool config.
-
-  Returns:
-    The state with those rows' tail `length`, `seq_len` and tail blocks' slot bits
-    (and `last_use`) updated and its clock set to `clock`; nothing else changes.
+  Rows with `grow > 0` are distinct, active and own a tail block with room (the
+  host checked); only their tail length, `seq_len`, slot bits and `last_use` change.
   """
   table, meta = state.table, state.meta
   s, m, n = config.max_seqs, config.max_segments, config.num_blocks

@@ -1,11 +1,9 @@
 """The one invariant checker (host side, numpy), used by every test and soak run.
 
-Checks DESIGN.md's invariants on a pool state plus any segment references held
-outside the tables (prefix-cache nodes): reference counts, slot
-bitmaps, segment bounds, sequence lengths, and the free index (bitmap, count
-levels and `num_free` exactly the free dynamic blocks). Invariants about data (no slot
-written by two sequences, bit-identical K/V across moves) are checked by the
-stateful tests, which compare every live sequence's logical K/V to a model.
+Checks reference counts, slot bitmaps, segment bounds, sequence lengths and the
+free index, counting references held outside the tables (prefix-cache nodes).
+Invariants about data (no slot written twice, K/V unchanged by moves) belong to
+the stateful tests.
 """
 
 from __future__ import annotations
@@ -63,26 +61,10 @@ def check_invariants(state: PoolState, extra_segments: Segments | None = None, *
                      extra_blocks=None, raise_on_error: bool = True) -> list[str]:
   """Checks the pool's invariants; returns the violations (raises if any, by default).
 
-  Args:
-    state: the pool state.
-    extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
-      segment tables (e.g. `PrefixCache.segment_refs()`), each counting one
-      reference; None: none.
-    extra_blocks: `int[k]` block ids held outside the tables *without* a segment,
-      one reference per entry (repeat an id for several): the blocks a caller of
-      `allocate()` holds (ref 1, no slot bits required, no table segment). None:
-      none. The caller names them, as it does its segments: the pool does not
-      track what it handed out (compaction would move such a record anyway).
-    raise_on_error: raise `InvariantViolation` listing every violation.
-
-  Returns:
-    A list of human-readable violations (empty when consistent).
-
-  Raises:
-    InvalidSegmentLayout: `extra_segments` is not `i32[n, 3]` (a caller's error,
-      raised whatever `raise_on_error` says).
-    InvalidArgument: `extra_blocks` is not a 1-D integer array (likewise).
-    InvariantViolation: a violation, with `raise_on_error`.
+  `extra_segments: i32[n, 3]` and `extra_blocks: int[k]` are the references held
+  outside the tables, one each (a prefix cache's segments; blocks a caller of
+  `allocate()` holds without a segment). Layout errors raise
+  `InvalidSegmentLayout` / `InvalidArgument` whatever `raise_on_error` says.
   """
   extra = None if extra_segments is None else as_segments(extra_segments,
                                                           name="extra_segments")

@@ -14,32 +14,12 @@ from paged_kv.core.state import KVPages, PoolState, SegmentTable
 
 def write_kv(pages: KVPages, layer: int | jax.Array, slot_idx: jax.Array, k: jax.Array,
              v: jax.Array) -> KVPages:
-  """Scatters new tokens' K/V of one layer into their slots.
+  """Scatters one layer's new K/V (`[..., kv_heads, head_dim]`) into `slot_idx` (`-1` skips).
 
-  Meant to be called inside the model's jitted step with the pages donated
-  there, so XLA updates them in place. `jit_write_kv` is the standalone
-  jitted, donating version.
-
-  UNSAFE by design (the decode fast path): nothing is checked inside jit. Slots
-  must come straight from `reserve_tokens` of the same step (the writer's own,
-  freshly handed out, exclusive slots); an index out of range is dropped, but a
-  wrong in-range index overwrites whatever lives there (another sequence's K/V,
-  a shared prefix, a cached block) and duplicate indices leave the winner
-  undefined. Only the model layer (`paged_kv.model.paged_attention`, the jitted
-  steps) uses it, with `reserve_tokens`' output; every other caller goes through
-  `BlockPool.write_kv`, which checks range, dtype, duplicates and ownership.
-
-  Args:
-    pages: the pool's pages.
-    layer: layer index (Python int or traced scalar) in `[0, num_layers)`; not
-      checked inside jit (a negative index counts from the end, as in numpy):
-      `BlockPool.write_kv` validates it.
-    slot_idx: `i32[...]` flat physical slots from `reserve_tokens`; `-1` = skip.
-    k: `[..., num_kv_heads, head_dim]` with the leading shape of `slot_idx`.
-    v: same shape as `k`.
-
-  Returns:
-    The updated pages.
+  UNSAFE by design (the decode fast path): nothing is checked inside jit, `layer`
+  included. Slots must be the writer's own, fresh from this step's reservation: a
+  wrong index overwrites another sequence's K/V, duplicates leave the winner
+  undefined. Other callers use `BlockPool.write_kv`, which checks.
   """
   _, h, n, bs, d = pages.k.shape
   if k.shape != v.shape or k.shape != slot_idx.shape + (h, d):
@@ -69,17 +49,10 @@ def jit_write_kv(pages: KVPages, layer: jax.Array, slot_idx: jax.Array, k: jax.A
 
 def token_slots(table: SegmentTable, seq_id: jax.Array, *, max_len: int,
                 block_size: int) -> tuple[jax.Array, jax.Array]:
-  """Flat physical slot of each logical token of one sequence.
+  """Flat physical slot of each logical token of row `seq_id` (not checked inside jit).
 
-  Args:
-    table: segment tables.
-    seq_id: `i32[]` row, in range (not checked inside jit; `BlockPool` validates).
-    max_len: static number of positions returned.
-    block_size: tokens per block.
-
-  Returns:
-    `(slots, valid)`: `i32[max_len]` slot of token t (0 where invalid) and
-    `bool[max_len]` t < seq_len.
+  Returns `(slots, valid)`: `i32[max_len]` (0 where invalid) and `bool[max_len]`
+  (t < seq_len).
   """
   lengths = table.length[seq_id]
   cum = jnp.cumsum(lengths)
@@ -94,11 +67,10 @@ def token_slots(table: SegmentTable, seq_id: jax.Array, *, max_len: int,
 @functools.partial(jax.jit, static_argnames=("max_len",))
 def gather_kv(state: PoolState, seq_id: jax.Array, *,
               max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The logical K/V of one sequence, in token order (for tests and references).
+  """The logical K/V of one sequence in token order (for tests and references).
 
-  Returns:
-    `(k, v, valid)`: `k, v: [num_layers, num_kv_heads, max_len, head_dim]`
-    (zero beyond the sequence's length) and `valid: bool[max_len]`.
+  Returns `(k, v, valid)`: `k, v: [num_layers, num_kv_heads, max_len, head_dim]`
+  (zero beyond the sequence's length), `valid: bool[max_len]`.
   """
   _, _, _, bs, _ = state.pages.k.shape
   slots, valid = token_slots(state.table, jnp.asarray(seq_id, jnp.int32), max_len=max_len,

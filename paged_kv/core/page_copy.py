@@ -1,19 +1,10 @@
 """Data movement inside the pages: slot-range copies and whole-block moves.
 
-Every transition that moves K/V (`cow_split`, `pack_slots`, `compact_permute`,
-`promote_blocks`) goes through one of the two functions here, each with an
-`impl` switch:
-
-* `"xla"` (default): gather + scatter on the pages (whole blocks on CPU: a loop
-  of block-slab copies, faster than XLA's CPU scatter). Inside a transition
-  jitted with the state donated, XLA updates the buffers in place.
-* `"pallas"` (and `"mosaic"` for whole blocks): the kernels of
-  `pallas_kernels/permute_blocks.py` (`copy_slots`, `permute_blocks`), imported
-  lazily so the core does not depend on Pallas. `interpret=True` runs them in
-  interpret mode on CPU.
-
-Callers guarantee that destination slots (blocks) are distinct and disjoint from
-the source slots (blocks), so the copies are order-independent and race-free.
+Every transition that moves K/V goes through one of these two functions. `impl`
+picks `"xla"` (gather + scatter; a loop of block-slab copies on CPU) or the
+kernels of `pallas_kernels/permute_blocks.py` (`"pallas"`, `"mosaic"`), imported
+lazily so the core does not depend on Pallas. Callers guarantee destinations are
+distinct and disjoint from sources, so copies are order-independent.
 """
 
 from __future__ import annotations
@@ -47,20 +38,10 @@ def copy_slot_ranges(pages: KVPages,
                      dst_start: jax.Array,  # i32[E]
                      length: jax.Array,  # i32[E], 0 = padding
                      *, impl: str = "xla", interpret: bool = False) -> KVPages:
-  """Copies slots `[src_start, src_start + length)` of `src_block` to
-  `[dst_start, dst_start + length)` of `dst_block`, for every entry, in K and V,
-  across all layers and kv heads.
+  """Copies slots `[src_start, +length)` of `src_block` to `[dst_start, +length)` of `dst_block`.
 
-  Args:
-    pages: the pool's pages (`[L, H, num_blocks, block_size, D]` each).
-    src_block, src_start, dst_block, dst_start, length: `i32[E]`; an entry with
-      `length == 0` or a block of `-1` is padding. Ranges lie inside their
-      blocks; destination slots are distinct and disjoint from source slots.
-    impl: `"xla"` or `"pallas"` (the `copy_slots` kernel).
-    interpret: run the Pallas kernel in interpret mode (CPU).
-
-  Returns:
-    The pages with the ranges copied.
+  All layers and heads, K and V. Every argument but `pages` is `i32[E]`; an entry
+  of length 0 or block `-1` is padding. `impl`: `"xla"` or `"pallas"`.
   """
   if impl not in SLOT_COPY_IMPLS:
     raise InvalidArgument(f"impl must be one of {SLOT_COPY_IMPLS}, got {impl!r}")
@@ -76,14 +57,10 @@ def copy_slot_ranges(pages: KVPages,
 
 
 def _loop_move_pages(pages: KVPages, src: jax.Array, dst: jax.Array) -> KVPages:
-  """Whole-block moves as a loop of block-sized slice copies (the CPU path).
+  """Whole-block moves as a `fori_loop` of block-slab copies over the valid moves (the CPU path).
 
-  XLA's CPU scatter copies element by element; a `fori_loop` over the valid moves
-  (packed first, dynamic trip count) of one `dynamic_slice` +
-  `dynamic_update_slice` per block and per K/V copies `[L, H, 1, bs, D]` slabs
-  in place (pages donated) and costs about a third less
-  (`benchmarks/bench_compaction.py`). Sources and destinations are disjoint, so
-  the sequential order does not matter.
+  XLA's CPU scatter copies element by element; slab copies in place cost about a
+  third less (`benchmarks/bench_compaction.py`).
   """
   live = (src >= 0) & (dst >= 0)
   order = jnp.argsort(~live, stable=True)  # valid moves first
@@ -105,19 +82,10 @@ def move_pages(pages: KVPages,
                src: jax.Array,  # i32[M], -1 = padding
                dst: jax.Array,  # i32[M], -1 = padding
                *, impl: str = "xla", interpret: bool = False) -> KVPages:
-  """Copies whole blocks `src[i] -> dst[i]` (all layers, heads) in K and V.
+  """Copies whole blocks `src[i] -> dst[i]` (all layers and heads, K and V); sources unchanged.
 
-  Sources and destinations are disjoint sets and destinations are distinct.
-
-  Args:
-    pages: the pool's pages.
-    src, dst: `i32[M]` block ids; a move with either side `-1` is padding.
-    impl: `"xla"`, `"pallas"` (grid kernel) or `"mosaic"` (Mosaic GPU kernel),
-      the latter two from `pallas_kernels.permute_blocks`.
-    interpret: interpret mode for the kernels (CPU).
-
-  Returns:
-    The pages with the blocks copied (sources keep their old contents).
+  `-1` on either side is padding. `impl`: `"xla"`, `"pallas"` (grid kernel) or
+  `"mosaic"` (Mosaic GPU kernel).
   """
   if impl not in BLOCK_MOVE_IMPLS:
     raise InvalidArgument(f"impl must be one of {BLOCK_MOVE_IMPLS}, got {impl!r}")

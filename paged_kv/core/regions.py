@@ -1,21 +1,10 @@
 """Pool regions: base-pool promotion, live/cached quotas with watermarks, shrink/grow.
 
-* Base pool (region 1): blocks `[0, config.num_base_blocks)`. Ordinary
-  allocation (`allocate`, `reserve_tokens`) never hands them out and compaction
-  never moves them. `plan_promotion` / `promote_blocks` move a dynamic block
-  whose reader count (`ref_count`: every table row and cache node holding a
-  segment on it) reached a threshold into a free base block: one block copy plus
-  a `remap`, exactly like a compaction move. The unit is the block: all the
-  segments on it move together and keep their `(start, length)`.
-* Quotas (host policy): dynamic blocks are split between live sequences and
-  cached-only blocks (held only by the prefix cache). `WatermarkQuota` lets live
-  demand borrow from the cached quota above a high watermark and gives blocks
-  back below a low one, at most `max_step` blocks per step.
-* Shrink/grow: `plan_shrink` plans (budgeted) moves that empty the tail above
-  a cut while serving; `shrink_progress` says (two scalars) how much is left;
-  `resize_pool` cuts off a free tail or appends free blocks; `resized_config`
-  is the config of the new size, with the same base region. `ShrinkProgress`
-  is the serving loop's record of one shrink (`Scheduler.shrink_to`).
+The base pool (region 1, blocks `[0, num_base_blocks)`) is never handed out by
+ordinary allocation nor moved by compaction; `promote_blocks` moves widely read
+blocks there. `WatermarkQuota` splits dynamic blocks between live and
+cached-only data. `plan_shrink`, `shrink_progress` and `resize_pool` shrink or
+grow a pool while serving.
 """
 
 from __future__ import annotations
@@ -48,18 +37,10 @@ if TYPE_CHECKING:
 @functools.partial(jax.jit, static_argnames=("max_moves",))
 def plan_promotion(meta: BlockMeta, min_readers: jax.Array | int, *,
                    max_moves: int) -> tuple[jax.Array, jax.Array]:
-  """Dynamic blocks with at least `min_readers` references, to move into the base pool.
+  """Dynamic blocks with at least `min_readers` references, paired with the lowest free base blocks.
 
-  Most-read blocks first (ties: lowest address), each paired with the lowest
-  free base block.
-
-  Args:
-    meta: block metadata.
-    min_readers: `i32[]` promotion threshold on `ref_count`.
-    max_moves: static maximum number of promotions.
-
-  Returns:
-    `(src, dst)`: `i32[max_moves]` each, valid pairs first, `-1` padding.
+  Most-read first (ties: lowest address). Returns `(src, dst)`, `i32[max_moves]`
+  each, valid pairs first, `-1` padding.
   """
   n = meta.ref_count.shape[0]
   cand = (meta.region == REGION_DYNAMIC) & (meta.ref_count >= jnp.maximum(min_readers, 1))
@@ -81,19 +62,7 @@ def plan_promotion(meta: BlockMeta, min_readers: jax.Array | int, *,
 def promote_blocks(state: PoolState, src: jax.Array, dst: jax.Array, *, config: PoolConfig,
                    impl: str = "xla",
                    interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
-  """Moves live dynamic blocks into free base-pool blocks (copy + remap).
-
-  Args:
-    state: the pool (donated).
-    src: `i32[M]` live dynamic blocks (`-1` = padding).
-    dst: `i32[M]` free base-region blocks (`-1` = padding).
-    config: static pool config.
-    impl, interpret: block-move implementation (see `compact.compact_permute`).
-
-  Returns:
-    `(state, (remap, status))` as `compact_permute`: tables are rewritten,
-    `remap` is for holders outside the pool; one bad move refuses all.
-  """
+  """Moves live dynamic blocks into free base-pool blocks; returns as `compact_permute` does."""
   return move_blocks(state, src, dst, config=config, dst_region=REGION_BASE, impl=impl,
                      interpret=interpret)
 
@@ -106,9 +75,7 @@ def promote_blocks(state: PoolState, src: jax.Array, dst: jax.Array, *, config: 
 def block_usage(state: PoolState) -> tuple[int, int]:
   """`(live_blocks, cached_only_blocks)` of the dynamic region, on the host.
 
-  A live block is referenced by a segment of an active table row; a cached-only
-  block is referenced (`ref_count > 0`) but by no table row (only holders
-  outside the pool, such as the prefix cache).
+  Cached-only: referenced, but by no active table row (only outside holders).
   """
   t = jax.tree.map(np.asarray, state.table)
   meta = jax.tree.map(np.asarray, state.meta)
@@ -124,14 +91,11 @@ def block_usage(state: PoolState) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class QuotaDecision:
-  """What `WatermarkQuota.update` decided for one step.
+  """What `WatermarkQuota.update` decided for one step, in blocks.
 
-  Attributes:
-    live_limit: blocks live sequences may hold now (own quota + borrowed).
-    cached_limit: blocks cached-only data may hold now.
-    borrowed: blocks currently lent by the cached quota to live sequences.
-    change: blocks borrowed (> 0) or given back (< 0) at this step.
-    evict_cached: cached-only blocks above `cached_limit`, to evict (radix GC).
+  `live_limit` / `cached_limit`: what each may hold now; `borrowed`: lent by the
+  cached quota; `change`: borrowed (> 0) or given back (< 0) now; `evict_cached`:
+  cached-only blocks to evict.
   """
 
   live_limit: int
@@ -143,14 +107,11 @@ class QuotaDecision:
 
 @dataclasses.dataclass
 class WatermarkQuota:
-  """Two quotas over the dynamic blocks, live sequences vs cached-only, with borrowing.
+  """Two quotas over the dynamic blocks, live vs cached-only, with rate-limited borrowing.
 
-  Live sequences own `live_fraction` of the dynamic blocks, cached-only blocks
-  the rest. When live usage exceeds `high_watermark` of the live limit, live
-  borrows up to `max_step` blocks per step from the cached quota (which evicts
-  to make room); when it falls below `low_watermark`, borrowed blocks are given
-  back, at most `max_step` per step. Host-side policy; the scheduler admits and
-  evicts by the returned `QuotaDecision`.
+  Live owns `live_fraction`; above `high_watermark` of its limit it borrows up to
+  `max_step` blocks per step from the cached quota (which evicts), below
+  `low_watermark` it gives them back.
   """
 
   total_blocks: int
@@ -206,17 +167,11 @@ class WatermarkQuota:
 @functools.partial(jax.jit, static_argnames=("budget",))
 def plan_shrink(meta: BlockMeta, num_blocks: jax.Array | int, *,
                 budget: int) -> tuple[jax.Array, jax.Array]:
-  """Up to `budget` moves that empty the tail `[num_blocks, n)` for a shrink.
+  """Up to `budget` moves of live dynamic blocks at or above `num_blocks` into free ones below it.
 
-  The highest live dynamic blocks at or above `num_blocks` move into the lowest
-  free dynamic blocks below it (a compaction toward low addresses that stops at
-  the cut). Repeated until it returns no move, then `resize_pool` to
-  `num_blocks` succeeds, unless the blocks below the cut cannot hold the live
-  ones (then the plan runs dry with live blocks left above the cut).
-
-  Returns:
-    `(src, dst)`: `i32[budget]` each, valid moves first, `-1` padding (the
-    format `compact_permute` takes).
+  Repeated until it returns no move, after which `resize_pool` to `num_blocks`
+  succeeds, unless the blocks below cannot hold the live ones. Returns `(src,
+  dst)` as `plan_compaction` does.
   """
   n = meta.ref_count.shape[0]
   idx = jnp.arange(n, dtype=jnp.int32)
@@ -234,12 +189,9 @@ def plan_shrink(meta: BlockMeta, num_blocks: jax.Array | int, *,
 
 @jax.jit
 def shrink_progress(meta: BlockMeta, num_blocks: jax.Array | int) -> tuple[jax.Array, jax.Array]:
-  """`(held_above, free_below)`, `i32[]` each: what stands between the pool and a cut.
+  """`(held_above, free_below)`, `i32[]` each: referenced blocks at or above the cut, free below it.
 
-  `held_above`: referenced dynamic blocks at or above `num_blocks` (they must
-  move, or be released, before `resize_pool` can cut there); `free_below`: free
-  dynamic blocks below it (where they can go). One reduction, two scalars to the
-  host: what a serving loop reads per step instead of `ref_count`.
+  Two scalars a serving loop reads per step instead of `ref_count`.
   """
   n = meta.ref_count.shape[0]
   idx = jnp.arange(n, dtype=jnp.int32)
@@ -251,39 +203,15 @@ def shrink_progress(meta: BlockMeta, num_blocks: jax.Array | int) -> tuple[jax.A
 
 @dataclasses.dataclass
 class ShrinkProgress:
-  """A shrink while serving (`Scheduler.shrink_to`): target, budget and progress so far.
+  """A shrink while serving (`Scheduler.shrink_to`), updated by the scheduler once per step.
 
-  Host-side record, updated once per step by the scheduler.
-
-  Attributes:
-    target: pool size after the cut, in blocks.
-    start_blocks: pool size when the shrink was requested.
-    start_step: the scheduler step it was requested at.
-    max_moves: block moves per step (the policy's byte budget over `block_bytes`).
-    block_bytes: bytes per block the budget and `bytes_moved` count.
-    margin: free blocks kept below the cut beyond what the moves need, so one
-      step's allocations find room there (evicting cached blocks for it).
-    evict_cached: whether cached-only blocks may be evicted to make room below the cut.
-    held_at_start: referenced blocks above the target when it was requested.
-    held_above: referenced blocks above the target at the latest step.
-    steps: steps the shrink has been pending (including the cut's).
-    moves: blocks moved (each `block_bytes` read and written).
-    evicted_blocks: blocks freed by evicting cached-only data to make room.
-    spilled_blocks: blocks that became referenced above the target while it
-      was pending (allocations that found no free block below the cut).
-    wait_steps: steps that could not progress: blocks above the target and no
-      room below, or the tail free but a request submitted since still needing
-      the bigger pool.
-    move_seconds: host wall time of the shrink's work (plans, moves, evictions, cut).
-    last_moves: blocks moved at the latest step.
-    max_step_share: the largest modelled share of a step its moves took (the
-      policy's `step_time_share` at `block_bytes`).
-    done_step: the step of the cut (-1 while pending).
-    cancelled: `Scheduler.cancel_shrink` ended it before the cut.
-    staging: how the cut resizes the pages (`BlockPool.resize`): `"auto"`,
-      `"device"` or `"host"`.
-    cut: the cut's `resize.ResizeReport` (path taken, peak device bytes, bytes
-      staged, seconds); None until the cut.
+  Sizes are in blocks. `held_at_start` / `held_above`: referenced blocks above the
+  target then and now; `margin`: free blocks kept below the cut for one step's
+  allocations; `wait_steps`: steps without progress; `spilled_blocks`: blocks
+  newly referenced above the target meanwhile; `max_step_share`: the largest
+  modelled share of a step the moves took; `done_step`: the cut's step (-1 while
+  pending); `staging`: how the cut resizes (`BlockPool.resize`); `cut`: its
+  `ResizeReport`.
   """
 
   target: int
@@ -344,18 +272,11 @@ def resized_config(config: PoolConfig, num_blocks: int) -> PoolConfig:
 
 
 def resize_pool(state: PoolState, *, config: PoolConfig, new_config: PoolConfig) -> PoolState:
-  """A pool of `new_config.num_blocks` blocks holding the same data (host call).
+  """A pool of `new_config.num_blocks` blocks holding the same data (host call; shapes change).
 
-  Shrinking cuts blocks `[new_n, n)` off; they must all be free (run
-  compaction first; `plan_compaction` moves live blocks to low addresses).
-  Growing appends free dynamic blocks (zero pages). Block ids, segment tables
-  and the base region are unchanged, so no remap is needed. Shapes change, so
-  the result is a new pytree (jitted transitions recompile for it).
-
-  Raises:
-    InvalidArgument: `new_config` differs from `config` in more than the size,
-      or the base region would change.
-    InvalidBlock: a block to cut off is still referenced.
+  Shrinking cuts the free tail off, growing appends free blocks; ids, tables and
+  base region stay. Raises `InvalidArgument` (`new_config` differs in more than
+  the size or base region) or `InvalidBlock` (a cut block is referenced).
   """
   if new_config.num_base_blocks != config.num_base_blocks:
     raise InvalidArgument("resize_pool keeps the base region; build new_config with "
@@ -376,8 +297,7 @@ def resize_pool(state: PoolState, *, config: PoolConfig, new_config: PoolConfig)
 
 @functools.partial(jax.jit, static_argnames=("config", "new_config"))
 def resize_meta(meta: BlockMeta, *, config: PoolConfig, new_config: PoolConfig) -> BlockMeta:
-  """The block metadata of `resize_pool`'s result (cut or padded with free blocks,
-  the free index rebuilt)."""
+  """The block metadata of `resize_pool`'s result, free index rebuilt."""
   n, new_n = config.num_blocks, new_config.num_blocks
   if new_n < n:
     fit = lambda x: x[:new_n]
@@ -392,9 +312,7 @@ def resize_meta(meta: BlockMeta, *, config: PoolConfig, new_config: PoolConfig) 
 
 @functools.partial(jax.jit, static_argnames=("config", "new_config"))
 def resize_state(state: PoolState, *, config: PoolConfig, new_config: PoolConfig) -> PoolState:
-  """`resize_pool`'s arrays, jitted (one program per size; nothing checked: a cut
-  tail must be free, which the caller verified). The old and the new pages are
-  both alive while it runs; `resize.resize_state_staged` holds one pool at a time."""
+  """`resize_pool`'s arrays, jitted and unchecked; old and new pages are alive together."""
   n, new_n = config.num_blocks, new_config.num_blocks
   if new_n < n:
     fit = lambda p: p[:, :, :new_n]

@@ -1,33 +1,11 @@
 """Resizing a pool's pages with a bounded peak of device memory.
 
-A pool changes size by giving its arrays new shapes. XLA cannot shrink a buffer in
-place, so the plain cut (`regions.resize_state`, one jitted program) builds the new
-pages while the old ones are still alive: for a moment the device holds the old
-pool *and* the new one. On a card whose memory the pool fills (the reason to shrink
-it), that is an out-of-memory in the middle of serving.
-
-`resize_state_staged` never holds two pools. For K, then V, it takes the part of
-each layer it keeps, frees the old array, allocates the new one and writes the kept
-parts into it (in place: the new pages are donated to each write). A kept part waits
-either on the device, within a byte budget, or in host memory. With no budget
-(`staging="host"`) peak device memory is `max(old pool, new pool) + one layer of K
-of the kept size`, and every kept byte crosses the host link twice (about 1.3 s for
-16 GB each way at 25 GB/s, against a few ms for the device copy). With the device's
-free memory as the budget (`staging="auto"` when the new pages do not fit beside the
-old), less crosses: a cut's K frees room that V's kept part then uses.
-`resize_pool_state` picks the path (`plan_staging`): `"auto"` takes the one program
-when the device has room for both pools, `"device"` and `"host"` force a path.
-
-Both report a `ResizeReport`: the path taken, the live device bytes before and at
-the peak (the sum of every live `jax.Array`'s bytes, sampled after each program the
-resize runs; XLA's temporaries inside a program are not seen, which the programs'
-`memory_analysis` bounds: the staged ones alias the pages and allocate no temporary
-of pool size, see tests/core/test_resize.py), the bytes staged through the host and
-on the device, and the wall time.
-
-A failure leaves the pool as it was: an array already freed is rebuilt from its
-staged parts (the tail a shrink cuts is free: zeros), one already resized goes back
-to the old size, and the error propagates.
+XLA cannot shrink a buffer in place, so the one-program cut holds the old and
+new pool at once. `resize_state_staged` never does: for K, then V, it stages
+each layer's kept part (on the device within a budget, else on the host), frees
+the old array and writes the parts into the new one in place.
+`resize_pool_state` picks the path (`plan_staging`). A failure leaves the pool
+as it was and re-raises.
 """
 
 from __future__ import annotations
@@ -56,22 +34,12 @@ STAGINGS = ("auto", "device", "host")
 
 @dataclasses.dataclass(frozen=True)
 class ResizeReport:
-  """What one resize of a pool's pages cost.
+  """What one resize of a pool's pages cost (bytes, and wall seconds with every program waited for).
 
-  Attributes:
-    old_blocks: pool size before, in blocks.
-    new_blocks: pool size after.
-    staged: whether the kept pages went through host memory (`False`: one device copy).
-    bytes_before: live device bytes (every `jax.Array`) just before the resize.
-    peak_bytes: the most live device bytes seen between its programs.
-    pages_before: bytes of the old K and V pages.
-    pages_after: bytes of the new K and V pages.
-    chunk_bytes: bytes of one staged chunk (one layer of K or V, kept part); 0
-      when not staged.
-    host_bytes: bytes copied to the host and back (0 when not staged).
-    device_bytes: bytes of kept chunks that waited on the device instead (within
-      the staging's device budget; 0 when not staged).
-    seconds: wall time of the resize, every program waited for.
+  `staged`: kept pages went through staging; `bytes_before`/`peak_bytes`: live
+  device bytes before and at the peak between programs; `pages_*`: old and new
+  page bytes; `chunk_bytes`: one staged layer; `host_bytes`/`device_bytes`: kept
+  bytes staged through the host (both ways) or held on the device.
   """
 
   old_blocks: int
@@ -103,16 +71,11 @@ def _pages_bytes(config: PoolConfig) -> int:
 
 def plan_staging(config: PoolConfig, new_config: PoolConfig, staging: str = "auto", *,
                  device: jax.Device | None = None) -> tuple[bool, int]:
-  """`(staged, device_budget)`: how `resize_pool_state(..., staging=staging)` resizes.
+  """`(staged, device_budget)`: how `resize_pool_state` resizes for `staging`.
 
-  `"device"`: one program, `(False, 0)`. `"host"`: staged with nothing held on the
-  device, `(True, 0)`. `"auto"`: the one program when the device's free memory
-  (`device_memory.free_bytes`) holds the new pages plus an eighth of them (or is
-  unknown); else staged, holding kept chunks on the device within seven eighths of
-  the free memory less one chunk.
-
-  Raises:
-    InvalidArgument: `staging` not one of `STAGINGS`.
+  `"device"`: `(False, 0)`; `"host"`: `(True, 0)`; `"auto"`: one program when free
+  memory holds the new pages plus an eighth (or is unknown), else staged within
+  7/8 of the free memory less one chunk. Raises `InvalidArgument` otherwise.
   """
   if staging not in STAGINGS:
     raise InvalidArgument(f"staging must be one of {STAGINGS}, got {staging!r}")
@@ -129,8 +92,7 @@ def plan_staging(config: PoolConfig, new_config: PoolConfig, staging: str = "aut
 
 def stages_through_host(config: PoolConfig, new_config: PoolConfig, staging: str = "auto", *,
                         device: jax.Device | None = None) -> bool:
-  """Whether `resize_pool_state(..., staging=staging)` goes through host memory
-  (`plan_staging`'s first half)."""
+  """Whether `resize_pool_state(..., staging=staging)` goes through host memory."""
   return plan_staging(config, new_config, staging, device=device)[0]
 
 
@@ -173,8 +135,7 @@ class _Peak:
 
 def _upload(chunks: list, shape: tuple[int, ...], dtype, sharding, peak: _Peak,
             fault: Callable[[int], None] | None) -> jax.Array:
-  """New pages of `shape`: zeros, then each layer's chunk (a host array or a device
-  array already in place) written at that layer's first blocks."""
+  """New pages of `shape`: zeros, then each layer's chunk written at its first blocks."""
   pages = _zeros_program(shape, jnp.dtype(dtype), sharding)()
   peak.see()
   for layer, chunk in enumerate(chunks):
@@ -196,8 +157,7 @@ def _drop(chunks: list) -> None:
 
 @dataclasses.dataclass
 class _Staged:
-  """What replacing one pages array moved: bytes through the host (both ways) and
-  bytes held on the device while the old array was freed."""
+  """Bytes one array's replacement moved through the host (both ways) and held on the device."""
 
   host_bytes: int = 0
   device_bytes: int = 0
@@ -207,12 +167,10 @@ class _Staged:
 def _replace(arrays: dict[str, jax.Array], name: str, *, keep: int, num_blocks: int,
              budget: int, peak: _Peak, totals: _Staged,
              fault: Callable[[int], None] | None) -> None:
-  """`arrays[name]` becomes a copy with `num_blocks` blocks (its first `keep` kept,
-  the rest zeros); the old array is deleted before the new one is allocated.
+  """`arrays[name]` becomes a copy with `num_blocks` blocks; the old is deleted first.
 
-  Each layer's kept part waits on the device while the chunks held there stay within
-  `budget` bytes, else in host memory. On a failure `arrays[name]` is the old array,
-  rebuilt from the staged chunks where it was already deleted.
+  Kept parts wait on the device within `budget` bytes, else on the host. On a
+  failure `arrays[name]` is the old array again.
   """
   old = arrays[name]
   chunks: list = []
@@ -254,22 +212,9 @@ def resize_state_staged(state: PoolState, *, config: PoolConfig, new_config: Poo
                         ) -> tuple[PoolState, ResizeReport]:
   """`regions.resize_state`'s result without the old and the new pages alive together.
 
-  K, then V: each layer's kept part is staged (held on the device within
-  `device_budget` bytes, else copied to host memory), the old array is deleted,
-  the new one allocated and the kept parts written into it in place. With
-  `device_budget=0` the device holds at most the larger pool plus one layer of K;
-  with a budget, at most that plus the budget (pass the device's free memory: K's
-  cut frees room that V's kept part can then use, so less crosses the host link).
-
-  Consumes `state` (its pages are deleted, as a donated argument would be).
-  Nothing is checked: a cut tail must be free, which the caller verified
-  (`regions.resize_pool`, `BlockPool.resize`). A failure leaves `state` as it was:
-  its pages are put back (rebuilt from the staged copy where they were already
-  freed; the one place a state is written to) and the error propagates. `_fault`,
-  for tests, is called before each layer's upload.
-
-  Returns:
-    The new state and its `ResizeReport`.
+  Peak: the larger pool plus one layer of K plus `device_budget`. Consumes
+  `state`, checks nothing; a failure puts the pages back and re-raises. `_fault`
+  (tests) runs before each layer's upload.
   """
   t0 = time.perf_counter()
   peak = _Peak()
@@ -305,9 +250,7 @@ def resize_state_staged(state: PoolState, *, config: PoolConfig, new_config: Poo
 
 def resize_state_device(state: PoolState, *, config: PoolConfig,
                         new_config: PoolConfig) -> tuple[PoolState, ResizeReport]:
-  """`regions.resize_state` (one program: old and new pages alive together), measured.
-
-  Consumes `state` (its pages are deleted once the new ones are ready)."""
+  """`regions.resize_state` (old and new pages alive together), measured; consumes `state`."""
   t0 = time.perf_counter()
   peak = _Peak()
   new = resize_state(state, config=config, new_config=new_config)
@@ -324,24 +267,10 @@ def resize_state_device(state: PoolState, *, config: PoolConfig,
 
 def resize_pool_state(state: PoolState, *, config: PoolConfig, new_config: PoolConfig,
                       staging: str = "auto") -> tuple[PoolState, ResizeReport]:
-  """The pool's arrays at `new_config`'s size, by the path `plan_staging` picks.
+  """The pool's arrays at `new_config`'s size, by the path `plan_staging` picks for `staging`.
 
-  Consumes `state` (its pages are deleted, as a donated argument would be). A cut
-  tail must be free: the caller checked (`BlockPool.resize`).
-
-  Args:
-    state: the pool's state at `config`.
-    config: its config.
-    new_config: `regions.resized_config(config, n)`.
-    staging: `"device"` (one program; old and new pages live together), `"host"`
-      (`resize_state_staged` with no device budget: at most the larger pool plus one
-      layer of K), or `"auto"` (`plan_staging`).
-
-  Returns:
-    The new state and its `ResizeReport`.
-
-  Raises:
-    InvalidArgument: a bad `staging`.
+  Consumes `state`; the caller checked the cut tail is free. Returns the new
+  state and its `ResizeReport`; raises `InvalidArgument` for a bad `staging`.
   """
   staged, budget = plan_staging(config, new_config, staging)
   if staged:

@@ -1,24 +1,10 @@
 """The one host-side segment format: `Segments`, an `int32[n, 3]` array of rows.
 
-Row `i` is one segment `(block, start, length)`: the physical block id, the first
-token slot used in that block, and the number of tokens (`length >= 1`,
-`start + length <= block_size`). The tokens of a sequence (or of a prefix-cache
-node) are the concatenation of its segments, in row order.
-
-Every host API that takes or returns segments speaks this layout:
-`BlockPool.segments()` / `open_sequence(segments=)` / `pack_slots(extra_segments=)` /
-`reclaim_slots()`, `check_invariants(extra_segments=)`, the metrics
-(`live_slot_mask`, `snapshot`), `radix.PrefixCache` (`match`, `insert`,
-`segment_refs`, ...) and `paged_kv.cache.cached_pool.CachedPool`. The device-side
-`SegmentTable` holds the same triples as three `[max_seqs, max_segments]` arrays
-(one per field, padded, with `num_segments` beside them): a layout for jitted
-gathers, not an argument format.
-
-`as_segments` checks the layout only (shape, integer dtype, int32 range) and raises
-`InvalidSegmentLayout`; whether the blocks exist and the slots are written is the
-consumer's check, with its own typed error (`InvalidBlock`, `InvalidSegment`, an
-invariant violation). `radix.cache.as_segments` makes the same layout check on the
-radix side, which cannot import `paged_kv`; a test keeps the two in agreement.
+Row `i` is `(block, start, length)`: the block, its first slot used and the
+tokens (`length >= 1`, `start + length <= block_size`); a sequence is its
+segments in row order. The device's `SegmentTable` holds the same triples as
+padded per-field arrays. `radix.cache.as_segments` repeats `as_segments`'s
+layout check (radix cannot import `paged_kv`); a test keeps them in agreement.
 """
 
 from __future__ import annotations
@@ -51,21 +37,11 @@ def _describe(x: Any, arr: np.ndarray | None) -> str:
 
 
 def as_segments(segments: Any, *, name: str = "segments") -> Segments:
-  """Checks the layout of a segment list; returns it as a C-contiguous `i32[n, 3]`.
+  """Checks a segment list's layout; returns it as a C-contiguous `i32[n, 3]`.
 
-  Args:
-    segments: array-like `[n, 3]` of `(block, start, length)` rows (numpy, a JAX
-      array, or nested lists); an empty array-like (`[]`, `()`, shape `(0, 3)`) is
-      no segment.
-    name: the argument's name, for the error message.
-
-  Returns:
-    `i32[n, 3]`; it may share memory with `segments` when that already is one.
-
-  Raises:
-    InvalidSegmentLayout: not `[n, 3]`, not integers, values outside int32, or a
-      tuple of three 1-D arrays (the old `(block, start, length)` column layout,
-      ambiguous when there are exactly three segments).
+  Takes numpy, JAX or nested lists. Raises `InvalidSegmentLayout` for a shape
+  other than `[n, 3]`, non-integers, values outside int32, or a tuple of three
+  1-D arrays.
   """
   if isinstance(segments, tuple) and len(segments) == 3 and all(
       getattr(x, "ndim", None) == 1 for x in segments):
@@ -101,9 +77,7 @@ def num_tokens(segments: Segments) -> int:
 def take_tokens(segments: Segments, count: int) -> Segments:
   """The segments of the first `count` tokens; a segment straddling `count` is cut.
 
-  Raises:
-    InvalidSegmentLayout: bad layout. InvalidArgument: `count` outside
-      `[0, num_tokens(segments)]`.
+  Raises `InvalidSegmentLayout` (bad layout) or `InvalidArgument` (`count` out of range).
   """
   segs = as_segments(segments)
   ends = np.cumsum(segs[:, 2], dtype=np.int64)

@@ -1,13 +1,9 @@
 """Sequence transitions over segment tables: open, reserve, fork, release.
 
-`open_checked` opens a batch of rows in one call with the dead-slot guard the
-host API needs; `release_with_refs` applies an outside holder's reference
-changes and releases rows in one call (see their docstrings).
-
-All are pure and jitted with the state donated; each takes a batch of sequence
-rows and returns an `i32` status per row. A row id of `-1` is padding: status
-OK, nothing done. Failed rows leave the state untouched; with `atomic=True` a
-single failure leaves the whole state untouched (the others report ABORTED).
+Each takes a batch of rows (`-1` = padding: OK, nothing done) with `state`
+donated and static `config`, and returns an `i32` status per row. Failed rows
+leave the state untouched; with `atomic=True` one failure leaves all of it
+untouched (the other rows report ABORTED).
 """
 
 from __future__ import annotations
@@ -68,23 +64,11 @@ def range_mask(start: jax.Array, length: jax.Array, words: int) -> jax.Array:
 def open_sequence(state: PoolState, seq_ids: jax.Array, seg_block: jax.Array,
                   seg_start: jax.Array, seg_length: jax.Array, num_segments: jax.Array, *,
                   config: PoolConfig, atomic: bool = False) -> tuple[PoolState, jax.Array]:
-  """Activates free rows, each optionally starting from shared segments (a cached prefix).
+  """Activates inactive rows `seq_ids`, each optionally from shared segments (a cached prefix).
 
-  Every given segment gains one reference (incref of its block). The segments
-  must lie on live blocks and on slots already written (`slots` bits set).
-
-  Args:
-    state: the pool (donated).
-    seq_ids: `i32[B]` inactive rows to open (`-1` = padding).
-    seg_block: `i32[B, P]` blocks of the starting segments.
-    seg_start: `i32[B, P]` first slots.
-    seg_length: `i32[B, P]` lengths (>= 1 for the first `num_segments`).
-    num_segments: `i32[B]` starting segments per row, `0 <= . <= min(P, max_segments)`.
-    config: static pool config.
-    atomic: apply nothing if any row fails.
-
-  Returns:
-    `(state, status: i32[B])`.
+  Row `b` starts with `(seg_block, seg_start, seg_length)[b, :num_segments[b]]`
+  (`i32[B, P]`), each on a live block and written slots, each increfing its
+  block. Returns `(state, status: i32[B])`.
   """
   n, bs = config.num_blocks, config.block_size
   table, meta = state.table, state.meta
@@ -142,29 +126,14 @@ def open_sequence(state: PoolState, seq_ids: jax.Array, seg_block: jax.Array,
 def reserve_tokens(state: PoolState, seq_ids: jax.Array, num_new: jax.Array, *,
                    config: PoolConfig, max_new_tokens: int,
                    atomic: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
-  """Makes room for the next `num_new[i]` tokens of each sequence in a batch.
+  """Makes room for the next `num_new[i]` tokens of each active row in a batch.
 
-  Tokens go in place, after the tail segment, while the sequence owns its tail
-  block exclusively (ref_count 1, dynamic region) and the following slots are
-  unused; the rest go to fresh blocks (lowest address first), one new segment
-  per block. A tail shared with another sequence or a cache node (after
-  `fork`, or a prefix opened from the cache) is never appended to.
-
-  Work is O(B * (max_new_tokens + block_size)): no scan of the pool.
-
-  Args:
-    state: the pool (donated).
-    seq_ids: `i32[B]` active rows (`-1` = padding). No repeats.
-    num_new: `i32[B]` tokens to add, `0 <= num_new <= max_new_tokens`.
-    config: static pool config.
-    max_new_tokens: static width of `slot_idx`.
-    atomic: apply nothing if any row fails.
-
-  Returns:
-    `(state, (slot_idx, status))`: `slot_idx: i32[B, max_new_tokens]` the flat
-    physical slot (`block * block_size + offset`) of each new token in order,
-    `-1` beyond `num_new[i]` and for failed rows; `status: i32[B]`. Blocks are
-    granted first come first served in batch order.
+  Tokens go in place after the tail segment while the row owns its tail block
+  (ref_count 1, dynamic) with free slots after it; the rest go to fresh blocks,
+  lowest address first, granted first come first served. O(B * (max_new_tokens +
+  block_size)). Returns `(state, (slot_idx, status))`: `slot_idx: i32[B,
+  max_new_tokens]` the flat slot (`block * block_size + offset`) of each new
+  token, `-1` beyond `num_new[i]` and for failed rows.
   """
   n, bs, m = config.num_blocks, config.block_size, config.max_segments
   table, meta = state.table, state.meta
@@ -245,16 +214,9 @@ def reserve_tokens(state: PoolState, seq_ids: jax.Array, num_new: jax.Array, *,
 @functools.partial(jax.jit, static_argnames=("config", "atomic"), donate_argnames=("state",))
 def release(state: PoolState, seq_ids: jax.Array, *, config: PoolConfig,
             atomic: bool = False) -> tuple[PoolState, jax.Array]:
-  """Ends sequences: every segment drops its reference; blocks reaching zero are freed.
+  """Ends rows: every segment drops its reference; blocks reaching zero are freed.
 
-  Args:
-    state: the pool (donated).
-    seq_ids: `i32[B]` active rows (`-1` = padding). No repeats.
-    config: static pool config.
-    atomic: apply nothing if any row fails.
-
-  Returns:
-    `(state, status: i32[B])`. Releasing an inactive row is `INVALID_SEQUENCE`.
+  Returns `(state, status: i32[B])`; an inactive row is `INVALID_SEQUENCE`.
   """
   n, m = config.num_blocks, config.max_segments
   table = state.table
@@ -285,21 +247,10 @@ def release(state: PoolState, seq_ids: jax.Array, *, config: PoolConfig,
 @functools.partial(jax.jit, static_argnames=("config", "atomic"), donate_argnames=("state",))
 def fork(state: PoolState, src_ids: jax.Array, dst_ids: jax.Array, *, config: PoolConfig,
          atomic: bool = False) -> tuple[PoolState, jax.Array]:
-  """Starts each `dst` row as a copy of `src`, sharing (increfing) all its segments.
+  """Starts each inactive `dst` row as a copy of active `src` (may repeat), sharing its segments.
 
-  Used for parallel sampling and beam search. The shared tail block then has
-  `ref_count >= 2`, so the next append of either sequence starts a new segment
-  in a fresh block (or `cow_split` copies the tail first).
-
-  Args:
-    state: the pool (donated).
-    src_ids: `i32[B]` active rows (may repeat: several children of one parent).
-    dst_ids: `i32[B]` inactive rows, no repeats (`-1` = padding, with any src).
-    config: static pool config.
-    atomic: apply nothing if any row fails.
-
-  Returns:
-    `(state, status: i32[B])`.
+  The shared tail then has `ref_count >= 2`, so the next append starts a fresh
+  block (or `cow_split` copies the tail first). Returns `(state, status: i32[B])`.
   """
   n, m = config.num_blocks, config.max_segments
   table = state.table
@@ -336,37 +287,13 @@ def open_checked(state: PoolState, seq_ids: jax.Array, seg_block: jax.Array,
                  seg_start: jax.Array, seg_length: jax.Array, num_segments: jax.Array, *,
                  config: PoolConfig,
                  check_dead: bool = True) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
-  """`open_sequence` (atomic) of a batch of rows, refusing segments that may be on dead slots.
+  """`open_sequence` (atomic), refusing segments that may lie on dead slots.
 
-  A slot is dead when it was handed out but no live holder covers it any more
-  (a released or moved segment left it); `reclaim_slots` may hand it out
-  again, so a segment on it would read K/V that can be overwritten. Deciding
-  it needs the live tables' coverage of the block. This call flags, without
-  any host read, every used segment that *might* lie on dead slots: a
-  well-formed segment on a live block whose references are all table segments
-  (`0 < ref_count <= table references`, so no outside holder such as a prefix
-  cache vouches for it). If any is flagged (`check_dead`), nothing is applied:
-  the flagged rows report `INVALID_SEGMENT`, the others `ABORTED`, and
-  `suspect` names the segments for the host to decide (`BlockPool` checks them
-  against the tables and calls again with `check_dead=False` when none is dead).
-  Segments a prefix cache holds are never flagged, so the scheduler's opens
-  take one call.
-
-  Work is O(B * P * max_seqs * max_segments) compares (`table_refs_at`), never
-  O(num_blocks).
-
-  Args:
-    state: the pool (donated).
-    seq_ids: `i32[B]` inactive rows to open (`-1` = padding).
-    seg_block: `i32[B, P]` blocks of the starting segments.
-    seg_start: `i32[B, P]` first slots.
-    seg_length: `i32[B, P]` lengths.
-    num_segments: `i32[B]` starting segments per row.
-    config: static pool config.
-    check_dead: flag (and refuse) possibly dead segments first.
-
-  Returns:
-    `(state, (status: i32[B], suspect: bool[B, P]))`.
+  A dead slot was handed out but no live holder covers it, so it may be handed out
+  again. With `check_dead`, a segment on a live block held only by table segments
+  is flagged; any flag refuses the call (`INVALID_SEGMENT`, others `ABORTED`) and
+  `suspect: bool[B, P]` names them for the host to check. Prefix-cache segments
+  are never flagged. Returns `(state, (status, suspect))`.
   """
   n, bs = config.num_blocks, config.block_size
   seq_ids = jnp.asarray(seq_ids, jnp.int32)
@@ -396,22 +323,8 @@ def release_with_refs(state: PoolState, seq_ids: jax.Array, block_ids: jax.Array
                       config: PoolConfig) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
   """`apply_ref_deltas(block_ids, deltas)` then `release(seq_ids)`, in one atomic call.
 
-  What finishing sequences into a prefix cache does in one step: the tree takes
-  its references on the rows' blocks (increfs, checked against the state before
-  the release, so a decref may not take a block below the references the rows
-  still hold), then the rows end. If any row or delta is refused, nothing is
-  applied: the refused entries report their status (as `release` /
-  `apply_ref_deltas` do), the valid ones `ABORTED`.
-
-  Args:
-    state: the pool (donated).
-    seq_ids: `i32[B]` active rows (`-1` = padding). No repeats.
-    block_ids: `i32[K]` blocks of the outside holder's changes (`-1` = padding).
-    deltas: `i32[K]` the changes.
-    config: static pool config.
-
-  Returns:
-    `(state, (row_status: i32[B], ref_status: i32[K]))`.
+  The deltas are checked against the state before the release. Returns `(state,
+  (row_status: i32[B], ref_status: i32[K]))`.
   """
   seq_ids = jnp.asarray(seq_ids, jnp.int32)
   block_ids = jnp.asarray(block_ids, jnp.int32)

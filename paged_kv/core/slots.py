@@ -1,46 +1,12 @@
 """Slotted blocks: `cow_split` (copy-on-write of a tail) and `pack_slots` (packing).
 
-A block holds several short segments ("slotted block") when `pack_slots` copies
-segments shorter than a block into free slot ranges of partly used blocks, or
-several of them into one fresh block. Addressing stays `(block, start, length)`.
-
-Holders. A segment reference is held either by a row of the segment table or by
-a holder outside the pool (the radix prefix cache, a swap buffer). `pack_slots`
-names each reference it moves by an *owner*:
-
-* `owner >= 0`: the table row; `col` is the segment's column in that row.
-* `owner == OWNER_EXTERNAL` (-2): an outside holder; `(block, start, length)`
-  is the segment it holds, and the caller vouches that it holds one reference.
-* `owner == -1`: padding.
-
-The pool transfers the reference of every moved segment itself (incref the
-destination block, decref the source block, one atomic device call) and
-returns each segment's new `(block, start)`; the length never changes. An
-outside holder then only rewrites its record, without touching reference
-counts: for the radix cache, `rebind_segment(node, old, new)` returns deltas
-(+1 new block, -1 old block) that are *exactly the ones the pool already
-applied*, so the scheduler must not apply them again (it may assert they equal
-`PackResult.ref_deltas` of the host wrapper). Identical triples named in one
-call (e.g. one segment held by a sequence and by a cache node) move together to
-one destination: one copy, each reference transferred.
-
-Slot bits (`BlockMeta.slots`) are set when a slot is handed out and cleared when
-the block frees or when `reclaim_slots` finds that no segment covers the slot any
-more, so a moved segment's old slots stay marked until then; destinations are
-only slots whose bit is clear (never handed out since the block was last free or
-the slot was last reclaimed), hence never referenced.
-
-Scrubbing (`PoolConfig.scrub_freed_blocks`). A freed block is zeroed whole when it
-frees (`alloc.change_refs`, compaction sources). A slot can also be given up while
-its block stays alive: a segment moved away by `pack_slots` or `cow_split`, or a
-segment whose holder (a released row, an evicted cache node) lets go of a slotted
-block that other segments keep alive. Its K/V then stays in the slot, which keeps
-its bit set, so nothing can hand it out, and no segment covers it, so no reader can
-reach it. (Zeroing it on departure is not possible in general: another holder the
-call does not see, e.g. a cache node, may still cover the same slots.) The only
-path that hands such a slot out again is `reclaim_slots`, which knows every holder:
-with scrubbing on it zeroes every slot whose bit it clears, in the same call, so
-the next owner of a reclaimed slot never sees the previous owner's K/V.
+`pack_slots` copies segments shorter than a block into free slots of partly used
+blocks. A moved reference's owner is a table row (`owner >= 0`, `col` its
+column), an outside holder (`OWNER_EXTERNAL`, vouching for one reference) or
+padding (`-1`); the pool transfers every reference itself, so an outside
+holder's rebind deltas must not be applied again. Slot bits stay set until the
+block frees or `reclaim_slots` (which knows every holder) finds the slot
+uncovered, so a destination slot was never referenced.
 """
 
 from __future__ import annotations
@@ -79,29 +45,13 @@ def _tail_blocks_mask(state: PoolState, n: int) -> jax.Array:
 def cow_split(state: PoolState, seq_ids: jax.Array, *, config: PoolConfig, atomic: bool = False,
               impl: str = "xla",
               interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
-  """Copies each sequence's tail segment into an exclusive fresh block, when needed.
+  """Copies each row's tail segment into a fresh block it owns, when appending in place cannot.
 
-  A tail segment `(b, s, l)` with `l < block_size` is split off when appending
-  to it in place is impossible or limited: `b` is shared (`ref_count > 1`), in
-  the base region, the segment does not start at slot 0, or some slot after it
-  was handed out (a slotted block). Its `l` tokens are copied (all layers,
-  heads) to slots `[0, l)` of the lowest free block, which the row then owns
-  exclusively, so `reserve_tokens` appends up to `block_size - l` tokens in
-  place. The old block loses the row's reference (and frees at zero). Rows
-  whose tail is already exclusive, at slot 0 and followed by free slots, full,
-  or empty, are left as they are (`split = False`).
-
-  Args:
-    state: the pool (donated).
-    seq_ids: `i32[B]` active rows (`-1` = padding). No repeats.
-    config: static pool config.
-    atomic: apply nothing if any row fails.
-    impl: slot-copy implementation (`"xla"` or `"pallas"`), see `page_copy`.
-    interpret: interpret mode for the Pallas kernel.
-
-  Returns:
-    `(state, (split, status))`: `split: bool[B]` rows whose tail was copied;
-    `status: i32[B]` (`NO_FREE_BLOCK` when no block was free for the copy).
+  That is when the tail block is shared, in the base region, the tail does not
+  start at slot 0, or a slot after it was handed out; the row then owns slots
+  `[0, l)` of the lowest free block and drops its reference on the old one.
+  `impl`/`interpret` as in `page_copy`. Returns `(state, (split: bool[B],
+  status: i32[B]))`, `NO_FREE_BLOCK` when no block was free for the copy.
   """
   n, bs, m = config.num_blocks, config.block_size, config.max_segments
   table, meta = state.table, state.meta
@@ -151,27 +101,7 @@ def _place_segments(occ: jax.Array, eligible: jax.Array, lengths: jax.Array, lea
                     free_list: jax.Array, num_free: jax.Array, group: jax.Array,
                     block_group: jax.Array, *,
                     block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Sequential best-fit placement of short segments into free slot ranges.
-
-  Args:
-    occ: `bool[N, bs]` slots already handed out.
-    eligible: `bool[N]` partly used blocks that may receive segments.
-    lengths: `i32[K]` tokens per segment.
-    leader: `bool[K]` entries to place (others are skipped, `-1`).
-    free_list, num_free: the free list; fresh blocks are taken from its front.
-    group: `i32[K]` each segment's group (a tenant): it only goes to a block of
-      its group.
-    block_group: `i32[N]` each eligible block's group (-1: no segment's); a fresh
-      block takes the group of the segment that opened it.
-    block_size: static slots per block.
-
-  Returns:
-    `(dest_block, dest_start, occ)`: `i32[K]` each (`-1` = not placed) and the
-    updated occupancy. Each segment goes to the fullest eligible block of its
-    group (or fresh block taken in this call for it) with a free run long enough,
-    at the first such run; if none fits, to slot 0 of the next fresh block; else
-    it fails.
-  """
+  """Best-fit placement: `(dest_block, dest_start, occ)`, fullest same-group block first."""
   n, bs = occ.shape
   s_idx = jnp.arange(bs + 1, dtype=jnp.int32)
 
@@ -217,42 +147,12 @@ def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: ja
                interpret: bool = False) -> tuple[PoolState, tuple[jax.Array, jax.Array, jax.Array]]:
   """Copies short segments into free slot ranges of partly used blocks (or fresh ones).
 
-  Each named segment (`length < block_size`, dynamic region) is placed, in
-  order, best fit: into the fullest eligible block with a long enough run of
-  never-handed-out slots, else at slot 0 of the lowest free block (which then
-  takes the following segments too, so several short segments share one fresh
-  block). Eligible blocks are live dynamic blocks with some slot handed out,
-  that are neither the tail block of an active row (it may still grow in
-  place) nor the source block of a segment of this call. The K/V of the
-  segment is copied (all layers, heads), the reference moves from the old
-  block to the new one (old blocks reaching zero are freed) and table rows are
-  rewritten; see the module docstring for outside holders.
-
-  Groups keep tenants apart: with `seg_group` and `block_group`, a segment goes
-  only to an eligible block of its own group or to a fresh block, which then
-  takes its group (so two groups never share a block this call fills). Without
-  them every segment and block is group 0.
-
-  Args:
-    state: the pool (donated).
-    owner: `i32[K]` table row, `OWNER_EXTERNAL`, or `-1` (padding).
-    col: `i32[K]` segment column of table-owned entries (ignored otherwise).
-    seg_block, seg_start, seg_length: `i32[K]` the segment; for a table entry
-      it must equal the row's segment at `col`. A table entry may appear once.
-    seg_group: `i32[K]` each segment's group (>= 0), or None: all 0.
-    block_group: `i32[N]` each block's group (-1: a destination for no segment),
-      or None: all 0.
-    config: static pool config.
-    atomic: apply nothing if any entry fails.
-    impl: slot-copy implementation (`"xla"` or `"pallas"`).
-    interpret: interpret mode for the Pallas kernel.
-
-  Returns:
-    `(state, (new_block, new_start, status))`, each `i32[K]`: the segment's new
-    block and first slot (`-1` where not moved; its length is unchanged), and
-    the status (`INVALID_SEQUENCE`, `INVALID_SEGMENT` (bad, full-length, or a
-    mismatch with the table), `INVALID_BLOCK` (free or base-region block),
-    `NO_FREE_BLOCK` (nowhere to go), `ABORTED`).
+  Each segment (`length < block_size`, dynamic) goes, in order and best fit, to a
+  live dynamic block with a slot handed out that is neither an active row's tail
+  nor a source of this call; the reference moves and table rows are rewritten.
+  With `seg_group: i32[K]` / `block_group: i32[N]` (-1: no destination) a segment
+  only joins its own group's blocks. Returns `(state, (new_block, new_start,
+  status))`, each `i32[K]`, `-1` where not moved.
   """
   n, bs, m = config.num_blocks, config.block_size, config.max_segments
   table, meta = state.table, state.meta
@@ -352,12 +252,7 @@ def pack_slots(state: PoolState, owner: jax.Array, col: jax.Array, seg_block: ja
 
 
 def _zero_slots(pages: KVPages, cleared: jax.Array) -> KVPages:
-  """Zeroes the K/V of the slots `cleared: bool[N, bs]` (traced helper).
-
-  Loops over the blocks with a cleared slot only (a dynamic trip count), reading
-  and writing one block of every layer and head per iteration, so the cost is the
-  blocks touched, not the pool.
-  """
+  """Zeroes the K/V of the slots `cleared: bool[N, bs]`, looping over the touched blocks only."""
   n = cleared.shape[0]
   hit = jnp.any(cleared, axis=1)
   num_hit = jnp.sum(hit, dtype=jnp.int32)
@@ -383,28 +278,10 @@ def reclaim_slots(state: PoolState, ext_block: jax.Array, ext_start: jax.Array,
                   config: PoolConfig) -> tuple[PoolState, tuple[jax.Array, jax.Array]]:
   """Clears the slot bits no live segment covers, so packing can reuse them.
 
-  A slot's bit stays set after the segment that used it leaves a block that
-  other segments keep alive (the pool alone cannot tell whether another
-  reference still covers it). Given every reference held outside the segment
-  tables, this recomputes each block's bits as the union of the slots its
-  segments cover. It is safe only if no holder is missing, so it first checks
-  that the references counted (tables + `ext_*`) equal `ref_count` for every
-  block, and otherwise changes nothing. O(num_blocks * block_size) work:
-  between steps. With `config.scrub_freed_blocks`, the K/V of every slot whose
-  bit is cleared is zeroed in the same call (the slot's last owner has left, and
-  the slot may be handed out next, e.g. to an in-place append that reads before
-  it writes); the extra work is one block copy per block with a cleared slot.
-
-  Args:
-    state: the pool (donated).
-    ext_block, ext_start, ext_length: `i32[E]` every segment held outside the
-      tables (e.g. `PrefixCache.segment_refs()`), `length == 0` = padding.
-    config: static pool config.
-
-  Returns:
-    `(state, (status, reclaimed))`: `status: i32[]` (`INVALID_SEGMENT` when the
-    references do not account for `ref_count`, nothing changed) and
-    `reclaimed: i32[]` slots whose bit was cleared.
+  `ext_*: i32[E]` are every segment held outside the tables (`length == 0` =
+  padding); if tables plus them do not account for every `ref_count`, nothing
+  changes (`INVALID_SEGMENT`). O(num_blocks * block_size): between steps. Cleared
+  slots are zeroed when the pool scrubs. Returns `(state, (status, reclaimed))`.
   """
   n, bs, m = config.num_blocks, config.block_size, config.max_segments
   t = state.table
@@ -442,29 +319,11 @@ def reclaim_slots(state: PoolState, ext_block: jax.Array, ext_start: jax.Array,
 
 def plan_consolidation(ref_count, slots, region, seg_block, seg_length, *, block_size: int,
                        max_moves: int = 64):
-  """Which held segments to re-pack so that the sparsest slotted blocks free (host, numpy).
+  """Held segments whose re-packing frees the sparsest slotted blocks: `i64[K]` indices.
 
-  Packing fills holes only with new segments; a slotted block whose segments
-  left one by one keeps its remaining ones, and its free slots, until the last
-  one leaves. This picks the least occupied partly used dynamic blocks whose
-  every reference is among the given segments (no table row or unnamed holder
-  on them), as long as their live slots fit into the free slots of the partly
-  used blocks that stay, and returns those blocks' segments: `pack_slots` of
-  them (best fit into the fullest other block) frees the picked blocks.
-
-  Call it right after `reclaim_slots` (the slot bits are then exactly the slots
-  covered by live segments); `slots` taken before that overstate occupancy and
-  only make the plan more conservative.
-
-  Args:
-    ref_count: `i32[num_blocks]`; slots: `u32[num_blocks, words]`; region: `i8[num_blocks]`.
-    seg_block, seg_length: `i32[E]` the segments the caller may move (e.g. every
-      segment the prefix cache holds), one reference each.
-    block_size: tokens per block.
-    max_moves: most segments returned.
-
-  Returns:
-    `i64[K]` indices into the given segments, `K <= max_moves`, sparsest block first.
+  Picks partly used dynamic blocks whose every reference is among the given
+  segments (one each), sparsest first, while their live slots fit in the blocks
+  that stay. Call it right after `reclaim_slots` (older bits are conservative).
   """
   ref = np.asarray(ref_count)
   words = np.asarray(slots).astype(np.uint64)

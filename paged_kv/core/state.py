@@ -27,14 +27,9 @@ def _pytree(cls):
 
 @_pytree
 class KVPages:
-  """The K and V pages of every layer.
+  """K and V pages, each `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`.
 
-  Attributes:
-    k: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]` (config dtype).
-    v: same shape and dtype as `k`.
-
-  The head axis precedes the block axis so tensor-parallel sharding splits axis 1
-  and one kv head of one block is `block_size * head_dim` contiguous elements.
+  Heads precede blocks so tensor parallelism splits axis 1.
   """
 
   k: jax.Array
@@ -52,11 +47,9 @@ FREE_FANOUT = 32  # bits per word of `free_bits`; children per entry of `free_co
 def free_index_levels(num_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """`(sizes, offsets)` of the free index of a pool of `num_blocks` blocks (static).
 
-  `sizes[0]` is the number of `free_bits` words (`ceil(num_blocks / 32)`);
-  `sizes[l]` for `l >= 1` the entries of count level `l`, each covering 32
-  entries of level `l - 1` (so `32**(l + 1)` blocks), up to the first level of at
-  most 32 entries. `offsets[l]` is where level `l >= 1` starts in `free_counts`
-  (`offsets[0]` is unused, 0).
+  `sizes[0]` is the number of `free_bits` words; `sizes[l]` the entries of count
+  level `l`, each covering 32 of level `l - 1`; `offsets[l]` is where level
+  `l >= 1` starts in `free_counts`.
   """
   sizes = [max(1, -(-num_blocks // FREE_FANOUT))]
   while sizes[-1] > FREE_FANOUT:
@@ -92,11 +85,10 @@ def free_mask_of(free_bits: jax.Array, num_blocks: int) -> jax.Array:
 
 
 def free_list_view(free: jax.Array, num_free: jax.Array) -> jax.Array:
-  """The free blocks of `free: bool[n]`, ascending, in the last `num_free` entries of `i32[n]`.
+  """The free blocks of `free: bool[n]` ascending in the last `num_free` entries of `i32[n]`.
 
-  The layout `BlockMeta.free_list` had before the free index: entries before the
-  window are -1. A `num_free` larger than the mask's count pads the window's end
-  with -1 (a corrupted state stays visible to a checker). O(num_blocks).
+  Entries before are -1; a `num_free` above the mask's count pads with -1, so a
+  corrupted state stays visible.
   """
   n = free.shape[0]
   (idx,) = jnp.nonzero(free, size=n, fill_value=-1)
@@ -111,31 +103,13 @@ class BlockMeta:
   """Per-block bookkeeping, plus the free index that makes allocation O(request).
 
   Attributes:
-    ref_count: `i32[num_blocks]` segment references to the block (live tables
-      plus holders outside the pool, such as prefix-cache nodes). A block is free
-      iff `ref_count == 0`.
-    slots: `u32[num_blocks, ceil(block_size / 32)]` bit i set = slot i has been
-      handed out since the block was last free. Cleared when the block frees.
-    last_use: `i32[num_blocks]` value of `PoolState.step` at the last reserve or
-      open that touched the block (for LRU/TTL and metrics).
-    region: `i8[num_blocks]` 0 dynamic, 1 base pool (pinned shared prefixes).
-    free_bits: `u32[ceil(num_blocks / 32)]` bit `b % 32` of word `b // 32` set iff
-      block `b` is a free *dynamic* block (an index of `ref_count == 0` restricted
-      to region 0; the invariant checker verifies the two agree).
-    free_counts: `i32[...]` the count levels above `free_bits`
-      (`free_index_levels`): entry `i` of level `l` is the number of free blocks
-      among blocks `[i * 32**(l+1), (i+1) * 32**(l+1))`. With them the `k`-th
-      lowest free block is found in `O(32 * levels)` and a block is marked free
-      or taken in `O(levels)` (`paged_kv.core.alloc`), so no transition that
-      takes or frees a few blocks touches the whole pool.
-    num_free: `i32[]` free dynamic blocks (the number of bits set).
-
-  `free_list` (a property, O(num_blocks)) is the layout of the older ascending
-  free list, kept for readers of it: the free dynamic blocks ascending in the
-  last `num_free` entries, `-1` before them. Passing `free_list=` (with
-  `num_free=`) to the constructor or to `dataclasses.replace` sets the index from
-  such a window (O(num_blocks)). Without `free_list` the fields are stored as
-  given (as a pytree unflatten does, whatever the leaves are).
+    ref_count: `i32[num_blocks]` segment references (tables plus outside holders); 0 = free.
+    slots: `u32[num_blocks, ceil(block_size / 32)]` bit i = slot i handed out since last free.
+    last_use: `i32[num_blocks]` `PoolState.step` at the last reserve or open touching it.
+    region: `i8[num_blocks]` 0 dynamic, 1 base pool.
+    free_bits, free_counts, num_free: the free index of the dynamic blocks
+      (`free_index_levels`); `free_list=` with `num_free=` sets it from the
+      ascending free-list view.
   """
 
   ref_count: jax.Array
@@ -164,7 +138,7 @@ class BlockMeta:
 
   @property
   def free_list(self) -> jax.Array:
-    """`i32[num_blocks]` the old ascending free-list layout (see the class docstring)."""
+    """`i32[num_blocks]`: the free dynamic blocks ascending in the last `num_free` entries."""
     n = self.ref_count.shape[0]
     return free_list_view(free_mask_of(jnp.asarray(self.free_bits), n),
                           jnp.asarray(self.num_free))
@@ -172,19 +146,10 @@ class BlockMeta:
 
 @_pytree
 class SegmentTable:
-  """Per-sequence segment tables: each row is a list of `(block, start, length)`.
+  """Per-sequence segment tables: row `i` lists `(block, start, length)`, `num_segments[i]` used.
 
-  Logical token `t` of sequence `i` lives in the segment `s` whose cumulative
-  length covers `t`, at slot `start[i, s] + t - sum(length[i, :s])` of block
-  `block[i, s]`. A classic page table is the case `start = 0, length = block_size`.
-
-  Attributes:
-    block: `i32[max_seqs, max_segments]` physical block of each segment.
-    start: `i32[max_seqs, max_segments]` first slot of the segment in its block.
-    length: `i32[max_seqs, max_segments]` tokens in the segment (>= 1 when used).
-    num_segments: `i32[max_seqs]` used segments; entries beyond are zero.
-    seq_len: `i32[max_seqs]` tokens of the sequence (sum of its lengths).
-    active: `bool[max_seqs]` whether the row holds a live sequence.
+  Attributes (`i32[max_seqs, max_segments]` unless said): block, start, length;
+  num_segments, seq_len (`i32[max_seqs]`); active (`bool[max_seqs]`).
   """
 
   block: jax.Array
@@ -199,11 +164,7 @@ class SegmentTable:
 class PoolState:
   """The whole pool: one pytree, donated to and returned by every transition.
 
-  Attributes:
-    pages: the K/V data.
-    meta: per-block bookkeeping and the free index.
-    table: the segment tables of live sequences.
-    step: `i32[]` logical clock, advanced by every `reserve_tokens` call that reserves a token.
+  `step: i32[]` is the logical clock, advanced by every call that reserves a token.
   """
 
   pages: KVPages
@@ -213,11 +174,11 @@ class PoolState:
 
 
 def init_pool(config: PoolConfig) -> PoolState:
-  """An empty pool: every block free, every sequence row inactive, pages zero.
+  """An empty pool: every block free, every row inactive, pages zero.
 
-  One jitted program per config (module level, so `paged_kv.runtime.executables`
-  can release it with the library's other programs; eager `jnp` calls would leave
-  one program per op and shape in JAX's own caches)."""
+  One jitted program per config, at module level so `paged_kv.runtime.executables`
+  can release it.
+  """
   return _init_pool(config)
 
 

@@ -1,31 +1,9 @@
 """What model code imports: per-step metadata, paged attention, NNX layers, jitted steps.
 
-  paged_kv.model.plan       StepPlan: the rows and ragged tokens of one forward pass
-  paged_kv.model.metadata   StepMetadata: positions, slot_mapping, cu_q_lens, segment
-                            tables, decode/prefill counts (built on host or in jit)
-  paged_kv.model.attention  paged_attention (write K/V + attend, mixed batch), default_impl
-  paged_kv.model.contract   the model contract ModelExecutor calls: PagedModel, check_model
-  paged_kv.model.ragged     the ragged token layout helpers (`last_token_index`: each
-                            row's last token in the ragged batch, whose logits sample)
-  paged_kv.model.layers     PagedAttention (Flax NNX), apply_rope, causal_attention
-  paged_kv.model.rope       RopeScaling, inverse_frequencies (Hugging Face's RoPE scalings)
-  paged_kv.model.llama      the Llama-family reference model (TinyLlama), dense_forward
-  paged_kv.model.steps      jitted forward / prefill / decode_step / decode_multi;
-                            bind(model, config) -> ModelSteps: the same, built once
-                            (the fast path: a call hashes nothing, flat in depth)
-  paged_kv.model.multistep  scan_decode: k decode steps in one program (which rows run)
-  paged_kv.model.runner     PagedRunner, generate_paged (host driver for tests, demos)
-  paged_kv.model.reference  generate_dense, dense_mismatches (the dense reference)
-  paged_kv.model.hf_checkpoint  load_checkpoint: a Hugging Face Llama/Mistral/Qwen2
-                            checkpoint into TinyLlama (the `hf` extra: safetensors)
-  paged_kv.model.tokenizer  Tokenizer over a tokenizer.json (the `hf` extra: tokenizers)
-  paged_kv.model.random_checkpoint  a random checkpoint with a real model's shape, written
-                            as transformers names it (numpy + safetensors)
-  paged_kv.model.hf_reference  transformers on the same checkpoint: greedy generate and a
-                            teacher-forced check of our tokens (torch, transformers)
-
-The first five (and `rope`) need only JAX; the names from the others (which need flax) are
-loaded on first use, so `import paged_kv.model` does not import flax.
+`StepPlan`, `StepMetadata`, `paged_attention`, the model contract, `ragged` and
+`rope` need only JAX; the names from the flax modules (`PagedAttention`, the
+Llama model, the jitted steps, checkpoints, tokenizer) load on first use, so
+`import paged_kv.model` does not import flax. Map: `docs/architecture.md`.
 """
 
 from __future__ import annotations

@@ -1,50 +1,11 @@
 """The model contract: what `ModelExecutor` and the jitted steps call, checked once.
 
-A model served through `paged_kv.scheduler.ModelExecutor` (or run by
-`paged_kv.model.steps`) is called once per scheduler step, inside jit, as
-
     pages, logits = model(tokens, pages, meta, impl=impl, interpret=interpret)
-    pages, logits = model(tokens, pages, meta, impl=impl, interpret=interpret,
-                          logits_indices=idx)      # if the model takes the keyword
+    pages, logits = model(..., logits_indices=idx)   # if the model names the keyword
 
-  * `tokens`: `i32[T]` the step's new tokens, ragged per `meta.cu_q_lens` (prefill
-    chunks and decode tokens of every row together; padded to a power of two);
-  * `pages`: the pool's `KVPages` (`[num_layers, num_kv_heads, num_blocks,
-    block_size, head_dim]` K and V): each attention layer writes its K/V and reads
-    the context through `paged_attention(q, k, v, pages, layer, meta, impl=impl,
-    interpret=interpret)` (or `layers.PagedAttention`) and passes the returned
-    pages on;
-  * `meta`: the step's `StepMetadata` (positions for RoPE, slots, segment tables);
-  * `impl`, `interpret`: keywords to forward to `paged_attention` (the executor's
-    kernel choice);
-  * `logits_indices` (optional, the name vLLM uses): `i32[R]` token indices into
-    `[0, T)`, the tokens whose logits the step needs (each row's last one:
-    `last_token_index(meta.cu_q_lens, T)`, so `R = B`). A model whose `__call__`
-    names this keyword (a parameter of its own; `**kwargs` does not count) is
-    always handed it by the steps and returns logits for those tokens only,
-    `f32[R, vocab]`: it gathers the hidden states `x[logits_indices]` BEFORE the
-    final norm and the output head, so a prefill chunk of T tokens costs the
-    head `R x d_model x vocab`, not `T x d_model x vocab`. A model without the
-    keyword keeps working: it returns all `T` rows and the step gathers.
-  * returns `(pages, logits)`: the pages after the writes, same shapes and
-    dtypes, and floating logits `[T, vocab]` (one row per token), or `[R,
-    vocab]` (one per index) for a model that takes `logits_indices`. The pages
-    come first, as in every paged_kv call (`fn(state, ...) -> (state, out)`,
-    `paged_attention -> (pages, out)`, `PagedAttention -> (pages, y)`).
-
-Which form a model uses is decided from its signature (`accepts_logits_indices`),
-statically: the jitted steps read it from the model they rebuild from the static
-graph definition while tracing, so it costs nothing per step and each form
-compiles its own program.
-
-`check_model` checks a model against this once (its signature, then a trace of a
-decode, a prefill and a mixed step, `jax.make_jaxpr`: no compile, no device work) and
-raises `ModelContractError` naming what is wrong: the order of paged_kv 0.1,
-`(logits, pages)`, logits of the other form's shape (the prefill and mixed steps have
-more tokens than rows), pages of another shape or dtype, a model that never writes
-through `paged_attention` or returns the pages it was given, and a model that writes
-another number of layers than the pool has. The contract is the `PagedModel`
-protocol, for type checkers.
+`tokens: i32[T]` ragged; every layer writes and reads through `paged_attention`
+and passes the pages on; logits are `[T, vocab]`, or `[R, vocab]` for the
+`logits_indices` form. The table: `docs/model.md`.
 """
 
 from __future__ import annotations
@@ -81,13 +42,10 @@ class PagedModel(Protocol):
 
 
 def accepts_logits_indices(model: Any) -> bool:
-  """Whether `model(..., logits_indices=idx)` is the model's own keyword.
+  """Whether `logits_indices` is a keyword parameter of `model`'s own signature.
 
-  True iff the signature of `model` (its `__call__`) has a parameter named
-  `logits_indices` that can be passed by keyword; a catch-all `**kwargs` does not
-  count (such a model may drop it and return every token's logits). A model whose
-  signature cannot be read is taken not to accept it. Static: the same answer for
-  every instance of a class, so the steps decide it while tracing.
+  `**kwargs` does not count and an unreadable signature counts as no. Static per
+  class, so the steps decide it while tracing.
   """
   try:
     params = inspect.signature(model).parameters
@@ -157,9 +115,7 @@ def _subjaxprs(eqn) -> list:
 
 
 def _layer_marks(jaxpr, times: int | None = 1) -> list[tuple[int | None, int | None]]:
-  """`(times, layer)` of each `paged_attention` marker in `jaxpr`: how many times it runs
-  per step (a scan multiplies by its length; None: unknown, under a while or a cond)
-  and its layer (None: traced)."""
+  """`(times per step, layer)` of each `paged_attention` marker in `jaxpr` (None: unknown)."""
   marks = []
   for eqn in jaxpr.eqns:
     if eqn.params.get("name") == _MARK_NAME:
@@ -209,8 +165,7 @@ def _check_layers(name: str, config: PoolConfig, marks: list) -> None:
 
 def _trace_step(model: Any, config: PoolConfig, step: tuple, *, impl, interpret,
                 indexed: bool):
-  """One abstract step traced (`jax.make_jaxpr`: neither compiled nor run), with
-  `paged_attention`'s layer markers: `(closed jaxpr, out shapes, abstract pages)`."""
+  """One abstract step traced with layer markers: `(closed jaxpr, out shapes, abstract pages)`."""
   from paged_kv.model import attention  # pylint: disable=import-outside-toplevel
   step_name, num_rows, num_tokens, max_query_len = step
   tokens, pages, meta = _abstract_step(config, num_rows, num_tokens, max_query_len)
@@ -236,19 +191,10 @@ def check_model(model: Any, config: PoolConfig, *, impl: str | None = "xla",
                 interpret: Any = None) -> int:
   """Checks `model` against the contract for a pool of `config`; returns its vocab size.
 
-  The signature first, then three abstract steps (`ABSTRACT_STEPS`: decode, prefill
-  and mixed; `jax.make_jaxpr`, traced, neither compiled nor run). Each result must
-  be `(pages, logits)`: the pages with their structure, shapes and dtypes unchanged,
-  and floating logits `[T, vocab]`, or `[B, vocab]` for a model that takes
-  `logits_indices` (handed `i32[B]`, as the steps do). The prefill and mixed steps
-  have more tokens than rows, so either shape returned by the other form is caught.
-  The traced program must write every layer of the pool through `paged_attention`
-  once per step (markers left by `paged_attention` while checked, counted through
-  `lax.scan`s by their length) and not return the pages it was given.
-
-  Raises:
-    ModelContractError: naming what is wrong and in which step (an exception the
-      model raised while traced is chained).
+  Traces (never runs) a decode, a prefill and a mixed step: each must return the
+  pages unchanged in structure, shapes and dtypes, logits of its form's shape, and
+  write every pool layer once through `paged_attention`. Raises
+  `ModelContractError` naming what is wrong and in which step.
   """
   _check_signature(model)
   name = type(model).__name__

@@ -1,64 +1,8 @@
 """Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2) into the reference model.
 
-A checkpoint directory as `transformers` saves one: `config.json` and the weights in
-`*.safetensors` (one `model.safetensors`, or shards listed by
-`model.safetensors.index.json`). `load_checkpoint(dir)` maps it onto
-`paged_kv.model.llama.TinyLlama` (the same formulas: pre-norm RMSNorm blocks, GQA
-attention with "rotate half" RoPE, SwiGLU, tied or untied output head):
-
-  config.json                         LlamaConfig
-  vocab_size, hidden_size             vocab_size, d_model
-  num_hidden_layers                   num_layers
-  num_attention_heads                 num_q_heads
-  num_key_value_heads                 num_kv_heads (default: num_attention_heads)
-  head_dim                            head_dim (default: hidden_size // heads)
-  intermediate_size                   ffn_dim
-  rms_norm_eps, rope_theta            norm_eps, rope_theta
-  rope_scaling / rope_parameters      rope_scaling ("linear", "llama3"; `paged_kv.model.rope`)
-  tie_word_embeddings                 tie_embeddings
-  attention_bias (llama)              attention_bias + attention_out_bias (q, k, v, o)
-  model_type "qwen2"                  attention_bias (q, k, v; Qwen2 always has them)
-  torch_dtype / dtype                 dtype (unless `dtype=` says otherwise)
-
-  tensor (`[out, in]`; kernels are stored transposed, `[in, out]`)   parameter
-  model.embed_tokens.weight                          embed.embedding
-  model.layers.N.input_layernorm.weight              layers.N.attn_norm.weight
-  model.layers.N.self_attn.{q,k,v,o}_proj.weight     layers.N.attn.w{q,k,v,o}.kernel (.T)
-  model.layers.N.self_attn.{q,k,v,o}_proj.bias       layers.N.attn.w{q,k,v,o}.bias
-  model.layers.N.post_attention_layernorm.weight     layers.N.mlp_norm.weight
-  model.layers.N.mlp.{gate,up,down}_proj.weight      layers.N.mlp.{gate,up,down}.kernel (.T)
-  model.norm.weight                                  final_norm.weight
-  lm_head.weight                                     lm_head.kernel (.T; absent if tied)
-
-The table names the unrolled layout (`LlamaConfig.scan_layers=False`). The scanned
-one (the default) has one parameter per row, every layer's tensor stacked on a
-leading axis in layer order (`layers.attn.wq.kernel` is `[num_layers, in, out]`):
-the stack is built on the host, one layer's tensor at a time, and moved to the
-device once, so the device never holds the weights twice.
-
-What is not implemented raises `UnsupportedCheckpoint` naming the field, never
-silently ignored: another `model_type`, `hidden_act` other than silu, `mlp_bias`,
-`partial_rotary_factor` < 1, quantized weights, RoPE scalings other than linear and
-llama3, and a sliding window (Mistral's `sliding_window`, Qwen2's
-`use_sliding_window`) that a served sequence could exceed: paged_kv attends to the
-whole context, so such a checkpoint loads only with `max_seq_len <=` the window (a
-sequence that fits the window computes exactly what the model computes). Missing,
-unexpected and misshapen tensors raise `CheckpointMismatch` naming them. Ignored on
-purpose: `...rotary_emb.inv_freq` buffers of old checkpoints (recomputed from the
-config) and `lm_head.weight` in a tied checkpoint (transformers ties it to the
-embedding too).
-
-Precision: weights are cast to `dtype`; RMSNorm, RoPE and the softmax run in
-float32 as in transformers, but cos/sin stay float32 where transformers casts them
-to the activation dtype, so bf16 logits differ from transformers' in the last bits.
-
-Needs the `hf` extra (`pip install 'paged-kv[hf]'`: safetensors) and flax.
-
-Usage:
-  from paged_kv.model import hf_checkpoint, llama
-  ckpt = hf_checkpoint.load_checkpoint("Llama-3.2-1B", max_seq_len=4096)
-  pool_config = llama.pool_config_for(ckpt.config, num_blocks=1024)
-  executor = ModelExecutor(ckpt.model, pool_config)
+`load_checkpoint(dir)` maps a transformers checkpoint directory onto `TinyLlama`
+(same formulas); the name tables, what is refused and precision notes are in
+`docs/model.md`. Needs the `hf` extra (safetensors) and flax.
 """
 
 from __future__ import annotations
@@ -106,17 +50,10 @@ def _listed(names) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class HFCheckpoint:
-  """A loaded checkpoint.
+  """A loaded checkpoint: the `TinyLlama` `model`, its `LlamaConfig`, and config.json's facts.
 
-  Attributes:
-    model: the `TinyLlama` holding the checkpoint's weights.
-    config: its `LlamaConfig`.
-    model_type: config.json's `model_type` ("llama", "mistral", "qwen2").
-    max_seq_len: the longest sequence (prompt + output) it may serve: the
-      `max_seq_len` asked for, else `max_position_embeddings`.
-    bos_token_id: config.json's, or None.
-    eos_token_ids: config.json's `eos_token_id` (one or a list), `()` if none.
-    path: the directory it came from.
+  `max_seq_len` is the longest sequence (prompt + output) it may serve: the one
+  asked for, else `max_position_embeddings`; `eos_token_ids` is `()` if none.
   """
 
   model: Any
@@ -200,22 +137,11 @@ def _sliding_window(hf: dict, model_type: str) -> int | None:
 
 def llama_config_from_hf(hf: dict, *, dtype: str | None = None,
                          max_seq_len: int | None = None) -> tuple[Any, int]:
-  """Maps a `config.json` dict onto a `LlamaConfig` (the table of the module docstring).
+  """Maps a `config.json` dict onto `(LlamaConfig, max_seq_len)`.
 
-  Args:
-    hf: the parsed config.json.
-    dtype: the model's dtype ("bfloat16", "float16", "float32"); None: the
-      config's `torch_dtype` (or `dtype`), else float32.
-    max_seq_len: the longest sequence that will be served; None: the config's
-      `max_position_embeddings`. Must fit a sliding window if the model has one.
-
-  Returns:
-    `(LlamaConfig, max_seq_len)`.
-
-  Raises:
-    UnsupportedCheckpoint: a field asks for what the reference model does not
-      compute (named in the message).
-    InvalidArgument: a required field is missing or malformed.
+  `dtype` and `max_seq_len` as in `load_checkpoint`. Raises
+  `UnsupportedCheckpoint` (a field the model does not compute) or
+  `InvalidArgument` (a required field missing or malformed).
   """
   from paged_kv.model.llama import LlamaConfig  # pylint: disable=import-outside-toplevel
   model_type = hf.get("model_type")
@@ -289,8 +215,7 @@ def llama_config_from_hf(hf: dict, *, dtype: str | None = None,
 
 
 def tensor_names(config) -> dict[tuple, tuple[str, bool]]:
-  """Every parameter of `TinyLlama(config)`, path in the unrolled layout (`("layers",
-  i, ...)`, whatever `config.scan_layers` says) -> `(tensor name, transposed)`."""
+  """Every parameter path of `TinyLlama(config)` (unrolled) -> `(tensor name, transposed)`."""
   names: dict[tuple, tuple[str, bool]] = {("embed", "embedding"): ("model.embed_tokens.weight",
                                                                    False),
                                           ("final_norm", "weight"): ("model.norm.weight", False)}
@@ -370,24 +295,14 @@ def _model_path(path: tuple, scan_layers: bool) -> tuple:
 
 def load_checkpoint(path: str | os.PathLike, *, dtype: str | None = None,
                     max_seq_len: int | None = None, scan_layers: bool = True) -> HFCheckpoint:
-  """Loads a Hugging Face Llama/Mistral/Qwen2 checkpoint directory into `TinyLlama`.
+  """Loads a Hugging Face Llama/Mistral/Qwen2 checkpoint directory: an `HFCheckpoint`.
 
-  Args:
-    path: the directory (`config.json`, `*.safetensors`).
-    dtype: the model's (and so the pool's) dtype; None: the config's `torch_dtype`.
-    max_seq_len: the longest sequence (prompt + output) to serve; None: the
-      config's `max_position_embeddings`. A model with a sliding window loads only
-      if it fits the window.
-    scan_layers: the layers' layout (`LlamaConfig.scan_layers`): stacked weights,
-      one device array each, run by a scan; False: one module per layer.
-
-  Returns:
-    An `HFCheckpoint` (the model, its `LlamaConfig`, bos/eos ids, `max_seq_len`).
+  `dtype` None: the config's; `max_seq_len` None: `max_position_embeddings`
+  (must fit a sliding window); `scan_layers` picks the layout.
 
   Raises:
     UnsupportedCheckpoint: the config asks for what the model does not compute.
-    CheckpointMismatch: tensors missing, unexpected, misshapen, or of a dtype
-      other than bf16/f16/f32 (each named).
+    CheckpointMismatch: tensors missing, unexpected, misshapen, or not bf16/f16/f32.
     InvalidArgument: not a checkpoint directory, or a malformed config.
   """
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel

@@ -1,21 +1,11 @@
-"""Hugging Face transformers as the reference for paged_kv's greedy tokens.
+"""Hugging Face transformers as the reference for paged_kv's greedy tokens (torch only, no JAX).
 
-`Reference(dir)` loads a checkpoint directory with `AutoModelForCausalLM`
-(its stored dtype, on CUDA when torch sees a GPU). Two checks:
-
-  * `greedy(prompts, output_lens)` — transformers' own greedy generation, prompts
-    of equal length batched together (no padding), no end-of-sequence stop;
-    `compare` counts the requests whose tokens equal it in full.
-  * `check(prompts, outputs)` — teacher-forced: each of our sequences in one
-    forward pass; a token is off when transformers' best logit at its position
-    beats the token's own logit by more than `tie_tolerance` standard deviations
-    of that position's logits. In bf16, random weights give near-ties that the
-    two implementations round differently (a gap of one bf16 step), after which
-    free-running generations part; the teacher-forced check tells those from a
-    wrong token.
-
-`available()` says whether torch and transformers import here. torch and
-transformers only (imported when used); no JAX.
+`Reference(dir)` loads a checkpoint with `AutoModelForCausalLM` (its dtype, on
+CUDA when present). `greedy` runs transformers' own greedy generation (equal
+prompt lengths batched, no EOS stop) for `compare`; `check` is teacher-forced: a
+token is off when transformers' best logit at its position beats it by more than
+`tie_tolerance` standard deviations, which tells bf16 near-ties (rounded apart
+by the two implementations) from wrong tokens.
 """
 
 from __future__ import annotations
@@ -47,8 +37,7 @@ class GreedyResult:
 
 @dataclasses.dataclass(frozen=True)
 class TokenCheck:
-  """Teacher-forced check: tokens checked, and `(request, position, gap in std)` of
-  the tokens off by more than the tolerance."""
+  """Teacher-forced check: tokens checked, and `(request, position, gap in std)` of those off."""
 
   tokens: int
   off: list[tuple[int, int, float]]
@@ -56,13 +45,7 @@ class TokenCheck:
 
 
 class Reference:
-  """A checkpoint in transformers (see the module docstring).
-
-  Attributes:
-    device: torch device the model runs on.
-    dtype: its parameters' dtype ("bfloat16", ...).
-    version: transformers' version.
-  """
+  """A checkpoint in transformers: its torch `device`, `dtype` and transformers `version`."""
 
   def __init__(self, path: str | os.PathLike, *, device: str | None = None):
     import torch  # pylint: disable=import-outside-toplevel

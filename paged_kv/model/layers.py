@@ -1,15 +1,7 @@
 """Flax NNX layers a model author builds on: `PagedAttention`, RoPE, the dense reference.
 
-`PagedAttention` is a Llama-style self-attention layer (q/k/v/o projections,
-bias-free unless asked (Qwen2 has q/k/v biases), grouped-query attention, rotary
-embeddings on the logical positions of `StepMetadata`, optionally scaled as in
-`paged_kv.model.rope`) whose K/V live in a `paged_kv` pool:
-
     attn = PagedAttention(d_model, num_q_heads, num_kv_heads, head_dim, layer=i, rngs=rngs)
     pages, y = attn(x, pages, meta)          # x: [T, d_model] ragged tokens of the step
-
-`attn.dense(x, positions, valid)` runs the same weights without a cache (full
-causal attention within `[B, T]` rows): the reference for tests, and training.
 """
 
 from __future__ import annotations
@@ -30,17 +22,10 @@ from paged_kv.model.rope import RopeScaling, inverse_frequencies
 
 def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float,
                scaling: RopeScaling | None = None) -> jax.Array:
-  """Rotary embedding ("rotate half" layout: Hugging Face Llama's), in float32.
+  """Rotary embedding of `x [..., heads, head_dim]` at `positions` ("rotate half"), in float32.
 
-  Args:
-    x: `[..., heads, head_dim]`.
-    positions: `i32[...]` logical position of each token (the leading shape of `x`).
-    theta: RoPE base.
-    scaling: optional RoPE scaling ("linear", "llama3"); its frequencies come from
-      `paged_kv.model.rope.inverse_frequencies` (a constant of the program).
-
-  Returns:
-    `x` rotated, same shape and dtype.
+  `scaling` is an optional `RopeScaling`; its frequencies are a constant of the
+  program. Returns `x` rotated, same shape and dtype.
   """
   half = x.shape[-1] // 2
   if scaling is None:
@@ -61,17 +46,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                      soft_cap: float | None = None) -> jax.Array:
   """Masked GQA softmax attention over explicit K/V, in float32 (the dense reference).
 
-  Args:
-    q: `[B, T, num_q_heads, D]`.
-    k, v: `[B, L, num_kv_heads, D]`.
-    q_pos: `i32[B, T]` logical positions of the queries.
-    k_pos: `i32[B, L]` logical positions of the keys.
-    k_valid: `bool[B, L]` keys that exist.
-    sm_scale: logit scale, default `1/sqrt(D)`; soft_cap: optional tanh cap.
-
-  Returns:
-    `[B, T, num_q_heads, D]` in `q.dtype`; a query that sees no key gets 0.
-    Key `j` is visible to query `i` iff `k_valid[j] and k_pos[j] <= q_pos[i]`.
+  `q: [B, T, Hq, D]`, `k, v: [B, L, Hkv, D]`; key `j` is visible to query `i` iff
+  `k_valid[j] and k_pos[j] <= q_pos[i]`. Returns `[B, T, Hq, D]` in `q.dtype`, 0
+  for a query that sees no key.
   """
   b, t, hq, d = q.shape
   hkv = k.shape[2]
@@ -98,22 +75,10 @@ def fan_in_init(fan_in: int) -> Callable:
 class PagedAttention(nnx.Module):
   """GQA self-attention over a paged pool: project, RoPE, write K/V + attend, project out.
 
-  Attributes:
-    wq, wk, wv, wo: `nnx.Linear` projections (`d_model -> heads * head_dim` and
-      back); bias-free unless `qkv_bias` (wq, wk, wv) or `out_bias` (wo).
-    layer: index of this layer's K/V in the pool (static), or None when each
-      call names it (`layer=`: the layers of a scanned decoder share one module
-      and take the scan's index).
-    activation_sharding: None (default), or a sharding (static) the activations
-      around the attention are constrained to: `q, k, v` after their projections
-      and RoPE, and the attention output before `wo`. On a pool whose pages are
-      split over kv heads (`paged_kv.parallel`), None lets the compiler split the
-      projections by heads too (column-parallel q/k/v, row-parallel `wo` with an
-      all-reduce), whose smaller matmuls and all-reduce round differently from
-      one device (~1 ulp). A replicated `NamedSharding` computes them whole on
-      every device and gathers the attention output: only the attention over
-      the pages runs per shard, bit-equal to one device
-      (`paged_kv.parallel.executor.ShardedModelExecutor(exact=True)`).
+  `layer` is this layer's pool index, or None when each call names it (a scanned
+  decoder). `activation_sharding`: on a head-sharded pool, a replicated sharding
+  keeps the projections whole on every device (bit-equal to one device); None
+  lets the compiler split them (~1 ulp apart).
   """
 
   def __init__(self, d_model: int, num_q_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -122,21 +87,10 @@ class PagedAttention(nnx.Module):
                dtype: jnp.dtype = jnp.float32, param_dtype: jnp.dtype | None = None,
                sm_scale: float | None = None, soft_cap: float | None = None,
                qkv_bias: bool = False, out_bias: bool = False):
-    """Builds the projections.
+    """Builds the projections; `num_q_heads` a multiple of `num_kv_heads`, `head_dim` even (RoPE).
 
-    Args:
-      d_model: residual width.
-      num_q_heads: query heads, a multiple of `num_kv_heads` (GQA).
-      num_kv_heads: key/value heads (the pool's `num_kv_heads`).
-      head_dim: size of one head (even, for RoPE; the pool's `head_dim`).
-      layer: this layer's index in the pool, `[0, num_layers)`; None: given by
-        each call (`layer=`).
-      rngs: parameter initialisation.
-      rope_theta: RoPE base.
-      rope_scaling: optional `RopeScaling` of the frequencies (`paged_kv.model.rope`).
-      dtype: computation dtype; param_dtype: parameter dtype (default `dtype`).
-      sm_scale, soft_cap: as in `paged_attention`.
-      qkv_bias: wq, wk and wv have a bias (Qwen2); out_bias: wo has one.
+    `layer` in `[0, num_layers)`, or None: each call names it. `param_dtype`
+    defaults to `dtype`; `sm_scale`, `soft_cap` as in `paged_attention`.
     """
     if num_q_heads % num_kv_heads:
       raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of "
@@ -175,22 +129,11 @@ class PagedAttention(nnx.Module):
   def __call__(self, x: jax.Array, pages: KVPages, meta: StepMetadata, *,
                layer: int | jax.Array | None = None, impl: str | None = None,
                interpret=None) -> tuple[KVPages, jax.Array]:
-    """Attention of the step's ragged tokens through the pool.
+    """Attention of the step's ragged tokens `x [T, d_model]`: `(pages, y [T, d_model])`.
 
-    Args:
-      x: `[T, d_model]` the step's tokens, ragged per `meta.cu_q_lens`.
-      pages: the pool's pages; this layer's new K/V are written into them.
-      meta: the step's `StepMetadata` (positions for RoPE, slots, segment tables).
-      layer: the pool layer to write and read (an int or a traced i32 scalar,
-        e.g. a `lax.scan` index); None: `self.layer`.
-      impl, interpret: kernel choice, as in `paged_attention`.
-
-    Returns:
-      `(pages, y [T, d_model])`: the pages first, as every paged_kv call returns
-      its state.
-
-    Raises:
-      InvalidArgument: no layer, neither here nor in the constructor.
+    `layer` (an int or traced scalar, e.g. a scan index) overrides `self.layer`;
+    `impl`, `interpret` as in `paged_attention`. Raises `InvalidArgument` when no
+    layer is given here or in the constructor.
     """
     layer = self.layer if layer is None else layer
     if layer is None:
@@ -205,11 +148,7 @@ class PagedAttention(nnx.Module):
     return pages, self.wo(o.reshape(x.shape[0], -1))
 
   def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-    """Reference without a cache: causal attention within each row of `x [B, T, d_model]`.
-
-    `positions i32[B, T]` are the tokens' logical positions, `valid bool[B, T]` the
-    tokens that exist.
-    """
+    """Reference without a cache: causal attention within each row of `x [B, T, d_model]`."""
     q, k, v = self.project(x, positions)
     o = causal_attention(q, k, v, positions, positions, valid, sm_scale=self.sm_scale,
                          soft_cap=self.soft_cap)

@@ -1,36 +1,10 @@
 """A Llama-family decoder in Flax NNX over a `paged_kv` pool: the reference model.
 
-RMSNorm, rotary position embeddings (RoPE) on *logical* token positions, grouped
-query attention (GQA) through `paged_kv.model.PagedAttention`, a SwiGLU MLP, tied
-or untied embeddings. Weights are seeded random (`TinyLlama(config,
-rngs=nnx.Rngs(seed))`) unless trained (`examples/train_tiny.py`); the equivalence
-tests need no training. With random weights the output head is untied by default:
-a tied random embedding makes the model copy its input token forever, which would
-hide attention bugs, while an untied one gives varied, context-dependent greedy text.
-
-The layers are scanned by default (`LlamaConfig.scan_layers`): one `DecoderBlock`
-whose parameters are stacked on a leading layer axis (`[num_layers, ...]` each,
-built by `nnx.vmap` over split rngs), run by `lax.scan`. Every program then
-holds one layer's body, so compile time stays flat in depth; the pages ride in
-the scan's carry and layer l writes and reads its slice in place (the kernels
-take the stacked pages and the scan index, never `pages.k[l]`). With
-`scan_layers=False` the layers are `num_layers` modules unrolled in Python, the
-same weights in another layout (`convert_layers` moves between the two) and the
-same outputs.
-
-Two ways to run the same weights:
-
-  * `model(tokens, pages, meta)`: a step's ragged tokens `i32[T]` (prefill chunks
-    and decode tokens together) through the pool; every layer writes its K/V and
-    attends through `paged_attention`. The jitted steps are in `paged_kv.model.steps`.
-  * `model.dense(tokens, positions, valid)` / `dense_forward(model, tokens, lengths)`:
-    the no-cache reference over padded `[B, T]` rows (tests, training).
-
-Usage:
-  from paged_kv.model import llama
-  model = llama.TinyLlama(llama.LlamaConfig(), rngs=nnx.Rngs(0))
-  logits = llama.dense_forward(model, tokens, lengths)   # [B, T, vocab]
-  pool_config = llama.pool_config_for(model.config, num_blocks=256)
+RMSNorm, RoPE on logical positions, GQA through `PagedAttention`, SwiGLU. A
+random model's head is untied by default: a tied random embedding copies its
+input forever and would hide attention bugs. Layers are scanned by default
+(compile time flat in depth); `model.dense` / `dense_forward` are the no-cache
+reference. The layouts: `docs/model.md`.
 """
 
 from __future__ import annotations
@@ -50,30 +24,12 @@ from paged_kv.model.rope import RopeScaling
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """Sizes of the tiny decoder (frozen, hashable: part of the NNX graph definition).
+  """Sizes of the decoder (frozen, hashable: part of the graph definition).
 
-  Attributes:
-    vocab_size: tokens; 256 = one token per byte.
-    d_model: residual width.
-    num_layers: decoder blocks.
-    num_q_heads: query heads.
-    num_kv_heads: key/value heads; `num_q_heads` is a multiple of it (GQA).
-    head_dim: size of one head (even, for RoPE).
-    ffn_dim: hidden width of the SwiGLU MLP.
-    rope_theta: RoPE base.
-    norm_eps: RMSNorm epsilon.
-    tie_embeddings: the output head is the transposed input embedding.
-    dtype: activation and parameter dtype (`"float32"` for the equivalence tests).
-    rope_scaling: optional `paged_kv.model.rope.RopeScaling` ("linear", "llama3").
-    attention_bias: q, k and v projections have a bias (Qwen2; Llama's
-      `attention_bias` sets this and `attention_out_bias`).
-    attention_out_bias: the output projection has a bias.
-    scan_layers: the layers are one module with stacked parameters run by
-      `lax.scan` (compile time flat in depth); False: `num_layers` modules
-      unrolled into every program.
-
-  The defaults are the tiny model of the tests; `paged_kv.model.hf_checkpoint`
-  builds one from a Hugging Face `config.json`.
+  The defaults are the tests' tiny model. `vocab_size` 256 is one token per byte;
+  `num_q_heads` is a multiple of `num_kv_heads`; `head_dim` is even;
+  `attention_bias` gives q/k/v biases (Qwen2), `attention_out_bias` the output's;
+  `scan_layers` False unrolls the layers.
   """
 
   vocab_size: int = 256
@@ -155,11 +111,7 @@ class SwiGLU(nnx.Module):
 
 
 class DecoderBlock(nnx.Module):
-  """Pre-norm residual block: `PagedAttention` then SwiGLU.
-
-  `layer` is the block's pool layer, or None for the stacked block of a scanned
-  decoder (each call then passes `layer=`).
-  """
+  """Pre-norm residual block: `PagedAttention` then SwiGLU (`layer` None when stacked)."""
 
   def __init__(self, config: LlamaConfig, *, layer: int | None, rngs: nnx.Rngs):
     c, dt = config, config.jnp_dtype
@@ -186,9 +138,7 @@ class DecoderBlock(nnx.Module):
 
 
 def stacked_blocks(config: LlamaConfig, *, rngs: nnx.Rngs) -> DecoderBlock:
-  """`config.num_layers` blocks as one `DecoderBlock` (`layer=None`) whose every
-  parameter has a leading layer axis, each layer initialised from its own split
-  of `rngs`."""
+  """`config.num_layers` blocks as one `DecoderBlock` of stacked parameters, split `rngs` each."""
 
   @nnx.split_rngs(splits=config.num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -201,10 +151,8 @@ def stacked_blocks(config: LlamaConfig, *, rngs: nnx.Rngs) -> DecoderBlock:
 class TinyLlama(nnx.Module):
   """The decoder: `model(tokens, pages, meta) -> (pages, logits)`, or `model.dense(...)`.
 
-  Attributes:
-    layers: with `config.scan_layers`, one `DecoderBlock` of stacked parameters
-      (`stacked_blocks`); else an `nnx.List` of `num_layers` blocks. `block(i)`
-      gives layer i in either layout.
+  `layers` is one stacked `DecoderBlock` (scanned) or an `nnx.List`; `block(i)`
+  gives layer i in either layout.
   """
 
   def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
@@ -228,20 +176,10 @@ class TinyLlama(nnx.Module):
   def __call__(self, tokens: jax.Array, pages: KVPages, meta: StepMetadata, *,
                impl: str | None = None, interpret=None,
                logits_indices: jax.Array | None = None) -> tuple[KVPages, jax.Array]:
-    """One forward pass of a step's ragged tokens through the pool.
+    """One forward pass of a step's ragged tokens `i32[T]`: `(pages, logits f32[T, vocab])`.
 
-    Args:
-      tokens: `i32[T]` the step's new tokens, ragged per `meta.cu_q_lens` (any
-        value in `[0, vocab)` for padding).
-      pages: the pool's pages; every layer writes its new K/V into them.
-      meta: the step's `StepMetadata`.
-      impl, interpret: attention kernel choice (see `paged_attention`).
-      logits_indices: optional `i32[R]` token indices in `[0, T)`: the final norm
-        and the output head run on those tokens' hidden states only (the steps
-        pass each row's last token, `R = B`). None: every token's.
-
-    Returns:
-      `(pages, logits f32[T, vocab])`, or `f32[R, vocab]` with `logits_indices`.
+    With `logits_indices: i32[R]` the final norm and head run on those tokens only
+    and logits are `f32[R, vocab]`. `impl`, `interpret` as in `paged_attention`.
     """
     x = self._embed(tokens)
     if self.config.scan_layers:
@@ -260,16 +198,7 @@ class TinyLlama(nnx.Module):
     return pages, self._logits(x)
 
   def dense(self, tokens: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-    """The no-cache reference: causal attention within each row.
-
-    Args:
-      tokens: `i32[B, T]` token ids.
-      positions: `i32[B, T]` logical position of each token.
-      valid: `bool[B, T]` tokens that exist (keys beyond are masked).
-
-    Returns:
-      `logits f32[B, T, vocab]`.
-    """
+    """The no-cache reference: `logits f32[B, T, vocab]`, causal within each row."""
     x = self._embed(tokens)
     if self.config.scan_layers:
       return self._logits(self._scan(lambda block, _, x: block.dense(x, positions, valid), x))
@@ -278,11 +207,7 @@ class TinyLlama(nnx.Module):
     return self._logits(x)
 
   def block(self, i: int) -> DecoderBlock:
-    """Layer `i` as a `DecoderBlock` of its own (pool layer `i`).
-
-    Unrolled: the model's own block. Scanned: a new block holding layer `i`'s
-    slice of the stacked parameters (copies; for references and tests).
-    """
+    """Layer `i` as a `DecoderBlock` of its own (a copy of its slice when scanned)."""
     if not isinstance(i, int) or not 0 <= i < self.config.num_layers:
       raise IndexError(f"layer {i!r} outside [0, {self.config.num_layers})")
     if not self.config.scan_layers:
@@ -293,8 +218,7 @@ class TinyLlama(nnx.Module):
     return block
 
   def _scan(self, layer_step, carry):
-    """`carry = layer_step(block, layer, carry)` for every layer in order, as one
-    `lax.scan` over the stacked parameters (`layer`: the traced index)."""
+    """`carry = layer_step(block, layer, carry)` for every layer in order, as one `lax.scan`."""
     graphdef, params = nnx.split(self.layers)
 
     def body(carry, xs):
@@ -316,16 +240,9 @@ class TinyLlama(nnx.Module):
 
 @nnx.jit
 def dense_forward(model: TinyLlama, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
-  """Reference logits of whole sequences, no cache.
+  """Reference logits `f32[B, T, vocab]` of whole sequences from position 0, no cache.
 
-  Args:
-    model: the decoder.
-    tokens: `i32[B, T]`, each row a sequence from position 0, padded at the end.
-    lengths: `i32[B]` valid tokens per row.
-
-  Returns:
-    `f32[B, T, vocab]`; row b's entries `t < lengths[b]` are the model's logits
-    after token t (later entries are meaningless).
+  Entries at `t >= lengths[b]` are meaningless.
   """
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -333,11 +250,9 @@ def dense_forward(model: TinyLlama, tokens: jax.Array, lengths: jax.Array) -> ja
 
 
 def convert_layers(model: TinyLlama, *, scan_layers: bool) -> TinyLlama:
-  """`model`'s weights in the scanned (`scan_layers`) or unrolled layout.
+  """`model`'s weights in the scanned or unrolled layout (a new model, or `model` if already so).
 
-  A new model (stacked or unstacked copies of the layer weights, the others
-  shared), or `model` itself when it already has that layout. Attributes set
-  after construction (e.g. `PagedAttention.activation_sharding`) are not carried.
+  Attributes set after construction (e.g. `activation_sharding`) are not carried.
   """
   if model.config.scan_layers == scan_layers:
     return model

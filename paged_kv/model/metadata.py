@@ -1,23 +1,9 @@
 """`StepMetadata`: everything attention needs about one forward pass, built once per step.
 
-The shape of tpu-inference's `AttentionMetadata` (positions, block tables, seq lens,
-query start locations, request distribution), over segment tables: one registered
-pytree handed to every layer's `paged_attention(q, k, v, pages, layer, meta)`.
-
-Three constructors, one computation:
-
-  * `StepMetadata.from_plan(plan, table, slot_idx)` on the host (numpy), after the
-    host reserved the slots (e.g. `BlockPool.reserve_tokens`): FlashInfer's
-    plan/run split, the metadata then goes into a jitted forward as an argument;
-  * `StepMetadata.from_reservation(plan, table, slot_idx, status)` inside jit,
-    from `reserve_tokens`' output, so allocation, the K/V write and attention run
-    in one jitted step with no host round trip (`paged_kv.model.steps.forward`);
-  * `StepMetadata.from_reserved(plan, table)` inside jit, when the host reserved
-    the slots and committed them before the step (`plan.reserved`: each token's
-    slot and each row's status, `reserved_slots`): the serving loop's step, with
-    no allocation in its program.
-
-All three give equal arrays for equal inputs (tested).
+One registered pytree for every layer (after tpu-inference's
+`AttentionMetadata`). `from_plan` (host), `from_reservation` (in jit, after
+`reserve_tokens`) and `from_reserved` (in jit, host-committed slots) give equal
+arrays for equal inputs.
 """
 
 from __future__ import annotations
@@ -39,28 +25,11 @@ from paged_kv.model.plan import ReservedSlots, StepPlan, TailGrowth
 class StepMetadata:
   """Per-step attention metadata of a ragged, mixed prefill/decode batch.
 
-  `B` rows, `T` tokens (the plan's shapes), `S = max_segments`. Rows whose
-  reservation failed and padding rows keep their place in the token layout but get
-  `num_segments = seq_lens = 0` and `slot_mapping = -1`: nothing of theirs is
-  written, their queries attend to nothing (output 0).
-
-  Attributes:
-    seq_ids: `i32[B]` pool rows in the batch; `-1` = padding.
-    positions: `i32[T]` logical position of each new token in its sequence (for
-      RoPE); `-1` for padding tokens and tokens of padding rows.
-    slot_mapping: `i32[T]` flat physical slot (`block * block_size + offset`) each
-      token's K/V goes to; `-1` = not written (padding, failed rows).
-    cu_q_lens: `i32[B+1]` row b's tokens are `cu_q_lens[b] : cu_q_lens[b+1]`.
-    seg_block: `i32[B, S]` the rows' segment tables after this step's reservation
-      (prefix plus new tokens); entries at `s >= num_segments[b]` are 0.
-    seg_start: `i32[B, S]` first slot of each segment in its block.
-    seg_length: `i32[B, S]` tokens of each segment.
-    num_segments: `i32[B]` valid segments per row (0: padding or failed row).
-    seq_lens: `i32[B]` tokens per row including this step's (0: padding, failed).
-    num_decodes: `i32[]` live rows with exactly one new token (decode rows; a
-      one-token prefill chunk counts here too: its attention is the same).
-    num_prefills: `i32[]` live rows with more than one new token.
-    max_query_len: static bound of tokens per row (the plan's); 1 = decode-only.
+  `B` rows, `T` tokens, `S` segments. Failed and padding rows get no segments and
+  `slot_mapping = -1` (output 0). `positions`, `slot_mapping`: `i32[T]`, -1 for
+  padding; `cu_q_lens`: `i32[B+1]`; `seg_*`: `i32[B, S]` tables after the
+  reservation; `num_segments`, `seq_lens`: `i32[B]`; `num_decodes`,
+  `num_prefills`: `i32[]`; `max_query_len`: static, 1 = decode-only.
   """
 
   seq_ids: jax.Array
@@ -90,22 +59,11 @@ class StepMetadata:
     return self.cu_q_lens[1:] - self.cu_q_lens[:-1]
 
   def page_table(self, block_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The rows' segment tables as classic page tables, for other paged kernels.
+    """The rows as classic page tables: `(block_tables i32[B, S], seq_lens i32[B], whole bool[B])`.
 
-    A row's table is a page table when every segment starts at slot 0 of its block
-    and all but the last hold `block_size` tokens: then its token `t` is in block
-    `block_tables[b, t // block_size]` at slot `t % block_size` (what JAX's
-    built-in paged attention, vLLM's and FlashInfer's kernels read). Rows that
-    share a slotted block, or hold a short middle segment (a prefix cache hit split
-    mid-block), are not; they get `whole = False`, a zero table and length 0: run
-    them through `paged_attention` instead (or copy their tails whole first).
-
-    Args:
-      block_size: the pool's tokens per block.
-
-    Returns:
-      `(block_tables i32[B, S], seq_lens i32[B], whole bool[B])`; works on the host
-      and inside jit.
+    A row is a page table when every segment starts at slot 0 and all but the last
+    are full; rows sharing a slotted block or split mid-block get `whole = False`,
+    a zero table and length 0 (run them through `paged_attention`).
     """
     seg = jnp.arange(self.seg_block.shape[1], dtype=jnp.int32)[None, :]
     n = self.num_segments[:, None]
@@ -118,23 +76,13 @@ class StepMetadata:
   @classmethod
   def from_reservation(cls, plan: StepPlan, table: SegmentTable, slot_idx: jax.Array,
                        status: jax.Array) -> "StepMetadata":
-    """Inside jit: the metadata of `plan` right after `reserve_tokens`.
-
-    Args:
-      plan: the step's rows and tokens.
-      table: the pool's segment table after the reservation.
-      slot_idx: `i32[B, W]` `reserve_tokens`' slots (`W >= max num_new`).
-      status: `i32[B]` `reserve_tokens`' status; failed rows attend to nothing.
-    """
+    """Inside jit: the metadata of `plan` right after `reserve_tokens` (`slot_idx`, `status`)."""
     fields = _build(jnp, plan, table, status, token_slots(jnp, plan, slot_idx, status))
     return cls(**fields, max_query_len=plan.max_query_len)
 
   @classmethod
   def from_reserved(cls, plan: StepPlan, table: SegmentTable) -> "StepMetadata":
-    """Inside jit: the metadata of a plan whose slots the host reserved
-    (`plan.reserved`, `ReservedSlots`), from the pool's table, which already holds
-    the reservation (its commit ran before the step). Equal to `from_reservation`'s
-    for the same reservation, with no allocation in the program."""
+    """Inside jit: the metadata of a plan whose slots the host reserved and committed."""
     reserved = plan.reserved
     return cls(**_build(jnp, plan, table, reserved.status, reserved.slot_mapping),
                max_query_len=plan.max_query_len)
@@ -142,18 +90,10 @@ class StepMetadata:
   @classmethod
   def from_plan(cls, plan: StepPlan, table: SegmentTable, slot_idx,
                 status=None) -> "StepMetadata":
-    """On the host (numpy): the metadata of `plan` after the host reserved its slots.
+    """On the host (numpy): the metadata of `plan` after a host reservation `slot_idx i32[B, W]`.
 
-    Args:
-      plan: the step's rows and tokens.
-      table: the pool's segment table after the reservation (device or numpy).
-      slot_idx: `i32[B, W]` each row's reserved slots in order (row b for
-        `plan.seq_ids[b]`; rows of padding are not read), `W >= num_new[b]`.
-      status: `i32[B]` per-row reservation status; default all OK.
-
-    Raises:
-      InvalidArgument: shapes disagree, a live row is not active in `table`, or
-        a row's slots are fewer than its tokens.
+    Raises `InvalidArgument` when shapes disagree, a live row is not active in
+    `table`, or a row has fewer slots than tokens.
     """
     tab = jax.tree.map(np.asarray, table)
     ids = np.asarray(plan.seq_ids, np.int32)
@@ -177,10 +117,7 @@ class StepMetadata:
 
 
 def token_slots(xp, plan: StepPlan, slot_idx, status):
-  """`i32[T]` the slot each token of `plan`'s layout is written to, from the rows'
-  reserved slots `slot_idx i32[B, W]` (row b's `num_new[b]` first entries); `-1`
-  for padding, padding rows and rows whose `status` is not OK. With numpy
-  (`xp=np`) or inside jit (`xp=jnp`)."""
+  """`i32[T]`: each token's slot from the rows' `slot_idx i32[B, W]`; `-1` for padding, failures."""
   i32 = xp.int32
   seq_ids = xp.asarray(plan.seq_ids, i32)
   num_tokens = plan.tokens.shape[0]
@@ -199,15 +136,11 @@ def token_slots(xp, plan: StepPlan, slot_idx, status):
 
 def reserved_slots(plan: StepPlan, slot_idx, status, grow=None, clock: int = 0
                    ) -> ReservedSlots:
-  """Host: the `ReservedSlots` of `plan` from the host's reservation (`slot_idx
-  i32[B, W]`, `status i32[B]`, e.g. a `BlockPool.reserve_step`'s), numpy arrays
-  (uploaded with the step: `T + B` integers, not `B * W`); `grow i32[B]`: the
-  in-place growth the step applies itself, with the pool's `clock` after the
-  reservation (`StepPrediction.grow`, `.clock`), or None.
+  """Host: the `ReservedSlots` of `plan` (`T + B` integers to upload, not `B * W`).
 
-  Raises:
-    InvalidArgument: `slot_idx` is not `[B, W]` or `status` not `[B]` for the
-      plan's B rows.
+  `grow` and `clock` are the in-place growth the step applies itself and the pool's
+  clock after it. Raises `InvalidArgument` for `slot_idx` not `[B, W]` or `status`
+  not `[B]`.
   """
   slots = np.asarray(slot_idx, np.int32)
   status = np.asarray(status, np.int32)
@@ -225,13 +158,7 @@ def reserved_slots(plan: StepPlan, slot_idx, status, grow=None, clock: int = 0
 
 def _token_slots_host(plan: StepPlan, slot_idx: np.ndarray,
                       status: np.ndarray) -> np.ndarray | None:
-  """`token_slots(np, ...)` in a few numpy calls over the rows and their tokens (not
-  `B x W` nor a search per token): row b's first `num_new[b]` slots, laid out row
-  after row. The leading one-token rows (a step's decode rows) in one pass, the rows
-  after them one at a time when they are few (a step's prompt chunks and padding),
-  else in a repeat form. None when a row asks for more tokens than `slot_idx` is
-  wide, for a negative count, or when the tokens exceed `T` (the general form
-  decides those)."""
+  """`token_slots(np, ...)` in a few numpy calls; None for the cases the general form decides."""
   num_new = np.asarray(plan.num_new)
   b, width = slot_idx.shape
   t = plan.tokens.shape[0]
@@ -274,8 +201,7 @@ _FEW_WIDE_ROWS = 16  # rows after the leading one-token ones that `_token_slots_
 
 
 def _build(xp, plan: StepPlan, table: SegmentTable, status, slot_mapping) -> dict:
-  """The array fields, with numpy (`xp=np`) or inside jit (`xp=jnp`), from the
-  table after the reservation and the tokens' slots (`token_slots`)."""
+  """The array fields, numpy or in jit, from the table after the reservation and the slots."""
   i32 = xp.int32
   seq_ids = xp.asarray(plan.seq_ids, i32)
   num_new = xp.asarray(plan.num_new, i32)

@@ -1,17 +1,8 @@
 """Several decode steps in one jitted program: which rows run each step.
 
-`scan_decode(step, state, seq_ids, tokens, remaining, *, num_steps)` runs `num_steps`
-decode steps in a `lax.scan`. Row b runs step j iff `seq_ids[b] >= 0`,
-`j < remaining[b]` and none of its earlier steps' reservations failed; a row that
-samples a stop token keeps running (the host drops the tokens past a stop), so the
-rows of every step follow from the inputs and the statuses alone, and the host can
-predict each step's reservation on its mirror. Each step's input token of a row is
-its previous step's sampled token.
-
-`reserve_decode_steps` is the same schedule with reservations only (one slot per
-running row per step): the memory dynamics of k decode steps, no model.
-
-Needs only JAX (no flax): `paged_kv.scheduler.executor.DryExecutor` uses it.
+Row b runs step j iff `seq_ids[b] >= 0`, `j < remaining[b]` and none of its
+earlier reservations failed; a stop token does not stop it (the host drops the
+extra tokens), so the host can predict every reservation. Needs only JAX.
 """
 
 from __future__ import annotations
@@ -34,9 +25,8 @@ DecodeFn = Callable[[PoolState, jax.Array, jax.Array, jax.Array],
 def check_decode_steps(plan, remaining, num_steps) -> None:
   """Host check of a `decode_steps(state, plan, remaining, *, num_steps)` call.
 
-  Raises:
-    InvalidArgument: `num_steps` is not an int >= 1, `plan.max_query_len != 1`
-      (not a decode plan) or `remaining` is not `[B]`-shaped.
+  Raises `InvalidArgument` unless `num_steps` is an int >= 1, the plan is a
+  decode plan (`max_query_len == 1`) and `remaining` is `[B]`.
   """
   if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
     raise InvalidArgument(f"num_steps must be an int >= 1, got {num_steps!r}")
@@ -55,23 +45,11 @@ def check_decode_steps(plan, remaining, num_steps) -> None:
 def scan_decode(step: DecodeFn, state: PoolState, seq_ids: jax.Array, tokens: jax.Array,
                 remaining: jax.Array, *, num_steps: int
                 ) -> tuple[PoolState, tuple[jax.Array, jax.Array, Any]]:
-  """`num_steps` decode steps of a batch in one `lax.scan` (see the module docstring).
+  """`num_steps` decode steps of a batch in one `lax.scan` (module docstring).
 
-  Args:
-    step: one decode step; called (traced once) with `seq_ids` where the rows that
-      do not run are `-1`, each row's input token and the step index `j` (`i32[]`).
-      Returns the state, each row's sampled token, its reservation status and any
-      pytree `extra` (stacked over the steps).
-    state: the pool.
-    seq_ids: `i32[B]` rows (`-1` = padding).
-    tokens: `i32[B]` each row's input token of step 0.
-    remaining: `i32[B]` the most steps each row runs.
-    num_steps: static number of steps k.
-
-  Returns:
-    `(state, (tokens i32[k, B], status i32[k, B], extra))`: each step's sampled
-    token (`-1` where the row did not run or its reservation failed) and status
-    (`OK` for rows that did not run).
+  `step(state, seq_ids, tokens, j)` sees non-running rows as `-1` and returns the
+  state, tokens, statuses and any `extra`. Returns `(state, (tokens i32[k, B],
+  status i32[k, B], extra))`, tokens `-1` where a row did not run or failed.
   """
   seq_ids = jnp.asarray(seq_ids, jnp.int32)
   remaining = jnp.asarray(remaining, jnp.int32)
@@ -94,13 +72,7 @@ def scan_decode(step: DecodeFn, state: PoolState, seq_ids: jax.Array, tokens: ja
 def reserve_decode_steps(state: PoolState, seq_ids: jax.Array, remaining: jax.Array, *,
                          config: PoolConfig,
                          num_steps: int) -> tuple[PoolState, jax.Array]:
-  """The reservations of `num_steps` decode steps (`scan_decode`'s rows), no model.
-
-  Step j is `reserve_tokens(state, where(live_j, seq_ids, -1), ones, max_new_tokens=1)`.
-
-  Returns:
-    `(state, status i32[k, B])`: each step's reservation status.
-  """
+  """The reservations of `scan_decode`'s rows, no model: `(state, status i32[k, B])`."""
   ones = jnp.ones(jnp.shape(seq_ids), jnp.int32)
 
   def step(state, ids, tokens, j):

@@ -1,10 +1,4 @@
-"""`flax.nnx` for the model layer's modules, or an import error naming the extra.
-
-The model layer's NNX modules (`PagedAttention`, the reference model, the jitted
-steps, `ModelExecutor`) need flax, which the core does not: it is the `model` extra.
-Without it they raise `ModuleNotFoundError` saying how to install it, instead of a
-bare "No module named 'flax'".
-"""
+"""`flax.nnx` for the model layer's modules, or a `ModuleNotFoundError` naming the `model` extra."""
 
 from __future__ import annotations
 

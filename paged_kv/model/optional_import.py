@@ -1,9 +1,4 @@
-"""Optional dependencies of the model layer, imported when first needed.
-
-`require(module, needed_for=..., extra=...)` imports `module` or raises
-`ModuleNotFoundError` saying which extra installs it, instead of a bare "No module
-named ...". An import error from inside the module (a broken install) propagates.
-"""
+"""Optional dependencies of the model layer, imported when first needed; errors name the extra."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""Prompt logprobs inside the jitted step (`SamplingParams.prompt_logprobs`).
+"""Prompt logprobs inside the jitted step (vLLM's `prompt_logprobs`).
 
-vLLM's `prompt_logprobs`: for each prompt token after the first, its log-probability
-given the tokens before it, and the most likely tokens at that position. A step
-whose plan names such positions (`paged_kv.model.plan.PromptPositions`: a fixed
-width `W`, so one program serves every mix) computes the model's output head at
-them besides each row's last token (a model that takes `logits_indices` gets both
-sets in one index array; any other's full logits are gathered), then
-`log_softmax`, the target's logprob and rank, and the top `k` (`prompt_logprobs`).
-Raw logprobs (the model's distribution, before any sampling parameter), as vLLM's
-default. A plan without positions runs the program it always ran.
+For the positions a plan names (`PromptPositions`, fixed width so one program
+serves every mix) the step runs the output head there too, then `log_softmax`,
+the target's logprob and rank and the top `k`. Raw logprobs, before any
+sampling parameter; a plan without positions runs its usual program.
 """
 
 from __future__ import annotations
@@ -22,15 +17,10 @@ __all__ = ["PromptLogprobs", "prompt_logprobs"]
 
 
 class PromptLogprobs(NamedTuple):
-  """The step's prompt logprobs, one entry per `PromptPositions` entry (`W`).
+  """The step's prompt logprobs, one per `PromptPositions` entry; `row`, `position` as given.
 
-  Attributes:
-    row: `i32[W]` the entry's batch row (-1: unused), as given.
-    position: `i32[W]` the target's position in its prompt, as given.
-    logprob: `f32[W]` the target token's log-probability.
-    rank: `i32[W]` its rank there (1: the most likely).
-    top_ids: `i32[W, k]`, top_logprobs: `f32[W, k]`: the `k` most likely tokens
-      and their logprobs, most likely first (`[W, 0]` when `k == 0`).
+  `logprob: f32[W]`, `rank: i32[W]` (1 = most likely), and the `k` most likely
+  `top_ids: i32[W, k]` with `top_logprobs: f32[W, k]`.
   """
 
   row: jax.Array
@@ -42,16 +32,7 @@ class PromptLogprobs(NamedTuple):
 
 
 def prompt_logprobs(logits: jax.Array, positions, *, num_top: int) -> PromptLogprobs:
-  """The logprobs of `positions`' targets under `logits` (pure; traced in the step).
-
-  Args:
-    logits: `f32[W, V]` the output head at each entry's `index`.
-    positions: the plan's `PromptPositions`.
-    num_top: static; the top logprobs per entry.
-
-  Returns:
-    A `PromptLogprobs`; unused entries' values are meaningless.
-  """
+  """The `PromptLogprobs` of `positions`' targets under `logits f32[W, V]` (traced)."""
   lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
   w, v = lp.shape
   target = jnp.clip(jnp.asarray(positions.target, jnp.int32), 0, v - 1)

@@ -1,9 +1,6 @@
-"""The ragged token layout of a step: rows' tokens concatenated, split by `cu_q_lens`.
+"""The ragged token layout: row b owns tokens `cu_q_lens[b] : cu_q_lens[b+1]` of `[T, ...]`.
 
-Row b owns tokens `cu_q_lens[b] : cu_q_lens[b+1]` of a flat `[T, ...]` array; tokens at
-`t >= cu_q_lens[B]` are padding. These helpers convert between that layout and padded
-`[B, max_q, ...]` rows, and find each token's row. Every function works on numpy
-arrays (host) and on `jax.Array`s (inside jit) alike, through `xp`.
+Helpers convert to and from padded `[B, max_q, ...]` rows, numpy or jnp (`xp`).
 """
 
 from __future__ import annotations
@@ -33,11 +30,7 @@ def last_token_index(cu_q_lens, num_tokens: int, *, xp=jnp):
 
 
 def to_ragged(x: jax.Array, num_new: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Padded `[B, T, ...]` rows to the ragged layout.
-
-  Returns `(flat [B*T, ...], cu_q_lens i32[B+1])`: row b's first `num_new[b]`
-  entries at `cu_q_lens[b]:cu_q_lens[b+1]`, then zeros.
-  """
+  """Padded `[B, T, ...]` rows to `(flat [B*T, ...], cu_q_lens i32[B+1])`, zeros after."""
   b, t = x.shape[:2]
   cu = cu_lens(num_new)
   r = jnp.arange(b * t, dtype=jnp.int32)
@@ -64,11 +57,7 @@ def bucket(x: int) -> int:
 
 
 def pack_rows(token_lists, *, num_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """Host: concatenates token lists into the ragged layout.
-
-  Returns `(tokens i32[T], num_new i32[len(token_lists)])`, `T = num_tokens` or the
-  total rounded up to a power of two; padding tokens are 0.
-  """
+  """Host: token lists to `(tokens i32[T], num_new)`; `T` defaults to a power of two."""
   num_new = np.array([len(t) for t in token_lists], np.int32)
   total = int(num_new.sum())
   width = bucket(total) if num_tokens is None else int(num_tokens)

@@ -1,27 +1,9 @@
-"""Random Hugging Face Llama checkpoints with the shapes of real models, written on the fly.
+"""Random Hugging Face Llama checkpoints with real models' shapes (`SHAPES`), written on the fly.
 
-`write_random_checkpoint(dir, hf_config(shape))` writes `config.json` and
-`*.safetensors` under transformers' tensor names and `[out, in]` shapes, so
-`paged_kv.model.hf_checkpoint.load_checkpoint` and transformers'
-`LlamaForCausalLM.from_pretrained` both read it. Weights: linear layers
-`N(0, 1) / sqrt(fan_in)`, the embedding `N(0, 1)` (a lookup: fan-in 1), norms
-`1 + 0.1 N(0, 1)`. Each tensor has its own seed (`[seed, index]`), so the values
-do not depend on the sharding or the thread count.
-
-Shapes (`SHAPES`): `llama-3.2-1b` (16 layers, d_model 2048, 32/8 heads, head_dim 64,
-vocab 128,256, tied embeddings; 1.24 B parameters), `llama-3.1-8b` (32 layers, 4096,
-32/8 heads, head_dim 128, untied; 8.03 B) and `tiny` (2 layers, d_model 64, vocab 512:
-tests and CPU runs). The configs are those the models ship, rope scaling included.
-
-numpy, safetensors (the `hf` extra) and, for bf16 tensors, ml_dtypes (a JAX
-dependency); no JAX, no torch. `write_byte_level_tokenizer` adds a small trained
-byte-level BPE `tokenizer.json` (the `tokenizers` package, also in the `hf` extra),
-so that text goes in and out of a random checkpoint (the server's benchmarks).
-
-Usage:
-  from paged_kv.model import random_checkpoint
-  path = random_checkpoint.write_random_checkpoint(
-      "/tmp/llama-1b", random_checkpoint.hf_config("llama-3.2-1b", dtype="bfloat16"))
+Written under transformers' names and shapes, readable by `load_checkpoint` and
+transformers alike; each tensor seeded on its own (linear `N(0, 1) /
+sqrt(fan_in)`, embedding `N(0, 1)`, norms `1 + 0.1 N(0, 1)`). numpy,
+safetensors and ml_dtypes only; `write_byte_level_tokenizer` adds a tokenizer.
 """
 
 from __future__ import annotations
@@ -129,18 +111,9 @@ def write_random_checkpoint(path: str | os.PathLike, hf: dict, *, seed: int = 0,
                             threads: int | None = None) -> Path:
   """Writes a random checkpoint of config `hf` into directory `path`; returns it.
 
-  Tensors go to `model.safetensors`, or to `model-0000k-of-0000n.safetensors` shards
-  of at most `max_shard_bytes` (one tensor may exceed it) with the index
-  `model.safetensors.index.json`, as transformers writes them; `config.json` is
-  written last, so a directory with one is complete. Tensors are drawn on `threads`
-  threads (default: up to 8); memory peaks at about one shard.
-
-  Args:
-    path: the directory (created; files of the same names are replaced).
-    hf: the `config.json` dict (`hf_config`); its `torch_dtype` is the stored dtype.
-    seed: the weights' seed.
-    max_shard_bytes: the largest shard.
-    threads: drawing threads.
+  Shards of at most `max_shard_bytes` with an index, as transformers writes them;
+  `config.json` goes last, so a directory with one is complete. Tensors are drawn
+  on `threads` threads (default up to 8); memory peaks at about one shard.
   """
   try:
     from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
@@ -192,14 +165,10 @@ _CORPUS = ("a paged kv cache keeps the keys and values of every token in fixed b
 
 
 def write_byte_level_tokenizer(path: str | os.PathLike, vocab_size: int) -> Path:
-  """Writes `tokenizer.json` into directory `path`: a byte-level BPE of `vocab_size` ids
-  trained on two sentences, specials `<unk>` (0), `<s>` (1), `</s>` (2); returns the file.
+  """Writes a byte-level BPE `tokenizer.json` of `vocab_size` ids into `path`; returns the file.
 
-  Every byte has an id (the byte-level alphabet), so any text encodes; the ids stay
-  below `vocab_size` (a checkpoint of that vocabulary can take them).
-
-  Raises:
-    ValueError: `vocab_size` below the byte alphabet plus the specials (259).
+  Specials `<unk>`, `<s>`, `</s>`; any text encodes. Raises `ValueError` for a
+  `vocab_size` below 259.
   """
   try:
     # pylint: disable=import-outside-toplevel

@@ -1,23 +1,14 @@
 """RoPE inverse frequencies, with the scalings Hugging Face Llama-family configs state.
 
-`apply_rope` (`paged_kv.model.layers`) rotates q and k by `position * inv_freq[i]`
-in the "rotate half" layout (Hugging Face's: pairs `(i, i + head_dim/2)`, not the
-interleaved GPT-J pairs `(2i, 2i+1)`). Without scaling it computes `inv_freq[i] =
-theta ** (-i / half)` itself (unchanged since 0.1); with a `RopeScaling` it takes
-the frequencies from `inverse_frequencies`, computed as `transformers` does (its
-`modeling_rope_utils`: float32, the same order of operations):
+Without scaling `apply_rope` uses `theta ** (-i / half)`; with a `RopeScaling`,
+`inverse_frequencies` as transformers computes them (float32, same order):
 
-  default   inv_freq[i] = 1 / theta ** (2i / head_dim)
-  "linear"  inv_freq / factor                       (positions divided by factor)
-  "llama3"  Llama 3.1's: with wavelen = 2 pi / inv_freq and the original context
-            L = original_max_position_embeddings, wavelengths longer than
-            L / low_freq_factor are divided by `factor`, shorter than
-            L / high_freq_factor kept, and the ones between interpolated with
-            s = (L / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor):
-            (1 - s) * inv_freq / factor + s * inv_freq.
-
-Both keep the attention scaling at 1 (cos and sin are not rescaled). Other types
-("dynamic", "yarn", "longrope", ...) are not implemented: `RopeScaling` refuses them.
+  "linear"  inv_freq / factor
+  "llama3"  with wavelen = 2 pi / inv_freq, L = original_max_position_embeddings:
+            wavelengths above L / low_freq_factor divided by `factor`, below
+            L / high_freq_factor kept, between: (1 - s) * inv_freq / factor +
+            s * inv_freq, s = (L / wavelen - low_freq_factor) / (high_freq_factor
+            - low_freq_factor).
 """
 
 from __future__ import annotations
@@ -36,13 +27,10 @@ SUPPORTED_ROPE_TYPES = ("linear", "llama3")
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """A RoPE scaling (frozen, hashable: part of a model's static configuration).
+  """A RoPE scaling (frozen, hashable): "linear" or "llama3" with `factor > 0`.
 
-  Attributes:
-    rope_type: "linear" or "llama3".
-    factor: the context extension factor (> 0).
-    low_freq_factor, high_freq_factor: "llama3" only (`high > low > 0`).
-    original_max_position_embeddings: "llama3" only: the pre-training context.
+  "llama3" also needs `high_freq_factor > low_freq_factor > 0` and the
+  pre-training context `original_max_position_embeddings`.
   """
 
   rope_type: str
@@ -71,11 +59,7 @@ class RopeScaling:
 
 def inverse_frequencies(head_dim: int, *, theta: float,
                         scaling: RopeScaling | None = None) -> np.ndarray:
-  """`f32[head_dim // 2]`: the inverse frequencies of RoPE, scaled as `scaling` says.
-
-  Computed on the host in float32, in the order of operations of `transformers`
-  (see the module docstring), so a loaded checkpoint rotates as it was trained.
-  """
+  """`f32[head_dim // 2]` RoPE inverse frequencies by `scaling`, in transformers' float32 order."""
   if head_dim <= 0 or head_dim % 2:
     raise InvalidArgument(f"head_dim must be even and > 0 for RoPE, got {head_dim}")
   exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)

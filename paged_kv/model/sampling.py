@@ -1,29 +1,8 @@
 """Sampling the next token of each row inside the jitted step, and its logprobs.
 
-`SamplingBatch` carries one set of parameters per batch row (arrays: one program
-serves every mix of requests); `sample(logits, batch, num_logprobs=n)` returns the
-tokens and, with `n > 0`, the sampled token's logprob and the top-`n` logprobs.
-
-Per row, with `temperature == 0` the token is the argmax of the logits (the greedy
-path, bit-equal to `argmax` alone); else the logits are divided by the temperature,
-then filtered in this order: top-k (`top_k > 0`: the `k` largest; ties at the k-th
-value are all kept), top-p (`top_p < 1`: the smallest set of most likely tokens whose
-probability reaches `top_p`), min-p (`min_p > 0`: tokens at least `min_p` times as
-likely as the most likely), and one token is drawn from what is left. The draw's key
-is `fold_in(key(seed), index)`: the same seed and output index give the same token
-whatever else is in the batch, so a request is reproducible under its seed.
-
-Before that, each row's logit adjustments (`adjust_ids`, `adjust_vals`: a request's
-`logit_bias`, and `-inf` on its stop tokens while its output is shorter than
-`min_tokens`) are added to its logits, greedy rows included, inside a `lax.cond`
-that a batch without any skips (the default path's tokens and cost stay as they
-were). Then, when the step hands `sample` a `penalize` function (it holds the
-rows' token histories: `paged_kv.model.penalties`), vLLM's repetition, frequency
-and presence penalties (`apply_penalties`), in a `lax.cond` that a batch without a
-penalized row skips.
-
-Logprobs are of the model's raw distribution (`log_softmax(logits)`, before the
-adjustments, the temperature and the filters: vLLM's default `raw_logprobs`).
+Adjustments and penalties first (each skipped by a batch without them), then
+argmax at temperature 0, else top-k (ties kept), top-p, min-p and a draw keyed
+by `fold_in(key(seed), index)`. Logprobs are raw, as vLLM's default.
 """
 
 from __future__ import annotations
@@ -46,25 +25,13 @@ ADJUST_WIDTH = 16
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingBatch:
-  """Sampling parameters of each row of a batch (`B` rows).
+  """Sampling parameters of each of `B` rows, as arrays (one program serves every mix).
 
-  Attributes:
-    temperature: `f32[B]`; 0 = greedy.
-    top_k: `i32[B]`; 0 = off.
-    top_p: `f32[B]` in (0, 1]; 1 = off.
-    min_p: `f32[B]` in [0, 1]; 0 = off.
-    seed: `u32[B]` the row's request seed.
-    index: `i32[B]` the index, in its request's output, of the token being sampled.
-    adjust_ids: `i32[B, ADJUST_WIDTH]` token ids whose logits are adjusted; -1 = none.
-    adjust_vals: `f32[B, ADJUST_WIDTH]` what is added to each: a finite bias
-      always, `-inf` (a stop token held back) only while `index < min_tokens`.
-    min_tokens: `i32[B]` the output length before which the `-inf` entries apply.
-    presence: `f32[B]` presence penalty (0 = off).
-    frequency: `f32[B]` frequency penalty (0 = off).
-    repetition: `f32[B]` repetition penalty (1 = off).
-    prompt_len: `i32[B]` the row's prompt length: in its token history
-      (`paged_kv.model.penalties`), positions before it are the prompt, the rest
-      the output (read only for a penalized row).
+  `temperature` 0 = greedy; `top_k` 0, `top_p` 1, `min_p` 0 and penalties
+  `presence`/`frequency` 0, `repetition` 1 are off. `index` is the output index
+  being sampled; `adjust_ids`/`adjust_vals` (`[B, ADJUST_WIDTH]`, id -1 = none)
+  add a finite bias always and `-inf` only while `index < min_tokens`;
+  `prompt_len` splits a row's token history (penalties only).
   """
 
   temperature: jax.Array | np.ndarray
@@ -104,15 +71,7 @@ class SamplingBatch:
 
   def set_row(self, row: int, params, *, seed: int, index: int, stop_ids,
               prompt_len: int = 0) -> None:
-    """Fills host row `row` from a request's `SamplingParams` (arrays written in place).
-
-    Args:
-      row: the batch row.
-      params: the request's `paged_kv.scheduler.SamplingParams`.
-      seed: its sampling seed; index: the output index of the token sampled.
-      stop_ids: its stop tokens (what `min_tokens` holds back).
-      prompt_len: its prompt's length (read with penalties only).
-    """
+    """Fills host row `row` in place from a request's `SamplingParams` and its sampling state."""
     if params.penalized:
       self.presence[row], self.frequency[row] = params.presence_penalty, params.frequency_penalty
       self.repetition[row], self.prompt_len[row] = params.repetition_penalty, prompt_len
@@ -132,9 +91,10 @@ class SamplingBatch:
 
 
 class SampleOutput(NamedTuple):
-  """`sample`'s result: `tokens i32[B]`; with `num_logprobs = n > 0` also
-  `logprob f32[B]` (of the sampled token), `top_ids i32[B, n]` and
-  `top_logprobs f32[B, n]` (most likely first); else those are `[B, 0]`-shaped zeros."""
+  """`sample`'s result: `tokens i32[B]`, and with `n` logprobs the sampled and top ones.
+
+  `logprob f32[B]`, `top_ids i32[B, n]`, `top_logprobs f32[B, n]` (`[B, 0]` if none).
+  """
 
   tokens: jax.Array
   logprob: jax.Array
@@ -162,12 +122,7 @@ def _filtered(logits: jax.Array, b: SamplingBatch) -> jax.Array:
 
 
 def apply_adjustments(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
-  """`logits f32[B, V]` plus each row's active adjustments (`SamplingBatch.adjust_*`).
-
-  A finite entry is a `logit_bias` and always applies; a `-inf` one holds a stop
-  token back and applies while the row's `index < min_tokens`. Ids outside
-  `[0, V)` (the -1 padding) change nothing.
-  """
+  """`logits f32[B, V]` plus each row's active adjustments; ids outside `[0, V)` change nothing."""
   logits = jnp.asarray(logits, jnp.float32)
   ids = jnp.asarray(batch.adjust_ids, jnp.int32)
   vals = jnp.asarray(batch.adjust_vals, jnp.float32)
@@ -182,20 +137,11 @@ def apply_adjustments(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
 def apply_penalties(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array, *,
                     presence: jax.Array, frequency: jax.Array,
                     repetition: jax.Array) -> jax.Array:
-  """vLLM's penalties: repetition, then frequency and presence (pure; jit it).
+  """vLLM's penalties on `logits f32[B, V]`: repetition, then frequency and presence (pure).
 
-  With `seen = prompt_mask | (output_counts > 0)`, a logit `x` of a seen token
-  becomes `x / repetition` if `x > 0` else `x * repetition`; then
-  `frequency * output_counts` and `presence * (output_counts > 0)` are subtracted.
-
-  Args:
-    logits: `f32[B, V]`.
-    output_counts: `i32[B, V]` how often each token is in the row's output so far.
-    prompt_mask: `bool[B, V]` whether each token is in the row's prompt.
-    presence, frequency, repetition: `f32[B]` (0, 0 and 1: off).
-
-  Returns:
-    `f32[B, V]`: the penalized logits.
+  With `seen = prompt_mask | (output_counts > 0)`, a seen token's logit `x`
+  becomes `x / repetition` if `x > 0` else `x * repetition`; then `frequency *
+  output_counts` and `presence * (output_counts > 0)` are subtracted.
   """
   logits = jnp.asarray(logits, jnp.float32)
   counts = jnp.asarray(output_counts)
@@ -209,19 +155,10 @@ def apply_penalties(logits: jax.Array, output_counts: jax.Array, prompt_mask: ja
 
 def sample(logits: jax.Array, batch: SamplingBatch, *, num_logprobs: int = 0,
            penalize=None) -> SampleOutput:
-  """The next token of each row (see the module docstring).
+  """The next token of each row from `logits f32[B, V]` (module docstring): a `SampleOutput`.
 
-  Args:
-    logits: `f32[B, V]` each row's logits after its last token.
-    batch: the rows' parameters.
-    num_logprobs: static; how many top logprobs to return per row (0: none).
-    penalize: optional `fn(logits f32[B, V]) -> f32[B, V]` applying the rows'
-      presence, frequency and repetition penalties (it knows their token counts:
-      `paged_kv.model.penalties.penalizer`); run after the adjustments, inside a
-      `lax.cond` that a batch without a penalized row skips. None: no penalties.
-
-  Returns:
-    A `SampleOutput`.
+  `num_logprobs` is static; `penalize` (`penalties.penalizer`) applies the rows'
+  penalties after the adjustments, None: none.
   """
   raw = logits = jnp.asarray(logits, jnp.float32)
   adjusted = jnp.any(jnp.asarray(batch.adjust_ids) >= 0)

@@ -1,68 +1,11 @@
 """Jitted model steps over a pool: reserve, write K/V, attend and sample in one jit.
 
-Every step is `fn(state, ...) -> (state, out)` with the pool state donated (XLA
-updates the pages in place; hand the returned state back, the argument is deleted):
-
-  * `forward`         — the serving step: one `StepPlan` of prefill chunks and decode
-                        tokens together (ragged), ONE forward pass; greedy sample
-                        after each row's last token. `forward_sampled`: the same with
-                        each row's `plan.sampling` (temperature, top-k/p, min-p, seed)
-                        and logprobs (`paged_kv.model.sampling`).
-  * `prefill`         — the same for padded `[B, T]` prompt chunks (a convenience).
-  * `decode_step`     — one token per row.
-  * `decode_multi`    — `lax.scan` over `num_steps` greedy decode steps in one jit:
-                        reserve, write, attend and sample on device, no host round
-                        trip; rows stop when their budget is spent, on a stop token,
-                        or when a reservation fails (the failure is in the status).
-  * `decode_steps`    — the serving loop's k decode steps per dispatch
-                        (`ModelSteps.decode_steps`, `run_decode_steps`): a decode
-                        `StepPlan` (with its sampling) run k times, each row's input
-                        its previous sampled token; the rows of each step follow from
-                        `remaining` and the statuses alone (no stop token), so the
-                        host predicts every reservation (`paged_kv.model.multistep`).
-
-Two ways to call them:
-
-  * **Bound (fast): `steps = bind(model, config)`** gives a `ModelSteps` whose
-    methods are the steps (`steps.forward(state, plan)`, ...). Its jitted programs
-    are built once, with the graph definition, the pool config and the kernel choice
-    closed over, and the parameters flattened once into a tuple of arrays: a call
-    hashes nothing and rebuilds no pytree that grows with the model, so its host
-    cost (microseconds) does not grow with depth. `ModelExecutor` and `PagedRunner`
-    use this. Each binding compiles its own programs, once per shape.
-  * **Module-level (slow): `forward(params, state, plan, *, graphdef, config, ...)`**
-    and the others take `params` / `graphdef` (`nnx.split(model)`) with the graph
-    definition a static argument: every call hashes it and flattens `params` in
-    Python (milliseconds at 16+ layers). Kept for one-off calls and for users'
-    own jits; do not use them in a loop.
-
-Host-reserved slots: a `forward` / `forward_sampled` plan may carry its reservation
-(`plan.reserved`, `paged_kv.model.plan.ReservedSlots`: each token's slot and each
-row's status), decided on the pool's host mirror and committed to the table before
-the step (`BlockPool.reserve_step`, what the serving loop does). The step then
-reserves nothing: it applies the rows' in-place tail growth the host left out of the
-commit (`reserved.grow`, `paged_kv.core.growth`), `StepMetadata.from_reserved` reads
-the table, and the program holds no allocator (its compile about halves:
-`benchmarks/bench_compile.py`).
-The multi-step decodes (`decode_multi`, `decode_steps`) always reserve inside their
-program.
-
-A plan's `carried` tokens (`paged_kv.model.plan.CarriedTokens`: tokens still on
-the device from an earlier step) are resolved inside the jitted step, in the same
-program.
-
-Inside each step `reserve_tokens` makes room, `StepMetadata.from_reservation` turns
-its output into the step's metadata, and the model (`model(tokens, pages, meta,
-impl=impl, interpret=interpret) -> (pages, logits)`: the contract of
-`paged_kv.model.contract`, e.g. `paged_kv.model.llama.TinyLlama`) writes and attends
-layer by layer. A model that takes `logits_indices=` (TinyLlama does) is handed each
-row's last token index and computes its output head for those `B` rows only; any
-other model returns logits for all `T` tokens and the step gathers the `B` it
-samples from. Which of the two is decided while tracing, from the model's
-signature (`contract.accepts_logits_indices`), so it is as static as the graph
-definition.
-`impl=None` picks `paged_kv.model.attention.default_impl()` for the backend and
-the shape (per shape on a GPU: the first impl that builds).
+Each step is `fn(state, ...) -> (state, out)` with the pool donated: `forward`
+(a ragged `StepPlan`; `forward_sampled`), `prefill`, `decode_step`,
+`decode_multi` and `decode_steps` (k decode steps in one scan). `bind(model,
+config)` builds them once as `ModelSteps`, so a call hashes nothing; the
+module-level functions hash the graph every call. A plan with host-`reserved`
+slots runs no allocator in its program.
 """
 
 from __future__ import annotations
@@ -95,16 +38,14 @@ _STATICS = ("graphdef", "config", "impl", "interpret")
 
 def _forward_body(model, state: PoolState, plan: StepPlan, **kwargs
                   ) -> tuple[PoolState, tuple[jax.Array, ...]]:
-  """Reserve (unless the host did: `plan.reserved`), metadata, model, greedy sample
-  (traced; shared by every step)."""
+  """Reserve (unless `plan.reserved`), metadata, model, greedy sample (traced; every step's)."""
   state, out, _ = _forward_core(model, state, plan, **kwargs)
   return state, out
 
 
 def _forward_core(model, state: PoolState, plan: StepPlan, *, config: PoolConfig,
                   impl: str | None, interpret):
-  """`_forward_body`, also returning the step's metadata, tokens (carried resolved) and,
-  for a plan with `prompt` positions, the logits there (`f32[W, V]`; else None)."""
+  """`_forward_body` plus the metadata, resolved tokens and logits at `plan.prompt` (or None)."""
   if plan.reserved is not None:  # static: the plan's tree structure
     # The host reserved the slots and its commit already put them in the table,
     # but for the in-place growth the step applies itself (`grow`).
@@ -146,10 +87,7 @@ def _forward_core(model, state: PoolState, plan: StepPlan, *, config: PoolConfig
 
 def _sampled_body(model, state: PoolState, plan: StepPlan, history=None,
                   **kwargs) -> tuple[PoolState, tuple]:
-  """`_forward_body`, each row's token drawn by `plan.sampling`; with `plan.prompt`, the
-  `prompt_logprobs.PromptLogprobs` of its positions follow the `SampleOutput`; with a
-  token `history` (`paged_kv.model.penalties`) the step's tokens are recorded in it and
-  the rows' penalties applied, and the history is returned last in the output."""
+  """`_forward_body` sampling by `plan.sampling`, then prompt logprobs, then `history`."""
   state, (greedy, last_logits, status), (meta, tokens, prompt_logits) = _forward_core(
       model, state, plan, **kwargs)
   penalize = None
@@ -204,31 +142,10 @@ def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Arr
                      interpret=None, history=None) -> tuple[PoolState, tuple]:
   """`num_steps` decode steps of a decode plan in one `lax.scan` (pure; jit it).
 
-  Row b runs step j iff `plan.seq_ids[b] >= 0`, `j < remaining[b]` and none of its
-  earlier reservations failed (`paged_kv.model.multistep.scan_decode`); a row that
-  samples a stop token keeps running. Step j reserves one slot per running row
-  (`reserve_tokens(..., num_new=1, max_new_tokens=1)`) and runs `forward` (or
-  `forward_sampled` with `plan.sampling`, its output index `index + j`) on the rows'
-  previous tokens; step 0's are the plan's (`plan.carried` resolved).
-
-  Args:
-    model: the model (`nnx.merge`d inside the caller's trace).
-    state: the pool.
-    plan: a decode plan: `max_query_len == 1`, row b's token at position b of
-      `plan.tokens` (rows at `b >= num_tokens` have none: padding). `num_new` is
-      not read (every running row decodes one token).
-    remaining: `i32[B]` the most steps each row runs.
-    config, impl, interpret: as in `forward`.
-    num_steps: static number of steps k.
-    history: optional token history (`paged_kv.model.penalties`), with
-      `plan.sampling`: each step records its tokens in it and applies the rows'
-      penalties; it is returned last in the output.
-
-  Returns:
-    `(state, (tokens i32[k, B], status i32[k, B]))`, plus a `SampleOutput` with
-    a leading k axis when `plan.sampling` is given (and the history after it when
-    given): tokens `-1` where the row did not run or its reservation failed, status
-    `OK` for rows that did not run.
+  Rows run as in `multistep.scan_decode`; each step reserves one slot per running
+  row and runs `forward` (or `forward_sampled` at output index `index + j`).
+  Returns `(state, (tokens i32[k, B], status i32[k, B]))`, plus a k-stacked
+  `SampleOutput` with `plan.sampling` and the `history` when given.
   """
   if plan.reserved is not None:
     raise InvalidArgument("run_decode_steps reserves its k steps itself: its plan takes no "
@@ -274,26 +191,10 @@ def run_decode_steps(model, state: PoolState, plan: StepPlan, remaining: jax.Arr
 def forward(params: nnx.State, state: PoolState, plan: StepPlan, *, graphdef: nnx.GraphDef,
             config: PoolConfig, impl: str | None = None,
             interpret=None) -> tuple[PoolState, tuple[jax.Array, ...]]:
-  """One mixed step: prefill chunks and decode tokens of `plan` in one forward pass.
+  """One mixed step: prefill chunks and decode tokens of `plan` in one pass (slow path: use `bind`).
 
-  Slow path: hashes `graphdef` and flattens `params` on every call; in a loop use
-  `bind(model, config).forward(state, plan)` (the same program, microseconds).
-
-  Args:
-    params: model parameters (`nnx.split(model)[1]`).
-    state: the pool (donated).
-    plan: rows, their new token counts and the ragged tokens (`StepPlan`); a
-      decode row's token is its pending (sampled, not yet cached) token.
-    graphdef: static model graph (`nnx.split(model)[0]`).
-    config: static pool config (layers, heads, head_dim, dtype matching the model).
-    impl: static attention path ("xla", "pallas", "mosaic"; None: per backend).
-    interpret: static; Pallas interpret mode (None: on CPU only).
-
-  Returns:
-    `(state, (next_tokens i32[B], last_logits f32[B, vocab], status i32[B]))`:
-    the greedy token after each row's last new token (`-1` for padding, empty and
-    failed rows), the logits it came from, and `reserve_tokens`' status (a failed
-    row is left as it was; with `plan.reserved`, its status as given).
+  Returns `(state, (next_tokens i32[B], last_logits f32[B, vocab], status i32[B]))`,
+  tokens `-1` for padding, empty and failed rows (a failed row is left as it was).
   """
   return _forward_body(nnx.merge(graphdef, params), state, plan, config=config, impl=impl,
                        interpret=interpret)
@@ -303,15 +204,10 @@ def forward(params: nnx.State, state: PoolState, plan: StepPlan, *, graphdef: nn
 def forward_sampled(params: nnx.State, state: PoolState, plan: StepPlan, *,
                     graphdef: nnx.GraphDef, config: PoolConfig, impl: str | None = None,
                     interpret=None) -> tuple[PoolState, tuple]:
-  """`forward` with each row's token drawn by its `plan.sampling` parameters.
+  """`forward` with each row's token drawn by `plan.sampling` (greedy rows as `forward`'s).
 
-  Greedy rows (temperature 0) get the same token as `forward`'s. `plan.num_logprobs`
-  (static) top logprobs come back per row. Slow path (see `forward`);
-  `ModelSteps.forward_sampled` is the fast one.
-
-  Returns:
-    `(state, (next_tokens i32[B], status i32[B], sampling.SampleOutput))`, tokens
-    `-1` for padding, empty and failed rows.
+  Slow path. Returns `(state, (next_tokens i32[B], status i32[B],
+  SampleOutput))` with `plan.num_logprobs` top logprobs per row.
   """
   return _sampled_body(nnx.merge(graphdef, params), state, plan, config=config, impl=impl,
                        interpret=interpret)
@@ -321,19 +217,7 @@ def forward_sampled(params: nnx.State, state: PoolState, plan: StepPlan, *,
 def prefill(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens: jax.Array,
             num_new: jax.Array, *, graphdef: nnx.GraphDef, config: PoolConfig,
             impl: str | None = None, interpret=None) -> tuple[PoolState, tuple[jax.Array, ...]]:
-  """`forward` for padded prompt chunks: `tokens i32[B, T]`, `num_new[b]` of row b's.
-
-  Slow path (see `forward`); `ModelSteps.prefill` is the fast one.
-
-  Args:
-    params, state, graphdef, config, impl, interpret: as in `forward`.
-    seq_ids: `i32[B]` rows (`-1` = padding).
-    tokens: `i32[B, T]` the next `num_new[b]` prompt tokens of each row, padded.
-    num_new: `i32[B]` tokens of the chunk per row (`0 <= . <= T`).
-
-  Returns:
-    As `forward`.
-  """
+  """`forward` for padded prompt chunks `tokens i32[B, T]` (`num_new[b]` each); slow path."""
   return _forward_body(nnx.merge(graphdef, params), state,
                        _prefill_plan(seq_ids, tokens, num_new), config=config, impl=impl,
                        interpret=interpret)
@@ -343,18 +227,10 @@ def prefill(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens: jax
 def decode_step(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens: jax.Array, *,
                 graphdef: nnx.GraphDef, config: PoolConfig, impl: str | None = None,
                 interpret=None) -> tuple[PoolState, tuple[jax.Array, ...]]:
-  """One greedy decode step for a batch: reserve, write K/V, attend, sample.
+  """One greedy decode step of rows `seq_ids` on their last sampled `tokens`; slow path.
 
-  Slow path (see `forward`); `ModelSteps.decode_step` is the fast one.
-
-  Args:
-    params, state, graphdef, config, impl, interpret: as in `forward`.
-    seq_ids: `i32[B]` rows (`-1` = padding).
-    tokens: `i32[B]` each row's last sampled token (not yet in the cache).
-
-  Returns:
-    `(state, (next_tokens i32[B], logits f32[B, vocab], status i32[B]))`;
-    `next_tokens` is `-1` for padding and for rows whose reservation failed.
+  Returns `(state, (next_tokens i32[B], logits f32[B, vocab], status i32[B]))`,
+  `-1` tokens for padding and failed rows.
   """
   return _forward_body(nnx.merge(graphdef, params), state, _decode_plan(seq_ids, tokens),
                        config=config, impl=impl, interpret=interpret)
@@ -366,26 +242,11 @@ def decode_multi(params: nnx.State, state: PoolState, seq_ids: jax.Array, tokens
                  remaining: jax.Array, *, graphdef: nnx.GraphDef, config: PoolConfig,
                  num_steps: int, stop_token: int = NO_STOP_TOKEN, impl: str | None = None,
                  interpret=None) -> tuple[PoolState, tuple[jax.Array, ...]]:
-  """`num_steps` greedy decode steps in one jit (`lax.scan`), no host round trip.
+  """`num_steps` greedy decode steps in one scan, no host round trip (slow path).
 
-  A row takes part in a step while it has budget left (`remaining > 0`); it stops
-  after sampling `stop_token` (if not `-1`) or when its reservation fails, whose
-  status is reported at that step. Slow path (see `forward`);
-  `ModelSteps.decode_multi` is the fast one.
-
-  Args:
-    params, state, graphdef, config, impl, interpret: as in `forward`.
-    seq_ids: `i32[B]` rows (`-1` = padding).
-    tokens: `i32[B]` each row's last sampled token (not yet in the cache).
-    remaining: `i32[B]` tokens each row may still generate.
-    num_steps: static number of steps k.
-    stop_token: static end-of-sequence token, `-1` for none.
-
-  Returns:
-    `(state, (new_tokens i32[k, B], status i32[k, B], last_tokens i32[B],
-    remaining i32[B]))`: the token sampled by each row at each step (`-1` where
-    the row did not run or failed), the reservation status of each step, each
-    row's last sampled token and its remaining budget (0 after a stop or failure).
+  A row stops on `remaining`, `stop_token` or a failed reservation. Returns
+  `(state, (new_tokens i32[k, B], status i32[k, B], last_tokens i32[B],
+  remaining i32[B]))`.
   """
   return _decode_multi_body(nnx.merge(graphdef, params), state, seq_ids, tokens, remaining,
                             num_steps=num_steps, stop_token=stop_token, config=config,
@@ -399,11 +260,7 @@ _BINDINGS: "weakref.WeakSet[ModelSteps]" = weakref.WeakSet()
 
 def _programs(graphdef: nnx.GraphDef, treedef, *, config: PoolConfig, impl: str | None,
               interpret, out_shardings) -> dict[str, Any]:
-  """The jitted programs of one binding: `fn(leaves, state, ...)`, statics closed over.
-
-  The closures hold no reference to the `ModelSteps`, so a binding's programs (and
-  their executables) go with it.
-  """
+  """The jitted programs of one binding; they hold no reference to the `ModelSteps`."""
   kwargs = dict(config=config, impl=impl, interpret=interpret)
   model = lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
@@ -440,40 +297,16 @@ def _programs(graphdef: nnx.GraphDef, treedef, *, config: PoolConfig, impl: str 
 class ModelSteps:
   """The jitted steps of one model over one pool config, built once (the fast path).
 
-  Each method is one jitted call with the semantics of the module-level function
-  of the same name, minus `params` / `graphdef` / `config` / `impl` / `interpret`:
-  those are bound. The graph definition and the statics are closed over and the
-  parameters are held as a flat tuple of arrays (`leaves`, flattened once), so a
-  call hashes nothing and rebuilds no pytree that grows with the model; the
-  parameter tree is rebuilt from `treedef` inside the trace only.
-
-  Example:
-    steps = bind(model, pool_config)
-    state, (next_tokens, logits, status) = steps.forward(state, plan)
-
-  Attributes:
-    graphdef: the model's graph definition (`nnx.split(model)[0]`).
-    config: the pool config the programs are built for.
-    leaves: the parameters' arrays (`jax.tree.leaves(params)`); `set_params`
-      replaces them (same structure: the programs are kept).
-    treedef: their tree structure.
-    jitted: the programs by step name (`fn(leaves, state, ...)`: `lower`,
-      `_cache_size`, `clear_cache` for checks).
+  Methods match the module-level functions with the model, config and kernel
+  choice bound; parameters are held flat (`leaves`) and rebuilt only in the trace.
+  `jitted` holds the programs by step name.
   """
 
   def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, config: PoolConfig, *,
                impl: str | None = None, interpret=None, out_shardings=None):
-    """Flattens `params` and builds the (lazily compiled) programs.
+    """Flattens `params` and builds the (lazily compiled) programs, optionally with `out_shardings`.
 
-    Args:
-      graphdef, params: `nnx.split(model)`.
-      config: the pool config.
-      impl, interpret: the kernel choice, as in `forward`.
-      out_shardings: optional `out_shardings` of every program (a prefix of
-        `(state, out)`: the sharded executor pins its outputs with it).
-
-    Raises:
-      InvalidArgument: `config` is not a `PoolConfig`.
+    Raises `InvalidArgument` when `config` is not a `PoolConfig`.
     """
     if not isinstance(config, PoolConfig):
       raise InvalidArgument(f"config must be a PoolConfig, got {type(config).__name__}")
@@ -495,12 +328,7 @@ class ModelSteps:
     return jax.tree.unflatten(self.treedef, self.leaves)
 
   def set_params(self, params: nnx.State) -> None:
-    """Replaces the parameters (e.g. after a training step or a `device_put`).
-
-    Raises:
-      InvalidArgument: `params` has another tree structure, or a parameter another
-        shape or dtype, than the bound ones.
-    """
+    """Replaces the parameters; `InvalidArgument` for another structure, shape or dtype."""
     leaves, treedef = jax.tree.flatten(params)
     if treedef != self.treedef:
       raise InvalidArgument("set_params needs the bound parameters' tree structure")
@@ -512,8 +340,7 @@ class ModelSteps:
     self.leaves = tuple(leaves)
 
   def replace(self, *, config: PoolConfig | None = None, out_shardings=None) -> "ModelSteps":
-    """A binding of the same model and parameters (not re-flattened) at another
-    `config` / `out_shardings`, with programs of its own (this one's are untouched)."""
+    """A binding of the same parameters at another `config` / `out_shardings`."""
     other = copy.copy(self)
     if config is not None:
       if not isinstance(config, PoolConfig):
@@ -534,9 +361,7 @@ class ModelSteps:
       fn.clear_cache()
 
   def lower(self, name: str, state: PoolState, *args, **kwargs) -> jax.stages.Lowered:
-    """The program `name` lowered for these arguments (nothing runs, nothing is
-    donated): `.compile()` fills the cache the call then hits, so a warm-up can
-    compile several programs at once on threads."""
+    """Program `name` lowered for these arguments; `.compile()` fills the cache a call hits."""
     return self.jitted[name].lower(self.leaves, state, *args, **kwargs)
 
   def forward(self, state: PoolState, plan: StepPlan):
@@ -544,9 +369,7 @@ class ModelSteps:
     return self.jitted["forward"](self.leaves, state, plan)
 
   def forward_sampled(self, state: PoolState, plan: StepPlan, history=None):
-    """`forward_sampled`, bound: `(state, (next_tokens, status, SampleOutput))`; with a
-    token `history` (`paged_kv.model.penalties`; donated) the rows' penalties apply and
-    the new history comes last: `(state, (next_tokens, status, SampleOutput, history))`."""
+    """`forward_sampled`, bound; a donated token `history` applies penalties and comes back last."""
     return self.jitted["forward_sampled"](self.leaves, state, plan, history)
 
   def prefill(self, state: PoolState, seq_ids, tokens, num_new):
@@ -565,13 +388,10 @@ class ModelSteps:
 
   def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *, num_steps: int,
                    history=None):
-    """`run_decode_steps`, bound: `(state, (tokens i32[k, B], status i32[k, B]))`, plus
-    the `SampleOutput` (leading k axis) when `plan.sampling` is given, and the token
-    `history` after it when given (donated; `paged_kv.model.penalties`).
+    """`run_decode_steps`, bound (a donated `history` comes back last).
 
-    Raises:
-      InvalidArgument: `num_steps` is not an int >= 1, `plan.max_query_len != 1`
-        or `remaining` is not `[B]`-shaped (before the call: `state` is intact).
+    Raises `InvalidArgument` before the call (state intact) for a bad `num_steps`,
+    a non-decode plan or a `remaining` not `[B]`.
     """
     multistep.check_decode_steps(plan, remaining, num_steps)
     return self.jitted["decode_steps"](self.leaves, state, plan, remaining, history,
@@ -582,8 +402,7 @@ def bind(model: nnx.Module, config: PoolConfig, *, impl: str | None = None, inte
          out_shardings=None) -> ModelSteps:
   """The fast steps of `model` over a pool of `config` (see `ModelSteps`).
 
-  The model's parameters are read now (`nnx.split`); a later change to `model` is
-  not seen (call `set_params(nnx.state(model))`).
+  Later changes to `model` need `set_params(nnx.state(model))`.
   """
   graphdef, params = nnx.split(model)
   return ModelSteps(graphdef, params, config, impl=impl, interpret=interpret,
@@ -591,8 +410,7 @@ def bind(model: nnx.Module, config: PoolConfig, *, impl: str | None = None, inte
 
 
 def release_programs() -> None:
-  """Drops the compiled programs of every step: the module-level functions' and
-  those of every live `ModelSteps` (they recompile on next use)."""
+  """Drops the compiled programs of the module-level steps and every live `ModelSteps`."""
   for fn in (forward, forward_sampled, prefill, decode_step, decode_multi):
     fn.clear_cache()
   for steps in list(_BINDINGS):

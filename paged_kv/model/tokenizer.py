@@ -1,20 +1,7 @@
-"""A checkpoint's tokenizer: its `tokenizer.json` through the `tokenizers` library.
+"""A checkpoint's tokenizer: its `tokenizer.json` through `tokenizers` (the `hf` extra; no JAX).
 
-`Tokenizer.from_dir(dir)` reads `tokenizer.json` (the fast-tokenizer file Hugging
-Face checkpoints ship) and the special ids: `bos_token_id` and `eos_token_id` (an
-int or a list) from `generation_config.json`, else `config.json`, else the
-`bos_token` / `eos_token` strings of `tokenizer_config.json`. `encode` adds the
-special tokens the file's post-processor says (Llama's BOS; none for Qwen2), as
-`transformers` does. `TextStream` turns generated ids into text as they come,
-holding back a piece that ends inside a multi-byte character.
-
-Needs the `hf` extra (`pip install 'paged-kv[hf]'`: tokenizers). Imports no JAX.
-
-Usage:
-  tok = Tokenizer.from_dir("Llama-3.2-1B")
-  ids = tok.encode("The capital of France is")
-  stream = tok.stream()
-  for token in generated: print(stream.add(token), end="", flush=True)
+`Tokenizer.from_dir(dir)` also reads the bos/eos ids; `encode` adds the special
+tokens the file's post-processor says; `stream()` turns ids into text as they come.
 """
 
 from __future__ import annotations
@@ -48,12 +35,7 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 
 class Tokenizer:
-  """Encode and decode with a `tokenizers.Tokenizer`, plus the checkpoint's bos/eos ids.
-
-  Attributes:
-    bos_token_id: the beginning-of-sequence id, or None.
-    eos_token_ids: the ids that end generation (`()` if none is known).
-  """
+  """Encode and decode with a `tokenizers.Tokenizer`, plus `bos_token_id` and `eos_token_ids`."""
 
   def __init__(self, tokenizer: Any, *, bos_token_id: int | None = None,
                eos_token_ids: Iterable[int] = ()):
@@ -71,11 +53,7 @@ class Tokenizer:
 
   @classmethod
   def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
-    """The tokenizer of a checkpoint directory (see the module docstring).
-
-    Raises:
-      InvalidArgument: the directory has no `tokenizer.json`.
-    """
+    """The tokenizer of a checkpoint directory; `InvalidArgument` without a `tokenizer.json`."""
     path = Path(path)
     file = path / "tokenizer.json"
     if not file.is_file():
@@ -122,21 +100,17 @@ class Tokenizer:
     return self._tok.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
 
   def stream(self) -> "TextStream":
-    """A `TextStream` over this tokenizer: `add(token_id) -> str` per generated id,
-    `flush() -> str` at the end (what `add` held back)."""
+    """A `TextStream` over this tokenizer."""
     return TextStream(self)
 
 
 class TextStream:
   """Generated ids to text, piece by piece: `add(id)` returns the text it completes.
 
-  Each call decodes a short window, not every id so far (which made a long
-  generation quadratic): the ids of the last piece returned plus the new ones, and
-  returns the window's text past the last piece's (the offsets of vLLM's
-  incremental detokenizer). So a token that only makes sense with its neighbours
-  (SentencePiece's leading space, a byte-fallback piece of a multi-byte character)
-  comes out right, and a piece that ends in an incomplete character (U+FFFD) is
-  held until the next id completes it. The pieces add up to `decode` of all ids.
+  Each call decodes only the last piece's ids plus the new ones (vLLM's
+  incremental offsets), so neighbour-dependent tokens come out right and a piece
+  ending in an incomplete character is held back. The pieces add up to `decode`
+  of all ids.
   """
 
   def __init__(self, tokenizer: Tokenizer):
@@ -147,8 +121,7 @@ class TextStream:
     self._seen = ""  # the text of ids[_start:_read]
 
   def add(self, token_id: int) -> str:
-    """Appends one generated id; returns the text it completes ("" while a character
-    is incomplete or a piece only makes sense with the next id)."""
+    """Appends one generated id; returns the text it completes ("" while held back)."""
     self._ids.append(int(token_id))
     return self._advance(hold_incomplete=True)
 
@@ -158,15 +131,10 @@ class TextStream:
 
   @staticmethod
   def add_each(streams: list["TextStream"], token_ids: Iterable[int]) -> list[str]:
-    """`[s.add(t) for s, t in zip(streams, token_ids)]` with one tokenizer call for all
-    the windows (and one more for the windows that moved on).
+    """`[s.add(t) for s, t in zip(streams, token_ids)]` with one tokenizer call for all windows.
 
-    A step gives each running request one id; a call into the tokenizer per stream
-    costs a few microseconds, milliseconds a step at a large batch. Streams that do
-    not share one `Tokenizer` with `decode_batch` are added one by one.
-
-    Raises:
-      InvalidArgument: not one id per stream (nothing is added).
+    Streams not sharing one `Tokenizer` with `decode_batch` go one by one. Raises
+    `InvalidArgument` (nothing added) unless there is one id per stream.
     """
     token_ids = [int(t) for t in token_ids]
     if len(token_ids) != len(streams):

@@ -1,28 +1,9 @@
 """The model step on a pool sharded over kv heads, run SPMD on a (global) mesh.
 
-`ShardedModelExecutor` is `paged_kv.scheduler.executor.ModelExecutor` for a pool
-built by `sharding.init_sharded_pool` (pages split over kv heads along one mesh
-axis, metadata replicated). Under `jax.distributed` the mesh spans every
-process's devices and every process runs the same step (SPMD):
-
-* the weights are replicated on the mesh; each device writes and attends with
-  its own kv heads (the partitioner follows the pages' sharding);
-* the step's outputs (tokens, statuses, logprobs) and the pool's metadata are
-  replicated, so every process reads the same tokens from its own devices, and
-  the pages keep their sharding (`out_shardings` pin both: compile once);
-* `exact=True` (default) keeps every matmul at one device's shapes
-  (`PagedAttention.activation_sharding` replicated): the q/k/v projections are
-  computed whole on every device and sliced to its heads, and each layer's
-  attention output is gathered over the heads before the output projection,
-  so the tokens and every layer's K/V are bit-equal to one device (on CPU with
-  XLA's YNNPACK fusions off, see docs/scaling.md). `exact=False` lets the
-  compiler split the projections by heads (column-parallel q/k/v, row-parallel
-  output projection with an all-reduce: the usual tensor-parallel layout, less
-  compute per device, but ~1 ulp apart from one device).
-
-What is sharded: the pool's pages (1/n of their bytes per device) and the
-attention over them. What is not: the weights (replicated); with `exact=True`
-the rest of the model (projections, MLP) runs replicated on every device.
+Weights and outputs are replicated, each device attends with its own heads.
+`exact=True` keeps every matmul at one device's shapes (bit-equal to one
+device); `exact=False` lets the compiler split the projections (~1 ulp apart).
+See `docs/scaling.md`.
 """
 
 from __future__ import annotations
@@ -59,33 +40,18 @@ def set_activation_sharding(model: "nnx.Module", activation_sharding) -> int:
 
 
 class ShardedModelExecutor(ModelExecutor):
-  """`ModelExecutor` on a pool sharded over kv heads along `axis` of `mesh` (SPMD).
+  """`ModelExecutor` on a pool sharded over kv heads along `axis` of `mesh` (SPMD), e.g.
 
-  Example (every process of a `jax.distributed` run, the same arguments):
-    mesh = sharding.make_tp_mesh()                       # all processes' devices
-    pool = BlockPool(config, state=sharding.init_sharded_pool(config, mesh))
-    executor = ShardedModelExecutor(model, config, mesh)
-
-  Its steps (`step`, `decode_steps`) are `ModelExecutor`'s, bound with the
-  outputs' shardings pinned and the weights placed on the mesh once.
+      pool = BlockPool(config, state=sharding.init_sharded_pool(config, mesh))
+      executor = ShardedModelExecutor(model, config, mesh)
   """
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, mesh: Mesh, *,
                axis: str = sharding.DEFAULT_AXIS, exact: bool = True,
                impl: str | None = None, interpret: bool | None = None):
-    """Places the weights on `mesh` (replicated) and prepares the pinned-sharding step.
+    """Places a copy of `model`'s weights on `mesh` and binds the steps with pinned shardings.
 
-    Args:
-      model, pool_config, impl, interpret: as for `ModelExecutor`; `model` is
-        not changed (a copy gets the activation sharding).
-      mesh: the pool's mesh (`jax.devices()` of every process under `jax.distributed`).
-      axis: the mesh axis splitting the kv heads.
-      exact: matmuls at one device's shapes, only the attention per shard
-        (bit-equal to one device); False: the compiler's tensor-parallel split.
-
-    Raises:
-      ValueError: `axis` not in `mesh`, or the heads do not split evenly over it.
-      ModelContractError, InvalidArgument: as for `ModelExecutor`.
+    Raises `ValueError` (bad `axis`, uneven heads) and what `ModelExecutor` raises.
     """
     from paged_kv.model.nnx_import import nnx  # pylint: disable=g-import-not-at-top
     sharding.validate_heads(pool_config.num_kv_heads, mesh, axis)
@@ -102,8 +68,7 @@ class ShardedModelExecutor(ModelExecutor):
                                              sharding=self._replicated)
 
   def _out_shardings(self, config: PoolConfig):
-    """Every step output replicated, the pool's pages sharded over `axis` (pinned:
-    compile once)."""
+    """Every step output replicated, the pages sharded over `axis`."""
     state_shardings = sharding.pool_shardings(
         jax.eval_shape(functools.partial(init_pool, config)), self.mesh, axis=self.axis)
     return (state_shardings, self._replicated)  # a prefix of every step's (state, out)
@@ -117,7 +82,6 @@ def _gather(state: PoolState, seq_id: jax.Array, *, max_len: int, out_sharding):
 
 def gather_kv_replicated(state: PoolState, seq_id: int, *, max_len: int,
                          mesh: Mesh) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """`gather_kv` of one sequence, replicated on `mesh` (an all-gather over the heads),
-  so every process can read it (`np.asarray`). For checks, not the serving path."""
+  """`gather_kv` of one sequence, all-gathered so every process can read it (checks only)."""
   return _gather(state, jax.numpy.asarray(seq_id, jax.numpy.int32), max_len=max_len,
                  out_sharding=NamedSharding(mesh, P()))

@@ -1,32 +1,8 @@
-"""Tensor-parallel pool: pages sharded over kv heads along one mesh axis.
+"""Tensor-parallel pool: pages sharded over kv heads along one mesh axis, metadata replicated.
 
-Layout on a `jax.sharding.Mesh` with an axis `axis` of size `n`:
-
-* `pages.k`, `pages.v` (`[num_layers, num_kv_heads, num_blocks, block_size,
-  head_dim]`) are split along the kv-head axis,
-  `PartitionSpec(None, axis, None, None, None)`: each device holds
-  `num_kv_heads / n` heads of every block, `1/n` of the page bytes.
-* `BlockMeta`, `SegmentTable` and `step` are replicated. Every transition that
-  decides anything (`allocate`, `reserve_tokens`, `release`, `fork`,
-  `plan_compaction`, ...) reads and writes only replicated arrays, so each
-  device computes the same decisions from the same inputs: allocation is
-  identical on every shard by construction, with no collective.
-* K/V traffic goes through `jax.shard_map` (`sharded_write_kv`,
-  `sharded_paged_attention`, `sharded_move_pages`): each device touches only
-  its own heads; the query heads of a GQA group travel with their kv head
-  (`q` is split along its head axis into the same `n` contiguous chunks).
-
-The ordinary transitions accept a sharded `PoolState` unchanged: under `jit`
-the compiler keeps the pages sharded and leaves the metadata replicated (pure
-jnp paths such as `compact_permute(impl="xla")` and `gather_kv` are
-partitioned by XLA without communication). Pallas kernels are not
-partitioned automatically; call them through the `sharded_*` wrappers.
-
-Meshes with `AxisType.Auto` axes (`make_tp_mesh`) and with `Explicit` axes
-(`jax.make_mesh`'s default) both work; for the latter the wrappers reshard
-their inputs to the layout `shard_map` expects. Every mesh axis other than
-`axis` replicates the pool (a data-parallel axis of the same mesh would hold
-identical copies; independent replicas are separate pools, see docs/scaling.md).
+Every deciding transition then computes the same decision on every device with
+no collective; the Pallas kernels, which XLA cannot partition, run per shard
+through the `sharded_*` wrappers. Design: `docs/scaling.md`.
 """
 
 from __future__ import annotations
@@ -57,18 +33,7 @@ def layer_page_spec(axis: str = DEFAULT_AXIS) -> P:
 
 def make_tp_mesh(num_devices: int | None = None, *, axis: str = DEFAULT_AXIS,
                  devices: list[jax.Device] | None = None) -> Mesh:
-  """A one-axis mesh for tensor parallelism over the pool's kv heads.
-
-  Args:
-    num_devices: devices on the axis; default all of `devices`.
-    axis: name of the mesh axis.
-    devices: devices to use; default `jax.devices()` (all processes' devices
-      under `jax.distributed`).
-
-  Returns:
-    A `Mesh` with one `AxisType.Auto` axis, so the pool's ordinary jitted
-    transitions are partitioned by the compiler around the sharded pages.
-  """
+  """A one-axis `AxisType.Auto` mesh over `num_devices` of `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices) if num_devices is None else num_devices
   if not isinstance(n, int) or n < 1 or n > len(devices):
@@ -87,12 +52,7 @@ def axis_size(mesh: Mesh, axis: str) -> int:
 
 def validate_heads(num_kv_heads: int, mesh: Mesh, axis: str, *,
                    num_q_heads: int | None = None) -> int:
-  """Checks that heads split evenly over `axis`; returns the axis size.
-
-  Raises:
-    ValueError: `axis` not in the mesh, `num_kv_heads` not divisible by the
-      axis size, or `num_q_heads` not a multiple of `num_kv_heads` (GQA).
-  """
+  """Returns the size of `axis`; `ValueError` unless the heads split evenly over it (GQA too)."""
   n = axis_size(mesh, axis)
   if num_kv_heads % n:
     raise ValueError(
@@ -105,13 +65,7 @@ def validate_heads(num_kv_heads: int, mesh: Mesh, axis: str, *,
 
 
 def pool_shardings(state: PoolState, mesh: Mesh, *, axis: str = DEFAULT_AXIS) -> PoolState:
-  """The `NamedSharding` of every leaf of `state`, as a `PoolState`-shaped pytree.
-
-  Pages: `page_spec(axis)`; everything else replicated (`PartitionSpec()`).
-  `state` may hold arrays or `jax.ShapeDtypeStruct`s (`jax.eval_shape`).
-  Usable as `jax.jit(..., in_shardings=..., out_shardings=...)` for a step
-  that takes and returns the pool.
-  """
+  """`NamedSharding`s of `state`'s leaves: pages by `page_spec(axis)`, the rest replicated."""
   validate_heads(state.pages.k.shape[1], mesh, axis)
   replicated = NamedSharding(mesh, P())
   pages = NamedSharding(mesh, page_spec(axis))
@@ -121,42 +75,19 @@ def pool_shardings(state: PoolState, mesh: Mesh, *, axis: str = DEFAULT_AXIS) ->
 
 
 def shard_pool(state: PoolState, mesh: Mesh, *, axis: str = DEFAULT_AXIS) -> PoolState:
-  """Places a pool on `mesh`: pages split over kv heads along `axis`, the rest replicated.
-
-  Args:
-    state: a pool (on one device, or already on a mesh).
-    mesh: the device mesh; axes other than `axis` replicate the pool.
-    axis: mesh axis that splits the kv heads.
-
-  Returns:
-    The same pool, its leaves committed to their `NamedSharding`s. The input
-    is not donated (it stays valid).
-
-  Raises:
-    ValueError: `axis` not in `mesh`, or `num_kv_heads` not divisible by its size.
-  """
+  """Places a pool on `mesh`, pages split over `axis` (not donated); `ValueError` if uneven."""
   return jax.device_put(state, pool_shardings(state, mesh, axis=axis))
 
 
 def init_sharded_pool(config: PoolConfig, mesh: Mesh, *, axis: str = DEFAULT_AXIS) -> PoolState:
-  """`init_pool(config)` created directly in its sharded layout.
-
-  Each device allocates only its heads of the pages (`shard_pool(init_pool(...))`
-  would first allocate the whole pool on one device, which a large pool on
-  real GPUs may not fit). Under `jax.distributed`, every process calls it with
-  the same arguments and materialises only its addressable shards.
-
-  Raises:
-    ValueError: `axis` not in `mesh`, or `num_kv_heads` not divisible by its size.
-  """
+  """`init_pool(config)` built sharded: each device allocates only its heads."""
   shardings = pool_shardings(jax.eval_shape(functools.partial(init_pool, config)), mesh,
                              axis=axis)
   return jax.jit(init_pool, static_argnums=0, out_shardings=shardings)(config)
 
 
 def _place(x, mesh: Mesh, spec):
-  """`x` resharded to `spec` when the mesh has Explicit axes (shard_map then checks the
-  argument's sharding against `in_specs`); under Auto axes shard_map reshards by itself."""
+  """`x` resharded to `spec` under Explicit mesh axes (Auto axes reshard by themselves)."""
   if any(t == AxisType.Explicit for t in mesh.axis_types):
     return jax.reshard(x, jax.tree.map(lambda sp: NamedSharding(mesh, sp), spec,
                                        is_leaf=lambda v: isinstance(v, P)))
@@ -173,23 +104,7 @@ def _check_pages(pages: KVPages, mesh: Mesh, axis: str) -> int:
 @functools.partial(jax.jit, static_argnames=("mesh", "axis"), donate_argnames=("pages",))
 def sharded_write_kv(pages: KVPages, layer: int | jax.Array, slot_idx: jax.Array, k: jax.Array,
                      v: jax.Array, *, mesh: Mesh, axis: str = DEFAULT_AXIS) -> KVPages:
-  """`write_kv` with each device scattering only its kv heads.
-
-  Args:
-    pages: the pool's pages, sharded by `shard_pool` (donated; updated in place).
-    layer: layer index (int or traced scalar), replicated.
-    slot_idx: `i32[...]` flat physical slots from `reserve_tokens` (replicated);
-      `-1` = skip.
-    k: `[..., num_kv_heads, head_dim]` with the leading shape of `slot_idx`;
-      split over `axis` along its head axis (the layout a column-parallel K
-      projection produces).
-    v: same shape as `k`.
-    mesh: the pool's mesh (static).
-    axis: mesh axis splitting the kv heads (static).
-
-  Returns:
-    The updated pages, with the same sharding.
-  """
+  """`write_kv` per shard: `k`, `v` split over `axis` on their heads, `pages` donated."""
   _check_pages(pages, mesh, axis)
   lead = (None,) * slot_idx.ndim
   kv_spec = P(*lead, axis, None)
@@ -225,24 +140,12 @@ def sharded_paged_attention(
     interpret: bool = False,
     pages_per_step: int | None = None,
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q heads split over `axis`
-  """`pallas_kernels.paged_attention` run per shard: each device attends with its heads.
+  """`pallas_kernels.paged_attention` per shard: each device attends with its heads, no collective.
 
-  Query heads are split over `axis` in `n` contiguous chunks, so the GQA group
-  of query heads of each kv head (`q.reshape(B, num_kv_heads, group, D)`) lands
-  on the device that holds that kv head. The segment table is replicated. No
-  collective is needed: the output stays split over heads, ready for a
-  row-parallel output projection.
-
-  Args:
-    q, k_pages, v_pages, seg_block, seg_start, seg_length, num_segments: as
-      for `paged_attention` (one layer's pages, e.g. `state.pages.k[layer]`).
-    mesh, axis: the pool's mesh and head axis (static).
-    sm_scale, soft_cap, num_splits, impl, interpret, pages_per_step: passed to
-      `paged_attention` (`pages_per_step=None` keeps its default); the
-      default `sm_scale` is `1/sqrt(head_dim)`, as on one device.
-
-  Returns:
-    `[B, num_q_heads, head_dim]` in `q.dtype`.
+  Query heads split in `n` contiguous chunks, so each GQA group lands with its kv
+  head; the table is replicated. Other arguments as `paged_attention`
+  (`pages_per_step=None` keeps its default). Returns `[B, num_q_heads,
+  head_dim]`, split over heads (ready for a row-parallel projection).
   """
   from pallas_kernels import paged_attention as pa  # lazy: kernels are optional for the core
 
@@ -273,16 +176,7 @@ def sharded_move_pages(pages: KVPages,
                        dst: jax.Array,  # i32[M], -1 = padding, replicated
                        *, mesh: Mesh, axis: str = DEFAULT_AXIS, impl: str = "xla",
                        interpret: bool = False) -> KVPages:
-  """`page_copy.move_pages` per shard: every device applies the same moves to its heads.
-
-  For the block-move kernels (`impl="pallas"` / `"mosaic"`), which the
-  compiler cannot partition: the move list is replicated, so each shard moves
-  the same blocks. `compact_permute(impl="xla")` on a sharded pool needs no
-  wrapper.
-
-  Returns:
-    The pages with the blocks copied, same sharding (donated input).
-  """
+  """`page_copy.move_pages` per shard, for the kernels XLA cannot partition; pages donated."""
   _check_pages(pages, mesh, axis)
   pspec = KVPages(k=page_spec(axis), v=page_spec(axis))
 
@@ -296,7 +190,7 @@ def sharded_move_pages(pages: KVPages,
 
 
 def bytes_per_device(state: PoolState) -> dict[jax.Device, int]:
-  """Bytes of `pages.k + pages.v` held by each addressable device (for checks and metrics)."""
+  """Bytes of `pages.k + pages.v` on each addressable device."""
   out: dict[jax.Device, int] = {}
   for a in (state.pages.k, state.pages.v):
     for shard in a.addressable_shards:

@@ -1,14 +1,8 @@
-"""Runtime discipline: counters of device dispatches, host reads and compiles; the
-persistent compilation cache; host memory handed back.
+"""Runtime discipline: counters of dispatches, host reads and compiles; the persistent
+compilation cache; host memory handed back; compiled programs below the map limit.
 
-`counters` counts what the host path costs in device terms (dispatches, blocking
-reads of device data, XLA compiles), so tests assert "compile once, never wait"
-exactly instead of timing it; `compile_cache` turns JAX's persistent compilation
-cache on for scripts (the library never changes global JAX config on import);
-`host_memory.return_freed_memory` fixes glibc's malloc thresholds so a long-running
-process hands freed buffers back (scripts call it; nothing runs on import);
-`executables` keeps the library's compiled programs below the kernel's memory-map
-limit (`MapLimitNear` instead of a segfault).
+Nothing here changes global JAX or process settings on import: scripts call
+`enable_compilation_cache()` and `return_freed_memory()` themselves.
 """
 
 from paged_kv.runtime.compile_cache import (compilation_cache_dir, default_cache_dir,

@@ -1,31 +1,11 @@
 """JAX's persistent compilation cache, turned on explicitly by the caller.
 
-A restart of a serving process otherwise recompiles every jitted program; with the
-cache, XLA executables are written to a directory and read back on the next run.
-The library never changes global JAX config on import: the example scripts with a
-`--compile_cache` flag (on by default; `make demo` runs one) call
-`enable_compilation_cache()` at the start of `main`, and library users do the same
-in theirs.
-
     from paged_kv.runtime.compile_cache import enable_compilation_cache
     enable_compilation_cache()          # ~/.cache/paged_kv/jax, or $PAGED_KV_COMPILE_CACHE
 
-How JAX (0.12) treats a change of the directory, read from
-`jax/_src/compilation_cache.py`: the cache object is built once, lazily, at the first
-compile that finds a directory set, and from then on every compile reads and writes
-that object. Updating `jax_compilation_cache_dir` afterwards, to another path or to
-None, changes nothing by itself: the old directory keeps being used. The public
-`jax.experimental.compilation_cache.compilation_cache.reset_cache()` drops the object,
-so the next compile builds it again from the config (or not at all if the directory
-is None). The functions below call it whenever the directory changes, so enabling,
-switching and disabling all take effect at the next compile, after first use too.
-Enabling before any compile needs no reset, and a directory set after programs were
-compiled without one is picked up (JAX builds the object only once a path is set).
-
-The directory is trusted (JAX's warning): whoever can write to it can make this
-process run code. Do not point it at a directory other users can write to.
-`JAX_ENABLE_COMPILATION_CACHE=false` (`jax_enable_compilation_cache`) still switches
-the cache off whatever is set here.
+Changing the directory calls JAX's `reset_cache()`, so a switch takes effect at
+the next compile (`docs/serving_loop.md`). The directory is trusted: whoever can
+write to it can make this process run code.
 """
 
 from __future__ import annotations
@@ -74,20 +54,10 @@ def compilation_cache_dir() -> str | None:
 def enable_compilation_cache(path: str | None = None, *, min_compile_seconds: float = 0.0) -> str:
   """Turns JAX's persistent compilation cache on, writing to `path`; returns the path.
 
-  Args:
-    path: the cache directory, created if missing; None: `default_cache_dir()`.
-    min_compile_seconds: programs compiled faster than this are not written
-      (`jax_persistent_cache_min_compile_time_secs`; JAX's default is 1 s, which
-      would skip nearly every program of this library on CPU).
-
-  Sets `jax_persistent_cache_min_entry_size_bytes` to 0 as well, so the many small
-  programs are cached too. Idempotent: enabling the directory already in use changes
-  nothing; another directory takes effect at the next compile (see the module
-  docstring).
-
-  Raises:
-    InvalidArgument: `path` exists and is not a directory, cannot be created, or is
-      not writable; or `min_compile_seconds` is negative or not finite.
+  Writes entries of any size compiled in at least `min_compile_seconds` (JAX's 1 s
+  would skip nearly every program here on CPU). Raises `InvalidArgument` when
+  `path` is not a writable directory, or `min_compile_seconds` is negative or not
+  finite.
   """
   if not (isinstance(min_compile_seconds, (int, float)) and math.isfinite(min_compile_seconds)
           and min_compile_seconds >= 0):
@@ -111,12 +81,7 @@ def enable_compilation_cache(path: str | None = None, *, min_compile_seconds: fl
 
 
 def disable_compilation_cache() -> None:
-  """Turns the persistent cache off: the next compile neither reads nor writes it.
-
-  Sets `jax_compilation_cache_dir` to None and drops JAX's cache object
-  (`reset_cache()`): without the reset, a cache already used would keep writing to
-  its directory. Programs already compiled in this process stay in memory.
-  """
+  """Turns the persistent cache off: the next compile neither reads nor writes it."""
   if compilation_cache_dir() is not None:
     _jax_cache.set_cache_dir(None)
   _reset_jax_cache()

@@ -1,29 +1,11 @@
 """Counters of what the host path costs on the device: dispatches, host reads, compiles.
 
-"Compile once, never wait" is checked by counting, not by timing:
-
-* **dispatches** — jitted programs the library launched, by kind:
-  `"commit"` (the pool's bookkeeping, one program per flush), `"step"` (an
-  executor's forward pass), `"data"` (K/V writes and gathers: `write_kv`,
-  swap, persistence), `"sync"` (a transition run synchronously: debug mode and
-  the calls the host mirror does not model), `"stats"` (a device reduction for
-  telemetry);
-* **host reads** — reads of device data that wait for the device, by kind:
-  `"status"` (a transition's status read at once: debug mode, `sync` calls),
-  `"resync"` (the host mirror reloaded from the device), `"data"` (K/V brought
-  to the host), `"tokens"` (an executor's sampled tokens), `"check"` (a
-  deferred check forced to wait);
-* **deferred checks** — device results compared with the host's expectation
-  once they were ready (`jax.Array.is_ready()`): no wait;
-* **compiles** — XLA backend compilations in this process (JAX's
-  `/jax/core/compile/backend_compile_duration` events minus its
-  `/jax/compilation_cache/cache_hits`: the first also fires on a load) and
-  persistent-cache loads, process-wide.
-
-A `BlockPool` owns one `RuntimeCounters`; the scheduler reports its figures in
-`SchedulerStats` and the Prometheus exporter exports them. `snapshot()` gives
-an immutable `RuntimeStats`; `RuntimeStats.since(earlier)` the difference
-(e.g. since warm-up).
+"Compile once, never wait" is checked by counting, not timing. Dispatches by
+kind (`"commit"`, `"step"`, `"data"`, `"sync"`, `"stats"`), host reads that
+wait by kind (`"status"`, `"resync"`, `"data"`, `"tokens"`, `"check"`),
+deferred checks (compared once ready, no wait), and process-wide compiles and
+cache loads. A `BlockPool` owns one `RuntimeCounters`; `snapshot()` gives a
+`RuntimeStats`, `RuntimeStats.since(earlier)` the difference.
 """
 
 from __future__ import annotations
@@ -66,11 +48,7 @@ def _on_event(event: str, **kwargs) -> None:
 
 
 def listen_for_compiles() -> None:
-  """Registers the compile listeners with `jax.monitoring` (once per process).
-
-  Compiles before the first call are not counted; `import paged_kv.runtime.counters`
-  registers them, so importing `paged_kv.pool.block_pool` is enough.
-  """
+  """Registers the compile listeners with `jax.monitoring`, once per process (on import)."""
   global _listening
   with _lock:
     if _listening:
@@ -83,9 +61,7 @@ def listen_for_compiles() -> None:
 def backend_compiles() -> int:
   """XLA backend compilations in this process since the listener was registered.
 
-  JAX records its compile event around "compile, or load from the persistent
-  cache" (`compile_or_get_cached`), so a cache hit fires it too: the loads are
-  subtracted here (`cache_loads()` counts them).
+  JAX's compile event also fires on a persistent-cache load, so loads are subtracted.
   """
   return _compiles - _cache_loads
 
@@ -114,9 +90,7 @@ def resident_bytes() -> int:
 
 
 def trim_heap() -> bool:
-  """Asks the C allocator to hand freed heap pages back to the OS (glibc's
-  `malloc_trim(0)`), e.g. after dropping compiled programs; False where there
-  is no glibc (the call is then a no-op)."""
+  """Hands freed heap pages back to the OS (glibc's `malloc_trim(0)`); False without glibc."""
   try:
     libc = ctypes.CDLL("libc.so.6")
     return bool(libc.malloc_trim(0))
@@ -126,14 +100,9 @@ def trim_heap() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeStats:
-  """An immutable reading of `RuntimeCounters` (and the process-wide compile counts).
+  """An immutable reading of `RuntimeCounters` and the process-wide compile counts.
 
-  Attributes:
-    dispatches: jitted programs launched, by kind (see the module docstring).
-    host_reads: blocking reads of device data, by kind.
-    deferred_checks: device results compared once ready (no wait).
-    backend_compiles: XLA compiles in the process so far.
-    cache_loads: persistent-cache loads in the process so far.
+  `dispatches` and `host_reads` are by kind (module docstring).
   """
 
   dispatches: Mapping[str, int]
@@ -157,8 +126,7 @@ class RuntimeStats:
 
   @property
   def blocking_reads(self) -> int:
-    """Host reads that waited on the device, sampled tokens excluded (a model's
-    output has to reach the host; bookkeeping never has to)."""
+    """Host reads that waited on the device, sampled tokens excluded."""
     return self.num_host_reads - self.host_reads.get("tokens", 0)
 
   def since(self, earlier: "RuntimeStats") -> "RuntimeStats":

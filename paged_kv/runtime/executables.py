@@ -1,26 +1,10 @@
 """The compiled programs the library owns, kept below the kernel's memory-map limit.
 
-Every `PoolConfig` field is a static argument of the library's jitted functions, so
-each pool shape compiles its own programs, and JAX keeps every one alive while its
-jitted function lives (a module-level `jax.jit` lives for the process). An XLA CPU
-executable holds about 30 memory mappings; a process that builds pool after pool of
-new shapes (a fuzz, a sweep, a server that resizes) reaches `vm.max_map_count`, and
-from then on `mmap` fails inside XLA's compiler and the process dies with a
-segmentation fault (`tools/map_limit_repro.py`). So:
-
-* `track_pool(pool)` (every `BlockPool` calls it) records the pool's config and the
-  pool, weakly: a config whose pools are all gone is *retired*.
-* When a pool of a new config is built and the process holds more than
-  `release_fraction` of the limit's mappings, the library's own compiled programs
-  are released (`release_owned`: every jitted function of a loaded `paged_kv` or
-  `pallas_kernels` module, and the serving path's bound model steps); the live
-  configs' programs compile again on their next use. Only the library's caches are
-  dropped, never the caller's.
-* If the mappings still exceed `refuse_fraction` of the limit, building the pool
-  raises `MapLimitNear`, naming the limit and the fix, before anything compiles: a
-  typed error instead of a segfault.
-
-`owned_executables()` counts the programs held now (for tests and telemetry).
+An XLA CPU executable holds ~30 memory mappings, so a process building pool after
+pool of new shapes reaches `vm.max_map_count` and segfaults inside XLA
+(`tools/map_limit_repro.py`). `track_pool` releases the library's own programs
+above `release_fraction` of the limit and raises `MapLimitNear` above
+`refuse_fraction`, before anything compiles.
 """
 
 from __future__ import annotations
@@ -39,19 +23,12 @@ _OWNED_PACKAGES = ("paged_kv", "pallas_kernels")
 
 
 class MapLimitNear(PagedKVError):
-  """The process is close to the kernel's memory-map limit (`vm.max_map_count`) even
-  after the library released its compiled programs; the message says the fix."""
+  """The process nears `vm.max_map_count` even after releasing the library's programs."""
 
 
 @dataclasses.dataclass
 class Budget:
-  """When `track_pool` releases programs and when it refuses.
-
-  Attributes:
-    release_fraction: release the library's programs above this share of the limit.
-    refuse_fraction: raise `MapLimitNear` above this share after releasing.
-    limit: the map limit (None: read `MAP_COUNT_FILE`; no limit off Linux).
-  """
+  """When `track_pool` releases programs and when it refuses, as shares of `limit`."""
 
   release_fraction: float = 0.5
   refuse_fraction: float = 0.85
@@ -101,9 +78,7 @@ def retired_configs() -> list:
 
 
 def release_owned() -> int:
-  """Drops every compiled program the library owns; returns how many its module-level
-  functions held. The serving path's model steps go too (`warmup.release_programs`,
-  when the serving package is loaded). Live pools recompile what they use next."""
+  """Drops every compiled program the library owns; returns how many its functions held."""
   count = owned_executables()
   for fn in _owned_functions():
     fn.clear_cache()
@@ -117,12 +92,10 @@ def release_owned() -> int:
 
 
 def track_pool(pool: Any) -> None:
-  """Records a new pool; for a config not seen before, keeps the process below the map
-  limit (module docstring).
+  """Records a new pool; for a new config, keeps the process below the map limit (module docstring).
 
-  Raises:
-    MapLimitNear: the mappings exceed `BUDGET.refuse_fraction` of the limit after
-      the library's programs were released.
+  Raises `MapLimitNear` when the mappings exceed `BUDGET.refuse_fraction` of the
+  limit after releasing.
   """
   global releases
   _live.add(pool)

@@ -1,27 +1,9 @@
 """Host memory of a long-running process: hand freed large buffers back to the OS.
 
-glibc's malloc serves allocations above `M_MMAP_THRESHOLD` with `mmap` (returned to
-the OS on `free`) and the rest from its heap, which it gives back only from the
-top and only past `M_TRIM_THRESHOLD`. Both thresholds are dynamic by default: each
-freed mmapped block raises the mmap threshold up to 32 MiB, so after a while the
-host buffers of a serving process (swapped-out K/V, a saved cache's arrays, the
-buffers XLA:CPU allocates for its programs, the old pool at a shrink's cut) come
-from the heap, and the memory they leave behind stays resident. Measured with
-`benchmarks/soak_runtime.py --seconds=300` (4,096 blocks, swap preemption, a save every
-500 steps, a shrink to 3,072 blocks half-way; 2026-12-02, WORKSPACE_NOTES.md session
-8): RSS 469 -> 511 MB with glibc's defaults (x1.09, +26 MB after the cut), 479 -> 477
-MB with fixed 64 KiB thresholds, the cut giving the old pool's memory back.
-
-The library changes no process-wide setting on import: the example scripts call
-`return_freed_memory()` at the start of `main` (a flag turns it off), and a server
-does the same, or sets `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` in its
-environment (the same thresholds, before the process starts).
-
-    from paged_kv.runtime.host_memory import return_freed_memory
-    return_freed_memory()        # fixed 64 KiB thresholds; False where there is no glibc
-
-Cost: an allocation above the threshold is a system call and fresh zeroed pages each
-time (the 5-minute soak served as many steps with it: 92,184 vs 88,591).
+glibc raises its mmap threshold with every freed mmapped block, so a server's
+large host buffers end up on the heap and stay resident. `return_freed_memory()`
+fixes the thresholds (scripts call it in `main`, the library never on import);
+each large allocation then costs a system call and fresh zeroed pages.
 """
 
 from __future__ import annotations
@@ -40,21 +22,11 @@ _MAX_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc refuses more (HEAP_MAX / 2 on 64
 
 def return_freed_memory(mmap_threshold: int = DEFAULT_THRESHOLD,
                         trim_threshold: int | None = None) -> bool:
-  """Fixes glibc's thresholds so that freed large buffers go back to the OS.
+  """Fixes glibc's mmap and trim thresholds (bytes) so freed large buffers go back to the OS.
 
-  Args:
-    mmap_threshold: allocations of at least this many bytes are mmapped (and
-      unmapped when freed); an int in `[4096, 32 MiB]`. Fixing it also stops
-      glibc's dynamic raising of it.
-    trim_threshold: free heap top above this many bytes is returned at once
-      (default: `mmap_threshold`); an int >= 0.
-
-  Returns:
-    True when both settings took effect; False without glibc (e.g. musl, macOS):
-    nothing changes then.
-
-  Raises:
-    InvalidArgument: a threshold that is not an int in range.
+  `mmap_threshold` is an int in `[4096, 32 MiB]`, `trim_threshold` an int >= 0
+  (default: `mmap_threshold`), else `InvalidArgument`. Returns False without glibc
+  (nothing changes).
   """
   trim = mmap_threshold if trim_threshold is None else trim_threshold
   for name, value, low, high in (("mmap_threshold", mmap_threshold, 4096, _MAX_MMAP_THRESHOLD),

@@ -1,15 +1,9 @@
 """Where a program's device time goes, op by op, from JAX's own profiler.
 
-`profile_ops(fn)` runs `fn()` under `jax.profiler` and sums the time of every op the
-device ran, by op name, from the trace (`jax.profiler.ProfileData`): on a GPU the
-kernels of the device planes (`/device:GPU:N`; the `XLA Ops` line when the trace has
-one, else every stream line), on a CPU the ops XLA ran on its execute threads. One
-traced run replaces a variant per stage: nothing is recompiled, and every op is
-named as XLA named it (fusions, GEMMs, custom calls such as the attention kernels).
-
-`OpProfile.categories()` groups the names by what they are (matmul, attention,
-sort / top-k, data movement, other) with patterns that are a heuristic, not a
-contract: the per-op list is the measurement.
+`profile_ops(fn)` runs `fn()` under `jax.profiler` and sums each op's time by
+name from the trace: the GPU's device planes, or XLA:CPU's execute threads.
+Nothing is recompiled and ops keep XLA's names. `OpProfile.categories()` groups
+them with heuristic patterns; the per-op list is the measurement.
 """
 
 from __future__ import annotations
@@ -31,8 +25,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("data movement", r"copy|memcpy|memset|transpose|scatter|gather|dynamic.update|"
                       r"dynamic_update|concatenate|pad"),
 )
-"""(category, pattern) in order: an op name goes to the first whose pattern it matches
-(case-insensitive), else to "other"."""
+"""(category, pattern) in order: an op goes to the first it matches (case-insensitive)."""
 
 _SKIP_LINES = re.compile(r"^(XLA Modules|Steps|XLA TraceMe|Launch Stats|Source|"
                          r"framework|TensorFlow)", re.I)
@@ -42,13 +35,9 @@ _CPU_SKIP_EVENT = re.compile(r"^(ThreadpoolListener|ThunkExecutor|end: )")
 
 @dataclasses.dataclass(frozen=True)
 class OpProfile:
-  """Device time per op name over the traced run.
+  """Device time per op over the traced run: `ops` as `(name, total ns, count)`, most first.
 
-  Attributes:
-    ops: `(name, total ns, count)`, the most time first.
-    source: which trace lines were read ("device:XLA Ops", "device:streams",
-      "host:XLA execute", or "none").
-    runs: how many times the traced function ran (the totals cover all of them).
+  `source`: the trace lines read; `runs`: times the function ran (totals cover all).
   """
 
   ops: tuple[tuple[str, float, int], ...]
@@ -68,8 +57,7 @@ class OpProfile:
     return out
 
   def summary(self, top: int = 5, *, per: str = "run") -> str:
-    """One line: ms per run (called `per`) by category with shares, then the `top`
-    ops."""
+    """One line: ms per run by category with shares, then the `top` ops."""
     total = self.total_ns
     if not total:
       return f"no op events in the trace ({self.source})"
@@ -90,8 +78,7 @@ def categorize(name: str) -> str:
 
 
 def aggregate(planes: Iterable[Any]) -> tuple[tuple[tuple[str, float, int], ...], str]:
-  """`(ops, source)` from profile planes (`ProfileData.planes`, or objects with the
-  same `name` / `lines` / `events` / `name`, `duration_ns` attributes)."""
+  """`(ops, source)` from profile planes (`ProfileData.planes` or look-alikes)."""
   planes = list(planes)
   device = [p for p in planes if p.name.startswith("/device:")]
   totals: Counter = Counter()
@@ -127,9 +114,7 @@ def aggregate(planes: Iterable[Any]) -> tuple[tuple[tuple[str, float, int], ...]
 
 
 def _exclusive(events) -> list[tuple[str, float]]:
-  """`(name, exclusive ns)` of one line's events: an event that encloses others (a
-  loop or call op around its body's ops, on XLA:CPU's threads) keeps only the time
-  none of them covers, so no time counts twice."""
+  """`(name, exclusive ns)` of a line's events: time not covered by enclosed events."""
   spans = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in events),
                  key=lambda x: (x[0], -x[1]))
   out: list[list] = []
@@ -146,9 +131,7 @@ def _exclusive(events) -> list[tuple[str, float]]:
 
 
 def profile_ops(fn: Callable[[], Any], *, runs: int = 1) -> OpProfile:
-  """Runs `fn()` `runs` times under `jax.profiler` (each result waited for) and
-  returns the device time per op. Call it on warm programs: a compile inside the
-  trace is traced too."""
+  """Device time per op of `fn()` run `runs` times under `jax.profiler` (warm programs)."""
   import jax  # pylint: disable=import-outside-toplevel
   from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as tmp:

@@ -1,13 +1,9 @@
 """What an operator sees: per-step figures, snapshots, alerts, Prometheus and JSONL export.
 
-  paged_kv.telemetry.metrics  `step_stats` -> `StepStats` (cheap, every step),
-                              `snapshot` -> `PoolSnapshot` (full, periodic),
-                              `PoolCounters`, alerts (`ALERT_RULES`, `AlertMonitor`)
-  paged_kv.telemetry.export   `MetricsExporter` (Prometheus, the metrics in `METRICS`,
-                              docs/metrics.md), `JsonlLogger`, `read_jsonl`
-  paged_kv.telemetry.plots    the operator's PNGs (matplotlib, the `plots` extra)
-
-Reads the core's state and the serving layer's counters; imports nothing of serving.
+`metrics` (`StepStats`, `PoolSnapshot`, `PoolCounters`, alerts), `export`
+(`MetricsExporter`, `JsonlLogger`, `read_jsonl`) and `plots` (the `plots`
+extra). Reads the core's state and the serving layer's counters; imports nothing
+of serving.
 """
 
 from paged_kv.telemetry.export import METRICS, JsonlLogger, MetricsExporter, read_jsonl

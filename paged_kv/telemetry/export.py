@@ -1,29 +1,15 @@
 """Metrics export: a Prometheus exporter and a JSONL logger for a serving run.
 
-`MetricsExporter` declares every metric once (`prometheus_client` Counter,
-Gauge, Histogram, Info objects with real HELP text, `docs/metrics.md` lists them)
-in a registry of its own, and fills them from the scheduler's per-step report:
-
   exporter = MetricsExporter(port=0, model="tiny", replica="0").start()  # paged-kv[metrics]
   with JsonlLogger("run/metrics.jsonl") as log:
     exporter.events = log                 # alerts are written to the JSONL as they fire
     exporter.attach(sched)                # sched.on_step -> exporter.observe(report)
     sched.run()
-  exporter.stop()
 
-Names: where a concept is vLLM's, the name is vLLM's with our prefix
-(`vllm:kv_cache_usage_perc` -> `paged_kv_kv_cache_usage_perc`, same meaning);
-the pool's own figures (fragmentation, compaction, ghost blocks, OOMs by
-reason, ...) keep the `paged_kv_` prefix with Prometheus' unit suffixes. Every
-series has the constant labels `model` and `replica`; request counters have
-`namespace` (capped at `max_namespaces` values, the rest count as `other`).
-
-Cumulative totals (the scheduler's `SchedulerStats`, the pool's `PoolCounters`)
-become Prometheus counters by increments of their deltas, so a counter never
-goes down; a total that went back (a new scheduler attached) counts from zero.
-
-`JsonlLogger` writes one JSON object per line (step reports, snapshots, alert
-events) and `read_jsonl` reads them back; neither needs prometheus_client.
+Names follow vLLM's where the concept is vLLM's (`paged_kv_kv_cache_usage_perc`),
+else `paged_kv_` with Prometheus' unit suffixes (`docs/metrics.md`). Cumulative
+totals become counters by their increments, so a counter never goes down.
+`JsonlLogger` and `read_jsonl` need no prometheus_client.
 """
 
 from __future__ import annotations
@@ -64,8 +50,7 @@ OTHER_NAMESPACE = "other"  # the namespace label beyond `max_namespaces` distinc
 
 
 def alert_rules() -> tuple[tuple[str, str], ...]:
-  """`(alert name, severity)` of every rule `paged_kv.telemetry.metrics.check_alerts` has
-  (`Alert.metric`); exported as 0 until they fire, so rules see a series from the start."""
+  """`(alert name, severity)` of every `check_alerts` rule; exported as 0 until they fire."""
   from paged_kv.telemetry import metrics  # pylint: disable=import-outside-toplevel
   rules = metrics.ALERT_RULES
   return tuple((r[0], r[1]) for r in rules)
@@ -91,15 +76,11 @@ _TYPED_MARKERS = ("str:", "int:", "bytes:", "tuple:")
 
 
 def namespace_label(namespace: Any) -> str:
-  """A typed namespace key (`str`, `bytes`, `int` or a tuple of them) as a label value,
-  one to one: distinct keys never share a label.
+  """A typed namespace key as a label value, one to one: distinct keys never share a label.
 
-  A `str` is itself (readable: the common case), unless it starts with one of the
-  type markers or is the overflow bucket's `"other"`: then `"str:"` + it. An `int`
-  is `"int:1"`, `bytes` `"bytes:"` + hex (`b"1"` -> `"bytes:31"`), a tuple
-  `"tuple:"` + a JSON list of its parts' labels (`("a", "b")` ->
-  `'tuple:["a","b"]'`). So `1`, `"1"`, `b"1"` and `("1",)` are four labels, and
-  `("a", "b")`, `"a/b"` and `(b"a", "b")` three.
+  A `str` is itself unless it starts with a type marker or is `"other"` (then
+  `"str:"` + it); `1` is `"int:1"`, `b"1"` `"bytes:31"`, a tuple `"tuple:"` + a
+  JSON list of its parts' labels.
   """
   if isinstance(namespace, str):
     if namespace == OTHER_NAMESPACE or namespace.startswith(_TYPED_MARKERS):
@@ -117,15 +98,11 @@ def namespace_label(namespace: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MetricSpec:
-  """One declared metric: what `docs/metrics.md` and the exporter agree on.
+  """One declared metric, as `docs/metrics.md` and the exporter agree on it.
 
-  Attributes:
-    name: the family name as exposed (a counter's samples add `_total` in the
-      exposition if the name lacks it; an Info's add `_info`).
-    kind: `counter`, `gauge`, `histogram` or `info`.
-    labels: label names beyond the constant `model` and `replica`.
-    help: the HELP text.
-    vllm: the vLLM metric with the same meaning, or None.
+  `name` is the family name (counters add `_total`, infos `_info`); `kind` is
+  `counter`, `gauge`, `histogram` or `info`; `labels` go beyond `model` and
+  `replica`; `vllm` is the vLLM metric of the same meaning, or None.
   """
 
   name: str
@@ -300,30 +277,20 @@ def exposed_names(spec: MetricSpec) -> tuple[str, ...]:
 class MetricsExporter:
   """Serves the pool's and the scheduler's metrics at `/metrics` (Prometheus text format).
 
-  Example:
-    exporter = MetricsExporter(port=0, model="tiny").start()   # port 0: any free port
-    exporter.attach(sched)                                      # or: exporter.observe(report)
-    sched.run()
-    print(exporter.url)                                         # http://127.0.0.1:<port>/metrics
-    exporter.stop()
-
-  Feed it with `observe(report)` (a `paged_kv.scheduler.scheduler.StepReport`, what
-  `Scheduler(on_step=...)` passes after every step; `attach(sched)` wires it), or
-  piecewise: `observe_step_stats`, `observe_snapshot`, `observe_pool_counters`,
-  `observe_scheduler_stats`, `observe_process`, `record_alerts`, `observe_finished`.
-  The metric set is `METRICS` (`docs/metrics.md`).
+  Feed it a `StepReport` per step with `observe` (`attach(sched)` wires it), or
+  piecewise with the `observe_*` and `record_alerts` methods. The metric set is
+  `METRICS`.
 
   Args:
-    port: TCP port for `start()`; 0 picks a free one (see `port` afterwards).
-    addr: the address to bind (localhost by default; "0.0.0.0" for every interface).
-    model, replica: the constant `model` and `replica` labels of every series.
+    port: TCP port for `start()`; 0 picks a free one.
+    addr: the address to bind (localhost by default).
+    model, replica: the constant labels of every series.
     registry: a `prometheus_client.CollectorRegistry`; None creates a private one.
-    events: a `JsonlLogger` that receives each alert as it is recorded (None: no file).
+    events: a `JsonlLogger` that receives each alert as it is recorded.
     max_namespaces: distinct `namespace` label values; later ones count as `other`.
     latency_buckets: histogram buckets (seconds) of the request latencies.
-    process_every_s: `observe` samples the process's memory mappings and resident
-      bytes at most this often (reading /proc/self/maps costs milliseconds once XLA
-      holds many programs: every step it would be most of a small step's host time).
+    process_every_s: how often `observe` samples the process's mappings and
+      resident bytes (reading /proc/self/maps costs milliseconds).
 
   Raises:
     ImportError: prometheus-client is not installed (the `paged-kv[metrics]` extra).
@@ -394,8 +361,7 @@ class MetricsExporter:
     self._child(short, **labels).set(float(value))
 
   def _count(self, short: str, total: float, **labels: str) -> None:
-    """Adds what the cumulative `total` grew by since the last call (all of it after a
-    reset: a total below the last one starts again from zero)."""
+    """Adds what the cumulative `total` grew by since the last call (all of it after a reset)."""
     total = float(total)
     if not math.isfinite(total) or total < 0:
       raise ValueError(f"{short}{labels or ''}: a cumulative total must be a finite number "
@@ -443,8 +409,7 @@ class MetricsExporter:
               int(stats.largest_free_run_blocks) * int(stats.block_bytes))
 
   def observe_snapshot(self, snap: Any, *, step: int | None = None) -> None:
-    """Sets the gauges of a full `paged_kv.telemetry.metrics.PoolSnapshot` and counts
-    its cumulative OOM and compaction totals."""
+    """Sets the gauges of a `PoolSnapshot` and counts its cumulative OOM and compaction totals."""
     for region, ratio in snap.fragmentation_by_region.items():
       self._set("fragmentation_ratio", ratio, region=str(region))
     self._set("num_blocks", snap.num_blocks)
@@ -508,8 +473,7 @@ class MetricsExporter:
     self._set("compiles_after_warmup", stats.compiles_after_warmup)
 
   def observe_process(self) -> None:
-    """Samples the process's memory mappings and resident bytes
-    (`paged_kv.runtime.counters`); off Linux the gauges stay absent."""
+    """Samples the process's memory mappings and resident bytes (absent off Linux)."""
     for short, value in (("process_memory_mappings", runtime_counters.memory_mappings()),
                          ("process_resident_bytes", runtime_counters.resident_bytes())):
       if value >= 0:
@@ -536,13 +500,9 @@ class MetricsExporter:
         self._child("request_queue_time_seconds").observe(admit - submit)
 
   def record_alerts(self, alerts: Iterable[Any], *, step: int | None = None) -> int:
-    """Counts alert events in `paged_kv_alerts_total{alert, severity}` and writes each
-    to `events` (if set); returns how many.
+    """Counts `alerts` (`Alert`s or mappings) in `paged_kv_alerts_total`; writes them to `events`.
 
-    Args:
-      alerts: `paged_kv.telemetry.metrics.Alert` instances or mappings with `metric` and
-        `severity` keys (e.g. `AlertMonitor.observe(snapshot)`).
-      step: the scheduler step, for the JSONL events.
+    Returns how many; `step` is for the JSONL events.
     """
     count = 0
     for alert in alerts:
@@ -585,11 +545,9 @@ class MetricsExporter:
     self.record_alerts(report.alerts, step=report.step)
 
   def attach(self, scheduler: Any) -> "MetricsExporter":
-    """Makes `scheduler` report every step here (chained after an existing `on_step`
-    callback) and sets the cache-config info from its pool; returns self.
+    """Chains `scheduler`'s `on_step` to this exporter and sets the cache-config info; returns self.
 
-    Raises:
-      TypeError: the scheduler has no `on_step` callback attribute.
+    Raises `TypeError` when the scheduler has no `on_step` attribute.
     """
     pool = getattr(scheduler, "pool", None)
     config = getattr(pool, "config", None)
@@ -614,12 +572,9 @@ class MetricsExporter:
 
   # -- HTTP server (prometheus_client's) ------------------------------------------------
   def start(self) -> "MetricsExporter":
-    """Serves the registry over HTTP (`prometheus_client.start_http_server`, any path)
-    in a daemon thread; returns self.
+    """Serves the registry over HTTP in a daemon thread; returns self.
 
-    Raises:
-      RuntimeError: already started.
-      OSError: the address cannot be bound (e.g. the port is taken).
+    Raises `RuntimeError` when already started, `OSError` when the address cannot be bound.
     """
     if self._server is not None:
       raise RuntimeError(f"MetricsExporter already serving at {self.url}")
@@ -673,10 +628,8 @@ _RESERVED_KEYS = ("type", "step", "time")
 def observe_many(histogram: Any, seconds: Iterable[float]) -> None:
   """`histogram.observe(max(s, 0))` for each of `seconds`, as one increment per bucket hit.
 
-  A step reports one inter-token latency per decoded row; observed one by one they cost
-  ~5 us each (prometheus_client walks the buckets per value), milliseconds a step at a
-  large batch. A histogram without prometheus_client's bucket fields (another client
-  version, a test double) is observed value by value.
+  One by one costs ~5 us per value, milliseconds a step at a large batch; a
+  histogram without prometheus_client's bucket fields is observed value by value.
   """
   values = np.maximum(np.asarray(seconds, dtype=np.float64).reshape(-1), 0.0)
   if not values.size:
@@ -708,9 +661,7 @@ def _as_fields(obj: Any, what: str) -> dict[str, Any]:
 
 
 def _jsonable(value: Any) -> Any:
-  """`value` as plain JSON data: numpy scalars and arrays, dataclasses, mappings
-  (keys as strings) and sequences converted; non-finite floats become None so
-  every line is strict JSON."""
+  """`value` as strict JSON data (numpy, dataclasses, mappings, sequences; NaN/inf as None)."""
   if dataclasses.is_dataclass(value) and not isinstance(value, type):
     return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
   if isinstance(value, Mapping):
@@ -753,9 +704,7 @@ def _finished_record(req: Any) -> dict:
 
 
 def step_record(report: Any) -> dict:
-  """The fields of a `StepReport` as one JSONL `step` line writes them (`clock` is the
-  scheduler's clock; `pool` is the `StepStats`; `stats` and `counters` cumulative;
-  `process` sampled when the line is written)."""
+  """The fields of a `StepReport` as a JSONL `step` line writes them (`pool`: its `StepStats`)."""
   return {
       "clock": float(report.time),
       "host_seconds": float(report.host_seconds),
@@ -776,8 +725,7 @@ def step_record(report: Any) -> dict:
 
 
 def process_record() -> dict:
-  """The process figures a step line carries: memory mappings and resident bytes
-  (`paged_kv.runtime.counters`; -1 off Linux)."""
+  """The process's memory mappings and resident bytes for a step line (-1 off Linux)."""
   return {"memory_mappings": runtime_counters.memory_mappings(),
           "resident_bytes": runtime_counters.resident_bytes()}
 
@@ -785,23 +733,16 @@ def process_record() -> dict:
 class JsonlLogger:
   """Appends one JSON object per line: step reports, snapshots and alert events.
 
-  Lines are `{"type": kind, "step": s, "time": t, ...}` with kind `step`
-  (`log_report`: `step_record`'s fields), `snapshot` (a `PoolSnapshot`'s fields and
-  extras) or `alert` (an `Alert`'s fields), where `time` is the wall-clock time
-  (`time.time()`, seconds) and `step` is the caller's step (by default, for a
-  snapshot, the number logged before it). Each line is flushed as it is written,
-  so a crash loses nothing already logged and a reader (`tail -f`) sees alerts as
-  they fire. Numpy values become plain numbers, mapping keys strings, NaN/inf null.
+  Lines are `{"type": kind, "step": s, "time": t, ...}` with kind `step`,
+  `snapshot` or `alert` and `time` the wall clock. Each line is flushed as
+  written, so a crash loses nothing and `tail -f` sees alerts as they fire.
 
-  Example:
-    with JsonlLogger("run/metrics.jsonl") as log:
-      sched = Scheduler(pool, executor, config, on_step=log.log_report)
-      sched.run()
-    steps = read_jsonl("run/metrics.jsonl", type="step")
+      with JsonlLogger("run/metrics.jsonl") as log:
+        sched = Scheduler(pool, executor, config, on_step=log.log_report)
+        sched.run()
+      steps = read_jsonl("run/metrics.jsonl", type="step")
 
-  Args:
-    path: the file; its directory is created if missing.
-    mode: `"a"` (append, the default) or `"w"` (truncate).
+  `mode` is `"a"` (append) or `"w"`; the file's directory is created if missing.
   """
 
   def __init__(self, path: str | os.PathLike, mode: str = "a"):
@@ -835,13 +776,9 @@ class JsonlLogger:
 
   def log_snapshot(self, snapshot: Any = None, *, step: int | None = None,
                    **extra: Any) -> dict:
-    """Writes one snapshot line; returns the record written.
+    """Writes one snapshot line (a dataclass, mapping or None, plus `**extra` fields); returns it.
 
-    Args:
-      snapshot: a dataclass instance (e.g. `PoolSnapshot`), a mapping, or None.
-      step: the serving step; by default the number of snapshots logged before.
-      **extra: more fields (scheduler counters, ...); they replace snapshot
-        fields of the same name.
+    `step` defaults to the number of snapshots logged before.
     """
     fields = {} if snapshot is None else _as_fields(snapshot, "snapshot")
     fields.update(extra)
@@ -851,10 +788,10 @@ class JsonlLogger:
     return record
 
   def log_report(self, report: Any, *, snapshots: bool = True, alerts: bool = True) -> dict:
-    """Writes a `StepReport`: one `step` line, then a `snapshot` line if the report
-    carries one and one `alert` line per alert that fired (unless turned off, e.g.
-    when a `MetricsExporter` with this logger as `events` writes the alerts);
-    returns the step record. Usable as `on_step` directly."""
+    """Writes a `StepReport`'s `step` line, snapshot and alerts; returns the step record.
+
+    Usable as `on_step` directly; `alerts=False` when a `MetricsExporter` writes them.
+    """
     record = self._write("step", report.step, step_record(report))
     self.num_steps += 1
     self.last_step = record["step"]
@@ -865,10 +802,7 @@ class JsonlLogger:
     return record
 
   def log_alert(self, alert: Any, *, step: int | None = None) -> dict:
-    """Writes one alert line (`paged_kv.telemetry.metrics.Alert` or a mapping); returns it.
-
-    `step` defaults to the step of the latest snapshot or step line (None before any).
-    """
+    """Writes one alert line; `step` defaults to the latest snapshot's or step line's."""
     if step is None:
       step = self.last_step
     record = self._write("alert", step, _as_fields(alert, "alert"))

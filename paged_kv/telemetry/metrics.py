@@ -1,11 +1,9 @@
 """Pool metrics: one snapshot dataclass, host counters, and threshold alerts.
 
-Everything in `PoolSnapshot` is derived from `PoolState` (plus the segments held
-outside the pool, and the counters the caller keeps in `PoolCounters`: OOMs by
-reason, compaction moves and seconds); nothing is stored twice. `check_alerts`
-turns a snapshot into structured `Alert` events, each with a likely cause and a
-suggested action; `AlertMonitor` emits an alert once when its metric crosses
-the threshold (and again only after it went back below).
+`PoolSnapshot` is derived from the state, the segments held outside the pool and
+the caller's `PoolCounters`; nothing is stored twice. `check_alerts` turns a
+snapshot into `Alert`s with a likely cause and an action; `AlertMonitor` fires
+each once per upward crossing.
 """
 
 from __future__ import annotations
@@ -49,20 +47,15 @@ def region_free_masks(ref_count: np.ndarray, region: np.ndarray) -> dict[str, np
 
 
 def _is_mirror(state) -> bool:
-  """Whether `state` is a host mirror (`paged_kv.pool.host_state.HostState`): numpy, no device."""
+  """Whether `state` is a pool's host mirror (numpy, no device)."""
   return hasattr(state, "free") and hasattr(state, "table_refs")
 
 
 def live_slot_mask(state, extra_segments: Segments | None = None) -> np.ndarray:
-  """`bool[num_blocks, block_size]`: slots covered by a live segment.
+  """`bool[num_blocks, block_size]`: slots covered by a live row's or an `extra_segments` segment.
 
-  Live segments are those of active table rows plus `extra_segments`
-  (`i32[n, 3]` `(block, start, length)` rows held outside the pool, e.g. the
-  prefix cache's `segment_refs()`). `state` is a `PoolState` or a pool's host
-  mirror (`BlockPool.host`: no device read).
-
-  Raises:
-    InvalidSegmentLayout: `extra_segments` is not `i32[n, 3]`.
+  `state` may be a `PoolState` or a pool's host mirror (no device read). Raises
+  `InvalidSegmentLayout` when `extra_segments` is not `i32[n, 3]`.
   """
   if _is_mirror(state):
     t, n, bs = state, state.config.num_blocks, state.config.block_size
@@ -84,14 +77,11 @@ def live_slot_mask(state, extra_segments: Segments | None = None) -> np.ndarray:
 
 def ghost_blocks(ref_count: np.ndarray, region: np.ndarray, free_list: np.ndarray,
                  num_free) -> int:
-  """Blocks on which the free list and `ref_count` disagree, looking both ways.
+  """Blocks on which the free list and `ref_count` disagree, either way (0 by construction).
 
-  Counts (a) free dynamic blocks missing from the free list's valid window
-  (unreferenced but never handed out again), (b) window entries that name a
-  referenced block, a base-region block or an id out of range (would be handed
-  out while in use), and (c) repeated window entries (one block handed out
-  twice). A `num_free` outside `[0, num_blocks]` counts its excess. 0 by
-  construction; anything else is a bookkeeping bug.
+  Counts free dynamic blocks missing from the list's window, window entries naming
+  a referenced, base-region or out-of-range block, repeated entries, and any
+  `num_free` excess.
   """
   ref_count, region, free_list = (np.asarray(a) for a in (ref_count, region, free_list))
   n = ref_count.shape[0]
@@ -113,12 +103,9 @@ def ghost_blocks(ref_count: np.ndarray, region: np.ndarray, free_list: np.ndarra
 class PoolCounters:
   """Event counters the host keeps beside the state (cumulative).
 
-  Attributes:
-    oom_by_reason: failed allocations by reason (`OOM_REASONS` values).
-    oom_by_seq_len: failed allocations by power-of-two bucket of the sequence length.
-    compaction_steps / compaction_moves / compaction_seconds: compaction work.
-    pack_moves: segments moved by `pack_slots`; cow_splits: tails copied.
-    promotions: blocks moved into the base pool.
+  `oom_by_reason` (`OOM_REASONS` values) and `oom_by_seq_len` (power-of-two
+  buckets) count failed allocations; the others count compaction, packing, tail
+  copies and promotions.
   """
 
   oom_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -160,32 +147,21 @@ class PoolCounters:
 
 @dataclasses.dataclass(frozen=True)
 class PoolSnapshot:
-  """Memory metrics of a pool at one instant (names as in DESIGN.md).
+  """Memory metrics of a pool at one instant.
 
   Attributes:
-    num_blocks, num_free_blocks: pool size and free blocks (both regions).
-    block_pool_utilization: used blocks / all blocks (blocks held only by the
-      prefix cache count as used; see `kv_usage_ratio`).
-    kv_usage_ratio: blocks a live sequence uses / all blocks: blocks held only
-      by outside holders (the prefix cache: evictable) count as free, as in
-      vLLM's `kv_cache_usage_perc`.
-    internal_fragmentation: 1 - live slots / slots of used blocks, where a live
-      slot is covered by a segment of an active table row or of an outside
-      holder passed to `snapshot` (dead slots left by moved or released
-      segments count as waste).
-    handed_out_internal_fragmentation: 1 - slots handed out (slot bits) / slots
-      of used blocks (what the bitmap alone says; <= internal_fragmentation).
-    fragmentation_ratio: dynamic region, 1 - largest free run / free blocks.
-    fragmentation_by_region: the same per region name (`dynamic`, `base`).
+    block_pool_utilization: used blocks / all blocks (cache-only blocks count as used).
+    kv_usage_ratio: blocks a live sequence uses / all blocks (vLLM's
+      `kv_cache_usage_perc`: evictable cache-only blocks count as free).
+    internal_fragmentation: 1 - live slots / slots of used blocks (dead slots of
+      moved or released segments count as waste).
+    handed_out_internal_fragmentation: the same from the slot bits alone (<= it).
+    fragmentation_ratio: dynamic region, 1 - largest free run / free blocks;
+      `fragmentation_by_region` per region name.
     largest_contiguous_free_bytes: bytes of the largest free dynamic run.
-    segments_per_sequence: mean over live sequences.
-    live_sequences, live_tokens: active rows and their tokens.
     live_blocks, cached_only_blocks: blocks used by table rows / only by outside holders.
-    ghost_block_bytes: bytes of the blocks on which the free list and `ref_count`
-      disagree, either way (`ghost_blocks`: free blocks missing from the list,
-      listed blocks that are referenced, repeated entries; 0 by construction).
-    oom_by_reason, oom_by_seq_len: from the counters.
-    compaction_moves, compaction_seconds: from the counters.
+    ghost_block_bytes: bytes of the blocks `ghost_blocks` counts (0 by construction).
+    oom_*, compaction_*: from the counters.
   """
 
   num_blocks: int
@@ -222,7 +198,7 @@ class _MirrorMeta:
 
 
 def _free_list_of(free: np.ndarray, num_free: int) -> np.ndarray:
-  """The ascending free-list layout (`BlockMeta.free_list`) of a free mask, in numpy."""
+  """The ascending free-list layout of a free mask, in numpy."""
   n = free.shape[0]
   out = np.full(n, -1, np.int32)
   idx = np.flatnonzero(free)
@@ -234,21 +210,11 @@ def _free_list_of(free: np.ndarray, num_free: int) -> np.ndarray:
 def snapshot(state, config: PoolConfig, *, extra_segments: Segments | None = None,
              counters: PoolCounters | None = None,
              assert_no_ghosts: bool = True) -> PoolSnapshot:
-  """Computes a `PoolSnapshot` on the host.
+  """Computes a `PoolSnapshot` on the host from `state` (a device state or the host mirror).
 
-  Args:
-    state: the pool state (read from the device), or a pool's host mirror
-      (`BlockPool.host`: what the pool decides with; no device read).
-    config: its config.
-    extra_segments: `i32[n, 3]` `(block, start, length)` rows held outside the
-      tables (e.g. `PrefixCache.segment_refs()`, `CachedPool.segment_refs()`),
-      counted as live slots.
-    counters: host counters (OOMs, compaction); zeros when None.
-    assert_no_ghosts: raise if a ghost block exists (the default; pass False in
-      a monitoring loop that should report it as an alert instead).
-
-  Raises:
-    AssertionError: ghost blocks exist (a bookkeeping bug; never expected).
+  `extra_segments: i32[n, 3]` held outside the tables count as live slots;
+  `counters` None counts zeros. `assert_no_ghosts` (default) raises
+  `AssertionError` on a ghost block; a monitoring loop passes False and alerts.
   """
   if _is_mirror(state):
     meta = _MirrorMeta(state.ref_count, state.slots, state.region,
@@ -354,13 +320,9 @@ _SCATTER_BLOCKS_PER_ENTRY = 64
 def _step_reduction(meta, table, *, num_base: int) -> jax.Array:
   """`i32[4]`: free blocks, cached-only blocks, largest free dynamic run, free dynamic blocks.
 
-  No pass over every block: free dynamic blocks are the free index's count,
-  the largest free run comes from its bit words (`n / 32` words), free base
-  blocks from the base region's `ref_count` (`num_base` entries), and the blocks
-  live rows use from the table's entries (`max_seqs * max_segments`, sorted to
-  count shared blocks once; a pool of at most 64 blocks per entry marks them in a
-  per-block mask instead, which is cheaper there). Blocks held by anything but a table row (the prefix
-  cache) are the rest of the used blocks.
+  No pass over every block: counts from the free index and its words, the base
+  region's `ref_count`, and the tables' entries (sorted to count shared blocks
+  once; a per-block mask when the pool is small).
   """
   n = meta.ref_count.shape[0]
   seg_used = table.active[:, None] & (
@@ -379,12 +341,9 @@ def _step_reduction(meta, table, *, num_base: int) -> jax.Array:
 
 
 class PendingStepStats:
-  """`StepStats` whose reduction is dispatched but not yet read (`step_stats_async`).
+  """`StepStats` whose reduction is dispatched but not yet read; `result()` waits for it.
 
-  JAX dispatches the reduction asynchronously; `result()` waits for its four
-  scalars. Reading it a while after the dispatch (a scheduler reads it at the end
-  of the step it dispatched it in) costs the host no wait: the device ran the
-  reduction alongside the host's work.
+  Read a while after the dispatch (the end of the step), it costs the host no wait.
   """
 
   def __init__(self, values: jax.Array, config: PoolConfig):
@@ -413,22 +372,14 @@ class PendingStepStats:
 
 
 def step_stats_async(state: PoolState, config: PoolConfig) -> PendingStepStats:
-  """Dispatches the `StepStats` reduction of `state`; read it with `.result()`.
-
-  The state may be donated to later calls meanwhile: the runtime orders the
-  reduction's reads before their writes.
-  """
+  """Dispatches the `StepStats` reduction of `state` (donatable meanwhile); read `.result()`."""
   return PendingStepStats(
       _step_reduction(state.meta, state.table, num_base=config.num_base_blocks), config)
 
 
 def step_stats_host(host, config: PoolConfig, *,
                     counters: "PoolCounters | None" = None) -> StepStats:
-  """`StepStats` from a pool's host mirror (`BlockPool.host`): no device work.
-
-  Free and table-held blocks are kept up to date by the mirror; the largest
-  free run is computed from the free index's words (`n / 32` word operations).
-  """
+  """`StepStats` from a pool's host mirror: no device work."""
   n = config.num_blocks
   dyn_free = host.free.num_free
   free = dyn_free + host.num_free_base
@@ -469,14 +420,10 @@ class AlertThresholds:
 
 @dataclasses.dataclass(frozen=True)
 class Alert:
-  """A structured alert event.
+  """A structured alert event: `metric` (a snapshot field or `oom_by_reason.<reason>`) is high.
 
-  Attributes:
-    metric: snapshot field (or `oom_by_reason.<reason>`).
-    value, threshold: the observed value and the level it crossed.
-    severity: `"warning"` or `"critical"`.
-    likely_cause: what usually produces this.
-    suggested_action: what to do about it.
+  `value` crossed `threshold`; `severity` is `"warning"` or `"critical"`;
+  `likely_cause` and `suggested_action` are for the operator.
   """
 
   metric: str
@@ -524,8 +471,7 @@ ALERT_RULES = (
 
 
 def _metric_value(snap: "PoolSnapshot | StepStats", metric: str) -> float | None:
-  """The rule's value in `snap`, or None when `snap` does not carry it (a `StepStats`
-  has no internal fragmentation, segments per sequence or ghost check)."""
+  """The rule's value in `snap`, or None when `snap` (e.g. a `StepStats`) does not carry it."""
   if metric.startswith("oom_by_reason."):
     return float(snap.oom_by_reason.get(metric.split(".", 1)[1], 0))
   value = getattr(snap, metric, None)
@@ -552,9 +498,8 @@ def check_alerts(snap: "PoolSnapshot | StepStats",
 class AlertMonitor:
   """Edge-triggered alerts: one event when a metric crosses its threshold upwards.
 
-  A metric alerts again only after a snapshot where it was back at or below
-  its threshold. For OOM counters (cumulative) the value compared is the
-  increase since the previous snapshot.
+  It alerts again only after a snapshot at or below the threshold; OOM counters
+  compare their increase since the previous snapshot.
   """
 
   thresholds: AlertThresholds = AlertThresholds()

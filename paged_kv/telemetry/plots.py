@@ -1,16 +1,11 @@
 """Plots an operator reads: a serving run's timeline and block maps of the pool.
 
-Both draw from plain data: `timeline` from the JSONL records `JsonlLogger` writes
-(`read_jsonl(path, type="step")`, and optionally the `snapshot` records), so a
-finished run can be plotted again from its file; `block_map` from per-block state
-codes (`block_states(pool.state)`). matplotlib is optional (`paged-kv[plots]`) and
-imported only when a plot is drawn.
+`timeline` draws from `JsonlLogger`'s records (a finished run can be plotted
+again), `block_map` from `block_states(pool.state)`. matplotlib (the `plots`
+extra) is imported only when a plot is drawn.
 
   steps = read_jsonl("out/serve/metrics.jsonl", type="step")
-  snaps = read_jsonl("out/serve/metrics.jsonl", type="snapshot")
-  plots.timeline(steps, "out/serve/utilization.png", snapshots=snaps)
-  plots.block_map([("end of run", step, plots.block_states(pool.state))], "out/map.png",
-                  num_base_blocks=pool.config.num_base_blocks)
+  plots.timeline(steps, "out/serve/utilization.png")
 """
 
 from __future__ import annotations
@@ -41,9 +36,10 @@ def _pyplot():
 
 
 def block_states(state: Any) -> np.ndarray:
-  """`i32[num_blocks]` per block: `FREE` (0), `LIVE` (1: in an active table row, maybe
-  shared with the cache) or `CACHED` (2: referenced only outside the tables, i.e. by
-  the prefix cache). Copies the block metadata to the host: for plots, not per step."""
+  """`i32[num_blocks]` per block: `FREE` (0), `LIVE` (1: in an active row) or `CACHED` (2).
+
+  Copies the block metadata to the host: for plots, not per step.
+  """
   ref = np.asarray(state.meta.ref_count)
   t = state.table
   active, ns, blocks = np.asarray(t.active), np.asarray(t.num_segments), np.asarray(t.block)
@@ -64,10 +60,7 @@ def block_map(maps: Sequence[tuple[str, int, np.ndarray]], path: str | os.PathLi
               num_base_blocks: int = 0, dpi: int = 110) -> str:
   """Draws one block map per `(label, step, block_states)`; returns the PNG path.
 
-  Each map is a grid of the pool's blocks in address order, `row width` blocks per
-  row; the y axis gives the first block index of each row, the x axis the offset
-  in the row, the title the step it shows. The base (pinned) region, the lowest
-  `num_base_blocks` addresses, is outlined.
+  Blocks in address order, the base region (the lowest `num_base_blocks`) outlined.
   """
   plt = _pyplot()
   from matplotlib.colors import ListedColormap  # pylint: disable=import-outside-toplevel
@@ -135,12 +128,9 @@ def timeline(steps: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
              dpi: int = 110) -> str:
   """Draws a run's timeline from JSONL `step` records; returns the PNG path.
 
-  Small multiples over one time axis (seconds of the scheduler's clock since the
-  first step): KV blocks by state (stacked, % of the pool), fragmentation
-  (external per step; internal from the full `snapshots`), the largest free run,
-  requests running / waiting / swapped, time to first token of each request, and an
-  event strip with compactions, preemptions and alerts; compactions and
-  preemptions are also marked as faint vertical lines on every panel.
+  Small multiples over the scheduler's clock: KV blocks by state, fragmentation,
+  the largest free run, requests by state, time to first token and an event strip
+  (compactions, preemptions, alerts).
   """
   plt = _pyplot()
   if not steps:
