@@ -35,16 +35,16 @@ from paged_kv.core.errors import (InternalInconsistency, InvalidArgument, Invali
 from paged_kv.core.invariants import check_invariants
 from paged_kv.core.segment_format import Segments
 from paged_kv.core.state import PoolState, init_pool
-from paged_kv.pool.block_pool import fragmentation, kv_io, open_row, step_reservation
+from paged_kv.pool import fragmentation, kv_io, open_row, step_reservation
 from paged_kv.pool import host_transitions as host_ops
-from paged_kv.pool.block_pool.arguments import (I32_MAX, SMALL_IDS, as_int_array, bucket,
+from paged_kv.pool.arguments import (I32_MAX, SMALL_IDS, as_int_array, bucket,
                                      raise_for_status, single_int)
 from paged_kv.pool.changes import ChangeLog, CommitWidths, empty_batch
-from paged_kv.pool.block_pool.fragmentation import PackResult  # noqa: F401 (re-exported)
+from paged_kv.pool.fragmentation import PackResult  # noqa: F401 (re-exported)
 from paged_kv.pool.host_state import HostState
-from paged_kv.pool.block_pool.kv_io import write_layers as _write_layers  # noqa: F401 (warm-up clears it)
-from paged_kv.pool.block_pool.kv_io import write_state as _write_state  # noqa: F401
-from paged_kv.pool.block_pool.step_reservation import StepPrediction  # noqa: F401 (re-exported)
+from paged_kv.pool.kv_io import write_layers as _write_layers  # noqa: F401 (warm-up clears it)
+from paged_kv.pool.kv_io import write_state as _write_state  # noqa: F401
+from paged_kv.pool.step_reservation import StepPrediction  # noqa: F401 (re-exported)
 from paged_kv.runtime import executables
 from paged_kv.runtime.counters import RuntimeCounters
 

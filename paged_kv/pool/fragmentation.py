@@ -20,7 +20,7 @@ from paged_kv.core.page_copy import BLOCK_MOVE_IMPLS
 from paged_kv.core.segment_format import Segments, as_segments
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC
 from paged_kv.pool import host_transitions as host_ops
-from paged_kv.pool.block_pool.arguments import (as_int_array, as_int_scalar, bucket, pad, raise_for_status,
+from paged_kv.pool.arguments import (as_int_array, as_int_scalar, bucket, pad, raise_for_status,
                                      single_int)
 from paged_kv.pool.changes import ChangeLog
 

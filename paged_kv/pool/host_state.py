@@ -19,12 +19,12 @@ import numpy as np
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
-from paged_kv.pool.block_pool import ref_counts
+from paged_kv.pool import ref_counts
 from paged_kv.pool.changes import ChangeLog
 from paged_kv.pool.free_index import HostFreeIndex
 from paged_kv.pool.ids import aggregate, arange, distinct_mask, sum_by_id, words_to_int  # noqa: F401 (re-exported)
-from paged_kv.pool.block_pool.ref_counts import NO_IDS as _NO_IDS
-from paged_kv.pool.block_pool.ref_counts import SMALL_CHANGES
+from paged_kv.pool.ref_counts import NO_IDS as _NO_IDS
+from paged_kv.pool.ref_counts import SMALL_CHANGES
 
 
 class HostState:

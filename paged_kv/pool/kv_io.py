@@ -18,7 +18,7 @@ import numpy as np
 from paged_kv.core import kv
 from paged_kv.core.errors import BlockInUse, InvalidArgument, InvalidBlock, InvalidSegment
 from paged_kv.core.state import PoolState
-from paged_kv.pool.block_pool.arguments import as_int_array, as_int_scalar, as_kv_array, bucket, single_int
+from paged_kv.pool.arguments import as_int_array, as_int_scalar, as_kv_array, bucket, single_int
 
 if TYPE_CHECKING:
   from paged_kv.pool.block_pool import BlockPool

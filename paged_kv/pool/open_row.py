@@ -18,7 +18,7 @@ from paged_kv.core.errors import (InternalInconsistency, InvalidArgument, Invali
                                   InvalidSegment, PoolExhausted)
 from paged_kv.core.segment_format import Segments, as_segments, empty_segments
 from paged_kv.pool import host_transitions as T
-from paged_kv.pool.block_pool.arguments import as_int_array, fast_segments, raise_for_status
+from paged_kv.pool.arguments import as_int_array, fast_segments, raise_for_status
 from paged_kv.pool.host_state import HostState
 from paged_kv.pool.ids import aggregate
 

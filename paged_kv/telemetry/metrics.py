@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from typing import Iterable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from paged_kv.core.compact import largest_run_of_bits
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import OOM_REASONS, Status
 from paged_kv.core.segment_format import Segments, as_segments
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
+from paged_kv.pool.host_state import HostState
 
 REGION_NAMES = {REGION_DYNAMIC: "dynamic", REGION_BASE: "base"}
 
@@ -276,10 +274,10 @@ def snapshot(state, config: PoolConfig, *, extra_segments: Segments | None = Non
 class StepStats:
   """The per-step pool figures: a few scalars, cheap enough for every step.
 
-  A scheduler takes them from its pool's host mirror (`step_stats_host`, no
-  device work); `step_stats` computes them from a bare `PoolState` in one jitted
-  reduction, copying no per-block array to the host. `snapshot` (every block,
-  internal fragmentation, ghosts, per-region detail) is the periodic, full picture.
+  Computed one way, from a pool's host mirror (`step_stats_host`, no device work);
+  `step_stats` reads a bare `PoolState`'s bookkeeping into a mirror first. `snapshot`
+  (every block, internal fragmentation, ghosts, per-region detail) is the periodic,
+  full picture.
 
   Attributes:
     num_blocks: pool size in blocks (both regions).
@@ -310,73 +308,6 @@ class StepStats:
     return self.largest_free_run_blocks * self.block_bytes
 
 
-# Up to this many blocks per table entry, `_step_reduction` counts the blocks the
-# tables use with a per-block mask, beyond it by sorting the entries (measured on
-# XLA CPU: the mask wins at 4,096 blocks for 2k-16k entries, the sort at 262k).
-_SCATTER_BLOCKS_PER_ENTRY = 64
-
-
-@functools.partial(jax.jit, static_argnames=("num_base",))
-def _step_reduction(meta, table, *, num_base: int) -> jax.Array:
-  """`i32[4]`: free blocks, cached-only blocks, largest free dynamic run, free dynamic blocks.
-
-  No pass over every block: counts from the free index and its words, the base
-  region's `ref_count`, and the tables' entries (sorted to count shared blocks
-  once; a per-block mask when the pool is small).
-  """
-  n = meta.ref_count.shape[0]
-  seg_used = table.active[:, None] & (
-      jnp.arange(table.block.shape[1], dtype=jnp.int32)[None, :] < table.num_segments[:, None])
-  ids = jnp.where(seg_used, table.block, n).reshape(-1)
-  if n <= _SCATTER_BLOCKS_PER_ENTRY * ids.shape[0]:
-    # A small pool: marking the entries in a per-block mask is cheaper than a sort.
-    in_tables = jnp.sum(jnp.zeros((n + 1,), bool).at[ids].set(True)[:n], dtype=jnp.int32)
-  else:
-    ids = jnp.sort(ids)
-    distinct = (ids < n) & jnp.concatenate([jnp.ones((1,), bool), ids[1:] != ids[:-1]])
-    in_tables = jnp.sum(distinct, dtype=jnp.int32)
-  dyn_free = meta.num_free.astype(jnp.int32)
-  free = dyn_free + jnp.sum(meta.ref_count[:num_base] == 0, dtype=jnp.int32)
-  return jnp.stack([free, n - free - in_tables, largest_run_of_bits(meta.free_bits), dyn_free])
-
-
-class PendingStepStats:
-  """`StepStats` whose reduction is dispatched but not yet read; `result()` waits for it.
-
-  Read a while after the dispatch (the end of the step), it costs the host no wait.
-  """
-
-  def __init__(self, values: jax.Array, config: PoolConfig):
-    self._values = values
-    self._config = config
-    self._stats: StepStats | None = None
-
-  def result(self, *, counters: "PoolCounters | None" = None) -> StepStats:
-    """The figures (computed once; `counters` supplies `oom_by_reason`)."""
-    if self._stats is None:
-      free, cached, run, dyn_free = (int(x) for x in np.asarray(self._values))
-      n = self._config.num_blocks
-      used = n - free - cached
-      self._stats = StepStats(
-          num_blocks=n,
-          free_blocks=free,
-          cached_blocks=cached,
-          used_blocks=used,
-          kv_usage_ratio=used / n,
-          fragmentation_ratio=0.0 if dyn_free == 0 else 1.0 - run / dyn_free,
-          largest_free_run_blocks=run,
-          block_bytes=self._config.block_bytes,
-      )
-    oom = dict(counters.oom_by_reason) if counters is not None else {}
-    return dataclasses.replace(self._stats, oom_by_reason=oom)
-
-
-def step_stats_async(state: PoolState, config: PoolConfig) -> PendingStepStats:
-  """Dispatches the `StepStats` reduction of `state` (donatable meanwhile); read `.result()`."""
-  return PendingStepStats(
-      _step_reduction(state.meta, state.table, num_base=config.num_base_blocks), config)
-
-
 def step_stats_host(host, config: PoolConfig, *,
                     counters: "PoolCounters | None" = None) -> StepStats:
   """`StepStats` from a pool's host mirror: no device work."""
@@ -395,8 +326,9 @@ def step_stats_host(host, config: PoolConfig, *,
 
 def step_stats(state: PoolState, config: PoolConfig, *,
                counters: "PoolCounters | None" = None) -> StepStats:
-  """`StepStats` of `state`: one jitted reduction, four int32 scalars to the host."""
-  return step_stats_async(state, config).result(counters=counters)
+  """`StepStats` of a bare `PoolState`: its bookkeeping (not its pages) read to the
+  host once, then `step_stats_host`'s arithmetic."""
+  return step_stats_host(HostState.from_device(state, config), config, counters=counters)
 
 
 # ---------------------------------------------------------------------------
