@@ -12,6 +12,7 @@ import paged_kv
 from paged_kv.scheduler import scheduler as scheduler_mod
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig, StepReport
+from paged_kv.sim.workload import ChatShape, ChatWorkload
 from paged_kv.telemetry import metrics
 from tests.testutil import HostTransfers
 
@@ -20,11 +21,8 @@ CFG = paged_kv.PoolConfig(num_blocks=512, block_size=8, num_layers=1, num_kv_hea
 
 
 def _requests(seed: int, n: int) -> list[Request]:
-  rng = np.random.default_rng(seed)
-  shared = rng.integers(0, 1000, 120)
-  return [Request(i, np.concatenate([shared[:rng.integers(4, 120)],
-                                     rng.integers(0, 1000, rng.integers(1, 60))]),
-                  int(rng.integers(1, 24))) for i in range(n)]
+  return ChatWorkload(ChatShape(system_len=120, shared_lens=(4, 120), own_lens=(1, 60),
+                                output_lens=(1, 24), vocab=(0, 1000)), seed).requests(n)
 
 
 class FakeClock:
