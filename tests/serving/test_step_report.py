@@ -190,12 +190,10 @@ class NoPerBlockHostReadsTest(absltest.TestCase):
     sched = Scheduler(pool, DryExecutor(cfg),
                       SchedulerConfig(max_batch=4, compaction=None, snapshot_every=0,
                                       output_reserve_ratio=0.0))
-    rng = np.random.default_rng(0)
-    shared = rng.integers(0, 1000, 400)
-    for i in range(400):
-      sched.submit(Request(i, np.concatenate([shared[:rng.integers(8, 400)],
-                                              rng.integers(0, 1000, rng.integers(1, 300))]),
-                           int(rng.integers(1, 32))))
+    chat = ChatWorkload(ChatShape(system_len=400, shared_lens=(8, 400), own_lens=(1, 300),
+                                  output_lens=(1, 32), vocab=(0, 1000)), seed=0)
+    for r in chat.requests(400):
+      sched.submit(r)
     for _ in range(10):  # warm-up: compile everything first
       sched.step()
     with probe:
