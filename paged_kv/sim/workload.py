@@ -1,4 +1,4 @@
-"""Synthetic and trace-driven request workloads for benchmarks, examples and tests.
+"""Synthetic and trace-driven request workloads for benchmarks, tools and tests.
 
 Two kinds:
   * a fixed list of prompts and output lengths (`Workload`): `random_workload`,
@@ -190,8 +190,8 @@ class ChatWorkload:
 
   def requests(self, num: int, *, first_id: int = 0, id_prefix: str | None = None,
                namespaces: Sequence[Hashable] = ()) -> list[Request]:
-    """The next `num` requests, ids `first_id + i` (or `f"{id_prefix}{i}"`), namespaces
-    taken in turn from `namespaces` (none: the default)."""
+    """The next `num` requests, ids `first_id + i` (as `f"{id_prefix}{first_id + i}"`
+    with a prefix), namespaces taken in turn from `namespaces` (none: the default)."""
     out = []
     for i in range(num):
       kwargs = {"namespace": namespaces[i % len(namespaces)]} if namespaces else {}
