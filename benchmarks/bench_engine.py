@@ -1,6 +1,6 @@
 """Host time the `Engine` (the facade's and the server's core) adds around a scheduler step.
 
-The chat workload of `bench_scheduler` (`serving_bench.chat_top_up`'s shape: a shared
+The chat workload of `bench_scheduler` (`workload.ChatShape.host_benchmark`: a shared
 system prompt, random suffixes and output lengths, a finished request replaced at once)
 through `Engine.add` / `Engine.step` over `Scheduler` + `DryExecutor` (no model math),
 with a byte-level BPE tokenizer (`random_checkpoint.write_byte_level_tokenizer`) and
@@ -30,7 +30,6 @@ import statistics
 import tempfile
 import time
 
-import numpy as np
 from absl import app, flags
 
 from benchmarks import records, shared_flags
@@ -40,6 +39,7 @@ from paged_kv.model.tokenizer import Tokenizer
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.entrypoints.llm import Engine
 from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
+from paged_kv.sim import workload
 
 _BATCH = flags.DEFINE_list("batch", ["64", "256"], "Live requests per step.")
 _MODES = flags.DEFINE_list("modes", ["stream", "final", "ids"], "Engine modes (see above).")
@@ -72,15 +72,13 @@ def _run(batch: int, mode: str, tokenizer: Tokenizer, seed: int, exporter_cls
   """Median ms of (Engine.step, Scheduler.step inside it, their difference, observe)."""
   engine = _engine(batch, None if mode == "ids" else tokenizer)
   sched = engine.scheduler
-  rng = np.random.default_rng(seed)
-  system = rng.integers(3, _VOCAB.value, 4 * BLOCK_SIZE)
+  chat = workload.ChatWorkload(workload.ChatShape.host_benchmark(
+      BLOCK_SIZE, vocab=(workload.FIRST_TOKEN_ID, _VOCAB.value)), seed)
 
   def top_up() -> None:
     while engine.num_live < batch:
-      prompt = np.concatenate([system, rng.integers(3, _VOCAB.value,
-                                                    int(rng.integers(1, 3 * BLOCK_SIZE)))])
-      engine.add(prompt.tolist(), max_tokens=int(rng.integers(16, 128)),
-                 final_only=mode == "final")
+      prompt, max_tokens, _ = chat.draw()
+      engine.add(prompt.tolist(), max_tokens=max_tokens, final_only=mode == "final")
 
   inner: list[float] = []
   step = sched.step

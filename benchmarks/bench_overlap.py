@@ -26,7 +26,7 @@ from absl import app, flags
 
 from benchmarks import records, shared_flags
 import paged_kv
-from paged_kv.sim import serving_bench
+from paged_kv.sim import workload
 from paged_kv.scheduler.latency_executor import LatencyExecutor
 from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -54,16 +54,16 @@ def _run(device_s: float, overlap: bool, decode_steps: int, seed: int) -> float:
                                     prefill_chunk=BLOCK * 4, compaction=None,
                                     output_reserve_ratio=0.0, stats_every=0, snapshot_every=0,
                                     overlap=overlap, decode_steps=decode_steps))
-  top_up = serving_bench.chat_top_up(batch, BLOCK, seed)
+  chat = workload.ChatWorkload(workload.ChatShape.host_benchmark(BLOCK), seed)
 
   sched.warmup(progress=False)
   for _ in range(_WARMUP.value):
-    top_up(sched)
+    chat.top_up(sched, batch)
     sched.step()
   executor = sched.executor
   steps0, t0 = executor.device_steps, time.perf_counter()
   for _ in range(_STEPS.value):
-    top_up(sched)  # the arrivals are host work of the loop too
+    chat.top_up(sched, batch)  # the arrivals are host work of the loop too
     sched.step()
   wall = time.perf_counter() - t0
   assert sched.stats.compiles_after_warmup == 0

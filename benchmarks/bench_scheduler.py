@@ -55,7 +55,7 @@ from absl import app, flags
 from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.pool import block_pool as pool_module
-from paged_kv.sim import serving_bench
+from paged_kv.sim import workload
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
 from paged_kv.telemetry import metrics
@@ -165,17 +165,17 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
   sched = Scheduler(pool, executor, SchedulerConfig(
       max_batch=batch, prefill_token_budget=8 * bs * 4, prefill_chunk=bs * 4,
       compaction=None, output_reserve_ratio=0.0, **MODES[mode]))
-  top_up = serving_bench.chat_top_up(batch, bs, seed)
+  chat = workload.ChatWorkload(workload.ChatShape.host_benchmark(bs), seed)
 
   sched.warmup(progress=False)
   for _ in range(_WARMUP.value):
-    top_up(sched)
+    chat.top_up(sched, batch)
     sched.step()
   times, exec_times, commit_times, host_times = [], [], [], []
   before = sched.runtime
   with _StatsTimer() as timer, _CommitTimer() as commits:
     for _ in range(_STEPS.value):
-      top_up(sched)
+      chat.top_up(sched, batch)
       executor.seconds = commits.seconds = 0.0
       t0 = time.perf_counter()
       sched.step()

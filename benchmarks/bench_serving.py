@@ -76,6 +76,7 @@ from benchmarks import records, shared_flags
 from paged_kv.model import hf_checkpoint, hf_reference, random_checkpoint
 from paged_kv.runtime import counters
 from paged_kv.sim import serving_bench as sb
+from paged_kv.sim.workload import Workload, random_workload, shadow_workload, trace_workload
 from paged_kv.scheduler.executor import ModelExecutor
 from paged_kv.scheduler.scheduler import SchedulerConfig
 # pylint: enable=wrong-import-position
@@ -139,20 +140,20 @@ _COMPILE_CACHE = shared_flags.define_compile_cache()
 LOOPS = {"sync": False, "overlapped": True}
 
 
-def _workloads(batches: list[int], vocab: int) -> dict[tuple[int, int], sb.Workload]:
+def _workloads(batches: list[int], vocab: int) -> dict[tuple[int, int], Workload]:
   """{(batch, round): workload}, no two sharing a prompt (a trace: disjoint slices)."""
   out, skip = {}, 0
   for r in range(_REPEATS.value):
     for i, b in enumerate(batches):
       n = _NUM_REQUESTS.value or max(2 * b, 4)
       if _TRACE.value:
-        out[b, r] = sb.trace_workload(_TRACE.value, n, vocab, skip=skip,
+        out[b, r] = trace_workload(_TRACE.value, n, vocab, skip=skip,
                                       scale=_TRACE_SCALE.value,
                                       max_prompt_len=_PROMPT_LEN.value,
                                       max_output_len=_OUTPUT_LEN.value)
         skip += n
       else:
-        out[b, r] = sb.random_workload(n, _PROMPT_LEN.value, _OUTPUT_LEN.value, vocab,
+        out[b, r] = random_workload(n, _PROMPT_LEN.value, _OUTPUT_LEN.value, vocab,
                                        seed=_SEED.value + 1 + i + 1000 * r)
   return out
 
@@ -173,7 +174,7 @@ def _checkpoint(on_gpu: bool) -> tuple[pathlib.Path, str, float, str | None]:
   return path, f"random {shape} ({dtype})", time.perf_counter() - t0, tmp
 
 
-def _hf_compare(path, workloads: dict[int, sb.Workload], runs: list[dict]) -> str:
+def _hf_compare(path, workloads: dict[int, Workload], runs: list[dict]) -> str:
   """Adds transformers' verdicts to `runs` (their first `--hf_requests` requests);
   returns the line that says what ran."""
   if not _HF_COMPARE.value:
@@ -200,7 +201,7 @@ def _hf_compare(path, workloads: dict[int, sb.Workload], runs: list[dict]) -> st
           f"logits allowed).")
 
 
-def _serve_warmup(sched, workload: sb.Workload, batch: int, first_id: int, warm: dict):
+def _serve_warmup(sched, workload: Workload, batch: int, first_id: int, warm: dict):
   """`--warmup=serve`: serves `workload` untimed; adds its compiles and time to `warm`."""
   compiles, loads, t0 = counters.backend_compiles(), counters.cache_loads(), time.perf_counter()
   sb.run_closed_loop(sched, workload, batch, first_id=first_id)
@@ -268,12 +269,12 @@ def main(argv):
               ckpt.model, wl.prompts[:eff], block_size=_BLOCK_SIZE.value,
               prefill_chunk=min(_PREFILL_CHUNK.value, max(len(p) for p in wl.prompts)),
               impl=_IMPL.value)
-        warm_wl = sb.random_workload(eff, _PROMPT_LEN.value, 4, vocab,
+        warm_wl = random_workload(eff, _PROMPT_LEN.value, 4, vocab,
                                      seed=_SEED.value + 100_000 + 1000 * r + b)
         for loop in (loops if r % 2 == 0 else loops[::-1]):
           sched = scheds[loop]
           if _WARMUP.value == "serve" and r == 0:
-            _serve_warmup(sched, sb.shadow_workload(wl, vocab, seed=_SEED.value + 200_000 + b),
+            _serve_warmup(sched, shadow_workload(wl, vocab, seed=_SEED.value + 200_000 + b),
                           b, next_id[loop], warm[loop])
             next_id[loop] += len(wl)
           sb.warm_run(sched, warm_wl, b, first_id=next_id[loop])

@@ -1214,16 +1214,17 @@ def _serving_model(shape: ServingShape, dry):
 def _serving_workload(shape: ServingShape):
   """Batch `shape.batch`'s prompts: the same for both loops, none shared with the
   other batch (no prefix-cache hits from another row)."""
-  from paged_kv.sim import serving_bench as sb
+  from paged_kv.sim import workload
   vocab = shape.hf_config["vocab_size"]
-  return sb.random_workload(shape.num_requests, shape.prompt_len, shape.output_len, vocab,
-                            seed=1 + shape.batch)
+  return workload.random_workload(shape.num_requests, shape.prompt_len, shape.output_len,
+                                  vocab, seed=1 + shape.batch)
 
 
 def _serving_sched(shape: ServingShape, dry, loop: str, *, build: bool):
   """The warm scheduler of `loop`; with `build`, made and warmed (once per worker)
   over the one executor every loop shares (so they share programs)."""
   from paged_kv.sim import serving_bench as sb
+  from paged_kv.sim import workload
   from paged_kv.scheduler.executor import ModelExecutor
   from paged_kv.scheduler.scheduler import SchedulerConfig
   if loop in _Serving.scheds:
@@ -1249,7 +1250,7 @@ def _serving_sched(shape: ServingShape, dry, loop: str, *, build: bool):
   vocab = shape.hf_config["vocab_size"]
   for s in _serving_shapes(dry).values():
     if s.batch:
-      wl = sb.shadow_workload(_serving_workload(s), vocab, seed=20_000 + s.batch)
+      wl = workload.shadow_workload(_serving_workload(s), vocab, seed=20_000 + s.batch)
       sb.run_closed_loop(sched, wl, s.batch, first_id=next_id)
       next_id += len(wl)
   _Serving.notes[f"warmup-{loop}"] = (

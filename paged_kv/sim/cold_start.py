@@ -70,6 +70,7 @@ def _child(spec: ColdStartSpec) -> None:
   from paged_kv.model import hf_checkpoint
   from paged_kv.runtime import compile_cache
   from paged_kv.sim import serving_bench as sb
+  from paged_kv.sim import workload
   from paged_kv.scheduler.executor import ModelExecutor
   from paged_kv.scheduler.scheduler import Request, SchedulerConfig
   marks = {"import": time.time()}
@@ -90,7 +91,7 @@ def _child(spec: ColdStartSpec) -> None:
   marks["built"] = time.time()
   report = sched.warmup(progress=False, persistence=False)
   rng = np.random.default_rng(spec.seed)
-  prompt = rng.integers(sb.FIRST_TOKEN_ID, ckpt.config.vocab_size,
+  prompt = rng.integers(workload.FIRST_TOKEN_ID, ckpt.config.vocab_size,
                         spec.prompt_len).astype(np.int32)
   req = Request(0, prompt, 2)
   sched.submit(req)

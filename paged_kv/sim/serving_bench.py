@@ -1,8 +1,8 @@
 """Serving measurements shared by `benchmarks/bench_serving.py` and `tools/gpu_check.sh`.
 
-Workloads, a closed-loop run through a warm scheduler (`run_closed_loop`), the
-bandwidth floor of a decode step (`weight_bytes_per_step`, `kv_bytes_per_token`,
-`copy_rate`), the device's own decode and prefill steps without a scheduler
+A closed-loop run of a `workload.Workload` through a warm scheduler
+(`run_closed_loop`), the bandwidth floor of a decode step (`weight_bytes_per_step`,
+`kv_bytes_per_token`, `copy_rate`), the device's own decode and prefill steps without a scheduler
 (`device_step`, `prefill_step`), and served tokens against a reference
 (`compare_with_reference`).
 
@@ -28,86 +28,9 @@ import numpy as np
 import paged_kv
 from paged_kv.core.config import PoolConfig
 from paged_kv.runtime import counters
-from paged_kv.sim import traces
 from paged_kv.scheduler.executor import ModelExecutor
 from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
-
-FIRST_TOKEN_ID = 3
-"""Random prompts draw ids from [3, vocab): 0-2 are often special tokens."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-  """Prompts (`i32[n]` each) and how many tokens each request generates."""
-
-  prompts: tuple[np.ndarray, ...]
-  output_lens: tuple[int, ...]
-  source: str
-
-  def __len__(self) -> int:
-    return len(self.prompts)
-
-  @property
-  def max_seq_len(self) -> int:
-    return max(len(p) + o for p, o in zip(self.prompts, self.output_lens))
-
-  @property
-  def mean_context(self) -> float:
-    """Mean context of a decode step: prompt + half the output, averaged over requests."""
-    return float(np.mean([len(p) + o / 2 for p, o in zip(self.prompts, self.output_lens)]))
-
-  @property
-  def output_tokens(self) -> int:
-    return int(sum(self.output_lens))
-
-
-def random_workload(num_requests: int, prompt_len: int, output_len: int, vocab_size: int,
-                    seed: int) -> Workload:
-  """`num_requests` prompts of `prompt_len` uniform ids in [3, vocab), `output_len` each."""
-  rng = np.random.default_rng(seed)
-  prompts = tuple(rng.integers(FIRST_TOKEN_ID, vocab_size, prompt_len).astype(np.int32)
-                  for _ in range(num_requests))
-  return Workload(prompts, (output_len,) * num_requests,
-                  f"random: {prompt_len} prompt, {output_len} output tokens")
-
-
-def chat_top_up(batch: int, block_size: int, seed: int) -> Callable[[Scheduler], None]:
-  """The host benchmarks' chat workload: `top_up(sched)` submits requests until
-  `batch` are running or waiting, each a shared system prompt of 4 blocks plus 1 to
-  3 blocks of its own, generating 16-127 tokens (ids in [0, 50,000), seeded)."""
-  rng = np.random.default_rng(seed)
-  system = rng.integers(0, 50_000, 4 * block_size)
-  count = [0]
-
-  def top_up(sched: Scheduler) -> None:
-    while len(sched.running) + len(sched.waiting) < batch:
-      own = rng.integers(0, 50_000, int(rng.integers(1, 3 * block_size)))
-      sched.submit(Request(count[0], np.concatenate([system, own]), int(rng.integers(16, 128))))
-      count[0] += 1
-
-  return top_up
-
-
-def trace_workload(path: str, num_requests: int, vocab_size: int, *, skip: int = 0,
-                   scale: int = 1, max_prompt_len: int, max_output_len: int) -> Workload:
-  """Requests `[skip, skip + num_requests)` of a Mooncake or Azure trace (`traces`).
-
-  Lengths are divided by `scale` and capped; token ids are folded into [3, vocab)
-  (shared prefixes stay shared). Arrival times are not used.
-  """
-  rows = traces.load_trace(path, skip + num_requests)[skip:]
-  if len(rows) < num_requests:
-    raise ValueError(f"{path} has {skip + len(rows)} requests; {skip + num_requests} needed")
-  tokens = traces.TokenSource(rows)
-  prompts, outs = [], []
-  for r in rows:
-    ids = traces.scaled_prompt(r, tokens, scale)[:max_prompt_len].astype(np.int64)
-    prompts.append((FIRST_TOKEN_ID + ids % (vocab_size - FIRST_TOKEN_ID)).astype(np.int32))
-    outs.append(int(min(max(1, -(-r.output_length // scale)), max_output_len)))
-  return Workload(tuple(prompts), tuple(outs),
-                  f"trace {traces.describe_trace(path)}, requests {skip}-{skip + num_requests}"
-                  f", lengths / {scale}, prompt <= {max_prompt_len}, output <= "
-                  f"{max_output_len}")
+from paged_kv.sim.workload import Workload
 
 
 def serving_pool_config(model_config, *, max_batch: int, max_seq_len: int,
@@ -197,15 +120,6 @@ def run_closed_loop(sched: Scheduler, workload: Workload, batch: int, *,
                    host_reads=traffic.num_host_reads,
                    dispatches=traffic.bookkeeping_dispatches,
                    outputs=[[int(t) for t in r.output] for r in reqs])
-
-
-def shadow_workload(workload: Workload, vocab_size: int, seed: int) -> Workload:
-  """Same lengths, fresh random prompts: served untimed, it compiles the steps
-  `workload` will run without giving its prompts prefix-cache hits."""
-  rng = np.random.default_rng(seed)
-  prompts = tuple(rng.integers(FIRST_TOKEN_ID, vocab_size, len(p)).astype(np.int32)
-                  for p in workload.prompts)
-  return Workload(prompts, workload.output_lens, f"shadow of {workload.source}")
 
 
 def warm_run(sched: Scheduler, workload: Workload, batch: int, *, first_id: int,

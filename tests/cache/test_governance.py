@@ -13,6 +13,7 @@ from paged_kv.core.errors import InvalidArgument
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.cache.governance import CacheGovernance
 from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig
+from paged_kv.sim.workload import ChatShape, ChatWorkload
 from paged_kv.telemetry import metrics
 
 CFG = paged_kv.PoolConfig(num_blocks=128, block_size=8, num_layers=1, num_kv_heads=1, head_dim=2,
@@ -20,11 +21,10 @@ CFG = paged_kv.PoolConfig(num_blocks=128, block_size=8, num_layers=1, num_kv_hea
 
 
 def _requests(seed: int, n: int, shared: int = 40) -> list[Request]:
-  rng = np.random.default_rng(seed)
-  system = rng.integers(0, 1000, shared)
-  return [Request(i, np.concatenate([system[:rng.integers(1, shared)],
-                                     rng.integers(1000, 5000, rng.integers(8, 60))]),
-                  int(rng.integers(1, 16))) for i in range(n)]
+  """A partial share of the system prompt, then a suffix of ids the prompt never uses."""
+  return ChatWorkload(ChatShape(system_len=shared, shared_lens=(1, shared), own_lens=(8, 60),
+                                output_lens=(1, 16), vocab=(0, 1000), own_vocab=(1000, 5000)),
+                      seed).requests(n)
 
 
 def _run(governance, reqs, *, max_batch=6, check_every=1):

@@ -25,6 +25,7 @@ from safetensors.numpy import load_file
 from paged_kv.model import hf_checkpoint, hf_reference, random_checkpoint, reference
 from paged_kv.model import llama
 from paged_kv.sim import serving_bench as sb
+from paged_kv.sim import workload
 from paged_kv.scheduler.executor import ModelExecutor
 from paged_kv.scheduler.scheduler import SchedulerConfig
 from tests.model.test_hf_checkpoint import ref_logits
@@ -77,7 +78,7 @@ def test_tensors_are_transformers_and_load(tiny):
 @pytest.mark.slow
 def test_served_tokens_equal_the_dense_reference_and_follow_the_context(tiny):
   path, hf = tiny
-  wl = sb.random_workload(5, 12, 6, hf["vocab_size"], seed=5)
+  wl = workload.random_workload(5, 12, 6, hf["vocab_size"], seed=5)
   ckpt = hf_checkpoint.load_checkpoint(path, max_seq_len=wl.max_seq_len)
   pool_config = sb.serving_pool_config(ckpt.config, max_batch=2, max_seq_len=wl.max_seq_len,
                                        block_size=4)
@@ -123,7 +124,7 @@ def test_transformers_loads_it_and_generates_the_same_tokens(tiny):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   path, hf = tiny
-  wl = sb.random_workload(4, 9, 6, hf["vocab_size"], seed=2)
+  wl = workload.random_workload(4, 9, 6, hf["vocab_size"], seed=2)
   ckpt = hf_checkpoint.load_checkpoint(path, max_seq_len=wl.max_seq_len)
   ours = [s[9:] for s in reference.generate_dense(ckpt.model,
                                                   [p.tolist() for p in wl.prompts], 6)]

@@ -17,6 +17,7 @@ import paged_kv
 from paged_kv.scheduler import UnknownRequest
 from paged_kv.scheduler.scheduler import DryExecutor, Phase, Request, Scheduler, SchedulerConfig
 from paged_kv.scheduler.streaming import generate
+from paged_kv.sim.workload import ChatShape, ChatWorkload
 
 CFG = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=2, max_seqs=8, max_segments=40)
@@ -25,11 +26,8 @@ SCHED = SchedulerConfig(max_batch=8, prefill_chunk=8, prefill_token_budget=16,
 
 
 def _requests(seed: int, n: int = 10) -> list[Request]:
-  rng = np.random.default_rng(seed)
-  system = rng.integers(0, 100, 8)
-  return [Request(f"r{i}", np.concatenate([system, rng.integers(0, 100, rng.integers(1, 30))]),
-                  int(rng.integers(2, 20)), forced_output=rng.integers(100, 200, 20))
-          for i in range(n)]
+  return ChatWorkload(ChatShape(system_len=8, own_lens=(1, 30), output_lens=(2, 20),
+                                vocab=(0, 100), forced_len=20), seed).requests(n, id_prefix="r")
 
 
 def _drain(sched: Scheduler, limit: int = 3000) -> None:

@@ -8,6 +8,7 @@ import paged_kv
 from paged_kv.core import compact
 from paged_kv.cache.cached_pool import CachedPool, CacheView
 from paged_kv.scheduler.scheduler import DryExecutor, Phase, Request, Scheduler, SchedulerConfig
+from paged_kv.sim.workload import ChatShape, ChatWorkload
 from radix.cache import PrefixCache
 
 CFG = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1,
@@ -15,14 +16,8 @@ CFG = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_head
 
 
 def _workload(seed, n=24, shared=10):
-  rng = np.random.default_rng(seed)
-  system = rng.integers(0, 100, shared)
-  reqs = []
-  for i in range(n):
-    prompt = np.concatenate([system, rng.integers(0, 100, rng.integers(1, 30))])
-    reqs.append(Request(i, prompt, int(rng.integers(1, 30)),
-                        forced_output=rng.integers(100, 200, 30)))
-  return reqs
+  return ChatWorkload(ChatShape(system_len=shared, own_lens=(1, 30), output_lens=(1, 30),
+                                vocab=(0, 100), forced_len=30), seed).requests(n)
 
 
 def _run(sched, reqs, check=True, limit=3000):

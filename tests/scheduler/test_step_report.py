@@ -12,6 +12,7 @@ import paged_kv
 from paged_kv.scheduler import scheduler as scheduler_mod
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Request, Scheduler, SchedulerConfig, StepReport
+from paged_kv.sim.workload import ChatShape, ChatWorkload
 from paged_kv.telemetry import metrics
 from tests.testutil import HostTransfers
 
@@ -20,11 +21,8 @@ CFG = paged_kv.PoolConfig(num_blocks=512, block_size=8, num_layers=1, num_kv_hea
 
 
 def _requests(seed: int, n: int) -> list[Request]:
-  rng = np.random.default_rng(seed)
-  shared = rng.integers(0, 1000, 120)
-  return [Request(i, np.concatenate([shared[:rng.integers(4, 120)],
-                                     rng.integers(0, 1000, rng.integers(1, 60))]),
-                  int(rng.integers(1, 24))) for i in range(n)]
+  return ChatWorkload(ChatShape(system_len=120, shared_lens=(4, 120), own_lens=(1, 60),
+                                output_lens=(1, 24), vocab=(0, 1000)), seed).requests(n)
 
 
 class FakeClock:
@@ -178,12 +176,10 @@ class NoPerBlockHostReadsTest(absltest.TestCase):
     sched = Scheduler(pool, DryExecutor(cfg),
                       SchedulerConfig(max_batch=4, compaction=None, snapshot_every=0,
                                       output_reserve_ratio=0.0))
-    rng = np.random.default_rng(0)
-    shared = rng.integers(0, 1000, 400)
-    for i in range(400):
-      sched.submit(Request(i, np.concatenate([shared[:rng.integers(8, 400)],
-                                              rng.integers(0, 1000, rng.integers(1, 300))]),
-                           int(rng.integers(1, 32))))
+    chat = ChatWorkload(ChatShape(system_len=400, shared_lens=(8, 400), own_lens=(1, 300),
+                                  output_lens=(1, 32), vocab=(0, 1000)), seed=0)
+    for r in chat.requests(400):
+      sched.submit(r)
     for _ in range(10):  # warm-up: compile everything first
       sched.step()
     with probe:

@@ -1,52 +1,18 @@
-"""`paged_kv.sim.serving_bench`: the workloads, the closed loop, the bandwidth
-ceiling (SERVING.md's H200 figures recomputed) and the comparison with a reference."""
+"""`paged_kv.sim.serving_bench`: the closed loop, the bandwidth ceiling (SERVING.md's
+H200 figures recomputed) and the comparison with a reference."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
-import pytest
 
 import paged_kv
 from paged_kv.model import hf_reference
 from paged_kv.sim import serving_bench as sb
+from paged_kv.sim import workload
 from paged_kv.scheduler.executor import DryExecutor
 from paged_kv.scheduler.scheduler import Scheduler, SchedulerConfig
-from tests.sim.trace_files import session_trace, write_mooncake
-
-
-def test_random_workload():
-  wl = sb.random_workload(5, 12, 4, 100, seed=0)
-  assert len(wl) == 5 and wl.output_lens == (4,) * 5 and wl.output_tokens == 20
-  assert all(p.shape == (12,) and p.dtype == np.int32 for p in wl.prompts)
-  assert min(int(p.min()) for p in wl.prompts) >= sb.FIRST_TOKEN_ID
-  assert max(int(p.max()) for p in wl.prompts) < 100
-  assert wl.max_seq_len == 16 and wl.mean_context == 14.0
-  again = sb.random_workload(5, 12, 4, 100, seed=0)
-  assert all(np.array_equal(a, b) for a, b in zip(wl.prompts, again.prompts))
-
-
-def test_shadow_workload_has_the_lengths_and_other_prompts():
-  wl = sb.Workload(
-      (np.arange(3, 8, dtype=np.int32), np.arange(3, 6, dtype=np.int32)), (4, 2), "x")
-  shadow = sb.shadow_workload(wl, 1000, seed=1)
-  assert [len(p) for p in shadow.prompts] == [5, 3] and shadow.output_lens == (4, 2)
-  assert not any(np.array_equal(a, b) for a, b in zip(wl.prompts, shadow.prompts))
-
-
-def test_trace_workload_keeps_shared_prefixes_and_caps(tmp_path):
-  path = write_mooncake(tmp_path / "t.jsonl", session_trace(seed=1, num=20, num_sessions=3))
-  wl = sb.trace_workload(path, 6, 1000, scale=16, max_prompt_len=64, max_output_len=8)
-  assert len(wl) == 6 and max(map(len, wl.prompts)) <= 64 and max(wl.output_lens) <= 8
-  assert all(sb.FIRST_TOKEN_ID <= int(p.min()) and int(p.max()) < 1000 for p in wl.prompts)
-  # Every prompt starts with the trace's shared block (hash 0): 512 / 16 tokens.
-  assert all(np.array_equal(p[:32], wl.prompts[0][:32]) for p in wl.prompts)
-  later = sb.trace_workload(path, 6, 1000, skip=6, scale=16, max_prompt_len=64,
-                            max_output_len=8)
-  assert "requests 6-12" in later.source
-  with pytest.raises(ValueError, match="needed"):
-    sb.trace_workload(path, 30, 1000, max_prompt_len=64, max_output_len=8)
 
 
 def test_ceiling_reproduces_the_h200_serving_figures():
@@ -89,7 +55,7 @@ def test_closed_loop_keeps_the_batch_in_flight():
     step()
 
   sched.step = counted
-  wl = sb.random_workload(7, 6, 3, 50, seed=1)
+  wl = workload.random_workload(7, 6, 3, 50, seed=1)
   res = sb.run_closed_loop(sched, wl, 3, first_id=100)
   assert max(seen) == 3 and res.requests == 7 and res.output_tokens == 21
   assert [len(o) for o in res.outputs] == [3] * 7 and len(res.step_s) == len(seen)

@@ -12,12 +12,11 @@ import functools
 import itertools
 import urllib.request
 
-import numpy as np
-
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.telemetry import export
 from paged_kv.scheduler.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
+from paged_kv.sim.workload import ChatShape, ChatWorkload
 
 CFG = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_heads=1,
                           head_dim=2, max_seqs=8, max_segments=40)
@@ -25,14 +24,9 @@ CFG = paged_kv.PoolConfig(num_blocks=64, block_size=4, num_layers=1, num_kv_head
 
 def workload(seed: int = 0, n: int = 24, shared: int = 10) -> list[Request]:
   """Requests sharing a system prompt, in two namespaces, with forced outputs."""
-  rng = np.random.default_rng(seed)
-  system = rng.integers(0, 100, shared)
-  reqs = []
-  for i in range(n):
-    prompt = np.concatenate([system, rng.integers(0, 100, rng.integers(1, 30))])
-    reqs.append(Request(i, prompt, int(rng.integers(1, 30)), namespace=f"tenant-{i % 2}",
-                        forced_output=rng.integers(100, 200, 30)))
-  return reqs
+  shape = ChatShape(system_len=shared, own_lens=(1, 30), output_lens=(1, 30), vocab=(0, 100),
+                    forced_len=30)
+  return ChatWorkload(shape, seed).requests(n, namespaces=("tenant-0", "tenant-1"))
 
 
 def make_scheduler(preemption: str = "swap", clock=None, **config) -> Scheduler:
