@@ -34,7 +34,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import records, shared_flags
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import decode_attention as pa
 from pallas_kernels import permute_blocks as pb
 
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Pallas interpret mode (CPU).")
@@ -45,7 +45,7 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["1024", "8192", "32768"],
 _PLACEMENTS = flags.DEFINE_list("placements", ["contiguous", "scattered", "slotted"],
                                 "Block placements of the decode tables.")
 _DECODE_IMPLS = flags.DEFINE_list("decode_impls", ["pallas", "xla"],
-                                  "paged_attention impls to time.")
+                                  "decode_attention impls to time.")
 _PERMUTE_IMPLS = flags.DEFINE_list("permute_impls", ["xla", "pallas", "mosaic"],
                                    "permute_blocks impls to time.")
 _NUM_SPLITS = flags.DEFINE_integer(
@@ -121,11 +121,11 @@ def bench_decode(rows, bw, *, q_heads, kv_heads, head_dim, batches, contexts,
         v = jax.random.normal(kv, shape, dtype)
         q = jax.random.normal(kq, (batch, q_heads, head_dim), dtype)
         table = [jnp.asarray(a) for a in (blk, st, ln, ns)]
-        want = pa.ref_paged_attention(q[:2], k, v, *[t[:2] for t in table])
+        want = pa.ref_decode_attention(q[:2], k, v, *[t[:2] for t in table])
         blocks_read = batch * blk.shape[1]
         nbytes = 2 * blocks_read * kv_heads * _BLOCK * head_dim * k.dtype.itemsize
         for impl in _DECODE_IMPLS.value:
-          fn = jax.jit(lambda q, k, v, *t, impl=impl: pa.paged_attention(
+          fn = jax.jit(lambda q, k, v, *t, impl=impl: pa.decode_attention(
               q, k, v, *t, impl=impl, interpret=interpret, num_splits=splits,
               pages_per_step=_PAGES_PER_STEP.value or None))
           out = fn(q, k, v, *table)

@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import paged_attention as _pa
+from pallas_kernels import decode_attention as _pa
 
 # Constants ------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 Same contract as `prefill_attention.prefill_attention`, tested against
 `prefill_attention.ref_prefill_attention`; built like the decode kernel
-(`paged_attention_mosaic`, whose constants it shares):
+(`decode_attention_mosaic`, whose constants it shares):
 
   * tiles of one row each: `tile_tokens = NC * 64 / padded group` new tokens of a
     row times the GQA group fill the `NC` (`NUM_CONSUMERS` = 2) consumer
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import paged_attention_mosaic as _pm
+from pallas_kernels import decode_attention_mosaic as _pm
 
 # Constants ------------------------------------------------------------------
 

@@ -290,7 +290,7 @@ class Launch:
     kind: `kCustomKernel`/`kKernel` (a kernel XLA or Triton built: grid known),
       `kCustomCall` (e.g. a Mosaic GPU kernel: its grid is inside the call),
       `kCopy` (a device-to-device memcpy), `kWhile`, `kConditional`, ...
-    name: the kernel's name (`paged_attention`, `loop_slice_fusion`), or `kind`.
+    name: the kernel's name (`decode_attention`, `loop_slice_fusion`), or `kind`.
     grid, threads: launch dimensions `(x, y, z)`, None when not a kernel.
     shared_memory: bytes of shared memory per block.
   """

@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import decode_attention as pa
 from pallas_kernels import permute_blocks as pb
 from pallas_kernels import prefill_attention as pf
 from tests_compile import tier
@@ -43,7 +43,7 @@ def _mosaic_builds(a: Attn) -> bool:
 
 
 def _decode(a: Attn, impl: str, device=tier.H200, **kw):
-  return tier.compile_program(pa.paged_attention, *a.decode_args(), device=device, impl=impl,
+  return tier.compile_program(pa.decode_attention, *a.decode_args(), device=device, impl=impl,
                               num_splits=None, **kw)
 
 
@@ -51,7 +51,7 @@ def _decode(a: Attn, impl: str, device=tier.H200, **kw):
 def test_decode_pallas(shape):
   prog = _decode(shape, "pallas")
   tier.assert_no_pool_copy(prog, shape.layer_pool_bytes)
-  launch = prog.launches("paged_attention")
+  launch = prog.launches("decode_attention")
   assert launch and launch[0].grid[:2] == (shape.batch, shape.num_kv_heads), prog.summary()
   assert launch[0].shared_memory <= 227 * 1024
   assert not prog.mosaic_kernels()
@@ -130,7 +130,7 @@ def test_split_k_fills_the_gpu_at_batch_1(impl, device):
 def test_decode_xla_path_compiles():
   """The portable path, at head_dim 96 (the one impl that builds there)."""
   a = Attn("phi3-mini", 32, 32, 96, 16, batch=8, context=4096)
-  tier.compile_program(pa.paged_attention, *a.decode_args(), impl="xla")
+  tier.compile_program(pa.decode_attention, *a.decode_args(), impl="xla")
 
 
 # Prefill (extend) ------------------------------------------------------------------

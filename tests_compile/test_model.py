@@ -91,7 +91,7 @@ def test_attention_compiles_in_place(shape):
   and its Mosaic GPU kernels (if it picks them) do not spill."""
   prog = _attention_program(shape)
   tier.assert_aliased(prog, ("pages.k", "pages.v"), 2 * NUM_LAYERS * shape.layer_pool_bytes)
-  assert tier.has_kernel(prog, "paged_attention"), prog.summary()
+  assert tier.has_kernel(prog, "decode_attention"), prog.summary()
   tier.assert_no_spills(prog)
 
 
@@ -104,7 +104,7 @@ def test_mixed_attention_compiles_in_place():
   """Prefill chunks and decodes in one call: both kernels, pages in place."""
   prog = _attention_program(MIXED, 64)
   assert tier.has_kernel(prog, "prefill_attention"), prog.summary()
-  assert tier.has_kernel(prog, "paged_attention"), prog.summary()
+  assert tier.has_kernel(prog, "decode_attention"), prog.summary()
   tier.assert_aliased(prog, ("pages.k", "pages.v"), 2 * NUM_LAYERS * MIXED.layer_pool_bytes)
   tier.assert_no_spills(prog)
 
@@ -228,7 +228,7 @@ def test_model_step_compiles_in_place(step):
   prefix = "pages" if step == "layer" else "state.pages"
   tier.assert_aliased(prog, (f"{prefix}.k", f"{prefix}.v"),
                       2 * MODEL.num_layers * LAYER_POOL_BYTES)
-  assert tier.has_kernel(prog, "paged_attention"), prog.summary()
+  assert tier.has_kernel(prog, "decode_attention"), prog.summary()
   assert tier.has_kernel(prog, "prefill_attention") == (
       step in ("prefill", "forward", "forward_reserved", "forward_unrolled"))
   tier.assert_no_spills(prog)

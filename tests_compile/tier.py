@@ -75,7 +75,7 @@ def assert_aliased(prog: compile_tier.CompiledProgram, suffixes, nbytes: int) ->
 
 
 def has_kernel(prog: compile_tier.CompiledProgram, name: str) -> bool:
-  """Whether the program launches a kernel of `name` (e.g. "paged_attention"):
+  """Whether the program launches a kernel of `name` (e.g. "decode_attention"):
   a Triton kernel of that name in the thunk sequence, or a Mosaic GPU custom
   call traced under a jit of that name (its HLO metadata)."""
   if prog.launches(name):
@@ -111,12 +111,12 @@ def decode_programs(prog: compile_tier.CompiledProgram) -> int:
   """Programs (blocks) the decode attention kernel launches: its grid from the
   thunk sequence (Triton), else, for a Mosaic GPU kernel (a custom call whose
   grid XLA does not see), the leading (row, head, split) dims of its output,
-  which `paged_attention_mosaic` tiles by its grid."""
-  launches = prog.launches("paged_attention")
+  which `decode_attention_mosaic` tiles by its grid."""
+  launches = prog.launches("decode_attention")
   if launches:
     return max(t.programs for t in launches)
   for call in prog.custom_calls():
-    if "mosaic_gpu" in call.text and "jit(paged_attention)" in (call.op_name or ""):
+    if "mosaic_gpu" in call.text and "jit(decode_attention)" in (call.op_name or ""):
       dims = compile_tier._ARRAY.search(call.shape).group(2).split(",")  # pylint: disable=protected-access
       return int(dims[0]) * int(dims[1]) * int(dims[2])
   raise AssertionError(f"no decode attention kernel in the program\n{prog.summary()}")

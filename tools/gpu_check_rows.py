@@ -743,7 +743,7 @@ def _layer_step(impl, layer, **kw):
 def _split_note(shape: AttnShape, step: HostStep) -> str:
   """The split-K factor `num_splits=None` picks here, when the kernels say."""
   try:
-    from pallas_kernels import paged_attention as pa
+    from pallas_kernels import decode_attention as pa
     s = max(len(x) for x in step.segments if x is not None)
     n = pa.default_num_splits(batch=len(step.segments), num_kv_heads=shape.num_kv_heads,
                               num_seg_slots=s,
@@ -1480,7 +1480,7 @@ def decode_variant_rows(key: str, copy_ref: str) -> list[RowSpec]:
 
 
 def run_decode_kernel(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -> Result:
-  """`pallas_kernels.paged_attention.paged_attention` alone on a decode-only
+  """`pallas_kernels.decode_attention.paged_attention` alone on a decode-only
   shape: the pool's stacked pages read at `shape.layer` in place, the tables of
   the layer rows, `impl=spec.impl`, `pages_per_step=spec.pages_per_step`,
   `num_splits=None`; checked against the layer rows' f32 reference, then timed.
@@ -1490,7 +1490,7 @@ def run_decode_kernel(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -
   jax, jnp = _jax()
   import numpy as np
 
-  from pallas_kernels import paged_attention as pa
+  from pallas_kernels import decode_attention as pa
   st, fields, _, q, _, _ = _attention_inputs(shape)
   if st.max_query_len != 1:
     raise Skip("decode-only shapes: the kernel takes one query per row")
@@ -1499,7 +1499,7 @@ def run_decode_kernel(spec: RowSpec, shape: AttnShape, *, dry, iters, repeats) -
                   unused=unused)
   table = [jnp.asarray(fields[f]) for f in ("seg_block", "seg_start", "seg_length",
                                             "num_segments")]
-  fn = jax.jit(functools.partial(pa.paged_attention, impl=spec.impl,
+  fn = jax.jit(functools.partial(pa.decode_attention, impl=spec.impl,
                                  pages_per_step=spec.pages_per_step,
                                  interpret=_interpret(dry), layer=shape.layer))
   _mosaic_races(dry, spec.impl, reset=True)

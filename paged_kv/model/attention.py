@@ -21,7 +21,7 @@ from paged_kv.core.kv import write_kv
 from paged_kv.core.state import KVPages
 from paged_kv.model.metadata import StepMetadata
 from pallas_kernels import lowering
-from pallas_kernels import paged_attention as decode_kernels
+from pallas_kernels import decode_attention as decode_kernels
 from pallas_kernels import prefill_attention as prefill_kernels
 
 IMPLS = ("xla", "pallas", "mosaic")
@@ -244,7 +244,7 @@ def paged_attention(
         impl=prefill_impl, interpret=prefill_interpret, **kernel_args)
     return pages, out
   # The stacked pages and the layer, never `pages.k[layer]` (a copy of the layer).
-  out_decode = decode_kernels.paged_attention(
+  out_decode = decode_kernels.decode_attention(
       q[first], pages.k, pages.v, *tables, jnp.where(is_decode, meta.num_segments, 0),
       impl=decode_impl, interpret=decode_interpret, num_splits=num_splits,
       **kernel_args)  # [B, num_q_heads, head_dim]

@@ -140,14 +140,14 @@ def sharded_paged_attention(
     interpret: bool = False,
     pages_per_step: int | None = None,
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q heads split over `axis`
-  """`pallas_kernels.paged_attention` per shard: each device attends with its heads, no collective.
+  """`pallas_kernels.decode_attention` per shard: each device attends with its heads, no collective.
 
   Query heads split in `n` contiguous chunks, so each GQA group lands with its kv
   head; the table is replicated. Other arguments as `paged_attention`
   (`pages_per_step=None` keeps its default). Returns `[B, num_q_heads,
   head_dim]`, split over heads (ready for a row-parallel projection).
   """
-  from pallas_kernels import paged_attention as pa  # lazy: kernels are optional for the core
+  from pallas_kernels import decode_attention as pa  # lazy: kernels are optional for the core
 
   if q.ndim != 3 or k_pages.ndim != 4:
     raise ValueError(f"q must be [B, num_q_heads, head_dim] and pages [num_kv_heads, "
@@ -161,7 +161,7 @@ def sharded_paged_attention(
   lp = layer_page_spec(axis)
 
   def local(q, kp, vp, sb, ss, sl, ns):
-    return pa.paged_attention(q, kp, vp, sb, ss, sl, ns, **kwargs)
+    return pa.decode_attention(q, kp, vp, sb, ss, sl, ns, **kwargs)
 
   in_specs = (q_spec, lp, lp, P(), P(), P(), P())
   args = _place((q, k_pages, v_pages, seg_block, seg_start, seg_length, num_segments), mesh,

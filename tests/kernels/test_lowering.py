@@ -9,7 +9,7 @@ before LLVM/ptxas: passing is necessary, not sufficient.
 
 For every shape, an impl either lowers or its wrapper refuses the shape at trace
 time with a ValueError that names the impls that do build
-(`paged_attention.decode_impl_problem` / `lowerable_decode_impls`,
+(`decode_attention.decode_impl_problem` / `lowerable_decode_impls`,
 `permute_blocks.permute_impl_problem` / `lowerable_permute_impls`); a shape is
 never left to fail at compile time on a user's GPU.
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import lowering
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import decode_attention as pa
 from pallas_kernels import permute_blocks as pb
 from pallas_kernels import prefill_attention as pf
 
@@ -116,7 +116,7 @@ def test_decode_lowers_or_is_refused(shape, device):
     problem = pa.decode_impl_problem(impl, **_shape_kw(qh, kvh, d, bs),
                                      platform="cuda")
     assert (problem is None) == (impl in lowerable)
-    fn = lambda *a, impl=impl: pa.paged_attention(*a, impl=impl,
+    fn = lambda *a, impl=impl: pa.decode_attention(*a, impl=impl,
                                                   num_splits=None)
     _lower_or_refused(fn, args, problem, _DEVICES[device])
 
@@ -167,15 +167,15 @@ def test_refusal_is_a_clear_error_at_trace_time():
   args = _decode_args(32, 8, 80, 16, 1024, 2, None)
   with pytest.raises(ValueError, match=r"power-of-two head_dim.*\('xla',\)"):
     lowering.lower_for_gpu(
-        lambda *a: pa.paged_attention(*a, impl="pallas"), *args)
+        lambda *a: pa.decode_attention(*a, impl="pallas"), *args)
   assert pa.lowerable_decode_impls(**_shape_kw(32, 8, 80, 16),
                                    platform="cuda") == ("xla",)
-  lowering.lower_for_gpu(lambda *a: pa.paged_attention(*a, impl="xla"), *args)
+  lowering.lower_for_gpu(lambda *a: pa.decode_attention(*a, impl="xla"), *args)
   # A K tile too large for Triton: 8 pages x 64 slots x 256.
   big = _decode_args(32, 8, 256, 64, 8192, 1, None)
   with pytest.raises(ValueError, match="exceeds"):
     lowering.lower_for_gpu(
-        lambda *a: pa.paged_attention(*a, impl="pallas", pages_per_step=8),
+        lambda *a: pa.decode_attention(*a, impl="pallas", pages_per_step=8),
         *big)
   # At the goal shape every impl builds, in the model layer's preference order
   # (Mosaic first, issue 22), or in a given one.
@@ -211,7 +211,7 @@ def test_odd_pool_batch_and_table_sizes_lower():
   args = [S((b, qh, d), _BF16), pages, pages] + table
   for impl in pa.GPU_DECODE_PREFERENCE:
     lowering.lower_for_gpu(
-        lambda *a, impl=impl: pa.paged_attention(*a, impl=impl, num_splits=None),
+        lambda *a, impl=impl: pa.decode_attention(*a, impl=impl, num_splits=None),
         *args)
   pargs = [S((77, qh, d), _BF16), pages, pages, S((b + 1,), jnp.int32)] + table
   for impl in ("pallas", "xla"):
@@ -236,7 +236,7 @@ def test_stacked_pages_with_a_traced_layer_lower_without_a_layer_slice(impl):
   layer_types = (f"tensor<{kvh}x{nb}x{bs}x{d}xbf16>",
                  f"tensor<1x{kvh}x{nb}x{bs}x{d}xbf16>")
   decode = lowering.lower_for_gpu(
-      lambda lyr, *a: pa.paged_attention(*a, impl=impl, layer=lyr),
+      lambda lyr, *a: pa.decode_attention(*a, impl=impl, layer=lyr),
       layer, S((b, qh, d), _BF16), pool, pool, *table).as_text()
   assert not any(t in decode for t in layer_types)
   if impl != "xla":
@@ -257,7 +257,7 @@ def test_fp8_pages_lower_for_triton():
   b, segs = 4, 64
   table = [S((b, segs), jnp.int32)] * 3 + [S((b,), jnp.int32)]
   lowering.lower_for_gpu(
-      lambda *a: pa.paged_attention(*a, impl="pallas", layer=1),
+      lambda *a: pa.decode_attention(*a, impl="pallas", layer=1),
       S((b, 32, 128), _BF16), pool, pool, *table)
   lowering.lower_for_gpu(
       lambda *a: pf.prefill_attention(*a, impl="pallas", layer=1),

@@ -1,7 +1,7 @@
 """Decode attention, `impl="mosaic"`: the Mosaic GPU kernel run in JAX's GPU
 interpreter on CPU with race detection, against the float64 reference.
 
-Inputs come from the shared builders of `test_paged_attention.py`: fresh random
+Inputs come from the shared builders of `test_decode_attention.py`: fresh random
 tables mixing full, partial, slotted and shared segments, lengths 1, exact
 multiples of block_size (16), partial and 0 (an empty row), and NaN in every
 unused slot so a stray read poisons the output. Rows are long enough (up to 300
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import lowering
-from pallas_kernels import paged_attention as pa
-from tests.kernels.test_paged_attention import _TOL, _case, ref64
+from pallas_kernels import decode_attention as pa
+from tests.kernels.test_decode_attention import _TOL, _case, ref64
 
 # Mosaic GPU interpret mode with race checks.
 pytestmark = pytest.mark.slow
@@ -58,18 +58,18 @@ _CASES = [
 @pytest.mark.parametrize("dtype,group,soft_cap,num_splits,head_dim", _CASES)
 def test_mosaic_matches_reference_without_races(dtype, group, soft_cap,
                                                 num_splits, head_dim):
-  from pallas_kernels import paged_attention_mosaic as pm
+  from pallas_kernels import decode_attention_mosaic as pm
 
   assert pm.kernel_config(head_dim, dtype)[0] == (head_dim <= 128)
   q, k, v, table = _case(group * 11 + num_splits, dtype=dtype, group=group,
                          seq_lens=_SEQ_LENS, **dict(_CASE, head_dim=head_dim))
   mi = _interpreter()
   mi.reset_gpu_interpret_mode_state()
-  out = pa.paged_attention(q, k, v, *table, soft_cap=soft_cap, impl="mosaic",
+  out = pa.decode_attention(q, k, v, *table, soft_cap=soft_cap, impl="mosaic",
                            interpret=_race_params(), num_splits=num_splits)
   got = np.asarray(out.astype(jnp.float32))
   assert not mi.get_races().races_found
-  want = ref64(pa.ref_paged_attention, q, k, v, *table, soft_cap=soft_cap)
+  want = ref64(pa.ref_decode_attention, q, k, v, *table, soft_cap=soft_cap)
   assert out.shape == q.shape and out.dtype == q.dtype
   assert np.all(np.isfinite(got)), "a poisoned slot reached the output"
   np.testing.assert_allclose(got, want, **_TOL[dtype])
@@ -82,9 +82,9 @@ def test_mosaic_interpret_true_means_race_checked():
   q, k, v, table = _case(5, dtype=jnp.bfloat16, group=2, seq_lens=(0, 1, 0),
                          check_coverage=False, **_CASE)
   _interpreter().reset_gpu_interpret_mode_state()
-  out = pa.paged_attention(q, k, v, *table, sm_scale=0.3, impl="mosaic",
+  out = pa.decode_attention(q, k, v, *table, sm_scale=0.3, impl="mosaic",
                            interpret=True)
-  want = ref64(pa.ref_paged_attention, q, k, v, *table, sm_scale=0.3)
+  want = ref64(pa.ref_decode_attention, q, k, v, *table, sm_scale=0.3)
   got = np.asarray(out.astype(jnp.float32))
   np.testing.assert_allclose(got, want, **_TOL[jnp.bfloat16])
   np.testing.assert_array_equal(got[[0, 2]], 0.0)
@@ -107,7 +107,7 @@ def test_mosaic_race_detector_sees_missing_proxy_fence(monkeypatch, head_dim):
   mi = _interpreter()
   mi.reset_gpu_interpret_mode_state()
   # sm_scale used nowhere else: forces a fresh trace with the patched fence.
-  jax.block_until_ready(pa.paged_attention(
+  jax.block_until_ready(pa.decode_attention(
       q, k, v, *table, sm_scale=0.123, impl="mosaic", interpret=_race_params()))
   assert mi.get_races().races_found
   mi.reset_gpu_interpret_mode_state()
@@ -119,11 +119,11 @@ def test_mosaic_refuses_what_cannot_lower():
   q, k, v, table = _case(1, dtype=jnp.float32, group=2, seq_lens=(3, 4),
                          check_coverage=False, block_size=16, head_dim=64)
   with pytest.raises(ValueError, match="bf16/f16"):
-    pa.paged_attention(q, k, v, *table, impl="mosaic", interpret=True)
+    pa.decode_attention(q, k, v, *table, impl="mosaic", interpret=True)
   q, k, v, table = _case(1, dtype=jnp.bfloat16, group=2, seq_lens=(3, 4),
                          check_coverage=False)
   with pytest.raises(ValueError, match="multiple of 64"):
-    pa.paged_attention(q, k, v, *table, impl="mosaic", interpret=True)
+    pa.decode_attention(q, k, v, *table, impl="mosaic", interpret=True)
   assert "block_size" in pa.decode_impl_problem(
       "mosaic", num_q_heads=8, num_kv_heads=2, head_dim=128, block_size=128,
       dtype=jnp.bfloat16, platform="cuda")
@@ -135,7 +135,7 @@ def test_mosaic_needs_gpu_or_interpreter():
   q, k, v, table = _case(1, dtype=jnp.bfloat16, group=2, seq_lens=(3, 4),
                          check_coverage=False, **_CASE)
   with pytest.raises(ValueError, match="interpret=True"):
-    pa.paged_attention(q, k, v, *table, impl="mosaic")
+    pa.decode_attention(q, k, v, *table, impl="mosaic")
 
 
 def test_prefill_mosaic_refuses_f32_with_its_own_reason():
@@ -155,7 +155,7 @@ def test_mosaic_stacked_pages_traced_layer_and_default_splits():
   """The pool's stacked pages with a traced layer != 0 (every other layer
   poisoned), `num_splits=None`: short splits (entries per split not a multiple
   of the table's 128 lanes), race-free, equal to the reference."""
-  from tests.kernels.test_paged_attention import stack_layers
+  from tests.kernels.test_decode_attention import stack_layers
 
   q, k, v, table = _case(29, dtype=jnp.bfloat16, group=4, seq_lens=_SEQ_LENS,
                          **_CASE)
@@ -168,11 +168,11 @@ def test_mosaic_stacked_pages_traced_layer_and_default_splits():
   assert splits > 1 and table[0].shape[1] % splits, splits
   mi = _interpreter()
   mi.reset_gpu_interpret_mode_state()
-  fn = jax.jit(lambda layer, *a: pa.paged_attention(
+  fn = jax.jit(lambda layer, *a: pa.decode_attention(
       *a, layer=layer, impl="mosaic", interpret=_race_params()))
   got = np.asarray(fn(jnp.int32(1), q, k5, v5, *table).astype(jnp.float32))
   assert not mi.get_races().races_found
-  want = ref64(pa.ref_paged_attention, q, k, v, *table)
+  want = ref64(pa.ref_decode_attention, q, k, v, *table)
   assert np.all(np.isfinite(got)), "a poisoned slot or the wrong layer was read"
   np.testing.assert_allclose(got, want, **_TOL[jnp.bfloat16])
   np.testing.assert_array_equal(got[3], 0.0)
@@ -212,11 +212,11 @@ def test_mosaic_stage_widths_and_fp8_pages_match_reference(page_dtype, head_dim,
   k, v, q = k.astype(page_dtype), v.astype(page_dtype), q.astype(jnp.bfloat16)
   mi = _interpreter()
   mi.reset_gpu_interpret_mode_state()
-  out = pa.paged_attention(q, k, v, *table, impl="mosaic", num_splits=num_splits,
+  out = pa.decode_attention(q, k, v, *table, impl="mosaic", num_splits=num_splits,
                            pages_per_step=pages_per_step, interpret=_race_params())
   got = np.asarray(out.astype(jnp.float32))
   assert not mi.get_races().races_found
-  want = ref64(pa.ref_paged_attention, q, k.astype(jnp.float32),
+  want = ref64(pa.ref_decode_attention, q, k.astype(jnp.float32),
                v.astype(jnp.float32), *table)
   assert out.dtype == q.dtype
   assert np.all(np.isfinite(got)), "a poisoned slot reached the output"
@@ -229,7 +229,7 @@ def test_mosaic_stage_width_rule_and_refusals():
   bf16 stage's bytes and S plus the accumulator fit the registers; refused
   with the reason otherwise. fp8: head_dim <= 128, bf16/f16 queries; the
   default path keeps Triton for fp8 (untimed)."""
-  from pallas_kernels import paged_attention_mosaic as pm
+  from pallas_kernels import decode_attention_mosaic as pm
 
   stage = lambda d, bs, dt=jnp.bfloat16: pm.default_pages_per_stage(
       head_dim=d, block_size=bs, dtype=dt) * bs

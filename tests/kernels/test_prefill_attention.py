@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import decode_attention as pa
 from pallas_kernels import prefill_attention as pf
-from tests.kernels.test_paged_attention import (_TOL, assert_table_coverage,
+from tests.kernels.test_decode_attention import (_TOL, assert_table_coverage,
                                           make_segment_tables, poisoned_pages,
                                           ref64)
 
@@ -113,7 +113,7 @@ def test_last_token_equals_decode():
   cu_np = np.asarray(cu)
   rows = np.array([b for b in range(len(_ROWS)) if cu_np[b + 1] > cu_np[b]])
   last = cu_np[1:][rows] - 1
-  dec = np.asarray(pa.paged_attention(q[last], k, v, *[t[rows] for t in table]))
+  dec = np.asarray(pa.decode_attention(q[last], k, v, *[t[rows] for t in table]))
   np.testing.assert_allclose(out[last], dec, rtol=1e-5, atol=1e-5)
 
 
@@ -137,7 +137,7 @@ def test_validation_errors():
 def test_stacked_pages_read_the_given_layer(impl):
   """`layer=` (traced, != 0) with the pool's stacked pages equals the reference
   on that layer; every other layer is poisoned."""
-  from tests.kernels.test_paged_attention import stack_layers
+  from tests.kernels.test_decode_attention import stack_layers
 
   q, k, v, cu, table = _case(11, dtype=jnp.float32, group=2)
   rng = np.random.default_rng(3)

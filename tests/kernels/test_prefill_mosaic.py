@@ -18,7 +18,7 @@ import pytest
 
 from pallas_kernels import lowering
 from pallas_kernels import prefill_attention as pf
-from tests.kernels.test_paged_attention import _TOL, ref64, stack_layers
+from tests.kernels.test_decode_attention import _TOL, ref64, stack_layers
 from tests.kernels.test_prefill_attention import _case, _check
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")

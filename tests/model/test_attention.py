@@ -169,10 +169,10 @@ class PagedAttentionTest(chex.TestCase, parameterized.TestCase):
     pages2, _ = fn(q, k, v, pool.state.pages, meta, 2)
     np.testing.assert_array_equal(np.asarray(pages.k), np.asarray(pages2.k))
     for n, kernels in ((1, {"prefill_attention"}),
-                       (2, {"paged_attention", "prefill_attention"})):
+                       (2, {"decode_attention", "prefill_attention"})):
       jaxpr = str(jax.make_jaxpr(functools.partial(fn, n=n))(q, k, v, pool.state.pages, meta))
       self.assertEqual(kernels & set(re.findall(r"name=(\w+)", jaxpr)), kernels)
-      self.assertEqual(n == 2, "name=paged_attention" in jaxpr)
+      self.assertEqual(n == 2, "name=decode_attention" in jaxpr)
     with self.assertRaises(InvalidArgument):
       paged_attention(q, k, v, pool.state.pages, LAYER, meta, impl=impl, mixed_launches=3)
 

@@ -120,8 +120,8 @@ def _scenario(state: paged_kv.PoolState, mesh: jax.sharding.Mesh | None) -> dict
   for layer in range(cfg.num_layers):
     kp, vp = state.pages.k[layer], state.pages.v[layer]
     if mesh is None:
-      from pallas_kernels import paged_attention as pa
-      o = pa.paged_attention(q, kp, vp, *table_args, impl="xla")
+      from pallas_kernels import decode_attention as pa
+      o = pa.decode_attention(q, kp, vp, *table_args, impl="xla")
     else:
       o = sharding.sharded_paged_attention(q, kp, vp, *table_args, mesh=mesh, impl="xla")
       out[f"attn_sharding{layer}"] = o.sharding
@@ -189,7 +189,7 @@ def check_attention(ctx) -> None:
   the sharding. The per-group comparison pins the sharded path to the
   one-device kernel exactly; the tolerance check bounds the rest.
   """
-  from pallas_kernels import paged_attention as pa
+  from pallas_kernels import decode_attention as pa
   one, tp = ctx["one"], ctx["tp"]
   state = one["state"]
   group = NUM_Q_HEADS // CONFIG.num_kv_heads
@@ -198,7 +198,7 @@ def check_attention(ctx) -> None:
     got, whole = tp[f"attn{layer}"], one[f"attn{layer}"]
     assert np.isfinite(whole).all() and np.abs(whole).sum() > 0
     for h in range(CONFIG.num_kv_heads):
-      want = pa.paged_attention(q[:, h * group:(h + 1) * group], state.pages.k[layer, h:h + 1],
+      want = pa.decode_attention(q[:, h * group:(h + 1) * group], state.pages.k[layer, h:h + 1],
                                 state.pages.v[layer, h:h + 1], *table_args, impl="xla")
       np.testing.assert_array_equal(got[:, h * group:(h + 1) * group], np.asarray(want),
                                     err_msg=f"layer {layer} kv head {h}")

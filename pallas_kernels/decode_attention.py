@@ -13,7 +13,7 @@ Implementations (`impl=`):
               kv head, walks its split's segments `pages_per_step` blocks at a time
               with an online softmax; a jnp pass merges the splits (flash
               decoding). Lowers through Triton on GPUs; `interpret=True` on CPU.
-  * "mosaic": the Mosaic GPU (Hopper) kernel of `paged_attention_mosaic.py`; on
+  * "mosaic": the Mosaic GPU (Hopper) kernel of `decode_attention_mosaic.py`; on
               CPU it needs `interpret=`.
 
 On a GPU target the wrapper refuses at trace time (ValueError naming the impls
@@ -27,7 +27,7 @@ one gather `pages[layer, :, blocks]`; "pallas": the layer axis whole in its Bloc
 the layer added to its gather indices; "mosaic": the pool viewed as `[num_layers *
 num_kv_heads, ...]`).
 
-`ref_paged_attention` rebuilds every sequence's K/V token by token, independently of
+`ref_decode_attention` rebuilds every sequence's K/V token by token, independently of
 the block-level paths, so that it can check them.
 """
 
@@ -147,7 +147,7 @@ def _apply_soft_cap(logits, soft_cap):
   return soft_cap * jnp.tanh(logits / soft_cap)
 
 
-def ref_paged_attention(
+def ref_decode_attention(
     q: jax.Array,  # [B, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
     v_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim]
@@ -372,7 +372,7 @@ def default_path_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
   if problem is None and impl == "mosaic":
     from pallas_kernels import lowering
     if (platform or lowering.target_platform()) == "cuda":
-      from pallas_kernels import paged_attention_mosaic as pm
+      from pallas_kernels import decode_attention_mosaic as pm
       problem = pm.mosaic_default_caveat(head_dim=head_dim, dtype=dtype)
   return problem
 
@@ -382,7 +382,7 @@ def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
                         pages_per_step: int | None = None,
                         platform: str | None = None,
                         q_dtype=None) -> str | None:
-  """Why `paged_attention(impl=impl)` cannot be built for this shape on `platform`
+  """Why `decode_attention(impl=impl)` cannot be built for this shape on `platform`
   (default: the trace's target), or None. Every shape it accepts lowers for an
   abstract H100/H200 (the lowering tier checks); on CPU every impl is accepted.
   "mosaic" needs queries in the pages' dtype (`q_dtype`).
@@ -415,7 +415,7 @@ def decode_impl_problem(impl: str, *, num_q_heads: int, num_kv_heads: int,
     return None
   if platform != "cuda":
     return "impl='mosaic' needs an NVIDIA (cuda) GPU"
-  from pallas_kernels import paged_attention_mosaic as pm
+  from pallas_kernels import decode_attention_mosaic as pm
   problem = pm.mosaic_problem(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                               head_dim=head_dim, block_size=block_size, dtype=dtype,
                               pages_per_step=pages_per_step)
@@ -451,7 +451,7 @@ def lowerable_decode_impls(*, num_q_heads: int, num_kv_heads: int, head_dim: int
 # XLA gather path ---------------------------------------------------------------
 
 
-def _xla_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
+def _xla_decode_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
                          seg_length, num_segments, *, sm_scale, soft_cap):
   """One gather per operand reads the rows' blocks of `layer`, never the whole layer."""
   batch, num_q_heads, head_dim = q.shape
@@ -547,7 +547,7 @@ def online_softmax_update(carry, logits, v, p_dtype=None):
   return m_new, l_new, acc_new
 
 
-def paged_attention_kernel(
+def decode_attention_kernel(
     layer_ref,  # i32[1] the layer to read
     num_segments_ref,  # i32[B]
     seg_block_ref,  # i32[B, S_pad]
@@ -632,7 +632,7 @@ def pages_spec(num_layers, num_blocks, block_size, head_dim, head_of):
                       lambda *ids: (0, head_of(*ids), 0, 0, 0))
 
 
-def _pallas_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
+def _pallas_decode_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
                             seg_length, num_segments, *, sm_scale, soft_cap,
                             num_splits, pages_per_step, interpret):
   batch, num_q_heads, head_dim = q.shape
@@ -646,7 +646,7 @@ def _pallas_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_pad - group), (0, 0)))
   kernel = functools.partial(
-      paged_attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
+      decode_attention_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
       segments_per_split=per_split, pages_per_step=pages_per_step)
   whole = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   head_pages = pages_spec(num_layers, num_blocks, block_size, head_dim,
@@ -680,7 +680,7 @@ def _pallas_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
                                jnp.float32),
       ],
       interpret=interpret,
-      name="paged_attention",
+      name="decode_attention",
   )(layer, num_segments, seg_block, seg_start, seg_length, qg, k_pages, v_pages)
   out = merge_splits(acc, m, l, axis=2)[:, :, :group]  # [B, KVH, G, D]
   return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
@@ -693,7 +693,7 @@ def _pallas_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
     jax.jit,
     static_argnames=("sm_scale", "soft_cap", "num_splits", "impl", "interpret",
                      "pages_per_step"))
-def paged_attention(
+def decode_attention(
     q: jax.Array,  # [B, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim] or [L, ...]
     v_pages: jax.Array,  # same shape as k_pages
@@ -733,7 +733,7 @@ def paged_attention(
       `plgpu.InterpretGPUParams`.
     pages_per_step: segments per online-softmax step ("pallas") or SMEM ring stage
       ("mosaic"); None: `default_decode_pages_per_step` /
-      `paged_attention_mosaic.default_pages_per_stage`.
+      `decode_attention_mosaic.default_pages_per_stage`.
     layer: which layer of stacked pages to read (an int or a traced i32 scalar;
       negative counts from the end; clipped); None with one layer's pages.
 
@@ -749,7 +749,7 @@ def paged_attention(
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
   block_size = k_pages.shape[3]
   if pages_per_step is None and impl == "mosaic":
-    from pallas_kernels import paged_attention_mosaic as pm
+    from pallas_kernels import decode_attention_mosaic as pm
     pages_per_step = pm.default_pages_per_stage(
         head_dim=q.shape[-1], block_size=block_size, dtype=k_pages.dtype)
   elif pages_per_step is None:
@@ -761,18 +761,18 @@ def paged_attention(
         num_seg_slots=seg_block.shape[1], pages_per_step=pages_per_step,
         block_size=block_size)
   if impl == "xla":
-    return _xla_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
+    return _xla_decode_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
                                 seg_length, num_segments, sm_scale=sm_scale,
                                 soft_cap=soft_cap)
   if impl == "mosaic":
     # Imported here so that CPU users never import Mosaic GPU.
-    from pallas_kernels.paged_attention_mosaic import mosaic_paged_attention
-    return mosaic_paged_attention(q, k_pages, v_pages, seg_block, seg_start,
+    from pallas_kernels.decode_attention_mosaic import mosaic_decode_attention
+    return mosaic_decode_attention(q, k_pages, v_pages, seg_block, seg_start,
                                   seg_length, num_segments, sm_scale=sm_scale,
                                   soft_cap=soft_cap, interpret=interpret or None,
                                   pages_per_step=pages_per_step,
                                   num_splits=num_splits, layer=layer)
-  return _pallas_paged_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
+  return _pallas_decode_attention(q, k_pages, v_pages, layer, seg_block, seg_start,
                                  seg_length, num_segments, sm_scale=sm_scale,
                                  soft_cap=soft_cap, num_splits=num_splits,
                                  pages_per_step=pages_per_step,

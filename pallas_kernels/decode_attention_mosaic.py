@@ -1,7 +1,7 @@
 """Mosaic GPU (Hopper) decode attention over segment tables (`impl="mosaic"`).
 
-Same contract as `paged_attention.paged_attention`; tested against
-`paged_attention.ref_paged_attention`. Written in the idioms of JAX's
+Same contract as `decode_attention.decode_attention`; tested against
+`decode_attention.ref_decode_attention`. Written in the idioms of JAX's
 `ops/gpu/attention_mgpu.py`:
 
   * grid (row, kv head, split): split-K over the row's segment entries so one long
@@ -200,7 +200,7 @@ def mosaic_default_caveat(*, head_dim, dtype) -> str | None:
 # Kernel -------------------------------------------------------------------------
 
 
-def mosaic_paged_attention_kernel(
+def mosaic_decode_attention_kernel(
     table_gmem,  # i32[B, NS, 4, C, 128]: block, start, length; [.., 3, 0, :2] count, layer
     q_gmem,  # [B, KVH, 64, D] (group rows, zero padded)
     k_gmem,  # [L * KVH, num_blocks, bs, D] (layer-major, every layer)
@@ -538,7 +538,7 @@ def merge_splits_log2(o, lse, axis):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "interpret",
                                              "pages_per_step", "num_splits"))
-def mosaic_paged_attention(
+def mosaic_decode_attention(
     q: jax.Array,  # [B, num_q_heads, head_dim]
     k_pages: jax.Array,  # [num_kv_heads, num_blocks, block_size, head_dim] or [L, ...]
     v_pages: jax.Array,  # same shape as k_pages
@@ -555,7 +555,7 @@ def mosaic_paged_attention(
     layer: jax.Array | int | None = None,  # i32[] with stacked pages
 ) -> jax.Array:  # [B, num_q_heads, head_dim], q.dtype
   """Decode attention with the Mosaic GPU kernel (inputs validated by the caller,
-  `paged_attention.static_validate_inputs`; shape limits by `mosaic_problem`).
+  `decode_attention.static_validate_inputs`; shape limits by `mosaic_problem`).
 
   Args:
     sm_scale: logits scale (already resolved, not None).
@@ -569,7 +569,7 @@ def mosaic_paged_attention(
   from jax.experimental.pallas import mosaic_gpu as plgpu  # GPU-only import
 
   from pallas_kernels import lowering
-  from pallas_kernels import paged_attention as pa
+  from pallas_kernels import decode_attention as pa
 
   k_pages, v_pages, layer = pa.stacked_pages(k_pages, v_pages, layer)
   batch, num_q_heads, head_dim = q.shape
@@ -610,7 +610,7 @@ def mosaic_paged_attention(
   if fp8:  # both wgmmas in f16 (see `FP8_COMPUTE_DTYPE`)
     qg = qg.astype(FP8_COMPUTE_DTYPE)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, BLOCK_ROWS - group), (0, 0)))
-  kernel = functools.partial(mosaic_paged_attention_kernel, sm_scale=sm_scale,
+  kernel = functools.partial(mosaic_decode_attention_kernel, sm_scale=sm_scale,
                              soft_cap=soft_cap, pages_per_step=pages_per_step,
                              num_stages=num_stages, chunks=chunks,
                              warp_specialized=warp_specialized,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import lowering
-from pallas_kernels import paged_attention as pa
+from pallas_kernels import decode_attention as pa
 
 _TOL = {jnp.float32: dict(rtol=2e-5, atol=2e-5),
         jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -152,10 +152,10 @@ def test_pallas_matches_reference(dtype, group, soft_cap, num_splits,
                                   pages_per_step):
   q, k, v, table = _case(group * 7 + num_splits, dtype=dtype, group=group,
                          seq_lens=_SEQ_LENS)
-  out = pa.paged_attention(q, k, v, *table, soft_cap=soft_cap, impl="pallas",
+  out = pa.decode_attention(q, k, v, *table, soft_cap=soft_cap, impl="pallas",
                            interpret=True, num_splits=num_splits,
                            pages_per_step=pages_per_step)
-  want = ref64(pa.ref_paged_attention, q, k, v, *table, soft_cap=soft_cap)
+  want = ref64(pa.ref_decode_attention, q, k, v, *table, soft_cap=soft_cap)
   assert out.shape == q.shape and out.dtype == q.dtype
   got = np.asarray(out.astype(jnp.float32))
   assert np.all(np.isfinite(got)), "a poisoned slot reached the output"
@@ -169,8 +169,8 @@ def test_pallas_matches_reference(dtype, group, soft_cap, num_splits,
 def test_xla_matches_reference(dtype, group, soft_cap):
   q, k, v, table = _case(group + (soft_cap is None), dtype=dtype, group=group,
                          seq_lens=_SEQ_LENS)
-  out = pa.paged_attention(q, k, v, *table, soft_cap=soft_cap, impl="xla")
-  want = ref64(pa.ref_paged_attention, q, k, v, *table, soft_cap=soft_cap)
+  out = pa.decode_attention(q, k, v, *table, soft_cap=soft_cap, impl="xla")
+  want = ref64(pa.ref_decode_attention, q, k, v, *table, soft_cap=soft_cap)
   got = np.asarray(out.astype(jnp.float32))
   assert np.all(np.isfinite(got))
   np.testing.assert_allclose(got, want, **_TOL[dtype])
@@ -188,7 +188,7 @@ def test_reference_matches_dense_attention():
   kp = k.reshape(batch * nblk, bs, heads, dim).transpose(2, 0, 1, 3)
   vp = v.reshape(batch * nblk, bs, heads, dim).transpose(2, 0, 1, 3)
   blocks = np.arange(batch * nblk, dtype=np.int32).reshape(batch, nblk)
-  out = pa.ref_paged_attention(
+  out = pa.ref_decode_attention(
       jnp.asarray(q), jnp.asarray(kp), jnp.asarray(vp), jnp.asarray(blocks),
       jnp.zeros_like(blocks), jnp.full_like(blocks, bs),
       jnp.full((batch,), nblk, jnp.int32))
@@ -201,13 +201,13 @@ def test_validation_errors():
   q, k, v, table = _case(1, dtype=jnp.float32, group=2, seq_lens=(3, 4),
                          check_coverage=False)
   with pytest.raises(ValueError, match="multiple of"):
-    pa.paged_attention(q[:, :3], k, v, *table)
+    pa.decode_attention(q[:, :3], k, v, *table)
   with pytest.raises(ValueError, match="impl"):
-    pa.paged_attention(q, k, v, *table, impl="triton")
+    pa.decode_attention(q, k, v, *table, impl="triton")
   with pytest.raises(ValueError, match="not implemented"):
-    pa.paged_attention(q, k, v, *table, impl="mosaic")
+    pa.decode_attention(q, k, v, *table, impl="mosaic")
   with pytest.raises(ValueError, match="int32"):
-    pa.paged_attention(q, k, v, table[0].astype(jnp.int16), *table[1:])
+    pa.decode_attention(q, k, v, table[0].astype(jnp.int16), *table[1:])
   blk, st, ln, ns = (np.asarray(t).copy() for t in table)
   ln[0, 0] = 99
   with pytest.raises(ValueError, match="invalid segment"):
@@ -217,13 +217,13 @@ def test_validation_errors():
 def test_no_recompile_on_new_table_values():
   q, k, v, table = _case(2, dtype=jnp.float32, group=2, seq_lens=(3, 9),
                          check_coverage=False)
-  pa.paged_attention(q, k, v, *table, impl="xla").block_until_ready()
+  pa.decode_attention(q, k, v, *table, impl="xla").block_until_ready()
   q2, k2, v2, table2 = _case(3, dtype=jnp.float32, group=2, seq_lens=(7, 2),
                              check_coverage=False)
   with jax.log_compiles(True):
-    before = pa.paged_attention._cache_size()
-    pa.paged_attention(q2, k2, v2, *table2, impl="xla").block_until_ready()
-    assert pa.paged_attention._cache_size() == before
+    before = pa.decode_attention._cache_size()
+    pa.decode_attention(q2, k2, v2, *table2, impl="xla").block_until_ready()
+    assert pa.decode_attention._cache_size() == before
 
 
 # Stacked pages (the pool) and a layer index -----------------------------------
@@ -250,18 +250,18 @@ def test_stacked_pages_read_the_given_layer(impl, traced):
   v5 = stack_layers(rng, v, num_layers=3, layer=2)
   kw = dict(impl=impl, interpret=impl != "xla", num_splits=2)
   if traced:
-    fn = jax.jit(lambda layer, *a: pa.paged_attention(*a, layer=layer, **kw))
+    fn = jax.jit(lambda layer, *a: pa.decode_attention(*a, layer=layer, **kw))
     out = fn(jnp.int32(2), q, k5, v5, *table)
   else:
-    out = pa.paged_attention(q, k5, v5, *table, layer=2, **kw)
-  want = ref64(pa.ref_paged_attention, q, k, v, *table)
+    out = pa.decode_attention(q, k5, v5, *table, layer=2, **kw)
+  want = ref64(pa.ref_decode_attention, q, k, v, *table)
   got = np.asarray(out)
   assert np.all(np.isfinite(got)), "a poisoned slot or the wrong layer was read"
   np.testing.assert_allclose(got, want, **_TOL[jnp.float32])
   np.testing.assert_allclose(
-      got, np.asarray(pa.paged_attention(q, k, v, *table, **kw)), rtol=1e-6, atol=1e-6)
+      got, np.asarray(pa.decode_attention(q, k, v, *table, **kw)), rtol=1e-6, atol=1e-6)
   # A negative layer counts from the end, as a numpy index.
-  neg = pa.paged_attention(q, k5, v5, *table, layer=jnp.int32(-1), **kw)
+  neg = pa.decode_attention(q, k5, v5, *table, layer=jnp.int32(-1), **kw)
   np.testing.assert_allclose(np.asarray(neg), got, rtol=1e-6, atol=1e-6)
 
 
@@ -269,9 +269,9 @@ def test_stacked_pages_need_a_layer():
   q, k, v, table = _case(1, dtype=jnp.float32, group=2, seq_lens=(3, 4),
                          check_coverage=False)
   with pytest.raises(ValueError, match="need layer="):
-    pa.paged_attention(q, k[None], v[None], *table)
+    pa.decode_attention(q, k[None], v[None], *table)
   with pytest.raises(ValueError, match="stacked"):
-    pa.paged_attention(q, k, v, *table, layer=1)
+    pa.decode_attention(q, k, v, *table, layer=1)
   with pytest.raises(ValueError, match="outside"):
     pa.stacked_pages(k[None], v[None], 1)
 
@@ -304,8 +304,8 @@ def test_pallas_default_splits_match_reference():
                          check_coverage=False)
   assert pa.default_num_splits(batch=4, num_kv_heads=2, num_seg_slots=40,
                                pages_per_step=4, block_size=16) > 1
-  out = pa.paged_attention(q, k, v, *table, impl="pallas", interpret=True)
-  want = ref64(pa.ref_paged_attention, q, k, v, *table)
+  out = pa.decode_attention(q, k, v, *table, impl="pallas", interpret=True)
+  want = ref64(pa.ref_decode_attention, q, k, v, *table)
   np.testing.assert_allclose(np.asarray(out), want, **_TOL[jnp.float32])
 
 
@@ -318,8 +318,8 @@ def test_fp8_pages_keep_probabilities_in_the_compute_dtype(impl):
   mantissa bits, ~6% steps) would miss this tolerance by far."""
   q, k, v, table = _case(23, dtype=jnp.float32, group=4, seq_lens=_SEQ_LENS)
   k8, v8 = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
-  out = pa.paged_attention(q, k8, v8, *table, impl=impl, interpret=impl != "xla")
-  want = ref64(pa.ref_paged_attention, q, k8.astype(jnp.float32),
+  out = pa.decode_attention(q, k8, v8, *table, impl=impl, interpret=impl != "xla")
+  want = ref64(pa.ref_decode_attention, q, k8.astype(jnp.float32),
                v8.astype(jnp.float32), *table)
   got = np.asarray(out)
   assert np.all(np.isfinite(got))
