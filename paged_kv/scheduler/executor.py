@@ -10,37 +10,29 @@ bound jitted steps (`paged_kv.model.steps.bind`). This module imports no flax.
 
 Optional attributes the scheduler reads:
   * `vocab_size`: `submit` refuses token ids outside `[0, vocab_size)`.
-  * `tokenizer`: decodes output for stop strings (`SamplingParams.stop`).
-  * `samples`: it applies `plan.sampling` (always given then) and may return the
+  * `tokenizer`: decodes output for stop strings.
+  * `samples`: it applies `plan.sampling` (then always given) and may return the
     rows' `SampleOutput` fourth.
-  * `applies_penalties`, `history_len`: it applies the sampling penalties from
-    token histories of `history_len` positions (`paged_kv.model.penalties`).
-  * `prompt_logprobs`: `step` computes a plan's `prompt` positions and returns
-    their `PromptLogprobs` after the `SampleOutput`.
-  * `carries_tokens`: it resolves `plan.carried` (tokens still on the device)
-    inside its jitted step; for other executors the scheduler resolves them first.
-  * `takes_reserved_slots`: `step` reads the reservation the host committed
-    (`plan.reserved`) instead of reserving; rows that grow in place apply
-    `reserved.grow` first (`paged_kv.core.growth.grow_tails`).
+  * `applies_penalties`, `history_len`: penalties from per-row token histories.
+  * `prompt_logprobs`: it computes `plan.prompt`'s `PromptLogprobs` (returned fifth).
+  * `carries_tokens`: it resolves `plan.carried` (tokens on the device) in its step.
+  * `takes_reserved_slots`: it reads the host's committed `plan.reserved` instead
+    of reserving (growing rows in place by `reserved.grow` first).
   * `decode_steps(state, plan, remaining, *, num_steps)`: k decode steps in one
-    dispatch, reserving inside the step. Row b runs step j iff `seq_ids[b] >= 0`,
-    `j < remaining[b]` and none of its earlier reservations failed; a stop token
-    does not end a row (the host drops what follows). Returns `(state, tokens
-    i32[k, B], status i32[k, B])`, plus a `SampleOutput` with a leading k axis
-    when `plan.sampling` is given; tokens equal k single steps'.
-  * `lower_step` / `lower_decode_steps`: the programs lowered, not run, so that
-    `Scheduler.warmup` compiles them concurrently.
-  * `resize(config)`: follows a pool resize (`Scheduler.shrink_to`); the scheduler
-    refuses to shrink under an executor with a `config` and no `resize`.
+    dispatch, reserving in the step; row b runs step j iff `seq_ids[b] >= 0`,
+    `j < remaining[b]` and no earlier reservation of it failed (a stop token does
+    not end it). Returns `(state, tokens i32[k, B], status i32[k, B])` and a
+    `SampleOutput` with a leading k axis when sampling; tokens equal k steps'.
+  * `lower_step` / `lower_decode_steps`: the programs lowered, for `warmup`.
+  * `resize(config)`: follows `Scheduler.shrink_to`'s cut (an executor holding a
+    `config` without it cannot shrink).
 
-The contract that keeps a failed step from destroying the pool:
-  1. A failed reservation is reported in `status`, never raised.
-  2. `step` donates `state`. Raised before the jitted call, `state` is still valid;
-     raised after it (`BaseException` included), the executor attaches the state
-     the call returned to the exception (`attach_state`) and the scheduler takes it
-     back (`attached_state`).
-  3. An executor that breaks this makes the scheduler refuse further use
-     (`PoolStateLost` / `SchedulerBroken`) rather than fail later on deleted arrays.
+The contract that keeps a failed step from destroying the pool: a failed reservation
+is reported in `status`, never raised; `step` donates `state`: raised before the
+jitted call, `state` is intact; raised after it (`BaseException` included), the
+exception carries the state the call returned (`attach_state`), which the scheduler
+takes back (`attached_state`). An executor that breaks this makes the scheduler
+refuse further use (`SchedulerBroken`).
 """
 
 from __future__ import annotations
@@ -174,9 +166,8 @@ class ModelExecutor:
   its output head on each row's last token only. The steps are bound once
   (`paged_kv.model.steps.ModelSteps`): a call hashes nothing.
 
-  One compile per plan shape: `(num_tokens, max_query_len)` and the plan's tree
-  structure (sampling, prompt positions, carried tokens, reserved slots); the
-  scheduler's shapes are few (`batching.token_widths`), plus one per `num_steps`.
+  It compiles one program per plan shape and tree structure; the scheduler's plans
+  take few (`docs/serving_loop.md`).
 
   Example:
     sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
