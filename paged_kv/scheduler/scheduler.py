@@ -1,20 +1,10 @@
 """A continuous-batching scheduler: the step loop and the requests' lifecycle.
 
 `Scheduler` runs the loop (`submit`, `step`, `abort`, `take_finished`); each KV
-decision is a part in a module of its own, called in this order every step:
-
-1. `admission.Admission`: swapped-out requests, then waiting ones (FCFS) whose
-   uncached context, output reserve and watermark fit now, after evicting cached
-   blocks (`eviction.Evictor`); prompts' cached prefixes are matched and locked.
-2. `forward_pass.ForwardPass`: one mixed batch of decode tokens and prompt chunks
-   (`batching`); under pressure it evicts, then preempts the newest
-   (`preemption.Preemption`). Overlapped by default: the step is dispatched before
-   the previous step's tokens are read (`docs/serving_loop.md`).
-3. `finishing.Finishing`: finished sequences go into the radix cache; rows are released.
-4. `maintenance` and `shrink_control.ShrinkControl`: compaction, promotion into
-   the base pool, a pending shrink.
-5. `step_telemetry.StepTelemetry`: figures from the host mirror, periodic
-   snapshots, alerts, and a `StepReport` to `on_step`.
+decision is a part in a module of its own, called in this order every step
+(`docs/architecture.md` draws one): `admission` (with `eviction`), `forward_pass`
+(rows from `batching`, `preemption` under pressure), `finishing`, `maintenance` and
+`shrink_control`, then `step_telemetry` (a `StepReport` to `on_step`).
 
 The pool and the radix cache are one `CachedPool`, which applies every reference
 change of the cache itself. An exception in `step()` leaves the scheduler usable
