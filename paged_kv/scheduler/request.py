@@ -76,20 +76,14 @@ class Request:
     forced_output: `i32[max_new_tokens]` tokens to emit instead of samples (trace replay).
     sampling: how its tokens are drawn (`SamplingParams`; None: greedy).
 
-  `Scheduler.submit` freezes these inputs (read-only array copies; assigning one
-  raises `InvalidArgument`). The other fields are progress, the scheduler's to
-  write: `phase`, `output`, `seq_id` (its pool row), `num_cached` (tokens whose K/V
-  is in the pool, the `in_flight` ones sampled on the device and not read yet
-  included), `hit_tokens`, `num_preemptions`, `*_step` and `*_time` (the
-  scheduler's clock), `logprobs` (per output token: its logprob and the top n),
-  `prompt_logprobs` (per prompt position: None for the first, then its logprob,
-  rank and the top k; `prompt_positions`), `samples` / `sample_of`
-  (`parallel_sampling`). While it runs, the hot fields live in the scheduler's
-  `running_rows.RunningRows` arrays, behind properties.
-
+  `Scheduler.submit` freezes these inputs (assigning one raises). The other fields
+  are progress, the scheduler's to write: `phase`, `output`, `seq_id` (its row),
+  `num_cached` (tokens whose K/V is in the pool, `in_flight` unread ones included),
+  `*_step` / `*_time`, `logprobs` (per token: its logprob and the top n),
+  `prompt_logprobs` (`prompt_positions`), `samples` (`parallel_sampling`), and
   `stop_reason`: `"length"`, `"stop_token"`, `"stop_string"`, `"table_full"` (its
-  row had no room left), `"pool_exhausted"` (alone, no block: `error` says why) or
-  `"abort"`.
+  row is full), `"pool_exhausted"` (alone, no block: `error` says why) or `"abort"`.
+  While it runs, the hot fields live in `running_rows.RunningRows` arrays.
   """
 
   request_id: Hashable
