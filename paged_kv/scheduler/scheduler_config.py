@@ -24,39 +24,31 @@ class SchedulerConfig:
     enable_prefix_cache: match prompts in, and insert finished sequences into, the cache.
     evict_policy: `"lru"` or `"cost"`.
     pack_tails: pack a finished sequence's short tail segments into slotted blocks.
-    mix_namespaces: let packing put different namespaces' tails in one block
-      (`CachedPool`'s `mix_namespaces` says the risk).
+    mix_namespaces: let packing mix namespaces' tails in a block (`CachedPool` says the risk).
     compaction: when and how much to compact between steps (None: never).
     promote_readers: every `promote_every` steps, blocks read by at least this many
       references move into the base pool, where compaction never moves them (0: off).
     promote_every: steps between promotion passes.
-    output_reserve_ratio: the share of every running sequence's and the newcomer's
-      remaining output whose blocks admission keeps free: 0 admits on the prompt
-      alone (more concurrency, preemption storms under pressure); 1 never preempts
-      when `max_new_tokens` is exact. Cached-only blocks count as free.
+    output_reserve_ratio: the share of the running and new sequences' remaining output
+      whose blocks admission keeps free: 0 admits on the prompt alone (preemption
+      storms under pressure); 1 never preempts when `max_new_tokens` is exact.
     watermark_blocks: free blocks admission leaves beyond that.
     stop_token: end-of-sequence token (-1: none).
-    stats_every: take the cheap `metrics.StepStats` (from the pool's host mirror, at
-      the step's start) every this many steps (0: never); compaction's trigger reads
-      the latest.
-    stats_budget: None: the figures every `stats_every` steps. A share of the step's
-      host time (e.g. 0.02): every `k >= stats_every` steps, the smallest `k` that
-      keeps their measured cost within it (`stats_pacing`).
-    snapshot_every: take the full `metrics.PoolSnapshot` every this many steps (0:
-      never; also `Scheduler.take_snapshot()`).
-    governance: live/cached quotas and the two-phase GC (`paged_kv.cache.governance`;
-      None: plain eviction on demand).
+    stats_every: steps between the cheap `metrics.StepStats`, from the host mirror at
+      the step's start (0: never); compaction's trigger reads the latest.
+    stats_budget: a share of the step's host time (e.g. 0.02) the figures may cost,
+      taking them less often (`stats_pacing`); None: every `stats_every` steps.
+    snapshot_every: steps between full `metrics.PoolSnapshot`s (0: never).
+    governance: quotas and the two-phase GC (`paged_kv.cache.governance`; None: off).
     max_logprobs: the most top logprobs a request may ask for; the step computes this
       many for every row of a sampling executor (a static width), 0 = none.
     seed: the seeds of requests without one: `seed` + their submit order.
     max_seq_len: the longest prompt + `max_new_tokens` a request may ask for (e.g. a
       checkpoint's context length); None: only the pool bounds it.
     overlap: dispatch step t+1 before reading step t's tokens, which feed it on the
-      device; outputs equal `overlap=False`'s, a stop is seen one step late and the
-      token past it is dropped (`docs/serving_loop.md`).
-    decode_steps: the most decode steps one dispatch runs (k) when a step has no
-      prompt chunk and nothing waits; bounds how late a stop is seen. Tokens equal
-      k = 1's.
+      device; outputs equal `overlap=False`'s (`docs/serving_loop.md`).
+    decode_steps: the most decode steps one dispatch runs when a step has no prompt
+      chunk and nothing waits (outputs equal 1's; a stop is seen up to k - 1 late).
     min_mixed_width: the fewest tokens a mixed step program takes; smaller steps are
       padded to it (fewer programs; `batching.token_widths`).
     max_stalled_steps: steps in a row with work that compute no token and finish
