@@ -1,19 +1,13 @@
 """`Admission`: which queued requests start running this step, and the room they need.
 
-Swapped-out requests first, then the waiting ones, FCFS, until one does not fit. A
-request is admitted only if its whole uncomputed context fits now (so it is not
-preempted at once), plus `output_reserve_ratio` of the output every running sequence
-and it may still produce, plus the watermark, after evicting cached-only blocks;
-the running rows' next tokens keep their blocks (`next_token_blocks`). Its prompt's
-longest cached prefix is matched, locked and shared. A request alone in a drained
-pool is always admitted (`alone_need`), so the scheduler never stalls.
-
-Admitted without a cached prefix: a request in `RequestQueues.unshared`
-(`Preemption.unstick`), a penalized one (its token history holds only what its own
-steps cached) and one asking for `prompt_logprobs`. A sample of an `n > 1` request
-waits while its first request computes its prompt, then opens on that row's
-segments (`parallel_sampling`). Governance's live quota may hold a request back,
-never when nothing runs.
+Swapped-out requests first, then the waiting ones, FCFS, until one does not fit:
+its whole uncomputed context (so it is not preempted at once), `output_reserve_ratio`
+of every admitted sequence's remaining output and the watermark must fit now, after
+evicting cached-only blocks. Its prompt's cached prefix is matched, locked and
+shared, except for a request in `RequestQueues.unshared`, a penalized one and one
+asking for `prompt_logprobs` (their own steps must compute every token). A request
+alone in a drained pool is always admitted (`alone_need`), so the scheduler never
+stalls; governance's live quota holds requests back only while something runs.
 """
 
 from __future__ import annotations
@@ -96,14 +90,9 @@ class Admission:
     return max((self.alone_need(r) for r in (*q.waiting, *q.swapped, *q.running)), default=0)
 
   def check_fits(self, request: Request) -> None:
-    """`submit`'s checks against the pool and the config (nothing changes).
-
-    Raises:
-      PoolExhausted: it could not run even in an empty pool (`"no_free_block"`), or
-        its segment table could overflow (`"table_full"`).
-      InvalidArgument: it asks more logprobs than `SchedulerConfig.max_logprobs`, or
-        a sequence longer than `SchedulerConfig.max_seq_len`.
-    """
+    """`submit`'s checks against the pool and the config (nothing changes):
+    `PoolExhausted` when it could not run even in an empty pool or could overflow its
+    segment table; `InvalidArgument` beyond `max_logprobs` or `max_seq_len`."""
     limit = self.config.max_seq_len
     if limit is not None and request.prompt.size + request.max_new_tokens > limit:
       raise InvalidArgument(
@@ -151,12 +140,9 @@ class Admission:
     return min(self.config.max_batch, self.pool.config.max_seqs) - len(self.queues.running)
 
   def admit(self) -> None:
-    """Swapped requests first, then the waiting ones, FCFS, until one does not fit.
-
-    The waiting requests admitted open together (`CachedPool.open_many`); each is
-    decided as if the ones before it were open: the output reserve and the free
-    blocks are tracked on the host.
-    """
+    """Swapped requests first, then the waiting ones, FCFS, until one does not fit;
+    the waiting ones open together (`CachedPool.open_many`), each decided as if those
+    before it were open (reserve and free blocks tracked on the host)."""
     q = self.queues
     if not (q.waiting or q.swapped) or self.free_rows() <= 0:
       return  # nothing can be admitted (and the reserve sum below is O(batch) Python)
@@ -316,13 +302,9 @@ class Admission:
     return _Admission(req, segs, node, matched, int(context.size), forked)
 
   def next_token_blocks(self) -> int:
-    """Fresh blocks the running rows past their prompt take for their next token.
-
-    A row appends in place only to an exclusive dynamic tail block with a free slot
-    after its tail (`HostState`'s `tail_end` / `tail_limit`); any other takes a fresh
-    block. Admission keeps these free: a newcomer admitted into them would be
-    preempted by the very step that admitted it.
-    """
+    """Fresh blocks the running rows past their prompt take for their next token (a
+    row not appending in place to an exclusive tail: `HostState.tail_limit`), kept
+    free: a newcomer admitted into them would be preempted by the same step."""
     t = self.queues.rows
     order = t.sync(self.queues.running)
     ids = t.seq_id[order[t.num_cached[order] >= t.prefill_target[order]]]
