@@ -1,18 +1,11 @@
 """Scheduler warm-up: run every program the serving path can run, once, up front.
 
 Every jitted program a `Scheduler` runs takes its shapes from a small set derived
-from the configs; `program_runs` enumerates them: the pool's commit at every
-`CommitWidths.all_for(pool config)`; the executor's step for every plan shape the
-scheduler builds (`batching.token_widths`, with the carried tokens, reserved slots
-and prompt positions its plans carry); the k-step decode (`decode_steps > 1`);
-persistence's chunked K/V gather and write; with swap preemption, the K/V gather
-and write at every power-of-two length; with `pack_tails`, packing and reclaiming
-at every power-of-two count of segments. Each run changes nothing (padding only).
-
-`warm` lowers the commits and steps, compiles them concurrently on threads, then
-runs every program once (`docs/serving_loop.md`); after it, a run the configs admit
-compiles nothing (`SchedulerStats.compiles_after_warmup`). A shrink's cut changes
-every shape: `release_programs` drops the old size's programs before the re-warm.
+from the configs, which `program_runs` enumerates (the commits, the executor's steps,
+persistence, swap and packing: `docs/serving_loop.md`); each run is on padding and
+changes nothing. `warm` compiles them concurrently, then runs each once; after it, a
+run the configs admit compiles nothing (`SchedulerStats.compiles_after_warmup`). A
+shrink's cut changes every shape: `release_programs` drops the old size's programs.
 """
 
 from __future__ import annotations
@@ -40,16 +33,9 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
-  """What `warm` did.
-
-  Attributes:
-    programs: program runs (one per distinct shape the serving path can take).
-    compiles: XLA compiles during the warm-up, the helpers' included (eager ops, a
-      gather), so it can exceed `programs`.
-    cache_loads: executables loaded from JAX's persistent compilation cache (also
-      ones this warm-up's concurrent compiles wrote moments before).
-    seconds: wall time.
-  """
+  """What `warm` did: `programs` run (one per shape), XLA `compiles` (their helpers'
+  included, so it can exceed `programs`), `cache_loads` from JAX's persistent cache
+  (also of what this warm-up's threads wrote moments before), wall `seconds`."""
 
   programs: int
   compiles: int
