@@ -61,24 +61,22 @@ class ShrinkControl:
     below the target now.
 
     Args:
-      num_blocks: the pool's size after the cut: above the base pool, below today's.
-      policy: the byte budget of moves per step (default: the scheduler's
-        compaction policy, else `CompactionPolicy()`).
-      block_bytes: bytes per block the budget counts (default the pool's; a
-        simulation with small pages passes the modelled model's).
+      num_blocks: the size after the cut, above the base pool and below today's.
+      policy: the byte budget of moves per step (default the scheduler's compaction
+        policy, else `CompactionPolicy()`).
+      block_bytes: bytes per block the budget counts (default the pool's).
       evict_cached: evict cached-only blocks when the room below is short.
-      margin: free blocks kept below the target beyond what the moves need
-        (default `max_batch` + the prefill budget's blocks).
-      staging: `BlockPool.resize`'s: `"host"`, `"device"` or `"auto"`.
+      margin: free blocks kept below the target beyond the moves' (default
+        `max_batch` + the prefill budget's blocks).
+      staging: `BlockPool.resize`'s `"host"`, `"device"` or `"auto"`.
 
     Raises:
-      InvalidArgument: a shrink is pending, a bad argument, or an executor that
-        holds the pool config without `resize`. Nothing changed.
-      PoolExhausted: the target cannot hold the live blocks (with `evict_cached`
-        False, every referenced one), or a submitted request needs a bigger pool.
-        Nothing changed.
-      Anything raised while making room: the shrink is unregistered and the
-        exception handed to `on_room_failure` (the scheduler reconciles) first.
+      InvalidArgument: a shrink pending, a bad argument, or an executor holding the
+        pool config without `resize` (nothing changed).
+      PoolExhausted: the target cannot hold the live blocks (every referenced one
+        without `evict_cached`), or a submitted request needs more (nothing changed).
+      Anything raised while making room, after the shrink was unregistered and
+        `on_room_failure` (the scheduler's reconciliation) ran.
     """
     pc = self.pool.config
     if self.pending is not None:
