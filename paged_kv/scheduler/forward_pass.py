@@ -1,15 +1,12 @@
 """`ForwardPass`: a scheduler step's one forward pass, and its tokens back on the host.
 
 The step's rows (`batching`) go to the executor in one mixed batch, after the blocks
-they may take were made free (eviction, then `Preemption.relieve`). The host decides
-the step's reservation on the pool's mirror before the call: for an executor with
-`takes_reserved_slots` it commits it (`BlockPool.reserve_step`) and the plan carries
-the slots; otherwise the device reserves what the host predicted
-(`BlockPool.predict_step`), and the statuses are compared once the device is done.
-Everything but the sampled tokens is known at dispatch. A dispatched step is a
-`Flight` until its tokens are read (`resolve`): at once in the synchronous loop,
-after the next dispatch in the overlapped one. `decode_steps = k` runs up to k decode
-steps in one dispatch (`docs/serving_loop.md`).
+they may take were freed (eviction, then `Preemption.relieve`). The host decides the
+reservation on the pool's mirror first: committed for an executor that
+`takes_reserved_slots` (`BlockPool.reserve_step`), else predicted and compared with
+the device's later (`BlockPool.predict_step`); all but the sampled tokens is known at
+dispatch. A dispatched step is a `Flight` until its tokens are read: at once, or
+after the next dispatch when overlapped (`docs/serving_loop.md`).
 """
 
 from __future__ import annotations
@@ -41,14 +38,12 @@ from paged_kv.telemetry import metrics
 class Flight:
   """A dispatched step whose sampled tokens the host has not read yet.
 
-  `decodes` then `chunks` are its rows; per row, `ok` (its reservations succeeded)
-  and `epochs` (its request's epoch at dispatch: a later one drops its tokens); per
-  chunk, `first` (it completed its prompt and sampled a first token). `tokens`:
-  `i32[B]`, or `i32[k, B]` with `runs` (`i32[B]` steps each row ran) for k decode
-  steps; `extra`: the executor's further results (`SampleOutput`, `PromptLogprobs`);
-  `last`: `i32[B]` each row's last token on the device (the next step's carried
-  input; None when tokens mean nothing). `slots`, `gens`, `slot_epochs`, `slot_ok`:
-  the decode rows' `RunningRows` slots, binds, epochs and `ok`, as arrays.
+  Rows `decodes` then `chunks`, with per row `ok` (reservations succeeded) and
+  `epochs` (a later request epoch drops its tokens), per chunk `first` (it sampled
+  its first token). `tokens` `i32[B]`, or `i32[k, B]` with `runs` (`i32[B]`) for k
+  steps; `extra` the executor's further results; `last` each row's last token on the
+  device (the next step's carried input); `slots`, `gens`, `slot_epochs`, `slot_ok`
+  the decode rows' `RunningRows` slots, binds, epochs and `ok`.
   """
 
   decodes: list[Request]
