@@ -183,21 +183,16 @@ class ModelExecutor:
     """Checks the model and binds its steps to the pool's config.
 
     Args:
-      model: an `nnx.Module` meeting `paged_kv.model.contract`; its `config` is
-        checked against the pool when it has `num_layers`, `num_kv_heads`, `head_dim`.
-      pool_config: the pool the scheduler serves from.
-      impl: attention path (None: `paged_kv.model.default_impl()`).
-      interpret: Pallas interpret mode (None: on CPU only).
+      model: an `nnx.Module` meeting `paged_kv.model.contract` (its `config`, when it
+        has `num_layers`, `num_kv_heads` and `head_dim`, must match the pool).
+      impl, interpret: attention path and Pallas interpret mode (None: the backend's).
       tokenizer: for stop strings; None: requests with them are refused.
-      history_len: token-history positions per row for the penalties
-        (`max_seqs * history_len * 4` bytes on the device); None: the longest row
-        the table holds; 0: no history, and penalized requests are refused.
+      history_len: token-history positions per row for the penalties (`max_seqs *
+        history_len * 4` bytes on the device); None: the longest row; 0: none.
       prompt_logprobs: serve `SamplingParams.prompt_logprobs` (one more program per
-        mixed token width); False: those requests are refused.
+        mixed width); False: those requests are refused.
 
-    Raises:
-      ModelContractError: the model's signature or abstract steps break the contract.
-      InvalidArgument: `model.config` does not match the pool, or a bad argument.
+    Raises ModelContractError (the model breaks the contract) or InvalidArgument.
     """
     from paged_kv.model import contract, llama, penalties, steps
     if not isinstance(pool_config, PoolConfig):

@@ -6,14 +6,11 @@
 request with that seed draws). Each is a request of its own from then on (output,
 stop, preemption, `abort`).
 
-Admission holds a sample back while its first request is queued or computing its
-prompt. Once that request has its first `p - 1` prompt tokens computed, the sample
-opens on the segments holding them (`fork_prefix`: blocks shared, its partial tail
-copied on write) and computes the last prompt token itself, so its first token is
-drawn with its own seed by the ordinary prefill path. When the first request is
-gone, a sample is admitted as any request; a penalized sample never shares (its
-token history holds only its own row's tokens); `prompt_logprobs` come with the
-first request only.
+Admission holds a sample back until its first request has computed `p - 1` prompt
+tokens, then opens it on their segments (`fork_prefix`: shared, the partial tail
+copied on write); it computes the last prompt token itself, so its first token is
+drawn with its own seed by the ordinary prefill. A penalized sample never shares;
+`prompt_logprobs` come with the first request only.
 """
 
 from __future__ import annotations

@@ -6,11 +6,9 @@ preempted until the step's blocks are free or one sequence is left: by recompute
 swap (`preemption="swap"`, once it has output: its K/V to host memory).
 
 The sequence left alone must still get its block, or every later step repeats the
-failure (`unstick`). A shared layout can hold more blocks than its tokens fill, so,
-in order: its cache lock is dropped and the cache evicted again; then it is
-recomputed without a cached prefix (`RequestQueues.unshared`: at most
-`Admission.alone_need`, which `submit` checked); a row that still finds no block
-(pinned cache entries hold the pool) ends with `stop_reason="pool_exhausted"`.
+failure (`unstick`): its cache lock is dropped and the cache evicted again; a shared
+layout is recomputed in fresh blocks (`RequestQueues.unshared`, within
+`Admission.alone_need`); else it ends with `stop_reason="pool_exhausted"`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """`RunningRows`: the running requests' hot progress as arrays (struct of arrays).
 
-A Python pass over `Request` objects costs per row; these arrays let a step find
-its decode rows, advance them and read their tokens in a few numpy passes.
-One storage, two views: while a request is bound to a slot (`sync` binds the new
-ones in `running` and unbinds those that left), its `HOT_FIELDS` are properties
-reading and writing the slot, so `Request` stays right whoever writes it. `gen`
-tells a slot's binds apart, so a dispatched step's rows still name their requests.
-Output tokens stay in `Request.output`; the `n_out` column counts them (`check`
-says whether the two agree).
+A step finds its decode rows, advances them and reads their tokens in a few numpy
+passes instead of Python over `Request` objects. While a request is bound to a slot
+(`sync`), its `HOT_FIELDS` are properties on the slot: one storage, right whoever
+writes it. `gen` tells a slot's binds apart; `n_out` counts `Request.output` (`check`).
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ class Scheduler:
       config: scheduling and memory policies.
       cache: a prefix cache whose references are already in `pool`.
       clock: time source for latencies and the new cache's LRU/TTL.
-      on_snapshot: called with `(step, snapshot, stats)` after each snapshot.
-      on_step: called with each step's `StepReport` (also settable as `on_step`).
+      on_snapshot, on_step: called with `(step, snapshot, stats)` after each
+        snapshot, and with each step's `StepReport` (also settable later).
     """
     check_init_args(pool, config, cache, clock, on_snapshot, on_step)
     config.check_pool(pool.config)
@@ -186,9 +186,9 @@ class Scheduler:
   def abort(self, request_id: Hashable) -> Request:
     """Ends a request now, in any phase; returns it (`stop_reason="abort"`).
 
-    A running request's computed tokens go into the prefix cache and its row and
-    prefix lock are released at once; a swapped one's host K/V is dropped. It joins
-    `finished` and the next step's `StepReport.finished`. Call it between steps.
+    A running request's computed tokens go into the prefix cache and its row is
+    released at once. It joins `finished` and the next step's report. Call it
+    between steps.
 
     Raises:
       UnknownRequest: no unfinished request has this id (nothing changed).

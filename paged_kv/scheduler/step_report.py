@@ -71,10 +71,9 @@ class StepReport:
   """What one scheduler step did, handed to `Scheduler(on_step=...)` after it.
 
   Attributes:
-    step, time: the step's id and the scheduler's clock at its end.
-    host_seconds: wall seconds the step took (the executor's call included).
-    pool: the cheap pool figures at the step's start (None on steps without them).
-    snapshot: the full pool snapshot, on the steps that took one.
+    step, time, host_seconds: the step's id, the clock at its end, its wall seconds.
+    pool, snapshot: the cheap pool figures at its start, the full snapshot (None
+      on steps without them).
     stats: the scheduler's cumulative counters (the live object: read, don't keep).
     counters: the pool's cumulative counters (OOMs by reason, compaction...).
     num_running, num_waiting, num_swapped: queue lengths after the step.

@@ -4,9 +4,8 @@ A stop string is text, not tokens: it can span tokens, start inside one, or appe
 only once a multi-byte character completes. `StopStringMatcher` follows one output
 through the tokenizer's incremental decoder and reports the first stop string to
 complete (the earliest end; at the same end, the longer). The text it hands out
-never contains one: it holds back a tail that could start one and ends right before
-a completed one (vLLM's default). The tokens are kept: `output` ends with the token
-that completed it (with `decode_steps = k`, up to k - 1 tokens after it too).
+never contains one (vLLM's default): it holds back a tail that could start one.
+`output` keeps the token that completed it (with `decode_steps = k`, up to k - 1 more).
 
 `StopStringWatch` is the scheduler's side: `submit` registers requests with stop
 strings, and `Finishing.finish` calls `scan()` first, so such a request ends in the
