@@ -92,11 +92,8 @@ class Executor(Protocol):
 
 
 class DryExecutor:
-  """Memory dynamics only: reserves the slots, computes nothing, samples token 0.
-
-  `takes_reserved_slots`: the step reads the host's committed reservation, as
-  `ModelExecutor`'s does; False: it reserves inside its jitted program.
-  """
+  """Memory dynamics only: reserves the slots, computes nothing, samples token 0
+  (`takes_reserved_slots=False`: it reserves inside its jitted step)."""
 
   uses_tokens = False  # one program per `max_query_len`, whatever the token width
   carries_tokens = True  # it reads no tokens, so carried ones need no resolving

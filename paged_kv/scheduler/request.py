@@ -259,12 +259,9 @@ Request.stop_reason = property(lambda self: self.__dict__.get("_stop_reason", ""
 
 @dataclasses.dataclass(eq=False)
 class RequestQueues:
-  """A scheduler's requests by phase (the same objects as `Scheduler.waiting`, ...).
-
-  `running` is a `RunningList` in admission order; `unshared` holds the `id()`s of
-  queued requests to admit without a cached prefix (`Preemption.unstick`); `rows`
-  holds the running requests' hot progress as arrays (bound by `rows.sync(running)`).
-  """
+  """A scheduler's requests by phase; `unshared`: `id()`s of queued requests to admit
+  without a cached prefix (`Preemption.unstick`); `rows`: the running ones' hot
+  progress as arrays (`running_rows`)."""
 
   waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
   swapped: collections.deque = dataclasses.field(default_factory=collections.deque)

@@ -1,13 +1,9 @@
 """`Scheduler.submit`'s checks of what a request asks against the model and the loop.
 
-Token ids: an id outside `[0, vocab)` is no error inside the jitted step (the
-embedding clamps or wraps it; a stop id the model cannot sample stops nothing), so
-every id a request brings and `SchedulerConfig.stop_token` are checked against the
-executor's `vocab_size`, when it has one. Sampling the loop does not apply is
-refused by name, not ignored: penalties under an executor without token histories
-(or longer than its `history_len`), `prompt_logprobs` under one not built for them,
-stop strings without a tokenizer, `min_tokens > max_new_tokens`, more logit
-adjustments than the step's width.
+Token ids are checked against the executor's `vocab_size` (when it has one): inside
+the jitted step an id outside it is no error, just wrong tokens. Sampling the loop
+cannot apply is refused by name, not ignored (penalties without token histories,
+`prompt_logprobs` without the programs, stop strings without a tokenizer, ...).
 """
 
 from __future__ import annotations

@@ -248,12 +248,9 @@ class Scheduler:
       n += 1
 
   def step(self) -> None:
-    """One scheduling step (see the module docstring).
-
-    Whatever it raises (the executor's, a callback's, ...), the scheduler was
-    reconciled first and stays usable, except `SchedulerBroken`: the pool's donated
-    state is gone, and every later call raises it too.
-    """
+    """One scheduling step. Whatever it raises, the scheduler was reconciled first and
+    stays usable, except `SchedulerBroken`: the pool's donated state is gone (every
+    later call raises it too)."""
     self._check_usable()
     try:
       self._step_once()

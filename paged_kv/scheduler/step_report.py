@@ -78,12 +78,10 @@ class StepReport:
     counters: the pool's cumulative counters (OOMs by reason, compaction...).
     num_running, num_waiting, num_swapped: queue lengths after the step.
     finished: requests that finished in this step (aborted ones included).
-    first_token_latencies: seconds from `submit` to the first token, per request.
-    inter_token_latencies: seconds between a request's consecutive tokens (a
-      preempted request counts its wait).
+    first_token_latencies, inter_token_latencies: seconds from `submit` to a first
+      token, and between a request's consecutive tokens (preemptions included).
     alerts: alerts that fired in this step (edge-triggered).
-    tokens: `(request_id, token)` of every token emitted, in order (the stream
-      `streaming.generate` yields).
+    tokens: `(request_id, token)` of every token emitted, in order.
   """
 
   step: int
