@@ -24,7 +24,7 @@ Optional attributes the scheduler reads:
     not end it). Returns `(state, tokens i32[k, B], status i32[k, B])` and a
     `SampleOutput` with a leading k axis when sampling; tokens equal k steps'.
   * `lower_step` / `lower_decode_steps`: the programs lowered, for `warmup`.
-  * `resize(config)`: follows `Scheduler.shrink_to`'s cut (an executor holding a
+  * `resize(config)`: follows `Scheduler.shrink_to`'s cut (one holding a pool
     `config` without it cannot shrink).
 
 The contract that keeps a failed step from destroying the pool: a failed reservation

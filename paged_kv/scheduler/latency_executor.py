@@ -1,11 +1,9 @@
 """`LatencyExecutor`: memory dynamics on a simulated device whose steps take a fixed time.
 
-On a CPU the host's and the device's time cannot be told apart (XLA:CPU computes on
-the calling thread), so this executor models the device: it reserves as
-`DryExecutor` does and returns tokens readable `step_seconds` after the later of the
-dispatch and the previous step's end (one in-order queue, as a GPU stream). A
-synchronous loop then takes host + device time per step, an overlapped one their
-max. `events` receives `("dispatch", n)` and `("read", n)` for tests of the order.
+On a CPU the host's and the device's time cannot be told apart, so this executor
+models the device: its tokens are readable `step_seconds` after the later of the
+dispatch and the previous step's end (an in-order queue, as a GPU stream). `events`
+receives `("dispatch", n)` and `("read", n)`, for tests of the loop's order.
 """
 
 from __future__ import annotations

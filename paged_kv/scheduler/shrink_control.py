@@ -1,12 +1,10 @@
 """`ShrinkControl`: gives memory back while serving (`Scheduler.shrink_to`).
 
-Each step (after compaction) moves up to the policy's budget of referenced blocks
-from above the target into the lowest free blocks below it (`host_ops.plan_shrink`;
-tables and the prefix cache follow), evicting cached-only blocks when the room below
-is short. Once nothing above the target is referenced (and no submitted request needs
-the bigger pool) the pool is cut there once (`BlockPool.resize`) and the executor
-follows (`resize`). Requests are never held back: allocation takes the lowest free
-blocks, so nothing new lands above the target while a block below it is free.
+Each step moves up to the policy's budget of referenced blocks from above the
+target into free blocks below it (`host_ops.plan_shrink`), evicting cached-only
+blocks when room is short; once nothing above is referenced, the pool is cut there
+and the executor follows. Requests are never held back: allocation takes the lowest
+free blocks, so nothing new lands above the target while a block below is free.
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ complete (the earliest end; at the same end, the longer). The text it hands out
 never contains one (vLLM's default): it holds back a tail that could start one.
 `output` keeps the token that completed it (with `decode_steps = k`, up to k - 1 more).
 
-`StopStringWatch` is the scheduler's side: `submit` registers requests with stop
-strings, and `Finishing.finish` calls `scan()` first, so such a request ends in the
-step its text completed one (`stop_reason "stop_string"`).
+`StopStringWatch` is the scheduler's side: `Finishing.finish` calls `scan()` first,
+so a request ends in the step its text completed a stop string.
 """
 
 from __future__ import annotations
