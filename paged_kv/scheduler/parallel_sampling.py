@@ -1,10 +1,9 @@
 """Parallel sampling (`SamplingParams.n > 1`): one prompt computed once, n outputs.
 
 `Scheduler.submit` of a request with `n > 1` queues it (sample 0) and right behind it
-`n - 1` requests (`samples_of`): the same prompt and sampling with `n = 1`, ids
-`SampleId(request_id, i)` and seeds `seed + i` (sample i draws what an `n = 1`
-request with that seed draws). Each is a request of its own from then on (output,
-stop, preemption, `abort`).
+`n - 1` requests (`samples_of`) with `n = 1`, ids `SampleId(request_id, i)` and seeds
+`seed + i`: each draws what an `n = 1` request with that seed draws, and is a
+request of its own from then on.
 
 Admission holds a sample back until its first request has computed `p - 1` prompt
 tokens, then opens it on their segments (`fork_prefix`: shared, the partial tail

@@ -2,9 +2,8 @@
 
 A step advances when it computes a token or a request finishes or is aborted. After
 `SchedulerConfig.max_stalled_steps` steps in a row with work that do neither, the
-next step raises `SchedulerStalled` at its start, naming what holds the pool. The
-scheduler's rules (a lone head is admitted, `Preemption.unstick`) make every step
-with work advance, so the guard turns a bug into a typed error, not a hung `run()`.
+next step raises `SchedulerStalled` at its start, naming what holds the pool: the
+scheduler's rules make every step with work advance, so a stall is a bug.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ the first, its logprob given the tokens before it, its rank and the top `k` ther
 (`Request.prompt_logprobs`, vLLM's). A step holding its prompt chunk carries
 `PromptPositions` (`positions`) that its program computes; `store` writes them into
 the request once read. Such a request shares no cached prefix (its own steps compute
-every position), and `submit` refuses it unless the executor computes them
-(`ModelExecutor(prompt_logprobs=True)`) and `k <= SchedulerConfig.max_logprobs`.
+every position).
 """
 
 from __future__ import annotations

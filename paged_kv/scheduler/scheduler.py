@@ -93,8 +93,7 @@ class Scheduler:
     Args:
       pool: a `BlockPool` (bound here to `cache`, or to a new cache when
         `config.enable_prefix_cache`), or a `CachedPool` whose cache is used.
-      executor: the model work of a step (`Executor`).
-      config: scheduling and memory policies.
+      executor, config: the model work of a step, the scheduling policies.
       cache: a prefix cache whose references are already in `pool`.
       clock: time source for latencies and the new cache's LRU/TTL.
       on_snapshot, on_step: called with `(step, snapshot, stats)` after each
