@@ -38,12 +38,10 @@ from paged_kv.telemetry import metrics
 class Flight:
   """A dispatched step whose sampled tokens the host has not read yet.
 
-  Rows `decodes` then `chunks`, with per row `ok` (reservations succeeded) and
-  `epochs` (a later request epoch drops its tokens), per chunk `first` (it sampled
-  its first token). `tokens` `i32[B]`, or `i32[k, B]` with `runs` (`i32[B]`) for k
-  steps; `extra` the executor's further results; `last` each row's last token on the
-  device (the next step's carried input); `slots`, `gens`, `slot_epochs`, `slot_ok`
-  the decode rows' `RunningRows` slots, binds, epochs and `ok`.
+  Rows `decodes` then `chunks`, per row `ok` (reserved) and `epochs` (a later one
+  drops its tokens), per chunk `first` (it sampled its first token); `tokens`, with
+  `runs` for k steps; `last`: each row's last token (the next step's carried input);
+  `slots` ... `slot_ok`: the decode rows' `RunningRows` slots, binds, epochs, `ok`.
   """
 
   decodes: list[Request]

@@ -75,10 +75,8 @@ class SamplingParams:
     top_p: keep the smallest set of most likely tokens reaching `top_p` (1: all).
     min_p: keep tokens at least `min_p` times as likely as the most likely (0: all).
     seed: the request's seed (None: the scheduler assigns one).
-    stop_token_ids: tokens that end the request (`"stop_token"`), besides
-      `SchedulerConfig.stop_token`.
-    logprobs: the sampled token's logprob and the top-`logprobs` of each step
-      (`Request.logprobs`); at most `SchedulerConfig.max_logprobs`.
+    stop_token_ids: tokens that end the request, besides `SchedulerConfig.stop_token`.
+    logprobs: each token's logprob and the top-`logprobs` (at most `max_logprobs`).
     presence_penalty: in [-2, 2], subtracted from the logit of every token in the output.
     frequency_penalty: in [-2, 2], times a token's count in the output, subtracted.
     repetition_penalty: > 0; divides a positive logit of a token in the prompt or
@@ -90,8 +88,7 @@ class SamplingParams:
       most `MAX_LOGIT_ADJUSTMENTS`.
     ignore_eos: `SchedulerConfig.stop_token` does not end this request.
     prompt_logprobs: logprobs of the prompt's tokens (vLLM's); None: none.
-    stop: strings that end the request when its text contains one (`"stop_string"`;
-      the text stops before it); needs an executor with a tokenizer.
+    stop: strings that end the request when its text holds one (`stop_strings`).
     n: output sequences per prompt (`parallel_sampling`).
 
   The step applies them in vLLM's order: `min_tokens`, `logit_bias`, the penalties,
