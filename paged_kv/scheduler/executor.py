@@ -92,8 +92,9 @@ class Executor(Protocol):
 
 
 class DryExecutor:
-  """Memory dynamics only: reserves the slots, computes nothing, samples token 0
-  (`takes_reserved_slots=False`: it reserves inside its jitted step)."""
+  """Memory dynamics only: reserves the slots, computes nothing, samples token 0.
+  `takes_reserved_slots`: read the host's `plan.reserved` as `ModelExecutor` does
+  (default: reserve inside the jitted step)."""
 
   uses_tokens = False  # one program per `max_query_len`, whatever the token width
   carries_tokens = True  # it reads no tokens, so carried ones need no resolving
