@@ -1,10 +1,8 @@
 """Continuous batching: `Scheduler` runs one mixed forward pass per step.
 
-`scheduler` is the step loop and the request lifecycle; its parts decide the KV side
-(admission, batching, forward_pass, preemption and swap, eviction, finishing,
-maintenance, shrink_control, recovery, warmup). `request`, `sampling_params`,
-`parallel_sampling`, `stop_strings` and `streaming` describe requests and their output;
-`executor` is the model behind a step (`ModelExecutor` imports flax when built).
+`scheduler` is the step loop and the requests' lifecycle; its parts decide the KV
+side; `request`, `sampling_params`, `parallel_sampling`, `stop_strings` and
+`streaming` describe requests and their output; `executor` is the model behind a step.
 """
 
 from paged_kv.scheduler.executor import (DryExecutor, Executor, ModelExecutor, attach_state,

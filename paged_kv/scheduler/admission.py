@@ -1,27 +1,13 @@
 """`Admission`: which queued requests start running this step, and the room they need.
 
-Swapped-out requests first, then the waiting ones, FCFS, until one does not fit. A
-request is admitted only if its *whole* uncomputed context fits now (admission by
-full input length, so an admitted request is not preempted at once in a loop),
-plus `output_reserve_ratio` of the output every running sequence and it may still
-produce, plus the watermark, after evicting cached-only blocks if needed. Its
-prompt's longest cached prefix is matched (and locked) in the radix cache, and
-the sequence opens on the matched segments (shared, no copy). With governance's
-quotas the live quota may hold a request back (never when nothing runs).
-
-A request alone in a drained pool is always admitted (`alone_need`: `submit`
-refuses what could not fit an empty pool), so the scheduler never stalls. A request
-in `RequestQueues.unshared` (a row that ran alone out of room on a shared layout,
-`Preemption.unstick`) is admitted without a cached prefix, in fresh blocks, until it
-is admitted alone (the oldest row then: never a victim while others run). A request
-with a presence, frequency or repetition penalty is admitted without a cached prefix
-too (the step's token history, `paged_kv.model.penalties`, holds only the tokens
-its own steps cached), and so is one asking for `prompt_logprobs` (its steps compute
-them, `prompt_positions`). A sample of an `n > 1` request (`parallel_sampling`) is skipped
-while its first request computes its prompt, then opens on that row's segments of
-the prompt (shared, not matched in the cache) with its partial tail copied. Room is
-also kept for the running rows' next tokens (`next_token_blocks`), so a newcomer never
-takes the block a running row's next token needs.
+Swapped-out requests first, then the waiting ones, FCFS, until one does not fit:
+its whole uncomputed context (so it is not preempted at once), `output_reserve_ratio`
+of every admitted sequence's remaining output and the watermark must fit now, after
+evicting cached-only blocks. Its prompt's cached prefix is matched, locked and
+shared, except for a request in `RequestQueues.unshared`, a penalized one and one
+asking for `prompt_logprobs` (their own steps must compute every token). A request
+alone in a drained pool is always admitted (`alone_need`), so the scheduler never
+stalls; governance's live quota holds requests back only while something runs.
 """
 
 from __future__ import annotations
@@ -92,19 +78,9 @@ class Admission:
 
   # ------------------------------------------------------------------ at submit
   def alone_need(self, request: Request) -> int:
-    """The most dynamic blocks `request` asks for alone in a drained pool, computing
-    every token (no cached prefix): the rule `check_fits` and admission share.
-
-    Its whole prompt and its whole output, a partial block each, plus the watermark.
-    Admission asks no more of a head with nothing else running: when the usual check
-    (its uncomputed context, the output reserve, the watermark) fails there, it is
-    admitted on its context and the watermark alone, without a cached prefix (whose
-    blocks it would lock): at most `cdiv(prompt + output - 1) + 1` blocks plus the
-    watermark, within this bound. So an accepted request always runs once the pool
-    drains. Running alone it stays within it too: a row whose shared layout (short
-    packed tails, a locked prefix) outgrows the pool drops its lock or is recomputed
-    in fresh blocks (`Preemption.unstick`).
-    """
+    """The most dynamic blocks `request` needs alone in a drained pool computing every
+    token: its prompt and output, a partial block each, plus the watermark. `submit`
+    refuses more than the pool; a lone head is admitted within it (`_try_admit`)."""
     p, m, bs = int(request.prompt.size), int(request.max_new_tokens), self.block_size
     return cdiv(p, bs) + cdiv(m, bs) + 2 + self.config.watermark_blocks
 
@@ -114,14 +90,9 @@ class Admission:
     return max((self.alone_need(r) for r in (*q.waiting, *q.swapped, *q.running)), default=0)
 
   def check_fits(self, request: Request) -> None:
-    """`submit`'s checks against the pool and the config (nothing changes).
-
-    Raises:
-      PoolExhausted: it could not run even in an empty pool (`"no_free_block"`), or
-        its segment table could overflow (`"table_full"`).
-      InvalidArgument: it asks more logprobs than `SchedulerConfig.max_logprobs`, or
-        a sequence longer than `SchedulerConfig.max_seq_len`.
-    """
+    """`submit`'s checks against the pool and the config (nothing changes):
+    `PoolExhausted` when it could not run even in an empty pool or could overflow its
+    segment table; `InvalidArgument` beyond `max_logprobs` or `max_seq_len`."""
     limit = self.config.max_seq_len
     if limit is not None and request.prompt.size + request.max_new_tokens > limit:
       raise InvalidArgument(
@@ -145,19 +116,9 @@ class Admission:
 
   # ------------------------------------------------------------------ each step
   def govern(self, figures: metrics.StepStats | None) -> metrics.StepStats | None:
-    """The start of a step: the progress guard, then governance (GC marks, quota
-    update, cached-quota eviction).
-
-    Args:
-      figures: the pool figures of the step's start when the step took them.
-
-    Returns:
-      The figures the quota read (computed from the host mirror when `figures` is
-      None), or None without a quota.
-
-    Raises:
-      SchedulerStalled: the steps before made no progress (`ProgressGuard.check`).
-    """
+    """The start of a step: the progress guard (raises `SchedulerStalled`), then
+    governance (GC marks, quota update, cached-quota eviction). Returns the figures
+    the quota read (`figures`, else the host mirror's now), or None without a quota."""
     self.progress.check()
     gov = self.config.governance
     if gov is None or not self.caching:
@@ -179,13 +140,9 @@ class Admission:
     return min(self.config.max_batch, self.pool.config.max_seqs) - len(self.queues.running)
 
   def admit(self) -> None:
-    """Swapped requests first, then the waiting ones, FCFS, until one does not fit.
-
-    The waiting requests admitted in a step open together (`CachedPool.open_many`:
-    one device call for all rows, one for their tail copies); each is decided as
-    if the ones before it were open already: the output reserve and the free
-    blocks are tracked on the host (evictions add theirs, tail copies take one).
-    """
+    """Swapped requests first, then the waiting ones, FCFS, until one does not fit;
+    the waiting ones open together (`CachedPool.open_many`), each decided as if those
+    before it were open (reserve and free blocks tracked on the host)."""
     q = self.queues
     if not (q.waiting or q.swapped) or self.free_rows() <= 0:
       return  # nothing can be admitted (and the reserve sum below is O(batch) Python)
@@ -273,11 +230,8 @@ class Admission:
 
   def _try_admit(self, req: Request, tails: set, pending: int = 0) -> _Admission | None:
     """Matches `req`'s prefix (locked) and decides whether it fits now; None: it waits.
-
-    Admitted, it opens with the others of the step (`_admit_waiting`): `pending`
-    of them were admitted before it, and `tails` are the continuable tails their
-    opens copy (a copy takes a block).
-    """
+    `pending` requests of this step were admitted before it; `tails` are the
+    continuable tails their opens copy (a copy takes a block)."""
     bs, running = self.block_size, self.queues.running
     resumed = bool(req.output)
     # A resumed request recomputes everything but its pending token; a fresh one
@@ -348,15 +302,9 @@ class Admission:
     return _Admission(req, segs, node, matched, int(context.size), forked)
 
   def next_token_blocks(self) -> int:
-    """Fresh blocks the running rows past their prompt take for their next token.
-
-    A row appends in place only to an exclusive dynamic tail block with the slot
-    after its tail free (the reservation's rule, `mirror.transitions`); any other
-    row (a full tail block, or a tail shared with the cache or packed among other
-    segments) takes a fresh block. Admission keeps these free: a newcomer admitted
-    into them would be preempted by the very step that admitted it, and admitted
-    again by the next, with no row advancing.
-    """
+    """Fresh blocks the running rows past their prompt take for their next token (a
+    row not appending in place to an exclusive tail: `HostState.tail_limit`), kept
+    free: a newcomer admitted into them would be preempted by the same step."""
     t = self.queues.rows
     order = t.sync(self.queues.running)
     ids = t.seq_id[order[t.num_cached[order] >= t.prefill_target[order]]]
@@ -377,8 +325,8 @@ class Admission:
     return self.reserve_blocks(r.prefill_target - r.num_cached, r.max_new_tokens - len(r.output))
 
   def reserve_sum(self, requests) -> int:
-    """`sum(request_reserve(r) for r in requests)`, inlined: O(batch) Python every
-    step that admits, so without two calls per request."""
+    """`sum(request_reserve(r) for r in requests)`, inlined (O(batch) every step that
+    admits; from the hot arrays for a large batch)."""
     bs, ratio, total = self.block_size, self.config.output_reserve_ratio, 0
     if requests is self.queues.running and len(requests) > 8:  # from the hot arrays
       t = self.queues.rows
@@ -407,14 +355,9 @@ class Admission:
     return total
 
   def output_reserve(self, new: Request) -> int:
-    """Blocks to keep free for what admitted sequences will still need.
-
-    Every running sequence's uncomputed prompt (admission is by full input
-    length, so a prompt admitted earlier keeps its room), plus
-    `output_reserve_ratio` of the output still to come of the running sequences
-    and of `new`, counted per sequence (one more block for a partial tail).
-    During `admit` the running part is kept as a sum (O(1) per admission).
-    """
+    """Blocks to keep free for what admitted sequences will still need: every running
+    sequence's uncomputed prompt, plus `output_reserve_ratio` of the output still to
+    come of the running ones and of `new` (kept as a sum during `admit`)."""
     base = self._reserve_base
     if base is None:
       base = self.reserve_sum(self.queues.running)

@@ -1,6 +1,5 @@
-"""Typed checks of `Scheduler`'s public arguments: a wrong type or value raises
-`InvalidArgument` naming the argument, before anything changes (not a `TypeError`
-from deep inside a step, nor a scheduler that fails on its first step)."""
+"""Typed checks of `Scheduler`'s public arguments: `InvalidArgument` naming the
+argument before anything changes, not a `TypeError` from deep inside a step."""
 
 from __future__ import annotations
 
@@ -21,14 +20,8 @@ def _callable_or_none(owner: str, name: str, value: Any) -> None:
 
 def check_init_args(pool: Any, config: Any, cache: Any, clock: Any, on_snapshot: Any,
                     on_step: Any) -> None:
-  """`Scheduler.__init__`'s arguments (the executor is duck-typed: any object with
-  the `Executor` protocol's methods).
-
-  Raises:
-    InvalidArgument: `config` is not a `SchedulerConfig`, `pool` not a `BlockPool` or
-      `CachedPool`, `cache` not a `PrefixCache` or None, `clock` not callable, or a
-      callback neither callable nor None.
-  """
+  """`Scheduler.__init__`'s arguments but the executor (duck-typed: the `Executor`
+  protocol); `InvalidArgument` naming the bad one."""
   if not isinstance(config, SchedulerConfig):
     raise InvalidArgument(f"config must be a SchedulerConfig, got {type(config).__name__}")
   if not isinstance(pool, (CachedPool, BlockPool)):
@@ -44,12 +37,8 @@ def check_init_args(pool: Any, config: Any, cache: Any, clock: Any, on_snapshot:
 
 
 def check_run_args(max_steps: Any, before_step: Any) -> int | None:
-  """`Scheduler.run`'s arguments; returns `max_steps` as an int (or None).
-
-  Raises:
-    InvalidArgument: `max_steps` is not an int >= 0 or None (a bool, a float, a
-      string), or `before_step` is neither callable nor None.
-  """
+  """`Scheduler.run`'s arguments: `max_steps` as an int (or None), else
+  `InvalidArgument`."""
   max_steps = fields.check_int("Scheduler.run", "max_steps", max_steps, 0, 2**63 - 1,
                                optional=True)
   _callable_or_none("Scheduler.run", "before_step", before_step)

@@ -1,11 +1,9 @@
-"""The rows of a scheduler step: decode tokens and prompt chunks, and their `StepPlan`.
+"""The rows of a scheduler step, decode tokens and prompt chunks, and their `StepPlan`.
 
-Every running sequence whose prompt is done decodes one token (its pending token
-goes into the cache, the next is sampled); the prompts still being computed get
-chunks of at most `prefill_chunk` tokens, FCFS, under the step's
-`prefill_token_budget`. Decode rows come first (tpu-inference's convention), then
-the chunks; blocks go to rows in this order. Pure functions of the requests and
-the config (the scheduler's step calls them; tests call them alone).
+Every running sequence whose prompt is done decodes one token; prompts still being
+computed get chunks of at most `prefill_chunk` tokens, FCFS, under the step's
+`prefill_token_budget`. Decode rows come first, then the chunks (tpu-inference's
+convention). Pure functions of the requests and the config.
 """
 
 from __future__ import annotations
@@ -30,15 +28,10 @@ Chunks = list[tuple[Request, int]]
 class StepRows:
   """One step's rows, found in one pass over the running requests (`step_rows`).
 
-  Attributes:
-    decodes: the requests that decode a token (`decode_batch`), in running order.
-    chunks: the prompt chunks `(request, tokens)` (`prefill_chunks`).
-    seq_ids: the decodes' pool rows.
-    pending: the decodes' input tokens as the host knows them (`pending_token`).
-    carry: each decode's row in the newest unread step, where its input token is
-      (-1: the host knows it).
-    fresh_blocks: the blocks the rows may take (`blocks_needed`).
-    slots: the decodes' `RunningRows` slots (`table_rows`), else None.
+  `decodes` (running order) then `chunks` `(request, tokens)`; for the decodes,
+  `seq_ids`, their input tokens as the host knows them (`pending`), the row of the
+  newest unread step holding each input token (`carry`, -1: the host knows it) and
+  their `RunningRows` slots; `fresh_blocks`: the blocks the rows may take.
   """
 
   decodes: list[Request]
@@ -52,9 +45,8 @@ class StepRows:
 
 def table_rows(table: RunningRows, running: list[Request], *, prefill_chunk: int,
                prefill_token_budget: int, block_size: int) -> StepRows:
-  """`step_rows` from the running requests' hot arrays (`RunningRows`): the same rows,
-  names the same stop reasons, in numpy passes over the batch (Python only for the
-  prompt chunks, stop reasons named now and forced outputs: a few rows)."""
+  """`step_rows` from the running requests' hot arrays (`RunningRows`) in numpy passes:
+  the same rows and stop reasons (Python only for chunks, stops and forced outputs)."""
   t = table
   order = t.sync(running)
   nc, target = t.num_cached[order], t.prefill_target[order]
@@ -160,10 +152,8 @@ def prefill_chunks(running: list[Request], config: SchedulerConfig) -> Chunks:
 
 
 def decode_batch(running: list[Request]) -> list[Request]:
-  """The running requests with a token to decode: prompt done, a pending token (read
-  or still on the device), tokens left to generate, not finished
-  (`request.is_finished`, inlined: it names the stop reason of those that are, once
-  every token they sampled was read)."""
+  """The running requests with a token to decode (prompt done, tokens left, not
+  finished: `is_finished` inlined, naming the stop reasons it finds)."""
   return step_rows(running, prefill_chunk=0, prefill_token_budget=0, block_size=1).decodes
 
 
@@ -181,24 +171,15 @@ MAX_MIXED_WIDTHS = 6
 
 
 def token_widths(config: SchedulerConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """The token widths of a scheduler's step programs: `(decode-only, mixed)`.
-
-  A decode-only step pads its tokens to `max_batch` (one program; its cost is the
-  weights' read, which padding rows do not add to). A mixed step pads to the
-  smallest of at most `MAX_MIXED_WIDTHS` widths: the most a step holds
-  (`max_batch + prefill_token_budget`), then its halves (multiples of 16) down to
-  `max(16, max_batch, min_mixed_width)`: padding at most doubles a step's tokens
-  (+16) above the narrowest width, and one configuration compiles at most
-  1 + `MAX_MIXED_WIDTHS` step programs (+ the k-step decode's one).
-  """
+  """`(decode-only, mixed)` token widths of the step programs: `max_batch`; then the
+  most a step holds and its halves down to `min_mixed_width` (`docs/serving_loop.md`)."""
   return _widths(config.max_batch, config.prefill_token_budget, config.min_mixed_width)
 
 
 @functools.lru_cache(maxsize=64)
 def _widths(max_batch: int, budget: int,
             min_width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """`token_widths` of a config's `max_batch`, `prefill_token_budget` and
-  `min_mixed_width` (every step asks: computed once)."""
+  """`token_widths` of a config's fields (every step asks: computed once)."""
   top = max_batch + budget
   floor = min(top, max(16, max_batch, min_width))
   mixed = {top}
@@ -236,18 +217,10 @@ def build_plan(decodes: list[Request], chunks: Chunks, config: SchedulerConfig, 
 
 def plan_rows(rows: StepRows, config: SchedulerConfig, *, sampling: bool,
               num_tokens: int | None = None) -> StepPlan:
-  """`StepPlan.build` of the step's rows (decodes, then chunks), from arrays.
-
-  The same plan, without `build`'s per-row checks (the rows are running
-  requests' with 1..`prefill_chunk` tokens each) and per-row array copies.
-
-  Args:
-    rows: the step's rows.
-    config: the scheduler's config (`max_batch` rows, `prefill_chunk`, `max_logprobs`).
-    sampling: attach the rows' `SamplingBatch` (for an executor that samples), and
-      the chunks' `PromptPositions` when one asks for prompt logprobs.
-    num_tokens: the token width (default: `width_for` the total among `token_widths`).
-  """
+  """`StepPlan.build` of the step's rows (decodes, then chunks), from arrays: the same
+  plan without `build`'s per-row checks and copies. `sampling`: attach the rows'
+  `SamplingBatch` (and the chunks' `PromptPositions` when one asks); `num_tokens`
+  defaults to `width_for` the total among `token_widths`."""
   decodes, chunks = rows.decodes, rows.chunks
   nd, num_rows = len(decodes), config.max_batch
   ids = np.full((num_rows,), -1, np.int32)

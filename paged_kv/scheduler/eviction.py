@@ -1,10 +1,6 @@
-"""`Evictor`: frees cached-only blocks of the prefix cache when the scheduler needs room.
-
-With the two-phase GC on (`CacheGovernance.gc_ttl`), nodes its phase 1 marked idle
-go first (highest block address first); then the cache's policy (`"lru"` or
-`"cost"`) picks. The `CachedPool` applies every decref; the evictor only decides
-how many blocks and counts what went.
-"""
+"""`Evictor`: frees cached-only blocks of the prefix cache when the scheduler needs
+room: GC-marked idle nodes first (with `CacheGovernance.gc_ttl`), then the cache's
+policy. The `CachedPool` applies every decref; the evictor decides and counts."""
 
 from __future__ import annotations
 

@@ -1,82 +1,38 @@
-"""The model work of a scheduler step: ONE forward pass per step, on the pool state.
+"""The model work of a scheduler step: one forward pass, on the pool state.
 
-  * `Executor` — the protocol the `Scheduler` calls: `step(state, plan) -> (state,
-    next_tokens, status)` for a `paged_kv.model.StepPlan` holding the step's
-    prefill chunks and decode tokens together; optionally `decode_steps(state,
-    plan, remaining, *, num_steps)`: k decode steps in one dispatch.
-  * `DryExecutor` — memory dynamics only (reserves the slots, computes nothing),
-    for trace replay and scheduler tests.
-  * `ModelExecutor` — a Flax NNX model (e.g. `paged_kv.model.llama.TinyLlama`)
-    through its bound jitted steps (`paged_kv.model.steps.bind`: built once, a
-    call hashes nothing, microseconds of host time whatever the model's depth).
-
-This module imports no flax: `ModelExecutor` loads the model steps when built.
+`Executor` is the protocol the `Scheduler` calls: `step(state, plan) -> (state,
+next_tokens i32[B], status i32[B])` reserves `plan.num_new[i]` slots for row i of a
+`paged_kv.model.StepPlan` (prefill chunks and decodes together), caches its new
+tokens and samples the token after its last; a row whose reservation failed is left
+untouched and its token means nothing. `DryExecutor` reserves and computes nothing
+(trace replay, scheduler tests); `ModelExecutor` runs a Flax NNX model through its
+bound jitted steps (`paged_kv.model.steps.bind`). This module imports no flax.
 
 Optional attributes the scheduler reads:
+  * `vocab_size`: `submit` refuses token ids outside `[0, vocab_size)`.
+  * `tokenizer`: decodes output for stop strings.
+  * `samples`: it applies `plan.sampling` (then always given) and may return the
+    rows' `SampleOutput` fourth.
+  * `applies_penalties`, `history_len`: penalties from per-row token histories.
+  * `prompt_logprobs`: it computes `plan.prompt`'s `PromptLogprobs` (returned fifth).
+  * `carries_tokens`: it resolves `plan.carried` (tokens on the device) in its step.
+  * `takes_reserved_slots`: it reads the host's committed `plan.reserved` instead
+    of reserving (growing rows in place by `reserved.grow` first).
+  * `decode_steps(state, plan, remaining, *, num_steps)`: k decode steps in one
+    dispatch, reserving in the step; row b runs step j iff `seq_ids[b] >= 0`,
+    `j < remaining[b]` and no earlier reservation of it failed (a stop token does
+    not end it). Returns `(state, tokens i32[k, B], status i32[k, B])` and a
+    `SampleOutput` with a leading k axis when sampling; tokens equal k steps'.
+  * `lower_step` / `lower_decode_steps`: the programs lowered, for `warmup`.
+  * `resize(config)`: follows `Scheduler.shrink_to`'s cut (one holding a pool
+    `config` without it cannot shrink).
 
-  * `vocab_size: int`: the model's vocabulary; `Scheduler.submit` refuses a request
-    with a token id outside `[0, vocab_size)` (`paged_kv.scheduler.request_checks`).
-    `ModelExecutor` has it (the model's logits width, read by the contract check).
-  * `tokenizer`: decodes output ids to text (`paged_kv.model.tokenizer.Tokenizer`
-    or anything with its `stream()`); requests with stop strings
-    (`SamplingParams.stop`) need it (`paged_kv.scheduler.stop_strings`).
-  * `samples = True`: the executor applies `plan.sampling` (the scheduler then
-    always hands it one) and may return the rows' `SampleOutput` fourth.
-  * `applies_penalties = True`: it applies the presence, frequency and repetition
-    penalties of `plan.sampling` (it keeps the rows' token histories:
-    `paged_kv.model.penalties`); `submit` refuses penalized requests otherwise, and
-    admits them without a cached prefix (`paged_kv.scheduler.admission`).
-    `history_len`: the positions its histories hold (`submit` refuses a penalized
-    request that could grow longer).
-  * `prompt_logprobs = True`: the executor's `step` computes a plan's `prompt`
-    positions (`paged_kv.model.plan.PromptPositions`) and returns their
-    `PromptLogprobs` after the `SampleOutput`; `submit` refuses requests asking for
-    prompt logprobs otherwise, and the warm-up compiles those programs only then.
-  * `carries_tokens = True`: the executor resolves `plan.carried` (tokens still on
-    the device from the previous step's `next_tokens`) inside its jitted step;
-    for any other the scheduler resolves them first.
-  * `takes_reserved_slots = True`: the executor's `step` reads a plan's
-    `reserved` slots (`paged_kv.model.plan.ReservedSlots`) instead of reserving:
-    the scheduler then reserves each step on the pool's host mirror and commits
-    it before the call (`BlockPool.reserve_step(grow_in_step=True)`), and the
-    step's program holds no allocator (it compiles faster). The rows that grow
-    in place are left out of that commit: the step applies `reserved.grow` first
-    (`paged_kv.core.growth.grow_tails`). `decode_steps` still reserves its own.
-  * `decode_steps(state, plan, remaining, *, num_steps)`: `num_steps` (k) decode
-    steps of a decode plan in one dispatch. Row b runs step j iff `seq_ids[b] >=
-    0`, `j < remaining[b]` and none of its earlier reservations failed; step j
-    reserves with `reserve_tokens(state, where(live_j, seq_ids, -1), ones,
-    max_new_tokens=1)` (what the host predicts on its mirror; a stop token does
-    not end a row: the host drops tokens past a stop) and its input tokens are
-    step j-1's samples (step 0's: the plan's, row b's at position b). Returns
-    `(state, tokens i32[k, B], status i32[k, B])`, plus a `SampleOutput` with a
-    leading k axis when `plan.sampling` is given; a token where the row did not
-    run or failed is meaningless (`ModelExecutor`: -1). The same contract as
-    `step` (donation, `attach_state`). Tokens equal k single steps'.
-  * `lower_step(state, plan)` / `lower_decode_steps(...)`: the programs lowered,
-    not run (`jax.stages.Lowered`), so that `Scheduler.warmup` compiles them
-    concurrently before it runs each once.
-
-The executor contract (what keeps a failed step from destroying the pool):
-
-  1. A reservation that fails (no free block, full table, ...) is reported in
-     `status`, never raised; the row is left untouched.
-  2. `step` donates `state` to its jitted call. If it raises *before* that call
-     ran, `state` is still valid. If it raises *after* (a failing conversion, a
-     `KeyboardInterrupt`, ...), it attaches the state the call returned to the
-     exception with `attach_state(exc, new_state)` before re-raising; the
-     scheduler takes it back with `attached_state(exc)`. Both library executors
-     do this for every exception, `BaseException` included.
-  3. An executor that breaks the contract (raises with the donated state gone)
-     makes the scheduler refuse further use with `PoolStateLost`/`SchedulerBroken`,
-     naming the deleted buffers, instead of failing later on deleted arrays.
-
-Pool resizes (`Scheduler.shrink_to`): an executor that holds the pool's config
-(both library executors do: their jitted steps are built for it) has
-`resize(config)`, which the scheduler calls right after the pool changed size;
-the next `step` then runs (and compiles once) at the new shapes. An executor
-with a `config` but no `resize` cannot follow, and the scheduler refuses to
-shrink under it.
+The contract that keeps a failed step from destroying the pool: a failed reservation
+is reported in `status`, never raised; `step` donates `state`: raised before the
+jitted call, `state` is intact; raised after it (`BaseException` included), the
+exception carries the state the call returned (`attach_state`), which the scheduler
+takes back (`attached_state`). An executor that breaks this makes the scheduler
+refuse further use (`SchedulerBroken`).
 """
 
 from __future__ import annotations
@@ -111,12 +67,8 @@ def attached_state(exc: BaseException) -> PoolState | None:
 
 
 def check_resized(old: PoolConfig, new: PoolConfig) -> PoolConfig:
-  """`new`, after checking it is `old` at another size (same model, block size, rows).
-
-  Raises:
-    InvalidArgument: `new` is not a `PoolConfig`, or differs from `old` in more
-      than `num_blocks` (and the `base_pool_fraction` that keeps the base region).
-  """
+  """`new`, after checking it is `old` at another size: only `num_blocks` (and the
+  `base_pool_fraction` that keeps the base region) may differ, else `InvalidArgument`."""
   if not isinstance(new, PoolConfig):
     raise InvalidArgument(f"resize takes a PoolConfig, got {type(new).__name__}")
   same = dataclasses.replace(new, num_blocks=old.num_blocks,
@@ -132,22 +84,8 @@ class Executor(Protocol):
 
   def step(self, state: PoolState,
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
-    """Runs one forward pass over the plan's rows: prefill chunks and decodes together.
-
-    Reserves `plan.num_new[i]` slots for row i, caches its new tokens (a decode
-    row's one token is its pending token) and samples the token after its last one.
-
-    Returns:
-      `(state, next_tokens i32[B], status i32[B])` (host or device arrays); a
-      row whose reservation failed (`status != OK`) is left untouched and its
-      `next_tokens` entry is meaningless. An executor with `samples = True` gets
-      `plan.sampling` (each row's parameters; `paged_kv.model.sampling`) and may
-      return a fourth element, the rows' `SampleOutput` (logprobs).
-
-    Raises:
-      Anything; raised after the donating call, the exception carries the new
-      state (`attach_state`), so the pool is never lost (see the module docstring).
-    """
+    """One forward pass over the plan's rows: `(state, next_tokens i32[B], status
+    i32[B])`, host or device arrays (see the module docstring)."""
 
   # Optional: `resize(config: PoolConfig) -> None`, for an executor that holds the
   # pool's config; `samples`, `carries_tokens` and `decode_steps` (the module docstring).
@@ -155,15 +93,8 @@ class Executor(Protocol):
 
 class DryExecutor:
   """Memory dynamics only: reserves the slots, computes nothing, samples token 0.
-
-  Args:
-    config: the pool's config.
-    takes_reserved_slots: run the serving loop's step as `ModelExecutor` does: the
-      scheduler reserves on the host mirror and commits (`BlockPool.reserve_step`),
-      the step only reads the plan's `reserved` slots. False: the step reserves
-      inside its jitted program (`reserve_tokens`, checked later against the
-      host's prediction), as a step without a host reservation does.
-  """
+  `takes_reserved_slots`: read the host's `plan.reserved` as `ModelExecutor` does
+  (default: reserve inside the jitted step)."""
 
   uses_tokens = False  # one program per `max_query_len`, whatever the token width
   carries_tokens = True  # it reads no tokens, so carried ones need no resolving
@@ -196,16 +127,9 @@ class DryExecutor:
 
   def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
                    num_steps: int) -> tuple[PoolState, np.ndarray, Any]:
-    """`num_steps` decode steps' reservations in one jitted program (`lax.scan`).
-
-    Returns:
-      `(state, tokens, status i32[k, B])`: host zeros for the tokens (the host
-      knows which rows ran from its own prediction), the device's statuses.
-
-    Raises:
-      InvalidArgument: as `paged_kv.model.multistep.check_decode_steps` (before
-        the call: `state` is intact).
-    """
+    """`num_steps` decode steps' reservations in one jitted program: host zeros for
+    the tokens, the device's statuses. `InvalidArgument` (state intact) as
+    `multistep.check_decode_steps`."""
     multistep.check_decode_steps(plan, remaining, num_steps)
     state, status = self._decode_steps(state, plan.seq_ids, remaining, num_steps=num_steps)
     return state, np.zeros((num_steps, plan.num_rows), np.int32), status
@@ -233,33 +157,18 @@ def _reserve_steps_program(config: PoolConfig):
 class ModelExecutor:
   """A Flax NNX model as an `Executor`: one jitted mixed step per scheduler step.
 
-  The model is called as `model(tokens i32[T], pages, meta, impl=, interpret=) ->
-  (pages, logits f32[T, vocab])` inside the jitted step (the contract of
-  `paged_kv.model.contract`, which `paged_kv.model.llama.TinyLlama` meets; checked
-  when the executor is built); the next token is drawn after each row's last new
-  token by the row's `plan.sampling` (`paged_kv.model.sampling`: greedy, the argmax,
-  for a request without `SamplingParams`). A model whose signature names `logits_indices` (TinyLlama's does)
-  is called with `logits_indices=` each row's last token index `i32[B]` and returns
-  `f32[B, vocab]`: its output head runs on B rows instead of every token of the
-  step's prefill chunks. Which form is read from the signature once, when the
-  executor is built (`uses_logits_indices`), and by the step while tracing.
+  The model meets `paged_kv.model.contract` (`model(tokens i32[T], pages, meta, impl=,
+  interpret=) -> (pages, logits)`, checked when built). Each row's next token is
+  drawn from its last new token's logits by the row's `plan.sampling` (the argmax
+  for a request without `SamplingParams`). A model that takes `logits_indices` runs
+  its output head on each row's last token only. The steps are bound once
+  (`paged_kv.model.steps.ModelSteps`): a call hashes nothing.
 
-  The steps are bound once (`steps`: a `paged_kv.model.steps.ModelSteps`; a resize
-  binds anew): a step call hashes nothing and flattens no parameter tree.
+  It compiles one program per plan shape and tree structure; the scheduler's plans
+  take few (`docs/serving_loop.md`).
 
   Example:
     sched = Scheduler(pool, ModelExecutor(model, pool.config), SchedulerConfig(...))
-
-  A plan with `reserved` slots (the scheduler's: `takes_reserved_slots`) runs a step
-  that only reads the reservation the host committed; one without reserves inside
-  the step, as `paged_kv.model.steps.forward` does.
-
-  Compilations: one per `(num_tokens, max_query_len)` of the plans it sees (and
-  per sampling / logprobs width / carried tokens / reserved slots: the plan's tree
-  structure); the
-  scheduler rounds `num_tokens` up to a power of two and uses two values of
-  `max_query_len` (1 for decode-only steps, `prefill_chunk` otherwise); one per
-  `num_steps` for `decode_steps`.
   """
 
   samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
@@ -272,30 +181,16 @@ class ModelExecutor:
     """Checks the model and binds its steps to the pool's config.
 
     Args:
-      model: the model (an `nnx.Module` meeting `paged_kv.model.contract`);
-        `model.config` is checked against the pool when it has `num_layers`,
-        `num_kv_heads` and `head_dim`. Its parameters are read now.
-      pool_config: the pool the scheduler serves from.
-      impl: attention path (`None`: `paged_kv.model.default_impl()` for the backend).
-      interpret: Pallas interpret mode (`None`: on CPU only).
-      tokenizer: the model's tokenizer (a `paged_kv.model.tokenizer.Tokenizer`), for
-        stop strings; None: requests with stop strings are refused at submit.
-      history_len: positions of the token history kept per pool row for the
-        presence, frequency and repetition penalties (`paged_kv.model.penalties`:
-        `max_seqs * history_len * 4` bytes on the device); None: `max_segments *
-        block_size` (the longest row the table holds); 0: no history, and
-        penalized requests are refused at submit.
-      prompt_logprobs: serve `SamplingParams.prompt_logprobs`
-        (`paged_kv.scheduler.prompt_positions`): a step holding such a prompt runs
-        a program of its own (the output head at the prompt's positions too), which
-        `Scheduler.warmup` then compiles as well (one per mixed token width).
-        False: those requests are refused at submit, and nothing more compiles.
+      model: an `nnx.Module` meeting `paged_kv.model.contract` (its `config`, when it
+        has `num_layers`, `num_kv_heads` and `head_dim`, must match the pool).
+      impl, interpret: attention path and Pallas interpret mode (None: the backend's).
+      tokenizer: for stop strings; None: requests with them are refused.
+      history_len: token-history positions per row for the penalties (`max_seqs *
+        history_len * 4` bytes on the device); None: the longest row; 0: none.
+      prompt_logprobs: serve `SamplingParams.prompt_logprobs` (one more program per
+        mixed width); False: those requests are refused.
 
-    Raises:
-      ModelContractError: the model's signature or its abstract decode, prefill
-        and mixed steps (`contract.check_model`: traced, not compiled) break the
-        contract; the message names what.
-      InvalidArgument: `model.config` does not match the pool.
+    Raises ModelContractError (the model breaks the contract) or InvalidArgument.
     """
     from paged_kv.model import contract, llama, penalties, steps
     if not isinstance(pool_config, PoolConfig):
@@ -342,8 +237,8 @@ class ModelExecutor:
     return self.steps.params
 
   def resize(self, config: PoolConfig) -> None:
-    """Follows a pool resize: binds the steps anew (the old size's programs go with
-    the old binding); the next step compiles once for `config`'s shapes."""
+    """Follows a pool resize: binds the steps anew; the next step compiles once for
+    `config`'s shapes (the old size's programs go with the old binding)."""
     self.config = check_resized(self.config, config)
     self.steps = self.steps.replace(config=config, out_shardings=self._out_shardings(config))
 
@@ -377,16 +272,11 @@ class ModelExecutor:
 
   def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
                    num_steps: int) -> tuple:
-    """`num_steps` decode steps in one dispatch (see the module docstring).
-
-    Returns:
-      `(state, tokens i32[k, B], status i32[k, B])`, and the `SampleOutput`
-      (leading k axis) fourth when `plan.sampling` is given; device arrays.
-
-    Raises:
-      InvalidArgument: not a decode plan, `num_steps < 1` or `remaining` not
-        `[B]` (before the call: `state` is intact).
-    """
+    """`num_steps` decode steps in one dispatch (the module docstring's contract):
+    `(state, tokens i32[k, B], status i32[k, B])` as device arrays, and the
+    `SampleOutput` (leading k axis) fourth when `plan.sampling` is given.
+    `InvalidArgument` (state intact): not a decode plan, `num_steps < 1` or
+    `remaining` not `[B]`."""
     if plan.sampling is None or self.history is None:
       state, out = self.steps.decode_steps(state, plan, remaining, num_steps=num_steps)
       return (state, *out)

@@ -1,12 +1,9 @@
 """`Finishing`: a sequence leaves its pool row, its computed tokens going into the cache.
 
 A finished (or preempted-for-recompute, or aborted) sequence's cached tokens are
-inserted into the radix cache (the tree takes references; the `CachedPool` reads
-the segments from the pool and applies the tree's increfs and the release in one
-device call), then its row is released. With `pack_tails`, the new cache leaf's
-short segments (partial tail blocks) are packed into slotted blocks, and the cache
-rebinds to their new place; every `RECLAIM_EVERY` steps of packing, the slots
-dead segments left are reclaimed.
+inserted into the radix cache, then its row is released (one device call for both).
+With `pack_tails`, the new leaf's partial tail blocks are packed into slotted blocks;
+every `RECLAIM_EVERY` steps of packing, slots of dead segments are reclaimed.
 """
 
 from __future__ import annotations
@@ -33,15 +30,8 @@ class Finishing:
   def __init__(self, cached_pool: CachedPool, counters: metrics.PoolCounters,
                queues: RequestQueues, record: StepRecord, *, caching: bool,
                on_finished: Callable[[Request], None]):
-    """
-    Args:
-      cached_pool: the pool and its cache.
-      counters: the pool's counters (`pack_moves`).
-      queues: the scheduler's queues (`finish` takes from `running`).
-      record: the step being run (its id paces the reclaims).
-      caching: insert into the cache (else only release).
-      on_finished: called for each request `finish` ended, after its release.
-    """
+    """`caching`: insert into the cache (else only release); `on_finished` is called
+    for each request `finish` ended, after its release."""
     self.cached_pool = cached_pool
     self.counters = counters
     self.queues = queues

@@ -1,22 +1,12 @@
-"""`ForwardPass`: a scheduler step's ONE forward pass, and its tokens back on the host.
+"""`ForwardPass`: a scheduler step's one forward pass, and its tokens back on the host.
 
-The step's rows (`batching`: decode tokens first, then prompt chunks) go to the
-executor in one mixed batch. Before the call, the blocks the rows may take are
-made free (eviction, then preemption: `Preemption.relieve`). The reservation the
-step makes on the device is decided on the host mirror first (the same algorithm
-on the same state, `BlockPool.predict_step`), so everything but the sampled tokens
-is known on the host at dispatch: cached token counts advance then, and the
-device's status is compared with the prediction once the device is done.
-
-A dispatched step is a `Flight` until its tokens are read (`resolve`). The
-synchronous loop reads them at once. The overlapped loop
-(`SchedulerConfig.overlap`) reads step t's tokens only after it dispatched step
-t+1, whose decode rows take their input tokens from step t's output on the
-device (`paged_kv.model.plan.CarriedTokens`); a stop is then seen one step late
-and what a row produced past it is dropped (never streamed, never cached). With
-`SchedulerConfig.decode_steps = k > 1`, a step with no prompt chunk and nothing
-waiting runs up to k decode steps in one dispatch (`executor.decode_steps`); the
-host predicts its k reservations one after the other.
+The step's rows (`batching`) go to the executor in one mixed batch, after the blocks
+they may take were freed (eviction, then `Preemption.relieve`). The host decides the
+reservation on the pool's mirror first: committed for an executor that
+`takes_reserved_slots` (`BlockPool.reserve_step`), else predicted and compared with
+the device's later (`BlockPool.predict_step`); all but the sampled tokens is known at
+dispatch. A dispatched step is a `Flight` until its tokens are read: at once, or
+after the next dispatch when overlapped (`docs/serving_loop.md`).
 """
 
 from __future__ import annotations
@@ -48,20 +38,10 @@ from paged_kv.telemetry import metrics
 class Flight:
   """A dispatched step whose sampled tokens the host has not read yet.
 
-  Attributes:
-    decodes, chunks: its rows (decode rows first, then prompt chunks).
-    ok: per row, whether its reservation (every one of its steps') succeeded.
-    epochs: each row's request epoch at dispatch (a later epoch drops the row's tokens).
-    first: per chunk, whether it completed its prompt and sampled a first token.
-    tokens: `i32[B]`, or `i32[k, B]` for k decode steps: the sampled tokens.
-    runs: `i32[B]` decode steps each row ran (k steps), None for one step.
-    extra: the executor's further results (a `SampleOutput` with logprobs, then the
-      `PromptLogprobs` of a plan with prompt positions).
-    last: `i32[B]` each row's last sampled token on the device (the next step's
-      carried input), or None when the executor's tokens mean nothing.
-    slots, gens, slot_epochs, slot_ok: the decode rows' `RunningRows` slots, their
-      binds (`gen`), epochs and `ok` at dispatch, as arrays (one step's decodes:
-      its tokens are read in numpy passes).
+  Rows `decodes` then `chunks`, per row `ok` (reserved) and `epochs` (a later one
+  drops its tokens), per chunk `first` (it sampled its first token); `tokens`, with
+  `runs` for k steps; `last`: each row's last token (the next step's carried input);
+  `slots` ... `slot_ok`: the decode rows' `RunningRows` slots, binds, epochs, `ok`.
   """
 
   decodes: list[Request]
@@ -111,10 +91,8 @@ class ForwardPass:
 
   # ------------------------------------------------------------------ the step
   def run(self, executor: Executor) -> None:
-    """ONE forward pass: a decode token of every running sequence whose prompt is
-    done, and the next prompt chunks under the budget, in one mixed batch (or k
-    decode steps). Synchronous: its tokens are read before it returns; overlapped:
-    the tokens of the step before it are."""
+    """One forward pass (or k decode steps); synchronous: its tokens are read before
+    it returns; overlapped: the tokens of the step before it are."""
     dispatched = self.dispatch(executor)
     keep = 1 if (dispatched and self.config.overlap) else 0
     while len(self.flights) > keep:
@@ -277,8 +255,7 @@ class ForwardPass:
 
   def _predict_multi(self, seq_ids: np.ndarray, remaining: np.ndarray,
                      k: int) -> StepPrediction:
-    """The k reservations of `decode_steps` on the mirror, one after the other (the
-    rows, counts and liveness rule of `Executor.decode_steps`)."""
+    """The k reservations of `decode_steps` on the mirror, one after the other."""
     ones = np.ones_like(seq_ids)
     stopped = np.zeros(seq_ids.shape, bool)
     statuses, touched, state = [], [], None
@@ -296,8 +273,8 @@ class ForwardPass:
   # ------------------------------------------------------------------ dispatch helpers
   def _with_carried(self, executor: Executor, plan, rows: batching.StepRows):
     """`plan` with its decode rows' unread input tokens taken from the newest flight
-    on the device (`rows.carry`). Every plan for an executor that carries tokens
-    carries them (none in the synchronous loop), so both loops run the same programs."""
+    (`rows.carry`); every plan for an executor that carries tokens carries them, so
+    both loops run the same programs."""
     carries = getattr(executor, "carries_tokens", False)
     if (not (self.config.overlap or carries)) or not getattr(executor, "uses_tokens", True):
       return plan
@@ -368,10 +345,8 @@ class ForwardPass:
   # ------------------------------------------------------------------ reading tokens
   def resolve(self, flight: Flight) -> None:
     """Reads a flight's tokens into its requests: outputs, streams, latencies, stops.
-
-    A row whose request moved on since the dispatch (finished, aborted, preempted:
-    a later epoch) is dropped; so is every token a row produced after a stop.
-    """
+    A row whose request moved on since the dispatch (a later epoch) is dropped, and
+    so is every token a row produced after a stop."""
     tokens = flight.tokens
     if not isinstance(tokens, np.ndarray):
       tokens = np.asarray(tokens)  # the one read a model step needs (started at dispatch)
@@ -414,9 +389,8 @@ class ForwardPass:
           self._append_logprobs(req, logprobs, j, i)
 
   def _resolve_rows(self, flight: Flight, tokens: np.ndarray) -> bool:
-    """The decode rows of a one-token flight read in numpy passes over the hot
-    arrays (`RunningRows`); False (nothing done) when a row needs `emit`'s
-    per-row path: a forced output, a first token, or a request that left its slot."""
+    """A one-token flight's decode rows read in numpy passes (`RunningRows`); False,
+    nothing done, when a row needs `emit`'s path (forced output, first token, moved)."""
     slots, decodes = flight.slots, flight.decodes
     nd = len(decodes)
     if slots is None:
@@ -500,8 +474,7 @@ class ForwardPass:
       req.stop_reason = "table_full"
 
   def _read_logprobs(self, flight: Flight) -> tuple | None:
-    """The flight's logprobs on the host when a row asked for them (one more read of
-    its results, counted with the tokens), else None."""
+    """The flight's logprobs on the host when a row asked for them (one more read)."""
     if not flight.extra or not self.config.max_logprobs:
       return None
     if not any(r.sampling is not None and r.sampling.logprobs

@@ -1,16 +1,9 @@
 """`LatencyExecutor`: memory dynamics on a simulated device whose steps take a fixed time.
 
-What the host side of serving costs, and whether the loop hides it, is a question
-of the host's time against the device's. On a CPU the two cannot be told apart
-(XLA:CPU computes on the calling thread), so this executor models the device: it
-reserves the step's slots as `DryExecutor` does, and returns tokens that become
-readable `step_seconds` after the later of the step's dispatch and the end of the
-step before it (one in-order queue, as a GPU stream runs programs). Reading them
-earlier waits. A synchronous loop then takes host + device time per step; an
-overlapped one max(host, device).
-
-`events` (optional list) receives `("dispatch", n)` at each dispatch and
-`("read", n)` when step n's tokens are read, for tests of the loop's order.
+On a CPU the host's and the device's time cannot be told apart, so this executor
+models the device: its tokens are readable `step_seconds` after the later of the
+dispatch and the previous step's end (an in-order queue, as a GPU stream). `events`
+receives `("dispatch", n)` and `("read", n)`, for tests of the loop's order.
 """
 
 from __future__ import annotations

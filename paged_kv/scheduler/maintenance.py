@@ -1,13 +1,9 @@
 """Between-step maintenance of a scheduler's pool: compaction and promotion.
 
-  * Compaction: when the fragmentation ratio (the latest cheap figures, else the
-    ratio now) crosses `CompactionPolicy`'s threshold, at most the policy's byte
-    budget of block moves (a share of a step's time at the copy bandwidth); the
-    tables and the prefix cache follow the remap. Paused while a shrink is pending
-    (its moves compact toward low addresses).
-  * Promotion: every `promote_every` steps, blocks read by at least
-    `promote_readers` references move into the base pool
-    (`PoolConfig.base_pool_fraction`), where compaction never moves them.
+Compaction runs when the fragmentation ratio crosses `CompactionPolicy`'s threshold,
+within its byte budget of block moves; it pauses while a shrink is pending (whose
+moves compact downwards). Promotion moves blocks read by at least `promote_readers`
+references into the base pool every `promote_every` steps.
 """
 
 from __future__ import annotations

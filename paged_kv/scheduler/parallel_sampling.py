@@ -1,33 +1,15 @@
 """Parallel sampling (`SamplingParams.n > 1`): one prompt computed once, n outputs.
 
-`Scheduler.submit` of a request with `n > 1` queues it (sample 0) and, right behind
-it, `n - 1` more requests (`samples_of`): the same prompt, budget, namespace and
-sampling with `n = 1`, ids `SampleId(request_id, i)`, and seeds `seed + i` (mod
-2**32; `seed` is the request's own, or the one the scheduler assigned it: sample i
-draws what an `n = 1` request with seed `seed + i` draws). Each sample is a request
-of its own from then on: its own output, logprobs, stop reason, preemption, and
-`Scheduler.abort(its id)` (aborting the first request leaves the others running; the
-`LLM` facade and the server abort them all).
+`Scheduler.submit` of a request with `n > 1` queues it (sample 0) and right behind it
+`n - 1` requests (`samples_of`) with `n = 1`, ids `SampleId(request_id, i)` and seeds
+`seed + i`: each draws what an `n = 1` request with that seed draws, and is a
+request of its own from then on.
 
-Admission (`paged_kv.scheduler.admission`) holds a sample back (skipping it, FCFS
-otherwise unchanged) while its first request is queued or computing its prompt.
-Once that request runs with its prompt's first `p - 1` tokens computed (dispatched:
-the device orders the sample's step after the writes), the sample opens on the
-segments holding them in that request's row (`fork_prefix`: their blocks shared,
-each gaining a reference, as `BlockPool.fork` shares them), its partial tail block
-copied into a block of its own (`BlockPool.cow_split`: copy-on-write, so its tokens
-continue in place and its segment count stays within `submit`'s bound), and it
-computes the prompt's last token itself: its first token is drawn from that
-position's logits with its own seed, by the ordinary prefill path (one token of
-compute per sample; no step program changes). The samples start one step after the
-first request's last prompt chunk. In the scheduler's stats a sample is admitted as
-any request, and the tokens it shares count as its `hit_tokens` (not computed).
-
-When the first request is gone before (finished or aborted), a sample is admitted
-as any request (its prompt from the prefix cache, when cached). A penalized sample
-(`SamplingParams.penalized`) never shares: the step's token history holds only the
-tokens its own row computed (`paged_kv.model.penalties`). `prompt_logprobs` come
-with the first request only (they are the prompt's).
+Admission holds a sample back until its first request has computed `p - 1` prompt
+tokens, then opens it on their segments (`fork_prefix`: shared, the partial tail
+copied on write); it computes the last prompt token itself, so its first token is
+drawn with its own seed by the ordinary prefill. A penalized sample never shares;
+`prompt_logprobs` come with the first request only.
 """
 
 from __future__ import annotations
@@ -46,13 +28,8 @@ __all__ = ["SampleId", "fork_prefix", "held_back", "sample_ids", "samples_of"]
 
 @dataclasses.dataclass(frozen=True)
 class SampleId:
-  """The request id of sample `index` (>= 1) of the `n > 1` request `parent` (sample 0
-  keeps the caller's id); equal only to another `SampleId`.
-
-  Attributes:
-    parent: the first request's `request_id`.
-    index: the sample, in `[1, n)`.
-  """
+  """The request id of sample `index` (in `[1, n)`) of the `n > 1` request whose id is
+  `parent` (sample 0 keeps the caller's id); equal only to another `SampleId`."""
 
   parent: Hashable
   index: int
@@ -68,15 +45,8 @@ def sample_ids(request_id: Hashable, n: int) -> list[Hashable]:
 
 def samples_of(request: Request, live: Mapping) -> list[Request]:
   """The other `n - 1` samples of `request` (none when `n == 1`), checked, not queued;
-  `request.samples` holds them from then on.
-
-  Args:
-    request: a validated request.
-    live: the scheduler's unfinished requests by id.
-
-  Raises:
-    InvalidArgument: an unfinished request holds one of their ids (nothing changed).
-  """
+  also kept in `request.samples`. `InvalidArgument` (nothing changed) when an
+  unfinished request in `live` holds one of their ids."""
   sp = request.sampling
   if sp is None or sp.n == 1:
     return []
@@ -117,10 +87,9 @@ def held_back(req: Request) -> bool:
 
 
 def fork_prefix(req: Request, host) -> tuple[np.ndarray, int] | None:
-  """`(segments, tokens)`: the segments of the first `p - 1` prompt tokens in the row
-  of `req`'s first request (read from the pool's host mirror `host`), for `req` to
-  open on; None when `req` does not fork (not a sample, started already, or its first
-  request is not ready)."""
+  """`(segments, tokens)` of the first `p - 1` prompt tokens in the row of `req`'s
+  first request (from the host mirror `host`), for `req` to open on; None when `req`
+  does not fork (not a sample, started already, or its first request not ready)."""
   if req.output:
     return None
   first = _first_ready(req)

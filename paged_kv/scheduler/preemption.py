@@ -1,22 +1,14 @@
 """`Preemption`: room for a step under memory pressure.
 
-Cached-only blocks are evicted first; then the most recently admitted sequence is
-preempted, until the step's blocks are free or one sequence is left. A victim goes
-by recompute (its computed tokens go into the cache, it re-queues at the head of
-`waiting` and re-matches them) or by swap (`SchedulerConfig.preemption="swap"`,
-once it has an output: its K/V is copied to host memory and restored bit-exactly
-when it is admitted again).
+Cached-only blocks are evicted first; then the most recently admitted sequences are
+preempted until the step's blocks are free or one sequence is left: by recompute
+(its computed tokens go into the cache, it re-queues at the head of `waiting`) or by
+swap (`preemption="swap"`, once it has output: its K/V to host memory).
 
-The sequence left alone must still get its block, or the step makes no progress
-and every later step repeats it (`unstick`). Shared prefixes can make a row hold
-more blocks than its tokens fill (a matched prefix of short packed tails: each
-short segment a block of its own), and its lock keeps cached blocks it no longer
-reads (a tail it copied to continue in place). So, in order: its lock is dropped
-and the cache evicted again; then it is preempted by recompute and re-admitted
-without a cached prefix (`RequestQueues.unshared`: fresh, full blocks, at most
-`Admission.alone_need`, which `submit` checked); a row already laid out so that
-still finds no block (pinned cache entries hold the pool) ends with
-`stop_reason="pool_exhausted"`.
+The sequence left alone must still get its block, or every later step repeats the
+failure (`unstick`): its cache lock is dropped and the cache evicted again; a shared
+layout is recomputed in fresh blocks (`RequestQueues.unshared`, within
+`Admission.alone_need`); else it ends with `stop_reason="pool_exhausted"`.
 """
 
 from __future__ import annotations
@@ -58,12 +50,8 @@ class Preemption:
       self.unstick(running[0], blocks)
 
   def unstick(self, req: Request, blocks: int) -> None:
-    """Room for the last running sequence, or it leaves its row (module docstring).
-
-    Called when `req` runs alone and `blocks` blocks are still not free after
-    eviction: without this the step fails its reservation, frees nothing, and
-    every later step repeats it.
-    """
+    """Room for `req`, running alone with `blocks` blocks still short after eviction,
+    or it leaves its row (module docstring): else every later step would repeat it."""
     pool, stats = self.cached_pool.pool, self.stats
     if req.lock_node is not None:
       # Its row holds references to every block it reads: the lock only keeps the

@@ -1,13 +1,9 @@
 """`ProgressGuard`: a scheduler that stops advancing raises instead of spinning.
 
-A step *advances* when it computes a token (a prompt chunk or a decode step), or a
-request finishes or is aborted. A step with requests queued or running that does
-none of these is *stalled*; after `SchedulerConfig.max_stalled_steps` stalled steps
-in a row, the next step raises `SchedulerStalled` at its start (before it changes
-anything), naming what holds the pool. The scheduler's own rules (admission of a
-lone head, `Preemption.unstick`) make every step with work advance within a step or
-two, so the guard is a net: it turns a bug into a typed error rather than a
-`run()` that never returns.
+A step advances when it computes a token or a request finishes or is aborted. After
+`SchedulerConfig.max_stalled_steps` steps in a row with work that do neither, the
+next step raises `SchedulerStalled` at its start, naming what holds the pool: the
+scheduler's rules make every step with work advance, so a stall is a bug.
 """
 
 from __future__ import annotations
@@ -28,13 +24,7 @@ class ProgressGuard:
 
   def __init__(self, cached_pool: CachedPool, stats: SchedulerStats, queues: RequestQueues,
                max_stalled_steps: int):
-    """
-    Args:
-      cached_pool: the pool and its cache (named in the error).
-      stats: the scheduler's counters (what a step advanced).
-      queues: the scheduler's queues.
-      max_stalled_steps: stalled steps in a row that raise (0: never).
-    """
+    """`max_stalled_steps`: stalled steps in a row that raise (0: never)."""
     self.cached_pool = cached_pool
     self.stats = stats
     self.queues = queues
@@ -47,12 +37,8 @@ class ProgressGuard:
     return st.prefill_tokens, st.decode_tokens, st.finished
 
   def check(self) -> None:
-    """Called at the start of every step: counts the step before it.
-
-    Raises:
-      SchedulerStalled: the steps before were `max_stalled_steps` stalled ones in a
-        row (the count starts again after the raise).
-    """
+    """Counts the step before this one (called at every step's start); raises
+    `SchedulerStalled` after `max_stalled_steps` stalled ones in a row."""
     mark, before = self._progress(), self._mark
     self._mark = mark
     q = self.queues

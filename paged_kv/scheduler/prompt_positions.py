@@ -1,22 +1,11 @@
 """Prompt logprobs on the host: which positions a step asks for, and the answers read.
 
 A request with `SamplingParams.prompt_logprobs = k` gets, for each prompt token after
-the first, its logprob given the tokens before it, its rank, and the top `k` there
-(`Request.prompt_logprobs`; vLLM's `prompt_logprobs`). Its prompt chunks are computed
-by the ordinary steps; a step holding one carries `PromptPositions` (`positions`: for
-every token of the chunk whose next token is still in the prompt, that position and
-that token; `prefill_token_budget` entries, the most a step holds) and its program
-computes them (`paged_kv.model.prompt_logprobs`); `store` writes what a step computed
-into the requests once its tokens are read (rows whose request moved on meanwhile
-are dropped; a recomputed prompt writes the same values again).
-
-Rules the scheduler keeps: such a request is admitted without a cached prefix
-(`paged_kv.scheduler.admission`: every prompt position is then computed by its own
-steps); the executor must declare it computes them (`ModelExecutor(prompt_logprobs=
-True)`, which also has `Scheduler.warmup` compile the steps with positions: one
-more program per mixed token width), else `submit` refuses the request; `k` is at
-most `SchedulerConfig.max_logprobs` (the static top width of the step). Steps with
-no such chunk build no positions and run the programs they always ran.
+the first, its logprob given the tokens before it, its rank and the top `k` there
+(`Request.prompt_logprobs`, vLLM's). A step holding its prompt chunk carries
+`PromptPositions` (`positions`) that its program computes; `store` writes them into
+the request once read. Such a request shares no cached prefix (its own steps compute
+every position).
 """
 
 from __future__ import annotations
@@ -40,13 +29,9 @@ def wants(req: "Request") -> bool:
 
 
 def positions(chunks, num_decodes: int, width: int) -> PromptPositions | None:
-  """The `PromptPositions` of a step's chunks (after `num_decodes` decode tokens in the
-  layout), `width` entries; None when no chunk's request asks.
-
-  Raises:
-    ValueError: more positions than `width` (the scheduler's chunks never hold more
-      tokens than its `prefill_token_budget`).
-  """
+  """The `PromptPositions` (`width` entries) of a step's chunks, laid out after
+  `num_decodes` decode tokens; None when no chunk's request asks. `ValueError` for
+  more positions than `width` (the scheduler's chunks never exceed its budget)."""
   if not any(wants(r) for r, _ in chunks):
     return None
   out = PromptPositions.empty(width)
@@ -68,14 +53,8 @@ def positions(chunks, num_decodes: int, width: int) -> PromptPositions | None:
 
 
 def store(result, chunks, num_decodes: int, epochs) -> None:
-  """Writes a read step's `PromptLogprobs` (`result`) into its chunks' requests.
-
-  Args:
-    result: the step's `paged_kv.model.prompt_logprobs.PromptLogprobs` (host arrays).
-    chunks: the step's `(request, tokens)` chunks, rows `num_decodes` on.
-    num_decodes: the step's decode rows.
-    epochs: each row's request epoch at dispatch (a later one: dropped).
-  """
+  """Writes a read step's `PromptLogprobs` (`result`, host arrays) into its chunks'
+  requests (rows `num_decodes` on); a row whose request's epoch moved on is dropped."""
   rows = np.asarray(result.row)
   live = np.flatnonzero(rows >= 0)
   if not live.size:

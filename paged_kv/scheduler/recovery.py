@@ -1,10 +1,8 @@
 """Reconciling a scheduler after an exception interrupted a step (`Scheduler.step`).
 
-The `CachedPool` restores pool/cache agreement (dropping the cache if they
-disagree); a running request whose row is gone (or holds tokens the scheduler
-never accounted for) is re-queued for recompute; a row no request owns is
-released; lock counts are rebuilt from the running requests; the invariants are
-checked. Every submitted request is then queued, running or finished with a reason.
+The `CachedPool` restores pool/cache agreement; running requests whose rows are
+gone are re-queued for recompute, rows no request owns are released, lock counts
+rebuilt, invariants checked: every request is then queued, running or finished.
 """
 
 from __future__ import annotations
@@ -20,11 +18,7 @@ from paged_kv.scheduler.request import Phase, Request, RequestQueues, drop_in_fl
 def recover(cached_pool: CachedPool, queues: RequestQueues, exc: BaseException,
             on_finished: Callable[[Request], None]) -> None:
   """Reconciles requests, rows, locks and the cache after `exc` interrupted a step.
-
-  Raises:
-    PoolStateLost: the pool's state buffers were deleted (nothing can be reconciled).
-    Anything the reconciliation raised (the scheduler then refuses further use).
-  """
+  `PoolStateLost` when the pool's state buffers were deleted."""
   pool = cached_pool.pool
   if state_lost(pool):
     raise PoolStateLost(f"the pool's state buffers were deleted by {type(exc).__name__}: "

@@ -1,11 +1,6 @@
 """A generation request as the scheduler sees it: its inputs (checked and frozen at
-`Scheduler.submit`) and its progress (written by the scheduler).
-
-  * `Request` — one request: prompt, budget, namespace, sampling; then its phase,
-    output, row, cached tokens, latencies and stop reason.
-  * `Phase` — waiting, running, swapped (K/V on the host), finished.
-  * `RequestQueues` — a scheduler's requests by phase; `is_finished` names a stop reason.
-  * `UnknownRequest` — `Scheduler.abort` of an id no unfinished request holds.
+`Scheduler.submit`) and its progress (written by the scheduler): `Request`, `Phase`,
+`RequestQueues` (a scheduler's requests by phase) and `UnknownRequest`.
 """
 
 from __future__ import annotations
@@ -72,49 +67,23 @@ class Request:
   """One generation request and its progress.
 
   Attributes:
-    request_id: caller's id.
+    request_id: caller's id (unique among unfinished requests).
     prompt: `i32[n]` prompt tokens (n >= 1).
     max_new_tokens: tokens to generate (>= 1).
-    namespace: prefix-cache namespace (tenant / adapter); never matches others. A
-      typed key: `str`, `bytes`, `int` (not bool or a numpy scalar) or a tuple of
-      them (`radix.tree.check_namespace`), so `1`, `1.0` and `True` never share.
-    arrival: arrival time (caller's unit), for the caller's reports; the
-      scheduler's latencies are measured on its own clock from `submit_time`.
-    forced_output: optional `i32[max_new_tokens]` tokens to emit instead of the
-      executor's samples (trace replay, where only lengths are known).
-    sampling: how its tokens are drawn (`SamplingParams`; None: greedy), applied
-      by an executor that samples (`ModelExecutor`).
+    namespace: prefix-cache namespace (tenant / adapter), a typed key
+      (`radix.tree.check_namespace`): `1`, `1.0` and `True` never share.
+    arrival: arrival time in the caller's unit, for the caller's reports.
+    forced_output: `i32[max_new_tokens]` tokens to emit instead of samples (trace replay).
+    sampling: how its tokens are drawn (`SamplingParams`; None: greedy).
 
-  Progress, written by the scheduler (read them; do not assign; they are not
-  constructor arguments): `phase` (`Phase`),
-  `output` (the tokens emitted so far, a list), `stop_reason` (below), `seq_id` (its
-  pool row while running), `num_cached` (tokens whose K/V is in the pool),
-  `hit_tokens` (prompt tokens matched in the prefix cache), `num_preemptions`,
-  `submit_step` / `admit_step` / `first_token_step` / `finish_step` and the same
-  `*_time`s on the scheduler's clock, and with `sampling.logprobs = n > 0`
-  `logprobs`: per output token `(its logprob, ((token, logprob), ...) the top n)`.
-  With `sampling.prompt_logprobs = k`, `prompt_logprobs` holds one entry per prompt
-  position: None for the first, then `(logprob, rank, ((token, logprob), ...) the top
-  k)` of the prompt's token there given the tokens before it
-  (`paged_kv.scheduler.prompt_positions`), filled as the prompt's chunks are read.
-  With `sampling.n > 1`, `samples` holds its other n - 1 samples (requests of their
-  own, `paged_kv.scheduler.parallel_sampling`), each with `sample_of` pointing back.
-  In the overlapped loop (`SchedulerConfig.overlap`) `in_flight` counts tokens
-  sampled on the device but not read yet (not in `output`); `num_cached` then
-  includes tokens whose ids the host has not read.
-
-  While it runs, `num_cached`, `in_flight`, `carry_row`, `epoch`, `prefill_target`,
-  `seq_id`, `last_token_time` (and whether it has a `stop_reason`) are stored in the
-  scheduler's `running_rows.RunningRows` arrays (the step's numpy passes) and read
-  and written through properties: one storage, right whenever read.
-
-  `Scheduler.submit` validates these inputs once and freezes them: the arrays become
-  read-only copies of the caller's, and assigning an input field afterwards raises
-  `InvalidArgument` (the progress fields below are the scheduler's to write).
-  `stop_reason` says why it finished: `"length"`, `"stop_token"`, `"table_full"` (its
-  row had no room left), `"stop_string"` (its text completed one of `sampling.stop`),
-  `"pool_exhausted"` (alone in the pool, it found no block: `error` says why) or
-  `"abort"` (`Scheduler.abort`).
+  `Scheduler.submit` freezes these inputs (assigning one raises). The other fields
+  are progress, the scheduler's to write: `phase`, `output`, `seq_id` (its row),
+  `num_cached` (tokens whose K/V is in the pool, `in_flight` unread ones included),
+  `*_step` / `*_time`, `logprobs` (per token: its logprob and the top n),
+  `prompt_logprobs` (`prompt_positions`), `samples` (`parallel_sampling`), and
+  `stop_reason`: `"length"`, `"stop_token"`, `"stop_string"`, `"table_full"` (its
+  row is full), `"pool_exhausted"` (alone, no block: `error` says why) or `"abort"`.
+  While it runs, the hot fields live in `running_rows.RunningRows` arrays.
   """
 
   request_id: Hashable
@@ -178,13 +147,8 @@ class Request:
     object.__setattr__(self, "_frozen", True)
 
   def validate(self) -> None:
-    """Checks (and normalizes) the caller's fields; `Scheduler.submit` calls it again.
-
-    Raises:
-      InvalidArgument: the prompt is not 1-D integer tokens in int32 (or empty),
-        `max_new_tokens` is not a positive int, or `forced_output` is bad.
-      radix.InvalidNamespaceError: the namespace is not a typed key.
-    """
+    """Checks and normalizes the caller's fields (`Scheduler.submit` calls it again).
+    Raises `InvalidArgument`, or `radix.InvalidNamespaceError` for the namespace."""
     self.prompt = _as_token_array(self.prompt, f"request {self.request_id!r}: prompt")
     if self.prompt.size < 1:
       raise InvalidArgument(f"request {self.request_id!r}: empty prompt")
@@ -214,10 +178,8 @@ class Request:
 
 
 def _input_field(name: str, read) -> property:
-  """The attribute of input field `name`, its value in the instance under `_<name>`
-  (`read` returns it: a Python function, whose property reads the interpreter
-  specializes), assigned until the request is frozen. Only the inputs are guarded,
-  so the scheduler's writes of progress fields stay plain attribute writes."""
+  """The attribute of input field `name`, stored under `_<name>` and assignable until
+  the request is frozen (only inputs are guarded: progress writes stay plain)."""
   key = "_" + name
 
   def assign(self, value) -> None:
@@ -297,18 +259,9 @@ Request.stop_reason = property(lambda self: self.__dict__.get("_stop_reason", ""
 
 @dataclasses.dataclass(eq=False)
 class RequestQueues:
-  """A scheduler's requests by phase (the same objects as `Scheduler.waiting`, ...).
-
-  Attributes:
-    waiting: queued for admission (FCFS; recomputed preemptions first).
-    swapped: preempted by swap, their K/V on the host.
-    running: holding a pool row, in admission order (a `RunningList`).
-    finished: finished (or aborted) since the last `Scheduler.take_finished()`.
-    unshared: `id()`s of queued requests to admit without a cached prefix
-      (`paged_kv.scheduler.preemption.Preemption.unstick`).
-    rows: the running requests' hot progress as arrays (`running_rows`; bound
-      by `rows.sync(running)`).
-  """
+  """A scheduler's requests by phase; `unshared`: `id()`s of queued requests to admit
+  without a cached prefix (`Preemption.unstick`); `rows`: the running ones' hot
+  progress as arrays (`running_rows`)."""
 
   waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
   swapped: collections.deque = dataclasses.field(default_factory=collections.deque)
@@ -346,18 +299,9 @@ def is_finished(req: Request) -> bool:
 
 
 def check_new(request: Request, submitted, live) -> None:
-  """`Scheduler.submit`'s checks of the request itself (nothing changes).
-
-  Args:
-    request: what was submitted.
-    submitted: the ids (`id()`) of the request objects submitted before.
-    live: the `request_id`s of the unfinished requests.
-
-  Raises:
-    InvalidArgument: not a `Request`, submitted before (the same object), carrying
-      progress, bad fields (`Request.validate`), or an id an unfinished request holds.
-    radix.InvalidNamespaceError: the namespace is not a typed key.
-  """
+  """`Scheduler.submit`'s checks of the request itself, `submitted` holding the `id()`s
+  of request objects submitted before and `live` the unfinished requests' ids.
+  Raises `InvalidArgument` (or `radix.InvalidNamespaceError`); nothing changes."""
   if not isinstance(request, Request):
     raise InvalidArgument(f"submit takes a Request, got {type(request).__name__}")
   if id(request) in submitted:

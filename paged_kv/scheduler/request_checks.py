@@ -1,26 +1,9 @@
 """`Scheduler.submit`'s checks of what a request asks against the model and the loop.
 
-Token ids: an id outside `[0, vocab)` is never an error inside the jitted step (the
-embedding lookup clamps or wraps it and the model serves tokens for another prompt;
-a stop id the model cannot sample never stops anything), so every id a request
-brings (its prompt, a forced output, its sampling's `stop_token_ids` and
-`logit_bias` keys) and the scheduler's own `stop_token` are checked against the
-executor's `vocab_size` (an optional attribute: `ModelExecutor` reads it from the
-model's logits when built; an executor without one, like `DryExecutor`, is not
-checked).
-
-Sampling: what the serving loop does not apply is refused by name rather than
-ignored: the presence, frequency and repetition penalties under an executor that
-keeps no token history (`applies_penalties`; a penalized request longer than its
-`history_len` too), `prompt_logprobs` under an executor not built for them
-(`ModelExecutor(prompt_logprobs=True)`) or beyond `SchedulerConfig.max_logprobs`;
-stop strings need an executor with a tokenizer; `min_tokens` must not exceed
-`max_new_tokens`; the logit adjustments must fit the step's width.
-
-`accept(request, scheduler)` is what `Scheduler.submit` calls: these checks, then the
-pool's (`Admission.check_fits`), then the request's stop strings registered with the
-scheduler's `stop_strings.StopStringWatch` (made on first use from the executor's
-`tokenizer`).
+Token ids are checked against the executor's `vocab_size` (when it has one): inside
+the jitted step an id outside it is no error, just wrong tokens. Sampling the loop
+cannot apply is refused by name, not ignored (penalties without token histories,
+`prompt_logprobs` without the programs, stop strings without a tokenizer, ...).
 """
 
 from __future__ import annotations
@@ -50,16 +33,8 @@ def _outside(name: str, ids: np.ndarray, vocab_size: int) -> str | None:
 
 
 def check_token_ids(request: "Request", vocab_size: int | None, *, stop_token: int) -> None:
-  """Raises `InvalidArgument` unless every id `request` brings is in `[0, vocab_size)`.
-
-  Args:
-    request: a validated request (`Request.validate` ran: its prompt is an i32 array).
-    vocab_size: the model's vocabulary size; None: nothing is checked.
-    stop_token: `SchedulerConfig.stop_token` (-1: none), which ends every request.
-
-  Raises:
-    InvalidArgument: naming the field, how many ids are outside and a few of them.
-  """
+  """Raises `InvalidArgument` (naming the field and a few ids) unless every id
+  `request` brings, and `stop_token`, is in `[0, vocab_size)`; None: no check."""
   if vocab_size is None:
     return
   sp = request.sampling
@@ -82,20 +57,9 @@ def check_token_ids(request: "Request", vocab_size: int | None, *, stop_token: i
 def check_request(request: "Request", vocab_size: int | None, *, stop_token: int,
                   has_tokenizer: bool, history_len: int | None = None,
                   prompt_logprobs: bool = False) -> None:
-  """`check_token_ids`, then the sampling the serving loop cannot apply (module docstring).
-
-  Args:
-    request: a validated request.
-    vocab_size: the executor's `vocab_size` (None: ids unchecked).
-    stop_token: `SchedulerConfig.stop_token` (-1: none).
-    has_tokenizer: the executor has a `tokenizer` (stop strings).
-    history_len: the positions of the executor's token histories when it applies
-      penalties (`applies_penalties`); None: it does not.
-    prompt_logprobs: the executor computes prompt logprobs (`prompt_logprobs`).
-
-  Raises:
-    InvalidArgument: naming the field and why.
-  """
+  """`check_token_ids`, then the sampling the serving loop cannot apply (module
+  docstring). `has_tokenizer`, `history_len` (None: no penalties) and
+  `prompt_logprobs` say what the executor can do. Raises `InvalidArgument`."""
   check_token_ids(request, vocab_size, stop_token=stop_token)
   sp = request.sampling
   if sp is None:
@@ -142,12 +106,9 @@ def _check_penalties(request: "Request", history_len: int | None) -> None:
 
 
 def accept(request: "Request", sched: "Scheduler") -> None:
-  """`Scheduler.submit`'s checks after the request's own (see the module docstring).
-
-  Raises:
-    InvalidArgument: as `check_request`, or `Admission.check_fits`.
-    PoolExhausted: as `Admission.check_fits`.
-  """
+  """`Scheduler.submit`'s checks after the request's own: `check_request` against the
+  executor, the prompt logprobs limit, `Admission.check_fits`; then stop strings are
+  registered. Raises `InvalidArgument` or `PoolExhausted`."""
   executor = sched.executor
   tokenizer = getattr(executor, "tokenizer", None)
   history_len = (getattr(executor, "history_len", None)

@@ -1,25 +1,9 @@
 """`RunningRows`: the running requests' hot progress as arrays (struct of arrays).
 
-Every step reads and advances the progress of every running request (tokens
-cached, tokens on the device, its row, its epoch, ...). Python over `Request`
-objects costs ~1 us per row per pass; these arrays let the step find its decode
-rows, advance them and read their sampled tokens in a few numpy passes.
-
-One storage, two views: while a request is *bound* to a slot of the table, its
-hot fields (`HOT_FIELDS`, and `stop_reason`'s truth) are properties that read and
-write the slot (`request.py`), so `Request` stays the public API and is right
-whenever read, whoever writes it (admission, preemption, recovery, tests). A
-request is bound by `sync` when the step first sees it in `running`, and
-unbound (its values copied back to the object) by a later `sync` once it left
-`running`. A slot is reused only after its request was unbound; `gen` tells a
-slot's binds apart, so a dispatched step's rows still name their requests.
-
-Output tokens stay in `Request.output` (the per-row `append` is the one write
-a step makes per row); their count while bound is the `n_out` column, which the
-step's writers (`ForwardPass`) advance with each append, so the step's passes
-read the counts of all rows at once instead of `len` of each list. `check` says
-whether the two agree (`Scheduler.check_invariants`): a bound request's output
-must change only through the scheduler.
+A step finds its decode rows, advances them and reads their tokens in a few numpy
+passes instead of Python over `Request` objects. While a request is bound to a slot
+(`sync`), its `HOT_FIELDS` are properties on the slot: one storage, right whoever
+writes it. `gen` tells a slot's binds apart; `n_out` counts `Request.output` (`check`).
 """
 
 from __future__ import annotations
@@ -42,8 +26,7 @@ _last = operator.itemgetter(-1)
 
 
 def _changes(name: str, *, append: bool = False):
-  """`list.<name>`, counted in the `RunningList`'s `version` (not an append: the kept
-  prefix is gone)."""
+  """`list.<name>`, counted in `version` (not an append: the kept prefix is gone)."""
   method = getattr(list, name)
 
   def changed(self, *args, **kwargs):
@@ -57,17 +40,9 @@ def _changes(name: str, *, append: bool = False):
 
 
 class RunningList(list):
-  """The running requests (`RequestQueues.running`): a `list` that counts its changes.
-
-  `RunningRows.sync` runs several times a step; with this list it knows in O(1)
-  that nothing changed since it last read the list, or that requests were only
-  appended (admission), instead of comparing every element again.
-
-  Attributes:
-    version: changes so far (any mutating method).
-    kept: the leading entries unchanged since `owner` (a `RunningRows`) last
-      marked the list (appends keep them; any other change sets it to 0).
-  """
+  """The running requests (`RequestQueues.running`): a `list` that counts its changes
+  (`version`) and how many leading entries appends kept since its `owner` marked it
+  (`kept`), so `RunningRows.sync` knows in O(1) that nothing changed, or only appends."""
 
   version = 0
   kept = 0
@@ -88,18 +63,12 @@ class RunningList(list):
 
 
 class RunningRows:
-  """The table (see the module docstring). Columns are indexed by slot.
-
-  Attributes:
-    num_cached, in_flight, carry_row, epoch, prefill_target, seq_id: `i64[cap]`.
-    last_token_time: `f64[cap]`.
-    stopped: `bool[cap]`, the truth of `stop_reason`.
-    n_out: `i64[cap]` `len(output)`.
-    max_new: `i64[cap]` `max_new_tokens`; stop_tok: `i64[cap]` its one stop token
-      (`NO_STOP`, `MANY_STOPS`); forced: `bool[cap]` it has a `forced_output`.
-    req, out, rid: `object[cap]` the request, its `output` list, its `request_id`.
-    gen: `i64[cap]` binds of the slot so far; bound: `bool[cap]`.
-    order: `i64[n]` the slots of `running`, in its order (after `sync`).
+  """The table (see the module docstring): columns indexed by slot, `i64[cap]` unless
+  said. `HOT_FIELDS` (`last_token_time` f64); `stopped` (bool, the truth of
+  `stop_reason`); `n_out` (`len(output)`); `max_new`; `stop_tok` (its one stop
+  token, or `NO_STOP` / `MANY_STOPS`); `forced` (bool); `req`, `out`, `rid`
+  (object: the request, its `output`, its id); `gen` (binds of the slot so far);
+  `bound` (bool); `order` (`i64[n]`: the slots of `running` in order, after `sync`).
   """
 
   def __init__(self, capacity: int = 64):
@@ -135,9 +104,8 @@ class RunningRows:
 
   # ------------------------------------------------------------------ binding
   def _kept_prefix(self, running: list) -> int:
-    """How many leading requests of `running` are those of the last sync, in order
-    (`len(self._seen)` at most): O(1) for the `RunningList` it marked, unless
-    something but an append changed it since; else compared one by one."""
+    """How many leading requests of `running` are the last sync's, in order (-1: not
+    a prefix); O(1) for the `RunningList` it marked unless more than appends changed it."""
     seen = self._seen
     if running is self._list and running.owner is self and (
         running.version == self._version or running.kept >= len(seen)):

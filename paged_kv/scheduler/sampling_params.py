@@ -1,13 +1,10 @@
 """`SamplingParams`: how a request's tokens are drawn (`Request(sampling=...)`).
 
-Applied inside the jitted step, batched (`paged_kv.model.sampling`); the default is
-greedy, bit-equal to a scheduler without sampling. A request with a seed draws the
-same tokens whatever else shares its batches; without one, the scheduler gives it a
-seed of its own (`Scheduler(seed=...)`, then submit order), so a run is reproducible.
-
-The fields carry vLLM's names and meanings (`vllm.SamplingParams`), so a caller
-that speaks vLLM's or OpenAI's API passes them through. `temperature` keeps this
-library's default, 0 (greedy), where vLLM's is 1.
+Applied inside the jitted step, batched (`paged_kv.model.sampling`). The fields carry
+vLLM's names and meanings, but `temperature` defaults to 0 (greedy, bit-equal to a
+scheduler without sampling), where vLLM's is 1. A seeded request draws the same
+tokens whatever shares its batches; one without a seed gets `SchedulerConfig.seed`
+plus its submit order, so a run is reproducible.
 """
 
 from __future__ import annotations
@@ -73,44 +70,29 @@ class SamplingParams:
   """Per-request sampling (checked when built: `InvalidArgument` naming the field).
 
   Attributes:
-    temperature: 0 = greedy (the argmax; the filters and the draw are unused); > 0
-      divides the logits.
+    temperature: 0 = greedy (the argmax); > 0 divides the logits.
     top_k: keep the `k` most likely tokens (0: all).
-    top_p: keep the smallest set of most likely tokens whose probability reaches
-      `top_p` (1: all).
+    top_p: keep the smallest set of most likely tokens reaching `top_p` (1: all).
     min_p: keep tokens at least `min_p` times as likely as the most likely (0: all).
     seed: the request's seed (None: the scheduler assigns one).
-    stop_token_ids: tokens that end the request when emitted (`stop_reason
-      "stop_token"`), besides `SchedulerConfig.stop_token`.
-    logprobs: return the sampled token's logprob and the top-`logprobs` logprobs
-      of each step (`Request.logprobs`); at most `SchedulerConfig.max_logprobs`.
-    presence_penalty: in [-2, 2]; subtracted from the logit of every token the
-      output holds already (> 0: new tokens favoured).
-    frequency_penalty: in [-2, 2]; times the count of a token in the output so
-      far, subtracted from its logit.
-    repetition_penalty: > 0; the logit of a token in the prompt or the output is
-      divided by it when positive, multiplied when not (1: off). The penalties need
-      an executor that keeps token histories (`ModelExecutor`:
-      `paged_kv.model.penalties`); a penalized request is admitted without a
-      cached prefix.
-    min_tokens: the stop tokens (`stop_token_ids` and the scheduler's
-      `stop_token` unless `ignore_eos`) cannot be sampled before the output has
-      `min_tokens` tokens (their logits are -inf until then).
-    logit_bias: `{token id: bias}`, bias in [-100, 100] added to the token's logit
-      before sampling (greedy too); ids as ints, or decimal strings as JSON
-      carries them; at most `MAX_LOGIT_ADJUSTMENTS` entries, together with the
-      stop ids `min_tokens` holds back.
-    ignore_eos: the scheduler's `stop_token` (the model's end of sequence) does not
-      end this request; `stop_token_ids` still do.
+    stop_token_ids: tokens that end the request, besides `SchedulerConfig.stop_token`.
+    logprobs: each token's logprob and the top-`logprobs` (at most `max_logprobs`).
+    presence_penalty: in [-2, 2], subtracted from the logit of every token in the output.
+    frequency_penalty: in [-2, 2], times a token's count in the output, subtracted.
+    repetition_penalty: > 0; divides a positive logit of a token in the prompt or
+      output, multiplies a negative one (1: off). The penalties need an executor
+      that keeps token histories; a penalized request shares no cached prefix.
+    min_tokens: the stop tokens cannot be sampled before the output has this many.
+    logit_bias: `{token id: bias in [-100, 100]}` added to the logits (greedy too);
+      ids as ints or decimal strings; with the stop ids `min_tokens` holds back, at
+      most `MAX_LOGIT_ADJUSTMENTS`.
+    ignore_eos: `SchedulerConfig.stop_token` does not end this request.
     prompt_logprobs: logprobs of the prompt's tokens (vLLM's); None: none.
-    stop: strings that end the request when the output's text contains one
-      (`stop_reason "stop_string"`): the text stops before it; needs an executor
-      with a tokenizer (`paged_kv.scheduler.stop_strings`).
-    n: output sequences per prompt (vLLM's); 1.
+    stop: strings that end the request when its text holds one (`stop_strings`).
+    n: output sequences per prompt (`parallel_sampling`).
 
-  The order in the step is vLLM's: `min_tokens`, `logit_bias`, then the
-  repetition, frequency and presence penalties, then greedy or the temperature
-  and the filters. Logprobs are of the raw logits (before all of these).
+  The step applies them in vLLM's order: `min_tokens`, `logit_bias`, the penalties,
+  then greedy or the temperature and filters; logprobs are of the raw logits.
   """
 
   temperature: float = 0.0
@@ -171,8 +153,7 @@ class SamplingParams:
 
   def adjustments(self, stop_ids) -> tuple[list[int], list[float]]:
     """`(ids, values)` the step adds to the logits: the `logit_bias` entries, then
-    `-inf` for each of `stop_ids` (the request's stop tokens) when `min_tokens > 0`
-    (the step applies those while the output is shorter than `min_tokens`)."""
+    `-inf` for each of `stop_ids` when `min_tokens > 0` (applied until then)."""
     ids, vals = [], []
     if self.logit_bias:
       ids += list(self.logit_bias)

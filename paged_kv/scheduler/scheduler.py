@@ -1,52 +1,17 @@
-"""A continuous-batching scheduler that carries the memory manager end to end.
+"""A continuous-batching scheduler: the step loop and the requests' lifecycle.
 
-`Scheduler` runs the step loop and the requests' lifecycle (`submit`, `abort`,
-`take_finished`); the KV decisions are its parts, each a module of its own:
+`Scheduler` runs the loop (`submit`, `step`, `abort`, `take_finished`); each KV
+decision is a part in a module of its own, called in this order every step
+(`docs/architecture.md` draws one): `admission` (with `eviction`), `forward_pass`
+(rows from `batching`, `preemption` under pressure), `finishing`, `maintenance` and
+`shrink_control`, then `step_telemetry` (a `StepReport` to `on_step`).
 
-1. **Admission** (`admission.Admission`): swapped-out requests first, then FCFS;
-   the prompt's longest cached prefix is matched (and locked) in the radix cache;
-   a request is admitted only if its whole uncached context fits now, with the
-   output reserve and the watermark, after evicting cached blocks if needed
-   (`eviction.Evictor`). With `governance`, the live quota may hold it back.
-2. **One forward pass** (`forward_pass.ForwardPass`, rows from `batching`): a
-   decode token of every running sequence whose prompt is done and the next
-   prompt chunks under the token budget, in one mixed batch. Under pressure,
-   cached blocks are evicted, then the newest sequences are preempted by
-   recompute or swap (`preemption.Preemption`). Overlapped
-   (`SchedulerConfig.overlap`, the default), the step is dispatched before the
-   previous step's tokens are read, and those feed it on the device; with
-   `decode_steps = k`, a step with no prompt chunk and nothing waiting runs k
-   decode steps in one dispatch.
-3. **Finish** (`finishing.Finishing`): a finished sequence's cached tokens go into
-   the radix cache (optionally its short tail packed into a slotted block), then
-   its row is released.
-4. **Maintenance** (`maintenance`): compaction past the fragmentation threshold
-   within a byte budget; promotion of widely shared blocks into the base pool; and
-   a pending shrink (`shrink_control.ShrinkControl`, after `shrink_to`): budgeted
-   moves below the target, then the cut, once, which the executor follows.
-5. **Telemetry**: the cheap pool figures from the host mirror on the steps
-   `stats_pacing.StatsPacer` picks, the full snapshot every `snapshot_every` steps,
-   alerts, and a `StepReport` to the `on_step` callback. Nothing per step copies a
-   per-block array to the host.
-
-Exception safety: an exception raised anywhere in `step()` (the executor, a
-callback, a `KeyboardInterrupt` at any call site) leaves the scheduler usable: a
-request leaves `running` only after the calls that can fail succeeded, and the
-step's handler reconciles what a half-done call left (`recovery.recover`). Only
-when the pool's donated state is really gone (an executor raised after donating
-without handing the state back, see `paged_kv.scheduler.executor`) does the
-scheduler refuse further use, with `SchedulerBroken`. Progress: a step that computes
-no token and finishes nothing while requests wait or run is a bug, never load; after
-`SchedulerConfig.max_stalled_steps` of them the next step raises `SchedulerStalled`
-(`paged_kv.scheduler.progress`).
-
-The pool and the radix cache are one `CachedPool`: it applies every reference
-delta of the cache (insert, evict, remap, packing) itself. The model is behind an
-`Executor`; the `DryExecutor` only reserves slots (memory dynamics) for trace
-replay. Tokens: after a sequence's prompt is prefilled, its first output token is
-*pending* (sampled, not yet in the cache); each decode step caches the pending
-token and samples the next, so a running sequence caches
-`len(prompt) + len(output) - 1` tokens.
+The pool and the radix cache are one `CachedPool`, which applies every reference
+change of the cache itself. An exception in `step()` leaves the scheduler usable
+(`recovery` reconciles what a half-done call left) unless the pool's donated state
+is gone (`SchedulerBroken` from then on); steps that make no progress raise
+`SchedulerStalled` (`progress`). A running sequence caches `len(prompt) +
+len(output) - 1` tokens: its last output token is pending (sampled, not cached).
 """
 
 from __future__ import annotations
@@ -93,8 +58,7 @@ class SchedulerBroken(PagedKVError):
 
 def _bind_cache(pool: BlockPool | CachedPool, cache: PrefixCache | None,
                 config: SchedulerConfig, clock: Callable[[], float]) -> CachedPool:
-  """The `CachedPool` a scheduler runs on: `pool` itself, or `pool` bound to `cache`
-  (a new one from `config` when None)."""
+  """`pool` itself, or `pool` bound to `cache` (a new one from `config` when None)."""
   if isinstance(pool, CachedPool):
     if cache is not None:
       raise InvalidArgument("pass the cache inside the CachedPool, not beside it")
@@ -106,27 +70,17 @@ def _bind_cache(pool: BlockPool | CachedPool, cache: PrefixCache | None,
 class Scheduler:
   """Continuous batching over a `CachedPool` (a `BlockPool` bound to its `PrefixCache`).
 
-  Every reference the cache takes or drops is applied by the `CachedPool`; the
-  scheduler never handles a `RefDeltas`. `pool` is the `BlockPool` (the executor
-  works on `pool.state`), `cached_pool` the bound pair, `cache` a read-only view
-  of the prefix cache (None when caching is off).
-
-  Attributes (the queues: read them, change them only through `submit` and `abort`):
-    waiting: `Request`s queued for admission (FCFS; recomputed preemptions first).
-    swapped: requests preempted by swap, their K/V on the host.
-    running: requests holding a pool row (`Request.seq_id`), in admission order; an
-      executor maps a step's batch rows (`StepPlan.seq_ids`: decodes first, then
-      prefill chunks) to requests by that row.
-    finished: requests finished (or aborted) since the last `take_finished()`.
+  `pool` is the `BlockPool` (the executor works on `pool.state`), `cached_pool`
+  the bound pair, `cache` a read-only view of the prefix cache (None when off).
+  The queues `waiting`, `swapped`, `running` (admission order) and `finished` are
+  for reading: change them through `submit`, `abort` and `take_finished`.
 
   Example:
     pool = BlockPool(PoolConfig(num_blocks=4096, block_size=16, max_seqs=64, ...))
     sched = Scheduler(pool, DryExecutor(pool.config), SchedulerConfig(max_batch=32))
     sched.submit(Request(0, prompt_tokens, max_new_tokens=64))
     sched.run()                      # until every submitted request finished
-    sched.stats, sched.snapshots
-    done = sched.take_finished()     # the finished requests, handed over (a server
-                                     # takes them every step: `finished` grows until then)
+    done = sched.take_finished()     # a server takes them after every step
   """
 
   def __init__(self, pool: BlockPool | CachedPool, executor: Executor,
@@ -134,23 +88,16 @@ class Scheduler:
                clock: Callable[[], float] = time.monotonic,
                on_snapshot: Callable[[int, metrics.PoolSnapshot, SchedulerStats], None] | None = None,
                on_step: Callable[[StepReport], None] | None = None):
-    """Builds a scheduler.
+    """Builds a scheduler; a bad argument raises `InvalidArgument`.
 
     Args:
-      pool: a `BlockPool` (bound here to `cache` or to a new cache), or a
-        `CachedPool` whose cache is used.
-      executor: the model work of a step.
-      config: scheduling and memory policies.
-      cache: a prefix cache for a plain `pool` (its references must already be
-        in the pool: an empty cache, or one `load_prefix_cache` filled); default
-        a new one from `config` when `config.enable_prefix_cache`.
+      pool: a `BlockPool` (bound here to `cache`, or to a new cache when
+        `config.enable_prefix_cache`), or a `CachedPool` whose cache is used.
+      executor, config: the model work of a step, the scheduling policies.
+      cache: a prefix cache whose references are already in `pool`.
       clock: time source for latencies and the new cache's LRU/TTL.
-      on_snapshot: called with `(step, snapshot, stats)` after each snapshot.
-      on_step: called with a `StepReport` after every step (also settable
-        later as `sched.on_step`; `paged_kv.telemetry.export` exporters attach here).
-
-    Raises:
-      InvalidArgument: a bad argument (`paged_kv.scheduler.arguments.check_init_args`).
+      on_snapshot, on_step: called with `(step, snapshot, stats)` after each
+        snapshot, and with each step's `StepReport` (also settable later).
     """
     check_init_args(pool, config, cache, clock, on_snapshot, on_step)
     config.check_pool(pool.config)
@@ -212,18 +159,15 @@ class Scheduler:
 
   # ------------------------------------------------------------------ the lifecycle
   def submit(self, request: Request) -> None:
-    """Queues a request (FCFS); `sampling.n > 1`: its samples too (`parallel_sampling`).
+    """Queues a request (FCFS); with `sampling.n > 1`, its samples too.
 
-    The request's inputs are validated and frozen (`Request`): later changes to the
-    caller's arrays change nothing, assignments to its input fields are refused.
+    Its inputs are validated and frozen: assigning one later raises.
 
     Raises:
-      InvalidArgument: not a `Request`, submitted before (the same object), carrying
-        progress, bad fields (`Request.validate`), an id an unfinished request
-        holds, too many logprobs or tokens, ids or sampling `request_checks` refuses.
+      InvalidArgument: a bad or reused request, a live id, or what `request_checks`
+        refuses (token ids, sampling, logprobs, length).
       radix.InvalidNamespaceError: the namespace is not a typed key.
-      PoolExhausted: it could not run even in an empty pool (so an accepted
-        request always runs once the pool drains).
+      PoolExhausted: it could not run even in an empty pool.
       SchedulerBroken: the scheduler refuses further use.
     """
     self._check_usable()
@@ -241,16 +185,12 @@ class Scheduler:
   def abort(self, request_id: Hashable) -> Request:
     """Ends a request now, in any phase; returns it (`stop_reason="abort"`).
 
-    Waiting: it leaves the queue. Swapped: its host copy of the K/V is dropped.
-    Running (mid-prefill or decoding): like a finished request, its computed
-    tokens go into the prefix cache (cached-only blocks: evictable) and its row and
-    its lock on a cached prefix are released at once. Its tokens so far stay in
-    `output`; it joins `finished` (`take_finished`) and the next step's
-    `StepReport.finished` (so exporters count it). Call it between steps.
+    A running request's computed tokens go into the prefix cache and its row is
+    released at once. It joins `finished` and the next step's report. Call it
+    between steps.
 
     Raises:
-      UnknownRequest: no unfinished request has this id (never submitted, already
-        finished or aborted). Nothing changed.
+      UnknownRequest: no unfinished request has this id (nothing changed).
       SchedulerBroken: the scheduler refuses further use.
     """
     self._check_usable()
@@ -278,9 +218,8 @@ class Scheduler:
     return req
 
   def take_finished(self) -> list[Request]:
-    """The finished requests since the last call, in finishing order, handed over:
-    `finished` is emptied (it holds every finished request until taken, so a
-    long-running server takes them after each step, or its memory grows)."""
+    """The finished requests since the last call, handed over: `finished` is emptied
+    (a long-running server takes them every step, or its memory grows)."""
     done, self.queues.finished = self.queues.finished, []
     return done
 
@@ -308,16 +247,9 @@ class Scheduler:
       n += 1
 
   def step(self) -> None:
-    """One scheduling step (see the module docstring).
-
-    Exception-safe: whatever it raises, the scheduler was reconciled first (see
-    the module docstring) and stays usable, unless it raises `SchedulerBroken`
-    from then on.
-
-    Raises:
-      SchedulerBroken: the pool's donated state is gone (now or before).
-      Anything a call site raised (the executor, `on_snapshot`, ...), after recovery.
-    """
+    """One scheduling step. Whatever it raises, the scheduler was reconciled first and
+    stays usable, except `SchedulerBroken`: the pool's donated state is gone (every
+    later call raises it too)."""
     self._check_usable()
     try:
       self._step_once()
@@ -388,46 +320,10 @@ class Scheduler:
                 margin: int | None = None, staging: str = "auto") -> regions.ShrinkProgress:
     """Gives memory back while serving: the pool ends with `num_blocks` blocks.
 
-    From the next step on, each step moves up to `policy.max_moves(block_bytes)`
-    referenced blocks above the target below it, then cuts the pool there, once;
-    the executor follows (`executor.resize(config)`). Requests are never held back;
-    live data is never dropped (the shrink waits for room); compaction pauses
-    until the cut or `cancel_shrink` (`paged_kv.scheduler.shrink_control`). Progress:
-    the returned record (`shrink_status`, updated every step), `stats.shrink_*`.
-    An idle scheduler finishes its shrink by calling `step()` (one budget each).
-
-    Args:
-      num_blocks: pool size after the cut: an int above the base pool and
-        below the current size.
-      policy: the byte budget per step (default: the scheduler's compaction
-        policy, else `CompactionPolicy()`: 2% of a 20 ms step at 4.3 TB/s).
-      block_bytes: bytes per block the budget counts (default the pool's
-        `block_bytes`; a simulation with small pages passes the modelled model's).
-      evict_cached: evict cached-only blocks when the room below is short.
-      margin: free blocks to keep below the target beyond what the moves need,
-        so a step's allocations find room there (default `max_batch` + the
-        prefill budget's blocks).
-      staging: how the cut resizes the pages (`BlockPool.resize`): `"host"`
-        holds at most the old pool plus one layer of K on the device (the kept
-        pages go through host memory), `"device"` builds the new pages beside
-        the old ones (fast, both pools at once), `"auto"` stages only when the
-        device lacks room for both. The cut's `ResizeReport` lands in the
-        returned record's `cut`.
-
-    Returns:
-      The shrink's `regions.ShrinkProgress` (the scheduler updates it).
-
-    Raises:
-      InvalidArgument: a shrink is pending, `num_blocks` is not an int in
-        `(num_base_blocks, num_blocks)`, a bad `policy`/`block_bytes`/`margin`/`staging`,
-        or an executor that holds the pool config without `resize`.
-      PoolExhausted: the target cannot hold the live sequences' blocks (or,
-        without `evict_cached`, everything referenced now), or a submitted
-        request could not run in a pool of that size (`reason="no_free_block"`).
-      SchedulerBroken: the scheduler refuses further use.
-      Nothing changed when it raises. Anything else raised while it makes room
-      (an interrupted eviction) is raised after the scheduler was reconciled as
-      `step()` reconciles; no shrink is pending then.
+    From the next step on, each step moves up to `policy`'s byte budget of blocks
+    from above the target to below it, then cuts the pool there once and the
+    executor follows (`resize`); an idle scheduler finishes by calling `step()`.
+    Returns the progress (`shrink_status`). Arguments, errors: `ShrinkControl.start`.
     """
     self._check_usable()
     return self.shrink_control.start(
@@ -457,15 +353,10 @@ class Scheduler:
 
   # ------------------------------------------------------------------ warm-up, telemetry
   def warmup(self, *, progress: bool = True, persistence: bool = True) -> WarmupReport:
-    """Compiles (runs once) every program the serving path can run; see
-    `paged_kv.scheduler.warmup`. After it, `stats.compiles_after_warmup` counts
-    what compiled anyway (0 for any workload the configs admit). With
-    `persistence`, `CachedPool.save` / `restore`'s programs too.
-
-    Returns:
-      The `WarmupReport` (also `self.warmup_report`): programs, compiles, cache
-      loads, seconds.
-    """
+    """Compiles and runs once every program the serving path can run (`warmup.warm`;
+    with `persistence`, `CachedPool.save` / `restore`'s too); returns the report, also
+    kept as `warmup_report`. After it, `stats.compiles_after_warmup` counts what
+    compiled anyway (0 for any workload the configs admit)."""
     self._check_usable()
     self._warm_persistence = persistence
     self.warmup_report = warmup_lib.warm(self, progress=progress, persistence=persistence)
@@ -474,8 +365,7 @@ class Scheduler:
 
   @property
   def runtime(self) -> counters.RuntimeStats:
-    """The pool's device traffic since the scheduler was built (dispatches, reads,
-    compiles; see `paged_kv.runtime.counters`)."""
+    """The pool's device traffic since the scheduler was built (`runtime.counters`)."""
     return self.telemetry.runtime()
 
   def extra_segments(self) -> Segments:
@@ -483,9 +373,8 @@ class Scheduler:
     return self.telemetry.extra_segments()
 
   def take_stats(self) -> metrics.StepStats:
-    """The cheap pool figures now, from the pool's host mirror (not recorded); the
-    pool as it is, e.g. after `run()` drained the queue (`last_stats`: the latest
-    step's start)."""
+    """The cheap pool figures now, from the host mirror, not recorded (`last_stats`:
+    those of the latest step's start)."""
     self._check_usable()
     return self.telemetry.take_stats()
 
@@ -495,8 +384,8 @@ class Scheduler:
     return self.telemetry.take_snapshot()
 
   def check_invariants(self) -> None:
-    """The pool's invariants (the cache's references included) and the running rows'
-    (`RunningRows.check`). Raises InvariantViolation, or SchedulerBroken when unusable."""
+    """The pool's invariants (the cache's references included) and the running rows'.
+    Raises InvariantViolation, or SchedulerBroken when unusable."""
     self._check_usable()
     self.cached_pool.check_invariants()
     self.queues.rows.check()

@@ -1,15 +1,10 @@
 """`ShrinkControl`: gives memory back while serving (`Scheduler.shrink_to`).
 
-A target is set; from the next step on, each step (after compaction) moves up to
-the policy's budget of referenced blocks above the target into the lowest free
-blocks below it (`host_ops.plan_shrink`; tables and the prefix cache follow the
-remap), evicting cached-only blocks when the room below is short of the blocks
-still above plus a margin. Once no block above the target is referenced (and no
-submitted request needs the bigger pool) the pool is cut there, once
-(`BlockPool.resize`, staged through host memory when the device lacks room for
-both pools), and the executor follows (`Executor.resize`). Requests are never held
-back: allocation takes the lowest free blocks, so nothing new lands above the
-target while a block below it is free. Compaction pauses while a shrink is pending.
+Each step moves up to the policy's budget of referenced blocks from above the
+target into free blocks below it (`host_ops.plan_shrink`), evicting cached-only
+blocks when room is short; once nothing above is referenced, the pool is cut there
+and the executor follows. Requests are never held back: allocation takes the lowest
+free blocks, so nothing new lands above the target while a block below is free.
 """
 
 from __future__ import annotations
@@ -39,13 +34,8 @@ class ShrinkControl:
   def __init__(self, cached_pool: CachedPool, config: SchedulerConfig, stats: SchedulerStats,
                evictor: Evictor, admission: Admission, record: StepRecord, *, caching: bool,
                rewarm: Callable[[int], None]):
-    """
-    Args:
-      cached_pool, config, stats, evictor, admission, record: the scheduler's parts.
-      caching: the scheduler caches (so cached-only blocks can be evicted for room).
-      rewarm: called after a cut with the process's compile count before it (the
-        scheduler compiles the new size's programs when it was warmed up).
-    """
+    """`rewarm(compiles_before)` runs after a cut (the scheduler re-warms the new size
+    when it was warmed up); `caching`: cached-only blocks may be evicted for room."""
     self.cached_pool = cached_pool
     self.config = config
     self.stats = stats
@@ -65,12 +55,26 @@ class ShrinkControl:
   def start(self, executor, num_blocks: int, policy: compact.CompactionPolicy | None, *,
             block_bytes: int | None, evict_cached: bool, margin: int | None, staging: str,
             on_room_failure: Callable[[BaseException], None]) -> regions.ShrinkProgress:
-    """Checks the arguments (nothing changes when they are refused), registers the
-    shrink and makes room below the target now; see `Scheduler.shrink_to`.
+    """Checks `Scheduler.shrink_to`'s arguments, registers the shrink and makes room
+    below the target now.
 
-    An exception while making room unregisters the shrink, is handed to
-    `on_room_failure` (the scheduler reconciles there; the evictions done stay) and
-    propagates.
+    Args:
+      num_blocks: the size after the cut, above the base pool and below today's.
+      policy: the byte budget of moves per step (default the scheduler's compaction
+        policy, else `CompactionPolicy()`).
+      block_bytes: bytes per block the budget counts (default the pool's).
+      evict_cached: evict cached-only blocks when the room below is short.
+      margin: free blocks kept below the target beyond the moves' (default
+        `max_batch` + the prefill budget's blocks).
+      staging: `BlockPool.resize`'s `"host"`, `"device"` or `"auto"`.
+
+    Raises:
+      InvalidArgument: a shrink pending, a bad argument, or an executor holding the
+        pool config without `resize` (nothing changed).
+      PoolExhausted: the target cannot hold the live blocks (every referenced one
+        without `evict_cached`), or a submitted request needs more (nothing changed).
+      Anything raised while making room, after the shrink was unregistered and
+        `on_room_failure` (the scheduler's reconciliation) ran.
     """
     pc = self.pool.config
     if self.pending is not None:

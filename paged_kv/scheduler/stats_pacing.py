@@ -1,10 +1,6 @@
-"""`StatsPacer`: on which steps a scheduler takes the cheap pool figures.
-
-Every `SchedulerConfig.stats_every` steps, or, with `stats_budget` (a share of a
-step's host time), every `k >= stats_every` steps for the smallest `k` that keeps
-the figures' average cost within the share (moving averages of what the figures
-and the rest of a step cost the host; at most every `MAX_STATS_INTERVAL` steps).
-"""
+"""`StatsPacer`: on which steps a scheduler takes the cheap pool figures: every
+`stats_every` steps or, with `stats_budget`, every `k >= stats_every` steps for the
+smallest `k` keeping their average host cost within that share of a step's."""
 
 from __future__ import annotations
 

@@ -71,25 +71,17 @@ class StepReport:
   """What one scheduler step did, handed to `Scheduler(on_step=...)` after it.
 
   Attributes:
-    step: the step's id (0, 1, ...).
-    time: the scheduler's clock at the end of the step.
-    host_seconds: wall seconds the step took (`time.perf_counter`; the
-      executor's call included).
-    pool: the cheap pool figures at the start of the step (None on steps
-      without them, see `SchedulerConfig.stats_every`).
-    snapshot: the full pool snapshot, on the steps that took one.
+    step, time, host_seconds: the step's id, the clock at its end, its wall seconds.
+    pool, snapshot: the cheap pool figures at its start, the full snapshot (None
+      on steps without them).
     stats: the scheduler's cumulative counters (the live object: read, don't keep).
     counters: the pool's cumulative counters (OOMs by reason, compaction...).
     num_running, num_waiting, num_swapped: queue lengths after the step.
-    finished: requests that finished in this step (`stop_reason` says why).
-    first_token_latencies: seconds from `submit` to the first token, for every
-      request whose first token came in this step.
-    inter_token_latencies: seconds between consecutive tokens of one request,
-      for every token emitted in this step after a request's first (a request
-      preempted in between counts its wait).
-    alerts: alerts that fired in this step (edge-triggered, `metrics.AlertMonitor`).
-    tokens: `(request_id, token)` of every token emitted in this step, in order
-      (a stream: `paged_kv.scheduler.streaming.generate` yields them per request).
+    finished: requests that finished in this step (aborted ones included).
+    first_token_latencies, inter_token_latencies: seconds from `submit` to a first
+      token, and between a request's consecutive tokens (preemptions included).
+    alerts: alerts that fired in this step (edge-triggered).
+    tokens: `(request_id, token)` of every token emitted, in order.
   """
 
   step: int
@@ -112,7 +104,7 @@ class StepReport:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Rows:
   """A pass's rows as `StepRecord` keeps them: `(ids[i], tokens[i])` pairs, or the
-  floats `ids` (tokens None); `StepRecord.report` expands them."""
+  floats `ids` (tokens None)."""
 
   ids: object  # np.ndarray: request ids (object) or latencies (float)
   tokens: list | None = None
@@ -135,16 +127,10 @@ def _expand(items: list) -> tuple:
 
 @dataclasses.dataclass(eq=False)
 class StepRecord:
-  """The step a scheduler is running, and what it did so far (for its `StepReport`).
-
-  Attributes:
-    step: the step's id (the next one's between steps).
-    now: the scheduler's clock at the step's start, then after its forward pass.
-    finished, tokens, first_token_latencies, inter_token_latencies, alerts: as in
-      `StepReport`, gathered during the step (`begin` empties them, unless the
-      step before raised: `interrupted`); `tokens` and `inter_token_latencies` may
-      hold a whole pass's rows as one entry (`add_rows`), expanded by `report`.
-  """
+  """The step a scheduler is running and what it did so far (for its `StepReport`):
+  `step` (the next one's id between steps), `now` (the clock at the step's start,
+  then after its forward pass), and `StepReport`'s lists, emptied by `begin` unless
+  the step before raised (`interrupted`); `add_rows` entries expand in `report`."""
 
   step: int = 0
   now: float = 0.0
@@ -171,8 +157,7 @@ class StepRecord:
 
   def add_rows(self, request_ids: np.ndarray, tokens: list, gaps: np.ndarray) -> None:
     """Records a pass's tokens `(request_ids[i], tokens[i])` and their inter-token
-    latencies `gaps` as they are: the pairs and floats are made by `report` only
-    (a scheduler without `on_step` makes none)."""
+    latencies `gaps` as arrays; `report` makes the pairs (none without `on_step`)."""
     self.tokens.append(_Rows(request_ids, tokens))
     self.inter_token_latencies.append(_Rows(gaps))
 

@@ -1,10 +1,8 @@
 """`StepTelemetry`: a scheduler's pool figures, snapshots and alerts, step by step.
 
-The cheap figures (`metrics.step_stats_host`: a few scalars from the pool's host
-mirror) are taken at the start of the steps `StatsPacer` picks and finished at
-their end (OOMs by reason added); the full `metrics.PoolSnapshot` every
-`snapshot_every` steps (also on demand); alerts (`metrics.AlertMonitor`,
-edge-triggered) from both. The latest snapshots and alerts are kept, bounded.
+The cheap figures (`metrics.step_stats_host`, from the pool's host mirror) on the
+steps `StatsPacer` picks, the full `metrics.PoolSnapshot` every `snapshot_every`
+steps, edge-triggered alerts from both; the latest snapshots and alerts are kept.
 """
 
 from __future__ import annotations
@@ -54,8 +52,7 @@ class StepTelemetry:
 
   # ------------------------------------------------------------------ device traffic
   def runtime(self) -> runtime_counters.RuntimeStats:
-    """The pool's device traffic since the scheduler was built (dispatches, reads,
-    compiles; see `paged_kv.runtime.counters`)."""
+    """The pool's device traffic since the scheduler was built (`runtime.counters`)."""
     return self.cached_pool.pool.runtime.snapshot().since(self._runtime_base)
 
   def mark_warm(self) -> None:
@@ -64,8 +61,8 @@ class StepTelemetry:
     self.update_runtime_stats()
 
   def count_rewarm(self, compiles_before: int) -> None:
-    """After a shrink's cut re-warmed the new size (compiles since `compiles_before`):
-    counted in `stats.rewarm_compiles`, not after warm-up."""
+    """Counts a shrink cut's re-warm (compiles since `compiles_before`) in
+    `stats.rewarm_compiles`, not after warm-up."""
     cut = runtime_counters.backend_compiles() - compiles_before
     self.stats.rewarm_compiles += cut
     self._compiles_at_warmup += cut

@@ -2,24 +2,13 @@
 
 A stop string is text, not tokens: it can span tokens, start inside one, or appear
 only once a multi-byte character completes. `StopStringMatcher` follows one output
-through the tokenizer's incremental decoder (`paged_kv.model.tokenizer.TextStream`)
-and reports the first stop string to complete (the one whose end comes first; at the
-same end, the one that starts first). The text it hands out never contains a stop
-string: it holds back a tail that could still become the start of one, and when a
-stop string completes the text ends right before it (vLLM's default,
-`include_stop_str_in_output=False`). The tokens are kept: the request's `output`
-ends with the token that completed the stop string, as vLLM's `token_ids` do (with
-`SchedulerConfig.decode_steps = k`, tokens one dispatch produced after it, at most
-k - 1, stay in `output` too: the scan sees a step's tokens together; the text is
-cut at the stop string all the same).
+through the tokenizer's incremental decoder and reports the first stop string to
+complete (the earliest end; at the same end, the longer). The text it hands out
+never contains one (vLLM's default): it holds back a tail that could start one.
+`output` keeps the token that completed it (with `decode_steps = k`, up to k - 1 more).
 
-`StopStringWatch` is the scheduler's side, decoding with the executor's `tokenizer`
-(`ModelExecutor(..., tokenizer=)`): `submit` registers each request that has stop
-strings (`request_checks.accept`), and `Finishing.finish` calls `scan()`
-before it looks for finished requests, so a request whose text completed a stop
-string ends in that step with `stop_reason "stop_string"`. Requests without stop
-strings cost nothing. `text_until_stop(tokenizer, output, stops)` gives a finished
-request's text (what the matcher handed out, held-back tail included).
+`StopStringWatch` is the scheduler's side: `Finishing.finish` calls `scan()` first,
+so a request ends in the step its text completed a stop string.
 """
 
 from __future__ import annotations
@@ -54,13 +43,9 @@ def text_until_stop(tokenizer: Any, output: Sequence[int], stops: Sequence[str])
 
 
 class StopStringMatcher:
-  """One output's text, piece by piece, ending before the first stop string.
-
-  `add(token_id)` returns the text that token makes safe to show (possibly "");
-  `stopped` and `stop` say whether and which stop string completed (later tokens
-  are then ignored); `flush()` returns the held-back tail at the end of a request
-  that did not stop; `text` is everything handed out so far.
-  """
+  """One output's text, piece by piece, ending before the first stop string: `add`
+  returns the text a token makes safe to show, `flush` the held-back tail of an
+  output that did not stop; `stopped` / `stop` say which stop string completed."""
 
   def __init__(self, tokenizer: Any, stops: Sequence[str]):
     self._stream = tokenizer.stream()
@@ -123,9 +108,8 @@ class StopStringWatch:
       self._watched[id(request)] = (request, StopStringMatcher(self.tokenizer, sp.stop), [0])
 
   def scan(self) -> None:
-    """Feeds each watched request's new output tokens; one that completes a stop string
-    gets `stop_reason "stop_string"` (finishing ends it in this step). Finished
-    requests are dropped."""
+    """Feeds each watched request's new tokens; one whose text completed a stop string
+    gets `stop_reason "stop_string"`. Finished requests are dropped."""
     for key, (req, matcher, fed) in list(self._watched.items()):
       out = req.output
       while fed[0] < len(out) and not matcher.stopped:

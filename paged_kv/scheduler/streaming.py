@@ -2,17 +2,12 @@
 
 `generate(sched, requests)` submits the requests, steps the scheduler and yields,
 after every step, one `RequestOutput` per request of `requests` that got tokens or
-finished in it (in the order their first token of the step came). The consumer may
-call `sched.abort(request_id)` between two outputs: that request's last output
-(`stop_reason="abort"`) comes next. Other requests the scheduler serves run along;
-their tokens are not yielded.
+finished in it, from the step's `StepReport.tokens`. The consumer may call
+`sched.abort(request_id)` between outputs: that request's last output comes next.
 
 Example:
   for out in generate(sched, [Request("a", prompt, max_new_tokens=64)]):
     print(out.request_id, out.new_tokens, out.stop_reason)
-
-Each step's tokens come from its `StepReport.tokens` (a per-step callback sees the
-same stream through `Scheduler(on_step=...)`).
 """
 
 from __future__ import annotations
@@ -28,17 +23,9 @@ __all__ = ["RequestOutput", "generate"]
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-  """One request's progress in one step.
-
-  Attributes:
-    request_id: the request's id.
-    new_tokens: the tokens it emitted in this step (may be empty on its last output,
-      e.g. after an abort).
-    num_tokens: its output tokens so far, these included.
-    finished: whether this is its last output.
-    stop_reason: why it finished (`Request.stop_reason`), "" before.
-    step: the scheduler step that emitted them (-1 for an output after an abort).
-  """
+  """One request's progress in one step: `new_tokens` it emitted (maybe none on its
+  last output, e.g. after an abort), `num_tokens` so far, whether `finished`, its
+  `stop_reason` ("" before), and the `step` (-1 for an output after an abort)."""
 
   request_id: Hashable
   new_tokens: tuple[int, ...]
@@ -52,18 +39,11 @@ def generate(sched: Scheduler, requests: Iterable[Request], *,
              max_steps: int | None = None) -> Iterator[RequestOutput]:
   """Submits `requests` and yields their outputs step by step until all finished.
 
-  Args:
-    sched: the scheduler (its `on_step` callback keeps being called).
-    requests: new requests (`Scheduler.submit` checks each; one refused stops the
-      generator before any step, with the requests before it submitted).
-    max_steps: stop after this many steps even if some are unfinished.
-
-  Yields:
-    `RequestOutput`s, per step, for the requests of `requests` that emitted tokens
-    or finished in it.
-
-  Raises:
-    InvalidArgument: ids repeated within `requests`; anything `submit` or `step` raises.
+  Yields, after every step (at most `max_steps`), a `RequestOutput` per request of
+  `requests` that emitted tokens or finished in it. The scheduler's own `on_step`
+  keeps being called. Raises `InvalidArgument` for ids repeated within `requests`
+  (before any step), and whatever `submit` or `step` raises (a refused request stops
+  the generator with those before it submitted).
   """
   requests = list(requests)
   ids = [r.request_id for r in requests]

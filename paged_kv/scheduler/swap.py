@@ -1,14 +1,9 @@
 """Preemption by swap: a sequence's K/V copied to host memory and restored bit-exactly.
 
-`swap_out` gathers the sequence's logical K/V (all layers, heads) with one
-jitted gather at a power-of-two length (`BlockPool.gather_kv_padded`), starts
-its copy to host memory (`jax.device_put` to the CPU device: asynchronous, no
-wait) and releases the sequence. `swap_in` opens a fresh row, reserves room
-for the same number of tokens (wherever the allocator puts them now) and
-writes the K/V back in one jitted write of every layer
-(`BlockPool.write_kv_layers`), so the sequence's logical K/V is bit-identical
-while its physical blocks may differ. Neither waits for the device, and both
-run programs of a few power-of-two lengths only.
+`swap_out` gathers the sequence's K/V in one jitted gather at a power-of-two length,
+starts its copy to the CPU device and releases the row; `swap_in` opens a fresh row,
+reserves as many tokens and writes the K/V back in one jitted write of every layer.
+Neither waits for the device; the physical blocks may differ, the logical K/V not.
 """
 
 from __future__ import annotations
@@ -28,14 +23,8 @@ def _host_device():
 
 @dataclasses.dataclass(frozen=True)
 class SwappedKV:
-  """Host copy of one sequence.
-
-  Attributes:
-    k, v: `[num_layers, num_kv_heads, T, head_dim]` arrays in host memory (on
-      the CPU device, or numpy), `T >= length`; tokens beyond `length` are
-      padding.
-    length: the sequence's tokens (default: `T`).
-  """
+  """Host copy of one sequence: `k`, `v` `[num_layers, num_kv_heads, T, head_dim]`
+  in host memory (CPU device or numpy); tokens past `length` (default `T`) are padding."""
 
   k: jax.Array | np.ndarray
   v: jax.Array | np.ndarray
@@ -53,15 +42,9 @@ class SwappedKV:
 
 
 def swap_out(pool: BlockPool, seq_id: int) -> SwappedKV:
-  """Copies a live sequence's K/V to host and releases it from the pool.
-
-  No wait: the gather is dispatched, its copy to host memory started, and the
-  release queued; the runtime orders the gather's reads before any later write
-  of the freed blocks.
-
-  On an exception the sequence may or may not have been released (the release is
-  the last call); the caller checks the row (the scheduler reconciles its rows).
-  """
+  """Copies a live sequence's K/V to host and releases it, without waiting (the
+  runtime orders the gather's reads before later writes of the freed blocks). On an
+  exception the row may or may not be released; the scheduler reconciles its rows."""
   k, v, length = pool.gather_kv_padded(seq_id)
   k, v = jax.device_put((k, v), _host_device())
   swapped = SwappedKV(k=k, v=v, length=length)
@@ -70,14 +53,8 @@ def swap_out(pool: BlockPool, seq_id: int) -> SwappedKV:
 
 
 def swap_in(pool: BlockPool, swapped: SwappedKV, seq_id: int | None = None) -> int:
-  """Restores a swapped sequence into a fresh row; returns the row.
-
-  Atomic: on any exception (`KeyboardInterrupt` included) in the reservation or
-  in the write, the opened row is released again, so the pool is as before.
-
-  Raises:
-    PoolExhausted: it does not fit (the pool unchanged).
-  """
+  """Restores a swapped sequence into a fresh row; returns the row. Atomic: on any
+  exception the opened row is released again (`PoolExhausted`: it does not fit)."""
   seq = pool.open_sequence(seq_id=seq_id)
   if swapped.length == 0:
     return seq

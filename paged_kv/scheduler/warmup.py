@@ -1,48 +1,11 @@
 """Scheduler warm-up: run every program the serving path can run, once, up front.
 
-"Compile once": every jitted program a `Scheduler` runs takes its shapes from
-a small set of buckets derived from the configs, and `program_runs` enumerates
-them:
-
-* the pool's commit (`paged_kv.core.commit.commit`) at every
-  `CommitWidths.all_for(pool config)`: two row widths, with and without slot
-  copies, and the move buckets (64, 512, 4096, ... up to half the pool) that
-  compaction, promotion and a shrink's moves round up to;
-* the executor's step for every plan shape the scheduler builds: `max_batch`
-  rows, `max_query_len` 1 (decode only) or `prefill_chunk`, and the token
-  widths `batching.token_widths` gives each (an executor that ignores the tokens,
-  as `DryExecutor` does, compiles once per `max_query_len`); in the overlapped
-  loop the plans carry tokens (`CarriedTokens`), as the warm-up's do, and for
-  an executor that takes host-reserved slots (`takes_reserved_slots`) they carry
-  those (`ReservedSlots`): the step program then holds no allocator; for an
-  executor built to compute prompt logprobs (`prompt_logprobs`), the mixed widths
-  once more with `PromptPositions` (`paged_kv.scheduler.prompt_positions`);
-* with `decode_steps = k > 1`, the executor's k-step decode at `max_batch` tokens
-  and the gather of each row's last token;
-* persistence (`CachedPool.save` / `restore`): one K/V gather and one layered
-  write of `persist.CHUNK_TOKENS` tokens;
-* with swap preemption, the K/V gather and layered write at every
-  power-of-two length up to a sequence's most tokens (`max_segments *
-  block_size`);
-* with tail packing (the cache's `pack_tails`), `slots.pack_slots` and
-  `slots.reclaim_slots` at every power-of-two count of segments
-  (`BlockPool.pack_slots` / `reclaim_slots` pad to those) up to the pool's slots
-  (`num_blocks * block_size`: every cache segment holds a slot of its own).
-
-A shrink's cut changes the pool size, hence every shape: the scheduler then
-releases the old programs (`release_programs`) and warms the new size at once
-(`SchedulerStats.rewarm_compiles`).
-
-Each run changes nothing: commits of padding only, steps whose rows are all
-padding (`-1`), a gather of row 0 written back to no slot. `warm(scheduler)`
-first lowers the commits and the executor's step programs (an executor with
-`lower_step`) and compiles them concurrently on threads (XLA compiles are
-independent and release Python's lock), then runs every program once (with a
-progress bar when tqdm is installed), and reports how many programs ran, how
-many XLA compiles they caused (0 when JAX's persistent compilation cache held
-them all: loads instead) and how long it took. After it,
-a run the configs admit compiles nothing new; `SchedulerStats.compiles_after_warmup`
-and the tests check that by counting.
+Every jitted program a `Scheduler` runs takes its shapes from a small set derived
+from the configs, which `program_runs` enumerates (the commits, the executor's steps,
+persistence, swap and packing: `docs/serving_loop.md`); each run is on padding and
+changes nothing. `warm` compiles them concurrently, then runs each once; after it, a
+run the configs admit compiles nothing (`SchedulerStats.compiles_after_warmup`). A
+shrink's cut changes every shape: `release_programs` drops the old size's programs.
 """
 
 from __future__ import annotations
@@ -70,17 +33,9 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class WarmupReport:
-  """What `warm` did.
-
-  Attributes:
-    programs: program runs (one per distinct shape the serving path can take).
-    compiles: XLA backend compiles during the warm-up: the programs' and those of
-      the helpers they call (eager ops, a gather), so it can exceed `programs`.
-    cache_loads: executables loaded from JAX's persistent compilation cache instead
-      of compiled: an earlier process's, or ones this warm-up's concurrent
-      compiles wrote moments before (so it need not be 0 on an empty cache).
-    seconds: wall time.
-  """
+  """What `warm` did: `programs` run (one per shape), XLA `compiles` (their helpers'
+  included, so it can exceed `programs`), `cache_loads` from JAX's persistent cache
+  (also of what this warm-up's threads wrote moments before), wall `seconds`."""
 
   programs: int
   compiles: int
@@ -168,9 +123,7 @@ def program_runs(sched: "Scheduler", *, persistence: bool = True) -> list[Progra
 
 def _padding_pack(pool, width: int) -> None:
   """`pack_slots` and `reclaim_slots` on `width` padding entries, padded as
-  `BlockPool.pack_slots` / `reclaim_slots` pad theirs: compiles, changes nothing
-  (`reclaim_slots` given no outside segment changes nothing while the cache holds
-  any, and otherwise recomputes the bits the tables already account for)."""
+  `BlockPool`'s are: compiles, changes nothing."""
   from paged_kv.core import slots  # pylint: disable=g-import-not-at-top
   neg = np.full((width,), -1, np.int32)
   zero = np.zeros((width,), np.int32)
@@ -184,10 +137,9 @@ def _padding_pack(pool, width: int) -> None:
 
 def _padding_plan(sched: "Scheduler", width: int, max_query_len: int, *,
                   reserved: bool = True, prompt: bool = False) -> StepPlan:
-  """A plan of padding rows shaped as the scheduler's (`ForwardPass`) plans are:
-  with host-reserved slots (all `-1`, statuses OK) for an executor that takes them
-  (`takes_reserved_slots`), unless `reserved` is False (the k-step decode's plan);
-  with unused `PromptPositions` when `prompt`."""
+  """A plan of padding rows shaped as `ForwardPass`'s plans: with host-reserved slots
+  (all `-1`) for an executor that takes them, unless `reserved` is False (the k-step
+  decode's plan); with unused `PromptPositions` when `prompt`."""
   b = sched.config.max_batch
   sampling = (SamplingBatch.greedy(b) if getattr(sched.executor, "samples", False) else None)
   plan = StepPlan(seq_ids=np.full((b,), -1, np.int32), num_new=np.zeros((b,), np.int32),
@@ -241,14 +193,10 @@ def _padding_steps(sched: "Scheduler", k: int) -> None:
 
 
 def release_programs() -> None:
-  """Drops the compiled programs of the serving path's jitted functions (all shapes).
-
-  What a shrink's cut calls: the old pool size's executables (each holding ~30
-  memory mappings on CPU) are dead from then on, and so is the cut's own resize;
-  `warm` compiles the new size's.
-  Other pools in the process recompile theirs on next use. The freed heap is
-  handed back to the OS (`counters.trim_heap`).
-  """
+  """Drops the compiled programs of the serving path's jitted functions (all shapes),
+  as a shrink's cut does: the old size's executables (~30 memory mappings each on
+  CPU) are dead from then on. Other pools in the process recompile on next use; the
+  freed heap goes back to the OS (`counters.trim_heap`)."""
   import sys  # pylint: disable=g-import-not-at-top
   from paged_kv.pool import block_pool as pool_lib  # pylint: disable=g-import-not-at-top
   from paged_kv.core import commit, kv, segments  # pylint: disable=g-import-not-at-top
@@ -273,14 +221,9 @@ def release_programs() -> None:
 
 def warm(sched: "Scheduler", *, progress: bool = True, persistence: bool = True,
          threads: int | None = None) -> WarmupReport:
-  """Compiles and runs once every program of `program_runs(sched)`.
-
-  The programs that can be lowered without running (the commits and the executor's
-  steps) are lowered one after the other (tracing holds Python's lock),
-  then compiled concurrently on `threads` threads (default: one per program, at
-  most the CPUs; XLA compiles release the lock); then every program runs once, the
-  compiled ones found in JAX's cache. See the module docstring.
-  """
+  """Compiles and runs once every program of `program_runs(sched)`: those that can
+  be lowered are, one after the other (tracing holds Python's lock), then compiled
+  on `threads` threads (default one per program, at most the CPUs); then all run."""
   runs = program_runs(sched, persistence=persistence)
   c0, l0, t0 = counters.backend_compiles(), counters.cache_loads(), time.perf_counter()
   ahead = [r for r in runs if r.lower is not None]
