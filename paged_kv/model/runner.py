@@ -35,15 +35,9 @@ from paged_kv.pool.block_pool import raise_for_status
 
 
 def prefix_segments(state: PoolState, seq_id: int, num_tokens: int) -> Segments:
-  """`Segments` (`i32[n, 3]` rows `(block, start, length)`) of a live sequence's first tokens.
-
-  The last segment is cut at the token boundary (a segment table can start a
-  sequence from any token of a block), which is how a radix-tree node split
-  mid-block shares a prefix without copying.
-
-  Raises:
-    InvalidArgument: `num_tokens` outside `[0, seq_len]`.
-  """
+  """`Segments` of a live sequence's first `num_tokens` tokens, the last one cut at
+  the token boundary (how a radix node split mid-block shares a prefix uncopied).
+  Raises `InvalidArgument` for `num_tokens` outside `[0, seq_len]`."""
   t = state.table
   ns = int(t.num_segments[seq_id])
   row = np.stack([np.asarray(a[seq_id]) for a in (t.block, t.start, t.length)], axis=1)

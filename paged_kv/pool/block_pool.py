@@ -42,8 +42,6 @@ from paged_kv.pool.arguments import (I32_MAX, SMALL_IDS, as_int_array, bucket,
 from paged_kv.pool.changes import ChangeLog, CommitWidths, empty_batch
 from paged_kv.pool.fragmentation import PackResult  # noqa: F401 (re-exported)
 from paged_kv.pool.host_state import HostState
-from paged_kv.pool.kv_io import write_layers as _write_layers  # noqa: F401 (warm-up clears it)
-from paged_kv.pool.kv_io import write_state as _write_state  # noqa: F401
 from paged_kv.pool.step_reservation import StepPrediction  # noqa: F401 (re-exported)
 from paged_kv.runtime import executables
 from paged_kv.runtime.counters import RuntimeCounters

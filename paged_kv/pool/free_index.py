@@ -201,11 +201,8 @@ class HostFreeIndex:
       self._runs.dirty(b // _F)
 
   def largest_run(self) -> int:
-    """Length of the longest run of consecutive free blocks.
-
-    Kept in a segment tree over the bitmap's words (`FreeRuns`): a call costs
-    O(words changed since the last call * log(words)), never a pass over the pool.
-    """
+    """The longest run of free blocks: O(words changed * log(words)) per call
+    (`FreeRuns`, a segment tree over the bitmap's words)."""
     if self._runs is None:
       self._runs = FreeRuns(self.bits)
     return min(self._runs.largest(self.bits), self.num_blocks)

@@ -198,12 +198,12 @@ def release_programs() -> None:
   CPU) are dead from then on. Other pools in the process recompile on next use; the
   freed heap goes back to the OS (`counters.trim_heap`)."""
   import sys  # pylint: disable=g-import-not-at-top
-  from paged_kv.pool import block_pool as pool_lib  # pylint: disable=g-import-not-at-top
+  from paged_kv.pool import kv_io  # pylint: disable=g-import-not-at-top
   from paged_kv.core import commit, kv, segments  # pylint: disable=g-import-not-at-top
   from paged_kv.cache import persist  # pylint: disable=g-import-not-at-top
   from paged_kv.core import regions, resize  # pylint: disable=g-import-not-at-top
   from paged_kv.core import slots  # pylint: disable=g-import-not-at-top
-  fns = [commit.commit, segments.reserve_tokens, kv.gather_kv, pool_lib._write_layers,  # pylint: disable=protected-access
+  fns = [commit.commit, segments.reserve_tokens, kv.gather_kv, kv_io.write_layers,
          persist._gather_slots,  # pylint: disable=protected-access
          slots.pack_slots, slots.reclaim_slots,
          regions.resize_state]  # the cut's own program: one per pair of sizes, used once

@@ -2,8 +2,7 @@
 
 `metrics` (`StepStats`, `PoolSnapshot`, `PoolCounters`, alerts), `export`
 (`MetricsExporter`, `JsonlLogger`, `read_jsonl`) and `plots` (the `plots`
-extra). Reads the core's state and the serving layer's counters; imports nothing
-of serving.
+extra). Reads the pool's state and counters; imports nothing of the scheduler.
 """
 
 from paged_kv.telemetry.export import METRICS, JsonlLogger, MetricsExporter, read_jsonl

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged_kv
-from paged_kv.pool import block_pool as pool_lib
+from paged_kv.pool import kv_io
 from paged_kv.core import alloc, commit, segments
 from paged_kv.pool.changes import CommitWidths, empty_batch
 from paged_kv.pool.host_state import HostState
@@ -191,7 +191,7 @@ class ComplexityTest(parameterized.TestCase):
 
   def test_write_kv_and_segments_row(self):
     state = _abstract_state()
-    compiled = pool_lib._write_state.lower(
+    compiled = kv_io.write_state.lower(
         state, jnp.int32(0), _i32(32, 1),
         jax.ShapeDtypeStruct((32, 1, 1, 1), jnp.bfloat16),
         jax.ShapeDtypeStruct((32, 1, 1, 1), jnp.bfloat16)).compile()
@@ -199,7 +199,7 @@ class ComplexityTest(parameterized.TestCase):
 
   def test_layered_write_in_place(self):
     state = _abstract_state()
-    compiled = pool_lib._write_layers.lower(
+    compiled = kv_io.write_layers.lower(
         state, _i32(64), jax.ShapeDtypeStruct((1, 1, 64, 1), jnp.bfloat16),
         jax.ShapeDtypeStruct((1, 1, 64, 1), jnp.bfloat16)).compile()
     self.assertEqual(_hlo_big_instructions(compiled.as_text()), [])

@@ -240,7 +240,7 @@ class SchedulerShapeTest(absltest.TestCase):
 
   def test_the_scheduler_class_stays_a_step_loop(self):
     # The KV decisions live in the parts above; the class keeps the loop and the
-    # request lifecycle (issue R: under 400 lines).
+    # request lifecycle (under 400 lines).
     lines, _ = inspect.getsourcelines(Scheduler)
     self.assertLess(len(lines), 400)
 
