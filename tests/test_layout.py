@@ -1,5 +1,6 @@
 """The package's shape: folders import one way (each only from the folders below it),
-no folder holds over a fifth of the library, no class runs over 500 lines.
+no folder holds over a fifth of the library, no class runs over 500 lines, and the
+prose fits the code (`tools/code_shape.py` measures the last three).
 
 The order is the README's layout table; an import from a higher folder (at module
 level or inside a function) is an arrow back up, and two folders importing each other
@@ -7,7 +8,9 @@ a circle. `radix` and `pallas_kernels` import nothing of `paged_kv`.
 """
 
 import ast
+import importlib.util
 import pathlib
+import sys
 
 import pytest
 
@@ -62,24 +65,33 @@ def test_the_leaf_packages_import_nothing_of_paged_kv(package):
   assert not bad, "\n".join(bad)
 
 
-def _library_files():
-  for package in ("paged_kv", "radix", "pallas_kernels"):
-    yield from sorted((ROOT / package).rglob("*.py"))
+
+def _code_shape():
+  spec = importlib.util.spec_from_file_location("code_shape", ROOT / "tools" / "code_shape.py")
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = mod  # its dataclasses look their module up
+  spec.loader.exec_module(mod)
+  return mod.measure(ROOT)
 
 
-def test_no_folder_holds_over_a_fifth_of_the_library():
-  lines: dict[str, int] = {}
-  for path in _library_files():
-    rel = path.relative_to(ROOT).parts
-    folder = "/".join(rel[:2]) if rel[0] == "paged_kv" and len(rel) > 2 else rel[0]
-    lines[folder] = lines.get(folder, 0) + len(path.read_text().splitlines())
-  total = sum(lines.values())
-  big = {f: n for f, n in lines.items() if n > 0.2 * total}
-  assert not big, f"over 20% of {total} lines: {big}"
+@pytest.fixture(scope="module")
+def shape():
+  return _code_shape()
 
 
-def test_no_class_over_500_lines():
-  long = [f"{path.relative_to(ROOT)}: {node.name} {node.end_lineno - node.lineno + 1}"
-          for path in _library_files() for node in ast.walk(ast.parse(path.read_text()))
-          if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 500]
-  assert not long, "\n".join(long)
+def test_no_folder_holds_over_a_fifth_of_the_library(shape):
+  big = {f: n for f, n in shape.folders.items() if n > 0.2 * shape.lines}
+  assert not big, f"over 20% of {shape.lines} lines: {big}"
+
+
+def test_no_class_over_500_lines(shape):
+  assert not shape.long_classes, "\n".join(f"{p}: {c} {n}" for p, c, n in shape.long_classes)
+
+
+def test_prose_fits_the_code(shape):
+  """Docstrings at most a fifth of the library; no private docstring longer than its
+  function's code; no comment or docstring citing an issue instead of saying why."""
+  assert shape.doc_lines <= 0.2 * shape.lines, (shape.doc_lines, shape.lines)
+  private = [f"{d.path}: {d.name}" for d in shape.long_docs if not d.public]
+  assert not private, "\n".join(private)
+  assert not shape.issue_cites, "\n".join(f"{p}:{i}" for p, i, _ in shape.issue_cites)

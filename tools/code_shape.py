@@ -49,8 +49,8 @@ class Shape:
 
 
 def _folder(rel: pathlib.Path) -> str:
-  parts = rel.parts
-  return "/".join(parts[:2]) if len(parts) > 2 else parts[0] if parts[0] != "paged_kv" else rel.as_posix()
+  """`paged_kv/<sub>` (or a top-level file of paged_kv), else the package."""
+  return "/".join(rel.parts[:2]) if rel.parts[0] == "paged_kv" else rel.parts[0]
 
 
 def _exported(root: pathlib.Path) -> set[str]:
