@@ -1,0 +1,27 @@
+"""`tools/step_files.py`: the files one steady decode step runs, by side."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.long  # serves a tiny model and traces its step program twice (~12 s)
+def test_step_files_splits_host_and_traced_files():
+  env = dict(os.environ, PYTHONPATH=str(_ROOT), JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, str(_ROOT / "tools" / "step_files.py"), "--json"],
+                       cwd=_ROOT, env=env, capture_output=True, text=True, check=True).stdout
+  files = json.loads(out)
+  host, traced = files["host"], files["traced_only"]
+  assert "paged_kv/scheduler/forward_pass.py" in host
+  assert "paged_kv/pool/host_transitions.py" in host  # the host decides the reservation
+  assert "pallas_kernels/decode_attention.py" in traced  # the decode kernel runs in jit
+  assert "pallas_kernels/decode_attention.py" not in host  # a warm step traces nothing
+  assert not set(host) & set(traced)
