@@ -130,7 +130,7 @@ class StepReport:
     pool, snapshot: the cheap pool figures at its start, the full snapshot (None
       on steps without them).
     stats: the run's cumulative counters, the pool's events and device traffic
-      included (the live object: read, don't keep).
+      included (the live object: read, don't keep; by kind: `Scheduler.runtime`).
     num_running, num_waiting, num_swapped: queue lengths after the step.
     finished: requests that finished in this step (aborted ones included).
     first_token_latencies, inter_token_latencies: seconds from `submit` to a first
