@@ -305,7 +305,7 @@ def measure(reqs: list[Req], capacity: int, block_size: int, *, repeats: int,
     path.check()
   times = {name: np.full((repeats, n, len(OPS)), np.nan) for name in warm_got}
   dispatches: dict[str, list[int]] = {}
-  # Blocking reads: every kind but an executor's sampled tokens (`RuntimeStats`).
+  # Blocking reads: every kind but an executor's sampled tokens (`RuntimeCounters`).
   reads: dict[str, list[int]] = {k: [] for k in READ_KINDS if k != "tokens"}
   compiles = 0
   for rep in range(repeats):

@@ -45,6 +45,7 @@ import numpy as np
 from benchmarks import records, shared_flags
 import paged_kv
 from paged_kv.core import alloc, compact, segments, slots
+from paged_kv.scheduler import SchedulerStats
 from paged_kv.telemetry import metrics
 
 try:  # optional: a progress bar
@@ -182,7 +183,7 @@ def run_chat(mode: str, families, convs, steps: int):
   config = _config(max_seqs=128, max_segments=256)
   bs = config.block_size
   state = paged_kv.init_pool(config)
-  counters = metrics.PoolCounters()
+  counters = SchedulerStats()  # its OOM and pack counts (no scheduler here)
   cache: dict[object, list[tuple[int, int, int]]] = {}  # holder -> segments (one ref each)
 
   def take_refs(segs):

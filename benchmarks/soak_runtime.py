@@ -282,7 +282,7 @@ class SoakState:
   """What the loop tracks besides the scheduler."""
 
   t0: float
-  base_runtime: counters.RuntimeStats  # the pool's counters at the end of warm-up
+  base_runtime: counters.RuntimeCounters  # the pool's counters at the end of warm-up
   compiles0: int
   loads0: int
   steps: int = 0

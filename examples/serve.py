@@ -383,7 +383,7 @@ def main(argv):
   cached = [r["pool"]["cached_blocks"] / r["pool"]["num_blocks"] for r in steps if r["pool"]]
   frag = [r["pool"]["fragmentation_ratio"] for r in steps if r["pool"]]
   generated = sum(len(r.output) for r in reqs)
-  st, ctr = sched.stats, sched.counters
+  st = sched.stats
   order = ["busiest step", "most fragmented step", "end"]
   plot_paths = write_plots(out_dir, jsonl, [(k, *maps[k]) for k in order if k in maps],
                            pool_config.num_base_blocks)
@@ -419,15 +419,15 @@ def main(argv):
        f"{np.mean([s['internal_fragmentation'] for s in snaps]):.1%}",
        f"dead slots in used blocks / their slots, full snapshots (every "
        f"{_SNAPSHOT_EVERY.value} steps)"),
-      ("compactions / block moves", f"{st.compactions} / {ctr.compaction_moves}",
+      ("compactions / block moves", f"{st.compactions} / {st.compaction_moves}",
        "compaction passes and the blocks they moved"),
-      ("packed tails / base-pool promotions", f"{ctr.pack_moves} / {ctr.promotions}",
+      ("packed tails / base-pool promotions", f"{st.pack_moves} / {st.promotions}",
        "tails moved into shared slotted blocks / blocks pinned into the base region"),
       ("preemptions (recompute / swap)", f"{st.preemptions} ({st.preemptions_recompute} / "
                                          f"{st.preemptions_swap})",
        "sequences pushed out for room: recomputed later, or K/V copied to host"),
       ("swap to host bytes", st.swap_to_host_bytes, "K/V bytes copied out by swap preemption"),
-      ("OOMs by reason", dict(ctr.oom_by_reason) or "none",
+      ("OOMs by reason", dict(st.oom_by_reason) or "none",
        "failed block allocations (the scheduler then evicts or preempts)"),
       ("max concurrent sequences", st.max_running, "most sequences in one step's batch"),
       ("alerts", len(sched.alerts), f"threshold alerts fired (lines of type alert in "

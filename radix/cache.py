@@ -102,7 +102,8 @@ class InsertOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class CacheCounters:
-  """Running totals since construction."""
+  """The cache's size and running totals since construction (`PrefixCache.counters()`);
+  its prefix hits, per namespace, are `PrefixCache.stats(namespace)` (`HitStats`)."""
 
   num_nodes: int
   num_tokens: int

@@ -108,7 +108,7 @@ def test_scheduler_does_not_livelock_on_table_full_after_partial_prefix_match():
   # 11 prompt tokens + 1 output = 12 = max_segments * block_size: accepted by submit.
   sched.submit(Request(1, np.concatenate([np.arange(1, 6), [50] * 6]), 1))
   _drain(sched, 40)
-  assert sched.stats.finished == 2, f"stuck: {sched.counters.oom_by_reason}"
+  assert sched.stats.finished == 2, f"stuck: {sched.stats.oom_by_reason}"
 
 
 def test_scheduler_admission_with_many_cached_segments_does_not_raise_or_leak_lock():

@@ -413,9 +413,9 @@ class CachedPool:
       refs = np.concatenate([refs, as_segments(extra_segments, name="extra_segments")])
     self._pool.check_invariants(extra_segments=refs)
 
-  def snapshot(self, *, counters: metrics.PoolCounters | None = None,
-               assert_no_ghosts: bool = True) -> metrics.PoolSnapshot:
-    """A metrics snapshot with the cache's segments counted as live slots."""
+  def snapshot(self, *, counters=None, assert_no_ghosts: bool = True) -> metrics.PoolSnapshot:
+    """A metrics snapshot with the cache's segments counted as live slots (`counters`:
+    `metrics.snapshot`'s)."""
     return metrics.snapshot(self._pool.host, self._pool.config,
                             extra_segments=self._cache.segment_refs(), counters=counters,
                             assert_no_ghosts=assert_no_ghosts)

@@ -7,8 +7,8 @@ Nothing here changes global JAX or process settings on import: scripts call
 
 from paged_kv.runtime.compile_cache import (compilation_cache_dir, default_cache_dir,
                                             disable_compilation_cache, enable_compilation_cache)
-from paged_kv.runtime.counters import (RuntimeCounters, RuntimeStats, backend_compiles,
-                                       cache_loads, memory_mappings, resident_bytes)
+from paged_kv.runtime.counters import (RuntimeCounters, backend_compiles, cache_loads,
+                                       memory_mappings, resident_bytes)
 from paged_kv.runtime.executables import MapLimitNear, owned_executables, release_owned
 from paged_kv.runtime.host_memory import return_freed_memory
 
@@ -17,7 +17,7 @@ __all__ = [
     "enable_compilation_cache", "disable_compilation_cache", "compilation_cache_dir",
     "default_cache_dir",
     # counters
-    "RuntimeCounters", "RuntimeStats", "backend_compiles", "cache_loads", "memory_mappings",
+    "RuntimeCounters", "backend_compiles", "cache_loads", "memory_mappings",
     "resident_bytes",
     # host memory
     "return_freed_memory",

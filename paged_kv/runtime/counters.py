@@ -4,15 +4,14 @@
 kind (`"commit"`, `"step"`, `"data"`, `"sync"`, `"stats"`), host reads that
 wait by kind (`"status"`, `"resync"`, `"data"`, `"tokens"`, `"check"`),
 deferred checks (compared once ready, no wait), and process-wide compiles and
-cache loads. A `BlockPool` owns one `RuntimeCounters`; `snapshot()` gives a
-`RuntimeStats`, `RuntimeStats.since(earlier)` the difference.
+cache loads. A `BlockPool` owns one `RuntimeCounters`; its `snapshot()` is a reading
+of the same class, `later.since(earlier)` the difference of two readings.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import dataclasses
 import os
 import threading
 from collections.abc import Mapping
@@ -98,18 +97,48 @@ def trim_heap() -> bool:
     return False
 
 
-@dataclasses.dataclass(frozen=True)
-class RuntimeStats:
-  """An immutable reading of `RuntimeCounters` and the process-wide compile counts.
+class RuntimeCounters:
+  """A pool's device traffic and the process's compiles: live, or a reading of them.
 
-  `dispatches` and `host_reads` are by kind (module docstring).
+  A `BlockPool` owns a live one (`pool.runtime`) and counts into it (`dispatch`,
+  `read`); its `backend_compiles` and `cache_loads` are the process's, read on
+  access. `snapshot()` is a reading (the same class, its figures fixed) and
+  `later.since(earlier)` the counts between two readings. `dispatches` and
+  `host_reads` map a kind (module docstring) to a count.
   """
 
-  dispatches: Mapping[str, int]
-  host_reads: Mapping[str, int]
-  deferred_checks: int
-  backend_compiles: int
-  cache_loads: int
+  __slots__ = ("dispatches", "host_reads", "deferred_checks", "_compiles")
+
+  def __init__(self):
+    listen_for_compiles()
+    self.dispatches: Mapping[str, int] = collections.Counter()
+    self.host_reads: Mapping[str, int] = collections.Counter()
+    self.deferred_checks = 0
+    self._compiles: tuple[int, int] | None = None  # a reading's (compiles, cache loads)
+
+  @classmethod
+  def _reading(cls, dispatches: dict, host_reads: dict, deferred_checks: int,
+               compiles: tuple[int, int]) -> "RuntimeCounters":
+    out = cls.__new__(cls)
+    out.dispatches, out.host_reads, out.deferred_checks = dispatches, host_reads, deferred_checks
+    out._compiles = compiles
+    return out
+
+  def dispatch(self, kind: str, n: int = 1) -> None:
+    self.dispatches[kind] += n
+
+  def read(self, kind: str, n: int = 1) -> None:
+    self.host_reads[kind] += n
+
+  @property
+  def backend_compiles(self) -> int:
+    """XLA compiles in the process (`backend_compiles()`; a reading's: then, or between)."""
+    return backend_compiles() if self._compiles is None else self._compiles[0]
+
+  @property
+  def cache_loads(self) -> int:
+    """Persistent-cache loads in the process (`cache_loads()`), as `backend_compiles`."""
+    return cache_loads() if self._compiles is None else self._compiles[1]
 
   @property
   def num_dispatches(self) -> int:
@@ -129,36 +158,26 @@ class RuntimeStats:
     """Host reads that waited on the device, sampled tokens excluded."""
     return self.num_host_reads - self.host_reads.get("tokens", 0)
 
-  def since(self, earlier: "RuntimeStats") -> "RuntimeStats":
+  def snapshot(self) -> "RuntimeCounters":
+    """A reading of these counters and of the process's compile counts now."""
+    compiles = self._compiles or (backend_compiles(), cache_loads())
+    return self._reading(dict(self.dispatches), dict(self.host_reads), self.deferred_checks,
+                         compiles)
+
+  def since(self, earlier: "RuntimeCounters") -> "RuntimeCounters":
     """The counts accumulated after `earlier` (an earlier reading of the same counters)."""
-    def diff(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
-      return {k: a.get(k, 0) - b.get(k, 0) for k in sorted(set(a) | set(b))}
-    return RuntimeStats(dispatches=diff(self.dispatches, earlier.dispatches),
-                        host_reads=diff(self.host_reads, earlier.host_reads),
-                        deferred_checks=self.deferred_checks - earlier.deferred_checks,
-                        backend_compiles=self.backend_compiles - earlier.backend_compiles,
-                        cache_loads=self.cache_loads - earlier.cache_loads)
+    a, b = self.dispatches, earlier.dispatches
+    dispatches = {k: a.get(k, 0) - b.get(k, 0) for k in sorted(a.keys() | b.keys())}
+    a, b = self.host_reads, earlier.host_reads
+    host_reads = {k: a.get(k, 0) - b.get(k, 0) for k in sorted(a.keys() | b.keys())}
+    now = self._compiles or (backend_compiles(), cache_loads())
+    then = earlier._compiles or (backend_compiles(), cache_loads())
+    return self._reading(dispatches, host_reads, self.deferred_checks - earlier.deferred_checks,
+                         (now[0] - then[0], now[1] - then[1]))
 
-
-class RuntimeCounters:
-  """Mutable counters of one pool's device traffic (see the module docstring)."""
-
-  def __init__(self):
-    listen_for_compiles()
-    self.dispatches: collections.Counter[str] = collections.Counter()
-    self.host_reads: collections.Counter[str] = collections.Counter()
-    self.deferred_checks = 0
-
-  def dispatch(self, kind: str, n: int = 1) -> None:
-    self.dispatches[kind] += n
-
-  def read(self, kind: str, n: int = 1) -> None:
-    self.host_reads[kind] += n
-
-  def snapshot(self) -> RuntimeStats:
-    return RuntimeStats(dispatches=dict(self.dispatches), host_reads=dict(self.host_reads),
-                        deferred_checks=self.deferred_checks,
-                        backend_compiles=backend_compiles(), cache_loads=cache_loads())
-
+  def __repr__(self) -> str:
+    return (f"RuntimeCounters(dispatches={dict(self.dispatches)}, "
+            f"host_reads={dict(self.host_reads)}, deferred_checks={self.deferred_checks}, "
+            f"backend_compiles={self.backend_compiles}, cache_loads={self.cache_loads})")
 
 listen_for_compiles()

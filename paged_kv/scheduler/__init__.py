@@ -11,10 +11,11 @@ from paged_kv.scheduler.parallel_sampling import SampleId
 from paged_kv.scheduler.sampling_params import SamplingParams
 from paged_kv.scheduler.scheduler import (Phase, Request, Scheduler, SchedulerBroken,
                                           SchedulerConfig, SchedulerStalled, SchedulerStats,
-                                          UnknownRequest)
+                                          StepReport, UnknownRequest)
 from paged_kv.scheduler.swap import SwappedKV, swap_in, swap_out
 
 __all__ = ["DryExecutor", "Executor", "ModelExecutor", "Phase", "Request", "SampleId",
            "SamplingParams", "Scheduler", "SchedulerBroken", "SchedulerConfig",
-           "SchedulerStalled", "SchedulerStats", "SwappedKV", "UnknownRequest", "attach_state",
+           "SchedulerStalled", "SchedulerStats", "StepReport", "SwappedKV", "UnknownRequest",
+           "attach_state",
            "attached_state", "swap_in", "swap_out"]

@@ -47,12 +47,10 @@ class Admission:
   """Admits queued requests into pool rows (see the module docstring)."""
 
   def __init__(self, cached_pool: CachedPool, config: SchedulerConfig, stats: SchedulerStats,
-               counters: metrics.PoolCounters, evictor: Evictor, queues: RequestQueues,
-               record: StepRecord, *, caching: bool):
+               evictor: Evictor, queues: RequestQueues, record: StepRecord, *, caching: bool):
     self.cached_pool = cached_pool
     self.config = config
     self.stats = stats
-    self.counters = counters
     self.evictor = evictor
     self.queues = queues
     self.record = record
@@ -128,7 +126,7 @@ class Admission:
     if self.quota is None:
       return None
     fig = figures or metrics.step_stats_host(self.pool.host, self.pool.config,
-                                             counters=self.counters)
+                                             counters=self.stats)
     decision = self.quota.update(fig.used_blocks, fig.cached_blocks)
     self.live_limit, self.live_used = decision.live_limit, fig.used_blocks
     if decision.evict_cached > 0:

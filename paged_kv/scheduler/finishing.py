@@ -18,8 +18,7 @@ from paged_kv.cache.cached_pool import CachedPool
 from paged_kv.scheduler.request import (Request, RequestQueues, cacheable_tokens, drop_in_flight,
                                       is_finished)
 from paged_kv.scheduler.running_rows import NO_STOP
-from paged_kv.scheduler.step_report import StepRecord
-from paged_kv.telemetry import metrics
+from paged_kv.scheduler.step_report import SchedulerStats, StepRecord
 
 RECLAIM_EVERY = 8  # steps between reclaims of dead slots, when packing tails
 
@@ -27,13 +26,13 @@ RECLAIM_EVERY = 8  # steps between reclaims of dead slots, when packing tails
 class Finishing:
   """Stores and releases sequences (see the module docstring)."""
 
-  def __init__(self, cached_pool: CachedPool, counters: metrics.PoolCounters,
+  def __init__(self, cached_pool: CachedPool, stats: SchedulerStats,
                queues: RequestQueues, record: StepRecord, *, caching: bool,
                on_finished: Callable[[Request], None]):
     """`caching`: insert into the cache (else only release); `on_finished` is called
     for each request `finish` ended, after its release."""
     self.cached_pool = cached_pool
-    self.counters = counters
+    self.stats = stats
     self.queues = queues
     self.record = record
     self.caching = caching
@@ -90,7 +89,7 @@ class Finishing:
     try:
       # Base-region (promoted, shared) blocks are skipped; the pool moves the
       # tree's references and the cache rewrites its records.
-      self.counters.pack_moves += self.cached_pool.pack(candidates)
+      self.stats.pack_moves += self.cached_pool.pack(candidates)
     except PoolExhausted:
       pass  # nowhere to pack now (atomic: nothing changed); the tails stay as they are
 

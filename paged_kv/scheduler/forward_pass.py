@@ -31,7 +31,6 @@ from paged_kv.scheduler.request import Request, RequestQueues, is_finished
 from paged_kv.scheduler.running_rows import RunningRows
 from paged_kv.scheduler.scheduler_config import SchedulerConfig
 from paged_kv.scheduler.step_report import SchedulerStats, StepRecord
-from paged_kv.telemetry import metrics
 
 
 @dataclasses.dataclass
@@ -75,12 +74,11 @@ class ForwardPass:
   """Builds, runs and records a step's forward pass (see the module docstring)."""
 
   def __init__(self, pool, config: SchedulerConfig, stats: SchedulerStats,
-               counters: metrics.PoolCounters, evictor: Evictor, preemption: Preemption,
+               evictor: Evictor, preemption: Preemption,
                queues: RequestQueues, record: StepRecord, clock):
     self.pool = pool
     self.config = config
     self.stats = stats
-    self.counters = counters
     self.evictor = evictor
     self.preemption = preemption
     self.queues = queues
@@ -469,7 +467,7 @@ class ForwardPass:
 
   def _record_failure(self, req: Request, status: int, seq_len: int) -> None:
     """Counts a failed reservation; a full segment table ends the request (no retry helps)."""
-    self.counters.record_status(np.array([status]), [seq_len])
+    self.stats.record_status(np.array([status]), [seq_len])
     if status == Status.TABLE_FULL:
       req.stop_reason = "table_full"
 

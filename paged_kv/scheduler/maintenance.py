@@ -19,8 +19,7 @@ from paged_kv.telemetry import metrics
 
 
 def maybe_compact(cached_pool: CachedPool, config: SchedulerConfig, stats: SchedulerStats,
-                  counters: metrics.PoolCounters, last_stats: metrics.StepStats | None, *,
-                  shrinking: bool) -> int:
+                  last_stats: metrics.StepStats | None, *, shrinking: bool) -> int:
   """Compacts within the policy's budget when its threshold is crossed; returns moves."""
   policy = config.compaction
   if policy is None or shrinking:  # a shrink's moves compact downwards
@@ -39,13 +38,12 @@ def maybe_compact(cached_pool: CachedPool, config: SchedulerConfig, stats: Sched
   if num_moves == 0:
     return 0
   cached_pool.move_blocks(src, dst)  # tables and the cache follow the remap
-  counters.record_compaction(num_moves, time.perf_counter() - t0)
-  stats.compactions += 1
+  stats.record_compaction(num_moves, time.perf_counter() - t0)
   return num_moves
 
 
-def maybe_promote(cached_pool: CachedPool, config: SchedulerConfig,
-                  counters: metrics.PoolCounters, step: int) -> int:
+def maybe_promote(cached_pool: CachedPool, config: SchedulerConfig, stats: SchedulerStats,
+                  step: int) -> int:
   """Moves widely shared blocks (system prompts) into the base pool; returns moves."""
   if (not config.promote_readers or not cached_pool.pool.config.num_base_blocks
       or step % config.promote_every):
@@ -53,5 +51,5 @@ def maybe_promote(cached_pool: CachedPool, config: SchedulerConfig,
   remap = cached_pool.promote(config.promote_readers)  # the cache follows the remap
   moved = int(np.sum(remap != np.arange(remap.shape[0])))
   if moved:
-    counters.promotions += moved
+    stats.promotions += moved
   return moved

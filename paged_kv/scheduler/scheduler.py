@@ -108,21 +108,20 @@ class Scheduler:
     self._caching = caching = config.enable_prefix_cache or cache is not None
     self.queues = q = RequestQueues()
     self.stats = stats = SchedulerStats()
-    self.counters = counters_ = metrics.PoolCounters()
     self.record = record = StepRecord()
     # The parts (one concept each, see the module docstring).
     self.evictor = Evictor(cached_pool, stats, config.governance)
-    self.admission = Admission(cached_pool, config, stats, counters_, self.evictor, q, record,
+    self.admission = Admission(cached_pool, config, stats, self.evictor, q, record,
                                caching=caching)
-    self.finishing = Finishing(cached_pool, counters_, q, record, caching=caching,
+    self.finishing = Finishing(cached_pool, stats, q, record, caching=caching,
                                on_finished=self._mark_finished)
     self.preemption = Preemption(cached_pool, config, stats, self.evictor, self.finishing, q)
-    self.forward_pass = ForwardPass(self.pool, config, stats, counters_, self.evictor,
+    self.forward_pass = ForwardPass(self.pool, config, stats, self.evictor,
                                     self.preemption, q, record, clock)
     self.shrink_control = ShrinkControl(cached_pool, config, stats, self.evictor,
                                         self.admission, record, caching=caching,
                                         rewarm=self._rewarm)
-    self.telemetry = StepTelemetry(cached_pool, config, stats, counters_, record, on_snapshot)
+    self.telemetry = StepTelemetry(cached_pool, config, stats, record, on_snapshot)
     self.on_step = on_step
     # id -> request, each object submitted once; weak, so a long-running server does
     # not keep every request it ever served (a dead entry's id may be reused).
@@ -272,10 +271,10 @@ class Scheduler:
                              f"{len(self.swapped)} swapped, {self.pool.num_free_blocks} free")
     self.forward_pass.run(self.executor)
     self.finishing.finish()
-    maintenance.maybe_compact(self.cached_pool, self.config, self.stats, self.counters,
-                              telemetry.last_stats, shrinking=self.shrink_control.pending is not None)
+    maintenance.maybe_compact(self.cached_pool, self.config, self.stats, telemetry.last_stats,
+                              shrinking=self.shrink_control.pending is not None)
     self._maybe_shrink()
-    maintenance.maybe_promote(self.cached_pool, self.config, self.counters, rec.step)
+    maintenance.maybe_promote(self.cached_pool, self.config, self.stats, rec.step)
     # The step is done: its id and the counter advance together, before the
     # snapshot's callback (which may raise) runs.
     step_id = rec.step
@@ -287,7 +286,7 @@ class Scheduler:
     if self.on_step is not None:
       self.on_step(rec.report(step_id, time=self.clock(), host_seconds=time.perf_counter() - t0,
                               pool=pool_stats, snapshot=snap, stats=self.stats,
-                              counters=self.counters, queues=self.queues))
+                              queues=self.queues))
 
   # ------------------------------------------------------------------ exception safety
   @property
@@ -364,7 +363,7 @@ class Scheduler:
     return self.warmup_report
 
   @property
-  def runtime(self) -> counters.RuntimeStats:
+  def runtime(self) -> counters.RuntimeCounters:
     """The pool's device traffic since the scheduler was built (`runtime.counters`)."""
     return self.telemetry.runtime()
 

@@ -1,5 +1,6 @@
-"""What a scheduler reports: `SchedulerStats` (cumulative counters) and `StepReport`
-(one step, handed to `Scheduler(on_step=...)`)."""
+"""What a scheduler reports: `StepReport` (one step, handed to `Scheduler(on_step=...)`)
+and in it `SchedulerStats`, the run's one set of cumulative counters. `StepRecord` is
+the scheduler's own builder of a report (internal)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,27 @@ import dataclasses
 
 import numpy as np
 
+from paged_kv.core.errors import OOM_REASONS, Status
 from paged_kv.telemetry import metrics
+
+__all__ = ["SchedulerStats", "StepReport"]
+
+
+def _seq_len_bucket(seq_len) -> int:
+  """`seq_len` rounded up to a power of two (`oom_by_seq_len`'s key)."""
+  return 1 << max(int(seq_len) - 1, 0).bit_length()
 
 
 @dataclasses.dataclass
 class SchedulerStats:
-  """Cumulative counters of a scheduler run."""
+  """Cumulative counters of a serving run: requests and tokens, preemptions, the
+  cache's evictions, shrinks, the pool's events (OOMs, compaction, packing,
+  promotions) and its device traffic. The scheduler keeps one (`Scheduler.stats`,
+  `StepReport.stats`); a bare pool's caller can keep one too (`record_status`).
+
+  `oom_by_reason` (`OOM_REASONS` values) and `oom_by_seq_len` (power-of-two
+  buckets of the sequence's length) count failed allocations.
+  """
 
   steps: int = 0
   admitted: int = 0
@@ -29,7 +45,7 @@ class SchedulerStats:
   swap_in_bytes: int = 0
   evicted_tokens: int = 0
   evictions: int = 0
-  compactions: int = 0
+  compactions: int = 0  # compaction passes that moved a block
   max_running: int = 0
   quota_holds: int = 0  # admissions held back by the live quota (governance)
   prefix_dropped: int = 0  # heads admitted alone without their cached prefix (it cost more)
@@ -55,6 +71,45 @@ class SchedulerStats:
   backend_compiles: int = 0  # XLA compiles in the process since the scheduler was built
   compiles_after_warmup: int = 0  # ... since `Scheduler.warmup()` (0 is the goal)
   rewarm_compiles: int = 0  # compiles of a shrink's re-warm at its cut (a new pool size)
+  # The pool's events.
+  oom_by_reason: dict = dataclasses.field(default_factory=dict)
+  oom_by_seq_len: dict = dataclasses.field(default_factory=dict)
+  compaction_moves: int = 0  # blocks moved by compaction
+  compaction_seconds: float = 0.0  # host seconds planning and moving them
+  pack_moves: int = 0  # short tails moved into slotted blocks
+  cow_splits: int = 0  # shared tails copied before an append
+  promotions: int = 0  # blocks moved into the base region
+
+  def record_status(self, status, seq_lens=None) -> int:
+    """Counts the OOM statuses of a transition's output; returns how many."""
+    status = np.asarray(status).reshape(-1)
+    count = 0
+    for code, reason in OOM_REASONS.items():
+      hit = status == int(code)
+      if hit.any():
+        n = int(hit.sum())
+        self.oom_by_reason[reason] = self.oom_by_reason.get(reason, 0) + n
+        count += n
+        if seq_lens is not None:
+          for ln in np.asarray(seq_lens).reshape(-1)[hit]:
+            b = _seq_len_bucket(ln)
+            self.oom_by_seq_len[b] = self.oom_by_seq_len.get(b, 0) + 1
+    return count
+
+  def record_oom(self, reason: str | Status, seq_len: int | None = None) -> None:
+    """Counts one OOM (a reason name or a `Status`)."""
+    if isinstance(reason, Status):
+      reason = OOM_REASONS[reason]
+    self.oom_by_reason[reason] = self.oom_by_reason.get(reason, 0) + 1
+    if seq_len is not None:
+      b = _seq_len_bucket(seq_len)
+      self.oom_by_seq_len[b] = self.oom_by_seq_len.get(b, 0) + 1
+
+  def record_compaction(self, moves: int, seconds: float) -> None:
+    """Counts one compaction pass of `moves` blocks that took `seconds`."""
+    self.compactions += 1
+    self.compaction_moves += int(moves)
+    self.compaction_seconds += float(seconds)
 
   @property
   def prefix_cache_hit_rate(self) -> float:
@@ -74,8 +129,8 @@ class StepReport:
     step, time, host_seconds: the step's id, the clock at its end, its wall seconds.
     pool, snapshot: the cheap pool figures at its start, the full snapshot (None
       on steps without them).
-    stats: the scheduler's cumulative counters (the live object: read, don't keep).
-    counters: the pool's cumulative counters (OOMs by reason, compaction...).
+    stats: the run's cumulative counters, the pool's events and device traffic
+      included (the live object: read, don't keep; by kind: `Scheduler.runtime`).
     num_running, num_waiting, num_swapped: queue lengths after the step.
     finished: requests that finished in this step (aborted ones included).
     first_token_latencies, inter_token_latencies: seconds from `submit` to a first
@@ -89,8 +144,7 @@ class StepReport:
   host_seconds: float
   pool: metrics.StepStats | None
   snapshot: metrics.PoolSnapshot | None
-  stats: "SchedulerStats"
-  counters: metrics.PoolCounters
+  stats: SchedulerStats
   num_running: int
   num_waiting: int
   num_swapped: int
@@ -127,7 +181,7 @@ def _expand(items: list) -> tuple:
 
 @dataclasses.dataclass(eq=False)
 class StepRecord:
-  """The step a scheduler is running and what it did so far (for its `StepReport`):
+  """Internal: the step a scheduler is running and what it did so far (for its `StepReport`):
   `step` (the next one's id between steps), `now` (the clock at the step's start,
   then after its forward pass), and `StepReport`'s lists, emptied by `begin` unless
   the step before raised (`interrupted`); `add_rows` entries expand in `report`."""
@@ -162,11 +216,11 @@ class StepRecord:
     self.inter_token_latencies.append(_Rows(gaps))
 
   def report(self, step: int, *, time: float, host_seconds: float, pool, snapshot,
-             stats: SchedulerStats, counters, queues) -> StepReport:
+             stats: SchedulerStats, queues) -> StepReport:
     """The `StepReport` of step `step` from this record and the queues after it."""
     return StepReport(
         step=step, time=time, host_seconds=host_seconds, pool=pool, snapshot=snapshot,
-        stats=stats, counters=counters, num_running=len(queues.running),
+        stats=stats, num_running=len(queues.running),
         num_waiting=len(queues.waiting), num_swapped=len(queues.swapped),
         finished=tuple(self.finished), first_token_latencies=tuple(self.first_token_latencies),
         inter_token_latencies=_expand(self.inter_token_latencies), alerts=tuple(self.alerts),

@@ -28,12 +28,11 @@ class StepTelemetry:
   """The figures, snapshots and alerts of a scheduler (see the module docstring)."""
 
   def __init__(self, cached_pool: CachedPool, config: SchedulerConfig, stats: SchedulerStats,
-               counters: metrics.PoolCounters, record: StepRecord,
+               record: StepRecord,
                on_snapshot: Callable[[int, metrics.PoolSnapshot, SchedulerStats], None] | None):
     self.cached_pool = cached_pool
     self.config = config
     self.stats = stats
-    self.counters = counters
     self.record = record
     self.on_snapshot = on_snapshot
     self.pacer = StatsPacer(config.stats_every, config.stats_budget)
@@ -51,7 +50,7 @@ class StepTelemetry:
     self._compiles_at_warmup: int | None = None
 
   # ------------------------------------------------------------------ device traffic
-  def runtime(self) -> runtime_counters.RuntimeStats:
+  def runtime(self) -> runtime_counters.RuntimeCounters:
     """The pool's device traffic since the scheduler was built (`runtime.counters`)."""
     return self.cached_pool.pool.runtime.snapshot().since(self._runtime_base)
 
@@ -82,14 +81,14 @@ class StepTelemetry:
   def take_stats(self) -> metrics.StepStats:
     """The cheap pool figures now, from the pool's host mirror."""
     pool = self.cached_pool.pool
-    return metrics.step_stats_host(pool.host, pool.config, counters=self.counters)
+    return metrics.step_stats_host(pool.host, pool.config, counters=self.stats)
 
   def take_snapshot(self) -> metrics.PoolSnapshot:
     """The full pool snapshot now (O(num_blocks) host work)."""
     pool = self.cached_pool.pool
     return metrics.snapshot(pool.host, pool.config,
                             extra_segments=self.cached_pool.segment_refs(),
-                            counters=self.counters)
+                            counters=self.stats)
 
   def extra_segments(self) -> Segments:
     """`i32[n, 3]` `(block, start, length)` references the cache holds."""
@@ -110,7 +109,7 @@ class StepTelemetry:
     if self._pending is not None:
       t1 = time.perf_counter()
       pool_stats = self.last_stats = dataclasses.replace(
-          self._pending, oom_by_reason=dict(self.counters.oom_by_reason))
+          self._pending, oom_by_reason=dict(self.stats.oom_by_reason))
       self._pending = None
       self._seconds += time.perf_counter() - t1
       self.pacer.pace(step_id, self._seconds, time.perf_counter() - t0 - self._seconds)

@@ -191,16 +191,16 @@ def replay_engine(
   result.finished, result.steps, result.max_running = st.finished, st.steps, st.max_running
   result.preemptions, result.swap_bytes = st.preemptions, st.swap_to_host_bytes
   result.hit_rate = st.prefix_cache_hit_rate
-  result.oom = dict(sched.counters.oom_by_reason)
+  result.oom = dict(sched.stats.oom_by_reason)
   result.frag_mean, result.frag_p99 = float(frag.mean()), float(np.percentile(frag, 99))
   result.internal_frag_mean = float(np.mean([x.internal_fragmentation for x in snaps] or [0]))
   result.utilization_mean = float(np.mean([x.block_pool_utilization for x in snaps] or [0]))
-  result.compaction_moves = sched.counters.compaction_moves
-  result.compaction_bytes = sched.counters.compaction_moves * config.block_bytes
+  result.compaction_moves = sched.stats.compaction_moves
+  result.compaction_bytes = sched.stats.compaction_moves * config.block_bytes
   waits = np.array([r.admit_step - r.submit_step for r in sched.finished])
   result.delayed = int((waits > 0).sum())
   result.delay_steps_mean = float(waits[waits > 0].mean()) if result.delayed else 0.0
   result.quota_holds = st.quota_holds
   result.gc_evicted_tokens = st.gc_evicted_tokens
-  result.pack_moves = sched.counters.pack_moves
+  result.pack_moves = sched.stats.pack_moves
   return result

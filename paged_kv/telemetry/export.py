@@ -158,7 +158,7 @@ METRICS: tuple[MetricSpec, ...] = (
        "Scheduler step of the latest full snapshot (the snapshot-only gauges are as of it)."),
     _m("last_snapshot_timestamp_seconds", "gauge",
        "Unix time of the latest full snapshot."),
-    # -- pool counters (PoolCounters) --------------------------------------------------------
+    # -- pool events (SchedulerStats) ------------------------------------------------------
     _m("oom_total", "counter",
        "Failed block allocations by reason: no_free_block (pool exhausted), "
        "no_contiguous_run (external fragmentation), table_full (segment table row full).",
@@ -438,23 +438,21 @@ class MetricsExporter:
     if self._block_bytes:
       self._count("compaction_bytes_total", snap.compaction_moves * self._block_bytes)
 
-  def observe_pool_counters(self, counters: Any) -> None:
-    """Counts the cumulative totals of a `paged_kv.telemetry.metrics.PoolCounters`."""
-    for reason, n in dict(counters.oom_by_reason).items():
+  def observe_stats(self, stats: Any) -> None:
+    """Counts the cumulative totals of a `paged_kv.scheduler.SchedulerStats`: requests,
+    tokens, preemptions, the pool's events and device traffic."""
+    for reason, n in dict(stats.oom_by_reason).items():
       self._count("oom_total", n, reason=str(reason))
-    for seq_len, n in dict(getattr(counters, "oom_by_seq_len", {})).items():
+    for seq_len, n in dict(stats.oom_by_seq_len).items():
       self._count("oom_by_seq_len_total", n, seq_len=str(seq_len))
-    self._count("compaction_runs_total", counters.compaction_steps)
-    self._count("compaction_moves_total", counters.compaction_moves)
-    self._count("compaction_seconds_total", counters.compaction_seconds)
+    self._count("compaction_runs_total", stats.compactions)
+    self._count("compaction_moves_total", stats.compaction_moves)
+    self._count("compaction_seconds_total", stats.compaction_seconds)
     if self._block_bytes:
-      self._count("compaction_bytes_total", counters.compaction_moves * self._block_bytes)
-    self._count("pack_moves_total", counters.pack_moves)
-    self._count("cow_splits_total", counters.cow_splits)
-    self._count("promotions_total", counters.promotions)
-
-  def observe_scheduler_stats(self, stats: Any) -> None:
-    """Counts the cumulative totals of a `paged_kv.scheduler.scheduler.SchedulerStats`."""
+      self._count("compaction_bytes_total", stats.compaction_moves * self._block_bytes)
+    self._count("pack_moves_total", stats.pack_moves)
+    self._count("cow_splits_total", stats.cow_splits)
+    self._count("promotions_total", stats.promotions)
     self._count("scheduler_steps_total", stats.steps)
     self._count("num_preemptions_total", stats.preemptions_recompute, mode="recompute")
     self._count("num_preemptions_total", stats.preemptions_swap, mode="swap")
@@ -515,13 +513,12 @@ class MetricsExporter:
     return count
 
   def observe(self, report: Any) -> None:
-    """Takes one `paged_kv.scheduler.scheduler.StepReport` (what `on_step` is passed)."""
+    """Takes one `paged_kv.scheduler.StepReport` (what `on_step` is passed)."""
     if report.pool is not None:
       self.observe_step_stats(report.pool)
     if report.snapshot is not None:
       self.observe_snapshot(report.snapshot, step=report.step)
-    self.observe_pool_counters(report.counters)
-    self.observe_scheduler_stats(report.stats)
+    self.observe_stats(report.stats)
     now = time.monotonic()
     if now - self._process_sampled >= self.process_every_s:
       self._process_sampled = now
@@ -713,7 +710,6 @@ def step_record(report: Any) -> dict:
       "num_swapped": int(report.num_swapped),
       "pool": None if report.pool is None else _as_fields(report.pool, "pool"),
       "stats": _as_fields(report.stats, "stats"),
-      "counters": {k: v for k, v in _as_fields(report.counters, "counters").items()},
       "first_token_latencies": list(report.first_token_latencies),
       "num_inter_token_latencies": len(report.inter_token_latencies),
       "finished": [_finished_record(r) for r in report.finished],

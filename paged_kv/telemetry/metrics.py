@@ -1,14 +1,15 @@
-"""Pool metrics: one snapshot dataclass, host counters, and threshold alerts.
+"""Pool metrics: the cheap per-step figures, the full snapshot, and threshold alerts.
 
-`PoolSnapshot` is derived from the state, the segments held outside the pool and
-the caller's `PoolCounters`; nothing is stored twice. `check_alerts` turns a
+`StepStats` (every step, from the host mirror) and `PoolSnapshot` (periodic, every
+block) are derived from the state, the segments held outside the pool and the
+caller's cumulative counters (a `paged_kv.scheduler.SchedulerStats`: OOMs,
+compaction); nothing is stored twice. `check_alerts` turns a
 snapshot into `Alert`s with a likely cause and an action; `AlertMonitor` fires
 each once per upward crossing.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Iterable
 
@@ -16,7 +17,6 @@ import jax
 import numpy as np
 
 from paged_kv.core.config import PoolConfig
-from paged_kv.core.errors import OOM_REASONS, Status
 from paged_kv.core.segment_format import Segments, as_segments
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, PoolState
 from paged_kv.pool.host_state import HostState
@@ -97,52 +97,6 @@ def ghost_blocks(ref_count: np.ndarray, region: np.ndarray, free_list: np.ndarra
   return missing + listed_used + duplicates + bad_count
 
 
-@dataclasses.dataclass
-class PoolCounters:
-  """Event counters the host keeps beside the state (cumulative).
-
-  `oom_by_reason` (`OOM_REASONS` values) and `oom_by_seq_len` (power-of-two
-  buckets) count failed allocations; the others count compaction, packing, tail
-  copies and promotions.
-  """
-
-  oom_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  oom_by_seq_len: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-  compaction_steps: int = 0
-  compaction_moves: int = 0
-  compaction_seconds: float = 0.0
-  pack_moves: int = 0
-  cow_splits: int = 0
-  promotions: int = 0
-
-  def record_status(self, status, seq_lens=None) -> int:
-    """Counts the OOM statuses of a transition's output; returns how many."""
-    status = np.asarray(status).reshape(-1)
-    count = 0
-    for code, reason in OOM_REASONS.items():
-      hit = status == int(code)
-      if hit.any():
-        self.oom_by_reason[reason] += int(hit.sum())
-        count += int(hit.sum())
-        if seq_lens is not None:
-          for ln in np.asarray(seq_lens).reshape(-1)[hit]:
-            self.oom_by_seq_len[1 << max(int(ln) - 1, 0).bit_length()] += 1
-    return count
-
-  def record_oom(self, reason: str | Status, seq_len: int | None = None) -> None:
-    """Counts one OOM (a reason name or a `Status`)."""
-    if isinstance(reason, Status):
-      reason = OOM_REASONS[reason]
-    self.oom_by_reason[reason] += 1
-    if seq_len is not None:
-      self.oom_by_seq_len[1 << max(int(seq_len) - 1, 0).bit_length()] += 1
-
-  def record_compaction(self, moves: int, seconds: float) -> None:
-    self.compaction_steps += 1
-    self.compaction_moves += int(moves)
-    self.compaction_seconds += float(seconds)
-
-
 @dataclasses.dataclass(frozen=True)
 class PoolSnapshot:
   """Memory metrics of a pool at one instant.
@@ -159,7 +113,7 @@ class PoolSnapshot:
     largest_contiguous_free_bytes: bytes of the largest free dynamic run.
     live_blocks, cached_only_blocks: blocks used by table rows / only by outside holders.
     ghost_block_bytes: bytes of the blocks `ghost_blocks` counts (0 by construction).
-    oom_*, compaction_*: from the counters.
+    oom_*, compaction_*: from the caller's counters.
   """
 
   num_blocks: int
@@ -206,12 +160,12 @@ def _free_list_of(free: np.ndarray, num_free: int) -> np.ndarray:
 
 
 def snapshot(state, config: PoolConfig, *, extra_segments: Segments | None = None,
-             counters: PoolCounters | None = None,
-             assert_no_ghosts: bool = True) -> PoolSnapshot:
+             counters=None, assert_no_ghosts: bool = True) -> PoolSnapshot:
   """Computes a `PoolSnapshot` on the host from `state` (a device state or the host mirror).
 
   `extra_segments: i32[n, 3]` held outside the tables count as live slots;
-  `counters` None counts zeros. `assert_no_ghosts` (default) raises
+  `counters` (a `SchedulerStats`, or any object with its `oom_*` and `compaction_*`
+  fields) gives the cumulative figures; None counts zeros. `assert_no_ghosts` (default) raises
   `AssertionError` on a ghost block; a monitoring loop passes False and alerts.
   """
   if _is_mirror(state):
@@ -240,7 +194,6 @@ def snapshot(state, config: PoolConfig, *, extra_segments: Segments | None = Non
                                 < table.num_segments[:, None])
   in_table = np.zeros(n, bool)
   in_table[table.block[seg_used]] = True
-  counters = counters or PoolCounters()
   return PoolSnapshot(
       num_blocks=n,
       num_free_blocks=int((~used).sum()),
@@ -258,10 +211,10 @@ def snapshot(state, config: PoolConfig, *, extra_segments: Segments | None = Non
       live_blocks=int((in_table & used).sum()),
       cached_only_blocks=int((used & ~in_table).sum()),
       ghost_block_bytes=ghosts * config.block_bytes,
-      oom_by_reason=dict(counters.oom_by_reason),
-      oom_by_seq_len=dict(counters.oom_by_seq_len),
-      compaction_moves=counters.compaction_moves,
-      compaction_seconds=counters.compaction_seconds,
+      oom_by_reason=dict(counters.oom_by_reason) if counters is not None else {},
+      oom_by_seq_len=dict(counters.oom_by_seq_len) if counters is not None else {},
+      compaction_moves=counters.compaction_moves if counters is not None else 0,
+      compaction_seconds=counters.compaction_seconds if counters is not None else 0.0,
   )
 
 
@@ -290,7 +243,7 @@ class StepStats:
     fragmentation_ratio: dynamic region, 1 - largest free run / free blocks.
     largest_free_run_blocks: the largest run of free dynamic blocks.
     block_bytes: bytes of one block (all layers, K and V).
-    oom_by_reason: cumulative OOMs by reason, from the caller's `PoolCounters`.
+    oom_by_reason: cumulative OOMs by reason, from the caller's counters.
   """
 
   num_blocks: int
@@ -308,9 +261,8 @@ class StepStats:
     return self.largest_free_run_blocks * self.block_bytes
 
 
-def step_stats_host(host, config: PoolConfig, *,
-                    counters: "PoolCounters | None" = None) -> StepStats:
-  """`StepStats` from a pool's host mirror: no device work."""
+def step_stats_host(host, config: PoolConfig, *, counters=None) -> StepStats:
+  """`StepStats` from a pool's host mirror: no device work; `counters` as `snapshot`'s."""
   n = config.num_blocks
   dyn_free = host.free.num_free
   free = dyn_free + host.num_free_base
@@ -324,8 +276,7 @@ def step_stats_host(host, config: PoolConfig, *,
                    oom_by_reason=dict(counters.oom_by_reason) if counters is not None else {})
 
 
-def step_stats(state: PoolState, config: PoolConfig, *,
-               counters: "PoolCounters | None" = None) -> StepStats:
+def step_stats(state: PoolState, config: PoolConfig, *, counters=None) -> StepStats:
   """`StepStats` of a bare `PoolState`: its bookkeeping (not its pages) read to the
   host once, then `step_stats_host`'s arithmetic."""
   return step_stats_host(HostState.from_device(state, config), config, counters=counters)

@@ -142,7 +142,7 @@ def timeline(steps: Sequence[Mapping[str, Any]], path: str | os.PathLike, *,
   used = _series(steps, "pool", "used_blocks") / n_blocks * 100
   cached = _series(steps, "pool", "cached_blocks") / n_blocks * 100
   free = _series(steps, "pool", "free_blocks") / n_blocks * 100
-  compactions = _increments(_series(steps, "counters", "compaction_moves"))
+  compactions = _increments(_series(steps, "stats", "compaction_moves"))
   preempt_rec = _increments(_series(steps, "stats", "preemptions_recompute"))
   preempt_swap = _increments(_series(steps, "stats", "preemptions_swap"))
   alerts = [(ti, a) for ti, r in zip(t, steps) for a in r.get("alerts") or ()]

@@ -432,7 +432,7 @@ class FaultInjectionTest(absltest.TestCase):
       self.assertGreater(stats.quota_holds, 0)
       self.assertGreater(stats.gc_marked_nodes, 0)
       self.assertGreater(stats.gc_evicted_tokens, 0)
-      self.assertGreater(_REFERENCE[mode].counters.promotions, 0)
+      self.assertGreater(_REFERENCE[mode].stats.promotions, 0)
     outcomes: dict[str, list] = {"recovered": [], "refused": [], "clean": [], "unfired": []}
     for site, n, exc, when in fault_points(mode, shard):
       inj = Injector(site, n, exc, when)

@@ -118,7 +118,7 @@ class SchedulerTest(parameterized.TestCase):
                       SchedulerConfig(max_batch=8, prefill_chunk=16, compaction=policy))
     _run(sched, _workload(2, n=12))
     self.assertGreater(sched.stats.compactions, 0)
-    self.assertGreater(sched.counters.compaction_moves, 0)
+    self.assertGreater(sched.stats.compaction_moves, 0)
 
   def test_oversized_request_refused_at_submit(self):
     pool = paged_kv.BlockPool(CFG)
@@ -148,7 +148,7 @@ class PackTailsTest(absltest.TestCase):
       snap = paged_kv.telemetry.metrics.snapshot(pool.state, cfg, extra_segments=sched.extra_segments())
       frag[pack] = snap.internal_fragmentation
       if pack:
-        self.assertGreater(sched.counters.pack_moves, 0)
+        self.assertGreater(sched.stats.pack_moves, 0)
     self.assertLess(frag[True], frag[False] / 2)
 
 
@@ -163,7 +163,7 @@ class PromotionTest(absltest.TestCase):
                       SchedulerConfig(max_batch=8, prefill_chunk=16, promote_readers=3,
                                       promote_every=1))
     _run(sched, _workload(4, n=16))  # invariants after every step
-    self.assertGreater(sched.counters.promotions, 0)
+    self.assertGreater(sched.stats.promotions, 0)
     refs = np.asarray(pool.state.meta.ref_count)
     self.assertTrue((refs[:cfg.num_base_blocks] > 0).any())
     # The cache now points into the base pool for the shared system prompt.

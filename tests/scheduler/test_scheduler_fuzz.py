@@ -345,8 +345,8 @@ class Totals:
     self.swap_preemptions += st.preemptions_swap
     self.evictions += st.evictions
     self.compactions += st.compactions
-    self.pack_moves += sched.counters.pack_moves
-    self.promotions += sched.counters.promotions
+    self.pack_moves += sched.stats.pack_moves
+    self.promotions += sched.stats.promotions
     self.quota_holds += st.quota_holds
     self.quota_evicted_blocks += st.quota_evicted_blocks
     self.gc_evicted_tokens += st.gc_evicted_tokens

@@ -41,12 +41,12 @@ class Parts:
     self.pool = paged_kv.BlockPool(CFG)
     self.cp = CachedPool(self.pool, None, policy=config.evict_policy)
     self.config, self.stats = config, SchedulerStats()
-    self.counters, self.queues, self.record = metrics.PoolCounters(), RequestQueues(), StepRecord()
+    self.queues, self.record = RequestQueues(), StepRecord()
     self.finished = []
     self.evictor = Evictor(self.cp, self.stats, config.governance)
-    self.admission = Admission(self.cp, config, self.stats, self.counters, self.evictor,
+    self.admission = Admission(self.cp, config, self.stats, self.evictor,
                                self.queues, self.record, caching=True)
-    self.finishing = Finishing(self.cp, self.counters, self.queues, self.record, caching=True,
+    self.finishing = Finishing(self.cp, self.stats, self.queues, self.record, caching=True,
                                on_finished=self.finished.append)
     self.preemption = Preemption(self.cp, config, self.stats, self.evictor, self.finishing,
                                  self.queues)
@@ -210,14 +210,14 @@ class MaintenanceTest(absltest.TestCase):
     p = Parts(SchedulerConfig(compaction=paged_kv.core.compact.CompactionPolicy(
         threshold=0.0)))
     stats = metrics.step_stats_host(p.pool.host, p.pool.config)
-    self.assertEqual(maintenance.maybe_compact(p.cp, p.config, p.stats, p.counters, stats,
+    self.assertEqual(maintenance.maybe_compact(p.cp, p.config, p.stats, stats,
                                                shrinking=True), 0)
     self.assertEqual(maintenance.maybe_compact(p.cp, SchedulerConfig(compaction=None),
-                                               p.stats, p.counters, stats, shrinking=False), 0)
+                                               p.stats, stats, shrinking=False), 0)
 
   def test_promotion_only_on_its_steps(self):
     p = Parts()
-    self.assertEqual(maintenance.maybe_promote(p.cp, p.config, p.counters, 16), 0)  # off
+    self.assertEqual(maintenance.maybe_promote(p.cp, p.config, p.stats, 16), 0)  # off
 
 
 class RecoveryTest(absltest.TestCase):

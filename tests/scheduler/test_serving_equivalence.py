@@ -105,8 +105,8 @@ def test_forced_compaction_and_promotion_change_no_token(model, workload):
                        compaction=policy, base_pool_fraction=0.2, promote_readers=3)
   for r, want in zip(reqs, dense):
     assert r.tokens.tolist() == want, r.request_id
-  assert sched.counters.compaction_moves > 0
-  assert sched.counters.promotions > 0
+  assert sched.stats.compaction_moves > 0
+  assert sched.stats.promotions > 0
   assert sched.stats.hit_tokens > 0
 
 
@@ -134,7 +134,7 @@ def test_slotted_packing_changes_no_token(model, workload):
     for r, w in zip(reqs, want):
       assert r.tokens.tolist() == w, r.request_id
     if phase == 0:
-      assert sched.counters.pack_moves > 0
+      assert sched.stats.pack_moves > 0
   # Every second turn re-read its whole first turn from the cache, packed tail included.
   for r, first in zip(reqs, dense[:4]):
     assert r.hit_tokens == len(first) - 1, (r.request_id, r.hit_tokens)

@@ -432,8 +432,8 @@ class MooncakeSoakTest(absltest.TestCase):
           f"{ls.next_index % n} requests, {ls.submitted} submitted, {ls.refused} refused, "
           f"{st.finished} finished, {ls.steps} steps, {st.preemptions_swap} swap / "
           f"{st.preemptions_recompute} recompute preemptions, {st.evictions} evictions, "
-          f"{st.compactions} compactions, {sched.counters.pack_moves} pack moves, "
-          f"{sched.counters.promotions} promotions, hit rate "
+          f"{st.compactions} compactions, {sched.stats.pack_moves} pack moves, "
+          f"{sched.stats.promotions} promotions, hit rate "
           f"{st.prefix_cache_hit_rate:.3f}, {checked[0]} K/V tokens checked, restored "
           f"cache {restored_tokens} tokens; drain clean")
 
@@ -537,7 +537,7 @@ class MooncakeSoakTest(absltest.TestCase):
           f"{st.finished} finished, {generated[0]} tokens generated, {ls.steps} steps")
     print(f"  {st.preemptions_swap} swap / {st.preemptions_recompute} recompute preemptions, "
           f"{st.evictions} evictions, {st.compactions} compactions, "
-          f"{sched.counters.pack_moves} pack moves, {sched.counters.promotions} promotions, "
+          f"{sched.stats.pack_moves} pack moves, {sched.stats.promotions} promotions, "
           f"{ls.saves} saves, hit rate {st.prefix_cache_hit_rate:.3f}")
     print(f"  checked vs the dense reference ({checker.seconds:.0f} s, {checker.compiles} "
           f"compiles of its own): {checker.requests} requests, {checker.generated_checked} "

@@ -72,7 +72,7 @@ class StepStatsTest(parameterized.TestCase):
     self.assertEqual(idle.kv_usage_ratio, 0.0)
     self.assertGreater(metrics.snapshot(pool.state, cfg).block_pool_utilization, 0.0)
     if extra:
-      self.assertGreater(sched.counters.promotions, 0)
+      self.assertGreater(sched.stats.promotions, 0)
 
 
 class StepReportTest(absltest.TestCase):

@@ -93,13 +93,13 @@ class TenantBlocksTest(absltest.TestCase):
     apart, apart_mixed = serve(SchedulerConfig(**base))
     mixed, mixed_mixed = serve(SchedulerConfig(**base, mix_namespaces=True))
     print(f"\ncache blocks at the end: no packing {cache_blocks(plain)}, packing by "
-          f"namespace {cache_blocks(apart)} ({apart.counters.pack_moves} moves), mixed "
-          f"{cache_blocks(mixed)} ({mixed.counters.pack_moves} moves); most blocks with "
+          f"namespace {cache_blocks(apart)} ({apart.stats.pack_moves} moves), mixed "
+          f"{cache_blocks(mixed)} ({mixed.stats.pack_moves} moves); most blocks with "
           f"2+ namespaces: {plain_mixed}, {apart_mixed}, {mixed_mixed}")
     self.assertEqual(plain_mixed, 0)
     self.assertEqual(apart_mixed, 0)
     self.assertGreater(mixed_mixed, 0)  # the count can see a mixed block
-    self.assertGreater(apart.counters.pack_moves, 0)
+    self.assertGreater(apart.stats.pack_moves, 0)
     self.assertLess(cache_blocks(apart), cache_blocks(plain))  # packing still gains
     self.assertLessEqual(cache_blocks(mixed), cache_blocks(apart))
     # A save and restore lays the cache out by namespace too (unless asked to mix).

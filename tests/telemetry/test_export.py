@@ -19,6 +19,7 @@ from absl.testing import absltest
 import pytest
 
 import paged_kv
+from paged_kv.scheduler import SchedulerStats
 from paged_kv.telemetry import export, metrics
 from tests.telemetry import serving_run
 
@@ -54,7 +55,7 @@ def small_pool_snapshot(num_tokens=(6, 3), ooms=("no_free_block",), moves=3):
   pool = paged_kv.BlockPool(CFG)
   ids = [pool.open_sequence() for _ in num_tokens]
   pool.reserve_tokens(ids, list(num_tokens))
-  counters = metrics.PoolCounters()
+  counters = SchedulerStats()
   for reason in ooms:
     counters.record_oom(reason, seq_len=20)
   counters.record_compaction(moves, 0.25)
@@ -111,7 +112,7 @@ class LiveScrapeTest(absltest.TestCase):
   def test_values_match_the_run(self):
     sched, _, text, reports = serving_run.served_run()
     fams = families(text)
-    st, counters = sched.stats, sched.counters
+    st = counters = sched.stats
     self.assertLen(reports, st.steps)  # the previous on_step still ran
     value = functools.partial(sample_value, fams)
     self.assertEqual(value("paged_kv_scheduler_steps_total"), st.steps)
@@ -140,7 +141,7 @@ class LiveScrapeTest(absltest.TestCase):
     self.assertGreater(counters.compaction_moves, 0)
     self.assertEqual(value("paged_kv_compaction_bytes_total"),
                      counters.compaction_moves * serving_run.CFG.block_bytes)
-    self.assertEqual(value("paged_kv_compaction_runs_total"), counters.compaction_steps)
+    self.assertEqual(value("paged_kv_compaction_runs_total"), counters.compactions)
     last = reports[-1].pool
     self.assertAlmostEqual(value("paged_kv_kv_cache_usage_perc"), last.kv_usage_ratio)
     self.assertEqual(value("paged_kv_cached_only_blocks"), last.cached_blocks)
@@ -220,19 +221,19 @@ class CounterSemanticsTest(absltest.TestCase):
     exporter = export.MetricsExporter()
     stats = serving_run.make_scheduler().stats
     stats.prompt_tokens, stats.hit_tokens = 100, 40
-    exporter.observe_scheduler_stats(stats)
+    exporter.observe_stats(stats)
     stats.prompt_tokens, stats.hit_tokens = 150, 40
-    exporter.observe_scheduler_stats(stats)
+    exporter.observe_stats(stats)
     fams = families(exporter.render())
     self.assertEqual(sample_value(fams, "paged_kv_prefix_cache_queries_total"), 150)
     # A new scheduler: its totals start again; the exporter adds them.
     fresh = type(stats)(prompt_tokens=30, hit_tokens=10)
-    exporter.observe_scheduler_stats(fresh)
+    exporter.observe_stats(fresh)
     fams = families(exporter.render())
     self.assertEqual(sample_value(fams, "paged_kv_prefix_cache_queries_total"), 180)
     self.assertEqual(sample_value(fams, "paged_kv_prefix_cache_hits_total"), 50)
     with self.assertRaisesRegex(ValueError, "finite number >= 0"):
-      exporter.observe_scheduler_stats(type(stats)(prompt_tokens=-1))
+      exporter.observe_stats(type(stats)(prompt_tokens=-1))
 
   def test_latencies_observed_together_equal_one_by_one(self):
     from prometheus_client import CollectorRegistry, Histogram  # pylint: disable=import-outside-toplevel
@@ -287,7 +288,7 @@ class CounterSemanticsTest(absltest.TestCase):
 
   def test_registries_are_private(self):
     a, b = export.MetricsExporter(model="a"), export.MetricsExporter(model="b")
-    a.observe_scheduler_stats(type(serving_run.make_scheduler().stats)(steps=3))
+    a.observe_stats(type(serving_run.make_scheduler().stats)(steps=3))
     self.assertEqual(a.registry.get_sample_value(
         "paged_kv_scheduler_steps_total", {"model": "a", "replica": "0"}), 3)
     self.assertEqual(b.registry.get_sample_value(
@@ -355,7 +356,7 @@ class SnapshotAndAlertsTest(absltest.TestCase):
     self.assertEqual(value("paged_kv_compaction_moves_total"), 3)
     self.assertEqual(value("paged_kv_compaction_bytes_total"), 3 * CFG.block_bytes)
     # The same cumulative totals seen again (counters and snapshot) count once.
-    exporter.observe_pool_counters(counters)
+    exporter.observe_stats(counters)
     exporter.observe_snapshot(snap)
     fams = families(exporter.render())
     self.assertEqual(sample_value(fams, "paged_kv_oom_total", reason="no_free_block"), 1)
@@ -456,7 +457,7 @@ class JsonlLoggerTest(absltest.TestCase):
     self.assertTrue(all(f["e2e_s"] >= f["ttft_s"] >= f["queue_s"] >= 0 for f in finished))
     self.assertEqual(steps[0]["pool"]["num_blocks"], serving_run.CFG.num_blocks)
     self.assertIn("kv_usage_ratio", steps[0]["pool"])
-    self.assertIn("oom_by_reason", steps[-1]["counters"])
+    self.assertIn("oom_by_reason", steps[-1]["stats"])
 
   def test_reserved_keys_and_bad_values(self):
     path = os.path.join(_tmpdir(self), "bad.jsonl")

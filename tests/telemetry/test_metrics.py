@@ -6,6 +6,7 @@ import numpy as np
 from absl.testing import absltest
 
 import paged_kv
+from paged_kv.scheduler import SchedulerStats
 from paged_kv.telemetry import metrics
 from paged_kv.core.errors import Status
 from tests.testutil import KVModel, small_config
@@ -53,7 +54,7 @@ class SnapshotTest(absltest.TestCase):
     # Free dynamic blocks: {1} and {4..31}: 29 free, largest run 28.
     self.assertAlmostEqual(snap.fragmentation_ratio, 1 - 28 / 29)
     self.assertEqual(snap.largest_contiguous_free_bytes, 28 * CONFIG.block_bytes)
-    counters = metrics.PoolCounters()
+    counters = SchedulerStats()
     n = counters.record_status(np.array([Status.OK, Status.NO_FREE_BLOCK,
                                          Status.NO_CONTIGUOUS_RUN, Status.NO_FREE_BLOCK]),
                                seq_lens=[5, 100, 3000, 17])
