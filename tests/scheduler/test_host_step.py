@@ -1,6 +1,7 @@
 """The host side of a scheduler step, counted (not timed).
 
-* A step's reservation, decided on the host mirror (`BlockPool.predict_step`), runs
+* A step's reservation predicted on the host mirror (`step_reservation.predict_step`,
+  each step of the k-step decode's `BlockPool.predict_decode_steps`), runs
   the same Python code at any batch size: no per-row Python call or numpy call on
   one row's entries (the number of Python-level calls is the same at 16 and 64 rows).
 * In a steady serving loop (admission with cached prefixes, chunked prefill,
@@ -29,6 +30,7 @@ from absl.testing import absltest
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.pool import host_transitions as transitions
+from paged_kv.pool import step_reservation
 from paged_kv.model import metadata
 from paged_kv.model.plan import StepPlan
 from paged_kv.scheduler.running_rows import RunningList, RunningRows
@@ -66,7 +68,8 @@ def _prediction_calls(batch: int) -> int:
   ones = np.ones(batch, np.int32)
   out = {}
   calls = _count_calls(lambda: out.setdefault(
-      "pred", pool.predict_step(rows, ones, max_new_tokens=1)), ("/paged_kv/", "/radix/"))
+      "pred", step_reservation.predict_step(pool, rows, ones, max_new_tokens=1)),
+                       ("/paged_kv/", "/radix/"))
   pred = out["pred"]
   np.testing.assert_array_equal(pred.status, 0)
   assert (pred.slot_idx[:, 0] >= 0).all()
@@ -84,15 +87,14 @@ class PredictionTest(absltest.TestCase):
 
 def _reserve_step_window(batch: int, full_tails: int):
   """A host reservation (`BlockPool.reserve_step`) of one token per row over `batch`
-  rows, `full_tails` of them with a full tail block, applied by the host-slots
-  `DryExecutor`; returns `(commit dispatches, rows and blocks the commit held, pool)`."""
+  rows, `full_tails` of them with a full tail block, applied by `DryExecutor`; returns `(commit dispatches, rows and blocks the commit held, pool)`."""
   cfg = paged_kv.PoolConfig(num_blocks=8 * batch, block_size=4, num_layers=1, num_kv_heads=1,
                             head_dim=2, max_seqs=batch, max_segments=8)
   pool = paged_kv.BlockPool(cfg, debug=False)
   rows = np.array([pool.open_sequence() for _ in range(batch)])
   pool.reserve_tokens(rows, np.where(np.arange(batch) < full_tails, 4, 2))
   pool.verify()
-  ex = DryExecutor(cfg, takes_reserved_slots=True)
+  ex = DryExecutor(cfg)
   held = []
   log = pool._log  # pylint: disable=protected-access
   batches = log.batches
