@@ -16,6 +16,9 @@
 * A host reservation (`BlockPool.reserve_step`) commits only the rows that took a
   block; rows that grow in place are the step's to apply (no commit at all when
   every row grows in place).
+* The single step's reservation is the host's alone: no step of a scheduler without
+  the k-step decode predicts a device reservation, and an executor that reserves
+  again inside its step leaves a device the mirror catches.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+from unittest import mock
 
 import numpy as np
 from absl.testing import absltest
 
 import paged_kv
-from paged_kv.core import compact
+from paged_kv.core import compact, segments
+from paged_kv.core.errors import InternalInconsistency
 from paged_kv.pool import host_transitions as transitions
 from paged_kv.pool import step_reservation
 from paged_kv.model import metadata
@@ -297,3 +302,67 @@ class RequestFieldsTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+def _dry_run(decode_steps: int, executor=None, steps: int = 30) -> tuple[Scheduler, dict]:
+  """`steps` scheduler steps of a chat-like load; counts of the pool's step reservations
+  (`reserve_step`, `predict_step`) and of the executor's dispatches."""
+  cfg = paged_kv.PoolConfig(num_blocks=96, block_size=4, num_layers=1, num_kv_heads=1,
+                            head_dim=2, max_seqs=8, max_segments=16)
+  pool = paged_kv.BlockPool(cfg, debug=False)
+  sched = Scheduler(pool, executor(cfg) if executor else DryExecutor(cfg), SchedulerConfig(
+      max_batch=8, prefill_chunk=8, prefill_token_budget=16, compaction=None,
+      output_reserve_ratio=0.0, stats_every=0, snapshot_every=0, decode_steps=decode_steps))
+  rng = np.random.default_rng(0)
+  for i in range(6):
+    sched.submit(Request(i, rng.integers(0, 1000, int(rng.integers(3, 14))), 40))
+  counts = {"reserve_step": 0, "predict_step": 0}
+
+  def counted(name, fn):
+    def wrapper(*args, **kwargs):
+      counts[name] += 1
+      return fn(*args, **kwargs)
+    return wrapper
+
+  with mock.patch.object(step_reservation, "predict_step",
+                         counted("predict_step", step_reservation.predict_step)), \
+       mock.patch.object(paged_kv.BlockPool, "reserve_step",
+                         counted("reserve_step", paged_kv.BlockPool.reserve_step)):
+    before = pool.runtime.snapshot()
+    for _ in range(steps):
+      sched.step()
+    counts["dispatches"] = pool.runtime.snapshot().since(before).dispatches.get("step", 0)
+  return sched, counts
+
+
+class _ReservingAgain(DryExecutor):
+  """Breaks the contract: reserves the plan's slots again inside its step."""
+
+  def step(self, state, plan):
+    state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
+                                                 config=self.config,
+                                                 max_new_tokens=plan.max_query_len)
+    return state, np.zeros(plan.seq_ids.shape, np.int32), status
+
+
+class OneDeciderTest(absltest.TestCase):
+  """A single step's reservation is decided once, on the host."""
+
+  def test_the_single_step_path_never_predicts_a_device_reservation(self):
+    sched, counts = _dry_run(decode_steps=1)
+    self.assertEqual(counts["predict_step"], 0)
+    self.assertEqual(counts["reserve_step"], counts["dispatches"])
+    self.assertEqual(counts["dispatches"], 30)
+    sched.check_invariants()
+
+  def test_the_k_step_decode_still_predicts(self):
+    # The counter above can fire: the k-step decode reserves in its program.
+    sched, counts = _dry_run(decode_steps=4)
+    self.assertGreater(counts["predict_step"], 0)
+    self.assertLess(counts["reserve_step"], counts["dispatches"])
+    sched.check_invariants()
+
+  def test_an_executor_that_reserves_again_is_caught(self):
+    with self.assertRaises(InternalInconsistency):
+      sched, _ = _dry_run(decode_steps=1, executor=_ReservingAgain, steps=1)
+      sched.pool.verify()
