@@ -291,8 +291,6 @@ class ForwardPass:
       if np.shape(tokens)[-1] < num_rows or dev_status.shape[-1] < num_rows:
         raise InvalidArgument(f"executor returned {np.shape(tokens)[-1]} tokens / "
                               f"{dev_status.shape[-1]} statuses for {num_rows} rows")
-      if isinstance(dev_status, np.ndarray) and pred.status.ndim == 1:
-        dev_status = dev_status.reshape(-1)
       self.pool.adopt_step(state, pred, device_status=dev_status)
     except BaseException:
       if not pred.adopted:  # the pool never took the step's state: hand it over
