@@ -96,7 +96,7 @@ class DryExecutor:
   """Memory dynamics only: applies the host's reservation (`plan.reserved`'s in-place
   growth), computes nothing, samples token 0."""
 
-  uses_tokens = False  # one program per `max_query_len`, whatever the token width
+  uses_tokens = False  # it reads no tokens: its step program fits every token width
   carries_tokens = True  # it reads no tokens, so carried ones need no resolving
 
   def __init__(self, config: PoolConfig):

@@ -366,3 +366,15 @@ class OneDeciderTest(absltest.TestCase):
     with self.assertRaises(InternalInconsistency):
       sched, _ = _dry_run(decode_steps=1, executor=_ReservingAgain, steps=1)
       sched.pool.verify()
+
+  def test_a_plan_without_the_hosts_reservation_is_refused(self):
+    cfg = paged_kv.PoolConfig(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=2, max_segments=4)
+    pool = paged_kv.BlockPool(cfg, debug=False)
+    seq = pool.open_sequence()
+    plan = StepPlan(seq_ids=np.array([seq, -1], np.int32), num_new=np.array([1, 0], np.int32),
+                    tokens=np.zeros(2, np.int32))
+    with self.assertRaises(paged_kv.InvalidArgument):
+      DryExecutor(cfg).step(pool.state, plan)
+    pool.check_invariants()  # nothing reserved, the state intact
+    self.assertEqual(int(pool.host.seq_len[seq]), 0)
