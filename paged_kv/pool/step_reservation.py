@@ -97,8 +97,9 @@ def reserve_step(pool: BlockPool, seq_ids, num_new, *, max_new_tokens: int,
   """Reserves a step's slots on the mirror and commits them before the step runs.
 
   The step only reads the table (`paged_kv.model.metadata.reserved_slots`). Hand
-  `prediction.state` to the step, then `adopt_step` (or `abandon_step`). `grow_in_step`: a decode row
-  growing in place by one token (not yet in the log) stays out of the commit and
+  `prediction.state` to the step, then `adopt_step` (or `abandon_step`).
+  `grow_in_step`: a decode row growing in place by one token (not yet in the log)
+  stays out of the commit and
   the step applies it (`prediction.grow`; `paged_kv.core.growth.grow_tails`), so
   a decode step commits only the rows that took a block.
   """
