@@ -213,7 +213,8 @@ def main(argv):
             f"host {out[9]:7.3f} ms, stats {out[3]:6.3f} ms", flush=True)
   print("\nHost time per scheduler step (ms; median of "
         f"{_REPEATS.value} rounds x {_STEPS.value} steps; DryExecutor). 'executor': its "
-        "jitted step (the in-place growth), waited for (device work; on this CPU it runs on the host); 'commit': "
+        "jitted step (the in-place growth), waited for (device work; on this CPU it runs "
+        "on the host); 'commit': "
         "the pool's commits of the step (the jitted program applying the mirror's "
         "changes), waited for (device work too), 'commits': their number per step; "
         "'host': the step's own host work, step - executor - commit per step (issue T's "

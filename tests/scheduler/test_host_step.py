@@ -92,7 +92,8 @@ class PredictionTest(absltest.TestCase):
 
 def _reserve_step_window(batch: int, full_tails: int):
   """A host reservation (`BlockPool.reserve_step`) of one token per row over `batch`
-  rows, `full_tails` of them with a full tail block, applied by `DryExecutor`; returns `(commit dispatches, rows and blocks the commit held, pool)`."""
+  rows, `full_tails` of them with a full tail block, applied by `DryExecutor`; returns
+  `(commit dispatches, rows and blocks the commit held, pool)`."""
   cfg = paged_kv.PoolConfig(num_blocks=8 * batch, block_size=4, num_layers=1, num_kv_heads=1,
                             head_dim=2, max_seqs=batch, max_segments=8)
   pool = paged_kv.BlockPool(cfg, debug=False)
