@@ -59,7 +59,7 @@ def _engine(batch: int, tokenizer: Tokenizer | None) -> Engine:
   config = paged_kv.PoolConfig(num_blocks=4096, block_size=BLOCK_SIZE, num_layers=1,
                                num_kv_heads=1, head_dim=2, dtype="bfloat16",
                                max_seqs=batch, max_segments=64)
-  sched = Scheduler(paged_kv.BlockPool(config), DryExecutor(config, takes_reserved_slots=True),
+  sched = Scheduler(paged_kv.BlockPool(config), DryExecutor(config),
                     SchedulerConfig(max_batch=batch, prefill_token_budget=8 * BLOCK_SIZE * 4,
                                     prefill_chunk=BLOCK_SIZE * 4, compaction=None,
                                     output_reserve_ratio=0.0, stats_every=1,

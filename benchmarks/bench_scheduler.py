@@ -17,10 +17,10 @@ runs a larger program on another thread), so `step` and `host+commit` read highe
 here than in a loop that does not wait: at batch 256 on 2 cores, ~2.5 ms step and
 ~2.3 ms host+commit unwaited against ~2.8 and ~2.7 waited, with `host` ~2.2-2.3.
 
-`--reserve=host` (the default) runs the serving loop's step as `ModelExecutor`
-does: the host reserves on its mirror and commits, the executor's jitted step
-applies the in-place growth (`DryExecutor(takes_reserved_slots=True)`);
-`--reserve=device`: the executor's jitted step reserves (`reserve_tokens`).
+The step is the serving loop's: the host reserves on its mirror and commits, the
+executor's jitted step applies the in-place growth (what the removed
+`--reserve=host` measured; records made with `--reserve=device` timed a step that
+reserved in its program, which the scheduler no longer runs).
 
 Telemetry modes, measured in the same run on the same workload:
   * `off`: `stats_every=0, snapshot_every=0` (the bare step);
@@ -35,7 +35,7 @@ directly (`metrics.step_stats_host`, wrapped in this run), so it does not depend
 on two noisy runs agreeing; `vs off` compares against the `off` run of the same
 configuration.
 
-On CPU the "device" is this CPU, so the jitted reserve and reduction run here too;
+On CPU the "device" is this CPU, so the jitted growth and commits run here too;
 on a GPU they are asynchronous device work and the host part is what remains.
 
 Usage:
@@ -69,9 +69,6 @@ _WARMUP = flags.DEFINE_integer("warmup", 60, "Untimed steps first (compilation).
 _REPEATS = shared_flags.define_repeats(3, "Runs per configuration (median of medians).")
 _BLOCK_SIZE = shared_flags.define_block_size()
 _SEED = shared_flags.define_seed("Workload seed.")
-_RESERVE = flags.DEFINE_enum("reserve", "host", ["host", "device"],
-                             "Who reserves a step's slots: the host mirror (the serving "
-                             "loop's step) or the executor's jitted step.")
 _RECORD = shared_flags.define_record()
 _COMPILE_CACHE = shared_flags.define_compile_cache()
 
@@ -138,16 +135,14 @@ class _CommitTimer:
 class TimedExecutor(DryExecutor):
   """`DryExecutor` that accumulates the seconds spent in its `step` (results ready)."""
 
-  def __init__(self, config, **kwargs):
-    super().__init__(config, **kwargs)
+  def __init__(self, config):
+    super().__init__(config)
     self.seconds = 0.0
 
   def step(self, state, plan):
     t0 = time.perf_counter()
     state, nxt, status = super().step(state, plan)
-    # Wait for the device work here, to time it (the status itself stays on the
-    # device: the scheduler compares it with its prediction once ready, as always).
-    jax.block_until_ready((state, status))
+    jax.block_until_ready(state)  # the device work, waited for to time it
     self.seconds += time.perf_counter() - t0
     return state, nxt, status
 
@@ -161,7 +156,7 @@ def _run(num_blocks: int, batch: int, mode: str, seed: int
                                num_kv_heads=1, head_dim=2, dtype="bfloat16",
                                max_seqs=batch, max_segments=64)
   pool = paged_kv.BlockPool(config)
-  executor = TimedExecutor(config, takes_reserved_slots=_RESERVE.value == "host")
+  executor = TimedExecutor(config)
   sched = Scheduler(pool, executor, SchedulerConfig(
       max_batch=batch, prefill_token_budget=8 * bs * 4, prefill_chunk=bs * 4,
       compaction=None, output_reserve_ratio=0.0, **MODES[mode]))
@@ -217,9 +212,9 @@ def main(argv):
             f"(p90 {out[1]:7.3f}), executor {out[2]:7.3f} ms, commit {out[8]:7.3f} ms, "
             f"host {out[9]:7.3f} ms, stats {out[3]:6.3f} ms", flush=True)
   print("\nHost time per scheduler step (ms; median of "
-        f"{_REPEATS.value} rounds x {_STEPS.value} steps; DryExecutor, --reserve="
-        f"{_RESERVE.value}). 'executor': its jitted step (the in-place growth, or the "
-        "reserve), waited for (device work; on this CPU it runs on the host); 'commit': "
+        f"{_REPEATS.value} rounds x {_STEPS.value} steps; DryExecutor). 'executor': its "
+        "jitted step (the in-place growth), waited for (device work; on this CPU it runs "
+        "on the host); 'commit': "
         "the pool's commits of the step (the jitted program applying the mirror's "
         "changes), waited for (device work too), 'commits': their number per step; "
         "'host': the step's own host work, step - executor - commit per step (issue T's "

@@ -92,7 +92,7 @@ class StepPlan:
     max_query_len: static bound of `num_new`; 1 marks a decode-only batch.
     sampling, num_logprobs: optional `SamplingBatch` (None: greedy), static top logprobs.
     carried: optional `CarriedTokens` (placeholders in `tokens`).
-    reserved: optional host `ReservedSlots`, for executors with `takes_reserved_slots`.
+    reserved: the host's `ReservedSlots` (the scheduler's steps); None: the step reserves.
     prompt: optional `PromptPositions` whose logprobs the step computes too.
   """
 

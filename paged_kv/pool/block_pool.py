@@ -437,7 +437,7 @@ class BlockPool:
     return ids, d
 
   # -- parts defined beside their concept, bound as methods (no call layer) ----
-  predict_step = step_reservation.predict_step
+  predict_decode_steps = step_reservation.predict_decode_steps
   reserve_step = step_reservation.reserve_step
   adopt_step = step_reservation.adopt_step
   abandon_step = step_reservation.abandon_step

@@ -4,8 +4,9 @@ Each function is the numpy twin of the jitted transition in `paged_kv.core` its
 docstring names, run on a `HostState`: the same status codes in the same order
 of precedence and, when it applies, the same end state (`tests/pool/` runs
 both on random operation sequences and compares every array). Refused calls
-change nothing. `reserve` is also the prediction of a jitted step's own
-`reserve_tokens`, so the host knows a step's slots without reading the device.
+change nothing. `reserve` decides the scheduler's step (`BlockPool.reserve_step`)
+and predicts the k-step decode's own `reserve_tokens`, so the host knows a step's
+slots without reading the device.
 """
 
 from __future__ import annotations

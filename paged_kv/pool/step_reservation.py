@@ -1,8 +1,9 @@
 """A step's reservation, decided on a `BlockPool`'s mirror (bound as its methods).
 
-`reserve_step` decides and commits it before the step runs (the serving path);
-`predict_step` predicts the step's own on-device `reserve_tokens`, which
-`adopt_step` then checks.
+`reserve_step` decides and commits it before a single step runs (the serving
+path: the step only reads it). The k-step decode reserves inside its jitted
+program: `predict_decode_steps` predicts those reservations (`predict_step`, one
+step's `reserve_tokens`), and `adopt_step` checks the device's statuses later.
 """
 # pylint: disable=protected-access
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from paged_kv.core.errors import Status
 from paged_kv.core.state import PoolState
 from paged_kv.pool import host_transitions as host_ops
 
@@ -50,9 +52,10 @@ class StepPrediction:
 
 
 def predict_step(pool: BlockPool, seq_ids, num_new, *, max_new_tokens: int) -> StepPrediction:
-  """Flushes and predicts on the mirror what the step's on-device
+  """Flushes and predicts on the mirror what a jitted step's own
   `reserve_tokens(atomic=False)` will do (per-row statuses, failed rows unchanged).
-  Hand `prediction.state` to the step, then `adopt_step`."""
+  Hand `prediction.state` to the step, then `adopt_step`. Not a method: the
+  scheduler's single step takes `reserve_step`; the k-step decode, this k times."""
   ids = np.asarray(seq_ids, np.int64).reshape(-1)
   counts = np.asarray(num_new, np.int64).reshape(-1)
   pool.flush()
@@ -69,14 +72,34 @@ def predict_step(pool: BlockPool, seq_ids, num_new, *, max_new_tokens: int) -> S
                         touched_blocks=touched)
 
 
+def predict_decode_steps(pool: BlockPool, seq_ids: np.ndarray, remaining: np.ndarray,
+                         num_steps: int) -> StepPrediction:
+  """The reservations of `Executor.decode_steps` on the mirror, one step after the
+  other (row b reserves one token at step j while `j < remaining[b]` and none of its
+  earlier ones failed); `status` is `i32[num_steps, B]`."""
+  ones = np.ones_like(seq_ids)
+  stopped = np.zeros(seq_ids.shape, bool)
+  statuses, touched, state = [], [], None
+  for j in range(num_steps):
+    live = (seq_ids >= 0) & (j < remaining) & ~stopped
+    pred = predict_step(pool, np.where(live, seq_ids, -1), ones, max_new_tokens=1)
+    state = pred.state if state is None else state
+    statuses.append(pred.status)
+    touched.append(pred.touched_blocks)
+    stopped |= live & (pred.status != Status.OK)
+  return StepPrediction(state=state, slot_idx=np.zeros((0,), np.int32),
+                        status=np.stack(statuses),
+                        touched_blocks=np.unique(np.concatenate(touched)))
+
+
 def reserve_step(pool: BlockPool, seq_ids, num_new, *, max_new_tokens: int,
                  grow_in_step: bool = False) -> StepPrediction:
   """Reserves a step's slots on the mirror and commits them before the step runs.
 
-  `predict_step`'s reservation, but final: the step only reads the table
-  (`paged_kv.model.metadata.reserved_slots`). Hand `prediction.state` to the
-  step, then `adopt_step` (or `abandon_step`). `grow_in_step`: a decode row
-  growing in place by one token (not yet in the log) stays out of the commit and
+  The step only reads the table (`paged_kv.model.metadata.reserved_slots`). Hand
+  `prediction.state` to the step, then `adopt_step` (or `abandon_step`).
+  `grow_in_step`: a decode row growing in place by one token (not yet in the log)
+  stays out of the commit and
   the step applies it (`prediction.grow`; `paged_kv.core.growth.grow_tails`), so
   a decode step commits only the rows that took a block.
   """
@@ -97,8 +120,8 @@ def adopt_step(pool: BlockPool, state: PoolState, prediction: StepPrediction,
                device_status=None) -> None:
   """Takes the state a step returned; its reservation was `prediction`'s.
 
-  After `predict_step`, `device_status` (the step's, at least B entries) is
-  compared with the prediction, at once for a host array (raising
+  After a prediction (`predict_decode_steps`), `device_status` (the step's, at
+  least B entries per step) is compared with it, at once for a host array (raising
   `InternalInconsistency`), once ready for a device array.
   """
   pool._state = state

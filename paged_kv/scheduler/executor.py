@@ -1,12 +1,15 @@
 """The model work of a scheduler step: one forward pass, on the pool state.
 
 `Executor` is the protocol the `Scheduler` calls: `step(state, plan) -> (state,
-next_tokens i32[B], status i32[B])` reserves `plan.num_new[i]` slots for row i of a
-`paged_kv.model.StepPlan` (prefill chunks and decodes together), caches its new
-tokens and samples the token after its last; a row whose reservation failed is left
-untouched and its token means nothing. `DryExecutor` reserves and computes nothing
-(trace replay, scheduler tests); `ModelExecutor` runs a Flax NNX model through its
-bound jitted steps (`paged_kv.model.steps.bind`). This module imports no flax.
+next_tokens i32[B], status i32[B])` runs row i of a `paged_kv.model.StepPlan` (prefill
+chunks and decodes together) on the slots the host reserved and committed for it,
+`plan.reserved` (`BlockPool.reserve_step`; the step first grows rows in place by
+`reserved.grow`, and never reserves itself), caches its new tokens and samples the
+token after its last; `status` is `plan.reserved.status`, and a row whose
+reservation failed is left untouched (its token means nothing). `DryExecutor` only
+applies the growth (trace replay, scheduler tests); `ModelExecutor` runs a Flax NNX
+model through its bound jitted steps (`paged_kv.model.steps.bind`). This module
+imports no flax.
 
 Optional attributes the scheduler reads:
   * `vocab_size`: `submit` refuses token ids outside `[0, vocab_size)`.
@@ -16,8 +19,6 @@ Optional attributes the scheduler reads:
   * `applies_penalties`, `history_len`: penalties from per-row token histories.
   * `prompt_logprobs`: it computes `plan.prompt`'s `PromptLogprobs` (returned fifth).
   * `carries_tokens`: it resolves `plan.carried` (tokens on the device) in its step.
-  * `takes_reserved_slots`: it reads the host's committed `plan.reserved` instead
-    of reserving (growing rows in place by `reserved.grow` first).
   * `decode_steps(state, plan, remaining, *, num_steps)`: k decode steps in one
     dispatch, reserving in the step; row b runs step j iff `seq_ids[b] >= 0`,
     `j < remaining[b]` and no earlier reservation of it failed (a stop token does
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import numpy as np
 
-from paged_kv.core import growth, segments
+from paged_kv.core import growth
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.core.state import PoolState
@@ -92,16 +93,14 @@ class Executor(Protocol):
 
 
 class DryExecutor:
-  """Memory dynamics only: reserves the slots, computes nothing, samples token 0.
-  `takes_reserved_slots`: read the host's `plan.reserved` as `ModelExecutor` does
-  (default: reserve inside the jitted step)."""
+  """Memory dynamics only: applies the host's reservation (`plan.reserved`'s in-place
+  growth), computes nothing, samples token 0."""
 
-  uses_tokens = False  # one program per `max_query_len`, whatever the token width
+  uses_tokens = False  # it reads no tokens: its step program fits every token width
   carries_tokens = True  # it reads no tokens, so carried ones need no resolving
 
-  def __init__(self, config: PoolConfig, *, takes_reserved_slots: bool = False):
+  def __init__(self, config: PoolConfig):
     self.config = config
-    self.takes_reserved_slots = bool(takes_reserved_slots)
     self._decode_steps = _reserve_steps_program(config)
     self._grow = _grow_program(config)
 
@@ -113,17 +112,14 @@ class DryExecutor:
 
   def step(self, state: PoolState,
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
+    """`InvalidArgument` (state intact) for a plan without `reserved`."""
     reserved = plan.reserved
-    if reserved is not None:  # the host reserved and committed all but in-place growth
-      if reserved.grow is not None:
-        state = self._grow(state, plan.seq_ids, reserved.grow.tokens, reserved.grow.clock)
-      return state, np.zeros(plan.seq_ids.shape, np.int32), reserved.status
-    state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
-                                                 config=self.config,
-                                                 max_new_tokens=plan.max_query_len)
-    # The status stays on the device: the scheduler predicted it on its host mirror
-    # and compares the two once the device is done (no wait).
-    return state, np.zeros(plan.seq_ids.shape, np.int32), status
+    if reserved is None:
+      raise InvalidArgument("DryExecutor.step reads the host's reservation: plan.reserved "
+                            "is None (BlockPool.reserve_step)")
+    if reserved.grow is not None:  # the commit holds all but the in-place growth
+      state = self._grow(state, plan.seq_ids, reserved.grow.tokens, reserved.grow.clock)
+    return state, np.zeros(plan.seq_ids.shape, np.int32), reserved.status
 
   def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
                    num_steps: int) -> tuple[PoolState, np.ndarray, Any]:
@@ -173,7 +169,6 @@ class ModelExecutor:
 
   samples = True  # the scheduler hands it each row's sampling parameters (`plan.sampling`)
   carries_tokens = True  # `plan.carried` is resolved inside the jitted step
-  takes_reserved_slots = True  # a plan's `reserved` slots are read, not reserved again
 
   def __init__(self, model: "nnx.Module", pool_config: PoolConfig, *,
                impl: str | None = None, interpret: bool | None = None, tokenizer=None,
@@ -252,9 +247,7 @@ class ModelExecutor:
             state, plan, self.history)
       return (state, nxt, status, *extra)
     state, (nxt, _, status) = self.steps.forward(state, plan)
-    # Device arrays: the caller reads the tokens (it needs them) and compares the
-    # status with its own prediction once ready.
-    return state, nxt, status
+    return state, nxt, status  # device arrays: the caller reads the tokens
 
   def lower_step(self, state: PoolState, plan: StepPlan):
     """`step`'s program for `plan`'s shapes, lowered (not run: `state` is kept), for a

@@ -2,11 +2,12 @@
 
 The step's rows (`batching`) go to the executor in one mixed batch, after the blocks
 they may take were freed (eviction, then `Preemption.relieve`). The host decides the
-reservation on the pool's mirror first: committed for an executor that
-`takes_reserved_slots` (`BlockPool.reserve_step`), else predicted and compared with
-the device's later (`BlockPool.predict_step`); all but the sampled tokens is known at
-dispatch. A dispatched step is a `Flight` until its tokens are read: at once, or
-after the next dispatch when overlapped (`docs/serving_loop.md`).
+reservation on the pool's mirror and commits it (`BlockPool.reserve_step`); the
+executor reads it (`plan.reserved`). The k-step decode reserves in its program: the
+mirror predicts it and compares the device's statuses later
+(`BlockPool.predict_decode_steps`). All but the sampled tokens is known at dispatch.
+A dispatched step is a `Flight` until its tokens are read: at once, or after the
+next dispatch when overlapped (`docs/serving_loop.md`).
 """
 
 from __future__ import annotations
@@ -150,14 +151,10 @@ class ForwardPass:
     decodes, chunks = rows.decodes, rows.chunks
     plan = batching.plan_rows(rows, self.config, sampling=getattr(executor, "samples", False))
     plan = self._with_carried(executor, plan, rows)
-    if getattr(executor, "takes_reserved_slots", False):  # the host decides the slots
-      pred = self.pool.reserve_step(plan.seq_ids, plan.num_new,
-                                    max_new_tokens=plan.max_query_len, grow_in_step=True)
-      plan = dataclasses.replace(plan, reserved=reserved_slots(plan, pred.slot_idx, pred.status,
-                                                               pred.grow, pred.clock))
-    else:
-      pred = self.pool.predict_step(plan.seq_ids, plan.num_new,
-                                    max_new_tokens=plan.max_query_len)
+    pred = self.pool.reserve_step(plan.seq_ids, plan.num_new,
+                                  max_new_tokens=plan.max_query_len, grow_in_step=True)
+    plan = dataclasses.replace(plan, reserved=reserved_slots(plan, pred.slot_idx, pred.status,
+                                                             pred.grow, pred.clock))
     nxt, extra = self._call(executor, pred, lambda s: executor.step(s, plan),
                             len(decodes) + len(chunks))
     status = pred.status
@@ -223,7 +220,7 @@ class ForwardPass:
     seq_ids = np.asarray(plan.seq_ids)
     remaining = np.zeros(seq_ids.shape, np.int32)
     remaining[:len(decodes)] = steps
-    pred = self._predict_multi(seq_ids, remaining, k)
+    pred = self.pool.predict_decode_steps(seq_ids, remaining, k)
     tokens, extra = self._call(
         executor, pred, lambda s: executor.decode_steps(s, plan, remaining, num_steps=k),
         len(decodes))
@@ -251,23 +248,6 @@ class ForwardPass:
                                   first=[], epochs=[r.epoch for r in decodes], tokens=tokens,
                                   runs=ran, extra=extra, last=last), failed)
 
-  def _predict_multi(self, seq_ids: np.ndarray, remaining: np.ndarray,
-                     k: int) -> StepPrediction:
-    """The k reservations of `decode_steps` on the mirror, one after the other."""
-    ones = np.ones_like(seq_ids)
-    stopped = np.zeros(seq_ids.shape, bool)
-    statuses, touched, state = [], [], None
-    for j in range(k):
-      live = (seq_ids >= 0) & (j < remaining) & ~stopped
-      pred = self.pool.predict_step(np.where(live, seq_ids, -1), ones, max_new_tokens=1)
-      state = pred.state if state is None else state
-      statuses.append(pred.status)
-      touched.append(pred.touched_blocks)
-      stopped |= live & (pred.status != Status.OK)
-    return StepPrediction(state=state, slot_idx=np.zeros((0,), np.int32),
-                          status=np.stack(statuses),
-                          touched_blocks=np.unique(np.concatenate(touched)))
-
   # ------------------------------------------------------------------ dispatch helpers
   def _with_carried(self, executor: Executor, plan, rows: batching.StepRows):
     """`plan` with its decode rows' unread input tokens taken from the newest flight
@@ -293,8 +273,8 @@ class ForwardPass:
     return self._prev
 
   def _call(self, executor: Executor, pred: StepPrediction, call, num_rows: int):
-    """Runs the executor on the predicted state and adopts what it returned:
-    `(tokens, extra)`; the pool never loses its state, whatever is raised."""
+    """Runs the executor on the reserved (or predicted) state and adopts what it
+    returned: `(tokens, extra)`; the pool never loses its state, whatever is raised."""
     try:
       state, tokens, dev_status, *extra = call(pred.state)
     except BaseException as exc:
@@ -309,8 +289,6 @@ class ForwardPass:
       if np.shape(tokens)[-1] < num_rows or dev_status.shape[-1] < num_rows:
         raise InvalidArgument(f"executor returned {np.shape(tokens)[-1]} tokens / "
                               f"{dev_status.shape[-1]} statuses for {num_rows} rows")
-      if isinstance(dev_status, np.ndarray) and pred.status.ndim == 1:
-        dev_status = dev_status.reshape(-1)
       self.pool.adopt_step(state, pred, device_status=dev_status)
     except BaseException:
       if not pred.adopted:  # the pool never took the step's state: hand it over

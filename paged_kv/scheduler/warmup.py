@@ -138,8 +138,8 @@ def _padding_pack(pool, width: int) -> None:
 def _padding_plan(sched: "Scheduler", width: int, max_query_len: int, *,
                   reserved: bool = True, prompt: bool = False) -> StepPlan:
   """A plan of padding rows shaped as `ForwardPass`'s plans: with host-reserved slots
-  (all `-1`) for an executor that takes them, unless `reserved` is False (the k-step
-  decode's plan); with unused `PromptPositions` when `prompt`."""
+  (all `-1`) unless `reserved` is False (the k-step decode's plan); with unused
+  `PromptPositions` when `prompt`."""
   b = sched.config.max_batch
   sampling = (SamplingBatch.greedy(b) if getattr(sched.executor, "samples", False) else None)
   plan = StepPlan(seq_ids=np.full((b,), -1, np.int32), num_new=np.zeros((b,), np.int32),
@@ -147,7 +147,7 @@ def _padding_plan(sched: "Scheduler", width: int, max_query_len: int, *,
                   sampling=sampling, num_logprobs=sched.config.max_logprobs,
                   prompt=(PromptPositions.empty(sched.config.prefill_token_budget)
                           if prompt else None))
-  if reserved and getattr(sched.executor, "takes_reserved_slots", False):
+  if reserved:
     plan = dataclasses.replace(plan, reserved=ReservedSlots(
         slot_mapping=np.full((width,), -1, np.int32), status=np.zeros((b,), np.int32),
         grow=TailGrowth(tokens=np.zeros((b,), np.int32), clock=np.int32(sched.pool.host.step))))
@@ -160,10 +160,7 @@ def _padding_step(sched: "Scheduler", width: int, max_query_len: int, *,
   """The executor's step on a plan of padding rows: compiles, changes nothing."""
   plan = _padding_plan(sched, width, max_query_len, prompt=prompt)
   pool = sched.pool
-  if plan.reserved is not None:
-    pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
-  else:
-    pred = pool.predict_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
+  pred = pool.reserve_step(plan.seq_ids, plan.num_new, max_new_tokens=max_query_len)
   try:
     state, _, status, *_ = sched.executor.step(pred.state, plan)
   except BaseException:
@@ -180,7 +177,7 @@ def _padding_steps(sched: "Scheduler", k: int) -> None:
   plan = _padding_plan(sched, b, 1, reserved=False)
   pool = sched.pool
   remaining = np.zeros((b,), np.int32)
-  pred = sched.forward_pass._predict_multi(np.asarray(plan.seq_ids), remaining, k)  # pylint: disable=protected-access
+  pred = pool.predict_decode_steps(np.asarray(plan.seq_ids), remaining, k)
   try:
     state, tokens, status, *_ = sched.executor.decode_steps(pred.state, plan, remaining,
                                                             num_steps=k)

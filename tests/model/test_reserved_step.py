@@ -16,6 +16,7 @@ from flax import nnx
 import paged_kv
 from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.model import StepPlan, llama, metadata, steps
+from paged_kv.pool import step_reservation
 
 MODEL_CONFIG = llama.LlamaConfig(num_layers=2)
 POOL = llama.pool_config_for(MODEL_CONFIG, num_blocks=24, block_size=8, max_seqs=4,
@@ -40,7 +41,7 @@ def _serve(bound: steps.ModelSteps, *, reserved: bool, hold: int = 0,
            grow: bool = False) -> list[np.ndarray]:
   """Runs `_plans` through a pool (`hold` blocks taken first: rows may fail), with the
   host's reservation (`reserve_step`; `grow`: the in-place rows applied by the step)
-  or the step's own (`predict_step`)."""
+  or the step's own (`step_reservation.predict_step`)."""
   pool = paged_kv.BlockPool(POOL)
   pool.open_sequences([None] * 3)
   if hold:
@@ -54,7 +55,8 @@ def _serve(bound: steps.ModelSteps, *, reserved: bool, hold: int = 0,
       plan = dataclasses.replace(plan, reserved=metadata.reserved_slots(
           plan, pred.slot_idx, pred.status, pred.grow if grow else None, pred.clock))
     else:
-      pred = pool.predict_step(plan.seq_ids, plan.num_new, max_new_tokens=plan.max_query_len)
+      pred = step_reservation.predict_step(pool, plan.seq_ids, plan.num_new,
+                                           max_new_tokens=plan.max_query_len)
     state, (nxt, logits, status) = bound.forward(pred.state, plan)
     pool.adopt_step(state, pred, device_status=status)
     np.testing.assert_array_equal(np.asarray(status), pred.status)

@@ -84,7 +84,7 @@ class TailColumnsTest(parameterized.TestCase):
     cfg = paged_kv.PoolConfig(num_blocks=120, block_size=bs, num_layers=1, num_kv_heads=1,
                               head_dim=2, max_seqs=batch, max_segments=32)
     pool = paged_kv.BlockPool(cfg, debug=False)
-    sched = Scheduler(pool, DryExecutor(cfg, takes_reserved_slots=True),
+    sched = Scheduler(pool, DryExecutor(cfg),
                       SchedulerConfig(max_batch=batch, prefill_chunk=4 * bs,
                                       prefill_token_budget=8 * bs, compaction=None,
                                       output_reserve_ratio=0.0, stats_every=0,

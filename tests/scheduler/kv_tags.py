@@ -1,6 +1,6 @@
 """Tagged K/V for scheduler tests: an executor that writes a known value per token.
 
-`TaggingExecutor` reserves the plan's slots like `DryExecutor`, then writes for
+`TaggingExecutor` takes the host's reservation like `DryExecutor`, then writes for
 token `t` at position `p` of a request of tenant `n` the K/V `tags(n, t, p)`:
 exact small integers in float32, so any read through segments can be checked bit
 for bit. A cached prefix reused by another request of the same tenant holds the
@@ -20,14 +20,16 @@ clear, or a free block) holds zeros, which scrubbing guarantees.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 
 import jax
 import numpy as np
 
 import paged_kv
-from paged_kv.core import kv, segments
+from paged_kv.core import growth, kv, segments
 from paged_kv.core.errors import Status
+from paged_kv.model import metadata
 
 TAG_DIM = 4  # head_dim of the pools these helpers serve
 TOKENS_PER_TENANT = 1000
@@ -71,18 +73,22 @@ class TaggingExecutor:
     self.multi_steps = 0  # `decode_steps` calls
 
   def step(self, state, plan):
+    """Writes the tags into the host's reservation (`plan.reserved`, the in-place
+    growth applied first), as the `Executor` contract says."""
     c = self.config
     seq_ids = np.asarray(plan.seq_ids)
     num_new = np.asarray(plan.num_new)
     tokens = np.asarray(plan.tokens)
+    reserved = plan.reserved
+    if reserved.grow is not None:
+      state = _grow_program(c)(state, plan.seq_ids, reserved.grow.tokens, reserved.grow.clock)
+    mapping, status = np.asarray(reserved.slot_mapping), np.asarray(reserved.status)
+    # Each row's first new position: its length less what this step reserved.
     base = np.asarray(state.table.seq_len)[np.clip(seq_ids, 0, c.max_seqs - 1)]
-    state, (slot_idx, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
-                                                        config=c,
-                                                        max_new_tokens=plan.max_query_len)
-    slot_idx, status = np.asarray(slot_idx), np.asarray(status)
+    base = base - np.where(status == Status.OK, num_new, 0)
     if c.scrub_freed_blocks:
       # Every slot handed out reads zero before its new owner writes it.
-      used = slot_idx[slot_idx >= 0]
+      used = mapping[mapping >= 0]
       k_flat = np.asarray(state.pages.k).reshape(c.num_layers, c.num_kv_heads, -1, c.head_dim)
       leaked = k_flat[:, :, used]
       if np.any(leaked != 0):
@@ -91,8 +97,7 @@ class TaggingExecutor:
                              f"{k_flat[0, 0, bad].tolist()}")
     by_seq = {r.seq_id: r for r in self.sched.running}
     cu = np.concatenate([[0], np.cumsum(num_new)])
-    width = slot_idx.shape[1]
-    k = np.zeros((c.num_layers,) + slot_idx.shape + (c.num_kv_heads, c.head_dim), np.float32)
+    k = np.zeros((c.num_layers,) + mapping.shape + (c.num_kv_heads, c.head_dim), np.float32)
     nxt = np.zeros(seq_ids.shape, np.int32)
     for b, sid in enumerate(seq_ids.tolist()):
       n = int(num_new[b])
@@ -104,22 +109,22 @@ class TaggingExecutor:
       nxt[b] = next_token(tenant, toks[-1], pos[-1], self.vocab)
       if status[b] != Status.OK:
         continue
-      assert n <= width
+      assert (mapping[cu[b]:cu[b + 1]] >= 0).all()
       for layer in range(c.num_layers):
-        k[layer, b, :n] = tags(tenant, toks, pos, layer)[:, None, :]
+        k[layer, cu[b]:cu[b + 1]] = tags(tenant, toks, pos, layer)[:, None, :]
       self.tokens_written += n
-    slot_idx = np.where(status[:, None] == Status.OK, slot_idx, -1).astype(np.int32)
     pages = state.pages
     for layer in range(c.num_layers):
-      pages = kv.jit_write_kv(pages, np.int32(layer), slot_idx, k[layer], -k[layer])
+      pages = kv.jit_write_kv(pages, np.int32(layer), mapping, k[layer], -k[layer])
     self.steps += 1
     return dataclasses.replace(state, pages=pages), nxt, status
 
   def decode_steps(self, state, plan, remaining, *, num_steps: int):
-    """`num_steps` one-token steps (the `Executor.decode_steps` contract): step j runs
-    the rows with steps left whose reservations all succeeded, each writing the tags
-    of its input token (the plan's at j = 0, then the one it sampled) and sampling
-    the next. Returns `(state, tokens i32[k, B], status i32[k, B])`."""
+    """`num_steps` one-token steps (the `Executor.decode_steps` contract): step j
+    reserves on the device for the rows with steps left whose reservations all
+    succeeded, each writing the tags of its input token (the plan's at j = 0, then
+    the one it sampled) and sampling the next. Returns `(state, tokens i32[k, B],
+    status i32[k, B])`."""
     self.multi_steps += 1
     seq_ids = np.asarray(plan.seq_ids)
     remaining = np.asarray(remaining)
@@ -134,6 +139,10 @@ class TaggingExecutor:
       ragged[:int(live.sum())] = tokens[live]  # the live rows' tokens, in row order
       step_plan = dataclasses.replace(plan, seq_ids=np.where(live, seq_ids, -1).astype(np.int32),
                                       num_new=live.astype(np.int32), tokens=ragged)
+      state, (slot_idx, status) = segments.reserve_tokens(
+          state, step_plan.seq_ids, step_plan.num_new, config=self.config, max_new_tokens=1)
+      step_plan = dataclasses.replace(step_plan, reserved=metadata.reserved_slots(
+          step_plan, np.asarray(slot_idx), np.asarray(status)))
       state, nxt, status = self.step(state, step_plan)
       status = np.where(live, np.asarray(status), Status.OK)
       statuses[j] = status
@@ -141,6 +150,12 @@ class TaggingExecutor:
       stopped |= live & (status != Status.OK)
       tokens = np.where(live & (status == Status.OK), nxt, tokens).astype(np.int32)
     return state, out, statuses
+
+
+@functools.lru_cache(maxsize=8)
+def _grow_program(config: paged_kv.PoolConfig):
+  """`growth.grow_tails` jitted for `config`, the state donated."""
+  return jax.jit(functools.partial(growth.grow_tails, config=config), donate_argnums=0)
 
 
 def _segment_slots(segs: np.ndarray, block_size: int) -> np.ndarray:

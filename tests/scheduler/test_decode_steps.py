@@ -225,6 +225,16 @@ class ModelDecodeStepsTest(parameterized.TestCase):
     _assert_states_equal(state, want_state)
 
 
+class _ReservingStep:
+  """The dry decode's reference single step: one device reservation, no model math
+  (`DryExecutor.step` reads a host reservation instead)."""
+
+  def step(self, state, plan):
+    state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
+                                                 config=POOL, max_new_tokens=plan.max_query_len)
+    return state, np.zeros(plan.seq_ids.shape, np.int32), status
+
+
 class DryDecodeStepsTest(parameterized.TestCase):
 
   @parameterized.parameters(1, 3, 4)
@@ -233,7 +243,8 @@ class DryDecodeStepsTest(parameterized.TestCase):
     state, pending = _prefilled(_executor(), free_blocks=1)
     remaining = np.array([k, 4, 2, 0], np.int32)
     plan = StepPlan(seq_ids=SEQ_IDS, num_new=np.ones((B,), np.int32), tokens=pending)
-    ref_state, ref = _single_steps(ex, _copy(state), pending, remaining, k, None, 0)
+    ref_state, ref = _single_steps(_ReservingStep(), _copy(state), pending, remaining, k,
+                                   None, 0)
     state, tokens, status = ex.decode_steps(state, plan, remaining, num_steps=k)
     np.testing.assert_array_equal(tokens, np.zeros((k, B), np.int32))
     np.testing.assert_array_equal(status, np.stack([r[1] for r in ref]))

@@ -1,6 +1,7 @@
 """The host side of a scheduler step, counted (not timed).
 
-* A step's reservation, decided on the host mirror (`BlockPool.predict_step`), runs
+* A step's reservation predicted on the host mirror (`step_reservation.predict_step`,
+  each step of the k-step decode's `BlockPool.predict_decode_steps`), runs
   the same Python code at any batch size: no per-row Python call or numpy call on
   one row's entries (the number of Python-level calls is the same at 16 and 64 rows).
 * In a steady serving loop (admission with cached prefixes, chunked prefill,
@@ -15,6 +16,9 @@
 * A host reservation (`BlockPool.reserve_step`) commits only the rows that took a
   block; rows that grow in place are the step's to apply (no commit at all when
   every row grows in place).
+* The single step's reservation is the host's alone: no step of a scheduler without
+  the k-step decode predicts a device reservation, and an executor that reserves
+  again inside its step leaves a device the mirror catches.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+from unittest import mock
 
 import numpy as np
 from absl.testing import absltest
 
 import paged_kv
-from paged_kv.core import compact
+from paged_kv.core import compact, segments
+from paged_kv.core.errors import InternalInconsistency
 from paged_kv.pool import host_transitions as transitions
+from paged_kv.pool import step_reservation
 from paged_kv.model import metadata
 from paged_kv.model.plan import StepPlan
 from paged_kv.scheduler.running_rows import RunningList, RunningRows
@@ -66,7 +73,8 @@ def _prediction_calls(batch: int) -> int:
   ones = np.ones(batch, np.int32)
   out = {}
   calls = _count_calls(lambda: out.setdefault(
-      "pred", pool.predict_step(rows, ones, max_new_tokens=1)), ("/paged_kv/", "/radix/"))
+      "pred", step_reservation.predict_step(pool, rows, ones, max_new_tokens=1)),
+                       ("/paged_kv/", "/radix/"))
   pred = out["pred"]
   np.testing.assert_array_equal(pred.status, 0)
   assert (pred.slot_idx[:, 0] >= 0).all()
@@ -84,15 +92,15 @@ class PredictionTest(absltest.TestCase):
 
 def _reserve_step_window(batch: int, full_tails: int):
   """A host reservation (`BlockPool.reserve_step`) of one token per row over `batch`
-  rows, `full_tails` of them with a full tail block, applied by the host-slots
-  `DryExecutor`; returns `(commit dispatches, rows and blocks the commit held, pool)`."""
+  rows, `full_tails` of them with a full tail block, applied by `DryExecutor`; returns
+  `(commit dispatches, rows and blocks the commit held, pool)`."""
   cfg = paged_kv.PoolConfig(num_blocks=8 * batch, block_size=4, num_layers=1, num_kv_heads=1,
                             head_dim=2, max_seqs=batch, max_segments=8)
   pool = paged_kv.BlockPool(cfg, debug=False)
   rows = np.array([pool.open_sequence() for _ in range(batch)])
   pool.reserve_tokens(rows, np.where(np.arange(batch) < full_tails, 4, 2))
   pool.verify()
-  ex = DryExecutor(cfg, takes_reserved_slots=True)
+  ex = DryExecutor(cfg)
   held = []
   log = pool._log  # pylint: disable=protected-access
   batches = log.batches
@@ -295,3 +303,79 @@ class RequestFieldsTest(absltest.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+def _dry_run(decode_steps: int, executor=None, steps: int = 30) -> tuple[Scheduler, dict]:
+  """`steps` scheduler steps of a chat-like load; counts of the pool's step reservations
+  (`reserve_step`, `predict_step`) and of the executor's dispatches."""
+  cfg = paged_kv.PoolConfig(num_blocks=96, block_size=4, num_layers=1, num_kv_heads=1,
+                            head_dim=2, max_seqs=8, max_segments=16)
+  pool = paged_kv.BlockPool(cfg, debug=False)
+  sched = Scheduler(pool, executor(cfg) if executor else DryExecutor(cfg), SchedulerConfig(
+      max_batch=8, prefill_chunk=8, prefill_token_budget=16, compaction=None,
+      output_reserve_ratio=0.0, stats_every=0, snapshot_every=0, decode_steps=decode_steps))
+  rng = np.random.default_rng(0)
+  for i in range(6):
+    sched.submit(Request(i, rng.integers(0, 1000, int(rng.integers(3, 14))), 40))
+  counts = {"reserve_step": 0, "predict_step": 0}
+
+  def counted(name, fn):
+    def wrapper(*args, **kwargs):
+      counts[name] += 1
+      return fn(*args, **kwargs)
+    return wrapper
+
+  with mock.patch.object(step_reservation, "predict_step",
+                         counted("predict_step", step_reservation.predict_step)), \
+       mock.patch.object(paged_kv.BlockPool, "reserve_step",
+                         counted("reserve_step", paged_kv.BlockPool.reserve_step)):
+    before = pool.runtime.snapshot()
+    for _ in range(steps):
+      sched.step()
+    counts["dispatches"] = pool.runtime.snapshot().since(before).dispatches.get("step", 0)
+  return sched, counts
+
+
+class _ReservingAgain(DryExecutor):
+  """Breaks the contract: reserves the plan's slots again inside its step."""
+
+  def step(self, state, plan):
+    state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
+                                                 config=self.config,
+                                                 max_new_tokens=plan.max_query_len)
+    return state, np.zeros(plan.seq_ids.shape, np.int32), status
+
+
+class OneDeciderTest(absltest.TestCase):
+  """A single step's reservation is decided once, on the host."""
+
+  def test_the_single_step_path_never_predicts_a_device_reservation(self):
+    sched, counts = _dry_run(decode_steps=1)
+    self.assertEqual(counts["predict_step"], 0)
+    self.assertEqual(counts["reserve_step"], counts["dispatches"])
+    self.assertEqual(counts["dispatches"], 30)
+    sched.check_invariants()
+
+  def test_the_k_step_decode_still_predicts(self):
+    # The counter above can fire: the k-step decode reserves in its program.
+    sched, counts = _dry_run(decode_steps=4)
+    self.assertGreater(counts["predict_step"], 0)
+    self.assertLess(counts["reserve_step"], counts["dispatches"])
+    sched.check_invariants()
+
+  def test_an_executor_that_reserves_again_is_caught(self):
+    with self.assertRaises(InternalInconsistency):
+      sched, _ = _dry_run(decode_steps=1, executor=_ReservingAgain, steps=1)
+      sched.pool.verify()
+
+  def test_a_plan_without_the_hosts_reservation_is_refused(self):
+    cfg = paged_kv.PoolConfig(num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=2, max_segments=4)
+    pool = paged_kv.BlockPool(cfg, debug=False)
+    seq = pool.open_sequence()
+    plan = StepPlan(seq_ids=np.array([seq, -1], np.int32), num_new=np.array([1, 0], np.int32),
+                    tokens=np.zeros(2, np.int32))
+    with self.assertRaises(paged_kv.InvalidArgument):
+      DryExecutor(cfg).step(pool.state, plan)
+    pool.check_invariants()  # nothing reserved, the state intact
+    self.assertEqual(int(pool.host.seq_len[seq]), 0)

@@ -6,8 +6,8 @@ chunked prefill, decode, finish into the cache, eviction, compaction) runs with:
 * one bookkeeping dispatch (the pool's commit) per step that changed anything,
   none otherwise, and no synchronous transition;
 * one executor dispatch per step with work;
-* no blocking host read at all (DryExecutor: the step's status stays on the
-  device, compared once ready);
+* no blocking host read at all (the step's reservation is the host's own,
+  committed before it runs);
 * no XLA compile.
 
 And a device that disagrees with the host mirror is caught: later in normal
@@ -29,6 +29,7 @@ import pytest
 import paged_kv
 from paged_kv.core import compact
 from paged_kv.core.errors import InternalInconsistency
+from paged_kv.pool import step_reservation
 from paged_kv.runtime import counters
 from paged_kv.scheduler.scheduler import DryExecutor, Request, Scheduler, SchedulerConfig
 
@@ -48,21 +49,20 @@ def _requests(rng, n, start=0):
   return out
 
 
-def _scheduler(config=CFG, host_slots: bool = False, **kw) -> Scheduler:
+def _scheduler(config=CFG, **kw) -> Scheduler:
   # The counts are the production path's: debug mode (`PAGED_KV_DEBUG=1` in the
-  # environment) syncs every call on purpose. `host_slots`: the serving loop's
-  # host-reserved step (`ModelExecutor`'s), else the step reserves in its program.
+  # environment) syncs every call on purpose.
   pool = paged_kv.BlockPool(config, debug=False)
   sched_config = SchedulerConfig(max_batch=8, prefill_chunk=8, prefill_token_budget=24,
                                  compaction=compact.CompactionPolicy(threshold=0.2, budget=4),
                                  **kw)
-  return Scheduler(pool, DryExecutor(config, takes_reserved_slots=host_slots), sched_config)
+  return Scheduler(pool, DryExecutor(config), sched_config)
 
 
 class SteadyStateTest(absltest.TestCase):
 
-  def _run(self, host_slots: bool = False, **kw):
-    sched = _scheduler(host_slots=host_slots, **kw)
+  def _run(self):
+    sched = _scheduler()
     report = sched.warmup(progress=False)
     self.assertGreater(report.programs, 0)
     rng = np.random.default_rng(0)
@@ -96,11 +96,8 @@ class SteadyStateTest(absltest.TestCase):
     # Reads outside the steps only: the warm-up's (its persistence gather reads K/V,
     # its end compares the mirror) and check_invariants'.
     self.assertLessEqual(set(sched.runtime.host_reads), {"check", "data"})
-
-  def test_host_reserved_loop_commits_once_reads_nothing_compiles_nothing(self):
     # The in-place rows' growth is the step's (`ReservedSlots.grow`): its program is
-    # warmed up, and the mirror still agrees with the device (`check_invariants`).
-    sched, per_step = self._run(host_slots=True)
+    # warmed up, and the mirror still agrees with the device.
     self.assertGreater(sum(d.dispatches.get("step", 0) for d in per_step), 20)
     sched.pool.verify()
 
@@ -208,7 +205,8 @@ class InconsistencyTest(absltest.TestCase):
 
   def test_a_mispredicted_step_is_caught(self):
     pool, seq = self._pool_with_sequence(debug=False)
-    pred = pool.predict_step(np.array([seq, -1]), np.array([3, 0]), max_new_tokens=4)
+    pred = step_reservation.predict_step(pool, np.array([seq, -1]), np.array([3, 0]),
+                                         max_new_tokens=4)
     # A step that reserves something else than predicted (here: nothing).
     status = jnp.asarray([paged_kv.Status.NO_FREE_BLOCK, 0], jnp.int32)
     with self.assertRaisesRegex(InternalInconsistency, "reservation"):
