@@ -44,7 +44,7 @@ import numpy as np
 
 from benchmarks import records, shared_flags
 import paged_kv
-from paged_kv.core import kv, segments
+from paged_kv.core import kv, sequences
 
 _BATCH = flags.DEFINE_integer("batch", 256, "Sequences decoding together.")
 _BLOCK_SIZE = shared_flags.define_block_size()
@@ -164,12 +164,12 @@ def bench_pool(num_blocks: int, lengths: np.ndarray, steps: int) -> dict:
   state = paged_kv.init_pool(cfg)
   ids = jnp.arange(b, dtype=jnp.int32)
   z = jnp.zeros((b, 1), jnp.int32)
-  state, st = segments.open_sequence(state, ids, z, z, z, jnp.zeros((b,), jnp.int32), config=cfg)
+  state, st = sequences.open_sequence(state, ids, z, z, z, jnp.zeros((b,), jnp.int32), config=cfg)
   chunk = 1024
   remaining = lengths.copy()
   while remaining.any():  # prefill in chunks (bookkeeping only: K/V content is irrelevant)
     take = np.minimum(remaining, chunk)
-    state, (_, st) = segments.reserve_tokens(state, ids, jnp.asarray(take, jnp.int32),
+    state, (_, st) = sequences.reserve_tokens(state, ids, jnp.asarray(take, jnp.int32),
                                              config=cfg, max_new_tokens=chunk)
     assert (np.asarray(st) == 0).all(), "prefill did not fit"
     remaining -= take
@@ -178,7 +178,7 @@ def bench_pool(num_blocks: int, lengths: np.ndarray, steps: int) -> dict:
 
   @jax.jit
   def _step(state, ids, one, kv_new):
-    state, (slots, status) = segments.reserve_tokens.__wrapped__(
+    state, (slots, status) = sequences.reserve_tokens.__wrapped__(
         state, ids, one, config=cfg, max_new_tokens=1)
     pages = kv.write_kv(state.pages, 0, slots, kv_new, kv_new)
     return type(state)(pages=pages, meta=state.meta, table=state.table, step=state.step), status
@@ -192,7 +192,7 @@ def bench_pool(num_blocks: int, lengths: np.ndarray, steps: int) -> dict:
     return jax.lax.scan(body, state, None, length=_SCAN.value)
 
   scan_steps = jax.jit(_scan_steps.__wrapped__, donate_argnums=0)
-  reserve_only = jax.jit(lambda s, i, o: segments.reserve_tokens.__wrapped__(
+  reserve_only = jax.jit(lambda s, i, o: sequences.reserve_tokens.__wrapped__(
       s, i, o, config=cfg, max_new_tokens=1), donate_argnums=0)
 
   holder = {"state": state}

@@ -22,7 +22,7 @@ request at a time. The same requests go through:
   max over the timed requests; the serving path is meant to make at most one
   dispatch and no blocking read per request (a request touching more blocks than one
   commit carries, `CommitWidths.block_width`, takes one per chunk);
-* **host**: the same `radix.PrefixCache` over `HostBlockPool` (numpy block accounting,
+* **host**: the same `radix.PrefixCache` over `BlockAccounting` (numpy block accounting,
   vectorised; `paged_kv.sim.replay.serve_tokens`): the bookkeeping alone;
 * **vLLM / SGLang**: not timed yet. The script reports whether they import (their
   `--no-deps` installs pull in their server stacks; see WORKSPACE_NOTES.md); adapters
@@ -231,7 +231,7 @@ class OursPath:
 
 # ---------------------------------------------------------------------------- host
 class HostPath:
-  """The same `radix.PrefixCache` over `HostBlockPool` (`replay.serve_tokens`)."""
+  """The same `radix.PrefixCache` over `BlockAccounting` (`replay.serve_tokens`)."""
 
   def __init__(self, capacity: int, block_size: int, **config_kw):
     from paged_kv.sim.replay import ReplayConfig, ReplayResult, SimState, serve_tokens

@@ -42,7 +42,7 @@ import numpy as np
 
 from benchmarks import records, shared_flags
 import paged_kv
-from paged_kv.core import alloc, block_size as block_size_rule, segments, slots
+from paged_kv.core import alloc, block_size as block_size_rule, sequences, slots
 from paged_kv.sim import traces
 
 _DEFAULT_TRACES = [str(shared_flags.shared_traces(__file__) / name)
@@ -110,9 +110,9 @@ def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int,
     """Reserves `part` (one row each), takes one reference per segment, releases the rows."""
     k = len(part)
     r = _pad(rows[:k], chunk, -1)
-    state, _ = segments.open_sequence(state, r, zeros, zeros, zeros, np.zeros(chunk, np.int32),
+    state, _ = sequences.open_sequence(state, r, zeros, zeros, zeros, np.zeros(chunk, np.int32),
                                       config=config)
-    state, (_, st) = segments.reserve_tokens(state, r, _pad(part, chunk, 0), config=config,
+    state, (_, st) = sequences.reserve_tokens(state, r, _pad(part, chunk, 0), config=config,
                                              max_new_tokens=b)
     if (np.asarray(st)[:k] != 0).any():
       raise RuntimeError(f"reserve failed: {np.asarray(st)[:k]}")
@@ -120,7 +120,7 @@ def pool_tail_efficiency(lengths: np.ndarray, block_size: int, chunk: int,
     seg = np.stack([t.block[:k, 0], t.start[:k, 0], t.length[:k, 0]], 1)
     state, _ = alloc.apply_ref_deltas(state, _pad(seg[:, 0], chunk, -1),
                                       _pad(np.ones(k), chunk, 0), config=config)
-    state, _ = segments.release(state, r, config=config)
+    state, _ = sequences.release(state, r, config=config)
     return state, seg
 
   def check(state, held):

@@ -44,7 +44,7 @@ import numpy as np
 
 from benchmarks import records, shared_flags
 import paged_kv
-from paged_kv.core import alloc, compact, segments, slots
+from paged_kv.core import alloc, compact, sequences, slots
 from paged_kv.scheduler import SchedulerStats
 from paged_kv.telemetry import metrics
 
@@ -248,18 +248,18 @@ def run_chat(mode: str, families, convs, steps: int):
 
   # Prefill the system prompts into the cache.
   rows = np.arange(len(families), dtype=np.int32)
-  state, _ = segments.open_sequence(state, rows, np.zeros((len(rows), 1), np.int32),
+  state, _ = sequences.open_sequence(state, rows, np.zeros((len(rows), 1), np.int32),
                                     np.zeros((len(rows), 1), np.int32),
                                     np.zeros((len(rows), 1), np.int32),
                                     np.zeros(len(rows), np.int32), config=config)
-  state, (_, status) = segments.reserve_tokens(state, rows, families.astype(np.int32),
+  state, (_, status) = sequences.reserve_tokens(state, rows, families.astype(np.int32),
                                                config=config, max_new_tokens=512)
   t = jax.tree.map(np.asarray, state.table)
   for f in range(len(families)):
     cache[("sys", f)] = [(int(t.block[f, s]), int(t.start[f, s]), int(t.length[f, s]))
                          for s in range(int(t.num_segments[f]))]
   take_refs([s for f in range(len(families)) for s in cache[("sys", f)]])
-  state, _ = segments.release(state, rows, config=config)
+  state, _ = sequences.release(state, rows, config=config)
   if mode != "flat":
     pack([("sys", f) for f in range(len(families))])
 
@@ -289,11 +289,11 @@ def run_chat(mode: str, families, convs, steps: int):
         if p:
           segs[:, r, :len(p)] = np.array(p, np.int32).T
       b = _bucket(len(batch))
-      state, st_open = segments.open_sequence(
+      state, st_open = sequences.open_sequence(
           state, _pad(rows, b, -1), _pad(segs[0], b, 0), _pad(segs[1], b, 0), _pad(segs[2], b, 0),
           _pad([len(p) for p in prefixes], b, 0), config=config)
       lens = [convs[i]["turns"][active[i]["turn"]] for i in batch]
-      state, (_, st_res) = segments.reserve_tokens(state, _pad(rows, b, -1), _pad(lens, b, 0),
+      state, (_, st_res) = sequences.reserve_tokens(state, _pad(rows, b, -1), _pad(lens, b, 0),
                                                    config=config, max_new_tokens=256)
       st_res = np.asarray(st_res)[:len(batch)]
       counters.record_status(st_res)
@@ -308,7 +308,7 @@ def run_chat(mode: str, families, convs, steps: int):
                        for s in range(n0, int(t.num_segments[r]))]
         new_nodes.append(node)
       take_refs([s for nd in new_nodes for s in cache[nd]])
-      state, _ = segments.release(state, _pad(rows, b, -1), config=config)
+      state, _ = sequences.release(state, _pad(rows, b, -1), config=config)
       if mode != "flat":
         pack(new_nodes)
       for r, i in enumerate(batch):
@@ -479,7 +479,7 @@ def run_mix(policy_name: str, mode: str, reqs, steps: int, *, num_blocks: int,
         dec_rows.append(row)
         free_rows.append(row)
     if dec_rows:
-      state, _ = segments.release(state, _pad(dec_rows, _bucket(len(dec_rows)), -1),
+      state, _ = sequences.release(state, _pad(dec_rows, _bucket(len(dec_rows)), -1),
                                   config=config)
     # Compaction (between steps).
     if record_map_at is not None and step == record_map_at:
@@ -553,9 +553,9 @@ def run_mix(policy_name: str, mode: str, reqs, steps: int, *, num_blocks: int,
         shorts[i] = row
       b = _bucket(len(rows))
       z = np.zeros((b, 1), np.int32)
-      state, _ = segments.open_sequence(state, _pad(rows, b, -1), z, z, z, np.zeros(b, np.int32),
+      state, _ = sequences.open_sequence(state, _pad(rows, b, -1), z, z, z, np.zeros(b, np.int32),
                                         config=config)
-      state, (_, st_res) = segments.reserve_tokens(
+      state, (_, st_res) = sequences.reserve_tokens(
           state, _pad(rows, b, -1), _pad([reqs[i]["tokens"] for i in new_short], b, 0),
           config=config, max_new_tokens=_bucket(short_max + 1))
       assert (np.asarray(st_res) == 0).all(), np.asarray(st_res)

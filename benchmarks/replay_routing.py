@@ -8,7 +8,7 @@ Usage:
       --tokens_per_s=10000
 
 Every replica is a ``paged_kv.sim.replay.SimReplica`` (a prefix cache over a
-capacity-limited ``HostBlockPool`` of ``--capacity_tokens`` tokens, LRU eviction, the
+capacity-limited ``BlockAccounting`` of ``--capacity_tokens`` tokens, LRU eviction, the
 trace's clock). The routers and the load model are ``paged_kv.cluster.routing``; see
 its docstring for the routing rule. For each per-replica capacity the script runs:
 

@@ -36,7 +36,7 @@ from paged_kv.core.regions import (WatermarkQuota, plan_promotion, promote_block
 from paged_kv.core.resize import ResizeReport
 from paged_kv.core.segment_format import (Segments, as_segments, empty_segments, num_tokens,
                                           take_tokens)
-from paged_kv.core.segments import fork, open_sequence, release, reserve_tokens
+from paged_kv.core.sequences import fork, open_sequence, release, reserve_tokens
 from paged_kv.core.slots import OWNER_EXTERNAL, cow_split, pack_slots, reclaim_slots
 from paged_kv.core.state import BlockMeta, KVPages, PoolState, SegmentTable, init_pool
 from paged_kv.pool.block_pool import BlockPool

@@ -377,7 +377,7 @@ class BadPolicyTest(parameterized.TestCase):
 
   def test_a_pool_beyond_the_device_memory_is_refused_before_allocating(self):
     from unittest import mock  # pylint: disable=g-import-not-at-top
-    from paged_kv.core import device_memory  # pylint: disable=g-import-not-at-top
+    from paged_kv.core import device_memory# pylint: disable=g-import-not-at-top
     need = device_memory.pool_bytes(CFG)
     with mock.patch.object(device_memory, "free_bytes", return_value=need - 1):
       with self.assertRaisesRegex(paged_kv.PoolTooLarge, f"{need} bytes.*{need - 1} bytes"):

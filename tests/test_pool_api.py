@@ -7,7 +7,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import paged_kv
-from paged_kv.core import kv, segments
+from paged_kv.core import kv, sequences
 from paged_kv.core.errors import InvalidSegmentLayout
 
 CFG = paged_kv.PoolConfig(num_blocks=8, block_size=4, num_layers=2, num_kv_heads=2,
@@ -146,7 +146,7 @@ class DonationTest(absltest.TestCase):
 
   def test_reserve_tokens_aliases_state(self):
     state = paged_kv.init_pool(CFG)
-    compiled = segments.reserve_tokens.lower(
+    compiled = sequences.reserve_tokens.lower(
         state, jnp.zeros((2,), jnp.int32), jnp.ones((2,), jnp.int32), config=CFG,
         max_new_tokens=4).compile()
     pages_bytes = state.pages.k.nbytes + state.pages.v.nbytes
@@ -162,11 +162,11 @@ class DonationTest(absltest.TestCase):
                     seq_ids=seqs)
 
     step()
-    sizes = (segments.reserve_tokens._cache_size(),)
+    sizes = (sequences.reserve_tokens._cache_size(),)
     with jax.log_compiles(False):
       step()
       step()
-    self.assertEqual(sizes, (segments.reserve_tokens._cache_size(),))
+    self.assertEqual(sizes, (sequences.reserve_tokens._cache_size(),))
 
   def test_jitted_step_traces_once(self):
     """A user's decode step (reserve + write) inside one jit: traced exactly once."""
@@ -175,7 +175,7 @@ class DonationTest(absltest.TestCase):
     @jax.jit
     def decode_step(state, seq_ids, k):
       traces.append(1)
-      state, (slots, status) = segments.reserve_tokens.__wrapped__(
+      state, (slots, status) = sequences.reserve_tokens.__wrapped__(
           state, seq_ids, jnp.ones_like(seq_ids), config=CFG, max_new_tokens=1)
       pages = kv.write_kv(state.pages, 0, slots, k, k)
       return state.__class__(pages=pages, meta=state.meta, table=state.table,

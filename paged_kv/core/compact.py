@@ -21,7 +21,7 @@ from paged_kv.core.alloc import rebuild_free_list
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import Status
 from paged_kv.core.page_copy import move_pages
-from paged_kv.core.segments import first_occurrence
+from paged_kv.core.sequences import first_occurrence
 from paged_kv.core.state import REGION_DYNAMIC, BlockMeta, KVPages, PoolState
 
 NUM_REGIONS = 2

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_kv.core.config import PoolConfig
-from paged_kv.core.segments import range_mask
+from paged_kv.core.sequences import range_mask
 from paged_kv.core.state import PoolState
 
 

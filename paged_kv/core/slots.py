@@ -22,7 +22,7 @@ from paged_kv.core.alloc import change_refs, grant_prefix, rebuild_free_list, ta
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import Status
 from paged_kv.core.page_copy import copy_slot_ranges
-from paged_kv.core.segments import (finish_status, first_occurrence, range_mask, row_status,
+from paged_kv.core.sequences import (finish_status, first_occurrence, range_mask, row_status,
                                slot_bits)
 from paged_kv.core.state import REGION_DYNAMIC, KVPages, PoolState
 

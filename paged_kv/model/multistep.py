@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument, Status
-from paged_kv.core.segments import reserve_tokens
+from paged_kv.core.sequences import reserve_tokens
 from paged_kv.core.state import PoolState
 
 # step(state, seq_ids i32[B], tokens i32[B], j) -> (state, (sampled i32[B], status i32[B], extra))

@@ -23,8 +23,8 @@ import numpy as np
 
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import PoolExhausted
-from paged_kv.core.segments import fork as fork_sequences
-from paged_kv.core.segments import open_sequence, release
+from paged_kv.core.sequences import fork as fork_sequences
+from paged_kv.core.sequences import open_sequence, release
 from paged_kv.core.state import PoolState, init_pool
 from paged_kv.model import llama
 from paged_kv.model.llama import check_pool_matches_model

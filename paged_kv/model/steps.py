@@ -23,7 +23,7 @@ from paged_kv.model.nnx_import import nnx
 from paged_kv.core import growth
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.errors import InvalidArgument, Status
-from paged_kv.core.segments import reserve_tokens
+from paged_kv.core.sequences import reserve_tokens
 from paged_kv.core.state import PoolState
 from paged_kv.model import contract, multistep, penalties, prompt_logprobs, ragged, sampling
 from paged_kv.model.metadata import StepMetadata

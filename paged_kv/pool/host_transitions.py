@@ -61,7 +61,7 @@ def first_occurrence(ids: np.ndarray) -> np.ndarray:
 
 
 def row_status(h: HostState, ids: np.ndarray, *, want_active: bool) -> np.ndarray:
-  """`segments.row_status`: in range, (in)active as wanted, not repeated; -1 OK."""
+  """`sequences.row_status`: in range, (in)active as wanted, not repeated; -1 OK."""
   s = h.config.max_seqs
   in_range = (ids >= 0) & (ids < s)
   active = h.active[_clamp(ids, 0, s - 1)]
@@ -81,7 +81,7 @@ def grant_prefix(need: np.ndarray, ok: np.ndarray, num_free: int, *,
 
 
 def _aborted(status: np.ndarray, applied: np.ndarray) -> np.ndarray:
-  """`segments.finish_status`."""
+  """`sequences.finish_status`."""
   return np.where((status == _OK) & ~applied, _ABORTED, status).astype(np.int32)
 
 
@@ -91,7 +91,7 @@ def slot_bits(words: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def range_mask(start: np.ndarray, length: np.ndarray, words: int) -> np.ndarray:
-  """`u32[..., words]` with bits `[start, start + length)` set (`segments.range_mask`)."""
+  """`u32[..., words]` with bits `[start, start + length)` set (`sequences.range_mask`)."""
   if words == 1:  # blocks of <= 32 slots: one int64 shift (starts and lengths <= 32)
     s, l = np.asarray(start, np.int64), np.asarray(length, np.int64)
     return ((((np.int64(1) << l) - 1) << s) & 0xFFFFFFFF).astype(np.uint32)[..., None]
@@ -125,7 +125,7 @@ def _take_lowest(h: HostState, need: np.ndarray, granted: np.ndarray,
 
 def open_rows(h: HostState, ids: np.ndarray, seg_block: np.ndarray, seg_start: np.ndarray,
               seg_length: np.ndarray, num_segments: np.ndarray) -> np.ndarray:
-  """`segments.open_sequence(atomic=True)`; returns `status i32[B]`."""
+  """`sequences.open_sequence(atomic=True)`; returns `status i32[B]`."""
   c = h.config
   n, bs, m = c.num_blocks, c.block_size, c.max_segments
   ids = np.asarray(ids, np.int64)
@@ -173,7 +173,7 @@ def open_rows(h: HostState, ids: np.ndarray, seg_block: np.ndarray, seg_start: n
 def dead_segments(h: HostState, seg_block: np.ndarray, seg_start: np.ndarray,
                   seg_length: np.ndarray, used: np.ndarray) -> np.ndarray:
   """`bool[B, P]`: used segments on dead slots: on a live block only the tables
-  hold (`segments.open_checked`'s suspects), on slots no live table segment
+  hold (`sequences.open_checked`'s suspects), on slots no live table segment
   covers, so their K/V may be handed out again (`BlockPool` refuses the open).
   """
   c = h.config
@@ -201,7 +201,7 @@ def dead_segments(h: HostState, seg_block: np.ndarray, seg_start: np.ndarray,
 
 def reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_tokens: int,
             atomic: bool, grow: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """`segments.reserve_tokens`; returns `(slot_idx i32[B, T], status i32[B])`.
+  """`sequences.reserve_tokens`; returns `(slot_idx i32[B, T], status i32[B])`.
 
   With `grow` (`i32[B]` zeros: `BlockPool.reserve_step`), the decode rows that
   grow in place and are not in the log yet stay out of it, marked `grow[b] = 1`
@@ -375,7 +375,7 @@ def _reserve(h: HostState, ids: np.ndarray, num_new: np.ndarray, *, max_new_toke
 
 
 def release(h: HostState, ids: np.ndarray, *, atomic: bool) -> np.ndarray:
-  """`segments.release`; returns `status i32[B]`."""
+  """`sequences.release`; returns `status i32[B]`."""
   ids = np.asarray(ids, np.int64)
   if ids.size == 1:
     return _release_one(h, int(ids[0]))
@@ -513,7 +513,7 @@ def _summed_per_id(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
                       deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """`segments.release_with_refs`; returns `(row_status, ref_status)`.
+  """`sequences.release_with_refs`; returns `(row_status, ref_status)`.
 
   A few distinct live rows with valid distinct deltas (a step's finishing
   sequences) take one pass (`HostState.release_rows`), with the same end state.
@@ -543,7 +543,7 @@ def release_with_refs(h: HostState, ids: np.ndarray, block_ids: np.ndarray,
 
 
 def fork(h: HostState, src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
-  """`segments.fork(atomic=True)`; returns `status i32[B]`."""
+  """`sequences.fork(atomic=True)`; returns `status i32[B]`."""
   s = h.config.max_seqs
   src_ids = np.asarray(src_ids, np.int64)
   dst_ids = np.asarray(dst_ids, np.int64)

@@ -124,7 +124,7 @@ def program_runs(sched: "Scheduler", *, persistence: bool = True) -> list[Progra
 def _padding_pack(pool, width: int) -> None:
   """`pack_slots` and `reclaim_slots` on `width` padding entries, padded as
   `BlockPool`'s are: compiles, changes nothing."""
-  from paged_kv.core import slots  # pylint: disable=g-import-not-at-top
+  from paged_kv.core import slots# pylint: disable=g-import-not-at-top
   neg = np.full((width,), -1, np.int32)
   zero = np.zeros((width,), np.int32)
   groups = np.zeros((pool.config.num_blocks,), np.int32)
@@ -196,11 +196,11 @@ def release_programs() -> None:
   freed heap goes back to the OS (`counters.trim_heap`)."""
   import sys  # pylint: disable=g-import-not-at-top
   from paged_kv.pool import kv_io  # pylint: disable=g-import-not-at-top
-  from paged_kv.core import commit, kv, segments  # pylint: disable=g-import-not-at-top
+  from paged_kv.core import commit, kv, sequences# pylint: disable=g-import-not-at-top
   from paged_kv.cache import persist  # pylint: disable=g-import-not-at-top
-  from paged_kv.core import regions, resize  # pylint: disable=g-import-not-at-top
-  from paged_kv.core import slots  # pylint: disable=g-import-not-at-top
-  fns = [commit.commit, segments.reserve_tokens, kv.gather_kv, kv_io.write_layers,
+  from paged_kv.core import regions, resize# pylint: disable=g-import-not-at-top
+  from paged_kv.core import slots# pylint: disable=g-import-not-at-top
+  fns = [commit.commit, sequences.reserve_tokens, kv.gather_kv, kv_io.write_layers,
          persist._gather_slots,  # pylint: disable=protected-access
          slots.pack_slots, slots.reclaim_slots,
          regions.resize_state]  # the cut's own program: one per pair of sizes, used once

@@ -1,7 +1,7 @@
 """Simulated trace replay: a radix prefix cache over host block accounting.
 
 No device: requests are served one at a time in arrival order (match, open, allocate
-the rest evicting as needed, insert, release) over a ``HostBlockPool`` that applies
+the rest evicting as needed, insert, release) over a ``BlockAccounting`` that applies
 exactly the reference deltas the cache returns; the cache's clock is trace time. With
 unlimited capacity the hits equal ``traces.exact_hit_bound``. ``SimReplica`` makes one
 simulation a ``routing.ReplicaBackend`` for ``replay_cluster``.
@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import numpy as np
 
-from paged_kv.sim.host_pool import HostBlockPool
+from paged_kv.sim.block_accounting import BlockAccounting
 from paged_kv.cluster.routing import GlobalCache, ReplicaCluster, RoutedRequest, ServeOutcome
 from paged_kv.sim.traces import TokenSource, TraceRequest
 from radix.cache import PrefixCache
@@ -99,7 +99,7 @@ class SimState:
     self.config = config
     self.now = 0.0
     cap = config.capacity_tokens
-    self.pool = HostBlockPool(cap // config.block_size if cap else None, config.block_size)
+    self.pool = BlockAccounting(cap // config.block_size if cap else None, config.block_size)
     self.cache = PrefixCache(
         block_size=config.block_size, policy=config.policy, clock=lambda: self.now,
         granularity=config.granularity,

@@ -30,7 +30,7 @@ import numpy as np
 
 import paged_kv
 from paged_kv.pool import kv_io
-from paged_kv.core import alloc, commit, segments
+from paged_kv.core import alloc, commit, sequences
 from paged_kv.pool.changes import CommitWidths, empty_batch
 from paged_kv.pool.host_state import HostState
 
@@ -129,16 +129,16 @@ def _host_api_calls():
   """`(name, jitted function, args, static kwargs)`: what `BlockPool` calls."""
   c = CONFIG
   calls = [
-      ("open_sequence", segments.open_sequence, (_i32(1), _i32(1, 0), _i32(1, 0), _i32(1, 0),
+      ("open_sequence", sequences.open_sequence, (_i32(1), _i32(1, 0), _i32(1, 0), _i32(1, 0),
                                                  _i32(1)), dict(config=c, atomic=True)),
-      ("open_sequence_one", segments.open_sequence, (_i32(1), _i32(1, 1), _i32(1, 1),
+      ("open_sequence_one", sequences.open_sequence, (_i32(1), _i32(1, 1), _i32(1, 1),
                                                      _i32(1, 1), _i32(1)),
        dict(config=c, atomic=True)),  # what BlockPool passes for 0 or 1 segments
-      ("open_sequence_prefix", segments.open_sequence,
+      ("open_sequence_prefix", sequences.open_sequence,
        (_i32(1), _i32(1, 4), _i32(1, 4), _i32(1, 4), _i32(1)), dict(config=c, atomic=True)),
-      ("release", segments.release, (_i32(4),), dict(config=c, atomic=True)),
-      ("fork", segments.fork, (_i32(1), _i32(1)), dict(config=c, atomic=True)),
-      ("release_one", segments.release, (_i32(1),), dict(config=c, atomic=True)),
+      ("release", sequences.release, (_i32(4),), dict(config=c, atomic=True)),
+      ("fork", sequences.fork, (_i32(1), _i32(1)), dict(config=c, atomic=True)),
+      ("release_one", sequences.release, (_i32(1),), dict(config=c, atomic=True)),
       ("apply_ref_deltas_one", alloc.apply_ref_deltas, (_i32(1), _i32(1)), dict(config=c)),
       ("apply_ref_deltas", alloc.apply_ref_deltas, (_i32(4), _i32(4)), dict(config=c)),
       ("apply_ref_deltas_1k", alloc.apply_ref_deltas, (_i32(1024), _i32(1024)),
@@ -150,7 +150,7 @@ def _host_api_calls():
   ]
   for b in (1, 32, 256):
     for t in (1, 16):
-      calls.append((f"reserve_b{b}_t{t}", segments.reserve_tokens, (_i32(b), _i32(b)),
+      calls.append((f"reserve_b{b}_t{t}", sequences.reserve_tokens, (_i32(b), _i32(b)),
                     dict(config=c, max_new_tokens=t, atomic=True)))
   # The pool's commit (what every flush runs) at its widths: with copies, with moves.
   host = HostState.empty(c)

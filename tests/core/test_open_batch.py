@@ -9,7 +9,7 @@ import numpy as np
 from absl.testing import absltest
 
 import paged_kv
-from paged_kv.core import segments
+from paged_kv.core import sequences
 from paged_kv.core.errors import Status
 from tests.core import test_complexity as cx
 
@@ -48,7 +48,7 @@ class OpenCheckedTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_table_only_segments_are_flagged_then_opened_unchecked(self):
-    fn = self.variant(segments.open_checked.__wrapped__, static_argnames=("config", "check_dead"))
+    fn = self.variant(sequences.open_checked.__wrapped__, static_argnames=("config", "check_dead"))
     pool = _pool_with_row0()
     before = _leaves(pool.state)
     args = _grid([[(0, 0, 4), (1, 0, 1)], [(0, 0, 2)], []])
@@ -67,7 +67,7 @@ class OpenCheckedTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_outside_holder_vouches_and_bad_rows_abort_the_batch(self):
-    fn = self.variant(segments.open_checked.__wrapped__, static_argnames=("config", "check_dead"))
+    fn = self.variant(sequences.open_checked.__wrapped__, static_argnames=("config", "check_dead"))
     pool = _pool_with_row0()
     pool.apply_ref_deltas([0, 1], [1, 1])  # a cache holds both blocks
     held = [[0, 0, 4], [1, 0, 2]]
@@ -90,7 +90,7 @@ class ReleaseWithRefsTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_refs_then_release_or_nothing(self):
-    fn = self.variant(segments.release_with_refs.__wrapped__, static_argnames=("config",))
+    fn = self.variant(sequences.release_with_refs.__wrapped__, static_argnames=("config",))
     pool = _pool_with_row0()
     pool.open_sequence()
     pool.reserve_tokens([1], [3])  # block 2
@@ -171,7 +171,7 @@ class OpenSequencesHostTest(absltest.TestCase):
                               head_dim=2, max_seqs=8, max_segments=8)
     batched, single = paged_kv.BlockPool(cfg), paged_kv.BlockPool(cfg)
     held: list[list[int]] = []  # an outside holder's segments (one reference each)
-    open_size = segments.open_checked._cache_size()
+    open_size = sequences.open_checked._cache_size()
     for _ in range(8):
       live = batched.active_sequences().tolist()
       free_rows = cfg.max_seqs - len(live)
@@ -206,7 +206,7 @@ class OpenSequencesHostTest(absltest.TestCase):
       batched.check_invariants(held or None)
     # Few shapes: opens of 0..8 rows and 0..8 segments compile at most 2 x 2 buckets
     # per check mode.
-    self.assertLessEqual(segments.open_checked._cache_size() - open_size, 8)
+    self.assertLessEqual(sequences.open_checked._cache_size() - open_size, 8)
 
 
 class BatchedCallsComplexityTest(absltest.TestCase):
@@ -221,9 +221,9 @@ class BatchedCallsComplexityTest(absltest.TestCase):
     c = cx.CONFIG
     i32 = cx._i32
     for name, fn, args, kw in (
-        ("open_checked", segments.open_checked, (i32(4), i32(4, 2), i32(4, 2), i32(4, 2),
+        ("open_checked", sequences.open_checked, (i32(4), i32(4, 2), i32(4, 2), i32(4, 2),
                                                  i32(4)), dict(config=c, check_dead=True)),
-        ("release_with_refs", segments.release_with_refs, (i32(4), i32(8), i32(8)),
+        ("release_with_refs", sequences.release_with_refs, (i32(4), i32(8), i32(8)),
          dict(config=c))):
       jaxpr = jax.make_jaxpr(lambda s, *a, fn=fn, kw=kw: fn(s, *a, **kw))(state, *args)
       self.assertEqual(cx._big_equations(jaxpr.jaxpr), [], name)

@@ -8,7 +8,7 @@ from absl.testing import absltest, parameterized
 import pytest
 
 import paged_kv
-from paged_kv.core import alloc, kv, segments
+from paged_kv.core import alloc, kv, sequences
 from paged_kv.core.errors import Status
 
 CFG = paged_kv.PoolConfig(num_blocks=16, block_size=4, num_layers=2, num_kv_heads=2,
@@ -18,14 +18,14 @@ CFG = paged_kv.PoolConfig(num_blocks=16, block_size=4, num_layers=2, num_kv_head
 def _open_empty(state, ids, cfg=CFG):
   b = len(ids)
   z = jnp.zeros((b, 1), jnp.int32)
-  state, status = segments.open_sequence(state, jnp.asarray(ids, jnp.int32), z, z, z,
+  state, status = sequences.open_sequence(state, jnp.asarray(ids, jnp.int32), z, z, z,
                                          jnp.zeros((b,), jnp.int32), config=cfg)
   np.testing.assert_array_equal(status, 0)
   return state
 
 
 def _reserve(state, ids, counts, t=8, cfg=CFG):
-  state, (slots, status) = segments.reserve_tokens(state, jnp.asarray(ids, jnp.int32),
+  state, (slots, status) = sequences.reserve_tokens(state, jnp.asarray(ids, jnp.int32),
                                                    jnp.asarray(counts, jnp.int32), config=cfg,
                                                    max_new_tokens=t)
   return state, np.asarray(slots), np.asarray(status)
@@ -70,7 +70,7 @@ class TransitionTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_open_sequence_with_shared_prefix(self):
-    fn = self.variant(segments.open_sequence.__wrapped__, static_argnames=("config", "atomic"))
+    fn = self.variant(sequences.open_sequence.__wrapped__, static_argnames=("config", "atomic"))
     state = _open_empty(paged_kv.init_pool(CFG), [0])
     state, slots, _ = _reserve(state, [0], [6])
     blk = jnp.array([[0, 1]]); start = jnp.array([[0, 0]]); length = jnp.array([[4, 1]])
@@ -93,7 +93,7 @@ class TransitionTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_reserve_tokens_in_place_then_new_block(self):
-    fn = self.variant(segments.reserve_tokens.__wrapped__,
+    fn = self.variant(sequences.reserve_tokens.__wrapped__,
                       static_argnames=("config", "max_new_tokens", "atomic"))
     state = _open_empty(paged_kv.init_pool(CFG), [0, 1])
     state, (slots, status) = fn(state, jnp.array([0, 1]), jnp.array([3, 5]), config=CFG,
@@ -112,7 +112,7 @@ class TransitionTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   @pytest.mark.slow
   def test_reserve_failures_leave_rows_untouched(self):
-    fn = self.variant(segments.reserve_tokens.__wrapped__,
+    fn = self.variant(sequences.reserve_tokens.__wrapped__,
                       static_argnames=("config", "max_new_tokens", "atomic"))
     state = _open_empty(paged_kv.init_pool(CFG), [0, 1, 2])
     # Row 0 takes 12 blocks of 16; row 1 wants 8 more (no room); row 3 inactive; -1 padding.
@@ -142,7 +142,7 @@ class TransitionTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_reserve_rejects_duplicates(self):
-    fn = self.variant(segments.reserve_tokens.__wrapped__,
+    fn = self.variant(sequences.reserve_tokens.__wrapped__,
                       static_argnames=("config", "max_new_tokens", "atomic"))
     state = _open_empty(paged_kv.init_pool(CFG), [0])
     state, (slots, status) = fn(state, jnp.array([0, 0]), jnp.array([1, 1]), config=CFG,
@@ -152,7 +152,7 @@ class TransitionTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_fork_shares_and_first_append_avoids_shared_block(self):
-    fn = self.variant(segments.fork.__wrapped__, static_argnames=("config", "atomic"))
+    fn = self.variant(sequences.fork.__wrapped__, static_argnames=("config", "atomic"))
     state = _open_empty(paged_kv.init_pool(CFG), [0])
     state, _, _ = _reserve(state, [0], [6])
     state, status = fn(state, jnp.array([0, 0]), jnp.array([1, 2]), config=CFG)
@@ -168,7 +168,7 @@ class TransitionTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_release_frees_blocks_in_address_order(self):
-    fn = self.variant(segments.release.__wrapped__, static_argnames=("config", "atomic"))
+    fn = self.variant(sequences.release.__wrapped__, static_argnames=("config", "atomic"))
     state = _open_empty(paged_kv.init_pool(CFG), [0, 1])
     state, _, _ = _reserve(state, [0, 1], [8, 4])
     state, status = fn(state, jnp.array([0]), config=CFG)

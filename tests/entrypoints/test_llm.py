@@ -304,7 +304,7 @@ def test_pool_sizing_rule():
 
 
 def test_default_sizing_reads_free_memory(llm, ckpt_dir, monkeypatch):
-  from paged_kv.core import device_memory  # pylint: disable=import-outside-toplevel
+  from paged_kv.core import device_memory# pylint: disable=import-outside-toplevel
   from paged_kv.model import hf_checkpoint  # pylint: disable=import-outside-toplevel
   seen = []
   monkeypatch.setattr(device_memory, "free_bytes",

@@ -21,7 +21,7 @@ from absl.testing import absltest, parameterized
 import pytest
 
 import paged_kv
-from paged_kv.core import segments
+from paged_kv.core import sequences
 from paged_kv.core.errors import InvalidArgument
 from paged_kv.model import StepMetadata, StepPlan, default_impl, paged_attention
 
@@ -59,7 +59,7 @@ class _Pool:
         left -= n
       blk, st, ln = (np.array([[x[i] for x in take]], np.int32) for i in range(3))
       p = len(take)
-    self.state, status = segments.open_sequence(self.state, np.array([seq], np.int32), blk, st,
+    self.state, status = sequences.open_sequence(self.state, np.array([seq], np.int32), blk, st,
                                                 ln, np.array([p], np.int32), config=CFG)
     assert int(status[0]) == 0
     k, v = (self.kv[src][0][:num_shared], self.kv[src][1][:num_shared]) if src is not None else (
@@ -68,7 +68,7 @@ class _Pool:
 
   def append(self, seq, n):
     """Caches `n` random tokens of K/V (every layer) for `seq`."""
-    self.state, (slots, status) = segments.reserve_tokens(
+    self.state, (slots, status) = sequences.reserve_tokens(
         self.state, np.array([seq], np.int32), np.array([n], np.int32), config=CFG,
         max_new_tokens=16)
     assert int(status[0]) == 0
@@ -102,7 +102,7 @@ def _mixed_step(rng, *, decode_only=False):
     # prefix (2), and from nothing (4).
     rows = [(0, [1]), (3, [1]), (1, [1] * 5), (2, [1] * 3), (4, [1] * 7)]
     plan = StepPlan.build(rows, num_rows=6, max_query_len=8)
-  state, (slot_idx, status) = segments.reserve_tokens(
+  state, (slot_idx, status) = sequences.reserve_tokens(
       pool.state, plan.seq_ids, plan.num_new, config=CFG, max_new_tokens=plan.max_query_len)
   np.testing.assert_array_equal(status, 0)
   pool.state = state

@@ -12,7 +12,7 @@ from flax import nnx
 import pytest
 
 import paged_kv
-from paged_kv.core import segments
+from paged_kv.core import sequences
 from paged_kv.model import PagedAttention, StepMetadata, StepPlan, apply_rope
 
 D_MODEL, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 4, 2, 8
@@ -21,7 +21,7 @@ CFG = paged_kv.PoolConfig(num_blocks=16, block_size=4, num_layers=2, num_kv_head
 
 
 def _meta(state, plan):
-  state, (slot_idx, status) = segments.reserve_tokens(
+  state, (slot_idx, status) = sequences.reserve_tokens(
       state, plan.seq_ids, plan.num_new, config=CFG, max_new_tokens=plan.max_query_len)
   np.testing.assert_array_equal(status, 0)
   return state, StepMetadata.from_plan(plan, state.table, np.asarray(slot_idx))
@@ -54,7 +54,7 @@ class PagedAttentionLayerTest(chex.TestCase):
             rng.standard_normal((9, D_MODEL)).astype(np.float32)]
     state = paged_kv.init_pool(CFG)
     z = jnp.zeros((2, 1), jnp.int32)
-    state, _ = segments.open_sequence(state, jnp.array([0, 1], jnp.int32), z, z, z,
+    state, _ = sequences.open_sequence(state, jnp.array([0, 1], jnp.int32), z, z, z,
                                       jnp.zeros((2,), jnp.int32), config=CFG)
     # Step 1: prefill 6 and 5 tokens. Step 2: row 0 decodes token 6, row 1 adds 4 tokens.
     steps = [[(0, 0, 6), (1, 0, 5)], [(0, 6, 7), (1, 5, 9)]]

@@ -12,7 +12,7 @@ import numpy as np
 from absl.testing import absltest
 
 import paged_kv
-from paged_kv.core import segments
+from paged_kv.core import sequences
 from paged_kv.core.errors import InvalidArgument, Status
 from paged_kv.model import StepMetadata, StepPlan, metadata
 
@@ -26,10 +26,10 @@ def _pool_with_history():
   """Rows 0..3 open; rows 0 and 1 hold 5 and 3 cached tokens, rows 2 and 3 none."""
   state = paged_kv.init_pool(CFG)
   z = jnp.zeros((4, 1), jnp.int32)
-  state, status = segments.open_sequence(state, jnp.arange(4, dtype=jnp.int32), z, z, z,
+  state, status = sequences.open_sequence(state, jnp.arange(4, dtype=jnp.int32), z, z, z,
                                          jnp.zeros((4,), jnp.int32), config=CFG)
   np.testing.assert_array_equal(status, 0)
-  state, (_, status) = segments.reserve_tokens(state, jnp.array([0, 1, -1, -1], jnp.int32),
+  state, (_, status) = sequences.reserve_tokens(state, jnp.array([0, 1, -1, -1], jnp.int32),
                                                jnp.array([5, 3, 0, 0], jnp.int32), config=CFG,
                                                max_new_tokens=8)
   np.testing.assert_array_equal(status, 0)
@@ -48,7 +48,7 @@ def _with_reserved(plan, slot_idx, status):
 
 
 def _reserve(state, plan):
-  state, (slot_idx, status) = segments.reserve_tokens(
+  state, (slot_idx, status) = sequences.reserve_tokens(
       state, plan.seq_ids, plan.num_new, config=CFG, max_new_tokens=plan.max_query_len)
   return state, slot_idx, status
 

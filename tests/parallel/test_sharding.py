@@ -338,7 +338,7 @@ def check_explicit_mesh(ctx) -> None:
 def check_staged_resize(ctx) -> None:
   """A staged resize (through host memory, one layer at a time) keeps the pages split
   over heads and equals the one-device device-path resize bit for bit."""
-  from paged_kv.core import regions, resize  # pylint: disable=g-import-not-at-top
+  from paged_kv.core import regions, resize# pylint: disable=g-import-not-at-top
   one, tp, mesh = ctx["one"], ctx["tp"], ctx["mesh"]
   held = np.flatnonzero(np.asarray(one["compacted"].meta.ref_count))
   cut = max(int(held.max()) + 1, CONFIG.num_base_blocks + 1)

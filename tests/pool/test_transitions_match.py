@@ -24,7 +24,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 import pytest
 
-from paged_kv.core import alloc, compact, regions, segments, slots
+from paged_kv.core import alloc, compact, regions, sequences, slots
 from paged_kv.core.commit import commit
 from paged_kv.core.config import PoolConfig
 from paged_kv.core.state import REGION_BASE, REGION_DYNAMIC, KVPages, init_pool
@@ -103,7 +103,7 @@ class _Run:
           nums[i] = k
           if rng.random() < 0.05 and k:
             grid[2, i, 0] += 2  # onto unwritten slots
-      self.D, st = segments.open_sequence(self.D, ids.astype(np.int32), grid[0], grid[1],
+      self.D, st = sequences.open_sequence(self.D, ids.astype(np.int32), grid[0], grid[1],
                                           grid[2], nums, config=cfg, atomic=True)
       return st, T.open_rows(H, ids.astype(np.int64), grid[0], grid[1], grid[2],
                              nums.astype(np.int64))
@@ -111,7 +111,7 @@ class _Run:
       ids = self.rows(int(rng.integers(1, 4)), active=True)
       cnt = rng.integers(0, 9, size=len(ids))
       atomic = bool(rng.random() < 0.5)
-      self.D, (si, st) = segments.reserve_tokens(self.D, ids.astype(np.int32),
+      self.D, (si, st) = sequences.reserve_tokens(self.D, ids.astype(np.int32),
                                                  cnt.astype(np.int32), config=cfg,
                                                  max_new_tokens=8, atomic=atomic)
       hsi, hs = T.reserve(H, ids, cnt, max_new_tokens=8, atomic=atomic)
@@ -126,7 +126,7 @@ class _Run:
         ids[-2] = rng.integers(-1, s + 1)
       ids = rng.permutation(ids)
       cnt = np.where(rng.random(ids.size) < 0.85, 1, rng.integers(0, 3, ids.size))
-      self.D, (si, st) = segments.reserve_tokens(self.D, ids.astype(np.int32),
+      self.D, (si, st) = sequences.reserve_tokens(self.D, ids.astype(np.int32),
                                                  cnt.astype(np.int32), config=cfg,
                                                  max_new_tokens=2, atomic=False)
       hsi, hs = T.reserve(H, ids, cnt, max_new_tokens=2, atomic=False)
@@ -134,7 +134,7 @@ class _Run:
       return st, hs
     if name == "release":
       ids = self.rows(int(rng.integers(1, 3)), active=True)
-      self.D, st = segments.release(self.D, ids.astype(np.int32), config=cfg, atomic=True)
+      self.D, st = sequences.release(self.D, ids.astype(np.int32), config=cfg, atomic=True)
       return st, T.release(H, ids, atomic=True)
     if name in ("deltas", "rwr"):
       live = np.flatnonzero(H.ref_count > 0)
@@ -148,7 +148,7 @@ class _Run:
                                             config=cfg)
         return st, T.apply_ref_deltas(H, blk, d)
       ids = self.rows(int(rng.integers(1, 3)), active=True)
-      self.D, (st, rs) = segments.release_with_refs(self.D, ids.astype(np.int32),
+      self.D, (st, rs) = sequences.release_with_refs(self.D, ids.astype(np.int32),
                                                     blk.astype(np.int32), d.astype(np.int32),
                                                     config=cfg)
       hs, hrs = T.release_with_refs(H, ids, blk, d)
@@ -156,7 +156,7 @@ class _Run:
       return st, hs
     if name == "fork":
       src, dst = self.rows(1, active=True), self.rows(1, active=False)
-      self.D, st = segments.fork(self.D, src.astype(np.int32), dst.astype(np.int32), config=cfg,
+      self.D, st = sequences.fork(self.D, src.astype(np.int32), dst.astype(np.int32), config=cfg,
                                  atomic=True)
       return st, T.fork(H, src, dst)
     if name == "cow":

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 import paged_kv
-from paged_kv.core import growth, kv, segments
+from paged_kv.core import growth, kv, sequences
 from paged_kv.core.errors import Status
 from paged_kv.model import metadata
 
@@ -139,7 +139,7 @@ class TaggingExecutor:
       ragged[:int(live.sum())] = tokens[live]  # the live rows' tokens, in row order
       step_plan = dataclasses.replace(plan, seq_ids=np.where(live, seq_ids, -1).astype(np.int32),
                                       num_new=live.astype(np.int32), tokens=ragged)
-      state, (slot_idx, status) = segments.reserve_tokens(
+      state, (slot_idx, status) = sequences.reserve_tokens(
           state, step_plan.seq_ids, step_plan.num_new, config=self.config, max_new_tokens=1)
       step_plan = dataclasses.replace(step_plan, reserved=metadata.reserved_slots(
           step_plan, np.asarray(slot_idx), np.asarray(status)))
@@ -226,7 +226,7 @@ def check_clear_slots_zero(pool: paged_kv.BlockPool) -> None:
   """Scrubbing: every slot not handed out (bit clear; all of a free block) holds zeros."""
   c = pool.config
   meta = jax.tree.map(np.asarray, pool.state.meta)
-  bits = np.asarray(segments.slot_bits(pool.state.meta.slots, c.block_size))  # [N, bs]
+  bits = np.asarray(sequences.slot_bits(pool.state.meta.slots, c.block_size))  # [N, bs]
   bits = bits & (meta.ref_count > 0)[:, None]
   for name, pages in (("k", pool.state.pages.k), ("v", pool.state.pages.v)):
     p = np.asarray(pages)  # [L, H, N, bs, D]

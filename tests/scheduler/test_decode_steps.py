@@ -19,7 +19,7 @@ from absl.testing import absltest, parameterized
 from flax import nnx
 
 import paged_kv
-from paged_kv.core import segments
+from paged_kv.core import sequences
 from paged_kv.core.errors import Status
 from paged_kv.model import StepPlan, llama, multistep, steps
 from paged_kv.model.plan import CarriedTokens
@@ -230,7 +230,7 @@ class _ReservingStep:
   (`DryExecutor.step` reads a host reservation instead)."""
 
   def step(self, state, plan):
-    state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
+    state, (_, status) = sequences.reserve_tokens(state, plan.seq_ids, plan.num_new,
                                                  config=POOL, max_new_tokens=plan.max_query_len)
     return state, np.zeros(plan.seq_ids.shape, np.int32), status
 
@@ -263,7 +263,7 @@ class PureFunctionsTest(chex.TestCase):
     failed = np.zeros((B,), bool)
     for j in range(4):
       ids = np.where((SEQ_IDS >= 0) & ~failed, SEQ_IDS, -1).astype(np.int32)
-      want, (_, st) = segments.reserve_tokens(want, ids, np.ones((B,), np.int32), config=POOL,
+      want, (_, st) = sequences.reserve_tokens(want, ids, np.ones((B,), np.int32), config=POOL,
                                               max_new_tokens=1)
       np.testing.assert_array_equal(status[j], st)
       failed |= (ids >= 0) & (np.asarray(st) != 0)

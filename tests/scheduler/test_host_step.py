@@ -32,7 +32,7 @@ import numpy as np
 from absl.testing import absltest
 
 import paged_kv
-from paged_kv.core import compact, segments
+from paged_kv.core import compact, sequences
 from paged_kv.core.errors import InternalInconsistency
 from paged_kv.pool import host_transitions as transitions
 from paged_kv.pool import step_reservation
@@ -340,7 +340,7 @@ class _ReservingAgain(DryExecutor):
   """Breaks the contract: reserves the plan's slots again inside its step."""
 
   def step(self, state, plan):
-    state, (_, status) = segments.reserve_tokens(state, plan.seq_ids, plan.num_new,
+    state, (_, status) = sequences.reserve_tokens(state, plan.seq_ids, plan.num_new,
                                                  config=self.config,
                                                  max_new_tokens=plan.max_query_len)
     return state, np.zeros(plan.seq_ids.shape, np.int32), status

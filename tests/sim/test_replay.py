@@ -1,4 +1,4 @@
-"""Tests of the simulated replay: paged_kv.sim.host_pool and paged_kv.sim.replay."""
+"""Tests of the simulated replay: paged_kv.sim.block_accounting and paged_kv.sim.replay."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from paged_kv.sim import traces
-from paged_kv.sim.host_pool import HostBlockPool
+from paged_kv.sim.block_accounting import BlockAccounting
 from paged_kv.sim.replay import (ReplayConfig, ReplayResult, SimState, replay_sim,
                                      serve_request)
 from paged_kv.sim.traces import TraceRequest
 from tests.sim.trace_files import BLOCK, session_trace, tmp_file, write_azure, write_mooncake
 
 
-class HostBlockPoolTest(absltest.TestCase):
+class BlockAccountingTest(absltest.TestCase):
 
   def test_lowest_address_first_and_reuse(self):
-    pool = HostBlockPool(8, 16)
+    pool = BlockAccounting(8, 16)
     np.testing.assert_array_equal(pool.allocate(3), [0, 1, 2])
     np.testing.assert_array_equal(pool.allocate(2), [3, 4])
     pool.change_refs(np.array([1, 3]), -1)
@@ -25,7 +25,7 @@ class HostBlockPoolTest(absltest.TestCase):
     self.assertEqual(pool.peak_used, 6)
 
   def test_refs_free_only_at_zero(self):
-    pool = HostBlockPool(4, 16)
+    pool = BlockAccounting(4, 16)
     ids = pool.allocate(2)
     pool.change_refs(np.array([ids[0], ids[0]]), 1)  # repeats add up
     self.assertEqual(int(pool.ref_count[ids[0]]), 3)
@@ -37,16 +37,16 @@ class HostBlockPoolTest(absltest.TestCase):
       pool.change_refs(np.array([ids[0]]), -1)
 
   def test_limited_and_unlimited(self):
-    limited = HostBlockPool(4, 16)
+    limited = BlockAccounting(4, 16)
     self.assertIsNone(limited.allocate(5))
     self.assertEqual(limited.num_free, 4)
-    unlimited = HostBlockPool(None, 16)
+    unlimited = BlockAccounting(None, 16)
     ids = unlimited.allocate(70_000)
     self.assertLen(np.unique(ids), 70_000)
     self.assertGreaterEqual(unlimited.num_blocks, 70_000)
 
   def test_fresh_segments(self):
-    pool = HostBlockPool(8, 16)
+    pool = BlockAccounting(8, 16)
     segs = pool.fresh_segments(40)
     np.testing.assert_array_equal(segs, [[0, 0, 16], [1, 0, 16], [2, 0, 8]])
     self.assertEqual(pool.fresh_segments(0).shape, (0, 3))

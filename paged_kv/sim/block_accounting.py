@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HostBlockPool"]
+__all__ = ["BlockAccounting"]
 
 
-class HostBlockPool:
+class BlockAccounting:
   """Host block accounting: ref counts, lowest-address-first allocation.
 
   ``ref_count[b]`` counts segment references (sequences + cache); a block is free iff
