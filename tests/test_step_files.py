@@ -1,4 +1,4 @@
-"""`tools/step_files.py`: the files one steady decode step runs, by side."""
+"""`tools/step_files.py`: the files one steady decode step runs, by side and data path."""
 
 from __future__ import annotations
 
@@ -25,3 +25,8 @@ def test_step_files_splits_host_and_traced_files():
   assert "pallas_kernels/decode_attention.py" in traced  # the decode kernel runs in jit
   assert "pallas_kernels/decode_attention.py" not in host  # a warm step traces nothing
   assert not set(host) & set(traced)
+  data = set(files["data_path"])
+  assert {"paged_kv/scheduler/forward_pass.py", "paged_kv/scheduler/finishing.py",
+          "pallas_kernels/decode_attention.py"} <= data
+  assert "paged_kv/scheduler/admission.py" not in data  # policy, not the step's data
+  assert data <= set(host) | set(traced)
