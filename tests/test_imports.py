@@ -102,7 +102,7 @@ class ImportTest(absltest.TestCase):
 
   @pytest.mark.slow
   def test_nothing_imports_examples(self):
-    # (tests/examples/load_script loads a script by path for a test of its logic.)
+    # (tests/scripts.load_script loads a script by path for a test of its logic.)
     scripts = {p.stem for p in (_ROOT / "examples").glob("*.py")}
     benchmarks = {p.stem for p in (_ROOT / "benchmarks").glob("*.py")} - {
         "__init__", "shared_flags", "records"}

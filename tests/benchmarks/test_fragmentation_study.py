@@ -13,7 +13,7 @@ from absl import flags
 from absl.testing import absltest, parameterized
 import numpy as np
 
-from tests.examples import load_script
+from tests.scripts import load_script
 
 fs = load_script("benchmarks/fragmentation_study.py")
 
