@@ -43,6 +43,17 @@ class _Admission(NamedTuple):
   forked: bool = False  # the segments are its first request's (`parallel_sampling`)
 
 
+def _tail_copies(host, admits: list[_Admission], rows) -> int:
+  """The admitted rows that opened on a copy of their prefix's partial tail (a
+  continued turn's, or a fork's): their last segment is in another block."""
+  copies = 0
+  for a, row in zip(admits, rows):
+    k = len(a.segments)
+    if k and int(host.block[row, k - 1]) != int(a.segments[k - 1, 0]):
+      copies += 1
+  return copies
+
+
 class Admission:
   """Admits queued requests into pool rows (see the module docstring)."""
 
@@ -194,6 +205,7 @@ class Admission:
       forks = [int(seq) for a, seq in zip(admits, seqs) if a.forked]
       if forks:  # copy-on-write of the shared partial tails (no block: a fresh one later)
         self.pool.cow_split(forks, skip_exhausted=True)
+      self.stats.cow_splits += _tail_copies(self.pool.host, admits, seqs)
     except PagedKVError:
       for a in admits:
         if a.node is not None:

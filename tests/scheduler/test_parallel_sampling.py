@@ -98,6 +98,7 @@ class ParallelSamplingTest(absltest.TestCase):
     np.testing.assert_array_equal(h.ref_count[shared], [3, 3])
     tails = [int(h.block[row, 2]) for row in rows]
     self.assertEqual(len(set(tails)), 3)  # the partial tail: each its own copy
+    self.assertEqual(sched.stats.cow_splits, 2)  # the two samples' copies
     np.testing.assert_array_equal(h.ref_count[tails], [1, 1, 1])
     self._run(sched, [])
     self.assertEqual(sched.pool.num_free_blocks, total)

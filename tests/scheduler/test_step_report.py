@@ -160,6 +160,33 @@ class StepReportTest(absltest.TestCase):
     self.assertEqual([a.metric for a in sched.alerts], [m for _, m in fired])
 
 
+class CowSplitsTest(absltest.TestCase):
+  """`stats.cow_splits` counts the rows that opened on a copy of a shared partial tail."""
+
+  def test_a_continued_turn_copies_the_cached_partial_tail_once(self):
+    cfg = paged_kv.PoolConfig(num_blocks=32, block_size=8, num_layers=1, num_kv_heads=1,
+                              head_dim=2, max_seqs=4, max_segments=16)
+    reports = []
+    sched = Scheduler(paged_kv.BlockPool(cfg), DryExecutor(cfg),
+                      SchedulerConfig(max_batch=4, prefill_chunk=16, prefill_token_budget=32,
+                                      compaction=None), on_step=reports.append)
+    first = Request("a", list(range(1, 22)), 3)  # 24 tokens cached: 2 blocks + 7 in a third
+    sched.submit(first)
+    sched.run()
+    self.assertEqual(sched.stats.cow_splits, 0)
+    full = Request("b", list(range(1, 17)), 2)  # only whole cached blocks: nothing to copy
+    sched.submit(full)
+    sched.run()
+    self.assertEqual(sched.stats.cow_splits, 0)
+    turn = Request("c", list(range(1, 22)) + list(first.output) + [5, 6], 3)
+    sched.submit(turn)
+    sched.run()
+    self.assertEqual(turn.hit_tokens, 23)  # its prefix ends in the cached partial tail
+    self.assertEqual(sched.stats.cow_splits, 1)
+    self.assertEqual(reports[-1].stats.cow_splits, 1)
+    sched.check_invariants()
+
+
 @pytest.mark.slow
 class NoPerBlockHostReadsTest(absltest.TestCase):
   """A scheduler step copies nothing of per-block size to the host (issue L)."""
