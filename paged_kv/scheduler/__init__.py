@@ -17,5 +17,4 @@ from paged_kv.scheduler.swap import SwappedKV, swap_in, swap_out
 __all__ = ["DryExecutor", "Executor", "ModelExecutor", "Phase", "Request", "SampleId",
            "SamplingParams", "Scheduler", "SchedulerBroken", "SchedulerConfig",
            "SchedulerStalled", "SchedulerStats", "StepReport", "SwappedKV", "UnknownRequest",
-           "attach_state",
-           "attached_state", "swap_in", "swap_out"]
+           "attach_state", "attached_state", "swap_in", "swap_out"]
