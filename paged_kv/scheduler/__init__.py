@@ -6,7 +6,7 @@ side; `request`, `sampling_params`, `parallel_sampling`, `stop_strings` and
 """
 
 from paged_kv.scheduler.executor import (DryExecutor, Executor, ModelExecutor, attach_state,
-                                         attached_state)
+                                         attached_state, reserved_growth)
 from paged_kv.scheduler.parallel_sampling import SampleId
 from paged_kv.scheduler.sampling_params import SamplingParams
 from paged_kv.scheduler.scheduler import (Phase, Request, Scheduler, SchedulerBroken,
@@ -17,4 +17,4 @@ from paged_kv.scheduler.swap import SwappedKV, swap_in, swap_out
 __all__ = ["DryExecutor", "Executor", "ModelExecutor", "Phase", "Request", "SampleId",
            "SamplingParams", "Scheduler", "SchedulerBroken", "SchedulerConfig",
            "SchedulerStalled", "SchedulerStats", "StepReport", "SwappedKV", "UnknownRequest",
-           "attach_state", "attached_state", "swap_in", "swap_out"]
+           "attach_state", "attached_state", "reserved_growth", "swap_in", "swap_out"]

@@ -4,8 +4,8 @@
 next_tokens i32[B], status i32[B])` runs row i of a `paged_kv.model.StepPlan` (prefill
 chunks and decodes together) on the slots the host reserved and committed for it,
 `plan.reserved` (`BlockPool.reserve_step`; the step first grows rows in place by
-`reserved.grow`, and never reserves itself), caches its new tokens and samples the
-token after its last; `status` is `plan.reserved.status`, and a row whose
+`reserved.grow` with `reserved_growth`, and never reserves itself), caches its new
+tokens and samples the token after its last; `status` is `plan.reserved.status`, and a row whose
 reservation failed is left untouched (its token means nothing). `DryExecutor` only
 applies the growth (trace replay, scheduler tests); `ModelExecutor` runs a Flax NNX
 model through its bound jitted steps (`paged_kv.model.steps.bind`). This module
@@ -39,7 +39,7 @@ refuse further use (`SchedulerBroken`).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import jax
 import numpy as np
@@ -102,13 +102,13 @@ class DryExecutor:
   def __init__(self, config: PoolConfig):
     self.config = config
     self._decode_steps = _reserve_steps_program(config)
-    self._grow = _grow_program(config)
+    self._grow = reserved_growth(config)
 
   def resize(self, config: PoolConfig) -> None:
     """Follows a pool resize: later steps run at `config`'s shapes."""
     self.config = check_resized(self.config, config)
     self._decode_steps = _reserve_steps_program(self.config)
-    self._grow = _grow_program(self.config)
+    self._grow = reserved_growth(self.config)
 
   def step(self, state: PoolState,
            plan: StepPlan) -> tuple[PoolState, np.ndarray, np.ndarray]:
@@ -117,9 +117,7 @@ class DryExecutor:
     if reserved is None:
       raise InvalidArgument("DryExecutor.step reads the host's reservation: plan.reserved "
                             "is None (BlockPool.reserve_step)")
-    if reserved.grow is not None:  # the commit holds all but the in-place growth
-      state = self._grow(state, plan.seq_ids, reserved.grow.tokens, reserved.grow.clock)
-    return state, np.zeros(plan.seq_ids.shape, np.int32), reserved.status
+    return self._grow(state, plan), np.zeros(plan.seq_ids.shape, np.int32), reserved.status
 
   def decode_steps(self, state: PoolState, plan: StepPlan, remaining, *,
                    num_steps: int) -> tuple[PoolState, np.ndarray, Any]:
@@ -131,13 +129,24 @@ class DryExecutor:
     return state, np.zeros((num_steps, plan.num_rows), np.int32), status
 
 
-def _grow_program(config: PoolConfig):
-  """`growth.grow_tails` jitted for `config` (the state donated)."""
+def reserved_growth(config: PoolConfig) -> Callable[[PoolState, StepPlan], PoolState]:
+  """What an executor's step does first: `apply(state, plan)` grows the rows that
+  `plan.reserved.grow` names in place (the commit holds the rest of the reservation),
+  `growth.grow_tails` jitted for `config` with the state donated. Build it once per
+  config, not per step."""
 
   def run(state, seq_ids, grow, clock):
     return growth.grow_tails(state, seq_ids, grow, clock, config=config)
 
-  return jax.jit(run, donate_argnums=0)
+  program = jax.jit(run, donate_argnums=0)
+
+  def apply(state: PoolState, plan: StepPlan) -> PoolState:
+    grow = plan.reserved.grow
+    if grow is None:
+      return state
+    return program(state, plan.seq_ids, grow.tokens, grow.clock)
+
+  return apply
 
 
 def _reserve_steps_program(config: PoolConfig):

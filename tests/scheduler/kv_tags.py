@@ -20,16 +20,16 @@ clear, or a free block) holds zeros, which scrubbing guarantees.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Hashable
 
 import jax
 import numpy as np
 
 import paged_kv
-from paged_kv.core import growth, kv, sequences
+from paged_kv.core import kv, sequences
 from paged_kv.core.errors import Status
 from paged_kv.model import metadata
+from paged_kv.scheduler.executor import reserved_growth
 
 TAG_DIM = 4  # head_dim of the pools these helpers serve
 TOKENS_PER_TENANT = 1000
@@ -71,6 +71,7 @@ class TaggingExecutor:
     self.steps = 0
     self.tokens_written = 0
     self.multi_steps = 0  # `decode_steps` calls
+    self._grow = reserved_growth(config)
 
   def step(self, state, plan):
     """Writes the tags into the host's reservation (`plan.reserved`, the in-place
@@ -80,8 +81,7 @@ class TaggingExecutor:
     num_new = np.asarray(plan.num_new)
     tokens = np.asarray(plan.tokens)
     reserved = plan.reserved
-    if reserved.grow is not None:
-      state = _grow_program(c)(state, plan.seq_ids, reserved.grow.tokens, reserved.grow.clock)
+    state = self._grow(state, plan)
     mapping, status = np.asarray(reserved.slot_mapping), np.asarray(reserved.status)
     # Each row's first new position: its length less what this step reserved.
     base = np.asarray(state.table.seq_len)[np.clip(seq_ids, 0, c.max_seqs - 1)]
@@ -150,12 +150,6 @@ class TaggingExecutor:
       stopped |= live & (status != Status.OK)
       tokens = np.where(live & (status == Status.OK), nxt, tokens).astype(np.int32)
     return state, out, statuses
-
-
-@functools.lru_cache(maxsize=8)
-def _grow_program(config: paged_kv.PoolConfig):
-  """`growth.grow_tails` jitted for `config`, the state donated."""
-  return jax.jit(functools.partial(growth.grow_tails, config=config), donate_argnums=0)
 
 
 def _segment_slots(segs: np.ndarray, block_size: int) -> np.ndarray:
