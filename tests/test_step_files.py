@@ -30,3 +30,12 @@ def test_step_files_splits_host_and_traced_files():
           "pallas_kernels/decode_attention.py"} <= data
   assert "paged_kv/scheduler/admission.py" not in data  # policy, not the step's data
   assert data <= set(host) | set(traced)
+  stages = files["stages"]
+  assert set(stages) == {"plan", "kernel", "tokens", "bookkeeping"}
+  chains = [c for cs in stages.values() for c in cs]
+  assert all(c[0] == "paged_kv/scheduler/scheduler.py" for c in chains)  # from the step
+  assert any(c[-1] == "pallas_kernels/decode_attention.py" for c in stages["kernel"])
+  spine = set(files["spine"])
+  assert spine == {f for c in chains for f in c}
+  assert spine - {"paged_kv/scheduler/scheduler.py"} <= data  # a chain of the data path
+  assert len(files["hops"]) >= len(spine) - 1  # the chains connect every spine file
