@@ -1,4 +1,5 @@
-"""`tools/step_files.py`: the files one steady decode step runs, by side and data path."""
+"""`tools/step_files.py`: the files one steady decode step runs (by side, data path and
+spine), and the layout drafts it recounts (`docs/layout_drafts/`)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ def test_step_files_splits_host_and_traced_files():
   assert spine == {f for c in chains for f in c}
   assert spine - {"paged_kv/scheduler/scheduler.py"} <= data  # a chain of the data path
   assert len(files["hops"]) >= len(spine) - 1  # the chains connect every spine file
+
+
+@pytest.mark.parametrize("draft", sorted((_ROOT / "docs" / "layout_drafts").glob("*.json")),
+                         ids=lambda p: p.stem)
+def test_layout_drafts_move_files_that_exist(draft):
+  moved = json.loads(draft.read_text())
+  assert moved
+  for old in moved:
+    assert (_ROOT / old).is_file(), f"{draft.name}: {old} is not a file of the tree"

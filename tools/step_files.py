@@ -120,6 +120,12 @@ def _profile_step(sched: Scheduler, spine: dict[str, set] | None = None
   return calls, data
 
 
+def _short(path: str) -> str:
+  """`folder/stem` of a library file, as the spine prints it."""
+  p = pathlib.Path(path)
+  return f"{p.parent.name}/{p.stem}"
+
+
 def _merged(chain: tuple[str, ...]) -> tuple[str, ...]:
   """`chain` with consecutive repeats merged."""
   return tuple(f for i, f in enumerate(chain) if i == 0 or chain[i - 1] != f)
@@ -176,7 +182,7 @@ def main() -> None:
   print("\nThe spine (the chain of files from the step to each stage):")
   for stage in LANDMARKS:
     for c in sorted(chains.get(stage, ())):
-      print(f"  {stage:12s} {' -> '.join(pathlib.Path(f).stem for f in c)}")
+      print(f"  {stage:12s} {' -> '.join(_short(f) for f in c)}")
   print(f"{len(spine)} files on the spine, {len(hops)} hops between them.")
 
 
