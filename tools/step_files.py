@@ -67,17 +67,14 @@ def _serving_loop(batch: int) -> Scheduler:
   return sched
 
 
-def _chain(frame, prefixes: tuple[str, ...]) -> list[str]:
+def _chain(frame, prefixes: tuple[str, ...]) -> tuple[str, ...]:
   """The library files on `frame`'s stack, outermost first, repeats merged."""
   files: list[str] = []
   while frame is not None:
-    f = frame.f_code.co_filename
-    if f.startswith(prefixes):
-      name = str(pathlib.Path(f).relative_to(ROOT))
-      if not files or files[-1] != name:
-        files.append(name)
+    if frame.f_code.co_filename.startswith(prefixes):
+      files.append(str(pathlib.Path(frame.f_code.co_filename).relative_to(ROOT)))
     frame = frame.f_back
-  return files[::-1]
+  return _merged(tuple(reversed(files)))
 
 
 def _profile_step(sched: Scheduler, spine: dict[str, set] | None = None
@@ -105,7 +102,7 @@ def _profile_step(sched: Scheduler, spine: dict[str, set] | None = None
     if spine is not None:
       stage = marks.get((pathlib.Path(code.co_filename).name, code.co_qualname))
       if stage is not None:
-        spine.setdefault(stage, set()).add(tuple(_chain(frame, prefixes)))
+        spine.setdefault(stage, set()).add(_chain(frame, prefixes))
     if code.co_filename.startswith(prefixes):
       name = str(pathlib.Path(code.co_filename).relative_to(ROOT))
       calls[name] += 1
